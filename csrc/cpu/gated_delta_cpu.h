@@ -1,0 +1,39 @@
+// CPU kernels of the core gated-delta recurrence (API.md section 1).
+#pragma once
+
+#include <cstdint>
+
+#include "gated_delta/params.h"
+
+namespace mlx_gated_delta::cpu {
+
+// Where the kernel reads and writes. q, k, v and y are addressed by
+// (batch, token, head) through explicit strides in elements, so a caller can
+// point q/k/v into a packed per-token buffer (the fused segment does) without
+// a copy; the innermost (head dim) stride is always 1.
+template <typename T>
+struct CoreBuffers {
+  const T* q;
+  const T* k;
+  const T* v;
+  int64_t qk_batch_stride;  // between batch rows of q and of k
+  int64_t qk_token_stride;  // between tokens of q and of k
+  int64_t v_batch_stride;
+  int64_t v_token_stride;
+  const float* g;      // [B, T, Hv], log-space decay
+  const float* beta;   // [B, T, Hv]
+  const bool* mask;    // [B, T] or nullptr
+  const float* state_in;  // [B, Hv, Dv, Dk] or nullptr for zeros
+  T* y;                   // [B, T, Hv, Dv], contiguous
+  float* state_out;       // [B, Hv, Dv, Dk]; may alias nothing it reads
+};
+
+// Runs the whole recurrence for every (batch row, value head), threaded over
+// those pairs. `algorithm` must be Recurrent or Chunked (resolve Auto first).
+template <typename T>
+void gated_delta_forward(
+    const GatedDeltaParams& params,
+    Algorithm algorithm,
+    const CoreBuffers<T>& buffers);
+
+}  // namespace mlx_gated_delta::cpu
