@@ -1,0 +1,180 @@
+"""The registry of numerical contracts: every tolerance the tests hold.
+
+A contract is an id `<area>.<op>.v<N>.<dtype>.<tensor>` (the dtype is the one of
+the compared tensor), a metric, a threshold and the layout of the compared
+tensor. Its fingerprint is the sha256 of its canonical text, and a test names
+both id and fingerprint: changing a threshold here without a new id (visible in
+review) makes every test that relied on the old one fail.
+
+Metrics:
+- `max_abs`: the largest |actual - expected|.
+- `max_rel`: the largest |actual - expected| divided by the largest |expected|
+  of the same batch row and head (API.md's accuracy measure). A group whose
+  expected values are all zero (a fully masked row) is divided by 1, which
+  turns the check into an absolute one against the O(1) data of the tests.
+- `norm_ratio`: ||actual - expected||_2 / ||expected||_2 over the whole tensor.
+
+Layouts name the axes, so `max_rel` knows which axes are the batch row (B) and
+the head (H): `[B,T,H,D]` for y, `[B,H,Dv,Dk]` for the recurrent state.
+"""
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlx_gated_delta.reference import to_float64
+
+METRICS = ("max_abs", "max_rel", "norm_ratio")
+LAYOUTS = ("[B,T,H,D]", "[B,H,Dv,Dk]")
+
+
+@dataclass(frozen=True)
+class Contract:
+    id: str
+    metric: str
+    threshold: float
+    layout: str
+
+    @property
+    def canonical_text(self):
+        return f"{self.id}|{self.metric}|{self.threshold!r}|{self.layout}"
+
+    @property
+    def fingerprint(self):
+        return hashlib.sha256(self.canonical_text.encode()).hexdigest()
+
+    def group_axes(self):
+        """The axes of the batch row and the head in this layout."""
+        axes = self.layout.strip("[]").split(",")
+        return (axes.index("B"), axes.index("H"))
+
+
+# The float32 accuracy of every algorithm (API.md section 1). The recurrence is
+# a contraction for beta in [0, 1] and |k| <= 1, so float32 rounding (2^-24 per
+# operation) does not grow exponentially; over the few hundred tokens and
+# 128-long dot products of the tests it stays near 1e-6, and the contract
+# leaves headroom for longer sequences and reordered (chunked) sums.
+_FLOAT32_RELATIVE = 1e-4
+# float16 and bfloat16: the oracle sees the inputs already rounded to the dtype
+# and the kernels compute in float32, so the extra error is the final rounding
+# of y to the dtype, at most half an ulp: 2^-11 (float16, 10 mantissa bits) or
+# 2^-8 (bfloat16, 7 mantissa bits) of the value, and so of the group's largest
+# magnitude; plus the float32 contract above.
+_FLOAT16_RELATIVE = 6e-4  # 2^-11 = 4.9e-4, + 1e-4
+_BFLOAT16_RELATIVE = 4e-3  # 2^-8 = 3.9e-3, + 1e-4
+# Two float32 computations that each meet the 1e-4 contract against the exact
+# result differ from each other by at most the sum.
+_TWO_FLOAT32_RELATIVE = 2e-4
+
+_OUTPUT = "[B,T,H,D]"
+_STATE = "[B,H,Dv,Dk]"
+
+_CONTRACTS = (
+    # The core op against the float64 oracle, per algorithm and dtype of y.
+    Contract("core.recurrent.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("core.recurrent.v1.float16.output", "max_rel", _FLOAT16_RELATIVE, _OUTPUT),
+    Contract("core.recurrent.v1.bfloat16.output", "max_rel", _BFLOAT16_RELATIVE, _OUTPUT),
+    Contract("core.chunked.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("core.chunked.v1.float16.output", "max_rel", _FLOAT16_RELATIVE, _OUTPUT),
+    Contract("core.chunked.v1.bfloat16.output", "max_rel", _BFLOAT16_RELATIVE, _OUTPUT),
+    # The state is float32 whatever the activation dtype, and the oracle sees
+    # the rounded inputs, so the float32 contract holds for every dtype.
+    Contract("core.recurrent.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
+    Contract("core.chunked.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
+    # The two algorithms against each other, float32.
+    Contract("core.chunked_vs_recurrent.v1.float32.output", "max_rel", _TWO_FLOAT32_RELATIVE, _OUTPUT),
+    Contract("core.chunked_vs_recurrent.v1.float32.state", "max_rel", _TWO_FLOAT32_RELATIVE, _STATE),
+    # Split continuity, recurrent: each token is the same float32 arithmetic
+    # on the same float32 state whether the state was carried inside one call
+    # or passed between calls, so the results are bitwise identical (any dtype
+    # of y: the same float32 value rounds the same way).
+    Contract("core.recurrent_split.v1.any.output", "max_abs", 0.0, _OUTPUT),
+    Contract("core.recurrent_split.v1.float32.state", "max_abs", 0.0, _STATE),
+    # Split continuity, chunked (float32): a split moves the chunk boundaries,
+    # which reorders float32 sums; both sides still meet the 1e-4 contract, and
+    # a wrong state carry shows as an O(1) error, far above this.
+    Contract("core.chunked_split.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("core.chunked_split.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
+    # gated_delta_update against mx.fast.gated_delta_update in float32: MLX's
+    # op loop is the same recurrence in float32, so both are within 1e-4 of
+    # the exact result.
+    Contract("compat.gated_delta_update.v1.float32.output", "max_rel", _TWO_FLOAT32_RELATIVE, _OUTPUT),
+    Contract("compat.gated_delta_update.v1.float32.state", "max_rel", _TWO_FLOAT32_RELATIVE, _STATE),
+)
+
+# Checks of the oracle itself. A second float64 transcription of the same
+# recurrence (another loop order, a transposed state) differs only by float64
+# rounding: 2^-53 per operation over at most a few thousand operations.
+_REFERENCE_CONTRACTS = (
+    Contract("reference.transcription.v1.float64.output", "max_rel", 1e-12, _OUTPUT),
+    Contract("reference.transcription.v1.float64.state", "max_rel", 1e-12, _STATE),
+    # mx.fast.gated_delta_update is a float32 computation of the recurrence:
+    # the float32 contract of API.md against the exact result.
+    Contract("reference.mlx_fast.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("reference.mlx_fast.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
+)
+
+CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS}
+
+
+def assert_matches(name, actual, expected, contract_id, fingerprint):
+    """Fails unless `actual` meets contract `contract_id` against `expected`.
+
+    `fingerprint` is the one the test was reviewed against; it must equal the
+    registry's. On a violation the message gives the worst element: its index,
+    actual and expected values and the metric. Returns the metric's value.
+    """
+    contract = CONTRACTS.get(contract_id)
+    if contract is None:
+        raise AssertionError(f"{name}: no numerical contract {contract_id!r}")
+    if fingerprint != contract.fingerprint:
+        raise AssertionError(
+            f"{name}: contract {contract_id} has fingerprint "
+            f"{contract.fingerprint} ({contract.canonical_text}), the test was "
+            f"reviewed against {fingerprint}; a changed tolerance needs a new id"
+        )
+    actual = to_float64(actual)
+    expected = to_float64(expected)
+    if actual.shape != expected.shape:
+        raise AssertionError(
+            f"{name}: shape {actual.shape}, expected {expected.shape}"
+        )
+    if actual.size == 0:
+        return 0.0
+
+    # A NaN anywhere is the worst possible error, never a pass.
+    error = np.nan_to_num(np.abs(actual - expected), nan=np.inf)
+    magnitude = np.ones_like(error)
+    if contract.metric == "max_abs":
+        weighted = error
+        value = float(error.max())
+    elif contract.metric == "max_rel":
+        magnitude = _group_magnitude(np.abs(expected), contract.group_axes())
+        magnitude = np.broadcast_to(magnitude, error.shape)
+        weighted = error / magnitude
+        value = float(weighted.max())
+    elif contract.metric == "norm_ratio":
+        weighted = error
+        norm = float(np.linalg.norm(expected))
+        value = float(np.sqrt(np.sum(error * error))) / (norm if norm > 0 else 1.0)
+    else:
+        raise AssertionError(f"{name}: unknown metric {contract.metric!r}")
+
+    if not value <= contract.threshold:
+        worst = np.unravel_index(int(np.argmax(weighted)), error.shape)
+        worst = tuple(int(i) for i in worst)
+        raise AssertionError(
+            f"{name}: {contract_id} violated: {contract.metric} = {value:.3e} > "
+            f"{contract.threshold:.3e}; worst element at index {worst}: "
+            f"actual {float(actual[worst])!r}, expected {float(expected[worst])!r}, "
+            f"|error| {error[worst]:.3e}, group magnitude {magnitude[worst]:.3e}"
+        )
+    return value
+
+
+def _group_magnitude(magnitude, group_axes):
+    """Largest magnitude per (batch row, head), kept broadcastable; 1 if 0."""
+    reduced = tuple(a for a in range(magnitude.ndim) if a not in group_axes)
+    largest = magnitude.max(axis=reduced, keepdims=True)
+    return np.where(largest > 0, largest, 1.0)
