@@ -1,0 +1,180 @@
+// nanobind module mlx_gated_delta._ext. The Python package wraps these; see
+// mlx_gated_delta/ops.py for the documented entry points.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/variant.h>
+#include <nanobind/stl/vector.h>
+
+#include <stdexcept>
+
+#include "cpu/gated_delta_cpu.h"
+#include "gated_delta/params.h"
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
+#include "ops.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+using namespace mlx_gated_delta;
+
+namespace {
+
+GatedDeltaParams shape_params(
+    int batch, int tokens, int key_heads, int value_heads, int key_dim,
+    int value_dim) {
+  GatedDeltaParams p;
+  p.batch = batch;
+  p.tokens = tokens;
+  p.key_heads = key_heads;
+  p.value_heads = value_heads;
+  p.key_dim = key_dim;
+  p.value_dim = value_dim;
+  return p;
+}
+
+constexpr int kGuardWords = 16;
+
+// Runs the CPU kernel directly on output buffers followed by kGuardWords
+// sentinel values each, and returns what lies past the end, so a test can
+// prove no write lands past y or the state (the original design's guard).
+template <typename T>
+nb::tuple run_guarded(
+    const GatedDeltaParams& p, Algorithm algorithm, std::vector<mx::array> in,
+    float sentinel) {
+  const size_t y_size = size_t(p.batch) * p.tokens * p.value_heads * p.value_dim;
+  const size_t state_size =
+      size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
+  std::vector<T> y(y_size + kGuardWords, T(sentinel));
+  std::vector<float> state(state_size + kGuardWords, sentinel);
+  cpu::CoreBuffers<T> buffers{
+      in[0].data<T>(), in[1].data<T>(), in[2].data<T>(),
+      int64_t(p.tokens) * p.key_heads * p.key_dim,
+      int64_t(p.key_heads) * p.key_dim,
+      int64_t(p.tokens) * p.value_heads * p.value_dim,
+      int64_t(p.value_heads) * p.value_dim,
+      in[3].data<float>(), in[4].data<float>(),
+      p.has_mask ? in[6].data<bool>() : nullptr,
+      in[5].data<float>(), y.data(), state.data()};
+  cpu::gated_delta_forward<T>(p, algorithm, buffers);
+  const mx::Dtype dtype = in[2].dtype();
+  mx::array y_out(y.begin(), {p.batch, p.tokens, p.value_heads, p.value_dim}, dtype);
+  mx::array y_tail(y.begin() + y_size, {kGuardWords}, dtype);
+  mx::array state_out(
+      state.begin(), {p.batch, p.value_heads, p.value_dim, p.key_dim}, mx::float32);
+  mx::array state_tail(state.begin() + state_size, {kGuardWords}, mx::float32);
+  return nb::make_tuple(y_out, state_out, y_tail, state_tail);
+}
+
+}  // namespace
+
+NB_MODULE(_ext, m) {
+  m.doc() = "C++ core of mlx_gated_delta (use the functions of mlx_gated_delta).";
+
+  // std::domain_error marks a wrong dtype/type: Python sees TypeError.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::domain_error& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    }
+  });
+
+  m.def(
+      "gated_delta_rule",
+      [](const mx::array& q, const mx::array& k, const mx::array& v,
+         const mx::array& g, const mx::array& beta,
+         const std::optional<mx::array>& state, std::optional<float> scale,
+         const std::string& head_mapping, const std::optional<mx::array>& mask,
+         bool normalize_qk, const std::string& algorithm,
+         mx::StreamOrDevice stream) {
+        auto out = gated_delta_rule(
+            q, k, v, g, beta, state, scale, head_mapping, mask, normalize_qk,
+            algorithm, stream);
+        return nb::make_tuple(out[0], out[1]);
+      },
+      "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a.none(), "scale"_a.none(),
+      "head_mapping"_a, "mask"_a.none(), "normalize_qk"_a, "algorithm"_a,
+      "stream"_a.none());
+
+  m.def(
+      "supports_simd_delta",
+      [](int key_heads, int value_heads, int key_dim, int value_dim, int simd_width) {
+        return supports_simd_delta(
+            shape_params(1, 1, key_heads, value_heads, key_dim, value_dim),
+            simd_width);
+      },
+      "key_heads"_a, "value_heads"_a, "key_dim"_a, "value_dim"_a, "simd_width"_a);
+  m.def(
+      "uses_chunk_k_gram_k128",
+      [](int key_heads, int value_heads, int key_dim, int value_dim) {
+        return uses_chunk_k_gram_k128(
+            shape_params(1, 1, key_heads, value_heads, key_dim, value_dim));
+      },
+      "key_heads"_a, "value_heads"_a, "key_dim"_a, "value_dim"_a);
+  m.def(
+      "validate_launch_extents",
+      [](int batch, int tokens, int key_heads, int value_heads, int key_dim,
+         int value_dim) {
+        validate_launch_extents(
+            shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim));
+      },
+      "batch"_a, "tokens"_a, "key_heads"_a, "value_heads"_a, "key_dim"_a,
+      "value_dim"_a);
+  m.def(
+      "resolve_cpu_algorithm",
+      [](int batch, int tokens, int key_heads, int value_heads, int key_dim,
+         int value_dim) {
+        return std::string(to_string(resolve_cpu_algorithm(
+            shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim))));
+      },
+      "batch"_a, "tokens"_a, "key_heads"_a, "value_heads"_a, "key_dim"_a,
+      "value_dim"_a);
+
+  m.def(
+      "run_core_guarded",
+      [](const mx::array& q, const mx::array& k, const mx::array& v,
+         const mx::array& g, const mx::array& beta, const mx::array& state,
+         const std::optional<mx::array>& mask, float scale,
+         const std::string& head_mapping, bool normalize_qk,
+         const std::string& algorithm, float sentinel) {
+        GatedDeltaParams p = shape_params(
+            q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
+        p.scale = scale;
+        p.head_mapping = parse_head_mapping(head_mapping);
+        p.normalize_qk = normalize_qk;
+        p.has_mask = mask.has_value();
+        Algorithm a = parse_algorithm(algorithm);
+        if (a == Algorithm::Auto) {
+          a = resolve_cpu_algorithm(p);
+        }
+        auto contiguous = [](const mx::array& x) {
+          return mx::contiguous(x, false, mx::Device::cpu);
+        };
+        std::vector<mx::array> in = {
+            contiguous(q), contiguous(k), contiguous(v),
+            contiguous(mx::astype(g, mx::float32, mx::Device::cpu)),
+            contiguous(mx::astype(beta, mx::float32, mx::Device::cpu)),
+            contiguous(state)};
+        if (mask) {
+          in.push_back(contiguous(*mask));
+        }
+        mx::eval(in);
+        switch (v.dtype()) {
+          case mx::float32:
+            return run_guarded<float>(p, a, in, sentinel);
+          case mx::float16:
+            return run_guarded<mx::float16_t>(p, a, in, sentinel);
+          case mx::bfloat16:
+            return run_guarded<mx::bfloat16_t>(p, a, in, sentinel);
+          default:
+            throw std::domain_error("v must be float32, float16 or bfloat16");
+        }
+      },
+      "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a, "mask"_a.none(),
+      "scale"_a, "head_mapping"_a, "normalize_qk"_a, "algorithm"_a,
+      "sentinel"_a,
+      "Testing only: runs the CPU kernel with sentinel words past each output "
+      "and returns (y, state, y_tail, state_tail).");
+}

@@ -1,0 +1,210 @@
+#include "primitives.h"
+
+#include <stdexcept>
+
+#include "cpu/gated_delta_cpu.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "ops.h"
+
+#ifdef _METAL_
+#include "metal/executor.h"
+#endif
+
+namespace mx = mlx::core;
+
+namespace mlx_gated_delta {
+
+namespace {
+
+enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
+
+template <typename T>
+void run_cpu(
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& g,
+    const mx::array& beta,
+    const mx::array& state,
+    const mx::array* mask,
+    mx::array& y,
+    mx::array& state_out) {
+  cpu::CoreBuffers<T> buffers{
+      q.data<T>(),
+      k.data<T>(),
+      v.data<T>(),
+      int64_t(p.tokens) * p.key_heads * p.key_dim,
+      int64_t(p.key_heads) * p.key_dim,
+      int64_t(p.tokens) * p.value_heads * p.value_dim,
+      int64_t(p.value_heads) * p.value_dim,
+      g.data<float>(),
+      beta.data<float>(),
+      mask ? mask->data<bool>() : nullptr,
+      state.data<float>(),
+      y.data<T>(),
+      state_out.data<float>()};
+  cpu::gated_delta_forward<T>(p, algorithm, buffers);
+}
+
+}  // namespace
+
+GatedDeltaParams GatedDeltaRule::params_for(
+    const std::vector<mx::array>& inputs) const {
+  GatedDeltaParams p;
+  const auto& q = inputs[kQ];
+  const auto& v = inputs[kV];
+  p.batch = q.shape(0);
+  p.tokens = q.shape(1);
+  p.key_heads = q.shape(2);
+  p.key_dim = q.shape(3);
+  p.value_heads = v.shape(2);
+  p.value_dim = v.shape(3);
+  p.scale = scale_;
+  p.head_mapping = head_mapping_;
+  p.normalize_qk = normalize_qk_;
+  p.has_mask = has_mask_;
+  return p;
+}
+
+void GatedDeltaRule::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const GatedDeltaParams p = params_for(inputs);
+  auto& y = outputs[0];
+  auto& state_out = outputs[1];
+  y.set_data(mx::allocator::malloc(y.nbytes()));
+  state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
+
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  encoder.set_output_array(y);
+  encoder.set_output_array(state_out);
+  const Algorithm algorithm =
+      algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(p) : algorithm_;
+  encoder.dispatch([p,
+                    algorithm,
+                    q = mx::array::unsafe_weak_copy(inputs[kQ]),
+                    k = mx::array::unsafe_weak_copy(inputs[kK]),
+                    v = mx::array::unsafe_weak_copy(inputs[kV]),
+                    g = mx::array::unsafe_weak_copy(inputs[kG]),
+                    beta = mx::array::unsafe_weak_copy(inputs[kBeta]),
+                    state = mx::array::unsafe_weak_copy(inputs[kState]),
+                    mask = p.has_mask
+                        ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
+                        : std::nullopt,
+                    y = mx::array::unsafe_weak_copy(y),
+                    state_out = mx::array::unsafe_weak_copy(state_out)]() mutable {
+    const mx::array* mask_ptr = mask ? &*mask : nullptr;
+    switch (v.dtype()) {
+      case mx::float32:
+        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        break;
+      case mx::float16:
+        run_cpu<mx::float16_t>(
+            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        break;
+      case mx::bfloat16:
+        run_cpu<mx::bfloat16_t>(
+            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        break;
+      default:
+        throw std::runtime_error("GatedDeltaRule: unsupported activation dtype");
+    }
+  });
+}
+
+void GatedDeltaRule::eval_gpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+#ifdef _METAL_
+  metal::eval_core_gpu(params_for(inputs), algorithm_, inputs, outputs, stream());
+#else
+  throw std::runtime_error(
+      "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
+      "on macOS only); run the op on the CPU (stream=mx.cpu).");
+#endif
+}
+
+std::vector<mx::array> GatedDeltaRule::vjp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&,
+    const std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "mlx_gated_delta.gated_delta_rule has no gradient yet: its vjp "
+      "(training) is not implemented, so mx.grad / mx.vjp through it is "
+      "refused rather than returning a wrong gradient.");
+}
+
+std::vector<mx::array> GatedDeltaRule::jvp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&) {
+  throw std::runtime_error(
+      "mlx_gated_delta.gated_delta_rule has no jvp yet: forward-mode "
+      "differentiation through it is not implemented.");
+}
+
+// Folds the vmapped axis into the batch axis: every input of the op has the
+// batch as its leading axis, so mapping over V copies of a batch of B is one
+// call on a batch of V*B.
+std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  int vmap_size = -1;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      vmap_size = inputs[i].shape(axes[i]);
+      break;
+    }
+  }
+  std::vector<mx::array> folded;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    mx::array x = axes[i] >= 0
+        ? mx::moveaxis(inputs[i], axes[i], 0, stream())
+        : mx::broadcast_to(
+              mx::expand_dims(inputs[i], 0, stream()),
+              [&] {
+                mx::Shape shape = inputs[i].shape();
+                shape.insert(shape.begin(), vmap_size);
+                return shape;
+              }(),
+              stream());
+    mx::Shape shape(x.shape().begin() + 1, x.shape().end());
+    shape[0] *= vmap_size;
+    folded.push_back(mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
+  }
+  auto outputs = mx::array::make_arrays(
+      output_shapes(folded),
+      {folded[kV].dtype(), mx::float32},
+      std::make_shared<GatedDeltaRule>(
+          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_),
+      folded);
+  for (auto& out : outputs) {
+    mx::Shape shape = out.shape();
+    shape[0] /= vmap_size;
+    shape.insert(shape.begin(), vmap_size);
+    out = mx::reshape(out, shape, stream());
+  }
+  return {outputs, {0, 0}};
+}
+
+bool GatedDeltaRule::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDeltaRule&>(other);
+  return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
+      normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
+      algorithm_ == o.algorithm_;
+}
+
+std::vector<mx::Shape> GatedDeltaRule::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return {inputs[kV].shape(), inputs[kState].shape()};
+}
+
+}  // namespace mlx_gated_delta

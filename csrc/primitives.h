@@ -1,0 +1,69 @@
+// MLX primitives of mlx-gated-delta.
+#pragma once
+
+#include "gated_delta/params.h"
+#include "mlx/primitives.h"
+
+namespace mlx_gated_delta {
+
+// The core recurrence of API.md section 1.
+// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)],
+// all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk].
+// Carries only what changes the result: the shape-free options and the
+// algorithm (already resolved for the CPU; Auto on the GPU, where the Metal
+// plan chooses).
+class GatedDeltaRule : public mlx::core::Primitive {
+ public:
+  GatedDeltaRule(
+      mlx::core::Stream stream,
+      float scale,
+      HeadMapping head_mapping,
+      bool normalize_qk,
+      bool has_mask,
+      Algorithm algorithm)
+      : mlx::core::Primitive(stream),
+        scale_(scale),
+        head_mapping_(head_mapping),
+        normalize_qk_(normalize_qk),
+        has_mask_(has_mask),
+        algorithm_(algorithm) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  std::vector<mlx::core::array> vjp(
+      const std::vector<mlx::core::array>& primals,
+      const std::vector<mlx::core::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mlx::core::array>& outputs) override;
+  std::vector<mlx::core::array> jvp(
+      const std::vector<mlx::core::array>& primals,
+      const std::vector<mlx::core::array>& tangents,
+      const std::vector<int>& argnums) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override {
+    return "GatedDeltaRule";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override;
+  std::vector<mlx::core::Shape> output_shapes(
+      const std::vector<mlx::core::array>& inputs) override;
+
+  // The params of one call, read off the input shapes.
+  GatedDeltaParams params_for(const std::vector<mlx::core::array>& inputs) const;
+
+ private:
+  float scale_;
+  HeadMapping head_mapping_;
+  bool normalize_qk_;
+  bool has_mask_;
+  Algorithm algorithm_;
+};
+
+}  // namespace mlx_gated_delta

@@ -1,0 +1,102 @@
+"""The core op (API.md sections 1 and 2)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import mlx.core as mx
+
+from . import _ext
+
+StreamOrDevice = Union[None, mx.Stream, mx.Device]
+
+
+def _require_array(name: str, value) -> None:
+    if not isinstance(value, mx.array):
+        raise TypeError(f"{name} must be an mlx.core.array, got {type(value).__name__}")
+
+
+def gated_delta_rule(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+    *,
+    scale: Optional[float] = None,
+    head_mapping: str = "grouped",
+    mask: Optional[mx.array] = None,
+    normalize_qk: bool = False,
+    algorithm: str = "auto",
+    stream: StreamOrDevice = None,
+) -> Tuple[mx.array, mx.array]:
+    """Gated delta rule over ``T`` tokens; returns ``(y, state)``.
+
+    Per batch row, value head ``h`` and token ``t`` (key head ``kh``)::
+
+        S <- exp(g[t, h]) * S
+        S <- S + outer(beta[t, h] * (v[t, h] - S @ k[t, kh]), k[t, kh])
+        y[t, h] = scale * (S @ q[t, kh])
+
+    Args:
+        q, k: ``[B, T, Hk, Dk]``; v: ``[B, T, Hv, Dv]`` (one dtype: float32,
+            float16 or bfloat16).
+        g: ``[B, T, Hv]`` log-space decay; beta: ``[B, T, Hv]``; both read in
+            float32.
+        state: ``[B, Hv, Dv, Dk]`` float32, or ``None`` for zeros.
+        scale: readout scale, ``Dk ** -0.5`` when ``None``.
+        head_mapping: ``"grouped"`` (``kh = h // (Hv // Hk)``) or
+            ``"interleaved"`` (``kh = h % Hk``).
+        mask: ``[B, T]`` bool; a False step leaves the state unchanged and
+            outputs 0.
+        normalize_qk: L2-normalise q and k per head (eps 1e-6) in float32.
+        algorithm: ``"recurrent"``, ``"chunked"`` (chunks of 64, WY form) or
+            ``"auto"`` (on the CPU: recurrent for one token, chunked otherwise).
+
+    Returns:
+        ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state.
+    """
+    for name, value in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        _require_array(name, value)
+    if state is not None:
+        _require_array("state", state)
+    if mask is not None:
+        _require_array("mask", mask)
+    for name, value in (("head_mapping", head_mapping), ("algorithm", algorithm)):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return _ext.gated_delta_rule(
+        q, k, v, g, beta, state, scale, head_mapping, mask, bool(normalize_qk),
+        algorithm, stream,
+    )
+
+
+def gated_delta_update(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    gamma: mx.array,
+    beta: mx.array,
+    initial_state: Optional[mx.array] = None,
+    mask: Optional[mx.array] = None,
+    stream: StreamOrDevice = None,
+) -> Tuple[mx.array, mx.array]:
+    """Drop-in for ``mx.fast.gated_delta_update`` (MLX 0.32): same arguments.
+
+    ``gamma`` is the linear decay ``[B, T, Hv]``; no scale is applied and the
+    head mapping is grouped. Unlike MLX's op, ``gamma`` and ``beta`` are never
+    rounded to the activation dtype, and ``gamma == 0`` wipes the state exactly.
+    """
+    _require_array("gamma", gamma)
+    if gamma.ndim == 4:
+        raise ValueError(
+            "gamma of shape [B, T, Hv, Dk] (per-key-dim gates) is not supported yet; "
+            f"expected [B, T, Hv], got {tuple(gamma.shape)}"
+        )
+    # log(0) = -inf is a decay of exactly 0: the kernels treat it as a wipe.
+    g = mx.log(gamma.astype(mx.float32, stream=stream), stream=stream)
+    return gated_delta_rule(
+        q, k, v, g, beta, initial_state, scale=1.0, head_mapping="grouped",
+        mask=mask, stream=stream,
+    )
