@@ -6,6 +6,8 @@ the default device. The budget comes from the Hypothesis profile chosen by
 MLX_GATED_DELTA_HYPOTHESIS_PROFILE (see `strategies`).
 """
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -53,6 +55,12 @@ def run(case, algorithm, **overrides):
     y, state = gated_delta_rule(*case.args(), algorithm=algorithm, **options)
     mx.eval(y, state)
     return y, state
+
+
+@functools.cache
+def second_stream():
+    """One more stream on the default device, made once (a stream is a thread)."""
+    return mx.new_stream(mx.default_device())
 
 
 def dtype_name(array):
@@ -155,6 +163,42 @@ def test_split_continuity_any_split_points(algorithm, data):
     assert_matches("state", state, full_state, *state_contract)
 
 
+@given(case=core_cases(dtypes=("float32",), tokens=st.integers(2, 160)), data=st.data())
+def test_prefill_then_token_by_token_decode_matches_one_call(case, data):
+    # How a model runs: one call over the prompt, then one call per new token,
+    # each with algorithm "auto" (so the two algorithms meet through the state).
+    tokens = case.q.shape[1]
+    prompt = data.draw(st.integers(1, tokens - 1), label="prompt tokens")
+    full_y, full_state = run(case, "auto")
+
+    def step(start, stop, state):
+        def part(x):
+            return None if x is None else x[:, start:stop]
+
+        return gated_delta_rule(
+            part(case.q), part(case.k), part(case.v), part(case.g), part(case.beta),
+            state, algorithm="auto", **{**case.options, "mask": part(case.options["mask"])},
+        )
+
+    y, state = step(0, prompt, case.state)
+    pieces = [y]
+    for t in range(prompt, tokens):
+        y, state = step(t, t + 1, state)
+        pieces.append(y)
+    decoded_y = mx.concatenate(pieces, axis=1)
+    mx.eval(decoded_y, state)
+    assert_matches(
+        "y", decoded_y, full_y,
+        "core.chunked_vs_recurrent.v1.float32.output",
+        "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
+    )
+    assert_matches(
+        "state", state, full_state,
+        "core.chunked_vs_recurrent.v1.float32.state",
+        "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
+    )
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @given(case=core_cases())
 def test_inputs_are_never_modified(algorithm, case):
@@ -209,6 +253,65 @@ def test_works_under_compile(algorithm, case):
     compiled_y, compiled_state = mx.compile(step)(*arrays)
     assert_bitwise_equal("y", compiled_y, eager_y)
     assert_bitwise_equal("state", compiled_state, eager_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_vmap_is_one_call_per_mapped_slice(algorithm, case):
+    # Map over a new leading axis of three different slices (scaling keeps
+    # beta in [0, 1] and |k| <= 1); a None state stays unmapped.
+    mask = case.options["mask"]
+    options = {name: value for name, value in case.options.items() if name != "mask"}
+    arrays = [x for x in case.args() if x is not None]
+    arrays = [mx.stack([x, 0.5 * x, 0.25 * x]) for x in arrays]
+    if mask is not None:
+        arrays.append(mx.stack([mask, ~mask, mask]))
+
+    def call(q, k, v, g, beta, *rest):
+        rest = list(rest)
+        slice_mask = rest.pop() if mask is not None else None
+        state = rest.pop() if rest else None
+        return gated_delta_rule(
+            q, k, v, g, beta, state, mask=slice_mask, algorithm=algorithm, **options
+        )
+
+    mapped_y, mapped_state = mx.vmap(call)(*arrays)
+    for i in range(3):
+        y, state = call(*(x[i] for x in arrays))
+        assert_bitwise_equal(f"y[{i}]", mapped_y[i], y)
+        assert_bitwise_equal(f"state[{i}]", mapped_state[i], state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_strided_inputs_give_the_result_of_their_contiguous_copies(algorithm, case):
+    # Views with other strides: every other element of an array twice as
+    # long in the head dim, and a state read through a transpose.
+    def strided(x):
+        if x is None:
+            return None
+        doubled = mx.repeat(x, 2, axis=-1)
+        return doubled[..., ::2]
+
+    contiguous_y, contiguous_state = run(case, algorithm)
+    q, k, v, g, beta, state = case.args()
+    if state is not None:
+        state = mx.swapaxes(mx.swapaxes(state, -1, -2) * 1, -1, -2)
+    y, final = gated_delta_rule(
+        strided(q), strided(k), strided(v), g[:, ::-1][:, ::-1], beta, state,
+        algorithm=algorithm, **case.options,
+    )
+    assert_bitwise_equal("y", y, contiguous_y)
+    assert_bitwise_equal("state", final, contiguous_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_any_stream_of_the_device_gives_the_same_result(algorithm, case):
+    default_y, default_state = run(case, algorithm)
+    y, state = run(case, algorithm, stream=second_stream())
+    assert_bitwise_equal("y", y, default_y)
+    assert_bitwise_equal("state", state, default_state)
 
 
 @pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))

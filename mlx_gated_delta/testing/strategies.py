@@ -49,7 +49,8 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Token counts around the chunk boundaries of the chunked algorithm (64).
 # T == 0 has a property of its own (tests draw it explicitly).
 BOUNDARY_TOKENS = (1, 2, 63, 64, 65, 127, 128, 129, 145)
-HEAD_DIMS = (16, 32, 80, 96)
+# Small dims, the dims that are not powers of two (80, 96), and the models' 128.
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 HEAD_RATIOS = (1, 2, 4)
 
 # Per-token log decays: none, mild, model-like, and strong enough that the
