@@ -527,7 +527,8 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 def _ms_cell(row: dict, name: str) -> str:
     result = row["results"][name]
     if result["status"] == "ok":
-        return f"{result['median_s'] * 1e3:.3g}" if result["median_s"] < 1 else f"{result['median_s'] * 1e3:.0f}"
+        ms = result["median_s"] * 1e3
+        return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
     return {"skipped": "skip", "error": "err"}[result["status"]]
 
 
@@ -554,7 +555,7 @@ def results_table(rows: list[dict], decode: bool) -> str:
         peak = row["results"]["auto"].get("peak_allocated_bytes")
         cells = [Shape(**s).label if s["family"] != "qwen3-next" else Shape(**s).short_label]
         cells += [_ms_cell(row, n) for n in IMPLEMENTATIONS]
-        cells.append(_ratio_cell(d.get("tokens_per_s"), ".3g"))
+        cells.append(_ratio_cell(d.get("tokens_per_s"), ",.0f"))
         cells.append(_ratio_cell(d.get("speedup_vs_mlx_core"), ".1f"))
         cells.append(_ratio_cell(d.get("speedup_vs_mlx_lm"), ".1f"))
         if decode:
