@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_rule
+from mlx_gated_delta.reference import to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.guarded import run_core_guarded
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case, snapshot
@@ -211,6 +212,25 @@ def test_inputs_are_never_modified(algorithm, case):
     ):
         if original is not None:
             assert np.array_equal(original, now), f"{name} was written by the op"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(with_state=st.just(True)))
+def test_masked_tokens_output_exact_zeros_and_leave_the_state(algorithm, case):
+    # API.md: a False mask step leaves the state unchanged and outputs 0,
+    # exactly (not merely within the contract).
+    mask = case.options["mask"]
+    if mask is None:
+        rng = np.random.default_rng(case.recipe["seed"])
+        mask = mx.array(rng.uniform(size=case.g.shape[:2]) < 0.5)
+    y, _ = run(case, algorithm, mask=mask)
+    skipped = ~np.asarray(mask)
+    assert not np.any(to_float64(y)[skipped]), "a masked token has a nonzero output"
+
+    nothing = mx.zeros_like(mask)
+    y, state = run(case, algorithm, mask=nothing)
+    assert not np.any(to_float64(y)), "a fully masked call has a nonzero output"
+    assert_bitwise_equal("state", state, case.state)
 
 
 @pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
