@@ -746,7 +746,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeats (a few minutes on 2 cores)")
     parser.add_argument("--full", action="store_true",
                         help=f"also run MLX core at T > {MLX_CORE_MAX_T_UNLESS_FULL} "
-                             "(minutes per call)")
+                             "(slow: about 2 s per 1000 tokens, after a longer warm-up)")
     parser.add_argument("--filter", metavar="REGEX",
                         help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
                              "(the whole-layer rows are then left out)")
