@@ -46,9 +46,6 @@ def word(name):
     return rf"(?<![\w.]){re.escape(name)}(?!\w)"
 
 
-# gated_delta_update forwards to the core op, whose messages name the core's
-# arguments ("state", "g") rather than the ones the caller passed.
-
 BAD_INPUTS = [
     # (id, call, exception, [regexes the message must contain: argument,
     #  expected, actual], optionally a mark)
