@@ -64,7 +64,7 @@ class Contract:
 
 
 # The float32 accuracy of every algorithm (API.md section 1). The recurrence is
-# a contraction for beta in [0, 1] and |k| <= 1, so float32 rounding (2^-24 per
+# non-expansive for beta in [0, 2] and |k| <= 1, so float32 rounding (2^-24 per
 # operation) does not grow exponentially; over the few hundred tokens and
 # 128-long dot products of the tests it stays near 1e-6, and the contract
 # leaves headroom for longer sequences and reordered (chunked) sums.
