@@ -3,6 +3,7 @@
 import importlib.util
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -150,6 +151,37 @@ def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotat
     for name, result in row["results"].items():
         assert result["status"] == "ok", name
         assert result["max_rel_diff_vs_reference"] < 1e-5, name
+
+
+def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
+    seen = {}
+
+    def run_layer_benchmark(quick, progress=None):
+        seen["quick"] = quick
+        progress("layer decode B=1")
+        return [{"name": "decode", "shape": "B=1 T=1", "ours_ms": 1.5, "mlx_lm_ms": 6.0,
+                 "speedup": 4.0}]
+
+    fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
+    fake.run_layer_benchmark = run_layer_benchmark
+    monkeypatch.setitem(sys.modules, bench.LAYER_BENCHMARK_MODULE, fake)
+    progress = bench.Progress(total=1)
+    rows, note = bench.run_layer_rows(quick=True, progress=progress)
+    progress.close()
+    assert seen == {"quick": True} and note is None
+    assert bench.layer_table(rows).splitlines()[2].split() == [
+        "decode", "B=1", "T=1", "1.5", "6", "4.0"]
+
+
+def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):
+    def run_layer_benchmark(quick, progress=None):
+        raise RuntimeError("no layer today")
+
+    fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
+    fake.run_layer_benchmark = run_layer_benchmark
+    monkeypatch.setitem(sys.modules, bench.LAYER_BENCHMARK_MODULE, fake)
+    rows, note = bench.run_layer_rows(quick=True, progress=lambda label: None)
+    assert rows is None and "RuntimeError: no layer today" in note
 
 
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
