@@ -194,9 +194,11 @@ def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
         assert command in done.stdout
 
 
-def test_cli_rejects_unknown_bench_options():
+@pytest.mark.parametrize("argv", [["bench", "--no-such-option"], ["bench", "--filter", "T=("],
+                                  ["selftest", "--examples", "0"]])
+def test_cli_rejects_bad_arguments_with_a_usage_error(argv):
     with pytest.raises(SystemExit) as exited:
-        cli.main(["bench", "--no-such-option"])
+        cli.main(argv)
     assert exited.value.code == 2
 
 
