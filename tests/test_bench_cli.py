@@ -184,6 +184,19 @@ def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):
     assert rows is None and "RuntimeError: no layer today" in note
 
 
+def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
+    progress = bench.Progress(total=4)
+    progress("first step")
+    progress.advance()
+    progress("second step")
+    progress.close()
+    err = capsys.readouterr().err
+    assert "0/4" in err and "first step" in err
+    assert "1/4" in err and "second step" in err
+    assert "[" + "#" * 7 + "." in err  # a quarter of the 30-character bar
+
+
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
     # Run outside the checkout: `python -m` puts the working directory first on the path,
     # and the checkout's package has no compiled extension.
