@@ -1,0 +1,83 @@
+// Small kernels that exist only to test the emulator itself: each breaks one
+// rule of the Metal execution model on purpose (tests/metal/test_emulator.py).
+// Not part of the Metal library.
+
+#include <metal_stdlib>
+
+using namespace metal;
+
+// Correct: a threadgroup reversal through threadgroup memory.
+[[kernel]] void probe_reverse(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]]) {
+  threadgroup float staged[1024];
+  staged[tid] = data[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[tid] = staged[threads - 1 - tid];
+}
+
+// Divergent barriers: odd threads wait at another line than even ones.
+[[kernel]] void probe_divergent_barrier(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  if (tid % 2 == 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  data[tid] = 1.0f;
+}
+
+// A barrier that thread 0 skips by returning early.
+[[kernel]] void probe_early_return(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  if (tid == 0) {
+    return;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[tid] = 1.0f;
+}
+
+// A SIMD-group sum reached by only half of the lanes.
+[[kernel]] void probe_divergent_simd_sum(
+    device float* data [[buffer(0)]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  float value = 1.0f;
+  if (lane < 16) {
+    value = simd_sum(value);
+  }
+  data[lane] = value;
+}
+
+// Uses 40 KiB of threadgroup memory, over Metal's 32 KiB.
+[[kernel]] void probe_oversized_threadgroup_memory(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float big[10240];
+  big[tid] = data[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[tid] = big[tid];
+}
+
+// Reads threadgroup memory that no thread of this threadgroup wrote.
+[[kernel]] void probe_reads_unwritten_threadgroup_memory(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float staged[64];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  data[tid] = staged[tid];
+}
+
+// simd_sum and simd_shuffle among the lanes.
+[[kernel]] void probe_simd_collectives(
+    device float* data [[buffer(0)]],
+    uint lane [[thread_index_in_simdgroup]],
+    uint simd_index [[simdgroup_index_in_threadgroup]]) {
+  const uint at = simd_index * 32 + lane;
+  float value = data[at];
+  float total = simd_sum(value);
+  float neighbour = simd_shuffle(value, ushort((lane + 1) % 32));
+  data[at] = total * 1000.0f + neighbour;
+}
