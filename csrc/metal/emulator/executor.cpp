@@ -4,54 +4,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "guarded_buffer.h"
 #include "launch.h"
 
 namespace mlx_gated_delta::metal::emulator {
 
 namespace {
-
-constexpr size_t kGuardBytes = 64;
-constexpr std::byte kSentinel{0xa5};
-constexpr std::byte kUnwritten{0xff};  // NaN in every float format
-
-// One buffer with guard bytes on both sides.
-class GuardedBuffer {
- public:
-  GuardedBuffer(PlanBuffer id, size_t bytes)
-      : id_(id), bytes_(bytes), storage_(bytes + 2 * kGuardBytes, kUnwritten) {
-    std::memset(storage_.data(), int(kSentinel), kGuardBytes);
-    std::memset(storage_.data() + kGuardBytes + bytes, int(kSentinel), kGuardBytes);
-  }
-  std::byte* data() {
-    return storage_.data() + kGuardBytes;
-  }
-  size_t size() const {
-    return bytes_;
-  }
-  PlanBuffer id() const {
-    return id_;
-  }
-  void check_guards(const std::string& after) const {
-    for (size_t i = 0; i < kGuardBytes; ++i) {
-      if (storage_[i] != kSentinel) {
-        fail(after, "before its start", i);
-      }
-      if (storage_[kGuardBytes + bytes_ + i] != kSentinel) {
-        fail(after, "past its end", i);
-      }
-    }
-  }
-
- private:
-  [[noreturn]] void fail(const std::string& after, const char* where, size_t offset) const {
-    throw std::runtime_error("metal emulator: " + after + " wrote " + where + " of buffer " +
-                             to_string(id_) + " (" + std::to_string(bytes_) +
-                             " bytes; guard byte " + std::to_string(offset) + ")");
-  }
-  PlanBuffer id_;
-  size_t bytes_;
-  std::vector<std::byte> storage_;
-};
 
 std::span<const std::byte> input_for(PlanBuffer id, const CallInputs& inputs) {
   switch (id) {
@@ -75,9 +33,10 @@ bool is_input(PlanBuffer id) {
 CallOutputs run_plan(const Plan& plan, const CallInputs& inputs,
                      std::chrono::milliseconds barrier_timeout) {
   validate_plan(plan);
-  std::map<PlanBuffer, GuardedBuffer> buffers;
+  std::map<PlanBuffer, metal_emulator::GuardedBuffer> buffers;
   for (const BufferSpec& spec : plan.buffers) {
-    GuardedBuffer& buffer = buffers.try_emplace(spec.buffer, spec.buffer, spec.bytes).first->second;
+    metal_emulator::GuardedBuffer& buffer =
+        buffers.try_emplace(spec.buffer, to_string(spec.buffer), spec.bytes).first->second;
     if (is_input(spec.buffer)) {
       std::span<const std::byte> source = input_for(spec.buffer, inputs);
       if (source.size() != spec.bytes) {
@@ -116,8 +75,8 @@ CallOutputs run_plan(const Plan& plan, const CallInputs& inputs,
     }
   }
   CallOutputs outputs;
-  GuardedBuffer& y = buffers.at(PlanBuffer::Output);
-  GuardedBuffer& state = buffers.at(PlanBuffer::StateOut);
+  metal_emulator::GuardedBuffer& y = buffers.at(PlanBuffer::Output);
+  metal_emulator::GuardedBuffer& state = buffers.at(PlanBuffer::StateOut);
   outputs.y.assign(y.data(), y.data() + y.size());
   outputs.state.assign(state.data(), state.data() + state.size());
   return outputs;

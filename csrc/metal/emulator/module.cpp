@@ -8,11 +8,13 @@
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
+#include <cstring>
 #include <optional>
 #include <span>
 #include <stdexcept>
 
 #include "executor.h"
+#include "guarded_buffer.h"
 #include "launch.h"
 #include "metal/plan.h"
 
@@ -141,7 +143,8 @@ NB_MODULE(_metal_emulator, m) {
       [](const std::string& kernel, std::tuple<unsigned, unsigned, unsigned> threadgroups,
          std::tuple<unsigned, unsigned, unsigned> threads, size_t threadgroup_memory_bytes,
          nb::bytes data, int barrier_timeout_ms) {
-        std::vector<std::byte> buffer(view(data).begin(), view(data).end());
+        metal_emulator::GuardedBuffer buffer("data", data.size());
+        std::memcpy(buffer.data(), data.c_str(), data.size());
         metal_emulator::Launch launch;
         launch.kernel = kernel;
         launch.buffers[0] = buffer.data();
@@ -154,9 +157,10 @@ NB_MODULE(_metal_emulator, m) {
           nb::gil_scoped_release release;
           metal_emulator::run_launch(launch, std::chrono::milliseconds(barrier_timeout_ms));
         }
-        return to_bytes(buffer);
+        buffer.check_guards(kernel);
+        return nb::bytes(reinterpret_cast<const char*>(buffer.data()), buffer.size());
       },
       nb::arg("kernel"), nb::arg("threadgroups"), nb::arg("threads"),
       nb::arg("threadgroup_memory_bytes"), nb::arg("data"), nb::arg("barrier_timeout_ms"),
-      "Runs one kernel with `data` bound at buffer(0); returns the buffer afterwards.");
+      "Runs one kernel with a guarded copy of `data` bound at buffer(0); returns it afterwards.");
 }

@@ -81,3 +81,26 @@ using namespace metal;
   float neighbour = simd_shuffle(value, ushort((lane + 1) % 32));
   data[at] = total * 1000.0f + neighbour;
 }
+
+// Writes one element past the end of a buffer of one float per thread.
+[[kernel]] void probe_write_past_end(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]],
+    uint threads [[threads_per_threadgroup]]) {
+  data[tid + 1] = float(threads);
+}
+
+// Lanes 0-15 of SIMD-group 0 wait at a threadgroup barrier that lanes 16-31
+// never reach, while those wait in a SIMD sum that lanes 0-15 never join:
+// neither side can finish (a deadlock, found by the barrier timeout).
+[[kernel]] void probe_deadlock(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  float value = 1.0f;
+  if (tid < 16) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    value = simd_sum(value);
+  }
+  data[tid] = value;
+}

@@ -1,0 +1,86 @@
+"""The emulator itself: it must run correct kernels correctly and refuse what
+Metal would refuse or what would be undefined on a GPU (divergent barriers,
+limits, writes past a buffer). The probe kernels are in
+csrc/metal/emulator/probes.metal."""
+
+import re
+
+import numpy as np
+import pytest
+
+from mlx_gated_delta import _metal_emulator
+
+TIMEOUT_MS = 10_000
+
+
+def run_probe(kernel, threads, data, *, groups=(1, 1, 1), threadgroup_bytes=32768,
+              timeout_ms=TIMEOUT_MS):
+    result = _metal_emulator.run_kernel(kernel, groups, (threads, 1, 1), threadgroup_bytes,
+                                        np.asarray(data, np.float32).tobytes(), timeout_ms)
+    return np.frombuffer(result, np.float32)
+
+
+def test_threadgroup_memory_and_barriers_work():
+    data = np.arange(256, dtype=np.float32)
+    assert np.array_equal(run_probe("probe_reverse", 256, data), data[::-1])
+
+
+def test_simd_collectives_exchange_among_the_32_lanes():
+    data = np.arange(64, dtype=np.float32)
+    out = run_probe("probe_simd_collectives", 64, data)
+    lanes = data.reshape(2, 32)
+    expected = lanes.sum(axis=1, keepdims=True) * 1000 + np.roll(lanes, -1, axis=1)
+    assert np.array_equal(out, expected.reshape(-1))
+
+
+def test_barriers_reached_from_two_lines_are_divergence():
+    with pytest.raises(RuntimeError, match=r"divergent threadgroup_barrier: reached from .*probes\.metal:\d+ and from .*probes\.metal:\d+"):
+        run_probe("probe_divergent_barrier", 64, np.zeros(64))
+
+
+def test_a_thread_returning_before_a_barrier_is_divergence():
+    with pytest.raises(RuntimeError, match=r"returned from the kernel without reaching it"):
+        run_probe("probe_early_return", 64, np.zeros(64))
+
+
+def test_a_simd_sum_in_divergent_control_flow_is_reported():
+    with pytest.raises(RuntimeError, match=r"divergent SIMD-group collective"):
+        run_probe("probe_divergent_simd_sum", 32, np.zeros(32))
+
+
+def test_a_deadlock_times_out_with_an_error():
+    with pytest.raises(RuntimeError, match=r"did not complete within 300 ms.*deadlock"):
+        run_probe("probe_deadlock", 32, np.zeros(32), timeout_ms=300)
+
+
+def test_a_launch_over_32_kib_of_threadgroup_memory_is_refused():
+    with pytest.raises(ValueError, match=r"40960 bytes of threadgroup memory \(Metal allows 32768\)"):
+        run_probe("probe_oversized_threadgroup_memory", 64, np.zeros(64), threadgroup_bytes=40960)
+
+
+def test_threadgroup_memory_beyond_what_the_plan_declares_is_an_error():
+    with pytest.raises(RuntimeError, match=r"used 40960 bytes of threadgroup memory but its plan declares 32768"):
+        run_probe("probe_oversized_threadgroup_memory", 64, np.zeros(64))
+
+
+def test_more_than_1024_threads_per_threadgroup_are_refused():
+    with pytest.raises(ValueError, match=r"1056 threads per threadgroup"):
+        run_probe("probe_reverse", 1056, np.zeros(1056))
+
+
+def test_unwritten_threadgroup_memory_reads_as_nan():
+    # Threadgroup memory is poisoned before every threadgroup, so a kernel that
+    # relies on memory another threadgroup (or nobody) wrote sees NaN.
+    run_probe("probe_reverse", 64, np.ones(64))
+    out = run_probe("probe_reads_unwritten_threadgroup_memory", 64, np.zeros(64), groups=(2, 1, 1))
+    assert np.isnan(out).all()
+
+
+def test_a_write_past_the_end_of_a_buffer_hits_the_sentinel_guard():
+    with pytest.raises(RuntimeError, match=r"probe_write_past_end wrote past its end of buffer data"):
+        run_probe("probe_write_past_end", 64, np.zeros(64))
+
+
+def test_an_unknown_kernel_is_an_error():
+    with pytest.raises(ValueError, match="no kernel named 'no_such_kernel'"):
+        run_probe("no_such_kernel", 32, np.zeros(32))
