@@ -126,7 +126,8 @@ struct PlanBuilder {
 
   Dispatch& add(const char* stage, std::string kernel, Grid3 groups, unsigned threads,
                 size_t threadgroup_bytes,
-                std::vector<std::pair<unsigned, PlanBuffer>> bindings, unsigned params_index) {
+                std::vector<std::pair<unsigned, PlanBuffer>> bindings, unsigned params_index,
+                std::vector<PlanBuffer> writes) {
     Dispatch d;
     d.stage = stage;
     d.kernel = std::move(kernel);
@@ -135,8 +136,9 @@ struct PlanBuilder {
     d.threadgroup_memory_bytes = threadgroup_bytes;
     // A buffer the call does not have (no mask) stays unbound: the kernel
     // reads it only under the flag that says it exists.
-    for (auto& binding : bindings) {
-      if (plan.buffer_bytes(binding.second) > 0) d.buffers.push_back(binding);
+    for (auto [index, buffer] : bindings) {
+      bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
+      if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
     }
     d.params_index = params_index;
     plan.dispatches.push_back(std::move(d));
@@ -158,7 +160,7 @@ struct PlanBuilder {
         simd ? 0 : kRecurrentGenericBytes,
         {{0, Query}, {1, Key}, {2, Value}, {3, Gate}, {4, Beta}, {5, Mask}, {6, StateIn},
          {7, StateOut}, {8, Output}},
-        9);
+        9, {StateOut, Output});
     // Per value head: q, k (read once per head), v, g, beta, y; the state once each way.
     d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) + 2 * B * Hv * Dv * Dk * 4);
     d.flops = 8.0 * B * T * Hv * Dk * Dv;
@@ -194,7 +196,8 @@ struct PlanBuilder {
       Dispatch& d = add("qk_norm", kernel_name("qk_norm", plan.dtype),
                         {ceil_div(B * T * Hk, kNormRowsPerThreadgroup), 1, 1},
                         kNormRowsPerThreadgroup * 32, 0,
-                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}}, 4);
+                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}}, 4,
+                        {QueryInverseNorm, KeyInverseNorm});
       d.bytes_moved = double(B * T * Hk * (2 * Dk * e + 8));
       d.flops = 4.0 * B * T * Hk * Dk;
     }
@@ -203,14 +206,14 @@ struct PlanBuilder {
                         {ceil_div(B * Hv * C, kCumsumThreads), 1, 1}, kCumsumThreads, 0,
                         {{0, Gate}, {1, Beta}, {2, Mask}, {3, GateCumsum}, {4, LastWipe},
                          {5, BetaEffective}},
-                        6);
+                        6, {GateCumsum, LastWipe, BetaEffective});
       d.bytes_moved = double(B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
                              3 * B * Hv * padded_tokens * 4);
       d.flops = double(B * T * Hv);
     }
     if (k_gram) {
       Dispatch& d = add("k_gram", kernel_name("k_gram", plan.dtype), {c, hk, b}, kChunkThreads,
-                        kChunkDotBytes, {{0, Key}, {1, KeyInverseNorm}, {2, KGram}}, 3);
+                        kChunkDotBytes, {{0, Key}, {1, KeyInverseNorm}, {2, KGram}}, 3, {KGram});
       d.bytes_moved = double(B * T * Hk * Dk * e + B * Hk * chunk_tiles * 4);
       d.flops = 2.0 * B * Hk * C * tile * Dk;
     }
@@ -221,7 +224,7 @@ struct PlanBuilder {
           {c, hv, b}, kChunkThreads, kKktInverseBytes,
           {{0, Key}, {1, KeyInverseNorm}, {2, KGram}, {3, GateCumsum}, {4, LastWipe},
            {5, BetaEffective}, {6, KktInverse}},
-          7);
+          7, {KktInverse});
       // Gram (read, or built from K), the decays and beta, then the
       // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
       double gram_bytes = k_gram ? B * Hv * chunk_tiles * 4.0 : B * Hv * T * Dk * double(e);
@@ -233,7 +236,7 @@ struct PlanBuilder {
                         kChunkThreads, kRecomputeWuBytes,
                         {{0, Key}, {1, Value}, {2, KeyInverseNorm}, {3, GateCumsum},
                          {4, LastWipe}, {5, BetaEffective}, {6, KktInverse}, {7, W}, {8, U}},
-                        9);
+                        9, {W, U});
       d.bytes_moved = B * Hv * (T * (Dk + Dv) * double(e) + chunk_tiles * 4.0 +
                                 padded_tokens * (Dk + Dv) * 4.0);
       d.flops = 2.0 * B * Hv * C * triangle * (Dk + Dv);
@@ -243,7 +246,7 @@ struct PlanBuilder {
                         kChunkThreads, kChunkDotBytes,
                         {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
                          {4, QK}},
-                        5);
+                        5, {QK});
       d.bytes_moved = double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles * 4);
       d.flops = 2.0 * B * Hk * C * tile * Dk;
     }
@@ -254,7 +257,7 @@ struct PlanBuilder {
                         {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
                          {4, GateCumsum}, {5, LastWipe}, {6, W}, {7, U}, {8, StateIn},
                          {9, StateOut}, {10, OutputInter}},
-                        11);
+                        11, {U, StateOut, OutputInter});
       // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
       // W, q and k rows (caches serve the repeats; counted once per head),
       // U and writes v' and the inter-chunk output; the state once each way.
@@ -269,7 +272,7 @@ struct PlanBuilder {
                         kChunkThreads, kChunkOutputBytes,
                         {{0, QK}, {1, GateCumsum}, {2, LastWipe}, {3, Mask}, {4, U},
                          {5, OutputInter}, {6, Output}},
-                        7);
+                        7, {Output});
       d.bytes_moved = B * Hv * (chunk_tiles * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
                                 T * Dv * double(e));
       d.flops = 2.0 * B * Hv * C * triangle * Dv;
@@ -311,7 +314,11 @@ void validate_plan(const Plan& plan) {
       throw std::invalid_argument(d.kernel + ": " + std::to_string(d.threadgroup_memory_bytes) +
                                   " bytes of threadgroup memory (Metal allows 32768)");
     }
-    for (const auto& [index, buffer] : d.buffers) {
+    for (const auto& [index, buffer, written] : d.buffers) {
+      if (written && !is_scratch(buffer) && buffer != PlanBuffer::Output &&
+          buffer != PlanBuffer::StateOut) {
+        throw std::invalid_argument(d.kernel + " would write its input " + to_string(buffer));
+      }
       if (index > kMaxBufferIndex || index == d.params_index) {
         throw std::invalid_argument(d.kernel + ": buffer index " + std::to_string(index) +
                                     " for " + to_string(buffer) + " is out of range or taken");

@@ -64,10 +64,16 @@ struct Grid3 {
   }
 };
 
+struct Binding {
+  unsigned index;     // [[buffer(index)]]
+  PlanBuffer buffer;
+  bool written;       // the kernel writes it (an executor orders later reads after it)
+};
+
 struct Dispatch {
   std::string stage;   // the math's name: recurrent, k_gram, kkt_inverse, ...
   std::string kernel;  // host name of the kernel instantiation
-  std::vector<std::pair<unsigned, PlanBuffer>> buffers;  // [[buffer(n)]] -> buffer
+  std::vector<Binding> buffers;
   unsigned params_index = 0;  // [[buffer(n)]] of the GatedDeltaKernelParams bytes
   Grid3 threadgroups;
   Grid3 threads_per_threadgroup;

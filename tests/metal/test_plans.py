@@ -73,3 +73,30 @@ def test_activations_past_32_bit_indices_are_rejected_before_launch():
     with pytest.raises(ValueError, match="QK activation elements"):
         metal_emulated.plan_dispatches(batch=1, tokens=2**22, key_heads=16, value_heads=32,
                                        key_dim=128, value_dim=128)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(tokens=5, key_dim=32, algorithm="recurrent", mask=True),
+    dict(tokens=5, key_dim=80, algorithm="recurrent"),
+    dict(tokens=130, key_dim=64, algorithm="chunked", normalize_qk=True, mask=True),
+    dict(tokens=130, key_dim=128, algorithm="chunked"),
+    dict(tokens=0, key_dim=32, algorithm="chunked"),
+])
+def test_every_buffer_a_dispatch_reads_was_written_before(shape):
+    # The order an executor must keep: a scratch buffer is written by an
+    # earlier dispatch before any dispatch reads it; inputs are never written;
+    # both outputs are written.
+    dispatches = metal_emulated.plan_dispatches(batch=1, key_heads=1, value_heads=2,
+                                                value_dim=16, **shape)
+    inputs = {"q", "k", "v", "g", "beta", "mask", "state_in"}
+    written = set()
+    for d in dispatches:
+        for _, name, writes in d["buffers"]:
+            if not writes:
+                assert name in inputs or name in written, (d["stage"], name)
+            else:
+                assert name not in inputs, (d["stage"], name)
+        written |= {name for _, name, writes in d["buffers"] if writes}
+    assert {"state_out"} <= written
+    if shape["tokens"] > 0:
+        assert "y" in written

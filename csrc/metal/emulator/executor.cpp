@@ -51,7 +51,7 @@ CallOutputs run_plan(const Plan& plan, const CallInputs& inputs,
   for (const Dispatch& dispatch : plan.dispatches) {
     metal_emulator::Launch launch;
     launch.kernel = dispatch.kernel;
-    for (const auto& [index, id] : dispatch.buffers) {
+    for (const auto& [index, id, written] : dispatch.buffers) {
       launch.buffers[index] = buffers.at(id).data();
     }
     launch.buffers[dispatch.params_index] = &params;

@@ -112,6 +112,11 @@ NB_MODULE(_metal_emulator, m) {
           entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
           entry["bytes_moved"] = d.bytes_moved;
           entry["flops"] = d.flops;
+          nb::list buffers;
+          for (const Binding& binding : d.buffers) {
+            buffers.append(nb::make_tuple(binding.index, to_string(binding.buffer), binding.written));
+          }
+          entry["buffers"] = buffers;
           dispatches.append(entry);
         }
         return dispatches;
