@@ -94,13 +94,19 @@ def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
                                          normalize_qk, mask)
 
 
-def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
-                    dtype="float32", algorithm="auto", head_mapping="grouped",
-                    normalize_qk=False, mask=False):
-    """The plan's dispatches as dicts (stage, kernel, grid, threadgroup memory, ...)."""
-    return _metal_emulator.plan_dispatches(batch, tokens, key_heads, value_heads, key_dim,
-                                           value_dim, dtype, algorithm, head_mapping,
-                                           normalize_qk, mask)
+def plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *, dtype="float32",
+         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None):
+    """The whole plan as a dict: resolved algorithm, the kernel params as bytes,
+    every buffer's size, and the dispatches."""
+    scale = key_dim**-0.5 if scale is None else scale
+    return _metal_emulator.plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, dtype,
+                                algorithm, head_mapping, normalize_qk, mask, float(scale))
+
+
+def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options):
+    """The plan's dispatches as dicts (stage, kernel, grid, threadgroup memory,
+    bindings as (index, buffer, written), bytes and FLOPs)."""
+    return plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options)["dispatches"]
 
 
 def round_to_bfloat16(x):

@@ -94,12 +94,12 @@ NB_MODULE(_metal_emulator, m) {
       "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels).");
 
   m.def(
-      "plan_dispatches",
+      "plan",
       [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
          const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
-         bool normalize_qk, bool has_mask) {
+         bool normalize_qk, bool has_mask, float scale) {
         Plan plan = make_plan(make_params(batch, tokens, key_heads, value_heads, key_dim,
-                                          value_dim, 1.0f, head_mapping, normalize_qk, has_mask),
+                                          value_dim, scale, head_mapping, normalize_qk, has_mask),
                               parse_algorithm(algorithm), parse_dtype(dtype));
         nb::list dispatches;
         for (const Dispatch& d : plan.dispatches) {
@@ -117,15 +117,25 @@ NB_MODULE(_metal_emulator, m) {
             buffers.append(nb::make_tuple(binding.index, to_string(binding.buffer), binding.written));
           }
           entry["buffers"] = buffers;
+          entry["params_index"] = d.params_index;
           dispatches.append(entry);
         }
-        return dispatches;
+        nb::dict sizes;
+        for (const BufferSpec& spec : plan.buffers) sizes[to_string(spec.buffer)] = spec.bytes;
+        nb::dict result;
+        result["algorithm"] = to_string(plan.algorithm);
+        result["kernel_params"] = nb::bytes(reinterpret_cast<const char*>(&plan.kernel_params),
+                                            sizeof(plan.kernel_params));
+        result["buffer_bytes"] = sizes;
+        result["dispatches"] = dispatches;
+        return result;
       },
       nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
       nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
-      nb::arg("normalize_qk") = false, nb::arg("has_mask") = false,
-      "The plan's dispatches as dicts.");
+      nb::arg("normalize_qk") = false, nb::arg("has_mask") = false, nb::arg("scale") = 1.0f,
+      "The plan: resolved algorithm, the kernel params' bytes, every buffer's size and the "
+      "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
 
   m.def(
       "describe_plan",
