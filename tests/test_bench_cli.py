@@ -51,6 +51,14 @@ def test_repeats_fit_the_budget_and_never_drop_below_one():
     assert bench.repeats_within(budget, warm_up_seconds=4.0) == 1
 
 
+def test_the_higher_roofline_measurement_is_the_one_used():
+    slow = {"copy": {"bytes_per_s": 10e9}, "gemm": {"flop_per_s": 300e9}}
+    fast = {"copy": {"bytes_per_s": 25e9}, "gemm": {"flop_per_s": 100e9}}
+    best = bench.best_rooflines(slow, fast)
+    assert best["copy"]["bytes_per_s"] == 25e9
+    assert best["gemm"]["flop_per_s"] == 300e9
+
+
 def test_format_table_pads_columns_and_right_aligns_numbers():
     table = bench.format_table(["shape", "ms"], [["a", "1.5"], ["longer", "12"]])
     assert table.splitlines() == [
@@ -116,10 +124,11 @@ def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkey
 
     monkeypatch.setattr(bench, "implementation_call", failing_chunked)
     tiny = bench.Shape("tiny", B=1, T=5, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
-    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS))
-    row = bench.benchmark_row(tiny, ROOFLINE, pool_bytes=0, full=False,
+    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
+    row = bench.benchmark_row(tiny, pool_bytes=0, full=False,
                               budget=bench.Budget(seconds=0.0, max_repeats=1), progress=progress)
     progress.close()
+    bench.add_derived_figures(row, tiny, ROOFLINE)
     assert row["results"]["chunked"] == {"status": "error",
                                          "error": "RuntimeError: chunked exploded"}
     assert row["results"]["auto"]["status"] == "ok"
@@ -128,6 +137,19 @@ def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkey
     for name, result in row["results"].items():
         if result["status"] == "ok":
             assert result["max_rel_diff_vs_reference"] < 1e-5, name
+
+
+def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotated_ones():
+    tiny_decode = bench.Shape("tiny", B=2, T=1, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
+    pool = 6 * bench.state_bytes(tiny_decode)
+    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
+    row = bench.benchmark_row(tiny_decode, pool_bytes=pool, full=False,
+                              budget=bench.Budget(seconds=0.0, max_repeats=1), progress=progress)
+    progress.close()
+    assert row["rotated_states"] == 6
+    for name, result in row["results"].items():
+        assert result["status"] == "ok", name
+        assert result["max_rel_diff_vs_reference"] < 1e-5, name
 
 
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):

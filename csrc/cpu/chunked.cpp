@@ -135,7 +135,11 @@ void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
   const int dk = p.key_dim, dv = p.value_dim;
   constexpr int C = kChunkSize;
   float* state_t = s.state_transposed.data();
-  transpose(h.state, dv, dk, dk, state_t, dv);
+  if (h.state_in) {
+    transpose(h.state_in, dv, dk, dk, state_t, dv);
+  } else {
+    fill_zero(s.state_transposed);
+  }
 
   for (int start = 0; start < p.tokens; start += C) {
     const int L = std::min(C, p.tokens - start);

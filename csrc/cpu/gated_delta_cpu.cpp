@@ -2,8 +2,6 @@
 // task of the thread pool.
 #include "cpu/gated_delta_cpu.h"
 
-#include <cstring>
-
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"
 
@@ -18,19 +16,10 @@ void gated_delta_forward(
     Algorithm algorithm,
     const CoreBuffers<T>& buffers) {
   const int problems = p.batch * p.value_heads;
-  const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
   parallel_for(problems, [&](int problem) {
     const int batch = problem / p.value_heads;
     const int head = problem % p.value_heads;
     const HeadView<T> view = head_view(p, buffers, batch, head);
-    if (buffers.state_in) {
-      std::memcpy(
-          view.state,
-          buffers.state_in + int64_t(problem) * state_size,
-          state_size * sizeof(float));
-    } else {
-      std::memset(view.state, 0, state_size * sizeof(float));
-    }
     if (algorithm == Algorithm::Chunked) {
       chunked_head(p, view);
     } else {

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu/gated_delta_cpu.h"
 #include "mlx/types/half_types.h"
@@ -60,7 +61,8 @@ struct HeadView {
   int64_t gate_token_stride;
   T* y;  // token 0; token stride = value_heads * value_dim
   int64_t y_token_stride;
-  float* state;  // [Dv, Dk], holds the initial state on entry
+  const float* state_in;  // [Dv, Dk] initial state, or nullptr for zeros
+  float* state;           // [Dv, Dk] final state
 };
 
 template <typename T>
@@ -83,6 +85,9 @@ inline HeadView<T> head_view(
       p.value_heads,
       b.y + (int64_t(batch) * p.tokens * p.value_heads + head) * p.value_dim,
       int64_t(p.value_heads) * p.value_dim,
+      b.state_in ? b.state_in + (int64_t(batch) * p.value_heads + head) *
+              p.value_dim * p.key_dim
+                 : nullptr,
       b.state_out +
           (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim,
   };
@@ -95,8 +100,19 @@ inline void zero_output_row(T* y, int n) {
   }
 }
 
-// The two algorithms, for one problem whose state buffer holds the initial
-// state on entry and the final state on return.
+// Copies the initial state (or zeros) into the final-state buffer: for the
+// paths that update the state in place.
+inline void copy_initial_state(const GatedDeltaParams& p, const float* state_in,
+                               float* state) {
+  const size_t bytes = sizeof(float) * p.value_dim * p.key_dim;
+  if (state_in) {
+    std::memcpy(state, state_in, bytes);
+  } else {
+    std::memset(state, 0, bytes);
+  }
+}
+
+// The two algorithms, for one problem: read state_in, write the final state.
 template <typename T>
 void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h);
 template <typename T>

@@ -6,6 +6,8 @@ the default device. The budget comes from the Hypothesis profile chosen by
 MLX_GATED_DELTA_HYPOTHESIS_PROFILE (see `strategies`).
 """
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_rule
+from mlx_gated_delta.reference import to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.guarded import run_core_guarded
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case, snapshot
@@ -53,6 +56,12 @@ def run(case, algorithm, **overrides):
     y, state = gated_delta_rule(*case.args(), algorithm=algorithm, **options)
     mx.eval(y, state)
     return y, state
+
+
+@functools.cache
+def second_stream():
+    """One more stream on the default device, made once (a stream is a thread)."""
+    return mx.new_stream(mx.default_device())
 
 
 def dtype_name(array):
@@ -126,13 +135,9 @@ def split_cases(draw, algorithm):
     return case, sorted(points)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-@given(data=st.data())
-def test_split_continuity_any_split_points(algorithm, data):
-    case, points = data.draw(split_cases(algorithm))
-    full_y, full_state = run(case, algorithm)
-
-    bounds = [0, *points, case.q.shape[1]]
+def run_in_calls(case, bounds, algorithm):
+    """The tokens of a case in consecutive calls [bounds[i], bounds[i+1]),
+    each passing its state to the next: (concatenated y, final state)."""
     state = case.state
     pieces = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
@@ -140,19 +145,44 @@ def test_split_continuity_any_split_points(algorithm, data):
             return None if x is None else x[:, start:stop]
 
         y, state = gated_delta_rule(
-            part(case.q), part(case.k), part(case.v), part(case.g), part(case.beta),
-            state, scale=case.options["scale"],
-            head_mapping=case.options["head_mapping"],
-            mask=part(case.options["mask"]),
-            normalize_qk=case.options["normalize_qk"], algorithm=algorithm,
+            *(part(x) for x in case.args()[:5]), state, algorithm=algorithm,
+            **{**case.options, "mask": part(case.options["mask"])},
         )
         pieces.append(y)
-    split_y = mx.concatenate(pieces, axis=1)
-    mx.eval(split_y, state)
+    y = mx.concatenate(pieces, axis=1)
+    mx.eval(y, state)
+    return y, state
 
-    (output_contract, state_contract) = SPLIT_CONTRACTS[algorithm]
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_split_continuity_any_split_points(algorithm, data):
+    case, points = data.draw(split_cases(algorithm))
+    full_y, full_state = run(case, algorithm)
+    split_y, split_state = run_in_calls(case, [0, *points, case.q.shape[1]], algorithm)
+    output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
     assert_matches("y", split_y, full_y, *output_contract)
-    assert_matches("state", state, full_state, *state_contract)
+    assert_matches("state", split_state, full_state, *state_contract)
+
+
+@given(case=core_cases(dtypes=("float32",), tokens=st.integers(2, 160)), data=st.data())
+def test_prefill_then_token_by_token_decode_matches_one_call(case, data):
+    # How a model runs: one call over the prompt, then one call per new token,
+    # each with algorithm "auto" (so the two algorithms meet through the state).
+    tokens = case.q.shape[1]
+    prompt = data.draw(st.integers(1, tokens - 1), label="prompt tokens")
+    full_y, full_state = run(case, "auto")
+    decoded_y, decoded_state = run_in_calls(case, [0, *range(prompt, tokens + 1)], "auto")
+    assert_matches(
+        "y", decoded_y, full_y,
+        "core.chunked_vs_recurrent.v1.float32.output",
+        "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
+    )
+    assert_matches(
+        "state", decoded_state, full_state,
+        "core.chunked_vs_recurrent.v1.float32.state",
+        "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
+    )
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -167,6 +197,25 @@ def test_inputs_are_never_modified(algorithm, case):
     ):
         if original is not None:
             assert np.array_equal(original, now), f"{name} was written by the op"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(with_state=st.just(True)))
+def test_masked_tokens_output_exact_zeros_and_leave_the_state(algorithm, case):
+    # API.md: a False mask step leaves the state unchanged and outputs 0,
+    # exactly (not merely within the contract).
+    mask = case.options["mask"]
+    if mask is None:
+        rng = np.random.default_rng(case.recipe["seed"])
+        mask = mx.array(rng.uniform(size=case.g.shape[:2]) < 0.5)
+    y, _ = run(case, algorithm, mask=mask)
+    skipped = ~np.asarray(mask)
+    assert not np.any(to_float64(y)[skipped]), "a masked token has a nonzero output"
+
+    nothing = mx.zeros_like(mask)
+    y, state = run(case, algorithm, mask=nothing)
+    assert not np.any(to_float64(y)), "a fully masked call has a nonzero output"
+    assert_bitwise_equal("state", state, case.state)
 
 
 @pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
@@ -211,23 +260,106 @@ def test_works_under_compile(algorithm, case):
     assert_bitwise_equal("state", compiled_state, eager_state)
 
 
-@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
-def test_grad_through_the_op_raises_a_clear_error(algorithm):
-    rng = np.random.default_rng(0)
-    q = mx.array(rng.standard_normal((1, 5, 1, 16)).astype(np.float32))
-    v = mx.array(rng.standard_normal((1, 5, 2, 16)).astype(np.float32))
-    g = mx.full((1, 5, 2), -0.1)
-    beta = mx.full((1, 5, 2), 0.5)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_vmap_is_one_call_per_mapped_slice(algorithm, case):
+    # Map over a new leading axis of three different slices (scaling down
+    # keeps beta and |k| in their ranges); a None state stays unmapped.
+    mask = case.options["mask"]
+    options = {name: value for name, value in case.options.items() if name != "mask"}
+    arrays = [x for x in case.args() if x is not None]
+    arrays = [mx.stack([x, 0.5 * x, 0.25 * x]) for x in arrays]
+    if mask is not None:
+        arrays.append(mx.stack([mask, ~mask, mask]))
 
-    def loss(v):
-        y, _ = gated_delta_rule(q, q, v, g, beta, algorithm=algorithm)
-        return y.sum()
+    def call(q, k, v, g, beta, *rest):
+        rest = list(rest)
+        slice_mask = rest.pop() if mask is not None else None
+        state = rest.pop() if rest else None
+        return gated_delta_rule(
+            q, k, v, g, beta, state, mask=slice_mask, algorithm=algorithm, **options
+        )
+
+    mapped_y, mapped_state = mx.vmap(call)(*arrays)
+    for i in range(3):
+        y, state = call(*(x[i] for x in arrays))
+        assert_bitwise_equal(f"y[{i}]", mapped_y[i], y)
+        assert_bitwise_equal(f"state[{i}]", mapped_state[i], state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_strided_inputs_give_the_result_of_their_contiguous_copies(algorithm, case):
+    # Views with other strides: every other element of an array twice as
+    # long in the head dim; gates and state read through a transpose of an
+    # array stored transposed.
+    def every_other(x):
+        return mx.repeat(x, 2, axis=-1)[..., ::2]
+
+    def transposed_view(x, axis1, axis2):
+        if x is None:
+            return None
+        stored_transposed = mx.contiguous(mx.swapaxes(x, axis1, axis2))
+        return mx.swapaxes(stored_transposed, axis1, axis2)
+
+    contiguous_y, contiguous_state = run(case, algorithm)
+    q, k, v, g, beta, state = case.args()
+    y, final = gated_delta_rule(
+        every_other(q), every_other(k), every_other(v),
+        transposed_view(g, 1, 2), transposed_view(beta, 0, 1),
+        transposed_view(state, 2, 3), algorithm=algorithm, **case.options,
+    )
+    assert_bitwise_equal("y", y, contiguous_y)
+    assert_bitwise_equal("state", final, contiguous_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_any_stream_of_the_device_gives_the_same_result(algorithm, case):
+    default_y, default_state = run(case, algorithm)
+    y, state = run(case, algorithm, stream=second_stream())
+    assert_bitwise_equal("y", y, default_y)
+    assert_bitwise_equal("state", state, default_state)
+
+
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
+@pytest.mark.parametrize("wrt", ("q", "k", "v", "g", "beta", "state"))
+def test_grad_through_the_op_raises_a_clear_error(algorithm, wrt):
+    # No vjp yet: a gradient must be refused, never silently wrong (or zero).
+    rng = np.random.default_rng(0)
+    inputs = {
+        "q": rng.standard_normal((1, 5, 1, 16)),
+        "k": rng.standard_normal((1, 5, 1, 16)) * 0.2,
+        "v": rng.standard_normal((1, 5, 2, 16)),
+        "g": np.full((1, 5, 2), -0.1),
+        "beta": np.full((1, 5, 2), 0.5),
+        "state": rng.standard_normal((1, 2, 16, 16)),
+    }
+    inputs = {name: mx.array(x.astype(np.float32)) for name, x in inputs.items()}
+
+    def loss(x):
+        y, state = gated_delta_rule(**{**inputs, wrt: x}, algorithm=algorithm)
+        return y.sum() + state.sum()
 
     with pytest.raises(Exception) as failure:
-        mx.eval(mx.grad(loss)(v))
+        mx.eval(mx.grad(loss)(inputs[wrt]))
     message = str(failure.value)
     assert "gated_delta_rule" in message
     assert "gradient" in message or "vjp" in message
+
+
+def test_forward_mode_differentiation_raises_a_clear_error():
+    q = mx.ones((1, 3, 1, 16)) * 0.1
+    v = mx.ones((1, 3, 1, 16))
+    g = mx.zeros((1, 3, 1))
+
+    def outputs(v):
+        return gated_delta_rule(q, q, v, g, g + 0.5)
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.jvp(outputs, [v], [mx.ones_like(v)]))
+    message = str(failure.value)
+    assert "gated_delta_rule" in message and "jvp" in message
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
