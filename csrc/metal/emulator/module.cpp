@@ -1,6 +1,7 @@
-// mlx_gated_delta._metal_emulator: the Metal plans and kernels run on the CPU,
-// for tests (mlx_gated_delta/testing/metal_emulated.py wraps it). Not part of
-// the op's fast path; raw bytes in and out keep it free of MLX types.
+// _mlx_gated_delta_metal_emulator, imported as mlx_gated_delta._metal_emulator:
+// the Metal plans and kernels run on the CPU, for tests
+// (mlx_gated_delta/testing/metal_emulated.py wraps it). Not part of the op's
+// fast path; raw bytes in and out keep it free of MLX types.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -58,7 +59,7 @@ nb::bytes to_bytes(const std::vector<std::byte>& data) {
 
 }  // namespace
 
-NB_MODULE(_metal_emulator, m) {
+NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
   m.doc() = "The Metal kernels and dispatch plans of mlx_gated_delta, run on the CPU.";
 
   m.def(
