@@ -84,3 +84,20 @@ def test_a_write_past_the_end_of_a_buffer_hits_the_sentinel_guard():
 def test_an_unknown_kernel_is_an_error():
     with pytest.raises(ValueError, match="no kernel named 'no_such_kernel'"):
         run_probe("no_such_kernel", 32, np.zeros(32))
+
+
+@pytest.mark.parametrize("transpose", (False, True))
+def test_simdgroup_matrix_multiply_accumulate(transpose):
+    # Small integers: every product and sum is exact in float32.
+    rng = np.random.default_rng(7)
+    a = rng.integers(-8, 9, size=(8, 8)).astype(np.float32)
+    b = rng.integers(-8, 9, size=(8, 8)).astype(np.float32)
+    data = np.concatenate([a.ravel(), b.ravel(), np.zeros(64), [float(transpose)]])
+    out = run_probe("probe_simdgroup_matrix", 32, data)
+    expected = a @ (b.T if transpose else b) + 1.0
+    assert np.array_equal(out[128:192].reshape(8, 8), expected)
+
+
+def test_a_simdgroup_store_of_lane_dependent_matrices_is_divergence():
+    with pytest.raises(RuntimeError, match=r"simdgroup_store at .*probes\.metal:\d+: the lanes hold different matrices"):
+        run_probe("probe_simdgroup_matrix_divergent_load", 32, np.arange(200))

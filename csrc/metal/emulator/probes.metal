@@ -104,3 +104,29 @@ using namespace metal;
   }
   data[tid] = value;
 }
+
+// data[128..192) = A B + C for the 8 x 8 matrices A = data[0..64),
+// B = data[64..128) (read transposed when data[192] != 0), C = 1.
+[[kernel]] void probe_simdgroup_matrix(
+    device float* data [[buffer(0)]]) {
+  simdgroup_matrix<float, 8, 8> a;
+  simdgroup_matrix<float, 8, 8> b;
+  simdgroup_load(a, data, 8);
+  if (data[192] != 0.0f) {
+    simdgroup_load(b, data + 64, 8, ulong2(0, 0), true);
+  } else {
+    simdgroup_load(b, data + 64, 8);
+  }
+  simdgroup_matrix<float, 8, 8> c = make_filled_simdgroup_matrix<float, 8, 8>(1.0f);
+  simdgroup_multiply_accumulate(c, a, b, c);
+  simdgroup_store(c, data + 128, 8);
+}
+
+// Lanes load from lane-dependent places: the matrices differ across lanes.
+[[kernel]] void probe_simdgroup_matrix_divergent_load(
+    device float* data [[buffer(0)]],
+    uint lane [[thread_index_in_simdgroup]]) {
+  simdgroup_matrix<float, 8, 8> a;
+  simdgroup_load(a, data + lane, 8);
+  simdgroup_store(a, data + 128, 8);
+}

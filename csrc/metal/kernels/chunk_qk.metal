@@ -12,9 +12,11 @@ template <typename T>
     device float* qk [[buffer(4)]],
     constant GatedDeltaKernelParams& p [[buffer(5)]],
     uint3 group [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
+    uint tid [[thread_index_in_threadgroup]],
+    uint simd_index [[simdgroup_index_in_threadgroup]]) {
   threadgroup float q_tile[kChunkSize * kDotTileWidth];
   threadgroup float k_tile[kChunkSize * kDotTileWidth];
+  threadgroup float products[kChunkSize * kChunkSize];
   const uint chunk = group.x;
   const uint kh = group.y;
   const uint b = group.z;
@@ -23,20 +25,19 @@ template <typename T>
   const uint offset = qk_offset(p, b, first_token, kh);
   const uint row_stride = p.key_heads * p.key_dim;
 
-  float acc[kTileColumnsPerThread];
   chunk_dot_products<kDotTileWidth>(q + offset, k + offset, row_stride, length, p.key_dim,
-                                    q_tile, k_tile, tid, acc);
-  const uint i = tid / 4;
+                                    q_tile, k_tile, products, tid, simd_index);
   const uint out = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
-  for (uint m = 0; m < kTileColumnsPerThread; ++m) {
-    const uint j = tid % 4 + 4 * m;
-    float value = acc[m];
+  for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
+    const uint i = e / kChunkSize;
+    const uint j = e % kChunkSize;
+    float value = products[e];
     if (p.normalize_qk != 0 && i < length && j < length) {
       const uint norms = (b * p.tokens + first_token) * p.key_heads + kh;
       value *= query_inverse_norm[norms + i * p.key_heads] *
                key_inverse_norm[norms + j * p.key_heads];
     }
-    qk[out + i * kChunkSize + j] = value;
+    qk[out + e] = value;
   }
 }
 

@@ -58,15 +58,20 @@ inline float decay_from_chunk_start(const device float* gate_cumsum,
   return last_wipe[i] >= 0 ? 0.0f : exp(gate_cumsum[i]);
 }
 
-// acc[m] = a_i . b_j for i = tid / 4, j = tid % 4 + 4 m, over the first `rows`
-// rows (a 64-row chunk; rows past it give 0) and `dim` columns, staged through
-// threadgroup tiles of kTileWidth columns.
+// result[i * 64 + j] = a_i . b_j for the first `rows` rows of a 64-row chunk
+// (rows past it give 0) over `dim` columns: the columns are staged through
+// threadgroup tiles kTileWidth wide, and each of the 8 SIMD-groups multiplies
+// its 8-row block by all 8 column blocks with 8 x 8 simdgroup matrices.
+// Ends with a barrier: `result` is complete for every thread.
 template <uint kTileWidth, typename T>
 void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row_stride,
                         uint rows, uint dim, threadgroup float* a_tile,
-                        threadgroup float* b_tile, uint tid, thread float* acc) {
-  for (uint m = 0; m < kTileColumnsPerThread; ++m) acc[m] = 0.0f;
-  const uint i = tid / 4;
+                        threadgroup float* b_tile, threadgroup float* result, uint tid,
+                        uint simd_index) {
+  simdgroup_matrix<float, 8, 8> acc[kChunkSize / 8];
+  for (uint n = 0; n < kChunkSize / 8; ++n) {
+    acc[n] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
   for (uint d0 = 0; d0 < dim; d0 += kTileWidth) {
     for (uint e = tid; e < kChunkSize * kTileWidth; e += kChunkThreads) {
       uint row = e / kTileWidth;
@@ -75,15 +80,24 @@ void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row
       a_tile[e] = inside ? float(a_rows[row * row_stride + column]) : 0.0f;
       b_tile[e] = inside ? float(b_rows[row * row_stride + column]) : 0.0f;
     }
-    // The tiles are complete before any thread reads them.
+    // The tiles are complete before any SIMD-group reads them.
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (uint d = 0; d < kTileWidth; ++d) {
-      float a = a_tile[i * kTileWidth + d];
-      for (uint m = 0; m < kTileColumnsPerThread; ++m) {
-        acc[m] += a * b_tile[(tid % 4 + 4 * m) * kTileWidth + d];
+    for (uint d = 0; d < kTileWidth; d += 8) {
+      simdgroup_matrix<float, 8, 8> a;
+      simdgroup_load(a, a_tile + simd_index * 8 * kTileWidth + d, kTileWidth);
+      for (uint n = 0; n < kChunkSize / 8; ++n) {
+        // Rows n*8.. of b, read transposed: the 8 x 8 block of b^T.
+        simdgroup_matrix<float, 8, 8> b;
+        simdgroup_load(b, b_tile + n * 8 * kTileWidth + d, kTileWidth, ulong2(0, 0), true);
+        simdgroup_multiply_accumulate(acc[n], a, b, acc[n]);
       }
     }
-    // Every thread is done reading before the next columns overwrite the tiles.
+    // Every SIMD-group is done reading before the next columns overwrite the tiles.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+  for (uint n = 0; n < kChunkSize / 8; ++n) {
+    simdgroup_store(acc[n], result + simd_index * 8 * kChunkSize + n * 8, kChunkSize);
+  }
+  // The result is complete before any thread reads it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
 }

@@ -26,10 +26,9 @@ struct GatedDeltaKernelParams {
 };
 
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;
-// The chunked stages run 256 threads: for a 64 x 64 tile, thread t owns row
-// t / 4 and the 16 columns congruent to t mod 4.
+// The chunked stages run 256 threads: 8 SIMD-groups, one per 8-row block of
+// a 64 x 64 tile where they multiply with simdgroup matrices.
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkThreads = 256;
-GATED_DELTA_ABI_CONSTANT unsigned int kTileColumnsPerThread = 16;
 // Key columns staged per step when k_gram / chunk_qk build a 64 x 64 tile of
 // dot products, and when kkt_inverse builds its own gram beside A.
 GATED_DELTA_ABI_CONSTANT unsigned int kDotTileWidth = 32;

@@ -20,7 +20,8 @@ template <typename T, bool kFromKGram>
     device float* kkt_inverse [[buffer(6)]],
     constant GatedDeltaKernelParams& p [[buffer(7)]],
     uint3 group [[threadgroup_position_in_grid]],
-    uint tid [[thread_index_in_threadgroup]]) {
+    uint tid [[thread_index_in_threadgroup]],
+    uint simd_index [[simdgroup_index_in_threadgroup]]) {
   threadgroup float a[kChunkSize * kChunkSize];
   threadgroup float a_tile[kChunkSize * kKktDotTileWidth];
   threadgroup float b_tile[kChunkSize * kKktDotTileWidth];
@@ -34,30 +35,31 @@ template <typename T, bool kFromKGram>
   const device float* cumsum = gate_cumsum + rows;
   const device int* wipe = last_wipe + rows;
 
-  float gram[kTileColumnsPerThread];
+  // The gram k_i . k_j first, in `a`.
   if (kFromKGram) {
     const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
-    for (uint m = 0; m < kTileColumnsPerThread; ++m) {
-      gram[m] = k_gram[tile + (tid / 4) * kChunkSize + tid % 4 + 4 * m];
+    for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
+      a[e] = k_gram[tile + e];
     }
   } else {
     const device T* key_rows = k + qk_offset(p, b, first_token, kh);
     chunk_dot_products<kKktDotTileWidth>(key_rows, key_rows, p.key_heads * p.key_dim, length,
-                                         p.key_dim, a_tile, b_tile, tid, gram);
+                                         p.key_dim, a_tile, b_tile, a, tid, simd_index);
   }
-  const uint i = tid / 4;
-  for (uint m = 0; m < kTileColumnsPerThread; ++m) {
-    const uint j = tid % 4 + 4 * m;
+  // Then A in place: each thread rewrites only the entries it reads.
+  for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
+    const uint i = e / kChunkSize;
+    const uint j = e % kChunkSize;
     float value = 0.0f;
     if (j < i && i < length) {
-      value = beta_effective[rows + i] * chunk_decay(cumsum, wipe, i, j) * gram[m];
+      value = beta_effective[rows + i] * chunk_decay(cumsum, wipe, i, j) * a[e];
       if (!kFromKGram && p.normalize_qk != 0) {
         const uint norms = (b * p.tokens + first_token) * p.key_heads + kh;
         value *= key_inverse_norm[norms + i * p.key_heads] *
                  key_inverse_norm[norms + j * p.key_heads];
       }
     }
-    a[i * kChunkSize + j] = value;
+    a[e] = value;
   }
   // A is complete before the columns of T are solved from it.
   threadgroup_barrier(mem_flags::mem_threadgroup);
