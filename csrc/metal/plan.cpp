@@ -22,7 +22,8 @@ constexpr size_t kRecurrentGenericBytes = 2 * kMaxGenericKeyDim * kFloat;
 constexpr size_t kChunkDotBytes = 2 * kChunkSize * kDotTileWidth * kFloat + kChunkTileBytes;
 // chunk_dot_products: one SIMD-group per 8-row block of a 64 x 64 tile.
 static_assert(kChunkThreads / 32 == kChunkSize / 8);
-constexpr size_t kKktInverseBytes = kChunkTileBytes + 2 * kChunkSize * kKktDotTileWidth * kFloat;
+constexpr size_t kKktInverseBytes = kChunkTileBytes + 2 * kChunkSize * kDotTileWidth * kFloat;
+static_assert(kDotTileWidth % 8 == 0, "simdgroup matrices step through the tiles 8 columns at a time");
 constexpr size_t kRecomputeWuBytes = kChunkTileBytes + 2 * kChunkSize * kFloat;
 constexpr size_t kChunkCarryBytes =
     (kCarryRows * kMaxChunkedKeyDim + kCarryRows * kChunkSize + 2 * kChunkSize) * kFloat;

@@ -145,3 +145,25 @@ def _activation_values(data, dtype):
         return np.frombuffer(data, np.float16).copy()
     bits = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
     return bits.view(np.float32)
+
+
+def main(argv=None):
+    """`python -m mlx_gated_delta.testing.metal_emulated [B T Hk Hv Dk Dv] [--dtype D]
+    [--algorithm A] [--normalize-qk]`: prints a plan (default: the Qwen3-Next
+    prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("shape", nargs="*", type=int, default=[1, 8192, 16, 32, 128, 128])
+    parser.add_argument("--dtype", default="bfloat16", choices=ACTIVATION_DTYPES)
+    parser.add_argument("--algorithm", default="auto")
+    parser.add_argument("--normalize-qk", action="store_true")
+    options = parser.parse_args(argv)
+    if len(options.shape) != 6:
+        parser.error("the shape is six integers: B T Hk Hv Dk Dv")
+    print(describe_plan(*options.shape, dtype=options.dtype, algorithm=options.algorithm,
+                        normalize_qk=options.normalize_qk), end="")
+
+
+if __name__ == "__main__":
+    main()

@@ -29,10 +29,11 @@ GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;
 // The chunked stages run 256 threads: 8 SIMD-groups, one per 8-row block of
 // a 64 x 64 tile where they multiply with simdgroup matrices.
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkThreads = 256;
-// Key columns staged per step when k_gram / chunk_qk build a 64 x 64 tile of
-// dot products, and when kkt_inverse builds its own gram beside A.
-GATED_DELTA_ABI_CONSTANT unsigned int kDotTileWidth = 32;
-GATED_DELTA_ABI_CONSTANT unsigned int kKktDotTileWidth = 16;
+// Key columns staged per step when k_gram, chunk_qk and kkt_inverse build a
+// 64 x 64 tile of dot products: two 64 x 16 tiles (8 KiB) beside the 16 KiB
+// result keep those kernels at 24 KiB of threadgroup memory, within Metal's
+// 32 KiB per threadgroup with room to spare.
+GATED_DELTA_ABI_CONSTANT unsigned int kDotTileWidth = 16;
 // qk_norm: one SIMD-group per (batch, token, key head) row.
 GATED_DELTA_ABI_CONSTANT unsigned int kNormRowsPerThreadgroup = 8;
 // gate_cumsum: one thread per (batch, value head, chunk).

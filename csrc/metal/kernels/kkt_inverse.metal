@@ -23,8 +23,8 @@ template <typename T, bool kFromKGram>
     uint tid [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]]) {
   threadgroup float a[kChunkSize * kChunkSize];
-  threadgroup float a_tile[kChunkSize * kKktDotTileWidth];
-  threadgroup float b_tile[kChunkSize * kKktDotTileWidth];
+  threadgroup float a_tile[kChunkSize * kDotTileWidth];
+  threadgroup float b_tile[kChunkSize * kDotTileWidth];
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
@@ -43,7 +43,7 @@ template <typename T, bool kFromKGram>
     }
   } else {
     const device T* key_rows = k + qk_offset(p, b, first_token, kh);
-    chunk_dot_products<kKktDotTileWidth>(key_rows, key_rows, p.key_heads * p.key_dim, length,
+    chunk_dot_products<kDotTileWidth>(key_rows, key_rows, p.key_heads * p.key_dim, length,
                                          p.key_dim, a_tile, b_tile, a, tid, simd_index);
   }
   // Then A in place: each thread rewrites only the entries it reads.
