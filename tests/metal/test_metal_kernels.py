@@ -11,11 +11,13 @@ on both sides of chunk boundaries.
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_rule_reference
 from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.strategies import make_core_case
+from mlx_gated_delta.testing.strategies import core_cases, make_core_case
 
 # (id, fingerprint) of the reviewed contracts of the core op.
 OUTPUT_CONTRACTS = {
@@ -159,3 +161,15 @@ def test_bfloat16_rounding_matches_mlx():
     values = np.random.default_rng(3).standard_normal(1000).astype(np.float32) * 100
     expected = np.array(mx.array(values).astype(mx.bfloat16).astype(mx.float32))
     assert np.array_equal(metal_emulated.round_to_bfloat16(values), expected)
+
+
+# The core op's Hypothesis strategy over the emulated kernels, on a small
+# budget: every emulated call runs one OS thread per GPU thread.
+@pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
+@settings(max_examples=6)
+@given(case=core_cases(max_batch=1, tokens=st.sampled_from((1, 2, 63, 65, 100))))
+def test_drawn_cases_match_the_float64_oracle(algorithm, case):
+    y, state, _ = emulate(case, algorithm)
+    expected_y, expected_state = case.reference()
+    assert_matches("y", y, expected_y, *OUTPUT_CONTRACTS[algorithm, dtype_of(case)])
+    assert_matches("state", state, expected_state, *STATE_CONTRACTS[algorithm])
