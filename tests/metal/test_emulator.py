@@ -101,3 +101,14 @@ def test_simdgroup_matrix_multiply_accumulate(transpose):
 def test_a_simdgroup_store_of_lane_dependent_matrices_is_divergence():
     with pytest.raises(RuntimeError, match=r"simdgroup_store at .*probes\.metal:\d+: the lanes hold different matrices"):
         run_probe("probe_simdgroup_matrix_divergent_load", 32, np.arange(200))
+
+
+def test_an_error_in_one_thread_ends_the_dispatch_without_waiting_for_the_timeout():
+    # simd_shuffle from lane 40 fails in one thread while the others wait; the
+    # barrier timeout is a minute, the error must arrive long before.
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="source lane outside the SIMD-group"):
+        run_probe("probe_error_while_others_wait", 64, np.zeros(64), timeout_ms=60_000)
+    assert time.monotonic() - start < 10

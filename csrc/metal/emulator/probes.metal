@@ -130,3 +130,14 @@ using namespace metal;
   simdgroup_load(a, data + lane, 8);
   simdgroup_store(a, data + 128, 8);
 }
+
+// SIMD-group 1 shuffles from a lane that does not exist while SIMD-group 0
+// waits at a barrier: the error must end the dispatch at once.
+[[kernel]] void probe_error_while_others_wait(
+    device float* data [[buffer(0)]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  if (tid >= 32) {
+    data[0] = simd_shuffle(1.0f, ushort(40));
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}

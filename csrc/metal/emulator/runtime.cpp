@@ -68,11 +68,13 @@ void Barrier::arrive_and_wait(unsigned& parity, const std::source_location& wher
     return;
   }
   check_left_behind(phase);
+  // Waits in short slices so that a failure elsewhere in the dispatch (an
+  // exception, divergence at another barrier) ends this wait at once.
+  constexpr auto kSlice = std::chrono::milliseconds(20);
   auto deadline = std::chrono::steady_clock::now() + timeout_;
   while (phase.generation == generation) {
     if (status_.failed()) throw AbortDispatch{};
-    if (phase.changed.wait_until(lock, deadline) == std::cv_status::timeout &&
-        phase.generation == generation) {
+    if (std::chrono::steady_clock::now() >= deadline) {
       std::ostringstream text;
       text << what_ << " at " << describe(phase.first_arrival) << " did not complete within "
            << timeout_.count() << " ms (" << phase.arrived << " of " << participants_
@@ -81,6 +83,7 @@ void Barrier::arrive_and_wait(unsigned& parity, const std::source_location& wher
       phase.changed.notify_all();
       throw AbortDispatch{};
     }
+    phase.changed.wait_for(lock, kSlice);
   }
 }
 
