@@ -15,37 +15,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_rule_reference
-from mlx_gated_delta.testing import metal_emulated
+from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
 
-# (id, fingerprint) of the reviewed contracts of the core op.
-OUTPUT_CONTRACTS = {
-    ("recurrent", "float32"): ("core.recurrent.v1.float32.output", "44ea261e2607b94f705aeb3408b1ca9704537b6361e890ed400231b28d847c29"),
-    ("recurrent", "float16"): ("core.recurrent.v1.float16.output", "095905644d5dbeb7a62f1fe33058ea3c7eb30212eaab45127e885593ba9d9e48"),
-    ("recurrent", "bfloat16"): ("core.recurrent.v1.bfloat16.output", "127f2236c8f77bca04d350a0a3d5e12c879ca47e83f764c8724d037349d1ea65"),
-    ("chunked", "float32"): ("core.chunked.v1.float32.output", "7aef142b14c928447c30fb879c224afa840fe7697645f4db0da653b4b1b178b7"),
-    ("chunked", "float16"): ("core.chunked.v1.float16.output", "c9b069e5d9742bd0fcaf577be64c2bed0dd13a63e08348449de980a110edddbe"),
-    ("chunked", "bfloat16"): ("core.chunked.v1.bfloat16.output", "b26ef81a9bf800c586a8ac539a696fb001071cf0888da48075828cd2044a805e"),
-}
-STATE_CONTRACTS = {
-    "recurrent": ("core.recurrent.v1.float32.state", "92bc569fa0e8af4e88824e5d66875f5d280724102ad282e6f2e58276a36f5b58"),
-    "chunked": ("core.chunked.v1.float32.state", "a5f63f4c4cf1475dbcc51723d0eb0b7eb953ad28d103a3aef39f409f8d8dd6e2"),
-}
+# The reviewed (id, fingerprint) pairs of the core op's contracts: the Metal
+# kernels compute the same op, so they are held to the same contracts.
+OUTPUT_CONTRACTS = properties.ORACLE_OUTPUT_CONTRACTS
+STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
+SPLIT_CONTRACTS = properties.SPLIT_CONTRACTS
 CHUNKED_VS_RECURRENT = (
-    ("core.chunked_vs_recurrent.v1.float32.output", "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676"),
-    ("core.chunked_vs_recurrent.v1.float32.state", "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452"),
+    ("core.chunked_vs_recurrent.v2.float32.output", "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701"),
+    ("core.chunked_vs_recurrent.v2.float32.state", "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb"),
 )
-SPLIT_CONTRACTS = {
-    "recurrent": (
-        ("core.recurrent_split.v1.any.output", "2cf83e1e5024f23e52800e4445c1cd30fc01423698380922eb2357aab138d36f"),
-        ("core.recurrent_split.v1.float32.state", "a04c2e3ca1bb8a4cc0fa8cd07dd06fa9eb69fb5197e7a36dc9b10b66c6eeb217"),
-    ),
-    "chunked": (
-        ("core.chunked_split.v1.float32.output", "d2122d437ccce19febe8a7bb9f698d60a079012a78c7d060381fea00e0694cd7"),
-        ("core.chunked_split.v1.float32.state", "5d579e36746719539ad5405f6c95b46b2b2c563c29097615e339e04e87705b3a"),
-    ),
-}
 
 # (algorithm, the kernel the case must reach, make_core_case arguments).
 ORACLE_CASES = [

@@ -14,6 +14,10 @@ from cases import CASES, make_case  # noqa: E402
 
 from mlx_gated_delta.testing import metal_emulated  # noqa: E402
 from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches  # noqa: E402
+from mlx_gated_delta.testing.properties import (  # noqa: E402
+    ORACLE_OUTPUT_CONTRACTS,
+    ORACLE_STATE_CONTRACTS,
+)
 
 
 def main(path):
@@ -31,12 +35,11 @@ def main(path):
         y = y.reshape(expected_y.shape)
         state = np.frombuffer(results[f"{name}/state_out"].tobytes(), np.float32)
         state = state.reshape(expected_state.shape)
-        output_id = f"core.{algorithm}.v1.{dtype}.output"
-        state_id = f"core.{algorithm}.v1.float32.state"
+        output_id, output_print = ORACLE_OUTPUT_CONTRACTS[algorithm, dtype]
+        state_id, state_print = ORACLE_STATE_CONTRACTS[algorithm]
         try:
-            error_y = assert_matches("y", y, expected_y, output_id, CONTRACTS[output_id].fingerprint)
-            error_state = assert_matches("state", state, expected_state, state_id,
-                                         CONTRACTS[state_id].fingerprint)
+            error_y = assert_matches("y", y, expected_y, output_id, output_print)
+            error_state = assert_matches("state", state, expected_state, state_id, state_print)
             print(f"{name:32s} y max_rel {error_y:.2e} (<= {CONTRACTS[output_id].threshold:g}), "
                   f"state max_rel {error_state:.2e} (<= {CONTRACTS[state_id].threshold:g})")
         except AssertionError as error:
