@@ -1,6 +1,7 @@
 #include "launch.h"
 
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <thread>
@@ -80,6 +81,10 @@ std::string run_threadgroup(const Launch& launch, KernelEntry entry, Extent3 gro
 void run_launch(const Launch& launch, std::chrono::milliseconds barrier_timeout) {
   check_limits(launch);
   KernelEntry entry = find_kernel(launch.kernel);
+  // Threadgroup arrays are process-wide statics: one threadgroup at a time in
+  // the whole process, even when several host threads launch.
+  static std::mutex one_launch_at_a_time;
+  std::lock_guard lock(one_launch_at_a_time);
   begin_threadgroup_accounting();
   const Extent3 grid = launch.threadgroups;
   for (unsigned z = 0; z < grid.z; ++z) {
