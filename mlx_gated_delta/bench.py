@@ -599,7 +599,7 @@ def results_table(rows: list[dict], decode: bool) -> str:
             cells.append(_ratio_cell(d.get("gflop_per_s"), ".1f"))
             cells.append(_percent_cell(d.get("fraction_of_gemm")))
         best = d.get("auto_over_best_algorithm")
-        cells.append("-" if best is None else f"{100 * best:+.0f}%")
+        cells.append("-" if best is None else f"{round(100 * best):+d}%")
         cells.append("-" if peak is None else f"{peak / MiB:.1f}/{row['io_bytes'] / MiB:.1f}")
         body.append(cells)
     return format_table(headers, body)
