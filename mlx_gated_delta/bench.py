@@ -305,7 +305,7 @@ def implementation_call(name: str) -> Callable[[Inputs, mx.array], tuple]:
 
 def peer_memory_bytes(s: Shape) -> int:
     """What MLX core and mlx-lm allocate per call: one float32 state per token (measured
-    peaks: 4.1 GB at T=2048, 16.5 GB at T=8192 for the Qwen3-Next shape)."""
+    peaks: 4.1 GiB at T=2048, 16.3 GiB at T=8192 for the Qwen3-Next shape)."""
     return s.T * state_bytes(s)
 
 
