@@ -19,6 +19,11 @@ namespace mx = mlx::core;
 using namespace nb::literals;
 using namespace mlx_gated_delta;
 
+// The fused layer segment's binding lives beside its op (csrc/segment/).
+namespace mlx_gated_delta {
+void bind_segment(nb::module_& m);
+}
+
 namespace {
 
 GatedDeltaParams shape_params(
@@ -80,6 +85,8 @@ NB_MODULE(_ext, m) {
       PyErr_SetString(PyExc_TypeError, e.what());
     }
   });
+
+  bind_segment(m);
 
   m.def(
       "gated_delta_rule",
