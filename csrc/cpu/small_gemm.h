@@ -1,0 +1,85 @@
+// Register-tiled products of the small matrices of the chunked form
+// (64 x 128 by 128 x 128, 64 x 64 triangles): C += alpha * A B.
+//
+// A is read through two strides, so A^T costs nothing: (a_row, a_k) =
+// (lda, 1) reads A, (1, lda) reads A^T. B and C are row-major. Each tile keeps
+// an MR x NR block of C in registers (8 x 32 floats = 16 AVX-512 or 32 AVX2
+// registers) and streams one row of B and one column of A per step; the
+// compiler unrolls the fixed-size loops into vector FMAs. Tails fall back to
+// narrower tiles, so any shape is handled without reading past the end.
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_gated_delta::cpu {
+
+struct MatrixA {
+  const float* data;
+  int64_t row_stride;  // between rows of A (the M index)
+  int64_t k_stride;    // between columns of A (the K index)
+};
+
+template <int MR, int NR>
+inline void gemm_tile(
+    int k_size,
+    float alpha,
+    const float* a,
+    int64_t a_row,
+    int64_t a_k,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc) {
+  float acc[MR][NR] = {};
+  for (int k = 0; k < k_size; ++k) {
+    const float* b_row = b + k * ldb;
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const float a_mk = a[m * a_row + k * a_k];
+#pragma omp simd
+      for (int n = 0; n < NR; ++n) {
+        acc[m][n] += a_mk * b_row[n];
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+#pragma omp simd
+    for (int n = 0; n < NR; ++n) {
+      c[m * ldc + n] += alpha * acc[m][n];
+    }
+  }
+}
+
+template <int MR>
+inline void gemm_rows(
+    int n_size, int k_size, float alpha, const float* a, int64_t a_row,
+    int64_t a_k, const float* b, int64_t ldb, float* c, int64_t ldc) {
+  int n = 0;
+  for (; n + 32 <= n_size; n += 32) {
+    gemm_tile<MR, 32>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+  }
+  for (; n + 16 <= n_size; n += 16) {
+    gemm_tile<MR, 16>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+  }
+  for (; n < n_size; ++n) {
+    gemm_tile<MR, 1>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+  }
+}
+
+// C[m_size, n_size] += alpha * A[m_size, k_size] B[k_size, n_size]
+inline void gemm(
+    int m_size, int n_size, int k_size, float alpha, MatrixA a,
+    const float* b, int64_t ldb, float* c, int64_t ldc) {
+  int m = 0;
+  for (; m + 8 <= m_size; m += 8) {
+    gemm_rows<8>(n_size, k_size, alpha, a.data + m * a.row_stride,
+                 a.row_stride, a.k_stride, b, ldb, c + m * ldc, ldc);
+  }
+  for (; m < m_size; ++m) {
+    gemm_rows<1>(n_size, k_size, alpha, a.data + m * a.row_stride,
+                 a.row_stride, a.k_stride, b, ldb, c + m * ldc, ldc);
+  }
+}
+
+}  // namespace mlx_gated_delta::cpu
