@@ -208,9 +208,10 @@ class _GatedDeltaNetBase(nn.Module):
             value_dim=self.head_v_dim,
             norm_eps=self.norm.eps,
             mask=mask,
-            # The segment has CPU kernels only for now; on a Mac the CPU reads
-            # the same unified memory.
-            stream=mx.cpu,
+            # The segment has CPU kernels only for now: off the CPU (a Mac's
+            # GPU) run it on the CPU stream, which reads the same unified
+            # memory; on the CPU stay on the caller's stream.
+            stream=None if mx.default_device() == mx.cpu else mx.cpu,
         )
         if cache is not None:
             cache[0] = conv_state
