@@ -27,6 +27,9 @@ from mlx_gated_delta.reference import to_float64
 
 METRICS = ("max_abs", "max_rel", "norm_ratio")
 LAYOUTS = ("[B,T,H,D]", "[B,H,Dv,Dk]")
+# The fused segment's conv state and a model's logits (no head axis: these
+# layouts take max_abs or norm_ratio only).
+LAYOUTS += ("[B,K,C]", "[B,T,V]")
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,46 @@ _REFERENCE_CONTRACTS = (
     Contract("reference.mlx_fast.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
 )
 
-CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS}
+_CONV_STATE = "[B,K,C]"
+_LOGITS = "[B,T,V]"
+
+# The fused layer segment (API.md section 3) and the drop-in layer.
+_SEGMENT_CONTRACTS = (
+    # The segment against its float64 oracle, any algorithm. The oracle sees
+    # the inputs already rounded to the activation dtype and the segment keeps
+    # every intermediate (conv output, gates, y, the norm) in float32, so the
+    # core's contracts carry over: float32 rounding of y, then the gated norm
+    # scales each (token, head) row of y to unit RMS, which scales its error
+    # alike, and the final rounding of out to the dtype (half an ulp of the
+    # value). Seen over 60 random shapes: 2.6e-6 (float32), 4.6e-4 (float16),
+    # 3.5e-3 (bfloat16).
+    Contract("segment.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("segment.v1.float16.output", "max_rel", _FLOAT16_RELATIVE, _OUTPUT),
+    Contract("segment.v1.bfloat16.output", "max_rel", _BFLOAT16_RELATIVE, _OUTPUT),
+    Contract("segment.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
+    # The conv state is a copy of pre-conv inputs: exact, any dtype.
+    Contract("segment.v1.any.conv_state", "max_abs", 0.0, _CONV_STATE),
+    # Split continuity with the recurrent core: the same float32 arithmetic
+    # per token whichever call it lands in, so bitwise identical.
+    Contract("segment.recurrent_split.v1.any.output", "max_abs", 0.0, _OUTPUT),
+    Contract("segment.recurrent_split.v1.float32.state", "max_abs", 0.0, _STATE),
+    Contract("segment.recurrent_split.v1.any.conv_state", "max_abs", 0.0, _CONV_STATE),
+    # Split continuity with the chunked core: a split moves chunk boundaries,
+    # which reorders float32 sums; both sides meet the float32 contract.
+    Contract("segment.chunked_split.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("segment.chunked_split.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
+    # A float32 mlx-lm model with our layers against the same model with
+    # mlx-lm's: each layer output is two float32 computations of the same
+    # math (each within 1e-4 of exact), and the rest of the model is the same
+    # code on both sides. Seen on tiny random models: 2.9e-6.
+    Contract("layer.mlx_lm_parity.v1.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS),
+    # Our layer against itself run another way (token by token, batched with
+    # padding, split prompt): float32 sums in another order (the chunked and
+    # recurrent cores), each within the float32 contract of exact.
+    Contract("layer.self_consistency.v1.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS),
+)
+
+CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS}
 
 
 def assert_matches(name, actual, expected, contract_id, fingerprint):
