@@ -1,5 +1,6 @@
-// nanobind module mlx_gated_delta._ext. The Python package wraps these; see
-// mlx_gated_delta/ops.py for the documented entry points.
+// nanobind module _mlx_gated_delta_ext (re-exported as mlx_gated_delta._ext).
+// The Python package wraps these; see mlx_gated_delta/ops.py for the
+// documented entry points.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -74,7 +75,7 @@ nb::tuple run_guarded(
 
 }  // namespace
 
-NB_MODULE(_ext, m) {
+NB_MODULE(_mlx_gated_delta_ext, m) {
   m.doc() = "C++ core of mlx_gated_delta (use the functions of mlx_gated_delta).";
 
   // std::domain_error marks a wrong dtype/type: Python sees TypeError.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
 from typing import Optional
@@ -57,14 +58,13 @@ class _MaxExamples:
 
 
 def run_selftest(examples: Optional[int]) -> int:
-    try:
-        import hypothesis  # noqa: F401
-        import pytest
-    except ImportError:
+    # Looked up, not imported: pytest must import Hypothesis itself to load its plugin.
+    if any(importlib.util.find_spec(name) is None for name in ("pytest", "hypothesis")):
         print('selftest needs pytest and hypothesis: pip install "mlx-gated-delta[test]"',
               file=sys.stderr)
         return 2
     import mlx.core as mx
+    import pytest
 
     from . import __version__
 

@@ -41,12 +41,11 @@ import numpy as np
 MiB = 1 << 20
 STATE_BYTES_PER_ELEMENT = 4  # the recurrent state is always float32
 IMPLEMENTATIONS = ("mlx_core", "mlx_lm", "recurrent", "chunked", "auto")
-OURS = ("recurrent", "chunked", "auto")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
 
 # MLX core unrolls the recurrence into an op graph per token on the CPU: about 4 s per call
-# at T=2048 after a warm-up that takes three times as long, so T=8192 would take minutes.
+# at T=2048 on 2 cores, after a warm-up that takes three times as long.
 MLX_CORE_MAX_T_UNLESS_FULL = 2048
 
 
@@ -54,7 +53,7 @@ MLX_CORE_MAX_T_UNLESS_FULL = 2048
 class Shape:
     """One benchmark row: the problem size and the activation dtype."""
 
-    family: str  # "qwen3-next" or the generic variant it differs from it by
+    family: str  # "qwen3-next", or what a generic shape changes from it ("Dk=96")
     B: int
     T: int
     Hk: int
@@ -175,6 +174,22 @@ def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> dict:
     return {"n": n, "flop_per_s": 2 * n**3 / seconds}
 
 
+def measure_rooflines() -> dict:
+    """Both rooflines, measured now."""
+    return {"copy": measure_copy_bandwidth(), "gemm": measure_gemm_flops()}
+
+
+def best_rooflines(before: dict, after: dict) -> dict:
+    """The higher of the two measurements of each roofline: a neighbour's load during one of
+    them must not make our fraction of the machine look better than it is."""
+    return {
+        "copy": max(before["copy"], after["copy"], key=lambda m: m["bytes_per_s"]),
+        "gemm": max(before["gemm"], after["gemm"], key=lambda m: m["flop_per_s"]),
+        "before_rows": before,
+        "after_rows": after,
+    }
+
+
 def last_level_cache_bytes() -> Optional[int]:
     """Size of the largest data/unified cache of CPU 0 from sysfs, or None if unreadable."""
     best = None
@@ -288,7 +303,8 @@ def skip_reason(name: str, s: Shape, full: bool) -> Optional[str]:
     if name == "mlx_lm" and _mlx_lm_ops() is None:
         return "mlx-lm not installed"
     if name == "mlx_core" and s.T > MLX_CORE_MAX_T_UNLESS_FULL and not full:
-        return f"MLX core skipped at T > {MLX_CORE_MAX_T_UNLESS_FULL} (minutes per call); --full runs it"
+        return (f"MLX core not run at T > {MLX_CORE_MAX_T_UNLESS_FULL}: its op-graph loop takes "
+                "about 2 s per 1000 tokens after a warm-up three times as long; --full runs it")
     return None
 
 
@@ -312,34 +328,28 @@ def repeats_within(budget: Budget, warm_up_seconds: float) -> int:
     return max(1, min(budget.max_repeats, int(budget.seconds / warm_up_seconds)))
 
 
-def measure(call: Callable[[Inputs, mx.array], tuple], x: Inputs, budget: Budget) -> dict:
-    """Warm-up (which also records the peak memory the call allocates), then the median of
-    repeats of building and evaluating the call."""
+def warm_up(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> dict:
+    """The first call: it compiles and fills caches, so it is timed but not counted. It also
+    records the memory the call allocates and the output, to compare implementations."""
     active_before = mx.get_active_memory()
     mx.reset_peak_memory()
     start = time.perf_counter()
     out = call(x, x.take_state())
     mx.eval(out)
-    warm_up = time.perf_counter() - start
-    peak_allocated = mx.get_peak_memory() - active_before
-    y = np.array(out[0].astype(mx.float32))
-    out = None
-
-    times = []
-    for _ in range(repeats_within(budget, warm_up)):
-        state = x.take_state()
-        start = time.perf_counter()
-        out = call(x, state)
-        mx.eval(out)
-        times.append(time.perf_counter() - start)
-        out = None
+    seconds = time.perf_counter() - start
     return {
-        "median_s": statistics.median(times),
-        "times_s": times,
-        "warm_up_s": warm_up,
-        "peak_allocated_bytes": int(peak_allocated),
-        "y": y,
+        "warm_up_s": seconds,
+        "peak_allocated_bytes": int(mx.get_peak_memory() - active_before),
+        "y": np.array(out[0].astype(mx.float32)),
     }
+
+
+def timed_call(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> float:
+    """Seconds to build the graph of one call and evaluate it."""
+    state = x.take_state()
+    start = time.perf_counter()
+    mx.eval(call(x, state))
+    return time.perf_counter() - start
 
 
 def relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
@@ -399,7 +409,7 @@ class Progress:
 # ---------------------------------------------------------------------------------------
 
 
-def benchmark_row(s: Shape, roofline: dict, pool_bytes: int, full: bool, budget: Budget,
+def benchmark_row(s: Shape, pool_bytes: int, full: bool, budget: Budget,
                   progress: Progress) -> dict:
     state_count = 1
     if s.is_decode:
@@ -415,24 +425,47 @@ def benchmark_row(s: Shape, roofline: dict, pool_bytes: int, full: bool, budget:
         "rotated_state_bytes": state_count * state_bytes(s),
         "results": {},
     }
-    outputs = {}
+    calls, outputs, repeats = {}, {}, {}
     for name in IMPLEMENTATIONS:
-        progress(f"{s.short_label} {name}")
+        progress(f"{s.short_label} {name} (warm-up)")
         reason = skip_reason(name, s, full)
         if reason is not None:
             row["results"][name] = {"status": "skipped", "reason": reason}
         else:
             try:
-                measured = measure(implementation_call(name), x, budget)
+                calls[name] = implementation_call(name)
+                first = warm_up(calls[name], x)
             except Exception as error:  # a failing peer is a result, never the end of the run
-                row["results"][name] = {"status": "error", "error": f"{type(error).__name__}: {error}"}
+                calls.pop(name, None)
+                row["results"][name] = {"status": "error",
+                                        "error": f"{type(error).__name__}: {error}"}
             else:
-                outputs[name] = measured.pop("y")
-                row["results"][name] = {"status": "ok", **measured}
+                outputs[name] = first.pop("y")
+                repeats[name] = repeats_within(budget, first["warm_up_s"])
+                row["results"][name] = {"status": "ok", "times_s": [], **first}
         progress.advance()
-    x = None
+
+    # Repeats go round-robin over the implementations, so that a neighbour's burst of load
+    # falls on all of them alike rather than on whichever happened to run then.
+    rounds = max(repeats.values(), default=0)
+    for round_index in range(rounds):
+        progress(f"{s.short_label} timed round {round_index + 1}/{rounds}")
+        for name, call in calls.items():
+            result = row["results"][name]
+            if result["status"] != "ok" or len(result["times_s"]) >= repeats[name]:
+                continue
+            try:
+                result["times_s"].append(timed_call(call, x))
+            except Exception as error:
+                row["results"][name] = {"status": "error",
+                                        "error": f"{type(error).__name__}: {error}"}
+    for result in row["results"].values():
+        if result["status"] == "ok":
+            result["median_s"] = statistics.median(result["times_s"])
+    progress.advance()
 
     # Every implementation computes the same y; say how far each is from the first that ran.
+    outputs = {n: y for n, y in outputs.items() if row["results"][n]["status"] == "ok"}
     if outputs:
         reference = next(iter(outputs))
         row["agreement_reference"] = reference
@@ -440,7 +473,6 @@ def benchmark_row(s: Shape, roofline: dict, pool_bytes: int, full: bool, budget:
             row["results"][name]["max_rel_diff_vs_reference"] = relative_difference(
                 y, outputs[reference].astype(np.float64)
             )
-    add_derived_figures(row, s, roofline)
     return row
 
 
@@ -495,7 +527,8 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 def _ms_cell(row: dict, name: str) -> str:
     result = row["results"][name]
     if result["status"] == "ok":
-        return f"{result['median_s'] * 1e3:.3g}" if result["median_s"] < 1 else f"{result['median_s'] * 1e3:.0f}"
+        ms = result["median_s"] * 1e3
+        return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
     return {"skipped": "skip", "error": "err"}[result["status"]]
 
 
@@ -522,7 +555,7 @@ def results_table(rows: list[dict], decode: bool) -> str:
         peak = row["results"]["auto"].get("peak_allocated_bytes")
         cells = [Shape(**s).label if s["family"] != "qwen3-next" else Shape(**s).short_label]
         cells += [_ms_cell(row, n) for n in IMPLEMENTATIONS]
-        cells.append(_ratio_cell(d.get("tokens_per_s"), ".3g"))
+        cells.append(_ratio_cell(d.get("tokens_per_s"), ",.0f"))
         cells.append(_ratio_cell(d.get("speedup_vs_mlx_core"), ".1f"))
         cells.append(_ratio_cell(d.get("speedup_vs_mlx_lm"), ".1f"))
         if decode:
@@ -551,7 +584,8 @@ def layer_table(rows: list[dict]) -> str:
 def roofline_summary(roofline: dict) -> str:
     copy, gemm = roofline["copy"], roofline["gemm"]
     return (
-        f"Rooflines (this run): copy {copy['bytes_per_s'] / 1e9:.1f} GB/s read+write "
+        f"Rooflines (this run, the better of before and after the rows): "
+        f"copy {copy['bytes_per_s'] / 1e9:.1f} GB/s read+write "
         f"(NumPy copyto of {copy['bytes_copied'] // MiB} MiB; one thread "
         f"{copy['one_thread_bytes_per_s'] / 1e9:.1f}, {copy['threads']} threads "
         f"{copy['all_cores_bytes_per_s'] / 1e9:.1f}); float32 GEMM "
@@ -561,12 +595,18 @@ def roofline_summary(roofline: dict) -> str:
 
 def report_text(record: dict) -> str:
     rows = record["rows"]
-    parts = [roofline_summary(record["roofline"]), ""]
+    machine = record["machine"]
+    parts = [
+        f"{machine['cpu_model']}, {machine['cores']} cores; 1-min load average "
+        f"{machine['load_average_1min_before']} before, {machine['load_average_1min_after']} after.",
+        roofline_summary(record["roofline"]), "",
+    ]
     if any(r["shape"]["T"] == 1 for r in rows):
+        llc = record["machine"]["last_level_cache_bytes"]
+        llc_text = f"{llc // MiB} MiB" if llc else "unknown"
         parts += [
-            "Decode (T=1; states rotated over "
-            f"{record['state_pool_bytes'] // MiB} MiB, last-level cache "
-            f"{record['machine']['last_level_cache_bytes'] and record['machine']['last_level_cache_bytes'] // MiB} MiB):",
+            f"Decode (T=1; states rotated over {record['state_pool_bytes'] // MiB} MiB, "
+            f"last-level cache {llc_text}):",
             results_table(rows, decode=True), "",
         ]
     if any(r["shape"]["T"] > 1 for r in rows):
@@ -607,6 +647,14 @@ def cpu_model() -> str:
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return platform.processor() or "unknown"
+
+
+def load_average() -> Optional[float]:
+    """The 1-minute load average: how many other runnable tasks shared the cores."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
 
 
 def git_commit() -> str:
@@ -698,7 +746,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeats (a few minutes on 2 cores)")
     parser.add_argument("--full", action="store_true",
                         help=f"also run MLX core at T > {MLX_CORE_MAX_T_UNLESS_FULL} "
-                             "(minutes per call)")
+                             "(slow: about 2 s per 1000 tokens, after a longer warm-up)")
     parser.add_argument("--filter", metavar="REGEX",
                         help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
                              "(the whole-layer rows are then left out)")
@@ -712,23 +760,26 @@ def run(args: argparse.Namespace) -> dict:
     if args.filter:
         pattern = re.compile(args.filter)
         shapes = [s for s in shapes if pattern.search(s.label)]
-    budget = Budget(seconds=1.0, max_repeats=5) if args.quick else Budget(seconds=3.0, max_repeats=15)
+    budget = Budget(seconds=1.0, max_repeats=15) if args.quick else Budget(seconds=3.0, max_repeats=30)
     decode_budget = Budget(seconds=1.0, max_repeats=50) if args.quick else Budget(seconds=2.0, max_repeats=200)
 
     llc = last_level_cache_bytes()
     pool = state_pool_bytes(llc)
-    progress = Progress(total=2 + len(shapes) * len(IMPLEMENTATIONS))
-    progress("roofline: copy bandwidth")
-    roofline = {"copy": measure_copy_bandwidth()}
-    progress.advance()
-    progress("roofline: float32 GEMM")
-    roofline["gemm"] = measure_gemm_flops()
+    progress = Progress(total=2 + len(shapes) * (len(IMPLEMENTATIONS) + 1))
+    load_before = load_average()
+    progress("rooflines (before the rows)")
+    before = measure_rooflines()
     progress.advance()
 
     rows = []
     for s in shapes:
-        rows.append(benchmark_row(s, roofline, pool, args.full,
+        rows.append(benchmark_row(s, pool, args.full,
                                   decode_budget if s.is_decode else budget, progress))
+    progress("rooflines (after the rows)")
+    roofline = best_rooflines(before, measure_rooflines())
+    progress.advance()
+    for s, row in zip(shapes, rows):
+        add_derived_figures(row, s, roofline)
     if args.filter:
         layer_rows, layer_note = None, "whole-layer benchmark: not run with --filter"
     else:
@@ -745,6 +796,8 @@ def run(args: argparse.Namespace) -> dict:
             "cores": os.cpu_count(),
             "last_level_cache_bytes": llc,
             "mlx_default_device": str(mx.default_device()),
+            "load_average_1min_before": load_before,
+            "load_average_1min_after": load_average(),
         },
         "versions": {
             "python": platform.python_version(),

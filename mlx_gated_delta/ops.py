@@ -52,7 +52,7 @@ def gated_delta_rule(
             outputs 0.
         normalize_qk: L2-normalise q and k per head (eps 1e-6) in float32.
         algorithm: ``"recurrent"``, ``"chunked"`` (chunks of 64, WY form) or
-            ``"auto"`` (on the CPU: recurrent for one token, chunked otherwise).
+            ``"auto"`` (on the CPU: recurrent below 48 tokens, chunked from 48).
 
     Returns:
         ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state.

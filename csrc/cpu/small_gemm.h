@@ -3,15 +3,25 @@
 //
 // A is read through two strides, so A^T costs nothing: (a_row, a_k) =
 // (lda, 1) reads A, (1, lda) reads A^T. B and C are row-major. Each tile keeps
-// an MR x NR block of C in registers (8 x 32 floats = 16 AVX-512 or 32 AVX2
-// registers) and streams one row of B and one column of A per step; the
-// compiler unrolls the fixed-size loops into vector FMAs. Tails fall back to
-// narrower tiles, so any shape is handled without reading past the end.
+// a kTileRows x kTileCols block of C in registers (two vectors per row, 16
+// accumulators with AVX-512, 12 with AVX2's 16 registers) and streams one row
+// of B and one column of A per step; the compiler unrolls the fixed-size loops
+// into vector FMAs. Tails fall back to narrower tiles, so any shape is handled
+// without reading past the end.
 #pragma once
 
 #include <cstdint>
 
 namespace mlx_gated_delta::cpu {
+
+#if defined(__AVX512F__)
+constexpr int kVectorFloats = 16;
+constexpr int kTileRows = 8;
+#else
+constexpr int kVectorFloats = 8;
+constexpr int kTileRows = 6;
+#endif
+constexpr int kTileCols = 2 * kVectorFloats;
 
 struct MatrixA {
   const float* data;
@@ -56,11 +66,12 @@ inline void gemm_rows(
     int n_size, int k_size, float alpha, const float* a, int64_t a_row,
     int64_t a_k, const float* b, int64_t ldb, float* c, int64_t ldc) {
   int n = 0;
-  for (; n + 32 <= n_size; n += 32) {
-    gemm_tile<MR, 32>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+  for (; n + kTileCols <= n_size; n += kTileCols) {
+    gemm_tile<MR, kTileCols>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
   }
-  for (; n + 16 <= n_size; n += 16) {
-    gemm_tile<MR, 16>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+  for (; n + kVectorFloats <= n_size; n += kVectorFloats) {
+    gemm_tile<MR, kVectorFloats>(
+        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
   }
   for (; n < n_size; ++n) {
     gemm_tile<MR, 1>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
@@ -72,8 +83,8 @@ inline void gemm(
     int m_size, int n_size, int k_size, float alpha, MatrixA a,
     const float* b, int64_t ldb, float* c, int64_t ldc) {
   int m = 0;
-  for (; m + 8 <= m_size; m += 8) {
-    gemm_rows<8>(n_size, k_size, alpha, a.data + m * a.row_stride,
+  for (; m + kTileRows <= m_size; m += kTileRows) {
+    gemm_rows<kTileRows>(n_size, k_size, alpha, a.data + m * a.row_stride,
                  a.row_stride, a.k_stride, b, ldb, c + m * ldc, ldc);
   }
   for (; m < m_size; ++m) {

@@ -69,9 +69,12 @@ bool uses_chunk_k_gram_k128(const GatedDeltaParams& params) {
 }
 
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
-  // Measured (benchmarks/RESULTS.md): the chunked form wins from a couple of
-  // tokens on; a single decode step has no chunk to amortise its setup.
-  return params.tokens <= 1 ? Algorithm::Recurrent : Algorithm::Chunked;
+  // Measured on the Qwen3-Next shape (README, "Choosing the algorithm"):
+  // the chunked form's per-chunk setup (gram, triangular solve, transposes)
+  // pays off from about 40 tokens; below, the recurrent form is faster.
+  constexpr int kChunkedMinTokens = 48;
+  return params.tokens < kChunkedMinTokens ? Algorithm::Recurrent
+                                           : Algorithm::Chunked;
 }
 
 void check_launch_extent(const char* what, uint64_t elements) {

@@ -104,6 +104,11 @@ _CONTRACTS = (
     # the exact result.
     Contract("compat.gated_delta_update.v1.float32.output", "max_rel", _TWO_FLOAT32_RELATIVE, _OUTPUT),
     Contract("compat.gated_delta_update.v1.float32.state", "max_rel", _TWO_FLOAT32_RELATIVE, _STATE),
+    # gated_delta_update (algorithm "auto") against the float64 oracle: the
+    # core op's contracts, by the same reasoning.
+    Contract("compat.update_oracle.v1.float32.output", "max_rel", _FLOAT32_RELATIVE, _OUTPUT),
+    Contract("compat.update_oracle.v1.bfloat16.output", "max_rel", _BFLOAT16_RELATIVE, _OUTPUT),
+    Contract("compat.update_oracle.v1.float32.state", "max_rel", _FLOAT32_RELATIVE, _STATE),
 )
 
 # Checks of the oracle itself. A second float64 transcription of the same

@@ -1,0 +1,247 @@
+// The chunked WY/UT form of the gated delta rule on the CPU.
+#include <algorithm>
+#include <vector>
+
+#include "cpu/kernel_common.h"
+#include "cpu/small_gemm.h"
+
+namespace mlx_gated_delta::cpu {
+
+namespace {
+
+// ---------------------------------------------------------------------------
+// Chunked WY/UT form. Per chunk of L tokens with entry state S0 ([Dv, Dk]):
+//   decay(i, j) = prod_{j < s <= i} exp(g_s)          (j = -1: chunk start)
+//   A_ij = beta_i decay(i, j) k_i.k_j   (j < i)        k_gram
+//   T = (I + A)^-1 (unit lower triangular)             solve_tril
+//   U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K   recompute_w_u
+//   V' = U - W S0^T                                    (the true deltas d_i)
+//   y_i = scale (decay(i,-1) S0 q_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
+//                                                      chunk_output
+//   S_end = decay(L-1,-1) S0 + sum_j decay(L-1, j) V'_j k_j^T     chunk_state
+// Every stage is a product of small matrices (small_gemm.h). The state is held
+// transposed ([Dk, Dv]) while a problem runs, so that it is the row-major
+// right-hand operand of the products that read and update it.
+//
+// A decay that underflows to exactly 0 (g = -inf from gamma == 0) is a wipe:
+// decay(i, j) is 0 whenever a wipe lies in (j, i], decided by index, never by
+// subtracting cumulative logs across it (that would be -inf - -inf = NaN).
+class ChunkDecays {
+ public:
+  void compute(const float* g, const bool* active, int length) {
+    length_ = length;
+    for (int i = 0; i < length; ++i) {
+      const float gi = active[i] ? g[i] : 0.0f;
+      const bool wipe = std::exp(gi) == 0.0f;
+      const float previous_sum = i ? log_sum_[i - 1] : 0.0f;
+      log_sum_[i] = previous_sum + (wipe ? 0.0f : gi);
+      last_wipe_[i] = wipe ? i : (i ? last_wipe_[i - 1] : -1);
+    }
+  }
+  // decay(i, j) for -1 <= j <= i.
+  float operator()(int i, int j) const {
+    if (last_wipe_[i] > j) {
+      return 0.0f;
+    }
+    return std::exp(log_sum_[i] - (j >= 0 ? log_sum_[j] : 0.0f));
+  }
+  float from_start(int i) const {
+    return (*this)(i, -1);
+  }
+  float to_end(int j) const {
+    return (*this)(length_ - 1, j);
+  }
+  // matrix[i * kChunkSize + j] = decay(i, j) for j <= i, 0 above the diagonal.
+  void lower_matrix(float* matrix) const {
+    for (int i = 0; i < length_; ++i) {
+      float* row = matrix + i * kChunkSize;
+      const float log_sum_i = log_sum_[i];
+      const int last_wipe = last_wipe_[i];
+#pragma omp simd
+      for (int j = 0; j <= i; ++j) {
+        const float value = std::exp(log_sum_i - log_sum_[j]);
+        row[j] = j < last_wipe ? 0.0f : value;
+      }
+      for (int j = i + 1; j < length_; ++j) {
+        row[j] = 0.0f;
+      }
+    }
+  }
+
+ private:
+  int length_ = 0;
+  float log_sum_[kChunkSize];
+  int last_wipe_[kChunkSize];
+};
+
+// Scratch for the chunks of one problem. Row strides: Dk for [L, Dk], Dv for
+// [L, Dv], kChunkSize for [L, L] and for the transposed keys [Dk, L].
+struct ChunkScratch {
+  ChunkScratch(int dk, int dv)
+      : q(kChunkSize * dk),
+        k(kChunkSize * dk),
+        k_transposed(dk * kChunkSize),
+        scaled_k(kChunkSize * dk),
+        w(kChunkSize * dk),
+        scaled_v(kChunkSize * dv),
+        u(kChunkSize * dv),
+        y(kChunkSize * dv),
+        decay(kChunkSize * kChunkSize),
+        a(kChunkSize * kChunkSize),
+        t(kChunkSize * kChunkSize),
+        qk(kChunkSize * kChunkSize),
+        state_transposed(dk * dv) {}
+  std::vector<float> q, k, k_transposed, scaled_k, w;
+  std::vector<float> scaled_v, u, y;
+  std::vector<float> decay, a, t, qk;
+  std::vector<float> state_transposed;
+  float beta[kChunkSize];
+  float g[kChunkSize];
+  bool active[kChunkSize];
+  ChunkDecays decays;
+};
+
+void fill_zero(std::vector<float>& values) {
+  std::fill(values.begin(), values.end(), 0.0f);
+}
+
+void transpose(const float* in, int rows, int cols, int64_t ld_in, float* out,
+               int64_t ld_out) {
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      out[c * ld_out + r] = in[r * ld_in + c];
+    }
+  }
+}
+
+// solve_tril: T = (I + A)^-1 for the strictly lower A, row by row:
+// T_i = e_i - sum_{m<i} A_im T_m. Entries above the diagonal stay 0.
+void solve_tril(const float* a, int length, float* t) {
+  for (int i = 0; i < length; ++i) {
+    float* t_i = t + i * kChunkSize;
+    std::fill(t_i, t_i + kChunkSize, 0.0f);
+    t_i[i] = 1.0f;
+    for (int m = 0; m < i; ++m) {
+      axpy(-a[i * kChunkSize + m], t + m * kChunkSize, t_i, m + 1);
+    }
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
+  ChunkScratch s(p.key_dim, p.value_dim);
+  const int dk = p.key_dim, dv = p.value_dim;
+  constexpr int C = kChunkSize;
+  float* state_t = s.state_transposed.data();
+  if (h.state_in) {
+    transpose(h.state_in, dv, dk, dk, state_t, dv);
+  } else {
+    fill_zero(s.state_transposed);
+  }
+
+  for (int start = 0; start < p.tokens; start += C) {
+    const int L = std::min(C, p.tokens - start);
+
+    // Load the chunk. A masked token is a step that changes nothing: decay 1
+    // and beta 0 make its delta vanish; its output row is written as 0.
+    for (int i = 0; i < L; ++i) {
+      const int t = start + i;
+      s.active[i] = !h.mask || h.mask[t];
+      s.g[i] = h.g[t * h.gate_token_stride];
+      s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
+      load_qk_vector(
+          h.q + t * h.qk_token_stride, &s.q[i * dk], dk, p.normalize_qk);
+      load_qk_vector(
+          h.k + t * h.qk_token_stride, &s.k[i * dk], dk, p.normalize_qk);
+      load_vector(h.v + t * h.v_token_stride, &s.scaled_v[i * dv], dv);
+      for (int c = 0; c < dv; ++c) {
+        s.scaled_v[i * dv + c] *= s.beta[i];
+      }
+    }
+    s.decays.compute(s.g, s.active, L);
+    s.decays.lower_matrix(s.decay.data());
+    transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
+    const MatrixA q_rows{s.q.data(), dk, 1};
+
+    // k_gram: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal.
+    fill_zero(s.a);
+    gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
+         s.a.data(), C);
+    for (int i = 0; i < L; ++i) {
+      for (int j = 0; j < L; ++j) {
+        s.a[i * C + j] *= j < i ? s.beta[i] * s.decay[i * C + j] : 0.0f;
+      }
+    }
+    solve_tril(s.a.data(), L, s.t.data());
+
+    // recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
+    for (int i = 0; i < L; ++i) {
+      const float w_scale = s.beta[i] * s.decays.from_start(i);
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[i * dk + c] = w_scale * s.k[i * dk + c];
+      }
+    }
+    const MatrixA t_rows{s.t.data(), C, 1};
+    fill_zero(s.u);
+    gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv);
+    fill_zero(s.w);
+    gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk);
+
+    // V' = U - W S0^T: the deltas, now that the entry state is known.
+    gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
+
+    // chunk_output: y_i = decay(i,-1) S0 q_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j
+    fill_zero(s.y);
+    gemm(L, dv, dk, 1.0f, q_rows, state_t, dv, s.y.data(), dv);
+    for (int i = 0; i < L; ++i) {
+      const float d = s.decays.from_start(i);
+      for (int c = 0; c < dv; ++c) {
+        s.y[i * dv + c] *= d;
+      }
+    }
+    fill_zero(s.qk);
+    gemm(L, L, dk, 1.0f, q_rows, s.k_transposed.data(), C, s.qk.data(), C);
+    for (int i = 0; i < L; ++i) {
+      for (int j = 0; j < L; ++j) {
+        s.qk[i * C + j] *= s.decay[i * C + j];  // 0 above the diagonal
+      }
+    }
+    gemm(L, dv, L, 1.0f, {s.qk.data(), C, 1}, s.u.data(), dv, s.y.data(), dv);
+    for (int i = 0; i < L; ++i) {
+      T* y = h.y + (start + i) * h.y_token_stride;
+      if (!s.active[i]) {
+        zero_output_row(y, dv);
+        continue;
+      }
+      for (int c = 0; c < dv; ++c) {
+        y[c] = T(p.scale * s.y[i * dv + c]);
+      }
+    }
+
+    // chunk_state: S_end^T = decay(L-1,-1) S0^T + (diag(decay(L-1, j)) K)^T V'
+    const float chunk_decay = s.decays.from_start(L - 1);
+    for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
+      state_t[e] *= chunk_decay;
+    }
+    for (int j = 0; j < L; ++j) {
+      const float d = s.decays.to_end(j);
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+      }
+    }
+    gemm(dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t,
+         dv);
+  }
+  transpose(state_t, dk, dv, dv, h.state, dk);
+}
+
+
+template void chunked_head<float>(const GatedDeltaParams&, const HeadView<float>&);
+template void chunked_head<mlx::core::float16_t>(
+    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&);
+template void chunked_head<mlx::core::bfloat16_t>(
+    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>&);
+
+}  // namespace mlx_gated_delta::cpu

@@ -1,0 +1,121 @@
+// Helpers shared by the recurrent and the chunked CPU kernels: the addresses
+// of one (batch row, value head) problem and the float32 vector primitives.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu/gated_delta_cpu.h"
+#include "mlx/types/half_types.h"
+
+namespace mlx_gated_delta::cpu {
+
+inline float dot(const float* a, const float* b, int n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int i = 0; i < n; ++i) {
+    sum += a[i] * b[i];
+  }
+  return sum;
+}
+
+// y += alpha * x
+inline void axpy(float alpha, const float* x, float* y, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) {
+    y[i] += alpha * x[i];
+  }
+}
+
+template <typename T>
+inline void load_vector(const T* source, float* out, int n) {
+  for (int i = 0; i < n; ++i) {
+    out[i] = static_cast<float>(source[i]);
+  }
+}
+
+// q and k are optionally L2-normalised per head, in float32 (API.md).
+template <typename T>
+inline void load_qk_vector(const T* source, float* out, int n, bool normalize) {
+  load_vector(source, out, n);
+  if (normalize) {
+    const float inverse_norm = 1.0f / std::sqrt(dot(out, out, n) + 1e-6f);
+    for (int i = 0; i < n; ++i) {
+      out[i] *= inverse_norm;
+    }
+  }
+}
+
+// Addresses of one (batch row, value head) problem.
+template <typename T>
+struct HeadView {
+  const T* q;  // token 0 of this problem's key head
+  const T* k;
+  const T* v;
+  int64_t qk_token_stride;
+  int64_t v_token_stride;
+  const float* g;  // token 0; token stride = value_heads
+  const float* beta;
+  const bool* mask;  // token 0 of the batch row, or nullptr
+  int64_t gate_token_stride;
+  T* y;  // token 0; token stride = value_heads * value_dim
+  int64_t y_token_stride;
+  const float* state_in;  // [Dv, Dk] initial state, or nullptr for zeros
+  float* state;           // [Dv, Dk] final state
+};
+
+template <typename T>
+inline HeadView<T> head_view(
+    const GatedDeltaParams& p,
+    const CoreBuffers<T>& b,
+    int batch,
+    int head) {
+  const int key_head = p.key_head_of(head);
+  const int64_t gate_offset = int64_t(batch) * p.tokens * p.value_heads + head;
+  return HeadView<T>{
+      b.q + batch * b.qk_batch_stride + int64_t(key_head) * p.key_dim,
+      b.k + batch * b.qk_batch_stride + int64_t(key_head) * p.key_dim,
+      b.v + batch * b.v_batch_stride + int64_t(head) * p.value_dim,
+      b.qk_token_stride,
+      b.v_token_stride,
+      b.g + gate_offset,
+      b.beta + gate_offset,
+      b.mask ? b.mask + int64_t(batch) * p.tokens : nullptr,
+      p.value_heads,
+      b.y + (int64_t(batch) * p.tokens * p.value_heads + head) * p.value_dim,
+      int64_t(p.value_heads) * p.value_dim,
+      b.state_in ? b.state_in + (int64_t(batch) * p.value_heads + head) *
+              p.value_dim * p.key_dim
+                 : nullptr,
+      b.state_out +
+          (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim,
+  };
+}
+
+template <typename T>
+inline void zero_output_row(T* y, int n) {
+  for (int i = 0; i < n; ++i) {
+    y[i] = T(0.0f);
+  }
+}
+
+// Copies the initial state (or zeros) into the final-state buffer: for the
+// paths that update the state in place.
+inline void copy_initial_state(const GatedDeltaParams& p, const float* state_in,
+                               float* state) {
+  const size_t bytes = sizeof(float) * p.value_dim * p.key_dim;
+  if (state_in) {
+    std::memcpy(state, state_in, bytes);
+  } else {
+    std::memset(state, 0, bytes);
+  }
+}
+
+// The two algorithms, for one problem: read state_in, write the final state.
+template <typename T>
+void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h);
+template <typename T>
+void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h);
+
+}  // namespace mlx_gated_delta::cpu

@@ -1,0 +1,371 @@
+"""Property tests of the core op `gated_delta_rule` (API.md section 1).
+
+Ordinary pytest functions, run both by the repository's suite
+(`tests/test_properties.py`) and by `python -m mlx_gated_delta selftest`, on
+the default device. The budget comes from the Hypothesis profile chosen by
+MLX_GATED_DELTA_HYPOTHESIS_PROFILE (see `strategies`).
+"""
+
+import functools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_gated_delta import gated_delta_rule
+from mlx_gated_delta.reference import to_float64
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.guarded import run_core_guarded
+from mlx_gated_delta.testing.strategies import core_cases, make_core_case, snapshot
+
+ALGORITHMS = ("recurrent", "chunked")
+
+# (id, fingerprint) of the reviewed contracts these properties hold.
+ORACLE_OUTPUT_CONTRACTS = {
+    ("recurrent", "float32"): ("core.recurrent.v1.float32.output", "44ea261e2607b94f705aeb3408b1ca9704537b6361e890ed400231b28d847c29"),
+    ("recurrent", "float16"): ("core.recurrent.v1.float16.output", "095905644d5dbeb7a62f1fe33058ea3c7eb30212eaab45127e885593ba9d9e48"),
+    ("recurrent", "bfloat16"): ("core.recurrent.v1.bfloat16.output", "127f2236c8f77bca04d350a0a3d5e12c879ca47e83f764c8724d037349d1ea65"),
+    ("chunked", "float32"): ("core.chunked.v1.float32.output", "7aef142b14c928447c30fb879c224afa840fe7697645f4db0da653b4b1b178b7"),
+    ("chunked", "float16"): ("core.chunked.v1.float16.output", "c9b069e5d9742bd0fcaf577be64c2bed0dd13a63e08348449de980a110edddbe"),
+    ("chunked", "bfloat16"): ("core.chunked.v1.bfloat16.output", "b26ef81a9bf800c586a8ac539a696fb001071cf0888da48075828cd2044a805e"),
+}
+ORACLE_STATE_CONTRACTS = {
+    "recurrent": ("core.recurrent.v1.float32.state", "92bc569fa0e8af4e88824e5d66875f5d280724102ad282e6f2e58276a36f5b58"),
+    "chunked": ("core.chunked.v1.float32.state", "a5f63f4c4cf1475dbcc51723d0eb0b7eb953ad28d103a3aef39f409f8d8dd6e2"),
+}
+SPLIT_CONTRACTS = {
+    "recurrent": (
+        ("core.recurrent_split.v1.any.output", "2cf83e1e5024f23e52800e4445c1cd30fc01423698380922eb2357aab138d36f"),
+        ("core.recurrent_split.v1.float32.state", "a04c2e3ca1bb8a4cc0fa8cd07dd06fa9eb69fb5197e7a36dc9b10b66c6eeb217"),
+    ),
+    "chunked": (
+        ("core.chunked_split.v1.float32.output", "d2122d437ccce19febe8a7bb9f698d60a079012a78c7d060381fea00e0694cd7"),
+        ("core.chunked_split.v1.float32.state", "5d579e36746719539ad5405f6c95b46b2b2c563c29097615e339e04e87705b3a"),
+    ),
+}
+# The chunked split contract is a float32 one: in float16/bfloat16 a moved
+# chunk boundary may flip the final rounding of y by one ulp.
+SPLIT_DTYPES = {"recurrent": ("float32", "float16", "bfloat16"), "chunked": ("float32",)}
+
+
+def run(case, algorithm, **overrides):
+    """The op on a case, evaluated: (y, state)."""
+    options = {**case.options, **overrides}
+    y, state = gated_delta_rule(*case.args(), algorithm=algorithm, **options)
+    mx.eval(y, state)
+    return y, state
+
+
+@functools.cache
+def second_stream():
+    """One more stream on the default device, made once (a stream is a thread)."""
+    return mx.new_stream(mx.default_device())
+
+
+def dtype_name(array):
+    return str(array.dtype).rsplit(".", 1)[-1]
+
+
+def assert_bitwise_equal(name, actual, expected):
+    assert actual.dtype == expected.dtype, f"{name}: {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{name}: {actual.shape} != {expected.shape}"
+    assert mx.array_equal(actual, expected, equal_nan=True).item(), f"{name} differs"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_matches_the_float64_oracle(algorithm, case):
+    y, state = run(case, algorithm)
+    expected_y, expected_state = case.reference()
+    assert y.dtype == case.v.dtype and state.dtype == mx.float32
+    assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, dtype_name(y)])
+    assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])
+
+
+@pytest.mark.parametrize("tokens", (1, 2, 63, 64, 65, 127, 128, 129, 145, 192))
+@pytest.mark.parametrize("dtype", ("float32", "bfloat16"))
+def test_chunked_matches_the_oracle_at_every_chunk_boundary(tokens, dtype):
+    # Fixed cases at and around multiples of the chunk (64), whatever the
+    # Hypothesis budget draws: full chunks, ragged last chunks, one token.
+    case = make_core_case(
+        tokens, batch=2, tokens=tokens, key_heads=2, value_heads=4, key_dim=32,
+        value_dim=16, dtype=dtype, mask_kind="random", head_mapping="interleaved",
+    )
+    y, state = run(case, "chunked")
+    expected_y, expected_state = case.reference()
+    assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS["chunked", dtype])
+    assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS["chunked"])
+
+
+@given(case=core_cases(dtypes=("float32",)))
+def test_chunked_matches_recurrent(case):
+    recurrent_y, recurrent_state = run(case, "recurrent")
+    chunked_y, chunked_state = run(case, "chunked")
+    assert_matches(
+        "y", chunked_y, recurrent_y,
+        "core.chunked_vs_recurrent.v1.float32.output",
+        "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
+    )
+    assert_matches(
+        "state", chunked_state, recurrent_state,
+        "core.chunked_vs_recurrent.v1.float32.state",
+        "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
+    )
+
+
+@given(case=core_cases())
+def test_auto_is_one_of_the_algorithms(case):
+    auto_y, auto_state = run(case, "auto")
+    for algorithm in ALGORITHMS:
+        y, state = run(case, algorithm)
+        if mx.array_equal(y, auto_y).item() and mx.array_equal(state, auto_state).item():
+            return
+    raise AssertionError("algorithm='auto' gave a result that no algorithm gives")
+
+
+@st.composite
+def split_cases(draw, algorithm):
+    case = draw(core_cases(dtypes=SPLIT_DTYPES[algorithm]))
+    tokens = case.q.shape[1]
+    # Any split points, chunk-unaligned ones included; a repeated point (or
+    # 0, or T) makes an empty call in the middle of the sequence.
+    points = draw(st.lists(st.integers(0, tokens), min_size=1, max_size=3))
+    return case, sorted(points)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_split_continuity_any_split_points(algorithm, data):
+    case, points = data.draw(split_cases(algorithm))
+    full_y, full_state = run(case, algorithm)
+
+    bounds = [0, *points, case.q.shape[1]]
+    state = case.state
+    pieces = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        def part(x):
+            return None if x is None else x[:, start:stop]
+
+        y, state = gated_delta_rule(
+            part(case.q), part(case.k), part(case.v), part(case.g), part(case.beta),
+            state, scale=case.options["scale"],
+            head_mapping=case.options["head_mapping"],
+            mask=part(case.options["mask"]),
+            normalize_qk=case.options["normalize_qk"], algorithm=algorithm,
+        )
+        pieces.append(y)
+    split_y = mx.concatenate(pieces, axis=1)
+    mx.eval(split_y, state)
+
+    (output_contract, state_contract) = SPLIT_CONTRACTS[algorithm]
+    assert_matches("y", split_y, full_y, *output_contract)
+    assert_matches("state", state, full_state, *state_contract)
+
+
+@given(case=core_cases(dtypes=("float32",), tokens=st.integers(2, 160)), data=st.data())
+def test_prefill_then_token_by_token_decode_matches_one_call(case, data):
+    # How a model runs: one call over the prompt, then one call per new token,
+    # each with algorithm "auto" (so the two algorithms meet through the state).
+    tokens = case.q.shape[1]
+    prompt = data.draw(st.integers(1, tokens - 1), label="prompt tokens")
+    full_y, full_state = run(case, "auto")
+
+    def step(start, stop, state):
+        def part(x):
+            return None if x is None else x[:, start:stop]
+
+        return gated_delta_rule(
+            part(case.q), part(case.k), part(case.v), part(case.g), part(case.beta),
+            state, algorithm="auto", **{**case.options, "mask": part(case.options["mask"])},
+        )
+
+    y, state = step(0, prompt, case.state)
+    pieces = [y]
+    for t in range(prompt, tokens):
+        y, state = step(t, t + 1, state)
+        pieces.append(y)
+    decoded_y = mx.concatenate(pieces, axis=1)
+    mx.eval(decoded_y, state)
+    assert_matches(
+        "y", decoded_y, full_y,
+        "core.chunked_vs_recurrent.v1.float32.output",
+        "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
+    )
+    assert_matches(
+        "state", state, full_state,
+        "core.chunked_vs_recurrent.v1.float32.state",
+        "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
+    )
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_inputs_are_never_modified(algorithm, case):
+    inputs = [*case.args(), case.options["mask"]]
+    mx.eval([x for x in inputs if x is not None])
+    before = snapshot(inputs)
+    run(case, algorithm)
+    for name, original, now in zip(
+        ("q", "k", "v", "g", "beta", "state", "mask"), before, snapshot(inputs)
+    ):
+        if original is not None:
+            assert np.array_equal(original, now), f"{name} was written by the op"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(with_state=st.just(True)))
+def test_masked_tokens_output_exact_zeros_and_leave_the_state(algorithm, case):
+    # API.md: a False mask step leaves the state unchanged and outputs 0,
+    # exactly (not merely within the contract).
+    mask = case.options["mask"]
+    if mask is None:
+        rng = np.random.default_rng(case.recipe["seed"])
+        mask = mx.array(rng.uniform(size=case.g.shape[:2]) < 0.5)
+    y, _ = run(case, algorithm, mask=mask)
+    skipped = ~np.asarray(mask)
+    assert not np.any(to_float64(y)[skipped]), "a masked token has a nonzero output"
+
+    nothing = mx.zeros_like(mask)
+    y, state = run(case, algorithm, mask=nothing)
+    assert not np.any(to_float64(y)), "a fully masked call has a nonzero output"
+    assert_bitwise_equal("state", state, case.state)
+
+
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
+@given(case=core_cases(tokens=st.just(0)))
+def test_zero_tokens_return_empty_output_and_the_state_unchanged(algorithm, case):
+    y, state = run(case, algorithm)
+    B, _, Hk, Dk = case.q.shape
+    Hv, Dv = case.v.shape[2:]
+    assert y.shape == (B, 0, Hv, Dv) and y.dtype == case.v.dtype
+    expected_state = (
+        mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32) if case.state is None else case.state
+    )
+    assert_bitwise_equal("state", state, expected_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_same_call_twice_is_bitwise_identical(algorithm, case):
+    first_y, first_state = run(case, algorithm)
+    second_y, second_state = run(case, algorithm)
+    assert_bitwise_equal("y", second_y, first_y)
+    assert_bitwise_equal("state", second_state, first_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_works_under_compile(algorithm, case):
+    # mx.compile passes arrays only: a None state and the options stay in
+    # the closure.
+    arrays = [x for x in case.args() if x is not None]
+
+    def step(*arrays):
+        q, k, v, g, beta, *state = arrays
+        return gated_delta_rule(
+            q, k, v, g, beta, state[0] if state else None,
+            algorithm=algorithm, **case.options,
+        )
+
+    eager_y, eager_state = run(case, algorithm)
+    compiled_y, compiled_state = mx.compile(step)(*arrays)
+    assert_bitwise_equal("y", compiled_y, eager_y)
+    assert_bitwise_equal("state", compiled_state, eager_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_vmap_is_one_call_per_mapped_slice(algorithm, case):
+    # Map over a new leading axis of three different slices (scaling keeps
+    # beta in [0, 1] and |k| <= 1); a None state stays unmapped.
+    mask = case.options["mask"]
+    options = {name: value for name, value in case.options.items() if name != "mask"}
+    arrays = [x for x in case.args() if x is not None]
+    arrays = [mx.stack([x, 0.5 * x, 0.25 * x]) for x in arrays]
+    if mask is not None:
+        arrays.append(mx.stack([mask, ~mask, mask]))
+
+    def call(q, k, v, g, beta, *rest):
+        rest = list(rest)
+        slice_mask = rest.pop() if mask is not None else None
+        state = rest.pop() if rest else None
+        return gated_delta_rule(
+            q, k, v, g, beta, state, mask=slice_mask, algorithm=algorithm, **options
+        )
+
+    mapped_y, mapped_state = mx.vmap(call)(*arrays)
+    for i in range(3):
+        y, state = call(*(x[i] for x in arrays))
+        assert_bitwise_equal(f"y[{i}]", mapped_y[i], y)
+        assert_bitwise_equal(f"state[{i}]", mapped_state[i], state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_strided_inputs_give_the_result_of_their_contiguous_copies(algorithm, case):
+    # Views with other strides: every other element of an array twice as
+    # long in the head dim, and a state read through a transpose.
+    def strided(x):
+        if x is None:
+            return None
+        doubled = mx.repeat(x, 2, axis=-1)
+        return doubled[..., ::2]
+
+    contiguous_y, contiguous_state = run(case, algorithm)
+    q, k, v, g, beta, state = case.args()
+    if state is not None:
+        state = mx.swapaxes(mx.swapaxes(state, -1, -2) * 1, -1, -2)
+    y, final = gated_delta_rule(
+        strided(q), strided(k), strided(v), g[:, ::-1][:, ::-1], beta, state,
+        algorithm=algorithm, **case.options,
+    )
+    assert_bitwise_equal("y", y, contiguous_y)
+    assert_bitwise_equal("state", final, contiguous_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases())
+def test_any_stream_of_the_device_gives_the_same_result(algorithm, case):
+    default_y, default_state = run(case, algorithm)
+    y, state = run(case, algorithm, stream=second_stream())
+    assert_bitwise_equal("y", y, default_y)
+    assert_bitwise_equal("state", state, default_state)
+
+
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
+def test_grad_through_the_op_raises_a_clear_error(algorithm):
+    rng = np.random.default_rng(0)
+    q = mx.array(rng.standard_normal((1, 5, 1, 16)).astype(np.float32))
+    v = mx.array(rng.standard_normal((1, 5, 2, 16)).astype(np.float32))
+    g = mx.full((1, 5, 2), -0.1)
+    beta = mx.full((1, 5, 2), 0.5)
+
+    def loss(v):
+        y, _ = gated_delta_rule(q, q, v, g, beta, algorithm=algorithm)
+        return y.sum()
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.grad(loss)(v))
+    message = str(failure.value)
+    assert "gated_delta_rule" in message
+    assert "gradient" in message or "vjp" in message
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(with_state=st.just(True)))
+def test_state_guard_no_write_past_the_outputs(algorithm, case):
+    sentinel = 73.25
+    y, state, y_tail, state_tail = run_core_guarded(
+        *case.args(), **case.options, algorithm=algorithm, sentinel=sentinel
+    )
+    # y's sentinel words hold the sentinel in y's dtype (73.25 is 73.0 in bfloat16).
+    y_sentinel = mx.array(sentinel, dtype=case.v.dtype).astype(mx.float32).item()
+    assert y_tail.size == 16 and state_tail.size == 16
+    assert np.all(y_tail == y_sentinel), f"y written past its end: {y_tail}"
+    assert np.all(state_tail == sentinel), f"state written past its end: {state_tail}"
+    # The guarded run is the same kernel: its results meet the same contracts.
+    expected_y, expected_state = case.reference()
+    assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, dtype_name(case.v)])
+    assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])

@@ -1,0 +1,188 @@
+"""The benchmark's formulas, tables and robustness, and the command line (no timings here)."""
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from mlx_gated_delta import __main__ as cli
+from mlx_gated_delta import bench
+
+QWEN_DECODE = bench.qwen3_next(B=8, T=1, dtype="float32")
+QWEN_PREFILL_BF16 = bench.qwen3_next(B=1, T=2048, dtype="bfloat16")
+ROOFLINE = {"copy": {"bytes_per_s": 20e9}, "gemm": {"flop_per_s": 200e9}}
+
+
+def test_work_counts_eight_flop_per_state_element_and_token():
+    assert bench.work_flop(QWEN_PREFILL_BF16) == 8 * 1 * 2048 * 32 * 128 * 128
+
+
+def test_state_traffic_reads_and_writes_the_float32_state_once():
+    assert bench.state_traffic_bytes(QWEN_DECODE) == 2 * 8 * 32 * 128 * 128 * 4
+
+
+def test_io_bytes_count_activations_at_their_dtype_and_gates_and_state_in_float32():
+    s = QWEN_PREFILL_BF16
+    activations = (2 * 2048 * 16 * 128 + 2 * 2048 * 32 * 128) * 2  # q, k, v, y in bf16
+    gates = 2 * 2048 * 32 * 4  # g and beta
+    state = 2 * 32 * 128 * 128 * 4  # read and written
+    assert bench.io_bytes(s) == activations + gates + state
+
+
+def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
+    shapes = bench.benchmark_shapes(quick=True)
+    assert sorted((s.dtype, s.T) for s in shapes) == sorted(
+        (d, T) for d in ("bfloat16", "float32") for T in (1, 64, 512, 2048))
+    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 16, 32, 128, 128)}
+
+
+def test_mlx_core_is_skipped_beyond_2048_tokens_unless_full():
+    long = bench.qwen3_next(B=1, T=8192, dtype="float32")
+    assert "--full" in bench.skip_reason("mlx_core", long, full=False)
+    assert bench.skip_reason("mlx_core", long, full=True) is None
+    assert bench.skip_reason("auto", long, full=False) is None
+
+
+def test_repeats_fit_the_budget_and_never_drop_below_one():
+    budget = bench.Budget(seconds=1.0, max_repeats=5)
+    assert bench.repeats_within(budget, warm_up_seconds=0.3) == 3
+    assert bench.repeats_within(budget, warm_up_seconds=0.001) == 5
+    assert bench.repeats_within(budget, warm_up_seconds=4.0) == 1
+
+
+def test_the_higher_roofline_measurement_is_the_one_used():
+    slow = {"copy": {"bytes_per_s": 10e9}, "gemm": {"flop_per_s": 300e9}}
+    fast = {"copy": {"bytes_per_s": 25e9}, "gemm": {"flop_per_s": 100e9}}
+    best = bench.best_rooflines(slow, fast)
+    assert best["copy"]["bytes_per_s"] == 25e9
+    assert best["gemm"]["flop_per_s"] == 300e9
+
+
+def test_format_table_pads_columns_and_right_aligns_numbers():
+    table = bench.format_table(["shape", "ms"], [["a", "1.5"], ["longer", "12"]])
+    assert table.splitlines() == [
+        "shape    ms",
+        "------  ---",
+        "a       1.5",
+        "longer   12",
+    ]
+
+
+def _row(shape, seconds):
+    results = {}
+    for name, value in seconds.items():
+        if value == "error":
+            results[name] = {"status": "error", "error": "RuntimeError: boom"}
+        elif value == "skipped":
+            results[name] = {"status": "skipped", "reason": "not run"}
+        else:
+            results[name] = {"status": "ok", "median_s": value, "peak_allocated_bytes": 3 << 20}
+    row = {"label": shape.label, "shape": bench.dataclasses.asdict(shape),
+           "io_bytes": bench.io_bytes(shape), "results": results}
+    bench.add_derived_figures(row, shape, ROOFLINE)
+    return row
+
+
+def test_derived_figures_and_prefill_table_cells():
+    row = _row(QWEN_PREFILL_BF16, {"mlx_core": 3.0, "mlx_lm": "error", "recurrent": 0.2,
+                                   "chunked": 0.1, "auto": 0.11})
+    d = row["derived"]
+    assert d["speedup_vs_mlx_core"] == pytest.approx(3.0 / 0.11)
+    assert "speedup_vs_mlx_lm" not in d
+    assert d["tokens_per_s"] == pytest.approx(2048 / 0.11)
+    assert d["gflop_per_s"] == pytest.approx(bench.work_flop(QWEN_PREFILL_BF16) / 0.11 / 1e9)
+    assert d["auto_over_best_algorithm"] == pytest.approx(0.1)
+
+    _, _, line = bench.results_table([row], decode=False).splitlines()
+    assert line.startswith("qwen3-next bf16 B=1 T=2048")
+    assert line.split()[4:9] == ["3000", "err", "200", "100", "110"]  # core .. auto, ms
+    assert "+10%" in line
+    assert f"{100 * d['fraction_of_gemm']:.0f}" in line.split()
+
+
+def test_decode_table_reports_state_bandwidth_and_skips():
+    row = _row(QWEN_DECODE, {"mlx_core": "skipped", "mlx_lm": 0.004, "recurrent": 0.002,
+                             "chunked": 0.003, "auto": 0.002})
+    d = row["derived"]
+    assert d["state_gb_per_s"] == pytest.approx(bench.state_traffic_bytes(QWEN_DECODE) / 0.002 / 1e9)
+    assert d["fraction_of_copy"] == pytest.approx(d["state_gb_per_s"] * 1e9 / 20e9)
+    table = bench.results_table([row], decode=True)
+    assert "state GB/s" in table and "skip" in table
+    assert bench.results_table([row], decode=False).count("\n") == 1  # header and rule only
+
+
+def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkeypatch):
+    real = bench.implementation_call
+
+    def failing_chunked(name):
+        if name == "chunked":
+            def fail(x, state):
+                raise RuntimeError("chunked exploded")
+            return fail
+        return real(name)
+
+    monkeypatch.setattr(bench, "implementation_call", failing_chunked)
+    tiny = bench.Shape("tiny", B=1, T=5, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
+    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
+    row = bench.benchmark_row(tiny, pool_bytes=0, full=False,
+                              budget=bench.Budget(seconds=0.0, max_repeats=1), progress=progress)
+    progress.close()
+    bench.add_derived_figures(row, tiny, ROOFLINE)
+    assert row["results"]["chunked"] == {"status": "error",
+                                         "error": "RuntimeError: chunked exploded"}
+    assert row["results"]["auto"]["status"] == "ok"
+    assert "err" in bench.results_table([row], decode=False)
+    # Every implementation that ran computed the same outputs on the same inputs.
+    for name, result in row["results"].items():
+        if result["status"] == "ok":
+            assert result["max_rel_diff_vs_reference"] < 1e-5, name
+
+
+def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
+    # Run outside the checkout: `python -m` puts the working directory first on the path,
+    # and the checkout's package has no compiled extension.
+    done = subprocess.run([sys.executable, "-m", "mlx_gated_delta", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for command in ("demo", "bench", "selftest"):
+        assert command in done.stdout
+
+
+def test_cli_rejects_unknown_bench_options():
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["bench", "--no-such-option"])
+    assert exited.value.code == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlx_gated_delta.demo") is not None,
+                    reason="the demo module exists; this checks the message before it does")
+def test_demo_without_the_demo_module_says_so_and_exits_1(capsys):
+    assert cli.main(["demo"]) == 1
+    assert "demo" in capsys.readouterr().err
+
+
+def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # makes `import hypothesis` fail
+    assert cli.run_selftest(examples=None) == 2
+    assert 'pip install "mlx-gated-delta[test]"' in capsys.readouterr().err
+
+
+def test_examples_cap_reaches_tests_already_decorated_by_given():
+    from hypothesis import given, settings, strategies as st
+
+    calls = []
+
+    @settings(max_examples=50, database=None)
+    @given(st.integers())
+    def property_under_test(n):
+        calls.append(n)
+
+    class Item:
+        obj = property_under_test
+
+    plugin = cli._MaxExamples(3)
+    plugin.pytest_collection_modifyitems([Item()])
+    property_under_test()
+    assert plugin.applied == 1
+    assert 1 <= len(calls) <= 3
