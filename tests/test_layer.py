@@ -22,8 +22,8 @@ from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 FINGERPRINTS = {
     "layer.mlx_lm_parity.v1.float32.logits": "0aa68ae7e77d112a6295edd3657f3e00672a9af3bcd75c7c9cbe79ceab3dda84",
     "layer.self_consistency.v1.float32.logits": "445df9eb6274dbf22c30436cc66e7c3e42d2abed1d139543a27e7b6354ca3d1f",
-    "segment.v1.float32.output": "7b749c47fca780602a596d81206f7a9b726b83f6d657effd7c854dc3bbf657a9",
-    "segment.v1.float32.state": "0f79878ce9d419e4ca31fe89d1481319c47c50bc0280091cb815459e7cce4e0c",
+    "segment.oracle.v1.float32.output": "40207f84c462abee617c74420ffdab7717eaf0b1fd4e969d77f2f710915de8a7",
+    "segment.oracle.v1.float32.state": "4364bced425086234a7b59e9d303135c479c8bfd938b4f34af08eebb8553ea16",
 }
 
 
@@ -125,7 +125,7 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
     )
     # mlx-lm's layer is a float32 computation of the same math: within the
     # float32 contract of the exact result.
-    check("out", expected, out, "segment.v1.float32.output")
+    check("out", expected, out, "segment.oracle.v1.float32.output")
 
 
 # ---------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     assert our_cache[0].shape == stock_cache[0].shape == (2, 3, 2 * 2 * 16 + 4 * 8)
     assert our_cache[0].dtype == stock_cache[0].dtype
     assert np.array_equal(to_float64(our_cache[0]), to_float64(stock_cache[0]))
-    check("state", our_cache[1], stock_cache[1], "segment.v1.float32.state")
+    check("state", our_cache[1], stock_cache[1], "segment.oracle.v1.float32.state")
     valid = np.asarray(mask)
     check("out", to_float64(our_out)[valid][None], to_float64(stock_out)[valid][None],
           "layer.mlx_lm_parity.v1.float32.logits")

@@ -14,11 +14,11 @@ from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
 
 FINGERPRINTS = {
-    "segment.v1.float32.output": "7b749c47fca780602a596d81206f7a9b726b83f6d657effd7c854dc3bbf657a9",
-    "segment.v1.float16.output": "d6400c07921e5dd5c710b879364468080f902656eb16f6a7d70f6906e50f23d5",
-    "segment.v1.bfloat16.output": "57f27faa9a7603c5b4c7a8a65e75a19c436d58fff9e9c195170e58434f78b473",
-    "segment.v1.float32.state": "0f79878ce9d419e4ca31fe89d1481319c47c50bc0280091cb815459e7cce4e0c",
-    "segment.v1.any.conv_state": "7db6ec11dfd6c31fa5aa89c49783f67ffc68058e7d9cc09f32145638a5582852",
+    "segment.oracle.v1.float32.output": "40207f84c462abee617c74420ffdab7717eaf0b1fd4e969d77f2f710915de8a7",
+    "segment.oracle.v1.float16.output": "c400503392be8dfd478ab2f98262348769d30f41976a9f97dc47636b85f0c08b",
+    "segment.oracle.v1.bfloat16.output": "ad027a27315a35cde7439197a8c98de1d2b8b14d747dca1c107054e3a442d6af",
+    "segment.oracle.v1.float32.state": "4364bced425086234a7b59e9d303135c479c8bfd938b4f34af08eebb8553ea16",
+    "segment.oracle.v1.any.conv_state": "fe06803807ee832b34c14cc09e7cd7852ecbb7b53f635cbbf1e650c596815340",
     "segment.recurrent_split.v1.any.output": "ccba8c3ccebfae03d03259f9b0271bf8802a6e90ed6e9fc1fa0e9fe2b4a8477e",
     "segment.recurrent_split.v1.float32.state": "12377f9631053bab5f68feaf4fff0fcb6abf9180a23c2ed0f49084413a2aa67e",
     "segment.recurrent_split.v1.any.conv_state": "17979dac54531b01ff46383404e1b88d74abe524b8059675ed24230f794ee815",
@@ -48,9 +48,9 @@ def test_segment_matches_oracle(case, algorithm):
     assert out.dtype == case.mixed.dtype
     assert conv_state.dtype == case.mixed.dtype
     assert state.dtype == mx.float32
-    check("out", out, expected_out, f"segment.v1.{dtype_name(out)}.output")
-    check("state", state, expected_state, "segment.v1.float32.state")
-    check("conv_state", conv_state, expected_conv_state, "segment.v1.any.conv_state")
+    check("out", out, expected_out, f"segment.oracle.v1.{dtype_name(out)}.output")
+    check("state", state, expected_state, "segment.oracle.v1.float32.state")
+    check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
 
 
 def split_runs(case, split_points, algorithm):
@@ -126,9 +126,9 @@ def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapp
     expected = case.reference()
     for algorithm in ("recurrent", "chunked"):
         full = run(case, algorithm=algorithm)
-        check("full out", full[0], expected[0], "segment.v1.float16.output")
-        check("full conv_state", full[1], expected[1], "segment.v1.any.conv_state")
-        check("full state", full[2], expected[2], "segment.v1.float32.state")
+        check("full out", full[0], expected[0], "segment.oracle.v1.float16.output")
+        check("full conv_state", full[1], expected[1], "segment.oracle.v1.any.conv_state")
+        check("full state", full[2], expected[2], "segment.oracle.v1.float32.state")
     full = run(case, algorithm="recurrent")
     parts = split_runs(case, [3], "recurrent")
     check("split out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
@@ -158,9 +158,9 @@ def test_masked_token_is_an_omitted_token(case):
             row(case.state),
             **options,
         )
-        check("kept out", out[b : b + 1, kept], expected[0], "segment.v1.float32.output")
-        check("conv_state", conv_state[b : b + 1], expected[1], "segment.v1.any.conv_state")
-        check("state", state[b : b + 1], expected[2], "segment.v1.float32.state")
+        check("kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v1.float32.output")
+        check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
+        check("state", state[b : b + 1], expected[2], "segment.oracle.v1.float32.state")
 
 
 def test_conv_state_comes_from_the_carried_state_when_few_tokens_are_kept():
