@@ -6,6 +6,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "segment/projection_op.h"
 #include "segment/segment_op.h"
 
 namespace nb = nanobind;
@@ -44,6 +45,12 @@ void bind_segment(nb::module_& m) {
       "value_heads"_a, "key_dim"_a, "value_dim"_a, "decay_parameterization"_a,
       "head_mapping"_a, "norm_eps"_a, "mask"_a.none(), "algorithm"_a,
       "stream"_a.none());
+  m.def(
+      "linear_projection",
+      [](const mlx::core::array& x, const mlx::core::array& weight,
+         mlx::core::StreamOrDevice s) { return linear_projection(x, weight, s); },
+      "x"_a, "weight"_a, "stream"_a.none(),
+      "x @ weight.T on the CPU (the layer's dense projections).");
 }
 
 }  // namespace mlx_gated_delta

@@ -160,6 +160,14 @@ _SEGMENT_CONTRACTS = (
     # padding, split prompt): float32 sums in another order (the chunked and
     # recurrent cores), each within the float32 contract of exact.
     Contract("layer.self_consistency.v1.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS),
+    # The layer's dense projection (x W^T) against float64 on the same
+    # rounded inputs: float32 dot products of length K err by about
+    # sqrt(K) 2^-24 relative (3e-6 at K = 2048; 3.3e-7 seen), then the output
+    # is rounded to its dtype (norm ratio at most half an ulp: 2^-11, 2^-8;
+    # seen 2.3e-4 and 1.9e-3).
+    Contract("projection.linear.v1.float32.output", "norm_ratio", 1e-5, _LOGITS),
+    Contract("projection.linear.v1.float16.output", "norm_ratio", _FLOAT16_RELATIVE, _LOGITS),
+    Contract("projection.linear.v1.bfloat16.output", "norm_ratio", _BFLOAT16_RELATIVE, _LOGITS),
 )
 
 CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS}
