@@ -1,6 +1,9 @@
 #include "segment/projection_cpu.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu/small_gemm.h"
@@ -24,6 +27,24 @@ constexpr int kBlockIn = 256;
 // packing. From this many rows on, the blocked GEMM's reuse wins.
 constexpr int64_t kGemmMinRows = 32;
 
+// Widens n values to float32. bfloat16 is the high half of a float32, so a
+// shift of its bits widens it exactly, and unlike the element type's
+// conversion operator this loop vectorizes (decode reads all of W this way).
+template <typename T>
+inline void widen(const T* src, int n, float* dst) {
+  if constexpr (std::is_same_v<T, bfloat16_t>) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int i = 0; i < n; ++i) {
+      dst[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      dst[i] = static_cast<float>(src[i]);
+    }
+  }
+}
+
 template <typename T>
 void linear_by_dots(
     int64_t rows, int in_features, int out_features, const float* x,
@@ -34,10 +55,7 @@ void linear_by_dots(
     std::vector<float> w_row(in_features);
     const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
     for (int o = task * kRowsPerTask; o < out_end; ++o) {
-      const T* w = weight + int64_t(o) * in_features;
-      for (int i = 0; i < in_features; ++i) {
-        w_row[i] = static_cast<float>(w[i]);
-      }
+      widen(weight + int64_t(o) * in_features, in_features, w_row.data());
       for (int64_t r = 0; r < rows; ++r) {
         const float* x_row = x + r * in_features;
         float sum = 0.0f;
