@@ -139,6 +139,19 @@ def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkey
             assert result["max_rel_diff_vs_reference"] < 1e-5, name
 
 
+def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotated_ones():
+    tiny_decode = bench.Shape("tiny", B=2, T=1, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
+    pool = 6 * bench.state_bytes(tiny_decode)
+    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
+    row = bench.benchmark_row(tiny_decode, pool_bytes=pool, full=False,
+                              budget=bench.Budget(seconds=0.0, max_repeats=1), progress=progress)
+    progress.close()
+    assert row["rotated_states"] == 6
+    for name, result in row["results"].items():
+        assert result["status"] == "ok", name
+        assert result["max_rel_diff_vs_reference"] < 1e-5, name
+
+
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
     # Run outside the checkout: `python -m` puts the working directory first on the path,
     # and the checkout's package has no compiled extension.

@@ -46,8 +46,15 @@ def word(name):
     return rf"(?<![\w.]){re.escape(name)}(?!\w)"
 
 
+# gated_delta_update forwards to the core op, whose messages name the core's
+# arguments ("state", "g") rather than the ones the caller passed.
+NAMES_THE_CORE_ARGUMENT = pytest.mark.xfail(
+    strict=True, reason="gated_delta_update's messages name state/g, not initial_state/gamma"
+)
+
 BAD_INPUTS = [
-    # (id, call, exception, [regexes the message must contain: argument, expected, actual])
+    # (id, call, exception, [regexes the message must contain: argument,
+    #  expected, actual], optionally a mark)
     ("q rank 3", call_rule(q=mx.zeros((B, T, 32))), ValueError,
      [word("q"), re.escape("[B, T, Hk, Dk]"), shape(B, T, 32)]),
     ("k rank 5", call_rule(k=mx.zeros((B, T, HK, DK, 1))), ValueError,
@@ -97,15 +104,18 @@ BAD_INPUTS = [
      [word("gamma"), re.escape("[B, T, Hv]"), shape(B, T, HV, DK)]),
     ("update: initial_state of the wrong shape",
      call_update(initial_state=mx.zeros((1, HV, DV, DK))), ValueError,
-     [r"state", shape(B, HV, DV, DK), shape(1, HV, DV, DK)]),
+     [word("initial_state"), shape(B, HV, DV, DK), shape(1, HV, DV, DK)],
+     NAMES_THE_CORE_ARGUMENT),
+    ("update: gamma of the wrong rank", call_update(g=mx.ones((B, T))), ValueError,
+     [word("gamma"), shape(B, T, HV), shape(B, T)], NAMES_THE_CORE_ARGUMENT),
     ("update: mask of the wrong shape", call_update(mask=mx.ones((B,), dtype=mx.bool_)),
      ValueError, [word("mask"), shape(B, T), shape(B)]),
 ]
 
 
 @pytest.mark.parametrize(
-    "call, exception, fragments", [case[1:] for case in BAD_INPUTS],
-    ids=[case[0] for case in BAD_INPUTS],
+    "call, exception, fragments",
+    [pytest.param(*case[1:4], id=case[0], marks=case[4:]) for case in BAD_INPUTS],
 )
 def test_bad_input_gets_a_clear_error(call, exception, fragments):
     with pytest.raises(exception) as failure:

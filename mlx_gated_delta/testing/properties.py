@@ -135,13 +135,9 @@ def split_cases(draw, algorithm):
     return case, sorted(points)
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-@given(data=st.data())
-def test_split_continuity_any_split_points(algorithm, data):
-    case, points = data.draw(split_cases(algorithm))
-    full_y, full_state = run(case, algorithm)
-
-    bounds = [0, *points, case.q.shape[1]]
+def run_in_calls(case, bounds, algorithm):
+    """The tokens of a case in consecutive calls [bounds[i], bounds[i+1]),
+    each passing its state to the next: (concatenated y, final state)."""
     state = case.state
     pieces = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
@@ -149,19 +145,24 @@ def test_split_continuity_any_split_points(algorithm, data):
             return None if x is None else x[:, start:stop]
 
         y, state = gated_delta_rule(
-            part(case.q), part(case.k), part(case.v), part(case.g), part(case.beta),
-            state, scale=case.options["scale"],
-            head_mapping=case.options["head_mapping"],
-            mask=part(case.options["mask"]),
-            normalize_qk=case.options["normalize_qk"], algorithm=algorithm,
+            *(part(x) for x in case.args()[:5]), state, algorithm=algorithm,
+            **{**case.options, "mask": part(case.options["mask"])},
         )
         pieces.append(y)
-    split_y = mx.concatenate(pieces, axis=1)
-    mx.eval(split_y, state)
+    y = mx.concatenate(pieces, axis=1)
+    mx.eval(y, state)
+    return y, state
 
-    (output_contract, state_contract) = SPLIT_CONTRACTS[algorithm]
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_split_continuity_any_split_points(algorithm, data):
+    case, points = data.draw(split_cases(algorithm))
+    full_y, full_state = run(case, algorithm)
+    split_y, split_state = run_in_calls(case, [0, *points, case.q.shape[1]], algorithm)
+    output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
     assert_matches("y", split_y, full_y, *output_contract)
-    assert_matches("state", state, full_state, *state_contract)
+    assert_matches("state", split_state, full_state, *state_contract)
 
 
 @given(case=core_cases(dtypes=("float32",), tokens=st.integers(2, 160)), data=st.data())
@@ -171,30 +172,14 @@ def test_prefill_then_token_by_token_decode_matches_one_call(case, data):
     tokens = case.q.shape[1]
     prompt = data.draw(st.integers(1, tokens - 1), label="prompt tokens")
     full_y, full_state = run(case, "auto")
-
-    def step(start, stop, state):
-        def part(x):
-            return None if x is None else x[:, start:stop]
-
-        return gated_delta_rule(
-            part(case.q), part(case.k), part(case.v), part(case.g), part(case.beta),
-            state, algorithm="auto", **{**case.options, "mask": part(case.options["mask"])},
-        )
-
-    y, state = step(0, prompt, case.state)
-    pieces = [y]
-    for t in range(prompt, tokens):
-        y, state = step(t, t + 1, state)
-        pieces.append(y)
-    decoded_y = mx.concatenate(pieces, axis=1)
-    mx.eval(decoded_y, state)
+    decoded_y, decoded_state = run_in_calls(case, [0, *range(prompt, tokens + 1)], "auto")
     assert_matches(
         "y", decoded_y, full_y,
         "core.chunked_vs_recurrent.v1.float32.output",
         "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
     )
     assert_matches(
-        "state", state, full_state,
+        "state", decoded_state, full_state,
         "core.chunked_vs_recurrent.v1.float32.state",
         "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
     )
@@ -278,8 +263,8 @@ def test_works_under_compile(algorithm, case):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @given(case=core_cases())
 def test_vmap_is_one_call_per_mapped_slice(algorithm, case):
-    # Map over a new leading axis of three different slices (scaling keeps
-    # beta in [0, 1] and |k| <= 1); a None state stays unmapped.
+    # Map over a new leading axis of three different slices (scaling down
+    # keeps beta and |k| in their ranges); a None state stays unmapped.
     mask = case.options["mask"]
     options = {name: value for name, value in case.options.items() if name != "mask"}
     arrays = [x for x in case.args() if x is not None]
@@ -306,20 +291,23 @@ def test_vmap_is_one_call_per_mapped_slice(algorithm, case):
 @given(case=core_cases())
 def test_strided_inputs_give_the_result_of_their_contiguous_copies(algorithm, case):
     # Views with other strides: every other element of an array twice as
-    # long in the head dim, and a state read through a transpose.
-    def strided(x):
+    # long in the head dim; gates and state read through a transpose of an
+    # array stored transposed.
+    def every_other(x):
+        return mx.repeat(x, 2, axis=-1)[..., ::2]
+
+    def transposed_view(x, axis1, axis2):
         if x is None:
             return None
-        doubled = mx.repeat(x, 2, axis=-1)
-        return doubled[..., ::2]
+        stored_transposed = mx.contiguous(mx.swapaxes(x, axis1, axis2))
+        return mx.swapaxes(stored_transposed, axis1, axis2)
 
     contiguous_y, contiguous_state = run(case, algorithm)
     q, k, v, g, beta, state = case.args()
-    if state is not None:
-        state = mx.swapaxes(mx.swapaxes(state, -1, -2) * 1, -1, -2)
     y, final = gated_delta_rule(
-        strided(q), strided(k), strided(v), g[:, ::-1][:, ::-1], beta, state,
-        algorithm=algorithm, **case.options,
+        every_other(q), every_other(k), every_other(v),
+        transposed_view(g, 1, 2), transposed_view(beta, 0, 1),
+        transposed_view(state, 2, 3), algorithm=algorithm, **case.options,
     )
     assert_bitwise_equal("y", y, contiguous_y)
     assert_bitwise_equal("state", final, contiguous_state)
@@ -335,22 +323,43 @@ def test_any_stream_of_the_device_gives_the_same_result(algorithm, case):
 
 
 @pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
-def test_grad_through_the_op_raises_a_clear_error(algorithm):
+@pytest.mark.parametrize("wrt", ("q", "k", "v", "g", "beta", "state"))
+def test_grad_through_the_op_raises_a_clear_error(algorithm, wrt):
+    # No vjp yet: a gradient must be refused, never silently wrong (or zero).
     rng = np.random.default_rng(0)
-    q = mx.array(rng.standard_normal((1, 5, 1, 16)).astype(np.float32))
-    v = mx.array(rng.standard_normal((1, 5, 2, 16)).astype(np.float32))
-    g = mx.full((1, 5, 2), -0.1)
-    beta = mx.full((1, 5, 2), 0.5)
+    inputs = {
+        "q": rng.standard_normal((1, 5, 1, 16)),
+        "k": rng.standard_normal((1, 5, 1, 16)) * 0.2,
+        "v": rng.standard_normal((1, 5, 2, 16)),
+        "g": np.full((1, 5, 2), -0.1),
+        "beta": np.full((1, 5, 2), 0.5),
+        "state": rng.standard_normal((1, 2, 16, 16)),
+    }
+    inputs = {name: mx.array(x.astype(np.float32)) for name, x in inputs.items()}
 
-    def loss(v):
-        y, _ = gated_delta_rule(q, q, v, g, beta, algorithm=algorithm)
-        return y.sum()
+    def loss(x):
+        y, state = gated_delta_rule(**{**inputs, wrt: x}, algorithm=algorithm)
+        return y.sum() + state.sum()
 
     with pytest.raises(Exception) as failure:
-        mx.eval(mx.grad(loss)(v))
+        mx.eval(mx.grad(loss)(inputs[wrt]))
     message = str(failure.value)
     assert "gated_delta_rule" in message
     assert "gradient" in message or "vjp" in message
+
+
+def test_forward_mode_differentiation_raises_a_clear_error():
+    q = mx.ones((1, 3, 1, 16)) * 0.1
+    v = mx.ones((1, 3, 1, 16))
+    g = mx.zeros((1, 3, 1))
+
+    def outputs(v):
+        return gated_delta_rule(q, q, v, g, g + 0.5)
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.jvp(outputs, [v], [mx.ones_like(v)]))
+    message = str(failure.value)
+    assert "gated_delta_rule" in message and "jvp" in message
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

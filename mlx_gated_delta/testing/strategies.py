@@ -51,8 +51,10 @@ DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # Token counts around the chunk boundaries of the chunked algorithm (64).
 # T == 0 has a property of its own (tests draw it explicitly).
 BOUNDARY_TOKENS = (1, 2, 63, 64, 65, 127, 128, 129, 145)
-# Small dims, the dims that are not powers of two (80, 96), and the models' 128.
+# Small dims, the dims that are not powers of two (80, 96), and the models' 128;
+# then dims no vector width divides, and one past the SIMD kernels' 128.
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
+ODD_HEAD_DIMS = (1, 3, 17, 130)
 HEAD_RATIOS = (1, 2, 4)
 
 # Per-token log decays: none, mild, model-like, and strong enough that the
@@ -173,6 +175,7 @@ def core_cases(
     with_state=st.booleans(),
 ):
     """A core op call over the shapes and options of API.md section 1."""
+    head_dims = st.one_of(st.sampled_from(HEAD_DIMS), st.sampled_from(ODD_HEAD_DIMS))
     key_heads = draw(st.integers(1, 2))
     dtype = draw(st.sampled_from(dtypes))
     return make_core_case(
@@ -181,8 +184,8 @@ def core_cases(
         tokens=draw(tokens),
         key_heads=key_heads,
         value_heads=key_heads * draw(st.sampled_from(HEAD_RATIOS)),
-        key_dim=draw(st.sampled_from(HEAD_DIMS)),
-        value_dim=draw(st.sampled_from(HEAD_DIMS)),
+        key_dim=draw(head_dims),
+        value_dim=draw(head_dims),
         dtype=dtype,
         gate_dtype=draw(st.sampled_from(("float32", dtype))),
         decay=draw(st.sampled_from(tuple(DECAY_RANGES))),
