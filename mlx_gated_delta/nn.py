@@ -14,6 +14,13 @@ arrays; the layer compares them by identity, which costs nothing per call).
 This is simpler than renaming parameters and translating checkpoints, and it
 keeps every mlx-lm tool working; the price is a second copy of the input
 projections' weights (about 1% of a Qwen3-Next model).
+
+On the CPU the dense projections (the packed input projection and
+`out_proj`) run through our blocked kernel instead of MLX's CPU matmul, which
+is 10-100x slower on the machines measured; quantized projections use MLX's
+`quantized_matmul`. The segment has CPU kernels only for now: off the CPU (a
+Mac's GPU) it runs on the CPU stream. There is no gradient through the
+segment yet: these layers are for inference (mlx-lm's own layers train).
 """
 
 from __future__ import annotations
