@@ -96,15 +96,16 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
          const std::optional<mx::array>& state, std::optional<float> scale,
          const std::string& head_mapping, const std::optional<mx::array>& mask,
          bool normalize_qk, const std::string& algorithm,
-         mx::StreamOrDevice stream) {
+         mx::StreamOrDevice stream, const std::string& g_name,
+         const std::string& state_name) {
         auto out = gated_delta_rule(
             q, k, v, g, beta, state, scale, head_mapping, mask, normalize_qk,
-            algorithm, stream);
+            algorithm, stream, CoreArgumentNames{g_name, state_name});
         return nb::make_tuple(out[0], out[1]);
       },
       "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a.none(), "scale"_a.none(),
       "head_mapping"_a, "mask"_a.none(), "normalize_qk"_a, "algorithm"_a,
-      "stream"_a.none());
+      "stream"_a.none(), "g_name"_a = "g", "state_name"_a = "state");
 
   m.def(
       "supports_simd_delta",

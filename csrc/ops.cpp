@@ -34,7 +34,7 @@ std::string dtype_string(mx::Dtype dtype) {
   throw std::invalid_argument(message);
 }
 
-void check_rank(const char* name, const mx::array& a, int rank, const char* layout) {
+void check_rank(const std::string& name, const mx::array& a, int rank, const char* layout) {
   if (a.ndim() != rank) {
     std::ostringstream out;
     out << name << " must have rank " << rank << " " << layout << ", got shape "
@@ -43,7 +43,7 @@ void check_rank(const char* name, const mx::array& a, int rank, const char* layo
   }
 }
 
-void check_shape(const char* name, const mx::array& a, const mx::Shape& expected,
+void check_shape(const std::string& name, const mx::array& a, const mx::Shape& expected,
                  const char* layout) {
   if (a.shape() != expected) {
     std::ostringstream out;
@@ -66,10 +66,10 @@ void check_activation_dtype(const char* name, const mx::array& a) {
   }
 }
 
-void check_floating(const char* name, const mx::array& a) {
+void check_floating(const std::string& name, const mx::array& a) {
   if (!mx::issubdtype(a.dtype(), mx::floating)) {
     throw std::domain_error(
-        std::string(name) + " must be a floating-point array, got " +
+        name + " must be a floating-point array, got " +
         dtype_string(a.dtype()));
   }
 }
@@ -88,7 +88,8 @@ std::vector<mx::array> gated_delta_rule(
     const std::optional<mx::array>& mask,
     bool normalize_qk,
     const std::string& algorithm,
-    mx::StreamOrDevice s) {
+    mx::StreamOrDevice s,
+    const CoreArgumentNames& names) {
   GatedDeltaParams p;
   p.head_mapping = parse_head_mapping(head_mapping);
   Algorithm requested = parse_algorithm(algorithm);
@@ -114,14 +115,15 @@ std::vector<mx::array> gated_delta_rule(
         << ")";
     fail_value(out.str());
   }
-  check_shape("g", g, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
+  check_shape(names.g, g, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
   check_shape("beta", beta, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
   const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
   if (state) {
-    check_shape("state", *state, state_shape, "[B, Hv, Dv, Dk]");
+    check_shape(names.state, *state, state_shape, "[B, Hv, Dv, Dk]");
     if (state->dtype() != mx::float32) {
       throw std::domain_error(
-          "state must be float32 (the recurrent state is kept in float32), got " +
+          names.state +
+          " must be float32 (the recurrent state is kept in float32), got " +
           dtype_string(state->dtype()));
     }
   }
@@ -140,7 +142,7 @@ std::vector<mx::array> gated_delta_rule(
         "q, k and v must share one dtype, got q " + dtype_string(q.dtype()) +
         ", k " + dtype_string(k.dtype()) + ", v " + dtype_string(v.dtype()));
   }
-  check_floating("g", g);
+  check_floating(names.g, g);
   check_floating("beta", beta);
   p.scale = scale.value_or(1.0f / std::sqrt(static_cast<float>(p.key_dim)));
   if (!std::isfinite(p.scale)) {

@@ -9,6 +9,13 @@
 
 namespace mlx_gated_delta {
 
+// How error messages name the gate and the state: the MLX-compatible entry
+// point calls them gamma and initial_state (and passes log(gamma) as g).
+struct CoreArgumentNames {
+  std::string g = "g";
+  std::string state = "state";
+};
+
 // API.md section 1. Returns {y, state}.
 std::vector<mlx::core::array> gated_delta_rule(
     const mlx::core::array& q,
@@ -22,6 +29,7 @@ std::vector<mlx::core::array> gated_delta_rule(
     const std::optional<mlx::core::array>& mask,
     bool normalize_qk,
     const std::string& algorithm,
-    mlx::core::StreamOrDevice s = {});
+    mlx::core::StreamOrDevice s = {},
+    const CoreArgumentNames& names = {});
 
 }  // namespace mlx_gated_delta

@@ -742,6 +742,13 @@ def run_layer_rows(quick: bool, progress: Progress) -> tuple[Optional[list], Opt
 # ---------------------------------------------------------------------------------------
 
 
+def _regex(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as error:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="Qwen3-Next B=1 at T in {1, 64, 512, 2048}, f32 and bf16, fewer "
@@ -749,7 +756,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", action="store_true",
                         help=f"also run MLX core at T > {MLX_CORE_MAX_T_UNLESS_FULL} "
                              "(slow: about 2 s per 1000 tokens, after a longer warm-up)")
-    parser.add_argument("--filter", metavar="REGEX",
+    parser.add_argument("--filter", metavar="REGEX", type=_regex,
                         help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
                              "(the whole-layer rows are then left out)")
     parser.add_argument("--out", metavar="DIR", default="benchmarks/out",
@@ -760,8 +767,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     shapes = benchmark_shapes(args.quick)
     if args.filter:
-        pattern = re.compile(args.filter)
-        shapes = [s for s in shapes if pattern.search(s.label)]
+        shapes = [s for s in shapes if args.filter.search(s.label)]
+        if not shapes:
+            raise SystemExit(f"no benchmark row matches --filter {args.filter.pattern!r}")
     budget = Budget(seconds=1.0, max_repeats=15) if args.quick else Budget(seconds=3.0, max_repeats=30)
     decode_budget = Budget(seconds=1.0, max_repeats=50) if args.quick else Budget(seconds=2.0, max_repeats=200)
 

@@ -16,6 +16,13 @@ def _require_array(name: str, value) -> None:
         raise TypeError(f"{name} must be an mlx.core.array, got {type(value).__name__}")
 
 
+def _check_core_arguments(q, k, v, beta, mask) -> None:
+    for name, value in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        _require_array(name, value)
+    if mask is not None:
+        _require_array("mask", mask)
+
+
 def gated_delta_rule(
     q: mx.array,
     k: mx.array,
@@ -57,12 +64,10 @@ def gated_delta_rule(
     Returns:
         ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state.
     """
-    for name, value in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-        _require_array(name, value)
+    _check_core_arguments(q, k, v, beta, mask)
+    _require_array("g", g)
     if state is not None:
         _require_array("state", state)
-    if mask is not None:
-        _require_array("mask", mask)
     for name, value in (("head_mapping", head_mapping), ("algorithm", algorithm)):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
@@ -88,15 +93,18 @@ def gated_delta_update(
     head mapping is grouped. Unlike MLX's op, ``gamma`` and ``beta`` are never
     rounded to the activation dtype, and ``gamma == 0`` wipes the state exactly.
     """
+    _check_core_arguments(q, k, v, beta, mask)
     _require_array("gamma", gamma)
     if gamma.ndim == 4:
         raise ValueError(
             "gamma of shape [B, T, Hv, Dk] (per-key-dim gates) is not supported yet; "
             f"expected [B, T, Hv], got {tuple(gamma.shape)}"
         )
+    if initial_state is not None:
+        _require_array("initial_state", initial_state)
     # log(0) = -inf is a decay of exactly 0: the kernels treat it as a wipe.
     g = mx.log(gamma.astype(mx.float32, stream=stream), stream=stream)
-    return gated_delta_rule(
-        q, k, v, g, beta, initial_state, scale=1.0, head_mapping="grouped",
-        mask=mask, stream=stream,
+    return _ext.gated_delta_rule(
+        q, k, v, g, beta, initial_state, 1.0, "grouped", mask, False, "auto", stream,
+        g_name="gamma", state_name="initial_state",
     )

@@ -3,6 +3,7 @@
 import importlib.util
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -152,6 +153,50 @@ def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotat
         assert result["max_rel_diff_vs_reference"] < 1e-5, name
 
 
+def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
+    seen = {}
+
+    def run_layer_benchmark(quick, progress=None):
+        seen["quick"] = quick
+        progress("layer decode B=1")
+        return [{"name": "decode", "shape": "B=1 T=1", "ours_ms": 1.5, "mlx_lm_ms": 6.0,
+                 "speedup": 4.0}]
+
+    fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
+    fake.run_layer_benchmark = run_layer_benchmark
+    monkeypatch.setitem(sys.modules, bench.LAYER_BENCHMARK_MODULE, fake)
+    progress = bench.Progress(total=1)
+    rows, note = bench.run_layer_rows(quick=True, progress=progress)
+    progress.close()
+    assert seen == {"quick": True} and note is None
+    assert bench.layer_table(rows).splitlines()[2].split() == [
+        "decode", "B=1", "T=1", "1.5", "6", "4.0"]
+
+
+def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):
+    def run_layer_benchmark(quick, progress=None):
+        raise RuntimeError("no layer today")
+
+    fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
+    fake.run_layer_benchmark = run_layer_benchmark
+    monkeypatch.setitem(sys.modules, bench.LAYER_BENCHMARK_MODULE, fake)
+    rows, note = bench.run_layer_rows(quick=True, progress=lambda label: None)
+    assert rows is None and "RuntimeError: no layer today" in note
+
+
+def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
+    progress = bench.Progress(total=4)
+    progress("first step")
+    progress.advance()
+    progress("second step")
+    progress.close()
+    err = capsys.readouterr().err
+    assert "0/4" in err and "first step" in err
+    assert "1/4" in err and "second step" in err
+    assert "[" + "#" * 7 + "." in err  # a quarter of the 30-character bar
+
+
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
     # Run outside the checkout: `python -m` puts the working directory first on the path,
     # and the checkout's package has no compiled extension.
@@ -162,9 +207,11 @@ def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
         assert command in done.stdout
 
 
-def test_cli_rejects_unknown_bench_options():
+@pytest.mark.parametrize("argv", [["bench", "--no-such-option"], ["bench", "--filter", "T=("],
+                                  ["selftest", "--examples", "0"]])
+def test_cli_rejects_bad_arguments_with_a_usage_error(argv):
     with pytest.raises(SystemExit) as exited:
-        cli.main(["bench", "--no-such-option"])
+        cli.main(argv)
     assert exited.value.code == 2
 
 

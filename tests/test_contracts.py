@@ -9,10 +9,10 @@ import pytest
 from mlx_gated_delta.testing import contracts
 from mlx_gated_delta.testing.contracts import CONTRACTS, Contract, assert_matches
 
-F32_OUTPUT = "core.recurrent.v1.float32.output"
-F32_OUTPUT_FINGERPRINT = "44ea261e2607b94f705aeb3408b1ca9704537b6361e890ed400231b28d847c29"
-F32_STATE = "core.recurrent.v1.float32.state"
-F32_STATE_FINGERPRINT = "92bc569fa0e8af4e88824e5d66875f5d280724102ad282e6f2e58276a36f5b58"
+F32_OUTPUT = "core.recurrent.v2.float32.output"
+F32_OUTPUT_FINGERPRINT = "b8d4bf432be51cb8c0a7c6234e15d988487624b77195f1609b8ffe9e2319189d"
+F32_STATE = "core.recurrent.v2.float32.state"
+F32_STATE_FINGERPRINT = "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260"
 
 
 def output_like(seed=0, shape=(2, 5, 3, 4)):
@@ -27,19 +27,24 @@ def test_registry_ids_metrics_and_fingerprints_are_well_formed():
         assert contract.metric in contracts.METRICS
         assert contract.layout in contracts.LAYOUTS
         assert contract.threshold >= 0.0
+        # A relative metric needs a floor under its denominator.
+        assert (contract.magnitude_floor > 0) == (contract.metric != "max_abs")
         assert contract.canonical_text == (
             f"{contract.id}|{contract.metric}|{contract.threshold!r}|{contract.layout}"
+            f"|{contract.magnitude_floor!r}"
         )
     fingerprints = [c.fingerprint for c in CONTRACTS.values()]
     assert len(set(fingerprints)) == len(fingerprints)
 
 
 def test_fingerprint_is_the_sha256_of_the_canonical_text():
-    contract = Contract("x.y.v1.float32.output", "max_abs", 0.5, "[B,T,H,D]")
-    text = b"x.y.v1.float32.output|max_abs|0.5|[B,T,H,D]"
+    contract = Contract("x.y.v1.float32.output", "max_rel", 0.5, "[B,T,H,D]", 0.01)
+    text = b"x.y.v1.float32.output|max_rel|0.5|[B,T,H,D]|0.01"
     assert contract.fingerprint == hashlib.sha256(text).hexdigest()
-    loosened = Contract("x.y.v1.float32.output", "max_abs", 0.6, "[B,T,H,D]")
+    loosened = Contract("x.y.v1.float32.output", "max_rel", 0.6, "[B,T,H,D]", 0.01)
     assert loosened.fingerprint != contract.fingerprint
+    floored_higher = Contract("x.y.v1.float32.output", "max_rel", 0.5, "[B,T,H,D]", 0.1)
+    assert floored_higher.fingerprint != contract.fingerprint
 
 
 def test_a_fingerprint_mismatch_fails_even_when_the_values_agree():
@@ -77,36 +82,45 @@ def test_a_violation_names_the_worst_element_and_its_index():
 
 def test_max_rel_divides_by_the_magnitude_of_each_batch_row_and_head():
     expected = output_like()
-    # Head 1 of batch row 0 is tiny: an error tiny in absolute terms is large
-    # relative to that head, and must be caught.
-    expected[0, :, 1, :] *= 1e-6
+    # Head 1 of batch row 0 is ten times smaller than the others (and still
+    # above the floor): an error within 1e-4 of the others is not within
+    # 1e-4 of that head, and must be caught.
+    expected[0, :, 1, :] *= 0.1
     actual = expected.copy()
-    actual[0, 2, 1, 3] += 1e-9
+    actual[0, 2, 1, 3] += 5e-5
     with pytest.raises(AssertionError, match=r"index \(0, 2, 1, 3\)"):
         assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
-    # The same absolute error on a head of magnitude ~1 is within 1e-4.
     actual = expected.copy()
-    actual[1, 2, 1, 3] += 1e-9
+    actual[1, 2, 1, 3] += 5e-5
     assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
 
 
 def test_max_rel_groups_the_state_by_its_own_batch_and_head_axes():
     expected = output_like(shape=(2, 3, 4, 5))  # [B, H, Dv, Dk]
-    expected[1, 2] *= 1e-6
+    expected[1, 2] *= 0.1
     actual = expected.copy()
-    actual[1, 2, 3, 4] += 1e-9
+    actual[1, 2, 3, 4] += 5e-5
     with pytest.raises(AssertionError, match=r"index \(1, 2, 3, 4\)"):
         assert_matches("state", actual, expected, F32_STATE, F32_STATE_FINGERPRINT)
 
 
-def test_an_all_zero_group_is_judged_in_absolute_terms():
+def test_groups_below_the_magnitude_floor_are_judged_in_absolute_terms():
+    contract = CONTRACTS[F32_OUTPUT]
+    assert contract.magnitude_floor == 1e-2
     expected = output_like()
     expected[0, :, 0, :] = 0.0  # a fully masked batch row and head
+    expected[1, :, 2, :] *= 1e-6  # a head whose values all cancelled
+    allowed = contract.threshold * contract.magnitude_floor  # 1e-6
     actual = expected.copy()
-    actual[0, 4, 0, 2] = 5e-5
+    actual[0, 4, 0, 2] = 0.5 * allowed
+    actual[1, 4, 2, 2] += 0.5 * allowed
     assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
-    actual[0, 4, 0, 2] = 2e-4
+    actual[0, 4, 0, 2] = 2 * allowed
     with pytest.raises(AssertionError, match=r"index \(0, 4, 0, 2\)"):
+        assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+    actual[0, 4, 0, 2] = 0.0
+    actual[1, 4, 2, 2] += 2 * allowed
+    with pytest.raises(AssertionError, match=r"index \(1, 4, 2, 2\)"):
         assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
 
 
@@ -137,7 +151,7 @@ def test_an_exact_contract_rejects_any_difference():
 
 
 def test_norm_ratio_measures_the_whole_tensor(monkeypatch):
-    contract = Contract("test.norm.v1.float32.output", "norm_ratio", 1e-3, "[B,T,H,D]")
+    contract = Contract("test.norm.v1.float32.output", "norm_ratio", 1e-3, "[B,T,H,D]", 1e-2)
     monkeypatch.setitem(CONTRACTS, contract.id, contract)
     expected = output_like()
     actual = expected.copy()

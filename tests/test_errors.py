@@ -46,12 +46,6 @@ def word(name):
     return rf"(?<![\w.]){re.escape(name)}(?!\w)"
 
 
-# gated_delta_update forwards to the core op, whose messages name the core's
-# arguments ("state", "g") rather than the ones the caller passed.
-NAMES_THE_CORE_ARGUMENT = pytest.mark.xfail(
-    strict=True, reason="gated_delta_update's messages name state/g, not initial_state/gamma"
-)
-
 BAD_INPUTS = [
     # (id, call, exception, [regexes the message must contain: argument,
     #  expected, actual], optionally a mark)
@@ -104,10 +98,9 @@ BAD_INPUTS = [
      [word("gamma"), re.escape("[B, T, Hv]"), shape(B, T, HV, DK)]),
     ("update: initial_state of the wrong shape",
      call_update(initial_state=mx.zeros((1, HV, DV, DK))), ValueError,
-     [word("initial_state"), shape(B, HV, DV, DK), shape(1, HV, DV, DK)],
-     NAMES_THE_CORE_ARGUMENT),
+     [word("initial_state"), shape(B, HV, DV, DK), shape(1, HV, DV, DK)]),
     ("update: gamma of the wrong rank", call_update(g=mx.ones((B, T))), ValueError,
-     [word("gamma"), shape(B, T, HV), shape(B, T)], NAMES_THE_CORE_ARGUMENT),
+     [word("gamma"), shape(B, T, HV), shape(B, T)]),
     ("update: mask of the wrong shape", call_update(mask=mx.ones((B,), dtype=mx.bool_)),
      ValueError, [word("mask"), shape(B, T), shape(B)]),
 ]

@@ -13,17 +13,17 @@ from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import make_core_case
 
 UPDATE_ORACLE_OUTPUT = {
-    "float32": ("compat.update_oracle.v1.float32.output", "13a280b090fa82ddb5e938d5a11ce7f46a953f68c4e2e894d290aa5830be9390"),
-    "bfloat16": ("compat.update_oracle.v1.bfloat16.output", "25937e920c1a006472987362f2a9aa0835ff063f6d7c079aa34d075ad3ddc054"),
+    "float32": ("compat.update_oracle.v2.float32.output", "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91"),
+    "bfloat16": ("compat.update_oracle.v2.bfloat16.output", "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961"),
 }
-UPDATE_ORACLE_STATE = ("compat.update_oracle.v1.float32.state", "12e984d51388200a30d451ea6c03332408829e41ff1bd316166454049545db3d")
+UPDATE_ORACLE_STATE = ("compat.update_oracle.v2.float32.state", "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2")
 CORE_BFLOAT16_OUTPUT = {
-    "recurrent": ("core.recurrent.v1.bfloat16.output", "127f2236c8f77bca04d350a0a3d5e12c879ca47e83f764c8724d037349d1ea65"),
-    "chunked": ("core.chunked.v1.bfloat16.output", "b26ef81a9bf800c586a8ac539a696fb001071cf0888da48075828cd2044a805e"),
+    "recurrent": ("core.recurrent.v2.bfloat16.output", "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2"),
+    "chunked": ("core.chunked.v2.bfloat16.output", "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885"),
 }
 CORE_STATE = {
-    "recurrent": ("core.recurrent.v1.float32.state", "92bc569fa0e8af4e88824e5d66875f5d280724102ad282e6f2e58276a36f5b58"),
-    "chunked": ("core.chunked.v1.float32.state", "a5f63f4c4cf1475dbcc51723d0eb0b7eb953ad28d103a3aef39f409f8d8dd6e2"),
+    "recurrent": ("core.recurrent.v2.float32.state", "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260"),
+    "chunked": ("core.chunked.v2.float32.state", "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59"),
 }
 
 
@@ -53,13 +53,13 @@ def test_matches_mlx_fast_gated_delta_update_in_float32(
     assert y.dtype == mlx_y.dtype and state.dtype == mlx_state.dtype == mx.float32
     assert_matches(
         "y", y, mlx_y,
-        "compat.gated_delta_update.v1.float32.output",
-        "4954e0486b5af3f1a414a6b1513b682d5d725375d8c4133583fbd51d083430f0",
+        "compat.gated_delta_update.v2.float32.output",
+        "a3aa4f6e3823786eac8b8c727745543c536f0aa117f8152ca43d4d7e6493f513",
     )
     assert_matches(
         "state", state, mlx_state,
-        "compat.gated_delta_update.v1.float32.state",
-        "c10d4c863a11e59ce389c004eeeab8ad01c105eeb6af9224930407e9b572adaf",
+        "compat.gated_delta_update.v2.float32.state",
+        "5b6e431f23c2ee92891fa4c524ca3f0ce86e45621759f81acf043deb6acaa8b4",
     )
     expected_y, expected_state = gated_delta_update_reference(*arguments)
     assert_matches("y", y, expected_y, *UPDATE_ORACLE_OUTPUT["float32"])

@@ -66,13 +66,13 @@ def test_oracle_matches_a_key_major_transcription(case):
     expected_y, expected_state = key_major_transcription(case)
     assert_matches(
         "y", y, expected_y,
-        "reference.transcription.v1.float64.output",
-        "c97cca54611e4596669b64fad142912f20c3aed752955c3f4ea814a55573dce7",
+        "reference.transcription.v2.float64.output",
+        "852ce64b90967920b5713f6e5d7603ede12302516e96ffd6b243014d42d3b675",
     )
     assert_matches(
         "state", state, expected_state,
-        "reference.transcription.v1.float64.state",
-        "51f076a2f8226d63f28be72d3ec02b68a1ce46569466483663115c2d450d95f5",
+        "reference.transcription.v2.float64.state",
+        "34a8c9b61d8289b1fb9b22395e4b3a69c730b13987da02071370c489c8140270",
     )
 
 
@@ -104,13 +104,13 @@ def test_update_oracle_matches_mlx_fast_in_float32(
     )
     assert_matches(
         "y", mlx_y, y,
-        "reference.mlx_fast.v1.float32.output",
-        "6dde0176148a8959570a58d9cfc75e9dd3ac58ccc6ead03d3f794d8856d7ce1e",
+        "reference.mlx_fast.v2.float32.output",
+        "7423d2d44029b6533043470dd8f6a3bca4f42dbc72da0d37a3fe49fd17eb4427",
     )
     assert_matches(
         "state", mlx_state, state,
-        "reference.mlx_fast.v1.float32.state",
-        "5bec36eb3a0be07c327ccfff6fac9e98d3dd6d7da91e73507329f777d9bb394b",
+        "reference.mlx_fast.v2.float32.state",
+        "48225bf78ec41f254ef8e6854815581782100375dbaf77b6467f1d2fc0143428",
     )
 
 

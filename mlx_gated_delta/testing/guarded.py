@@ -17,7 +17,8 @@ def run_core_guarded(
     """Runs the CPU kernel on outputs padded with ``sentinel`` values.
 
     NumPy (or mlx) in, NumPy out: ``(y, state, y_tail, state_tail)``; the tails
-    are the words past the end of each output and must still equal ``sentinel``.
+    are the words past the end of each output and must still equal ``sentinel``
+    (y's guard holds the sentinel rounded to y's dtype: 73.25 is 73.0 in bf16).
     """
     q, k, v, g, beta, state = (mx.array(np.asarray(x)) if not isinstance(x, mx.array) else x
                                for x in (q, k, v, g, beta, state))

@@ -24,25 +24,25 @@ ALGORITHMS = ("recurrent", "chunked")
 
 # (id, fingerprint) of the reviewed contracts these properties hold.
 ORACLE_OUTPUT_CONTRACTS = {
-    ("recurrent", "float32"): ("core.recurrent.v1.float32.output", "44ea261e2607b94f705aeb3408b1ca9704537b6361e890ed400231b28d847c29"),
-    ("recurrent", "float16"): ("core.recurrent.v1.float16.output", "095905644d5dbeb7a62f1fe33058ea3c7eb30212eaab45127e885593ba9d9e48"),
-    ("recurrent", "bfloat16"): ("core.recurrent.v1.bfloat16.output", "127f2236c8f77bca04d350a0a3d5e12c879ca47e83f764c8724d037349d1ea65"),
-    ("chunked", "float32"): ("core.chunked.v1.float32.output", "7aef142b14c928447c30fb879c224afa840fe7697645f4db0da653b4b1b178b7"),
-    ("chunked", "float16"): ("core.chunked.v1.float16.output", "c9b069e5d9742bd0fcaf577be64c2bed0dd13a63e08348449de980a110edddbe"),
-    ("chunked", "bfloat16"): ("core.chunked.v1.bfloat16.output", "b26ef81a9bf800c586a8ac539a696fb001071cf0888da48075828cd2044a805e"),
+    ("recurrent", "float32"): ("core.recurrent.v2.float32.output", "b8d4bf432be51cb8c0a7c6234e15d988487624b77195f1609b8ffe9e2319189d"),
+    ("recurrent", "float16"): ("core.recurrent.v2.float16.output", "c83257c6f905974de3d558c8cb383e015b58203d5df4a8862493f0780bfa6d51"),
+    ("recurrent", "bfloat16"): ("core.recurrent.v2.bfloat16.output", "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2"),
+    ("chunked", "float32"): ("core.chunked.v2.float32.output", "fd01329b8fb2b881021888bcb45f60e5789010ed37856b0762bf7719480b9aa3"),
+    ("chunked", "float16"): ("core.chunked.v2.float16.output", "d2c0f5a87659fb5f97b11e974fafff7da9c7c7485a9903e418f34b8745056beb"),
+    ("chunked", "bfloat16"): ("core.chunked.v2.bfloat16.output", "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885"),
 }
 ORACLE_STATE_CONTRACTS = {
-    "recurrent": ("core.recurrent.v1.float32.state", "92bc569fa0e8af4e88824e5d66875f5d280724102ad282e6f2e58276a36f5b58"),
-    "chunked": ("core.chunked.v1.float32.state", "a5f63f4c4cf1475dbcc51723d0eb0b7eb953ad28d103a3aef39f409f8d8dd6e2"),
+    "recurrent": ("core.recurrent.v2.float32.state", "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260"),
+    "chunked": ("core.chunked.v2.float32.state", "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59"),
 }
 SPLIT_CONTRACTS = {
     "recurrent": (
-        ("core.recurrent_split.v1.any.output", "2cf83e1e5024f23e52800e4445c1cd30fc01423698380922eb2357aab138d36f"),
-        ("core.recurrent_split.v1.float32.state", "a04c2e3ca1bb8a4cc0fa8cd07dd06fa9eb69fb5197e7a36dc9b10b66c6eeb217"),
+        ("core.recurrent_split.v1.any.output", "4cf875775e02dff5175d7c732bb0461b33a607385c2485c83beb5525dcfe7aee"),
+        ("core.recurrent_split.v1.float32.state", "4179beb6fe2113b6e77fc6672d9ceb7165507db362fcad2efd4353dee87af897"),
     ),
     "chunked": (
-        ("core.chunked_split.v1.float32.output", "d2122d437ccce19febe8a7bb9f698d60a079012a78c7d060381fea00e0694cd7"),
-        ("core.chunked_split.v1.float32.state", "5d579e36746719539ad5405f6c95b46b2b2c563c29097615e339e04e87705b3a"),
+        ("core.chunked_split.v2.float32.output", "2a6719e9a8b2909ae74c69ce12a83a3409f1052ef4f214994bc2849975e363ca"),
+        ("core.chunked_split.v2.float32.state", "1dc46942c551d2524c903f860445b2b7da7264bf32447a321168e95b623e46b1"),
     ),
 }
 # The chunked split contract is a float32 one: in float16/bfloat16 a moved
@@ -105,13 +105,13 @@ def test_chunked_matches_recurrent(case):
     chunked_y, chunked_state = run(case, "chunked")
     assert_matches(
         "y", chunked_y, recurrent_y,
-        "core.chunked_vs_recurrent.v1.float32.output",
-        "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
+        "core.chunked_vs_recurrent.v2.float32.output",
+        "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
     )
     assert_matches(
         "state", chunked_state, recurrent_state,
-        "core.chunked_vs_recurrent.v1.float32.state",
-        "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
+        "core.chunked_vs_recurrent.v2.float32.state",
+        "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
     )
 
 
@@ -175,13 +175,13 @@ def test_prefill_then_token_by_token_decode_matches_one_call(case, data):
     decoded_y, decoded_state = run_in_calls(case, [0, *range(prompt, tokens + 1)], "auto")
     assert_matches(
         "y", decoded_y, full_y,
-        "core.chunked_vs_recurrent.v1.float32.output",
-        "a870cf8f8b057f5da101a038c06bd280e00c76db0775f1e341b195a5e8d01676",
+        "core.chunked_vs_recurrent.v2.float32.output",
+        "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
     )
     assert_matches(
         "state", decoded_state, full_state,
-        "core.chunked_vs_recurrent.v1.float32.state",
-        "d7f08f69397decc20b662a1c26dac92fbb9afd0d5ceb085eba3d69644ab44452",
+        "core.chunked_vs_recurrent.v2.float32.state",
+        "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
     )
 
 

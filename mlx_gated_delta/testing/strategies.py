@@ -88,6 +88,11 @@ class CoreCase:
         arguments = ", ".join(f"{name}={value!r}" for name, value in self.recipe.items())
         return f"make_core_case({arguments})"
 
+    def _repr_pretty_(self, printer, cycle):
+        # Hypothesis prints examples with its pretty printer, which would
+        # otherwise list the arrays field by field.
+        printer.text(repr(self))
+
 
 def make_core_case(
     seed,
