@@ -20,10 +20,10 @@ from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64 
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 
 FINGERPRINTS = {
-    "layer.mlx_lm_parity.v1.float32.logits": "0aa68ae7e77d112a6295edd3657f3e00672a9af3bcd75c7c9cbe79ceab3dda84",
-    "layer.self_consistency.v1.float32.logits": "445df9eb6274dbf22c30436cc66e7c3e42d2abed1d139543a27e7b6354ca3d1f",
-    "segment.oracle.v1.float32.output": "40207f84c462abee617c74420ffdab7717eaf0b1fd4e969d77f2f710915de8a7",
-    "segment.oracle.v1.float32.state": "4364bced425086234a7b59e9d303135c479c8bfd938b4f34af08eebb8553ea16",
+    "layer.mlx_lm_parity.v2.float32.logits": "292f83dfa1ee545ad6798b5d305fdb59b835f5de333d272d620938a09777e8f8",
+    "layer.self_consistency.v2.float32.logits": "bf1dc95683ed3f1b553f16ca0db699a843503b691541bb12d7fde45296b4abd4",
+    "segment.oracle.v2.float32.output": "942c9e8e4d02b27c409f6f2c5c7b523500bb3eb0d580826224f9a9dc649f3c3d",
+    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
 }
 
 
@@ -125,7 +125,7 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
     )
     # mlx-lm's layer is a float32 computation of the same math: within the
     # float32 contract of the exact result.
-    check("out", expected, out, "segment.oracle.v1.float32.output")
+    check("out", expected, out, "segment.oracle.v2.float32.output")
 
 
 # ---------------------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_patched_model_matches_mlx_lm_logits_and_greedy_tokens(kind):
         isinstance(l.linear_attn, (GatedDeltaNet, Qwen35GatedDeltaNet))
         for l in model.layers if l.is_linear
     )
-    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v1.float32.logits")
+    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
     got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
                                                     sampler=lambda x: mx.argmax(x, -1))]
     assert got_tokens == expected_tokens
@@ -171,7 +171,7 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(kind):
     for t in range(17, 24):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
     check("logits", mx.concatenate(pieces, axis=1), full,
-          "layer.self_consistency.v1.float32.logits")
+          "layer.self_consistency.v2.float32.logits")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
@@ -194,9 +194,9 @@ def test_batched_with_left_padding_equals_unbatched(kind):
         single = model(prompt[None], cache=single_cache)
         single_next = model(step[row : row + 1], cache=single_cache)
         check(f"row {row} prompt", batched[row : row + 1, p:], single,
-              "layer.self_consistency.v1.float32.logits")
+              "layer.self_consistency.v2.float32.logits")
         check(f"row {row} next", batched_next[row : row + 1], single_next,
-              "layer.self_consistency.v1.float32.logits")
+              "layer.self_consistency.v2.float32.logits")
 
 
 def test_cache_matches_mlx_lm_layout_and_lengths_handling():
@@ -217,11 +217,11 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     assert our_cache[0].shape == stock_cache[0].shape == (2, 3, 2 * 2 * 16 + 4 * 8)
     assert our_cache[0].dtype == stock_cache[0].dtype
     # Projections computed by different kernels: float32 rounding apart.
-    check("conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v1.float32.logits")
-    check("state", our_cache[1], stock_cache[1], "segment.oracle.v1.float32.state")
+    check("conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v2.float32.logits")
+    check("state", our_cache[1], stock_cache[1], "segment.oracle.v2.float32.state")
     valid = np.asarray(mask)
     check("out", to_float64(our_out)[valid][None], to_float64(stock_out)[valid][None],
-          "layer.mlx_lm_parity.v1.float32.logits")
+          "layer.mlx_lm_parity.v2.float32.logits")
 
 
 @pytest.mark.parametrize("first", ["ours", "mlx-lm"])
@@ -240,8 +240,8 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     mixed = layers[second](decode, cache=mixed_cache)
     layers[second](prefill, cache=plain_cache)
     plain = layers[second](decode, cache=plain_cache)
-    check("decode", mixed, plain, "layer.mlx_lm_parity.v1.float32.logits")
-    check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v1.float32.logits")
+    check("decode", mixed, plain, "layer.mlx_lm_parity.v2.float32.logits")
+    check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_load_weights_after_patching_reaches_the_patched_layers():
@@ -253,7 +253,7 @@ def test_load_weights_after_patching_reaches_the_patched_layers():
     before = target(prompt)  # the packed projection is built from seed 99
     target.load_weights(list(tree_flatten(source.parameters())))
     assert not np.allclose(to_float64(before), to_float64(expected))
-    check("logits", target(prompt), expected, "layer.mlx_lm_parity.v1.float32.logits")
+    check("logits", target(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_quantized_model_patched_matches_quantized_mlx_lm():
@@ -263,7 +263,7 @@ def test_quantized_model_patched_matches_quantized_mlx_lm():
     expected = model(prompt)
     patch_mlx_lm(model)
     assert isinstance(model.layers[0].linear_attn.in_proj_qkvz, nn.QuantizedLinear)
-    check("logits", model(prompt), expected, "layer.mlx_lm_parity.v1.float32.logits")
+    check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_patch_errors_for_a_model_without_gated_delta_layers():

@@ -14,9 +14,9 @@ from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import DTYPES  # also loads the profiles
 
 FINGERPRINTS = {
-    "projection.linear.v1.float32.output": "964ac65e4da71b4be6ff8c6ecb4338cb8965ecb79b56b6b93e5fbf5e3641d9c2",
-    "projection.linear.v1.float16.output": "bd14cad051745a1a4333ead638e04ad54868f59e43cd9026e821cf860e00a4ba",
-    "projection.linear.v1.bfloat16.output": "fb621a45eae14b261ae9f35b26c7dd4b529b13a2d726ad91b0b52680acc663b7",
+    "projection.linear.v2.float32.output": "ccce15ba83941885acbb00957cf94ab2602867ee47382058e909f5a5e8ca40ab",
+    "projection.linear.v2.float16.output": "97eef9181111eaf6752d3a36549008998f1aedf94211c212f1cd9d46028f8d79",
+    "projection.linear.v2.bfloat16.output": "2dbc14e9092be8ad7229dbe62be60ae677b139789a0fc3a8a83c28888ef8f1fd",
 }
 
 
@@ -39,7 +39,7 @@ def test_linear_projection_matches_float64(seed, leading, in_features, out_featu
     y = _ext.linear_projection(x, weight, None)
     assert y.shape == (*leading, out_features) and y.dtype == x.dtype
     expected = to_float64(x) @ to_float64(weight).T
-    contract = f"projection.linear.v1.{dtype}.output"
+    contract = f"projection.linear.v2.{dtype}.output"
     assert_matches("y", y, expected, contract, FINGERPRINTS[contract])
 
 
@@ -47,7 +47,7 @@ def test_linear_projection_reads_strided_inputs():
     x = mx.random.normal((6, 40))[:, ::2]  # a non-contiguous view
     weight = mx.random.normal((20, 30)).T  # a transposed view, [30, 20]
     expected = to_float64(x) @ to_float64(weight).T
-    contract = "projection.linear.v1.float32.output"
+    contract = "projection.linear.v2.float32.output"
     assert_matches("y", _ext.linear_projection(x, weight, None), expected, contract,
                    FINGERPRINTS[contract])
 

@@ -14,16 +14,16 @@ from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
 
 FINGERPRINTS = {
-    "segment.oracle.v1.float32.output": "40207f84c462abee617c74420ffdab7717eaf0b1fd4e969d77f2f710915de8a7",
-    "segment.oracle.v1.float16.output": "c400503392be8dfd478ab2f98262348769d30f41976a9f97dc47636b85f0c08b",
-    "segment.oracle.v1.bfloat16.output": "ad027a27315a35cde7439197a8c98de1d2b8b14d747dca1c107054e3a442d6af",
-    "segment.oracle.v1.float32.state": "4364bced425086234a7b59e9d303135c479c8bfd938b4f34af08eebb8553ea16",
-    "segment.oracle.v1.any.conv_state": "fe06803807ee832b34c14cc09e7cd7852ecbb7b53f635cbbf1e650c596815340",
-    "segment.recurrent_split.v1.any.output": "ccba8c3ccebfae03d03259f9b0271bf8802a6e90ed6e9fc1fa0e9fe2b4a8477e",
-    "segment.recurrent_split.v1.float32.state": "12377f9631053bab5f68feaf4fff0fcb6abf9180a23c2ed0f49084413a2aa67e",
-    "segment.recurrent_split.v1.any.conv_state": "17979dac54531b01ff46383404e1b88d74abe524b8059675ed24230f794ee815",
-    "segment.chunked_split.v1.float32.output": "eed4d0d92b8a938a2b967c5caa3f47fbfe7fe44d3af980ec19fe68869f52d9b8",
-    "segment.chunked_split.v1.float32.state": "48be3f68517b4071cb6bd95a484f94cc537d5976f3785f009cf3be2af5b65ba0",
+    "segment.oracle.v2.float32.output": "942c9e8e4d02b27c409f6f2c5c7b523500bb3eb0d580826224f9a9dc649f3c3d",
+    "segment.oracle.v2.float16.output": "6120c01352456625f9d71b35cf2498e099d8c116c6d67ac61e58fad936e02315",
+    "segment.oracle.v2.bfloat16.output": "c4df443c2a65d07b059b4fdcf0b89898feba281831638b946b82a11b92320b47",
+    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
+    "segment.oracle.v1.any.conv_state": "63d37af6246477cae5fe93a5280a709a921ac7535def57937722563f251f8b44",
+    "segment.recurrent_split.v1.any.output": "e6b5a2cfbff3168d32041ec90a1e9d8ad7be9fce58006e3ae60053e4f52a866b",
+    "segment.recurrent_split.v1.float32.state": "a04612ab78a3743df86269bc9e1c7f56f7d05474c0eb831c794a22fd36b67eae",
+    "segment.recurrent_split.v1.any.conv_state": "7ee34aefe20e92b2e34abc5803d6c67b1575b26ccd3daadb90e68772cf3d2139",
+    "segment.chunked_split.v2.float32.output": "ac8811ddb35a004e25741e1bc27a575d29d8ddff31c4191658b47d09ef5fe139",
+    "segment.chunked_split.v2.float32.state": "cfbbca00ece995f86ac211ef75e4ba02194ff774d802b079a09a3c67870e706f",
 }
 
 
@@ -48,8 +48,8 @@ def test_segment_matches_oracle(case, algorithm):
     assert out.dtype == case.mixed.dtype
     assert conv_state.dtype == case.mixed.dtype
     assert state.dtype == mx.float32
-    check("out", out, expected_out, f"segment.oracle.v1.{dtype_name(out)}.output")
-    check("state", state, expected_state, "segment.oracle.v1.float32.state")
+    check("out", out, expected_out, f"segment.oracle.v2.{dtype_name(out)}.output")
+    check("state", state, expected_state, "segment.oracle.v2.float32.state")
     check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
 
 
@@ -99,9 +99,9 @@ def test_split_continuity_any_split_points_chunked(split):
     case, points = split
     full = run(case, algorithm="chunked")
     parts = split_runs(case, points, "chunked")
-    check("out", parts[0], full[0], "segment.chunked_split.v1.float32.output")
+    check("out", parts[0], full[0], "segment.chunked_split.v2.float32.output")
     check("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
-    check("state", parts[2], full[2], "segment.chunked_split.v1.float32.state")
+    check("state", parts[2], full[2], "segment.chunked_split.v2.float32.state")
 
 
 @pytest.mark.parametrize(
@@ -126,9 +126,9 @@ def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapp
     expected = case.reference()
     for algorithm in ("recurrent", "chunked"):
         full = run(case, algorithm=algorithm)
-        check("full out", full[0], expected[0], "segment.oracle.v1.float16.output")
+        check("full out", full[0], expected[0], "segment.oracle.v2.float16.output")
         check("full conv_state", full[1], expected[1], "segment.oracle.v1.any.conv_state")
-        check("full state", full[2], expected[2], "segment.oracle.v1.float32.state")
+        check("full state", full[2], expected[2], "segment.oracle.v2.float32.state")
     full = run(case, algorithm="recurrent")
     parts = split_runs(case, [3], "recurrent")
     check("split out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
@@ -158,9 +158,9 @@ def test_masked_token_is_an_omitted_token(case):
             row(case.state),
             **options,
         )
-        check("kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v1.float32.output")
+        check("kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v2.float32.output")
         check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
-        check("state", state[b : b + 1], expected[2], "segment.oracle.v1.float32.state")
+        check("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
 
 
 def test_conv_state_comes_from_the_carried_state_when_few_tokens_are_kept():

@@ -15,8 +15,8 @@ pytest.importorskip("mlx_lm")
 
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 
-PARITY = "layer.mlx_lm_parity.v1.float32.logits"
-PARITY_FINGERPRINT = "0aa68ae7e77d112a6295edd3657f3e00672a9af3bcd75c7c9cbe79ceab3dda84"
+PARITY = "layer.mlx_lm_parity.v2.float32.logits"
+PARITY_FINGERPRINT = "292f83dfa1ee545ad6798b5d305fdb59b835f5de333d272d620938a09777e8f8"
 WORKER = Path(__file__).with_name("sharding_worker.py")
 
 
