@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("mlx_lm")
 
 from mlx.utils import tree_flatten  # noqa: E402
-from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.models import qwen3_5, qwen3_next  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
 
@@ -197,6 +197,48 @@ def test_batched_with_left_padding_equals_unbatched(kind):
               "layer.self_consistency.v2.float32.logits")
         check(f"row {row} next", batched_next[row : row + 1], single_next,
               "layer.self_consistency.v2.float32.logits")
+
+
+def greedy_batch(model, prompts, max_tokens):
+    """mlx-lm's continuous batching (left padding, lengths) on token lists."""
+    generator = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=4,
+                               completion_batch_size=4)
+    uids = generator.insert(prompts)
+    generated = {uid: [] for uid in uids}
+    while responses := generator.next_generated():
+        for response in responses:
+            generated[response.uid].append(response.token)
+    generator.close()
+    return [generated[uid] for uid in uids]
+
+
+def greedy(model, prompt, max_tokens, prompt_cache=None):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                             sampler=lambda x: mx.argmax(x, -1),
+                                             prompt_cache=prompt_cache)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(kind):
+    model = build(kind, 21)
+    prompts = [[int(t) for t in tokens(30 + i, (n,))] for i, n in enumerate([9, 3, 17])]
+    expected = greedy_batch(model, prompts, 6)
+    patch_mlx_lm(model)
+    assert greedy_batch(model, prompts, 6) == expected
+    assert [greedy(model, p, 6) for p in prompts] == expected
+
+
+def test_prompt_cache_across_turns_gives_mlx_lm_tokens():
+    model = build("qwen3_next", 22)
+    turns = [[int(t) for t in tokens(40 + i, (n,))] for i, n in enumerate([11, 5])]
+
+    def conversation():
+        cache = model.make_cache()
+        return [greedy(model, turn, 5, prompt_cache=cache) for turn in turns]
+
+    expected = conversation()
+    patch_mlx_lm(model)
+    assert conversation() == expected
 
 
 def test_cache_matches_mlx_lm_layout_and_lengths_handling():
