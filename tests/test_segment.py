@@ -291,3 +291,19 @@ def test_huge_lazy_input_is_rejected_before_allocation():
 def test_contract_ids_exist():
     for contract_id, fingerprint in FINGERPRINTS.items():
         assert CONTRACTS[contract_id].fingerprint == fingerprint
+
+
+def test_segment_under_compile_and_on_another_stream_gives_the_same_result():
+    case = make_segment_case(
+        5, batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=8, value_dim=8,
+        mask_kind="random",
+    )
+    expected = run(case)
+
+    def segment(*args):
+        return gated_delta_segment(*args, **case.options)
+
+    compiled = mx.compile(segment)(*case.args())
+    streamed = run(case, stream=mx.new_stream(mx.cpu))
+    for a, b, c in zip(expected, compiled, streamed):
+        assert mx.array_equal(a, b) and mx.array_equal(a, c)
