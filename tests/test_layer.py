@@ -298,14 +298,25 @@ def test_load_weights_after_patching_reaches_the_patched_layers():
     check("logits", target(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
-def test_quantized_model_patched_matches_quantized_mlx_lm():
+@pytest.mark.parametrize("patch_first", [False, True])
+def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
     model = build("qwen3_next", 11)
     nn.quantize(model, group_size=32, bits=8)
     prompt = tokens(12, (1, 20))
     expected = model(prompt)
-    patch_mlx_lm(model)
-    assert isinstance(model.layers[0].linear_attn.in_proj_qkvz, nn.QuantizedLinear)
-    check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+    patched = build("qwen3_next", 11)
+    if patch_first:  # quantizing replaces the arrays the packed weight came from
+        patch_mlx_lm(patched)
+        patched(prompt)
+        nn.quantize(patched, group_size=32, bits=8)
+    else:
+        nn.quantize(patched, group_size=32, bits=8)
+        patch_mlx_lm(patched)
+    attention = patched.layers[0].linear_attn
+    assert isinstance(attention, GatedDeltaNet)
+    assert isinstance(attention.in_proj_qkvz, nn.QuantizedLinear)
+    assert isinstance(attention.out_proj, nn.QuantizedLinear)
+    check("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_patch_errors_for_a_model_without_gated_delta_layers():
