@@ -53,9 +53,9 @@ class _PackedProjection:
     """
 
     def __init__(self, sources: Sequence[Tuple[nn.Module, Optional[np.ndarray]]]):
-        self.key = tuple(id(a) for m, _ in sources for a in _arrays_of(m))
-        # Keep the source arrays alive so their ids cannot be reused.
-        self._sources = [a for m, _ in sources for a in _arrays_of(m)]
+        # Holding the source arrays keeps their ids from being reused.
+        self._source_arrays = _source_arrays(sources)
+        self.key = _source_key(sources)
         modules = [m for m, _ in sources]
         quantized = all(isinstance(m, nn.QuantizedLinear) for m in modules) and (
             len({(m.group_size, m.bits, m.mode) for m in modules}) == 1
@@ -117,8 +117,15 @@ def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
     return x @ weight.T
 
 
-def _arrays_of(module: nn.Module) -> List[mx.array]:
-    return [v for _, v in sorted(module.items()) if isinstance(v, mx.array)]
+def _source_arrays(sources) -> List[mx.array]:
+    return [
+        v for m, _ in sources for _, v in sorted(m.items()) if isinstance(v, mx.array)
+    ]
+
+
+def _source_key(sources) -> Tuple[int, ...]:
+    """Identifies the parameter arrays a packed projection was built from."""
+    return tuple(id(a) for a in _source_arrays(sources))
 
 
 def _out_rows(module: nn.Module) -> int:
@@ -186,8 +193,7 @@ class _GatedDeltaNetBase(nn.Module):
         """The one projection into the segment's packed layout, derived from
         the current parameters and rebuilt only when one was replaced."""
         sources = self._projection_sources()
-        key = tuple(id(a) for m, _ in sources for a in _arrays_of(m))
-        if self._packed is None or self._packed.key != key:
+        if self._packed is None or self._packed.key != _source_key(sources):
             object.__setattr__(self, "_packed", _PackedProjection(sources))
         return self._packed
 
