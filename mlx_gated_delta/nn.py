@@ -53,10 +53,10 @@ class _PackedProjection:
     """
 
     def __init__(self, sources: Sequence[Tuple[nn.Module, Optional[np.ndarray]]]):
-        # Holding the source arrays keeps their ids from being reused.
-        self._source_arrays = _source_arrays(sources)
-        self.key = _source_key(sources)
         modules = [m for m, _ in sources]
+        # Holding the source arrays keeps their ids from being reused.
+        self._source_arrays = _source_arrays(modules)
+        self.key = _source_key(modules)
         quantized = all(isinstance(m, nn.QuantizedLinear) for m in modules) and (
             len({(m.group_size, m.bits, m.mode) for m in modules}) == 1
         )
@@ -117,15 +117,13 @@ def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
     return x @ weight.T
 
 
-def _source_arrays(sources) -> List[mx.array]:
-    return [
-        v for m, _ in sources for _, v in sorted(m.items()) if isinstance(v, mx.array)
-    ]
+def _source_arrays(modules) -> List[mx.array]:
+    return [v for m in modules for _, v in sorted(m.items()) if isinstance(v, mx.array)]
 
 
-def _source_key(sources) -> Tuple[int, ...]:
+def _source_key(modules) -> Tuple[int, ...]:
     """Identifies the parameter arrays a packed projection was built from."""
-    return tuple(id(a) for a in _source_arrays(sources))
+    return tuple(id(a) for a in _source_arrays(modules))
 
 
 def _out_rows(module: nn.Module) -> int:
@@ -185,15 +183,20 @@ class _GatedDeltaNetBase(nn.Module):
         # Not a parameter: a derived weight (see the module docstring).
         object.__setattr__(self, "_packed", None)
 
-    def _projection_sources(self):
-        """`(module, rows)` pairs giving the packed `[q|k|v|z|b|a]` order."""
+    def _projection_modules(self) -> List[nn.Module]:
+        """The projections whose outputs make the packed layout, in order."""
+        raise NotImplementedError
+
+    def _projection_rows(self) -> List[Optional[np.ndarray]]:
+        """Per projection, its output rows in packed order (None: as they are)."""
         raise NotImplementedError
 
     def packed_projection(self) -> _PackedProjection:
         """The one projection into the segment's packed layout, derived from
         the current parameters and rebuilt only when one was replaced."""
-        sources = self._projection_sources()
-        if self._packed is None or self._packed.key != _source_key(sources):
+        modules = self._projection_modules()
+        if self._packed is None or self._packed.key != _source_key(modules):
+            sources = list(zip(modules, self._projection_rows()))
             object.__setattr__(self, "_packed", _PackedProjection(sources))
         return self._packed
 
@@ -272,7 +275,10 @@ class GatedDeltaNet(_GatedDeltaNetBase):
         )
         self.in_proj_ba = nn.Linear(self.hidden_size, self.num_v_heads * 2, bias=False)
 
-    def _projection_sources(self):
+    def _projection_modules(self):
+        return [self.in_proj_qkvz, self.in_proj_ba]
+
+    def _projection_rows(self):
         nk, dk = self.num_k_heads, self.head_k_dim
         group_v = self.num_v_heads // nk * self.head_v_dim  # v (or z) per group
         group_heads = self.num_v_heads // nk  # b (or a) per group
@@ -296,7 +302,7 @@ class GatedDeltaNet(_GatedDeltaNetBase):
                 rows(2 * group_heads, group_heads, group_heads),  # a
             ]
         )
-        return [(self.in_proj_qkvz, qkvz_rows), (self.in_proj_ba, ba_rows)]
+        return [qkvz_rows, ba_rows]
 
 
 class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
@@ -317,10 +323,8 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
         self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
         self.sharding_group = None
 
-    def _projection_sources(self):
-        return [
-            (self.in_proj_qkv, None),
-            (self.in_proj_z, None),
-            (self.in_proj_b, None),
-            (self.in_proj_a, None),
-        ]
+    def _projection_modules(self):
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    def _projection_rows(self):
+        return [None, None, None, None]
