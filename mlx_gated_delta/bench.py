@@ -44,9 +44,11 @@ IMPLEMENTATIONS = ("mlx_core", "mlx_lm", "recurrent", "chunked", "auto")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
 
-# MLX core unrolls the recurrence into an op graph per token on the CPU: about 4 s per call
-# at T=2048 on 2 cores, after a warm-up that takes three times as long.
-MLX_CORE_MAX_T_UNLESS_FULL = 2048
+# MLX core and mlx-lm unroll the recurrence into an op graph per token on the CPU: about 4 s
+# per call at T=2048 on 2 cores (MLX core's warm-up takes three times as long), and the graph
+# holds every token's state until it is evaluated (4 GiB at T=2048, 16 GiB at T=8192).
+PEERS = ("mlx_core", "mlx_lm")
+PEERS_MAX_T_UNLESS_FULL = 2048
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,12 +303,37 @@ def implementation_call(name: str) -> Callable[[Inputs, mx.array], tuple]:
     )
 
 
-def skip_reason(name: str, s: Shape, full: bool) -> Optional[str]:
+def peer_memory_bytes(s: Shape) -> int:
+    """What MLX core and mlx-lm allocate per call: one float32 state per token (measured
+    peaks: 4.1 GB at T=2048, 16.5 GB at T=8192 for the Qwen3-Next shape)."""
+    return s.T * state_bytes(s)
+
+
+def available_memory_bytes() -> Optional[int]:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def skip_reason(name: str, s: Shape, full: bool, available: Optional[int]) -> Optional[str]:
+    """Why an implementation is not run on a shape, or None to run it."""
     if name == "mlx_lm" and _mlx_lm_ops() is None:
         return "mlx-lm not installed"
-    if name == "mlx_core" and s.T > MLX_CORE_MAX_T_UNLESS_FULL and not full:
-        return (f"MLX core not run at T > {MLX_CORE_MAX_T_UNLESS_FULL}: its op-graph loop takes "
-                "about 2 s per 1000 tokens after a warm-up three times as long; --full runs it")
+    if name not in PEERS:
+        return None
+    if s.T > PEERS_MAX_T_UNLESS_FULL and not full:
+        return (f"MLX core and mlx-lm are not run at T > {PEERS_MAX_T_UNLESS_FULL} unless --full: "
+                "their op-graph loops take about 2 s per 1000 tokens and hold one state per "
+                "token in memory")
+    needed = peer_memory_bytes(s)
+    if available is not None and needed > available // 2:
+        return (f"{name} not run at {s.short_label}: it holds one state per token, about "
+                f"{needed / 2**30:.1f} GiB, over half the {available / 2**30:.1f} GiB available")
     return None
 
 
@@ -430,7 +457,7 @@ def benchmark_row(s: Shape, pool_bytes: int, full: bool, budget: Budget,
     calls, outputs, repeats = {}, {}, {}
     for name in IMPLEMENTATIONS:
         progress(f"{s.short_label} {name} (warm-up)")
-        reason = skip_reason(name, s, full)
+        reason = skip_reason(name, s, full, available_memory_bytes())
         if reason is not None:
             row["results"][name] = {"status": "skipped", "reason": reason}
         else:
@@ -754,8 +781,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Qwen3-Next B=1 at T in {1, 64, 512, 2048}, f32 and bf16, fewer "
                              "repeats (a few minutes on 2 cores)")
     parser.add_argument("--full", action="store_true",
-                        help=f"also run MLX core at T > {MLX_CORE_MAX_T_UNLESS_FULL} "
-                             "(slow: about 2 s per 1000 tokens, after a longer warm-up)")
+                        help=f"also run MLX core and mlx-lm at T > {PEERS_MAX_T_UNLESS_FULL} "
+                             "(slow: about 2 s per 1000 tokens; and they hold one state per "
+                             "token: 16 GiB at T=8192, skipped when memory is short)")
     parser.add_argument("--filter", metavar="REGEX", type=_regex,
                         help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
                              "(the whole-layer rows are then left out)")

@@ -38,11 +38,22 @@ def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
     assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 16, 32, 128, 128)}
 
 
-def test_mlx_core_is_skipped_beyond_2048_tokens_unless_full():
+def test_peers_are_skipped_beyond_2048_tokens_unless_full():
     long = bench.qwen3_next(B=1, T=8192, dtype="float32")
-    assert "--full" in bench.skip_reason("mlx_core", long, full=False)
-    assert bench.skip_reason("mlx_core", long, full=True) is None
-    assert bench.skip_reason("auto", long, full=False) is None
+    plenty = 1 << 40
+    for peer in bench.PEERS:
+        assert "--full" in bench.skip_reason(peer, long, full=False, available=plenty)
+        assert bench.skip_reason(peer, long, full=True, available=plenty) is None
+    assert bench.skip_reason("auto", long, full=False, available=plenty) is None
+
+
+def test_peers_are_skipped_when_their_per_token_states_would_not_fit_in_memory():
+    s = bench.qwen3_next(B=1, T=2048, dtype="bfloat16")
+    needed = bench.peer_memory_bytes(s)
+    assert needed == 2048 * 32 * 128 * 128 * 4
+    assert bench.skip_reason("mlx_core", s, full=True, available=2 * needed) is None
+    assert "GiB available" in bench.skip_reason("mlx_core", s, full=True, available=needed)
+    assert bench.skip_reason("chunked", s, full=True, available=needed) is None
 
 
 def test_repeats_fit_the_budget_and_never_drop_below_one():
