@@ -1,6 +1,7 @@
 // CPU kernels of the fused layer segment (see segment_cpu.h).
 #include "segment/segment_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
