@@ -305,7 +305,7 @@ def implementation_call(name: str) -> Callable[[Inputs, mx.array], tuple]:
 
 def peer_memory_bytes(s: Shape) -> int:
     """What MLX core and mlx-lm allocate per call: one float32 state per token (measured
-    peaks: 4.1 GB at T=2048, 16.5 GB at T=8192 for the Qwen3-Next shape)."""
+    peaks: 4.1 GiB at T=2048, 16.3 GiB at T=8192 for the Qwen3-Next shape)."""
     return s.T * state_bytes(s)
 
 
@@ -553,11 +553,16 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def _milliseconds_text(ms: Optional[float]) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+
+
 def _ms_cell(row: dict, name: str) -> str:
     result = row["results"][name]
     if result["status"] == "ok":
-        ms = result["median_s"] * 1e3
-        return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+        return _milliseconds_text(result["median_s"] * 1e3)
     return {"skipped": "skip", "error": "err"}[result["status"]]
 
 
@@ -594,7 +599,7 @@ def results_table(rows: list[dict], decode: bool) -> str:
             cells.append(_ratio_cell(d.get("gflop_per_s"), ".1f"))
             cells.append(_percent_cell(d.get("fraction_of_gemm")))
         best = d.get("auto_over_best_algorithm")
-        cells.append("-" if best is None else f"{100 * best:+.0f}%")
+        cells.append("-" if best is None else f"{round(100 * best):+d}%")
         cells.append("-" if peak is None else f"{peak / MiB:.1f}/{row['io_bytes'] / MiB:.1f}")
         body.append(cells)
     return format_table(headers, body)
@@ -603,8 +608,8 @@ def results_table(rows: list[dict], decode: bool) -> str:
 def layer_table(rows: list[dict]) -> str:
     headers = ["layer", "shape", "ours ms", "mlx-lm ms", "speed-up"]
     body = [
-        [str(r.get("name", "")), str(r.get("shape", "")), _ratio_cell(r.get("ours_ms"), ".3g"),
-         _ratio_cell(r.get("mlx_lm_ms"), ".3g"), _ratio_cell(r.get("speedup"), ".1f")]
+        [str(r.get("name", "")), str(r.get("shape", "")), _milliseconds_text(r.get("ours_ms")),
+         _milliseconds_text(r.get("mlx_lm_ms")), _ratio_cell(r.get("speedup"), ".1f")]
         for r in rows
     ]
     return format_table(headers, body)

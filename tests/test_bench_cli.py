@@ -171,7 +171,9 @@ def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
         seen["quick"] = quick
         progress("layer decode B=1")
         return [{"name": "decode", "shape": "B=1 T=1", "ours_ms": 1.5, "mlx_lm_ms": 6.0,
-                 "speedup": 4.0}]
+                 "speedup": 4.0},
+                {"name": "prefill", "shape": "B=1 T=2048", "ours_ms": 1410.4,
+                 "mlx_lm_ms": 47512.0, "speedup": 33.7}]
 
     fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
     fake.run_layer_benchmark = run_layer_benchmark
@@ -180,8 +182,9 @@ def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
     rows, note = bench.run_layer_rows(quick=True, progress=progress)
     progress.close()
     assert seen == {"quick": True} and note is None
-    assert bench.layer_table(rows).splitlines()[2].split() == [
-        "decode", "B=1", "T=1", "1.5", "6", "4.0"]
+    lines = bench.layer_table(rows).splitlines()
+    assert lines[2].split() == ["decode", "B=1", "T=1", "1.5", "6", "4.0"]
+    assert lines[3].split() == ["prefill", "B=1", "T=2048", "1410", "47512", "33.7"]
 
 
 def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):
@@ -239,7 +242,14 @@ def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys
     assert 'pip install "mlx-gated-delta[test]"' in capsys.readouterr().err
 
 
-def test_examples_cap_reaches_tests_already_decorated_by_given():
+def test_selftest_says_fail_when_the_properties_do_not_run(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "PROPERTIES_MODULE", "mlx_gated_delta.testing.no_such_module")
+    assert cli.run_selftest(examples=None) == 1
+    out = capsys.readouterr().out
+    assert "default device" in out and "selftest FAIL" in out
+
+
+def test_examples_count_reaches_tests_already_decorated_by_given():
     from hypothesis import given, settings, strategies as st
 
     calls = []
@@ -252,8 +262,8 @@ def test_examples_cap_reaches_tests_already_decorated_by_given():
     class Item:
         obj = property_under_test
 
-    plugin = cli._MaxExamples(3)
-    plugin.pytest_collection_modifyitems([Item()])
+    plugin = cli._ExamplesPerProperty(3)
+    plugin.pytest_collection_modifyitems([Item(), Item()])  # e.g. two parametrized items
     property_under_test()
-    assert plugin.applied == 1
+    assert len(plugin.tests) == 1
     assert 1 <= len(calls) <= 3
