@@ -20,6 +20,11 @@ namespace mx = mlx::core;
 using namespace nb::literals;
 using namespace mlx_gated_delta;
 
+// The fused layer segment's binding lives beside its op (csrc/segment/).
+namespace mlx_gated_delta {
+void bind_segment(nb::module_& m);
+}
+
 namespace {
 
 GatedDeltaParams shape_params(
@@ -81,6 +86,8 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       PyErr_SetString(PyExc_TypeError, e.what());
     }
   });
+
+  bind_segment(m);
 
   m.def(
       "gated_delta_rule",

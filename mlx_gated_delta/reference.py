@@ -123,3 +123,114 @@ def to_float64(x):
     if isinstance(x, mx.array) and x.dtype == mx.bfloat16:
         x = x.astype(mx.float32)
     return np.asarray(x, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------
+# The fused layer segment (API.md section 3).
+# ---------------------------------------------------------------------------
+
+
+def gated_delta_segment_reference(
+    mixed_qkvzba,
+    conv_weight,
+    decay_parameter,
+    dt_bias,
+    norm_weight,
+    conv_state=None,
+    state=None,
+    *,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    decay_parameterization="log_rate",
+    head_mapping="grouped",
+    norm_eps=1e-6,
+    mask=None,
+):
+    """The whole token-mixer segment in float64.
+
+    Per unmasked token: causal depthwise conv over q|k|v with the carried conv
+    state, SiLU; gates `g = rate * softplus(a + dt_bias)`, `beta = sigmoid(b)`;
+    the recurrence with L2-normalized q, k and scale `Dk ** -0.5` (through
+    `gated_delta_rule_reference`); `out = rms_norm(y) * norm_weight * silu(z)`.
+    A masked token is skipped: it enters neither the conv window nor the
+    recurrent state, and its `out` row is 0.
+
+    Returns `(out [B,T,Hv,Dv], conv_state [B,K-1,C], state [B,Hv,Dv,Dk])` as
+    float64 arrays.
+    """
+    x = to_float64(mixed_qkvzba)
+    batch, tokens, width = x.shape
+    qk_width = key_heads * key_dim
+    v_width = value_heads * value_dim
+    channels = 2 * qk_width + v_width
+    if width != channels + v_width + 2 * value_heads:
+        raise ValueError(f"packed width {width} does not match the head layout")
+    weight = to_float64(conv_weight).reshape(channels, -1)  # [C, K] or [C, K, 1]
+    kernel = weight.shape[1]
+
+    decay_parameter = to_float64(decay_parameter)
+    if decay_parameterization == "log_rate":
+        rate = -np.exp(decay_parameter)
+    elif decay_parameterization == "negative_rate":
+        rate = decay_parameter
+    else:
+        raise ValueError(
+            "decay_parameterization must be 'log_rate' or 'negative_rate', got "
+            f"{decay_parameterization!r}"
+        )
+
+    window = (
+        np.zeros((batch, kernel - 1, channels))
+        if conv_state is None
+        else to_float64(conv_state).copy()
+    )
+    active = (
+        np.ones((batch, tokens), dtype=bool)
+        if mask is None
+        else np.asarray(mask, dtype=bool)
+    )
+    qkv = np.zeros((batch, tokens, channels))
+    for b in range(batch):
+        for t in range(tokens):
+            if not active[b, t]:
+                continue  # skipped: the window does not move
+            taps = np.concatenate([window[b], x[b, t, None, :channels]])  # [K, C]
+            window[b] = taps[1:]
+            # The newest input meets the last tap, as in mlx's Conv1d.
+            conv = np.einsum("kc,ck->c", taps, weight)
+            qkv[b, t] = conv * _sigmoid(conv)
+
+    z = x[..., channels : channels + v_width].reshape(
+        batch, tokens, value_heads, value_dim
+    )
+    b_gate = x[..., channels + v_width : channels + v_width + value_heads]
+    a_gate = x[..., channels + v_width + value_heads :]
+    g = rate * np.logaddexp(0.0, a_gate + to_float64(dt_bias))  # softplus
+    beta = _sigmoid(b_gate)
+
+    q = qkv[..., :qk_width].reshape(batch, tokens, key_heads, key_dim)
+    k = qkv[..., qk_width : 2 * qk_width].reshape(batch, tokens, key_heads, key_dim)
+    v = qkv[..., 2 * qk_width :].reshape(batch, tokens, value_heads, value_dim)
+    y, state = gated_delta_rule_reference(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        scale=key_dim**-0.5,
+        head_mapping=head_mapping,
+        mask=active,
+        normalize_qk=True,
+    )
+
+    rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + norm_eps)
+    out = y / rms * to_float64(norm_weight) * (z * _sigmoid(z))
+    out = np.where(active[..., None, None], out, 0.0)
+    return out, window, state
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))

@@ -36,6 +36,9 @@ from mlx_gated_delta.reference import to_float64
 
 METRICS = ("max_abs", "max_rel", "norm_ratio")
 LAYOUTS = ("[B,T,H,D]", "[B,H,Dv,Dk]")
+# The fused segment's conv state and a model's logits (no head axis: these
+# layouts take max_abs or norm_ratio only).
+LAYOUTS += ("[B,K,C]", "[B,T,V]")
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,54 @@ _REFERENCE_CONTRACTS = (
     _relative("reference.mlx_fast.v2.float32.state", _FLOAT32_RELATIVE, _STATE),
 )
 
-CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS}
+_CONV_STATE = "[B,K,C]"
+_LOGITS = "[B,T,V]"
+
+# The fused layer segment (API.md section 3) and the drop-in layer.
+_SEGMENT_CONTRACTS = (
+    # The segment against its float64 oracle, any algorithm. The oracle sees
+    # the inputs already rounded to the activation dtype and the segment keeps
+    # every intermediate (conv output, gates, y, the norm) in float32, so the
+    # core's contracts carry over: float32 rounding of y, then the gated norm
+    # scales each (token, head) row of y to unit RMS, which scales its error
+    # alike, and the final rounding of out to the dtype (half an ulp of the
+    # value). Seen over 60 random shapes: 2.6e-6 (float32), 4.6e-4 (float16),
+    # 3.5e-3 (bfloat16).
+    _relative("segment.oracle.v2.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
+    _relative("segment.oracle.v2.float16.output", _FLOAT16_RELATIVE, _OUTPUT),
+    _relative("segment.oracle.v2.bfloat16.output", _BFLOAT16_RELATIVE, _OUTPUT),
+    _relative("segment.oracle.v2.float32.state", _FLOAT32_RELATIVE, _STATE),
+    # The conv state is a copy of pre-conv inputs: exact, any dtype.
+    Contract("segment.oracle.v1.any.conv_state", "max_abs", 0.0, _CONV_STATE),
+    # Split continuity with the recurrent core: the same float32 arithmetic
+    # per token whichever call it lands in, so bitwise identical.
+    Contract("segment.recurrent_split.v1.any.output", "max_abs", 0.0, _OUTPUT),
+    Contract("segment.recurrent_split.v1.float32.state", "max_abs", 0.0, _STATE),
+    Contract("segment.recurrent_split.v1.any.conv_state", "max_abs", 0.0, _CONV_STATE),
+    # Split continuity with the chunked core: a split moves chunk boundaries,
+    # which reorders float32 sums; both sides meet the float32 contract.
+    _relative("segment.chunked_split.v2.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
+    _relative("segment.chunked_split.v2.float32.state", _FLOAT32_RELATIVE, _STATE),
+    # A float32 mlx-lm model with our layers against the same model with
+    # mlx-lm's: each layer output is two float32 computations of the same
+    # math (each within 1e-4 of exact), and the rest of the model is the same
+    # code on both sides. Seen on tiny random models: 2.9e-6.
+    Contract("layer.mlx_lm_parity.v2.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+    # Our layer against itself run another way (token by token, batched with
+    # padding, split prompt): float32 sums in another order (the chunked and
+    # recurrent cores), each within the float32 contract of exact.
+    Contract("layer.self_consistency.v2.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+    # The layer's dense projection (x W^T) against float64 on the same
+    # rounded inputs: float32 dot products of length K err by about
+    # sqrt(K) 2^-24 relative (3e-6 at K = 2048; 3.3e-7 seen), then the output
+    # is rounded to its dtype (norm ratio at most half an ulp: 2^-11, 2^-8;
+    # seen 2.3e-4 and 1.9e-3).
+    Contract("projection.linear.v2.float32.output", "norm_ratio", 1e-5, _LOGITS, _DATA_SCALE_FLOOR),
+    Contract("projection.linear.v2.float16.output", "norm_ratio", _FLOAT16_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+    Contract("projection.linear.v2.bfloat16.output", "norm_ratio", _BFLOAT16_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+)
+
+CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS}
 
 
 def assert_matches(name, actual, expected, contract_id, fingerprint):

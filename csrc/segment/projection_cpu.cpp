@@ -1,0 +1,146 @@
+#include "segment/projection_cpu.h"
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <type_traits>
+#include <vector>
+
+#include "cpu/small_gemm.h"
+#include "cpu/thread_pool.h"
+#include "mlx/types/half_types.h"
+
+namespace mlx_gated_delta::cpu {
+
+using mlx::core::bfloat16_t;
+using mlx::core::float16_t;
+
+namespace {
+
+// A block of W^T (kBlockIn x kBlockOut floats, 128 KiB) stays in L2 while
+// every row of x streams past it.
+constexpr int kBlockOut = 128;
+constexpr int kBlockIn = 256;
+
+// With few rows (decode) the product is bound by reading W once: each row of
+// W is widened into an L1 buffer and dotted with every row of x, with no
+// packing. From this many rows on, the blocked GEMM's reuse wins.
+constexpr int64_t kGemmMinRows = 48;
+
+// Widens n values to float32. bfloat16 is the high half of a float32, so a
+// shift of its bits widens it exactly, and unlike the element type's
+// conversion operator this loop vectorizes (decode reads all of W this way).
+template <typename T>
+inline void widen(const T* src, int n, float* dst) {
+  if constexpr (std::is_same_v<T, bfloat16_t>) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+    for (int i = 0; i < n; ++i) {
+      dst[i] = std::bit_cast<float>(uint32_t(bits[i]) << 16);
+    }
+  } else {
+    for (int i = 0; i < n; ++i) {
+      dst[i] = static_cast<float>(src[i]);
+    }
+  }
+}
+
+template <typename T>
+void linear_by_dots(
+    int64_t rows, int in_features, int out_features, const float* x,
+    const T* weight, T* y) {
+  constexpr int kRowsPerTask = 64;
+  const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
+  parallel_for(tasks, [&](int task) {
+    std::vector<float> w_row(in_features);
+    const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
+    for (int o = task * kRowsPerTask; o < out_end; ++o) {
+      widen(weight + int64_t(o) * in_features, in_features, w_row.data());
+      int64_t r = 0;
+      // Four rows of x per pass over the widened row of W: one load of W
+      // feeds four FMAs.
+      for (; r + 4 <= rows; r += 4) {
+        const float* x0 = x + r * in_features;
+        const float* x1 = x0 + in_features;
+        const float* x2 = x1 + in_features;
+        const float* x3 = x2 + in_features;
+        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
+#pragma omp simd reduction(+ : s0, s1, s2, s3)
+        for (int i = 0; i < in_features; ++i) {
+          const float w_i = w_row[i];
+          s0 += x0[i] * w_i;
+          s1 += x1[i] * w_i;
+          s2 += x2[i] * w_i;
+          s3 += x3[i] * w_i;
+        }
+        y[r * out_features + o] = static_cast<T>(s0);
+        y[(r + 1) * out_features + o] = static_cast<T>(s1);
+        y[(r + 2) * out_features + o] = static_cast<T>(s2);
+        y[(r + 3) * out_features + o] = static_cast<T>(s3);
+      }
+      for (; r < rows; ++r) {
+        const float* x_row = x + r * in_features;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int i = 0; i < in_features; ++i) {
+          sum += x_row[i] * w_row[i];
+        }
+        y[r * out_features + o] = static_cast<T>(sum);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+template <typename T>
+void linear_forward(
+    int64_t rows, int in_features, int out_features, const T* x,
+    const T* weight, T* y) {
+  // x in float32 once (it is read by every block of W).
+  std::vector<float> x_f32(rows * in_features);
+  std::transform(x, x + rows * in_features, x_f32.begin(),
+                 [](T v) { return static_cast<float>(v); });
+  if (rows < kGemmMinRows) {
+    linear_by_dots(rows, in_features, out_features, x_f32.data(), weight, y);
+    return;
+  }
+
+  const int out_blocks = (out_features + kBlockOut - 1) / kBlockOut;
+  parallel_for(out_blocks, [&](int block) {
+    const int out_start = block * kBlockOut;
+    const int out_size = std::min(kBlockOut, out_features - out_start);
+    std::vector<float> packed(int64_t(kBlockIn) * out_size);
+    std::vector<float> acc(rows * out_size, 0.0f);
+    for (int in_start = 0; in_start < in_features; in_start += kBlockIn) {
+      const int in_size = std::min(kBlockIn, in_features - in_start);
+      // Pack W[out block, in block] transposed: the GEMM's B is [in, out].
+      for (int o = 0; o < out_size; ++o) {
+        const T* w_row =
+            weight + int64_t(out_start + o) * in_features + in_start;
+        for (int i = 0; i < in_size; ++i) {
+          packed[int64_t(i) * out_size + o] = static_cast<float>(w_row[i]);
+        }
+      }
+      gemm(int(rows), out_size, in_size, 1.0f,
+           MatrixA{x_f32.data() + in_start, in_features, 1}, packed.data(),
+           out_size, acc.data(), out_size);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      T* y_row = y + r * out_features + out_start;
+      const float* acc_row = acc.data() + r * out_size;
+      for (int o = 0; o < out_size; ++o) {
+        y_row[o] = static_cast<T>(acc_row[o]);
+      }
+    }
+  });
+}
+
+template void linear_forward<float>(
+    int64_t, int, int, const float*, const float*, float*);
+template void linear_forward<float16_t>(
+    int64_t, int, int, const float16_t*, const float16_t*, float16_t*);
+template void linear_forward<bfloat16_t>(
+    int64_t, int, int, const bfloat16_t*, const bfloat16_t*, bfloat16_t*);
+
+}  // namespace mlx_gated_delta::cpu

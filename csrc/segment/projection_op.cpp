@@ -1,0 +1,106 @@
+#include "segment/projection_op.h"
+
+#include <sstream>
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+#include "segment/projection_cpu.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_gated_delta {
+
+std::vector<mx::Shape> LinearProjection::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  mx::Shape shape = inputs[0].shape();
+  shape.back() = inputs[1].shape(0);
+  return {shape};
+}
+
+namespace {
+
+template <typename T>
+void dispatch_linear(
+    mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
+  const mx::array& x = inputs[0];
+  const mx::array& weight = inputs[1];
+  const int in_features = weight.shape(1);
+  const int out_features = weight.shape(0);
+  const int64_t rows = x.size() / in_features;
+  const T* x_data = x.data<T>();
+  const T* w_data = weight.data<T>();
+  T* y_data = out.data<T>();
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  encoder.set_input_array(x);
+  encoder.set_input_array(weight);
+  encoder.set_output_array(out);
+  encoder.dispatch([=]() {
+    cpu::linear_forward<T>(rows, in_features, out_features, x_data, w_data,
+                           y_data);
+  });
+}
+
+}  // namespace
+
+void LinearProjection::eval_cpu(
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  mx::array& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  switch (out.dtype()) {
+    case mx::float32:
+      dispatch_linear<float>(stream(), inputs, out);
+      break;
+    case mx::float16:
+      dispatch_linear<mx::float16_t>(stream(), inputs, out);
+      break;
+    case mx::bfloat16:
+      dispatch_linear<mx::bfloat16_t>(stream(), inputs, out);
+      break;
+    default:
+      throw std::runtime_error("LinearProjection: unsupported dtype");
+  }
+}
+
+void LinearProjection::eval_gpu(
+    const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "LinearProjection is a CPU kernel; on the GPU use MLX's matmul");
+}
+
+mx::array linear_projection(
+    const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
+  if (x.ndim() < 1 || weight.ndim() != 2 || x.shape(-1) != weight.shape(1)) {
+    std::ostringstream out;
+    out << "linear_projection: x [..., in] and weight [out, in] must agree on "
+           "in; got x of rank "
+        << x.ndim() << " and weight of rank " << weight.ndim();
+    if (x.ndim() >= 1 && weight.ndim() == 2) {
+      out << " (x in = " << x.shape(-1) << ", weight in = " << weight.shape(1)
+          << ")";
+    }
+    throw std::invalid_argument(out.str());
+  }
+  const mx::Dtype dtype = x.dtype();
+  if ((dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) ||
+      weight.dtype() != dtype) {
+    std::ostringstream out;
+    out << "linear_projection: x and weight must share one of float32, "
+           "float16, bfloat16; got x "
+        << x.dtype() << " and weight " << weight.dtype();
+    throw std::domain_error(out.str());
+  }
+  auto stream = mx::to_stream(s);
+  if (stream.device != mx::Device::cpu) {
+    throw std::invalid_argument(
+        "linear_projection is a CPU kernel; pass stream=mx.cpu");
+  }
+  mx::Shape shape = x.shape();
+  shape.back() = weight.shape(0);
+  return mx::array(
+      shape, dtype, std::make_shared<LinearProjection>(stream),
+      {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+}
+
+}  // namespace mlx_gated_delta

@@ -1,0 +1,238 @@
+// CPU kernels of the fused layer segment (see segment_cpu.h).
+#include "segment/segment_cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cpu/gated_delta_cpu.h"
+#include "cpu/thread_pool.h"
+#include "mlx/types/half_types.h"
+
+namespace mlx_gated_delta::cpu {
+
+using mlx::core::bfloat16_t;
+using mlx::core::float16_t;
+
+namespace {
+
+float sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
+
+float silu(float x) {
+  return x * sigmoid(x);
+}
+
+// log(1 + exp(x)) without overflow for large x and without losing the small
+// tail for very negative x.
+float softplus(float x) {
+  return std::fmax(x, 0.0f) + std::log1p(std::exp(-std::fabs(x)));
+}
+
+bool is_kept(const bool* mask, int64_t index) {
+  return mask == nullptr || mask[index];
+}
+
+// The pre-conv rows one batch row's convolution sees, oldest first: the
+// K-1 rows of the carried conv state, then every unmasked token of the call.
+// Rows are pointers into the caller's buffers, so nothing is copied.
+template <typename T>
+std::vector<const T*> conv_history(
+    const SegmentParams& p,
+    int b,
+    const T* mixed,
+    const T* conv_state,
+    const bool* mask) {
+  const int C = p.conv_channels();
+  std::vector<const T*> rows;
+  rows.reserve(p.conv_state_rows() + p.tokens);
+  const T* state_row = conv_state + int64_t(b) * p.conv_state_rows() * C;
+  for (int i = 0; i < p.conv_state_rows(); ++i) {
+    rows.push_back(state_row + int64_t(i) * C);
+  }
+  for (int t = 0; t < p.tokens; ++t) {
+    if (is_kept(mask, int64_t(b) * p.tokens + t)) {
+      rows.push_back(mixed + (int64_t(b) * p.tokens + t) * p.packed_width());
+    }
+  }
+  return rows;
+}
+
+}  // namespace
+
+template <typename T>
+void prepare_conv_silu(
+    const SegmentParams& p,
+    const T* mixed,
+    const float* conv_weight,
+    const T* conv_state,
+    const bool* mask,
+    float* qkv) {
+  const int C = p.conv_channels();
+  const int K = p.conv_kernel;
+  // Tap-major copy of the [C, K] weight so the channel loop below reads
+  // every operand with unit stride and vectorizes.
+  std::vector<float> weight_by_tap(int64_t(K) * C);
+  for (int c = 0; c < C; ++c) {
+    for (int i = 0; i < K; ++i) {
+      weight_by_tap[int64_t(i) * C + c] = conv_weight[int64_t(c) * K + i];
+    }
+  }
+  parallel_for(p.batch, [&](int b) {
+    const std::vector<const T*> rows = conv_history(p, b, mixed, conv_state, mask);
+    int kept = 0;  // unmasked tokens seen so far in this row
+    for (int t = 0; t < p.tokens; ++t) {
+      float* dst = qkv + (int64_t(b) * p.tokens + t) * C;
+      if (!is_kept(mask, int64_t(b) * p.tokens + t)) {
+        std::fill(dst, dst + C, 0.0f);
+        continue;
+      }
+      // This token is rows[K-1 + kept]; its window starts K-1 rows earlier.
+      for (int c = 0; c < C; ++c) {
+        dst[c] = 0.0f;
+      }
+      for (int i = 0; i < K; ++i) {
+        const T* src = rows[kept + i];
+        const float* w = weight_by_tap.data() + int64_t(i) * C;
+        for (int c = 0; c < C; ++c) {
+          dst[c] += static_cast<float>(src[c]) * w[c];
+        }
+      }
+      for (int c = 0; c < C; ++c) {
+        dst[c] = silu(dst[c]);
+      }
+      ++kept;
+    }
+  });
+}
+
+template <typename T>
+void collect_conv_state(
+    const SegmentParams& p,
+    const T* mixed,
+    const T* conv_state_in,
+    const bool* mask,
+    T* conv_state_out) {
+  const int C = p.conv_channels();
+  const int rows_kept = p.conv_state_rows();
+  for (int b = 0; b < p.batch; ++b) {
+    const std::vector<const T*> rows =
+        conv_history(p, b, mixed, conv_state_in, mask);
+    const size_t first = rows.size() - rows_kept;
+    T* dst = conv_state_out + int64_t(b) * rows_kept * C;
+    for (int i = 0; i < rows_kept; ++i) {
+      std::copy(rows[first + i], rows[first + i] + C, dst + int64_t(i) * C);
+    }
+  }
+}
+
+template <typename T>
+void prepare_gates(
+    const SegmentParams& p,
+    const T* mixed,
+    const float* decay_parameter,
+    const float* dt_bias,
+    float* g,
+    float* beta) {
+  const int Hv = p.value_heads;
+  std::vector<float> rate(Hv);
+  for (int h = 0; h < Hv; ++h) {
+    rate[h] = p.decay_parameterization == DecayParameterization::LogRate
+        ? -std::exp(decay_parameter[h])
+        : decay_parameter[h];
+  }
+  const int64_t rows = int64_t(p.batch) * p.tokens;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* row = mixed + r * p.packed_width();
+    for (int h = 0; h < Hv; ++h) {
+      const float a = static_cast<float>(row[p.a_offset() + h]);
+      const float b = static_cast<float>(row[p.b_offset() + h]);
+      g[r * Hv + h] = rate[h] * softplus(a + dt_bias[h]);
+      beta[r * Hv + h] = sigmoid(b);
+    }
+  }
+}
+
+template <typename T>
+void gated_rms_norm(
+    const SegmentParams& p,
+    const float* y,
+    const T* mixed,
+    const float* norm_weight,
+    const bool* mask,
+    T* out) {
+  const int Hv = p.value_heads;
+  const int Dv = p.value_dim;
+  const int64_t rows = int64_t(p.batch) * p.tokens;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* dst_row = out + r * Hv * Dv;
+    if (!is_kept(mask, r)) {
+      std::fill(dst_row, dst_row + int64_t(Hv) * Dv, T(0.0f));
+      continue;
+    }
+    const T* z_row = mixed + r * p.packed_width() + p.z_offset();
+    for (int h = 0; h < Hv; ++h) {
+      const float* y_head = y + (r * Hv + h) * Dv;
+      float sum_squares = 0.0f;
+      for (int d = 0; d < Dv; ++d) {
+        sum_squares += y_head[d] * y_head[d];
+      }
+      const float inv_rms = 1.0f / std::sqrt(sum_squares / Dv + p.norm_eps);
+      for (int d = 0; d < Dv; ++d) {
+        const float z = static_cast<float>(z_row[h * Dv + d]);
+        dst_row[h * Dv + d] =
+            static_cast<T>(y_head[d] * inv_rms * norm_weight[d] * silu(z));
+      }
+    }
+  }
+}
+
+template <typename T>
+void gated_delta_segment_forward(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const SegmentBuffers<T>& io) {
+  const int64_t rows = int64_t(p.batch) * p.tokens;
+  const int C = p.conv_channels();
+  // The conv output stays float32 (never rounded to T) and feeds the core in
+  // place: q, k and v are column ranges of its rows.
+  std::vector<float> qkv(rows * C);
+  std::vector<float> g(rows * p.value_heads);
+  std::vector<float> beta(rows * p.value_heads);
+  std::vector<float> y(rows * p.v_width());
+
+  prepare_conv_silu(p, io.mixed, io.conv_weight, io.conv_state_in, io.mask,
+                    qkv.data());
+  collect_conv_state(p, io.mixed, io.conv_state_in, io.mask, io.conv_state_out);
+  prepare_gates(p, io.mixed, io.decay_parameter, io.dt_bias, g.data(),
+                beta.data());
+
+  CoreBuffers<float> core;
+  core.q = qkv.data();
+  core.k = qkv.data() + p.qk_width();
+  core.v = qkv.data() + 2 * p.qk_width();
+  core.qk_batch_stride = int64_t(p.tokens) * C;
+  core.qk_token_stride = C;
+  core.v_batch_stride = int64_t(p.tokens) * C;
+  core.v_token_stride = C;
+  core.g = g.data();
+  core.beta = beta.data();
+  core.mask = io.mask;
+  core.state_in = io.state_in;
+  core.y = y.data();
+  core.state_out = io.state_out;
+  gated_delta_forward<float>(p.core_params(), algorithm, core);
+
+  gated_rms_norm(p, y.data(), io.mixed, io.norm_weight, io.mask, io.out);
+}
+
+#define INSTANTIATE_SEGMENT(T)                                       \
+  template void gated_delta_segment_forward<T>(                      \
+      const SegmentParams&, Algorithm, const SegmentBuffers<T>&);
+
+INSTANTIATE_SEGMENT(float)
+INSTANTIATE_SEGMENT(float16_t)
+INSTANTIATE_SEGMENT(bfloat16_t)
+
+}  // namespace mlx_gated_delta::cpu

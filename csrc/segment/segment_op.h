@@ -1,0 +1,35 @@
+// The op function of the fused layer segment: validate, then build the graph.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mlx/array.h"
+#include "mlx/utils.h"
+
+namespace mlx_gated_delta {
+
+// API.md section 3. Returns {out, conv_state, state}.
+// Bad input raises std::invalid_argument (ValueError in Python) or
+// std::domain_error (TypeError) naming the argument, before any allocation.
+std::vector<mlx::core::array> gated_delta_segment(
+    const mlx::core::array& mixed_qkvzba,
+    const mlx::core::array& conv_weight,
+    const mlx::core::array& decay_parameter,
+    const mlx::core::array& dt_bias,
+    const mlx::core::array& norm_weight,
+    const std::optional<mlx::core::array>& conv_state,
+    const std::optional<mlx::core::array>& state,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim,
+    const std::string& decay_parameterization,
+    const std::string& head_mapping,
+    float norm_eps,
+    const std::optional<mlx::core::array>& mask,
+    const std::string& algorithm,
+    mlx::core::StreamOrDevice s = {});
+
+}  // namespace mlx_gated_delta

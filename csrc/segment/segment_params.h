@@ -1,0 +1,77 @@
+// Shapes and parameters of the fused layer segment (API.md section 3).
+//
+// Plain C++ with no backend and no MLX dependency, like gated_delta/params.h:
+// the CPU kernels, the primitive and the op function read the same struct.
+#pragma once
+
+#include <cmath>
+
+#include "gated_delta/params.h"
+
+namespace mlx_gated_delta {
+
+// Everything that fixes the result of one segment call, except the data.
+// Layouts (all row-major, contiguous):
+//   mixed_qkvzba [B, T, F] packed per token as [q | k | v | z | b | a]
+//   conv_weight  [C, K] (float32)       conv_state [B, K-1, C]
+//   decay_parameter, dt_bias [Hv]      norm_weight [Dv] (float32)
+//   state [B, Hv, Dv, Dk] (float32)    out [B, T, Hv, Dv]   mask [B, T]
+// where C = 2*Hk*Dk + Hv*Dv are the channels the convolution sees (q|k|v).
+struct SegmentParams {
+  int batch = 0;
+  int tokens = 0;
+  int key_heads = 0;
+  int value_heads = 0;
+  int key_dim = 0;
+  int value_dim = 0;
+  int conv_kernel = 0;
+  DecayParameterization decay_parameterization = DecayParameterization::LogRate;
+  HeadMapping head_mapping = HeadMapping::Grouped;
+  float norm_eps = 1e-6f;
+  bool has_mask = false;
+
+  int qk_width() const {
+    return key_heads * key_dim;
+  }
+  int v_width() const {
+    return value_heads * value_dim;
+  }
+  int conv_channels() const {
+    return 2 * qk_width() + v_width();
+  }
+  int conv_state_rows() const {
+    return conv_kernel - 1;
+  }
+  // Offsets of the parts of one packed token row.
+  int z_offset() const {
+    return conv_channels();
+  }
+  int b_offset() const {
+    return z_offset() + v_width();
+  }
+  int a_offset() const {
+    return b_offset() + value_heads;
+  }
+  int packed_width() const {
+    return a_offset() + value_heads;
+  }
+
+  // The core recurrence this segment runs: q and k are L2-normalized inside
+  // the core and the readout scale is Dk ** -0.5.
+  GatedDeltaParams core_params() const {
+    GatedDeltaParams core;
+    core.batch = batch;
+    core.tokens = tokens;
+    core.key_heads = key_heads;
+    core.value_heads = value_heads;
+    core.key_dim = key_dim;
+    core.value_dim = value_dim;
+    core.scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
+    core.head_mapping = head_mapping;
+    core.normalize_qk = true;
+    core.has_mask = has_mask;
+    return core;
+  }
+};
+
+}  // namespace mlx_gated_delta

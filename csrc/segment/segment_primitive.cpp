@@ -1,0 +1,116 @@
+#include "segment/segment_primitive.h"
+
+#include <stdexcept>
+
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "segment/segment_cpu.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_gated_delta {
+
+SegmentParams GatedDeltaSegment::params_for(
+    const std::vector<mx::array>& inputs) const {
+  const mx::array& mixed = inputs[0];
+  const mx::array& conv_weight = inputs[1];
+  SegmentParams p;
+  p.batch = mixed.shape(0);
+  p.tokens = mixed.shape(1);
+  p.key_heads = key_heads_;
+  p.value_heads = value_heads_;
+  p.key_dim = key_dim_;
+  p.value_dim = value_dim_;
+  p.conv_kernel = conv_weight.shape(1);
+  p.decay_parameterization = decay_parameterization_;
+  p.head_mapping = head_mapping_;
+  p.norm_eps = norm_eps_;
+  p.has_mask = has_mask_;
+  return p;
+}
+
+std::vector<mx::Shape> GatedDeltaSegment::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const SegmentParams p = params_for(inputs);
+  return {
+      {p.batch, p.tokens, p.value_heads, p.value_dim},
+      {p.batch, p.conv_state_rows(), p.conv_channels()},
+      {p.batch, p.value_heads, p.value_dim, p.key_dim}};
+}
+
+bool GatedDeltaSegment::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDeltaSegment&>(other);
+  return key_heads_ == o.key_heads_ && value_heads_ == o.value_heads_ &&
+      key_dim_ == o.key_dim_ && value_dim_ == o.value_dim_ &&
+      decay_parameterization_ == o.decay_parameterization_ &&
+      head_mapping_ == o.head_mapping_ && norm_eps_ == o.norm_eps_ &&
+      has_mask_ == o.has_mask_ && algorithm_ == o.algorithm_;
+}
+
+namespace {
+
+template <typename T>
+void dispatch_segment(
+    mx::Stream stream,
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  cpu::SegmentBuffers<T> io;
+  io.mixed = inputs[0].data<T>();
+  io.conv_weight = inputs[1].data<float>();
+  io.decay_parameter = inputs[2].data<float>();
+  io.dt_bias = inputs[3].data<float>();
+  io.norm_weight = inputs[4].data<float>();
+  io.conv_state_in = inputs[5].data<T>();
+  io.state_in = inputs[6].data<float>();
+  io.mask = p.has_mask ? inputs[7].data<bool>() : nullptr;
+  io.out = outputs[0].data<T>();
+  io.conv_state_out = outputs[1].data<T>();
+  io.state_out = outputs[2].data<float>();
+
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  for (auto& output : outputs) {
+    encoder.set_output_array(output);
+  }
+  encoder.dispatch([p, algorithm, io]() {
+    cpu::gated_delta_segment_forward<T>(p, algorithm, io);
+  });
+}
+
+}  // namespace
+
+void GatedDeltaSegment::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+  }
+  const SegmentParams p = params_for(inputs);
+  switch (inputs[0].dtype()) {
+    case mx::float32:
+      dispatch_segment<float>(stream(), p, algorithm_, inputs, outputs);
+      break;
+    case mx::float16:
+      dispatch_segment<mx::float16_t>(stream(), p, algorithm_, inputs, outputs);
+      break;
+    case mx::bfloat16:
+      dispatch_segment<mx::bfloat16_t>(stream(), p, algorithm_, inputs, outputs);
+      break;
+    default:
+      throw std::runtime_error("GatedDeltaSegment: unsupported activation dtype");
+  }
+}
+
+void GatedDeltaSegment::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  // The op function routes GPU streams elsewhere; reaching this is a bug.
+  throw std::runtime_error(
+      "GatedDeltaSegment has no GPU kernels yet; it runs on the CPU stream");
+}
+
+}  // namespace mlx_gated_delta

@@ -1,0 +1,69 @@
+// The MLX primitive of the fused layer segment (API.md section 3).
+#pragma once
+
+#include "mlx/primitives.h"
+#include "segment/segment_params.h"
+
+namespace mlx_gated_delta {
+
+// Inputs: mixed_qkvzba [B, T, F], conv_weight [C, K] (float32),
+// decay_parameter [Hv] (float32), dt_bias [Hv] (float32), norm_weight [Dv]
+// (float32), conv_state [B, K-1, C] (activation dtype), state [B, Hv, Dv, Dk]
+// (float32) [, mask [B, T] (bool)], all row-contiguous.
+// Outputs: out [B, T, Hv, Dv] (activation dtype), conv_state, state.
+// Carries the head layout (not recoverable from the packed width alone) and
+// the options that change the result.
+class GatedDeltaSegment : public mlx::core::Primitive {
+ public:
+  GatedDeltaSegment(
+      mlx::core::Stream stream,
+      int key_heads,
+      int value_heads,
+      int key_dim,
+      int value_dim,
+      DecayParameterization decay_parameterization,
+      HeadMapping head_mapping,
+      float norm_eps,
+      bool has_mask,
+      Algorithm algorithm)
+      : mlx::core::Primitive(stream),
+        key_heads_(key_heads),
+        value_heads_(value_heads),
+        key_dim_(key_dim),
+        value_dim_(value_dim),
+        decay_parameterization_(decay_parameterization),
+        head_mapping_(head_mapping),
+        norm_eps_(norm_eps),
+        has_mask_(has_mask),
+        algorithm_(algorithm) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+
+  const char* name() const override {
+    return "GatedDeltaSegment";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override;
+  std::vector<mlx::core::Shape> output_shapes(
+      const std::vector<mlx::core::array>& inputs) override;
+
+  // The params of one call, read off the input shapes.
+  SegmentParams params_for(const std::vector<mlx::core::array>& inputs) const;
+
+ private:
+  int key_heads_;
+  int value_heads_;
+  int key_dim_;
+  int value_dim_;
+  DecayParameterization decay_parameterization_;
+  HeadMapping head_mapping_;
+  float norm_eps_;
+  bool has_mask_;
+  Algorithm algorithm_;
+};
+
+}  // namespace mlx_gated_delta

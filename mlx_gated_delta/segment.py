@@ -1,0 +1,86 @@
+"""The fused layer segment (API.md section 3)."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from . import _ext
+from .ops import StreamOrDevice, _require_array
+
+
+def gated_delta_segment(
+    mixed_qkvzba: mx.array,
+    conv_weight: mx.array,
+    decay_parameter: mx.array,
+    dt_bias: mx.array,
+    norm_weight: mx.array,
+    conv_state: Optional[mx.array] = None,
+    state: Optional[mx.array] = None,
+    *,
+    key_heads: int,
+    value_heads: int,
+    key_dim: int,
+    value_dim: int,
+    decay_parameterization: str = "log_rate",
+    head_mapping: str = "grouped",
+    norm_eps: float = 1e-6,
+    mask: Optional[mx.array] = None,
+    algorithm: str = "auto",
+    stream: StreamOrDevice = None,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """A Gated DeltaNet token mixer from its packed input projection to the
+    gated norm, in one op; returns ``(out, conv_state, state)``.
+
+    Per token: ``q|k|v = silu(causal_conv(q|k|v))`` with the carried conv
+    state; ``g = rate * softplus(a + dt_bias)``; ``beta = sigmoid(b)``; q and k
+    L2-normalized per head (eps 1e-6); the delta-rule recurrence with scale
+    ``Dk ** -0.5``; ``out = rms_norm(y, norm_eps) * norm_weight * silu(z)``.
+    All intermediate math is float32; the recurrent state is float32.
+
+    Args:
+        mixed_qkvzba: ``[B, T, F]`` packed per token as ``[q | k | v | z | b | a]``
+            (``F = 2*Hk*Dk + 2*Hv*Dv + 2*Hv``), float32, float16 or bfloat16.
+        conv_weight: ``[C, K]`` or mlx's Conv1d layout ``[C, K, 1]`` over the
+            ``C = 2*Hk*Dk + Hv*Dv`` channels q|k|v.
+        decay_parameter: ``[Hv]``: ``A_log`` for ``"log_rate"`` (rate =
+            ``-exp(A_log)``) or the negative rate for ``"negative_rate"``.
+        dt_bias: ``[Hv]``. norm_weight: ``[Dv]``.
+        conv_state: ``[B, K-1, C]`` in the activation dtype (mlx-lm's cache
+            layout: the last K-1 pre-conv inputs), or ``None`` for zeros.
+        state: ``[B, Hv, Dv, Dk]`` float32, or ``None`` for zeros.
+        head_mapping: ``"grouped"`` or ``"interleaved"``.
+        mask: ``[B, T]`` bool. A False token is skipped as if it were not in
+            the sequence: it enters neither the conv window nor the state,
+            and its ``out`` row is 0.
+        algorithm: the core's ``"recurrent"``, ``"chunked"`` or ``"auto"``.
+
+    Returns:
+        ``out`` ``[B, T, Hv, Dv]`` in the activation dtype, the new
+        ``conv_state`` and the new float32 ``state``.
+    """
+    for name, value in (
+        ("mixed_qkvzba", mixed_qkvzba),
+        ("conv_weight", conv_weight),
+        ("decay_parameter", decay_parameter),
+        ("dt_bias", dt_bias),
+        ("norm_weight", norm_weight),
+    ):
+        _require_array(name, value)
+    for name, value in (("conv_state", conv_state), ("state", state), ("mask", mask)):
+        if value is not None:
+            _require_array(name, value)
+    for name, value in (
+        ("decay_parameterization", decay_parameterization),
+        ("head_mapping", head_mapping),
+        ("algorithm", algorithm),
+    ):
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
+    return _ext.gated_delta_segment(
+        mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
+        conv_state, state, int(key_heads), int(value_heads), int(key_dim),
+        int(value_dim), decay_parameterization, head_mapping, float(norm_eps),
+        mask, algorithm, stream,
+    )

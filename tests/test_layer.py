@@ -1,0 +1,337 @@
+"""The drop-in layers and `patch_mlx_lm` on tiny random mlx-lm models:
+parity with mlx-lm's own layers, the cache (prefill + decode, conv-state
+layout, batching with padding), weight loading and quantization, errors."""
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
+from mlx_lm.models import qwen3_5, qwen3_next  # noqa: E402
+from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
+
+from mlx_gated_delta import patch_mlx_lm  # noqa: E402
+from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
+from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
+from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
+
+FINGERPRINTS = {
+    "layer.mlx_lm_parity.v2.float32.logits": "292f83dfa1ee545ad6798b5d305fdb59b835f5de333d272d620938a09777e8f8",
+    "layer.self_consistency.v2.float32.logits": "bf1dc95683ed3f1b553f16ca0db699a843503b691541bb12d7fde45296b4abd4",
+    "segment.oracle.v2.float32.output": "942c9e8e4d02b27c409f6f2c5c7b523500bb3eb0d580826224f9a9dc649f3c3d",
+    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
+}
+
+
+def check(name, actual, expected, contract_id):
+    return assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
+
+
+VOCAB = 128
+
+LINEAR_HEADS = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
+
+def next_args(layers=4):
+    return qwen3_next.ModelArgs(
+        model_type="qwen3_next",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        shared_expert_intermediate_size=64,
+        mlp_only_layers=[],
+        moe_intermediate_size=32,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.25,
+        max_position_embeddings=512,
+        **LINEAR_HEADS,
+    )
+
+
+def qwen35_model(layers=4):
+    text = dict(
+        model_type="qwen3_5_text",
+        hidden_size=64,
+        num_hidden_layers=layers,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        **LINEAR_HEADS,
+    )
+    return qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
+
+
+def build(kind, seed):
+    mx.random.seed(seed)
+    model = qwen3_next.Model(next_args()) if kind == "qwen3_next" else qwen35_model()
+    # mlx-lm initializes dt_bias and the norm weight to ones: draw them, so a
+    # mix-up of heads or of value dims shows in the output.
+    for layer in model.layers:
+        if layer.is_linear:
+            attn = layer.linear_attn
+            attn.dt_bias = mx.random.normal(attn.dt_bias.shape)
+            attn.norm.weight = mx.random.uniform(0.5, 1.5, attn.norm.weight.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def tokens(seed, shape):
+    return mx.random.randint(0, VOCAB, shape, key=mx.random.key(seed))
+
+
+# ---------------------------------------------------------------------------
+# The oracle is mlx-lm's layer math (checked independently of our C++).
+# ---------------------------------------------------------------------------
+
+
+def test_segment_oracle_reproduces_mlx_lm_layer():
+    mx.random.seed(0)
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(next_args())
+    stock.dt_bias = mx.random.normal((4,))
+    stock.norm.weight = mx.random.uniform(0.5, 1.5, (8,))
+    # Without its output projection the layer returns the segment's out.
+    stock.out_proj = nn.Identity()
+    x = mx.random.normal((2, 11, 64))
+    expected = stock(x).reshape(2, 11, 4, 8)
+    # Packed input from mlx-lm's own reordering, not from ours.
+    q, k, v, z, b, a = stock.fix_query_key_value_ordering(
+        stock.in_proj_qkvz(x), stock.in_proj_ba(x)
+    )
+    packed = mx.concatenate([t.reshape(2, 11, -1) for t in (q, k, v, z, b, a)], axis=-1)
+    out, _, _ = gated_delta_segment_reference(
+        packed, stock.conv1d.weight, stock.A_log, stock.dt_bias, stock.norm.weight,
+        key_heads=2, value_heads=4, key_dim=16, value_dim=8,
+    )
+    # mlx-lm's layer is a float32 computation of the same math: within the
+    # float32 contract of the exact result.
+    check("out", expected, out, "segment.oracle.v2.float32.output")
+
+
+# ---------------------------------------------------------------------------
+# Patched against mlx-lm's own layers.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_patched_model_matches_mlx_lm_logits_and_greedy_tokens(kind):
+    model = build(kind, 1)
+    prompt = tokens(2, (1, 37))
+    expected_logits = model(prompt)
+    expected_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
+                                                         sampler=lambda x: mx.argmax(x, -1))]
+    assert patch_mlx_lm(model) == 3
+    assert all(
+        isinstance(l.linear_attn, (GatedDeltaNet, Qwen35GatedDeltaNet))
+        for l in model.layers if l.is_linear
+    )
+    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
+    got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
+                                                    sampler=lambda x: mx.argmax(x, -1))]
+    assert got_tokens == expected_tokens
+
+
+def test_patch_keeps_the_parameter_tree_and_arrays():
+    model = build("qwen3_next", 3)
+    before = dict(tree_flatten(model.parameters()))
+    patch_mlx_lm(model)
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys()
+    assert all(before[name] is after[name] for name in before)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_prefill_then_token_by_token_decode_equals_full_forward(kind):
+    model = build(kind, 4)
+    patch_mlx_lm(model)
+    sequence = tokens(5, (1, 24))
+    full = model(sequence)
+    cache = model.make_cache()
+    pieces = [model(sequence[:, :17], cache=cache)]
+    for t in range(17, 24):
+        pieces.append(model(sequence[:, t : t + 1], cache=cache))
+    check("logits", mx.concatenate(pieces, axis=1), full,
+          "layer.self_consistency.v2.float32.logits")
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_batched_with_left_padding_equals_unbatched(kind):
+    model = build(kind, 6)
+    patch_mlx_lm(model)
+    lengths = [13, 6, 9]
+    width = max(lengths)
+    prompts = [tokens(10 + i, (n,)) for i, n in enumerate(lengths)]
+    padding = [width - n for n in lengths]
+    padded = mx.stack([mx.concatenate([mx.zeros((p,), mx.int32), t.astype(mx.int32)])
+                       for p, t in zip(padding, prompts)])
+    cache = [ArraysCache(2, left_padding=padding) if l.is_linear else BatchKVCache(padding)
+             for l in model.layers]
+    batched = model(padded, cache=cache)
+    step = tokens(20, (3, 1))
+    batched_next = model(step, cache=cache)
+    for row, (prompt, p) in enumerate(zip(prompts, padding)):
+        single_cache = model.make_cache()
+        single = model(prompt[None], cache=single_cache)
+        single_next = model(step[row : row + 1], cache=single_cache)
+        check(f"row {row} prompt", batched[row : row + 1, p:], single,
+              "layer.self_consistency.v2.float32.logits")
+        check(f"row {row} next", batched_next[row : row + 1], single_next,
+              "layer.self_consistency.v2.float32.logits")
+
+
+def greedy_batch(model, prompts, max_tokens):
+    """mlx-lm's continuous batching (left padding, lengths) on token lists."""
+    generator = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=4,
+                               completion_batch_size=4)
+    uids = generator.insert(prompts)
+    generated = {uid: [] for uid in uids}
+    while responses := generator.next_generated():
+        for response in responses:
+            generated[response.uid].append(response.token)
+    generator.close()
+    return [generated[uid] for uid in uids]
+
+
+def greedy(model, prompt, max_tokens, prompt_cache=None):
+    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
+                                             sampler=lambda x: mx.argmax(x, -1),
+                                             prompt_cache=prompt_cache)]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(kind):
+    model = build(kind, 21)
+    prompts = [[int(t) for t in tokens(30 + i, (n,))] for i, n in enumerate([9, 3, 17])]
+    expected = greedy_batch(model, prompts, 6)
+    patch_mlx_lm(model)
+    assert greedy_batch(model, prompts, 6) == expected
+    assert [greedy(model, p, 6) for p in prompts] == expected
+
+
+def test_prompt_cache_across_turns_gives_mlx_lm_tokens():
+    model = build("qwen3_next", 22)
+    turns = [[int(t) for t in tokens(40 + i, (n,))] for i, n in enumerate([11, 5])]
+
+    def conversation():
+        cache = model.make_cache()
+        return [greedy(model, turn, 5, prompt_cache=cache) for turn in turns]
+
+    expected = conversation()
+    patch_mlx_lm(model)
+    assert conversation() == expected
+
+
+def test_cache_matches_mlx_lm_layout_and_lengths_handling():
+    # Same layer, mlx-lm's and ours, on a batch where cache.lengths ends the
+    # rows early (mlx-lm's batched prefill): the same conv states (the same
+    # projected inputs), states and valid outputs.
+    mx.random.seed(7)
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(next_args())
+    ours = GatedDeltaNet(next_args())
+    ours.update(stock.parameters())
+    x = mx.random.normal((2, 9, 64))
+    stock_cache, our_cache = ArraysCache(2), ArraysCache(2)
+    stock_cache.prepare(lengths=[9, 5])
+    our_cache.prepare(lengths=[9, 5])
+    mask = stock_cache.make_mask(9)
+    stock_out = stock(x, mask=mask, cache=stock_cache)
+    our_out = ours(x, mask=mask, cache=our_cache)
+    assert our_cache[0].shape == stock_cache[0].shape == (2, 3, 2 * 2 * 16 + 4 * 8)
+    assert our_cache[0].dtype == stock_cache[0].dtype
+    # Projections computed by different kernels: float32 rounding apart.
+    check("conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v2.float32.logits")
+    check("state", our_cache[1], stock_cache[1], "segment.oracle.v2.float32.state")
+    valid = np.asarray(mask)
+    check("out", to_float64(our_out)[valid][None], to_float64(stock_out)[valid][None],
+          "layer.mlx_lm_parity.v2.float32.logits")
+
+
+@pytest.mark.parametrize("first", ["ours", "mlx-lm"])
+def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
+    # The cache layout is mlx-lm's: prefill with one implementation, decode
+    # with the other, and get what either gives alone.
+    mx.random.seed(14)
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(next_args())
+    ours = GatedDeltaNet(next_args())
+    ours.update(stock.parameters())
+    prefill, decode = mx.random.normal((2, 10, 64)), mx.random.normal((2, 3, 64))
+    layers = {"ours": ours, "mlx-lm": stock}
+    second = "mlx-lm" if first == "ours" else "ours"
+    mixed_cache, plain_cache = ArraysCache(2), ArraysCache(2)
+    layers[first](prefill, cache=mixed_cache)
+    mixed = layers[second](decode, cache=mixed_cache)
+    layers[second](prefill, cache=plain_cache)
+    plain = layers[second](decode, cache=plain_cache)
+    check("decode", mixed, plain, "layer.mlx_lm_parity.v2.float32.logits")
+    check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
+
+
+def test_load_weights_after_patching_reaches_the_patched_layers():
+    source = build("qwen3_next", 8)
+    prompt = tokens(9, (1, 12))
+    expected = source(prompt)
+    target = build("qwen3_next", 99)
+    patch_mlx_lm(target)
+    before = target(prompt)  # the packed projection is built from seed 99
+    target.load_weights(list(tree_flatten(source.parameters())))
+    assert not np.allclose(to_float64(before), to_float64(expected))
+    check("logits", target(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+@pytest.mark.parametrize("patch_first", [False, True])
+def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
+    model = build("qwen3_next", 11)
+    nn.quantize(model, group_size=32, bits=8)
+    prompt = tokens(12, (1, 20))
+    expected = model(prompt)
+    patched = build("qwen3_next", 11)
+    if patch_first:  # quantizing replaces the arrays the packed weight came from
+        patch_mlx_lm(patched)
+        patched(prompt)
+        nn.quantize(patched, group_size=32, bits=8)
+    else:
+        nn.quantize(patched, group_size=32, bits=8)
+        patch_mlx_lm(patched)
+    attention = patched.layers[0].linear_attn
+    assert isinstance(attention, GatedDeltaNet)
+    assert isinstance(attention.in_proj_qkvz, nn.QuantizedLinear)
+    assert isinstance(attention.out_proj, nn.QuantizedLinear)
+    check("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+def test_patch_errors_for_a_model_without_gated_delta_layers():
+    with pytest.raises(ValueError, match="no Gated DeltaNet layer"):
+        patch_mlx_lm(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_patching_twice_replaces_nothing_more():
+    model = build("qwen3_next", 13)
+    assert patch_mlx_lm(model) == 3
+    assert patch_mlx_lm(model) == 0
+
+
+def test_layer_rejects_head_counts_that_do_not_divide():
+    args = next_args()
+    args.linear_num_value_heads = 3
+    with pytest.raises(ValueError, match="multiple"):
+        GatedDeltaNet(args)
