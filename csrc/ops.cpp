@@ -7,74 +7,11 @@
 #include "gated_delta/params.h"
 #include "mlx/ops.h"
 #include "primitives.h"
+#include "validation.h"
 
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
-
-namespace {
-
-std::string shape_string(const mx::Shape& shape) {
-  std::ostringstream out;
-  out << '(';
-  for (size_t i = 0; i < shape.size(); ++i) {
-    out << (i ? ", " : "") << shape[i];
-  }
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
-}
-
-std::string dtype_string(mx::Dtype dtype) {
-  std::ostringstream out;
-  out << dtype;
-  return out.str();
-}
-
-[[noreturn]] void fail_value(const std::string& message) {
-  throw std::invalid_argument(message);
-}
-
-void check_rank(const std::string& name, const mx::array& a, int rank, const char* layout) {
-  if (a.ndim() != rank) {
-    std::ostringstream out;
-    out << name << " must have rank " << rank << " " << layout << ", got shape "
-        << shape_string(a.shape()) << " (rank " << a.ndim() << ")";
-    fail_value(out.str());
-  }
-}
-
-void check_shape(const std::string& name, const mx::array& a, const mx::Shape& expected,
-                 const char* layout) {
-  if (a.shape() != expected) {
-    std::ostringstream out;
-    out << name << " must have shape " << shape_string(expected) << " " << layout
-        << ", got " << shape_string(a.shape());
-    fail_value(out.str());
-  }
-}
-
-bool is_activation_dtype(mx::Dtype dtype) {
-  return dtype == mx::float32 || dtype == mx::float16 || dtype == mx::bfloat16;
-}
-
-// Type errors are std::domain_error here; the bindings turn them into TypeError.
-void check_activation_dtype(const char* name, const mx::array& a) {
-  if (!is_activation_dtype(a.dtype())) {
-    throw std::domain_error(
-        std::string(name) + " must be float32, float16 or bfloat16, got " +
-        dtype_string(a.dtype()));
-  }
-}
-
-void check_floating(const std::string& name, const mx::array& a) {
-  if (!mx::issubdtype(a.dtype(), mx::floating)) {
-    throw std::domain_error(
-        name + " must be a floating-point array, got " +
-        dtype_string(a.dtype()));
-  }
-}
-
-}  // namespace
 
 std::vector<mx::array> gated_delta_rule(
     const mx::array& q,
@@ -113,7 +50,7 @@ std::vector<mx::array> gated_delta_rule(
     out << "value heads (v.shape[2] = " << p.value_heads
         << ") must be a multiple of key heads (q.shape[2] = " << p.key_heads
         << ")";
-    fail_value(out.str());
+    throw std::invalid_argument(out.str());
   }
   check_shape(names.g, g, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
   check_shape("beta", beta, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
@@ -146,7 +83,7 @@ std::vector<mx::array> gated_delta_rule(
   check_floating("beta", beta);
   p.scale = scale.value_or(1.0f / std::sqrt(static_cast<float>(p.key_dim)));
   if (!std::isfinite(p.scale)) {
-    fail_value("scale must be finite, got " + std::to_string(p.scale));
+    throw std::invalid_argument("scale must be finite, got " + std::to_string(p.scale));
   }
   // Before any allocation: the same limits on every backend (API.md section 5).
   validate_launch_extents(p);

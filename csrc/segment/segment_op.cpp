@@ -7,47 +7,13 @@
 #include "mlx/ops.h"
 #include "segment/segment_params.h"
 #include "segment/segment_primitive.h"
+#include "validation.h"
 
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
 
 namespace {
-
-std::string shape_string(const mx::Shape& shape) {
-  std::ostringstream out;
-  out << '(';
-  for (size_t i = 0; i < shape.size(); ++i) {
-    out << (i ? ", " : "") << shape[i];
-  }
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
-}
-
-std::string dtype_string(mx::Dtype dtype) {
-  std::ostringstream out;
-  out << dtype;
-  return out.str();
-}
-
-void check_shape(const char* name, const mx::array& a, const mx::Shape& expected,
-                 const char* layout) {
-  if (a.shape() != expected) {
-    std::ostringstream out;
-    out << name << " must have shape " << shape_string(expected) << " " << layout
-        << ", got " << shape_string(a.shape());
-    throw std::invalid_argument(out.str());
-  }
-}
-
-// Type errors are std::domain_error; the bindings turn them into TypeError.
-void check_floating(const char* name, const mx::array& a) {
-  if (!mx::issubdtype(a.dtype(), mx::floating)) {
-    throw std::domain_error(std::string(name) +
-                            " must be a floating-point array, got " +
-                            dtype_string(a.dtype()));
-  }
-}
 
 void check_positive(const char* name, int value) {
   if (value <= 0) {
