@@ -3,26 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.util
 import os
 import sys
 from typing import Optional
 
 PROPERTIES_MODULE = "mlx_gated_delta.testing.properties"
-DEMO_MODULE = "mlx_gated_delta.demo"
 
 
 def run_demo(argv: list[str]) -> int:
-    try:
-        demo = importlib.import_module(DEMO_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != DEMO_MODULE:
-            raise
-        print("The demo (end-to-end mlx-lm generation with and without our layer) arrives with "
-              "the fused layer; this version of mlx-gated-delta does not have it yet.",
-              file=sys.stderr)
-        return 1
+    from . import demo
+
     return demo.main(argv) or 0
 
 

@@ -1,6 +1,5 @@
 """The benchmark's formulas, tables and robustness, and the command line (no timings here)."""
 
-import importlib.util
 import subprocess
 import sys
 import types
@@ -227,13 +226,6 @@ def test_cli_rejects_bad_arguments_with_a_usage_error(argv):
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)
     assert exited.value.code == 2
-
-
-@pytest.mark.skipif(importlib.util.find_spec("mlx_gated_delta.demo") is not None,
-                    reason="the demo module exists; this checks the message before it does")
-def test_demo_without_the_demo_module_says_so_and_exits_1(capsys):
-    assert cli.main(["demo"]) == 1
-    assert "demo" in capsys.readouterr().err
 
 
 def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys):
