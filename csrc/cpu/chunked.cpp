@@ -146,16 +146,22 @@ void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
 
     // Load the chunk. A masked token is a step that changes nothing: decay 1
     // and beta 0 make its delta vanish; its output row is written as 0.
+    // The rows are copied first and normalised after: a copy loop keeps many
+    // rows' loads in flight, where a per-row norm would wait on each row.
     for (int i = 0; i < L; ++i) {
       const int t = start + i;
       s.active[i] = !h.mask || h.mask[t];
       s.g[i] = h.g[t * h.gate_token_stride];
       s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
-      load_qk_vector(
-          h.q + t * h.qk_token_stride, &s.q[i * dk], dk, p.normalize_qk);
-      load_qk_vector(
-          h.k + t * h.qk_token_stride, &s.k[i * dk], dk, p.normalize_qk);
+      load_vector(h.q + t * h.qk_token_stride, &s.q[i * dk], dk);
+      load_vector(h.k + t * h.qk_token_stride, &s.k[i * dk], dk);
       load_vector(h.v + t * h.v_token_stride, &s.scaled_v[i * dv], dv);
+    }
+    for (int i = 0; i < L; ++i) {
+      if (p.normalize_qk) {
+        normalize(&s.q[i * dk], dk);
+        normalize(&s.k[i * dk], dk);
+      }
       for (int c = 0; c < dv; ++c) {
         s.scaled_v[i * dv + c] *= s.beta[i];
       }
@@ -168,7 +174,7 @@ void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     // k_gram: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal.
     fill_zero(s.a);
     gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
-         s.a.data(), C);
+         s.a.data(), C, Triangle::LowerC);
     for (int i = 0; i < L; ++i) {
       for (int j = 0; j < L; ++j) {
         s.a[i * C + j] *= j < i ? s.beta[i] * s.decay[i * C + j] : 0.0f;
@@ -185,9 +191,11 @@ void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     }
     const MatrixA t_rows{s.t.data(), C, 1};
     fill_zero(s.u);
-    gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv);
+    gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv,
+         Triangle::LowerA);
     fill_zero(s.w);
-    gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk);
+    gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk,
+         Triangle::LowerA);
 
     // V' = U - W S0^T: the deltas, now that the entry state is known.
     gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
@@ -202,13 +210,15 @@ void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
       }
     }
     fill_zero(s.qk);
-    gemm(L, L, dk, 1.0f, q_rows, s.k_transposed.data(), C, s.qk.data(), C);
+    gemm(L, L, dk, 1.0f, q_rows, s.k_transposed.data(), C, s.qk.data(), C,
+         Triangle::LowerC);
     for (int i = 0; i < L; ++i) {
       for (int j = 0; j < L; ++j) {
         s.qk[i * C + j] *= s.decay[i * C + j];  // 0 above the diagonal
       }
     }
-    gemm(L, dv, L, 1.0f, {s.qk.data(), C, 1}, s.u.data(), dv, s.y.data(), dv);
+    gemm(L, dv, L, 1.0f, {s.qk.data(), C, 1}, s.u.data(), dv, s.y.data(), dv,
+         Triangle::LowerA);
     for (int i = 0; i < L; ++i) {
       T* y = h.y + (start + i) * h.y_token_stride;
       if (!s.active[i]) {

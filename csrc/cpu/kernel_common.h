@@ -36,14 +36,18 @@ inline void load_vector(const T* source, float* out, int n) {
 }
 
 // q and k are optionally L2-normalised per head, in float32 (API.md).
+inline void normalize(float* x, int n) {
+  const float inverse_norm = 1.0f / std::sqrt(dot(x, x, n) + 1e-6f);
+  for (int i = 0; i < n; ++i) {
+    x[i] *= inverse_norm;
+  }
+}
+
 template <typename T>
-inline void load_qk_vector(const T* source, float* out, int n, bool normalize) {
+inline void load_qk_vector(const T* source, float* out, int n, bool normalize_qk) {
   load_vector(source, out, n);
-  if (normalize) {
-    const float inverse_norm = 1.0f / std::sqrt(dot(out, out, n) + 1e-6f);
-    for (int i = 0; i < n; ++i) {
-      out[i] *= inverse_norm;
-    }
+  if (normalize_qk) {
+    normalize(out, n);
   }
 }
 

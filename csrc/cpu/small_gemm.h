@@ -10,6 +10,7 @@
 // without reading past the end.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 namespace mlx_gated_delta::cpu {
@@ -22,6 +23,11 @@ constexpr int kVectorFloats = 8;
 constexpr int kTileRows = 6;
 #endif
 constexpr int kTileCols = 2 * kVectorFloats;
+
+// Lower-triangular structure a product can skip: LowerA when A is zero above
+// its diagonal (the inverse T, the decayed Q K^T), LowerC when only C's lower
+// triangle is wanted (the grams); half of those products' work.
+enum class Triangle { None, LowerA, LowerC };
 
 struct MatrixA {
   const float* data;
@@ -81,15 +87,26 @@ inline void gemm_rows(
 // C[m_size, n_size] += alpha * A[m_size, k_size] B[k_size, n_size]
 inline void gemm(
     int m_size, int n_size, int k_size, float alpha, MatrixA a,
-    const float* b, int64_t ldb, float* c, int64_t ldc) {
+    const float* b, int64_t ldb, float* c, int64_t ldc,
+    Triangle triangle = Triangle::None) {
+  // A row block [m, m + rows) reaches column / key index m + rows - 1 at most.
+  auto rows_limit = [&](int m, int rows, int size, Triangle skip) {
+    return triangle == skip ? std::min(size, m + rows) : size;
+  };
   int m = 0;
   for (; m + kTileRows <= m_size; m += kTileRows) {
-    gemm_rows<kTileRows>(n_size, k_size, alpha, a.data + m * a.row_stride,
-                 a.row_stride, a.k_stride, b, ldb, c + m * ldc, ldc);
+    gemm_rows<kTileRows>(
+        rows_limit(m, kTileRows, n_size, Triangle::LowerC),
+        rows_limit(m, kTileRows, k_size, Triangle::LowerA), alpha,
+        a.data + m * a.row_stride, a.row_stride, a.k_stride, b, ldb,
+        c + m * ldc, ldc);
   }
   for (; m < m_size; ++m) {
-    gemm_rows<1>(n_size, k_size, alpha, a.data + m * a.row_stride,
-                 a.row_stride, a.k_stride, b, ldb, c + m * ldc, ldc);
+    gemm_rows<1>(
+        rows_limit(m, 1, n_size, Triangle::LowerC),
+        rows_limit(m, 1, k_size, Triangle::LowerA), alpha,
+        a.data + m * a.row_stride, a.row_stride, a.k_stride, b, ldb,
+        c + m * ldc, ldc);
   }
 }
 
