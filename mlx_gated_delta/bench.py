@@ -553,11 +553,16 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
+def _milliseconds_text(ms: Optional[float]) -> str:
+    if ms is None:
+        return "-"
+    return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+
+
 def _ms_cell(row: dict, name: str) -> str:
     result = row["results"][name]
     if result["status"] == "ok":
-        ms = result["median_s"] * 1e3
-        return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
+        return _milliseconds_text(result["median_s"] * 1e3)
     return {"skipped": "skip", "error": "err"}[result["status"]]
 
 
@@ -603,8 +608,8 @@ def results_table(rows: list[dict], decode: bool) -> str:
 def layer_table(rows: list[dict]) -> str:
     headers = ["layer", "shape", "ours ms", "mlx-lm ms", "speed-up"]
     body = [
-        [str(r.get("name", "")), str(r.get("shape", "")), _ratio_cell(r.get("ours_ms"), ".3g"),
-         _ratio_cell(r.get("mlx_lm_ms"), ".3g"), _ratio_cell(r.get("speedup"), ".1f")]
+        [str(r.get("name", "")), str(r.get("shape", "")), _milliseconds_text(r.get("ours_ms")),
+         _milliseconds_text(r.get("mlx_lm_ms")), _ratio_cell(r.get("speedup"), ".1f")]
         for r in rows
     ]
     return format_table(headers, body)

@@ -171,7 +171,9 @@ def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
         seen["quick"] = quick
         progress("layer decode B=1")
         return [{"name": "decode", "shape": "B=1 T=1", "ours_ms": 1.5, "mlx_lm_ms": 6.0,
-                 "speedup": 4.0}]
+                 "speedup": 4.0},
+                {"name": "prefill", "shape": "B=1 T=2048", "ours_ms": 1410.4,
+                 "mlx_lm_ms": 47512.0, "speedup": 33.7}]
 
     fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
     fake.run_layer_benchmark = run_layer_benchmark
@@ -180,8 +182,9 @@ def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
     rows, note = bench.run_layer_rows(quick=True, progress=progress)
     progress.close()
     assert seen == {"quick": True} and note is None
-    assert bench.layer_table(rows).splitlines()[2].split() == [
-        "decode", "B=1", "T=1", "1.5", "6", "4.0"]
+    lines = bench.layer_table(rows).splitlines()
+    assert lines[2].split() == ["decode", "B=1", "T=1", "1.5", "6", "4.0"]
+    assert lines[3].split() == ["prefill", "B=1", "T=2048", "1410", "47512", "33.7"]
 
 
 def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):

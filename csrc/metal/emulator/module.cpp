@@ -1,0 +1,182 @@
+// _mlx_gated_delta_metal_emulator, imported as mlx_gated_delta._metal_emulator:
+// the Metal plans and kernels run on the CPU, for tests
+// (mlx_gated_delta/testing/metal_emulated.py wraps it). Not part of the op's
+// fast path; raw bytes in and out keep it free of MLX types.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <stdexcept>
+
+#include "executor.h"
+#include "guarded_buffer.h"
+#include "launch.h"
+#include "metal/plan.h"
+
+namespace nb = nanobind;
+using namespace mlx_gated_delta;
+using namespace mlx_gated_delta::metal;
+
+namespace {
+
+metal::ActivationDtype parse_dtype(const std::string& name) {
+  if (name == "float32") return ActivationDtype::Float32;
+  if (name == "float16") return ActivationDtype::Float16;
+  if (name == "bfloat16") return ActivationDtype::BFloat16;
+  throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got " + name);
+}
+
+GatedDeltaParams make_params(int batch, int tokens, int key_heads, int value_heads, int key_dim,
+                             int value_dim, float scale, const std::string& head_mapping,
+                             bool normalize_qk, bool has_mask) {
+  GatedDeltaParams p;
+  p.batch = batch;
+  p.tokens = tokens;
+  p.key_heads = key_heads;
+  p.value_heads = value_heads;
+  p.key_dim = key_dim;
+  p.value_dim = value_dim;
+  p.scale = scale;
+  p.head_mapping = parse_head_mapping(head_mapping);
+  p.normalize_qk = normalize_qk;
+  p.has_mask = has_mask;
+  return p;
+}
+
+std::span<const std::byte> view(const nb::bytes& data) {
+  return {reinterpret_cast<const std::byte*>(data.c_str()), data.size()};
+}
+
+nb::bytes to_bytes(const std::vector<std::byte>& data) {
+  return nb::bytes(reinterpret_cast<const char*>(data.data()), data.size());
+}
+
+}  // namespace
+
+NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
+  m.doc() = "The Metal kernels and dispatch plans of mlx_gated_delta, run on the CPU.";
+
+  m.def(
+      "run_core",
+      [](nb::bytes q, nb::bytes k, nb::bytes v, nb::bytes g, nb::bytes beta, nb::bytes state,
+         std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
+         int key_dim, int value_dim, float scale, const std::string& head_mapping,
+         bool normalize_qk, const std::string& algorithm, const std::string& dtype,
+         int barrier_timeout_ms) {
+        GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
+                                              value_dim, scale, head_mapping, normalize_qk,
+                                              mask.has_value());
+        Plan plan = make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
+        emulator::CallInputs inputs{view(q), view(k), view(v), view(g), view(beta),
+                                    mask ? view(*mask) : std::span<const std::byte>{},
+                                    view(state)};
+        emulator::CallOutputs outputs;
+        {
+          nb::gil_scoped_release release;
+          outputs = emulator::run_plan(plan, inputs,
+                                       std::chrono::milliseconds(barrier_timeout_ms));
+        }
+        std::vector<std::string> kernels;
+        for (const Dispatch& d : plan.dispatches) kernels.push_back(d.kernel);
+        return std::make_tuple(to_bytes(outputs.y), to_bytes(outputs.state),
+                               std::string(to_string(plan.algorithm)), kernels);
+      },
+      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("state"),
+      nb::arg("mask").none(), nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"),
+      nb::arg("value_heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("scale"),
+      nb::arg("head_mapping"), nb::arg("normalize_qk"), nb::arg("algorithm"), nb::arg("dtype"),
+      nb::arg("barrier_timeout_ms"),
+      "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels).");
+
+  m.def(
+      "plan",
+      [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
+         const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
+         bool normalize_qk, bool has_mask, float scale) {
+        Plan plan = make_plan(make_params(batch, tokens, key_heads, value_heads, key_dim,
+                                          value_dim, scale, head_mapping, normalize_qk, has_mask),
+                              parse_algorithm(algorithm), parse_dtype(dtype));
+        nb::list dispatches;
+        for (const Dispatch& d : plan.dispatches) {
+          nb::dict entry;
+          entry["stage"] = d.stage;
+          entry["kernel"] = d.kernel;
+          entry["threadgroups"] = nb::make_tuple(d.threadgroups.x, d.threadgroups.y,
+                                                 d.threadgroups.z);
+          entry["threads_per_threadgroup"] = d.threads_per_threadgroup.count();
+          entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
+          entry["bytes_moved"] = d.bytes_moved;
+          entry["flops"] = d.flops;
+          nb::list buffers;
+          for (const Binding& binding : d.buffers) {
+            buffers.append(nb::make_tuple(binding.index, to_string(binding.buffer), binding.written));
+          }
+          entry["buffers"] = buffers;
+          entry["params_index"] = d.params_index;
+          dispatches.append(entry);
+        }
+        nb::dict sizes;
+        for (const BufferSpec& spec : plan.buffers) sizes[to_string(spec.buffer)] = spec.bytes;
+        nb::dict result;
+        result["algorithm"] = to_string(plan.algorithm);
+        result["kernel_params"] = nb::bytes(reinterpret_cast<const char*>(&plan.kernel_params),
+                                            sizeof(plan.kernel_params));
+        result["buffer_bytes"] = sizes;
+        result["dispatches"] = dispatches;
+        return result;
+      },
+      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
+      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
+      nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
+      nb::arg("normalize_qk") = false, nb::arg("has_mask") = false, nb::arg("scale") = 1.0f,
+      "The plan: resolved algorithm, the kernel params' bytes, every buffer's size and the "
+      "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
+
+  m.def(
+      "describe_plan",
+      [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
+         const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
+         bool normalize_qk, bool has_mask) {
+        Plan plan = make_plan(make_params(batch, tokens, key_heads, value_heads, key_dim,
+                                          value_dim, 1.0f, head_mapping, normalize_qk, has_mask),
+                              parse_algorithm(algorithm), parse_dtype(dtype));
+        return describe_plan(plan, assumed_m_series_roofline());
+      },
+      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
+      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
+      nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
+      nb::arg("normalize_qk") = false, nb::arg("has_mask") = false,
+      "A readable table of the plan against an assumed M-series roofline.");
+
+  m.def(
+      "run_kernel",
+      [](const std::string& kernel, std::tuple<unsigned, unsigned, unsigned> threadgroups,
+         std::tuple<unsigned, unsigned, unsigned> threads, size_t threadgroup_memory_bytes,
+         nb::bytes data, int barrier_timeout_ms) {
+        metal_emulator::GuardedBuffer buffer("data", data.size());
+        std::memcpy(buffer.data(), data.c_str(), data.size());
+        metal_emulator::Launch launch;
+        launch.kernel = kernel;
+        launch.buffers[0] = buffer.data();
+        launch.threadgroups = {std::get<0>(threadgroups), std::get<1>(threadgroups),
+                               std::get<2>(threadgroups)};
+        launch.threads_per_threadgroup = {std::get<0>(threads), std::get<1>(threads),
+                                          std::get<2>(threads)};
+        launch.threadgroup_memory_bytes = threadgroup_memory_bytes;
+        {
+          nb::gil_scoped_release release;
+          metal_emulator::run_launch(launch, std::chrono::milliseconds(barrier_timeout_ms));
+        }
+        buffer.check_guards(kernel);
+        return nb::bytes(reinterpret_cast<const char*>(buffer.data()), buffer.size());
+      },
+      nb::arg("kernel"), nb::arg("threadgroups"), nb::arg("threads"),
+      nb::arg("threadgroup_memory_bytes"), nb::arg("data"), nb::arg("barrier_timeout_ms"),
+      "Runs one kernel with a guarded copy of `data` bound at buffer(0); returns it afterwards.");
+}

@@ -1,0 +1,25 @@
+// The Metal executor (macOS): runs a core gated-delta call on MLX's Metal
+// stream by encoding its plan (plan.h) on MLX's command encoder. The
+// primitive's eval_gpu calls it under #ifdef _METAL_.
+#pragma once
+
+#include <vector>
+
+#include "gated_delta/params.h"
+#include "mlx/array.h"
+#include "mlx/stream.h"
+
+namespace mlx_gated_delta::metal {
+
+// inputs: q, k, v (row-contiguous, one activation dtype), g, beta (float32),
+// state (float32) [, mask (bool) when params.has_mask]. outputs: y (the
+// activation dtype), state_out (float32); their memory is allocated here.
+// `algorithm` may be Auto (resolve_metal_algorithm picks).
+void eval_core_gpu(
+    const GatedDeltaParams& params,
+    Algorithm algorithm,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& stream);
+
+}  // namespace mlx_gated_delta::metal

@@ -1,0 +1,115 @@
+// chunk_carry: the only sequential stage. For kCarryRows rows of the state of
+// one (batch, value head), walk the chunks in order; with S the state the
+// chunk starts from (rows of S evolve independently):
+//
+//   v'_j        = U_j - W_j S^T                          (corrected values)
+//   inter_i     = scale Gamma_i S q_i                    (the entry state's share of y_i)
+//   S          <- Gamma_last S + sum_j decay(last, j) v'_j k_j^T
+//
+// v' overwrites U (each element is read, then written, by the same thread)
+// and, with inter, feeds chunk_output; the last S is the final state.
+
+#include "gated_delta_common.h"
+
+// 64 threads per state row: thread (row, j) computes token j's v' and inter,
+// then key columns j, j + 64, ... of the row's update.
+template <typename T>
+[[kernel]] void gated_delta_chunk_carry(
+    const device T* q [[buffer(0)]],
+    const device T* k [[buffer(1)]],
+    const device float* query_inverse_norm [[buffer(2)]],
+    const device float* key_inverse_norm [[buffer(3)]],
+    const device float* gate_cumsum [[buffer(4)]],
+    const device int* last_wipe [[buffer(5)]],
+    const device float* w [[buffer(6)]],
+    device float* u [[buffer(7)]],
+    const device float* state_in [[buffer(8)]],
+    device float* state_out [[buffer(9)]],
+    device float* output_inter [[buffer(10)]],
+    constant GatedDeltaKernelParams& p [[buffer(11)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float state[kCarryRows * kMaxChunkedKeyDim];
+  threadgroup float corrected[kCarryRows * kChunkSize];
+  threadgroup float decay_from_start[kChunkSize];
+  threadgroup float decay_to_end[kChunkSize];
+  const uint h = group.y;
+  const uint b = group.z;
+  const uint kh = key_head_of(p, h);
+  const uint local_row = tid / kChunkSize;
+  const uint lane = tid % kChunkSize;
+  const uint row = group.x * kCarryRows + local_row;
+  const bool owns_row = row < p.value_dim;
+  const uint state_row = ((b * p.value_heads + h) * p.value_dim + row) * p.key_dim;
+  threadgroup float* s = state + local_row * kMaxChunkedKeyDim;
+
+  if (owns_row) {
+    for (uint c = lane; c < p.key_dim; c += kChunkSize) {
+      s[c] = state_in[state_row + c];
+    }
+  }
+  for (uint chunk = 0; chunk < p.num_chunks; ++chunk) {
+    const uint length = chunk_length(p, chunk);
+    const uint first_token = chunk * kChunkSize;
+    const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
+    if (tid < kChunkSize) {
+      const uint j = tid;
+      const device float* cumsum = gate_cumsum + rows;
+      const device int* wipe = last_wipe + rows;
+      decay_from_start[j] = j < length ? decay_from_chunk_start(cumsum, wipe, j) : 0.0f;
+      decay_to_end[j] = j < length ? chunk_decay(cumsum, wipe, length - 1, j) : 0.0f;
+    }
+    // The decays are staged, and the previous chunk's update of S is complete.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    if (owns_row && lane < length) {
+      const uint j = lane;
+      const uint token = first_token + j;
+      const uint key = qk_offset(p, b, token, kh);
+      float w_s = 0.0f;
+      float s_q = 0.0f;
+      for (uint c = 0; c < p.key_dim; ++c) {
+        w_s += w[(rows + j) * p.key_dim + c] * s[c];
+        s_q += s[c] * float(q[key + c]);
+      }
+      if (p.normalize_qk != 0) {
+        s_q *= query_inverse_norm[(b * p.tokens + token) * p.key_heads + kh];
+      }
+      const uint at = (rows + j) * p.value_dim + row;
+      const float v_new = u[at] - w_s;
+      u[at] = v_new;
+      corrected[local_row * kChunkSize + j] = v_new;
+      output_inter[at] = p.scale * decay_from_start[j] * s_q;
+    }
+    // Every v' of the chunk is known, and every read of the entry S is done.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    if (owns_row) {
+      const float decay_all = decay_from_start[length - 1];
+      for (uint c = lane; c < p.key_dim; c += kChunkSize) {
+        float sum = 0.0f;
+        for (uint j = 0; j < length; ++j) {
+          const uint token = first_token + j;
+          float key_scale = 1.0f;
+          if (p.normalize_qk != 0) {
+            key_scale = key_inverse_norm[(b * p.tokens + token) * p.key_heads + kh];
+          }
+          sum += decay_to_end[j] * corrected[local_row * kChunkSize + j] * key_scale *
+                 float(k[qk_offset(p, b, token, kh) + c]);
+        }
+        s[c] = decay_all * s[c] + sum;
+      }
+    }
+    // The decays and v' are read before the next chunk overwrites them.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (owns_row) {
+    for (uint c = lane; c < p.key_dim; c += kChunkSize) {
+      state_out[state_row + c] = s[c];
+    }
+  }
+}
+
+instantiate_kernel("gated_delta_chunk_carry_float32", gated_delta_chunk_carry, float)
+instantiate_kernel("gated_delta_chunk_carry_float16", gated_delta_chunk_carry, half)
+instantiate_kernel("gated_delta_chunk_carry_bfloat16", gated_delta_chunk_carry, bfloat)

@@ -1,0 +1,103 @@
+// Shared by every gated-delta kernel: layouts, head mapping, the decay between
+// two tokens of a chunk, and the 64 x 64 dot-product tile the chunked stages
+// build on. Conservative MSL (no function constants, no swizzles).
+#pragma once
+
+#include <metal_stdlib>
+
+#include "kernel_abi.h"
+
+using namespace metal;
+
+// One host-named instantiation of a templated kernel (MLX's idiom).
+#define instantiate_kernel(host_name, function, ...) \
+  template [[host_name(host_name)]] [[kernel]] decltype(function<__VA_ARGS__>) function<__VA_ARGS__>;
+
+inline uint key_head_of(constant GatedDeltaKernelParams& p, uint value_head) {
+  return p.head_mapping == 0 ? value_head / p.value_heads_per_key_head
+                             : value_head % p.key_heads;
+}
+
+// Offsets into the activations (row-major [B, T, H, D]) and gates ([B, T, Hv]).
+inline uint qk_offset(constant GatedDeltaKernelParams& p, uint b, uint t, uint kh) {
+  return ((b * p.tokens + t) * p.key_heads + kh) * p.key_dim;
+}
+inline uint v_offset(constant GatedDeltaKernelParams& p, uint b, uint t, uint h) {
+  return ((b * p.tokens + t) * p.value_heads + h) * p.value_dim;
+}
+inline uint gate_offset(constant GatedDeltaKernelParams& p, uint b, uint t, uint h) {
+  return (b * p.tokens + t) * p.value_heads + h;
+}
+inline bool token_is_masked(constant GatedDeltaKernelParams& p,
+                            const device bool* mask, uint b, uint t) {
+  return p.has_mask != 0 && !mask[b * p.tokens + t];
+}
+
+// The chunked stages' per-head scratch is laid out [B, H, num_chunks * 64, ...]:
+// the first row of chunk c of head (b, h).
+inline uint chunk_row(constant GatedDeltaKernelParams& p, uint b, uint h, uint heads,
+                      uint chunk) {
+  return ((b * heads + h) * p.num_chunks + chunk) * kChunkSize;
+}
+inline uint chunk_length(constant GatedDeltaKernelParams& p, uint chunk) {
+  return min(kChunkSize, p.tokens - chunk * kChunkSize);
+}
+
+// Decay from token j to token i (j <= i) of one chunk: prod_{j < m <= i} exp(g_m).
+// `gate_cumsum` sums only finite g inside the chunk and `last_wipe` is the last
+// index <= i whose g is -inf (gamma == 0), or -1: a wipe in (j, i] gives
+// exactly 0, and the difference of two cumsums is never formed across one, so
+// no inf - inf NaN can arise.
+inline float chunk_decay(const device float* gate_cumsum, const device int* last_wipe,
+                         uint i, uint j) {
+  return last_wipe[i] > int(j) ? 0.0f : exp(gate_cumsum[i] - gate_cumsum[j]);
+}
+// Decay from the chunk's entry state to token i (inclusive).
+inline float decay_from_chunk_start(const device float* gate_cumsum,
+                                    const device int* last_wipe, uint i) {
+  return last_wipe[i] >= 0 ? 0.0f : exp(gate_cumsum[i]);
+}
+
+// result[i * 64 + j] = a_i . b_j for the first `rows` rows of a 64-row chunk
+// (rows past it give 0) over `dim` columns: the columns are staged through
+// threadgroup tiles kTileWidth wide, and each of the 8 SIMD-groups multiplies
+// its 8-row block by all 8 column blocks with 8 x 8 simdgroup matrices.
+// Ends with a barrier: `result` is complete for every thread.
+template <uint kTileWidth, typename T>
+void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row_stride,
+                        uint rows, uint dim, threadgroup float* a_tile,
+                        threadgroup float* b_tile, threadgroup float* result, uint tid,
+                        uint simd_index) {
+  simdgroup_matrix<float, 8, 8> acc[kChunkSize / 8];
+  for (uint n = 0; n < kChunkSize / 8; ++n) {
+    acc[n] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (uint d0 = 0; d0 < dim; d0 += kTileWidth) {
+    for (uint e = tid; e < kChunkSize * kTileWidth; e += kChunkThreads) {
+      uint row = e / kTileWidth;
+      uint column = d0 + e % kTileWidth;
+      bool inside = row < rows && column < dim;
+      a_tile[e] = inside ? float(a_rows[row * row_stride + column]) : 0.0f;
+      b_tile[e] = inside ? float(b_rows[row * row_stride + column]) : 0.0f;
+    }
+    // The tiles are complete before any SIMD-group reads them.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint d = 0; d < kTileWidth; d += 8) {
+      simdgroup_matrix<float, 8, 8> a;
+      simdgroup_load(a, a_tile + simd_index * 8 * kTileWidth + d, kTileWidth);
+      for (uint n = 0; n < kChunkSize / 8; ++n) {
+        // Rows n*8.. of b, read transposed: the 8 x 8 block of b^T.
+        simdgroup_matrix<float, 8, 8> b;
+        simdgroup_load(b, b_tile + n * 8 * kTileWidth + d, kTileWidth, ulong2(0, 0), true);
+        simdgroup_multiply_accumulate(acc[n], a, b, acc[n]);
+      }
+    }
+    // Every SIMD-group is done reading before the next columns overwrite the tiles.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint n = 0; n < kChunkSize / 8; ++n) {
+    simdgroup_store(acc[n], result + simd_index * 8 * kChunkSize + n * 8, kChunkSize);
+  }
+  // The result is complete before any thread reads it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}

@@ -1,0 +1,51 @@
+// What the gated-delta kernels and the C++ plans must agree on: the scalar
+// parameters every kernel receives (setBytes) and the layout constants that
+// fix grids and threadgroup memory. Included verbatim by the .metal sources
+// and by plain C++, so it uses only what both languages spell the same way.
+#pragma once
+
+#ifdef __METAL_VERSION__
+#define GATED_DELTA_ABI_CONSTANT constant constexpr
+#else
+#define GATED_DELTA_ABI_CONSTANT constexpr
+#endif
+
+struct GatedDeltaKernelParams {
+  unsigned int batch;
+  unsigned int tokens;
+  unsigned int key_heads;
+  unsigned int value_heads;
+  unsigned int key_dim;
+  unsigned int value_dim;
+  unsigned int value_heads_per_key_head;
+  unsigned int head_mapping;  // 0: grouped (h / repeat), 1: interleaved (h % Hk)
+  unsigned int normalize_qk;
+  unsigned int has_mask;
+  unsigned int num_chunks;
+  float scale;
+};
+
+GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;
+// The chunked stages run 256 threads: 8 SIMD-groups, one per 8-row block of
+// a 64 x 64 tile where they multiply with simdgroup matrices.
+GATED_DELTA_ABI_CONSTANT unsigned int kChunkThreads = 256;
+// Key columns staged per step when k_gram, chunk_qk and kkt_inverse build a
+// 64 x 64 tile of dot products: two 64 x 16 tiles (8 KiB) beside the 16 KiB
+// result keep those kernels at 24 KiB of threadgroup memory, within Metal's
+// 32 KiB per threadgroup with room to spare.
+GATED_DELTA_ABI_CONSTANT unsigned int kDotTileWidth = 16;
+// qk_norm: one SIMD-group per (batch, token, key head) row.
+GATED_DELTA_ABI_CONSTANT unsigned int kNormRowsPerThreadgroup = 8;
+// gate_cumsum: one thread per (batch, value head, chunk).
+GATED_DELTA_ABI_CONSTANT unsigned int kCumsumThreads = 64;
+// chunk_carry: state rows one threadgroup keeps in threadgroup memory (64
+// threads per row), and the widest key dimension those rows may have.
+GATED_DELTA_ABI_CONSTANT unsigned int kCarryRows = 4;
+GATED_DELTA_ABI_CONSTANT unsigned int kMaxChunkedKeyDim = 256;
+// The recurrent kernels: value rows per SIMD threadgroup (one per
+// SIMD-group), state entries per lane, and the generic kernel's rows per
+// threadgroup (one per thread) and widest key dim (q, k in threadgroup memory).
+GATED_DELTA_ABI_CONSTANT unsigned int kRecurrentSimdRows = 4;
+GATED_DELTA_ABI_CONSTANT unsigned int kSimdStatePerLane = 4;
+GATED_DELTA_ABI_CONSTANT unsigned int kRecurrentGenericRows = 64;
+GATED_DELTA_ABI_CONSTANT unsigned int kMaxGenericKeyDim = 1024;

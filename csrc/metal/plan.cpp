@@ -1,0 +1,388 @@
+#include "metal/plan.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+
+namespace mlx_gated_delta::metal {
+
+namespace {
+
+// Metal's limits on Apple GPUs (the emulator enforces the same numbers).
+constexpr uint64_t kMaxThreadsPerThreadgroup = 1024;
+constexpr size_t kMaxThreadgroupMemoryBytes = 32 * 1024;
+constexpr unsigned kMaxBufferIndex = 30;
+
+// Threadgroup memory each kernel declares (its `threadgroup` arrays), from the
+// layout constants of kernel_abi.h the kernels size them with.
+constexpr size_t kFloat = sizeof(float);
+constexpr size_t kChunkTileBytes = kChunkSize * kChunkSize * kFloat;
+constexpr size_t kRecurrentGenericBytes = 2 * kMaxGenericKeyDim * kFloat;
+constexpr size_t kChunkDotBytes = 2 * kChunkSize * kDotTileWidth * kFloat + kChunkTileBytes;
+// chunk_dot_products: one SIMD-group per 8-row block of a 64 x 64 tile.
+static_assert(kChunkThreads / 32 == kChunkSize / 8);
+constexpr size_t kKktInverseBytes = kChunkTileBytes + 2 * kChunkSize * kDotTileWidth * kFloat;
+static_assert(kDotTileWidth % 8 == 0, "simdgroup matrices step through the tiles 8 columns at a time");
+constexpr size_t kRecomputeWuBytes = kChunkTileBytes + 2 * kChunkSize * kFloat;
+constexpr size_t kChunkCarryBytes =
+    (kCarryRows * kMaxChunkedKeyDim + kCarryRows * kChunkSize + 2 * kChunkSize) * kFloat;
+constexpr size_t kChunkOutputBytes = kChunkTileBytes;
+
+unsigned ceil_div(uint64_t a, uint64_t b) {
+  return unsigned((a + b - 1) / b);
+}
+
+std::string kernel_name(const char* stage, ActivationDtype dtype) {
+  return std::string("gated_delta_") + stage + "_" + to_string(dtype);
+}
+
+}  // namespace
+
+const char* to_string(ActivationDtype dtype) {
+  switch (dtype) {
+    case ActivationDtype::Float32: return "float32";
+    case ActivationDtype::Float16: return "float16";
+    case ActivationDtype::BFloat16: return "bfloat16";
+  }
+  return "?";
+}
+
+size_t element_bytes(ActivationDtype dtype) {
+  return dtype == ActivationDtype::Float32 ? 4 : 2;
+}
+
+const char* to_string(PlanBuffer buffer) {
+  static const char* const names[] = {
+      "q", "k", "v", "g", "beta", "mask", "state_in", "y", "state_out",
+      "query_inverse_norm", "key_inverse_norm", "gate_cumsum", "last_wipe",
+      "beta_effective", "k_gram", "kkt_inverse", "w", "u", "qk", "output_inter"};
+  static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
+  return names[int(buffer)];
+}
+
+uint64_t Plan::buffer_bytes(PlanBuffer buffer) const {
+  for (const BufferSpec& spec : buffers) {
+    if (spec.buffer == buffer) return spec.bytes;
+  }
+  return 0;
+}
+
+Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
+  if (params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
+    return Algorithm::Recurrent;
+  }
+  return Algorithm::Chunked;
+}
+
+namespace {
+
+struct PlanBuilder {
+  const GatedDeltaParams& p;
+  Plan plan;
+  uint64_t B, T, Hk, Hv, Dk, Dv, C, padded_tokens, e;
+
+  PlanBuilder(const GatedDeltaParams& params, ActivationDtype dtype) : p(params) {
+    plan.dtype = dtype;
+    B = p.batch;
+    T = p.tokens;
+    Hk = p.key_heads;
+    Hv = p.value_heads;
+    Dk = p.key_dim;
+    Dv = p.value_dim;
+    C = p.num_chunks();
+    padded_tokens = C * kChunkSize;
+    e = element_bytes(dtype);
+    GatedDeltaKernelParams& k = plan.kernel_params;
+    k.batch = p.batch;
+    k.tokens = p.tokens;
+    k.key_heads = p.key_heads;
+    k.value_heads = p.value_heads;
+    k.key_dim = p.key_dim;
+    k.value_dim = p.value_dim;
+    k.value_heads_per_key_head = p.value_heads / p.key_heads;
+    k.head_mapping = p.head_mapping == HeadMapping::Grouped ? 0 : 1;
+    k.normalize_qk = p.normalize_qk ? 1 : 0;
+    k.has_mask = p.has_mask ? 1 : 0;
+    k.num_chunks = unsigned(C);
+    k.scale = p.scale;
+
+    add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e);
+    add_buffer(PlanBuffer::Key, B * T * Hk * Dk * e);
+    add_buffer(PlanBuffer::Value, B * T * Hv * Dv * e);
+    add_buffer(PlanBuffer::Gate, B * T * Hv * 4);
+    add_buffer(PlanBuffer::Beta, B * T * Hv * 4);
+    if (p.has_mask) add_buffer(PlanBuffer::Mask, B * T);
+    add_buffer(PlanBuffer::StateIn, B * Hv * Dv * Dk * 4);
+    add_buffer(PlanBuffer::Output, B * T * Hv * Dv * e);
+    add_buffer(PlanBuffer::StateOut, B * Hv * Dv * Dk * 4);
+  }
+
+  void add_buffer(PlanBuffer buffer, uint64_t bytes) {
+    plan.buffers.push_back({buffer, bytes});
+  }
+  // Scratch is indexed by the kernels with 32-bit integers too.
+  void add_scratch(PlanBuffer buffer, const char* what, uint64_t elements, uint64_t bytes_each) {
+    check_launch_extent(what, elements);
+    add_buffer(buffer, elements * bytes_each);
+  }
+
+  Dispatch& add(const char* stage, std::string kernel, Grid3 groups, unsigned threads,
+                size_t threadgroup_bytes,
+                std::vector<std::pair<unsigned, PlanBuffer>> bindings, unsigned params_index,
+                std::vector<PlanBuffer> writes) {
+    Dispatch d;
+    d.stage = stage;
+    d.kernel = std::move(kernel);
+    d.threadgroups = groups;
+    d.threads_per_threadgroup = {threads, 1, 1};
+    d.threadgroup_memory_bytes = threadgroup_bytes;
+    // A buffer the call does not have (no mask) stays unbound: the kernel
+    // reads it only under the flag that says it exists.
+    for (auto [index, buffer] : bindings) {
+      bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
+      if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
+    }
+    d.params_index = params_index;
+    plan.dispatches.push_back(std::move(d));
+    return plan.dispatches.back();
+  }
+
+  void recurrent() {
+    using enum PlanBuffer;
+    const bool simd = supports_simd_delta(p, 32);
+    if (!simd && Dk > kMaxGenericKeyDim) {
+      throw std::invalid_argument(
+          "the Metal recurrent kernel supports key_dim up to " +
+          std::to_string(kMaxGenericKeyDim) + ", got " + std::to_string(Dk));
+    }
+    const unsigned rows = simd ? kRecurrentSimdRows : kRecurrentGenericRows;
+    Dispatch& d = add(
+        "recurrent", kernel_name(simd ? "recurrent_simd" : "recurrent_generic", plan.dtype),
+        {ceil_div(Dv, rows), unsigned(Hv), unsigned(B)}, simd ? rows * 32 : rows,
+        simd ? 0 : kRecurrentGenericBytes,
+        {{0, Query}, {1, Key}, {2, Value}, {3, Gate}, {4, Beta}, {5, Mask}, {6, StateIn},
+         {7, StateOut}, {8, Output}},
+        9, {StateOut, Output});
+    // Per value head: q, k (read once per head), v, g, beta, y; the state once each way.
+    d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) + 2 * B * Hv * Dv * Dk * 4);
+    d.flops = 8.0 * B * T * Hv * Dk * Dv;
+  }
+
+  void chunked() {
+    using enum PlanBuffer;
+    if (Dk > kMaxChunkedKeyDim) {
+      throw std::invalid_argument(
+          "the Metal chunked kernels support key_dim up to " +
+          std::to_string(kMaxChunkedKeyDim) + ", got " + std::to_string(Dk));
+    }
+    const double tile = double(kChunkSize) * kChunkSize;
+    const double triangle = tile / 2;
+    const uint64_t chunk_tiles = C * kChunkSize * kChunkSize;
+    if (p.normalize_qk) {
+      add_scratch(QueryInverseNorm, "query norm elements", B * T * Hk, 4);
+      add_scratch(KeyInverseNorm, "key norm elements", B * T * Hk, 4);
+    }
+    add_scratch(GateCumsum, "gate cumsum elements", B * Hv * padded_tokens, 4);
+    add_scratch(LastWipe, "last wipe elements", B * Hv * padded_tokens, 4);
+    add_scratch(BetaEffective, "beta elements", B * Hv * padded_tokens, 4);
+    const bool k_gram = uses_chunk_k_gram_k128(p);
+    if (k_gram) add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles, 4);
+    add_scratch(KktInverse, "kkt inverse elements", B * Hv * chunk_tiles, 4);
+    add_scratch(W, "W elements", B * Hv * padded_tokens * Dk, 4);
+    add_scratch(U, "U elements", B * Hv * padded_tokens * Dv, 4);
+    add_scratch(QK, "QK elements", B * Hk * chunk_tiles, 4);
+    add_scratch(OutputInter, "inter-chunk output elements", B * Hv * padded_tokens * Dv, 4);
+
+    const unsigned c = unsigned(C), hk = unsigned(Hk), hv = unsigned(Hv), b = unsigned(B);
+    if (p.normalize_qk) {
+      Dispatch& d = add("qk_norm", kernel_name("qk_norm", plan.dtype),
+                        {ceil_div(B * T * Hk, kNormRowsPerThreadgroup), 1, 1},
+                        kNormRowsPerThreadgroup * 32, 0,
+                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}}, 4,
+                        {QueryInverseNorm, KeyInverseNorm});
+      d.bytes_moved = double(B * T * Hk * (2 * Dk * e + 8));
+      d.flops = 4.0 * B * T * Hk * Dk;
+    }
+    {
+      Dispatch& d = add("gate_cumsum", "gated_delta_gate_cumsum",
+                        {ceil_div(B * Hv * C, kCumsumThreads), 1, 1}, kCumsumThreads, 0,
+                        {{0, Gate}, {1, Beta}, {2, Mask}, {3, GateCumsum}, {4, LastWipe},
+                         {5, BetaEffective}},
+                        6, {GateCumsum, LastWipe, BetaEffective});
+      d.bytes_moved = double(B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
+                             3 * B * Hv * padded_tokens * 4);
+      d.flops = double(B * T * Hv);
+    }
+    if (k_gram) {
+      Dispatch& d = add("k_gram", kernel_name("k_gram", plan.dtype), {c, hk, b}, kChunkThreads,
+                        kChunkDotBytes, {{0, Key}, {1, KeyInverseNorm}, {2, KGram}}, 3, {KGram});
+      d.bytes_moved = double(B * T * Hk * Dk * e + B * Hk * chunk_tiles * 4);
+      d.flops = 2.0 * B * Hk * C * tile * Dk;
+    }
+    {
+      Dispatch& d = add(
+          "kkt_inverse",
+          kernel_name(k_gram ? "kkt_inverse_from_k_gram" : "kkt_inverse", plan.dtype),
+          {c, hv, b}, kChunkThreads, kKktInverseBytes,
+          {{0, Key}, {1, KeyInverseNorm}, {2, KGram}, {3, GateCumsum}, {4, LastWipe},
+           {5, BetaEffective}, {6, KktInverse}},
+          7, {KktInverse});
+      // Gram (read, or built from K), the decays and beta, then the
+      // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
+      double gram_bytes = k_gram ? B * Hv * chunk_tiles * 4.0 : B * Hv * T * Dk * double(e);
+      d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 + B * Hv * chunk_tiles * 4.0;
+      d.flops = B * Hv * C * ((k_gram ? 0.0 : 2.0 * tile * Dk) + 3 * tile + tile * kChunkSize / 3);
+    }
+    {
+      Dispatch& d = add("recompute_w_u", kernel_name("recompute_w_u", plan.dtype), {c, hv, b},
+                        kChunkThreads, kRecomputeWuBytes,
+                        {{0, Key}, {1, Value}, {2, KeyInverseNorm}, {3, GateCumsum},
+                         {4, LastWipe}, {5, BetaEffective}, {6, KktInverse}, {7, W}, {8, U}},
+                        9, {W, U});
+      d.bytes_moved = B * Hv * (T * (Dk + Dv) * double(e) + chunk_tiles * 4.0 +
+                                padded_tokens * (Dk + Dv) * 4.0);
+      d.flops = 2.0 * B * Hv * C * triangle * (Dk + Dv);
+    }
+    {
+      Dispatch& d = add("chunk_qk", kernel_name("chunk_qk", plan.dtype), {c, hk, b},
+                        kChunkThreads, kChunkDotBytes,
+                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
+                         {4, QK}},
+                        5, {QK});
+      d.bytes_moved = double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles * 4);
+      d.flops = 2.0 * B * Hk * C * tile * Dk;
+    }
+    {
+      Dispatch& d = add("chunk_carry", kernel_name("chunk_carry", plan.dtype),
+                        {ceil_div(Dv, kCarryRows), hv, b}, kCarryRows * kChunkSize,
+                        kChunkCarryBytes,
+                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
+                         {4, GateCumsum}, {5, LastWipe}, {6, W}, {7, U}, {8, StateIn},
+                         {9, StateOut}, {10, OutputInter}},
+                        11, {U, StateOut, OutputInter});
+      // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
+      // W, q and k rows (caches serve the repeats; counted once per head),
+      // U and writes v' and the inter-chunk output; the state once each way.
+      d.bytes_moved = B * Hv * (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
+                                2 * Dv * Dk * 4.0);
+      // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
+      // and the state update (sum_j v'_j k_j^T): three Dk-long dot products.
+      d.flops = 6.0 * B * Hv * T * Dk * Dv;
+    }
+    {
+      Dispatch& d = add("chunk_output", kernel_name("chunk_output", plan.dtype), {c, hv, b},
+                        kChunkThreads, kChunkOutputBytes,
+                        {{0, QK}, {1, GateCumsum}, {2, LastWipe}, {3, Mask}, {4, U},
+                         {5, OutputInter}, {6, Output}},
+                        7, {Output});
+      d.bytes_moved = B * Hv * (chunk_tiles * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
+                                T * Dv * double(e));
+      d.flops = 2.0 * B * Hv * C * triangle * Dv;
+    }
+  }
+};
+
+}  // namespace
+
+Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype) {
+  validate_launch_extents(params);
+  if (params.key_heads <= 0 || params.value_heads % params.key_heads != 0) {
+    throw std::invalid_argument("value_heads must be a multiple of key_heads");
+  }
+  PlanBuilder builder(params, dtype);
+  builder.plan.algorithm =
+      algorithm == Algorithm::Auto ? resolve_metal_algorithm(params) : algorithm;
+  if (builder.plan.algorithm == Algorithm::Recurrent) {
+    builder.recurrent();
+  } else {
+    builder.chunked();
+  }
+  // No tokens (T == 0, chunked): the per-chunk stages have empty grids and
+  // are left out; the carry still copies the state.
+  std::erase_if(builder.plan.dispatches,
+                [](const Dispatch& d) { return d.threadgroups.count() == 0; });
+  validate_plan(builder.plan);
+  return std::move(builder.plan);
+}
+
+void validate_plan(const Plan& plan) {
+  for (const Dispatch& d : plan.dispatches) {
+    uint64_t threads = d.threads_per_threadgroup.count();
+    if (threads == 0 || threads > kMaxThreadsPerThreadgroup) {
+      throw std::invalid_argument(d.kernel + ": " + std::to_string(threads) +
+                                  " threads per threadgroup (Metal allows 1 to 1024)");
+    }
+    if (d.threadgroup_memory_bytes > kMaxThreadgroupMemoryBytes) {
+      throw std::invalid_argument(d.kernel + ": " + std::to_string(d.threadgroup_memory_bytes) +
+                                  " bytes of threadgroup memory (Metal allows 32768)");
+    }
+    for (const auto& [index, buffer, written] : d.buffers) {
+      if (written && !is_scratch(buffer) && buffer != PlanBuffer::Output &&
+          buffer != PlanBuffer::StateOut) {
+        throw std::invalid_argument(d.kernel + " would write its input " + to_string(buffer));
+      }
+      if (index > kMaxBufferIndex || index == d.params_index) {
+        throw std::invalid_argument(d.kernel + ": buffer index " + std::to_string(index) +
+                                    " for " + to_string(buffer) + " is out of range or taken");
+      }
+    }
+    if (d.params_index > kMaxBufferIndex) {
+      throw std::invalid_argument(d.kernel + ": params index over 30");
+    }
+  }
+}
+
+Roofline assumed_m_series_roofline() {
+  // Apple M3 Max (40-core GPU), the figures assumed on paper: 400 GB/s of
+  // unified-memory bandwidth and about 14 TFLOP/s float32 (40 cores x 128 ALUs
+  // x 2 flops x ~1.4 GHz). Not measured here: there is no Apple GPU.
+  return {"Apple M3 Max (40-core GPU), assumed: 400 GB/s, 14.3 TFLOP/s float32", 400e9,
+          14.3e12};
+}
+
+std::string describe_plan(const Plan& plan, const Roofline& roofline) {
+  const GatedDeltaKernelParams& k = plan.kernel_params;
+  std::ostringstream out;
+  char line[512];
+  out << "plan: " << to_string(plan.algorithm) << ", " << to_string(plan.dtype)
+      << " activations, B=" << k.batch << " T=" << k.tokens << " Hk=" << k.key_heads
+      << " Hv=" << k.value_heads << " Dk=" << k.key_dim << " Dv=" << k.value_dim
+      << (k.head_mapping == 0 ? " grouped" : " interleaved")
+      << (k.normalize_qk ? " normalize_qk" : "") << (k.has_mask ? " mask" : "") << "\n";
+  out << "roofline: " << roofline.chip << "\n";
+  out << "dispatches: " << plan.dispatches.size() << "\n";
+  std::snprintf(line, sizeof(line), "%-14s %-44s %18s %8s %9s %10s %11s %10s %10s %6s\n",
+                "stage", "kernel", "threadgroups", "threads", "tg bytes", "MB moved",
+                "GFLOP", "t_mem us", "t_flop us", "bound");
+  out << line;
+  double total_bytes = 0, total_flops = 0, total_time = 0;
+  for (const Dispatch& d : plan.dispatches) {
+    double t_mem = d.bytes_moved / roofline.bytes_per_second * 1e6;
+    double t_flop = d.flops / roofline.flops_per_second * 1e6;
+    char groups[64];
+    std::snprintf(groups, sizeof(groups), "%ux%ux%u", d.threadgroups.x, d.threadgroups.y,
+                  d.threadgroups.z);
+    std::snprintf(line, sizeof(line), "%-14s %-44s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
+                  d.stage.c_str(), d.kernel.c_str(), groups,
+                  (unsigned long long)d.threads_per_threadgroup.count(),
+                  d.threadgroup_memory_bytes, d.bytes_moved / 1e6, d.flops / 1e9, t_mem, t_flop,
+                  t_mem > t_flop ? "memory" : "flops");
+    out << line;
+    total_bytes += d.bytes_moved;
+    total_flops += d.flops;
+    total_time += std::max(t_mem, t_flop);
+  }
+  uint64_t scratch = 0;
+  for (const BufferSpec& spec : plan.buffers) {
+    if (is_scratch(spec.buffer)) scratch += spec.bytes;
+  }
+  std::snprintf(line, sizeof(line),
+                "total: %.2f MB moved, %.3f GFLOP; roofline time (sum over stages of "
+                "max(memory, flops)) %.1f us; scratch %.1f MiB\n",
+                total_bytes / 1e6, total_flops / 1e9, total_time, scratch / 1048576.0);
+  out << line;
+  return out.str();
+}
+
+}  // namespace mlx_gated_delta::metal

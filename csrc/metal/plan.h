@@ -1,0 +1,117 @@
+// Metal dispatch plans: from the shape and the algorithm, the ordered list of
+// dispatches (kernel, buffer bindings, scalar params, grid, threadgroup size,
+// threadgroup memory) that computes one core gated-delta call.
+//
+// Plain C++ compiled on every platform: the Metal executor (macOS) encodes a
+// plan on MLX's command encoder, and the emulator (Linux tests) runs the same
+// plan over the same .metal sources on the CPU.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gated_delta/params.h"
+#include "metal/kernels/kernel_abi.h"
+
+namespace mlx_gated_delta::metal {
+
+enum class ActivationDtype : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+const char* to_string(ActivationDtype dtype);
+size_t element_bytes(ActivationDtype dtype);
+
+// Every buffer a plan can bind: the call's inputs and outputs, then the
+// scratch buffers of the chunked stages (float32 unless noted).
+enum class PlanBuffer : int {
+  Query,
+  Key,
+  Value,
+  Gate,
+  Beta,
+  Mask,
+  StateIn,
+  Output,
+  StateOut,
+  QueryInverseNorm,  // [B, T, Hk]   1 / |q| when normalize_qk
+  KeyInverseNorm,    // [B, T, Hk]
+  GateCumsum,        // [B, Hv, C*64] inclusive cumsum of finite g in a chunk
+  LastWipe,          // [B, Hv, C*64] int32: last index <= i with g = -inf, or -1
+  BetaEffective,     // [B, Hv, C*64] beta, 0 on masked tokens
+  KGram,             // [B, Hk, C, 64, 64] k_i . k_j
+  KktInverse,        // [B, Hv, C, 64, 64] (I + A)^-1
+  W,                 // [B, Hv, C*64, Dk]
+  U,                 // [B, Hv, C*64, Dv] U, then v' = U - W S^T (chunk_carry)
+  QK,                // [B, Hk, C, 64, 64] q_i . k_j
+  OutputInter,       // [B, Hv, C*64, Dv] scale * decay * S_chunk_entry q_i
+  Count,
+};
+const char* to_string(PlanBuffer buffer);
+constexpr bool is_scratch(PlanBuffer buffer) {
+  return buffer >= PlanBuffer::QueryInverseNorm;
+}
+
+struct BufferSpec {
+  PlanBuffer buffer;
+  uint64_t bytes;
+};
+
+struct Grid3 {
+  unsigned x = 1, y = 1, z = 1;
+  uint64_t count() const {
+    return uint64_t(x) * y * z;
+  }
+};
+
+struct Binding {
+  unsigned index;     // [[buffer(index)]]
+  PlanBuffer buffer;
+  bool written;       // the kernel writes it (an executor orders later reads after it)
+};
+
+struct Dispatch {
+  std::string stage;   // the math's name: recurrent, k_gram, kkt_inverse, ...
+  std::string kernel;  // host name of the kernel instantiation
+  std::vector<Binding> buffers;
+  unsigned params_index = 0;  // [[buffer(n)]] of the GatedDeltaKernelParams bytes
+  Grid3 threadgroups;
+  Grid3 threads_per_threadgroup;
+  size_t threadgroup_memory_bytes = 0;  // what the kernel declares, statically
+  double bytes_moved = 0;               // device memory read + written
+  double flops = 0;
+};
+
+struct Plan {
+  Algorithm algorithm = Algorithm::Recurrent;  // resolved, never Auto
+  ActivationDtype dtype = ActivationDtype::Float32;
+  GatedDeltaKernelParams kernel_params{};
+  std::vector<BufferSpec> buffers;  // every buffer bound, inputs included
+  std::vector<Dispatch> dispatches;
+
+  uint64_t buffer_bytes(PlanBuffer buffer) const;
+};
+
+// What "auto" runs on Metal: recurrent for short sequences (decode and up to
+// one chunk, where the chunked form's extra passes cannot pay) and for key
+// dims the chunked stages do not cover; chunked otherwise.
+Algorithm resolve_metal_algorithm(const GatedDeltaParams& params);
+
+// Throws std::invalid_argument for shapes no plan covers (and, through
+// validate_launch_extents, for 32-bit index overflow).
+Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype);
+
+// Metal's limits (threads per threadgroup, threadgroup memory, buffer
+// indices); make_plan calls it, and so does every executor.
+void validate_plan(const Plan& plan);
+
+// The chip a plan is compared against, on paper.
+struct Roofline {
+  std::string chip;
+  double bytes_per_second;
+  double flops_per_second;
+};
+Roofline assumed_m_series_roofline();
+std::string describe_plan(const Plan& plan, const Roofline& roofline);
+
+}  // namespace mlx_gated_delta::metal

@@ -1,0 +1,169 @@
+"""The Metal backend run on the CPU: the same `.metal` kernels and dispatch
+plans that macOS runs, compiled as C++ and executed by the emulator (one OS
+thread per GPU thread, real barriers and SIMD collectives, Metal's limits and
+sentinel guards checked). For tests; the op itself never calls this.
+
+NumPy (or mlx) arrays in, NumPy out, with the meaning of the core op
+(API.md section 1). bfloat16, which NumPy lacks, comes in as mlx bfloat16
+arrays or as `dtype="bfloat16"` with float arrays that the wrapper rounds.
+"""
+
+import numpy as np
+
+from mlx_gated_delta import _metal_emulator
+
+ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")
+
+# A barrier that waits longer than this is reported as a deadlock.
+BARRIER_TIMEOUT_MS = 60_000
+
+
+def gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+    algorithm="auto",
+    dtype=None,
+):
+    """Runs the Metal plan for one core call in the emulator.
+
+    `dtype` is the activation dtype the kernels see ("float32", "float16",
+    "bfloat16"); by default the dtype of `q`. Returns `(y, state)`: y
+    `[B, T, Hv, Dv]` as float16 for float16 and as float32 otherwise (bfloat16
+    values widened exactly), state `[B, Hv, Dv, Dk]` float32.
+    """
+    y, state, _ = run(q, k, v, g, beta, state, scale=scale, head_mapping=head_mapping,
+                      mask=mask, normalize_qk=normalize_qk, algorithm=algorithm, dtype=dtype)
+    return y, state
+
+
+def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mask=None,
+        normalize_qk=False, algorithm="auto", dtype=None):
+    """`gated_delta_rule`, plus the kernels the plan dispatched, in order."""
+    dtype = dtype or _dtype_name(q)
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
+    q, k, v = (_to_float32(x) for x in (q, k, v))
+    g, beta = _to_float32(g), _to_float32(beta)
+    if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
+        raise ValueError(f"q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv]; got "
+                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+    batch, tokens, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    if g.shape != (batch, tokens, value_heads) or beta.shape != g.shape:
+        raise ValueError(f"g and beta must be {(batch, tokens, value_heads)}; "
+                         f"got {g.shape}, {beta.shape}")
+    state_shape = (batch, value_heads, value_dim, key_dim)
+    state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
+    if state.shape != state_shape:
+        raise ValueError(f"state must be {state_shape}, got {state.shape}")
+    mask_bytes = None
+    if mask is not None:
+        mask = np.asarray(mask, dtype=bool)
+        if mask.shape != (batch, tokens):
+            raise ValueError(f"mask must be {(batch, tokens)}, got {mask.shape}")
+        mask_bytes = mask.astype(np.uint8).tobytes()
+    if scale is None:
+        scale = key_dim**-0.5
+
+    y, state_out, algorithm_run, kernels = _metal_emulator.run_core(
+        _activation_bytes(q, dtype), _activation_bytes(k, dtype), _activation_bytes(v, dtype),
+        g.tobytes(), beta.tobytes(), state.tobytes(), mask_bytes,
+        batch, tokens, key_heads, value_heads, key_dim, value_dim, float(scale),
+        head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS)
+    y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
+    state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
+    return y, state_out, {"algorithm": algorithm_run, "kernels": kernels}
+
+
+def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
+                  dtype="float32", algorithm="auto", head_mapping="grouped",
+                  normalize_qk=False, mask=False):
+    """The plan as a table: dispatches, threadgroup memory, bytes and FLOPs
+    per stage against an assumed Apple M-series roofline (stated in it)."""
+    return _metal_emulator.describe_plan(batch, tokens, key_heads, value_heads, key_dim,
+                                         value_dim, dtype, algorithm, head_mapping,
+                                         normalize_qk, mask)
+
+
+def plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *, dtype="float32",
+         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None):
+    """The whole plan as a dict: resolved algorithm, the kernel params as bytes,
+    every buffer's size, and the dispatches."""
+    scale = key_dim**-0.5 if scale is None else scale
+    return _metal_emulator.plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, dtype,
+                                algorithm, head_mapping, normalize_qk, mask, float(scale))
+
+
+def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options):
+    """The plan's dispatches as dicts (stage, kernel, grid, threadgroup memory,
+    bindings as (index, buffer, written), bytes and FLOPs)."""
+    return plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options)["dispatches"]
+
+
+def round_to_bfloat16(x):
+    """float32 -> the nearest bfloat16 (ties to even), widened back to float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def _dtype_name(x):
+    name = str(x.dtype).rsplit(".", 1)[-1]
+    return name if name in ACTIVATION_DTYPES else "float32"
+
+
+def _to_float32(x):
+    """NumPy or mlx array -> contiguous float32 NumPy (bfloat16 widened exactly)."""
+    if type(x).__module__.startswith("mlx"):
+        import mlx.core as mx
+
+        x = np.array(x.astype(mx.float32))
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def _activation_bytes(x, dtype):
+    if dtype == "float32":
+        return x.tobytes()
+    if dtype == "float16":
+        return x.astype(np.float16).tobytes()
+    return (round_to_bfloat16(x).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+
+
+def _activation_values(data, dtype):
+    if dtype == "float32":
+        return np.frombuffer(data, np.float32).copy()
+    if dtype == "float16":
+        return np.frombuffer(data, np.float16).copy()
+    bits = np.frombuffer(data, np.uint16).astype(np.uint32) << 16
+    return bits.view(np.float32)
+
+
+def main(argv=None):
+    """`python -m mlx_gated_delta.testing.metal_emulated [B T Hk Hv Dk Dv] [--dtype D]
+    [--algorithm A] [--normalize-qk]`: prints a plan (default: the Qwen3-Next
+    prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("shape", nargs="*", type=int, default=[1, 8192, 16, 32, 128, 128])
+    parser.add_argument("--dtype", default="bfloat16", choices=ACTIVATION_DTYPES)
+    parser.add_argument("--algorithm", default="auto")
+    parser.add_argument("--normalize-qk", action="store_true")
+    options = parser.parse_args(argv)
+    if len(options.shape) != 6:
+        parser.error("the shape is six integers: B T Hk Hv Dk Dv")
+    print(describe_plan(*options.shape, dtype=options.dtype, algorithm=options.algorithm,
+                        normalize_qk=options.normalize_qk), end="")
+
+
+if __name__ == "__main__":
+    main()

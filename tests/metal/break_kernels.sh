@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Proves that the sanitizer net catches kernel bugs: builds deliberately
+# broken copies of the .metal sources and runs run_sanitizers.sh on them.
+# Each broken build must FAIL; the script fails if one passes.
+#
+#   1. chunk_output.metal with its barrier deleted      -> ThreadSanitizer: data race
+#   2. chunk_carry.metal with its first barrier deleted -> ThreadSanitizer: data race
+#   3. chunk_output.metal with a loop bound widened     -> AddressSanitizer / sentinel guard
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+status=0
+
+# mutate NAME FILE SANITIZER PYTHON-EXPRESSION: copy the kernels, apply the
+# edit to FILE (it must change the file), build and run under SANITIZER.
+mutate() {
+  local name="$1" file="$2" sanitizer="$3" edit="$4"
+  local kernels="$WORK/$name/kernels"
+  mkdir -p "$kernels"
+  cp "$ROOT"/csrc/metal/kernels/* "$kernels/"
+  python3 - "$kernels/$file" "$edit" <<'PY' || { echo "the edit did not apply"; exit 2; }
+import sys
+path, edit = sys.argv[1], sys.argv[2]
+old, new = edit.split(" ==> ")
+text = open(path).read()
+assert text.count(old) == 1, f"expected exactly one {old!r} in {path}"
+open(path, "w").write(text.replace(old, new))
+PY
+  echo "=== $name: $file under $sanitizer"
+  if KERNEL_DIR="$kernels" BUILD_DIR="$WORK/$name/build" \
+       "$ROOT/tests/metal/run_sanitizers.sh" "$sanitizer" > "$WORK/$name/log" 2>&1; then
+    echo "NOT CAUGHT: the broken kernel passed"
+    status=1
+  else
+    echo "caught:"
+    grep -m 8 -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|FAILED|^    #[0-2] .*\.metal|SUMMARY" \
+      "$WORK/$name/log" | sed 's/^/  /'
+  fi
+}
+
+BARRIER='threadgroup_barrier(mem_flags::mem_threadgroup);'
+mutate deleted-barrier-chunk-output chunk_output.metal thread \
+  "staged before any output reads it.
+  $BARRIER ==> staged before any output reads it."
+mutate deleted-barrier-chunk-carry chunk_carry.metal thread \
+  "and every read of the entry S is done.
+    $BARRIER ==> and every read of the entry S is done."
+mutate widened-bound-chunk-output chunk_output.metal address \
+  "e < length * p.value_dim ==> e <= length * p.value_dim"
+exit $status

@@ -1,0 +1,85 @@
+"""Prepares a CUDA check of the Metal kernels (run here, where the package is
+built): the kernels as one CUDA source, a deliberately broken copy (a barrier
+deleted), and each case's inputs and Metal plan.
+
+Usage: python tools/cuda_check/export.py OUT_DIR
+Then on the GPU machine: bash OUT_DIR/run.sh, and here:
+python tools/cuda_check/compare.py RESULTS.npz
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+from cases import CASES, make_case  # noqa: E402
+
+KERNELS = ["recurrent", "qk_norm", "gate_cumsum", "k_gram", "kkt_inverse", "recompute_w_u",
+           "chunk_qk", "chunk_carry", "chunk_output"]
+BROKEN_BARRIER = ("staged before any output reads it.\n"
+                  "  threadgroup_barrier(mem_flags::mem_threadgroup);")
+
+
+def prep(kernel_dir, out_dir, stem):
+    paths = [os.path.join(kernel_dir, f"{name}.metal") for name in KERNELS]
+    subprocess.run([sys.executable, os.path.join(HERE, "prep_cuda.py"),
+                    os.path.join(out_dir, f"{stem}.cu"), os.path.join(out_dir, f"{stem}.json"),
+                    *paths], check=True)
+
+
+def main(out_dir):
+    from mlx_gated_delta.testing import metal_emulated
+
+    os.makedirs(out_dir, exist_ok=True)
+    kernel_dir = os.path.join(ROOT, "csrc", "metal", "kernels")
+    prep(kernel_dir, out_dir, "kernels")
+    broken_dir = os.path.join(out_dir, "broken_kernels")
+    shutil.copytree(kernel_dir, broken_dir, dirs_exist_ok=True)
+    path = os.path.join(broken_dir, "chunk_output.metal")
+    text = open(path).read()
+    assert text.count(BROKEN_BARRIER) == 1
+    open(path, "w").write(text.replace(BROKEN_BARRIER, "staged before any output reads it."))
+    prep(broken_dir, out_dir, "kernels_broken")
+    shutil.rmtree(broken_dir)
+    for name in ("metal_cuda.h", "run_cuda.py", "run.sh"):
+        shutil.copy(os.path.join(HERE, name), out_dir)
+
+    arrays, plans = {}, {}
+    for name in CASES:
+        algorithm, case = make_case(name)
+        recipe = case.recipe
+        dtype = recipe["dtype"]
+        q, k, v, g, beta, state = case.args()
+        mask = case.options["mask"]
+        plan = metal_emulated.plan(
+            recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
+            recipe["key_dim"], recipe["value_dim"], dtype=dtype, algorithm=algorithm,
+            head_mapping=recipe["head_mapping"], normalize_qk=recipe["normalize_qk"],
+            mask=mask is not None, scale=case.options["scale"])
+        plan["kernel_params"] = plan["kernel_params"].hex()
+        plan["dtype"] = dtype
+        plans[name] = plan
+        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_in": state}
+        for buffer, value in inputs.items():
+            value = metal_emulated._to_float32(value) if value is not None else \
+                np.zeros((recipe["batch"], recipe["value_heads"], recipe["value_dim"],
+                          recipe["key_dim"]), np.float32)
+            raw = (metal_emulated._activation_bytes(value, dtype) if buffer in ("q", "k", "v")
+                   else value.tobytes())
+            arrays[f"{name}/{buffer}"] = np.frombuffer(raw, np.uint8)
+        if mask is not None:
+            arrays[f"{name}/mask"] = np.array(mask).astype(np.uint8).reshape(-1)
+    np.savez(os.path.join(out_dir, "cases.npz"), **arrays)
+    with open(os.path.join(out_dir, "cases.json"), "w") as handle:
+        json.dump(plans, handle, indent=1)
+    print(f"exported {len(plans)} cases to {out_dir}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
