@@ -344,8 +344,8 @@ Plan make_segment_plan(const SegmentParams& sp, Algorithm algorithm, ActivationD
   const uint64_t rows = sp.conv_state_rows(), e = element_bytes(dtype);
   // The segment's own 32-bit extents (the names of the original design);
   // make_plan guards the core's.
-  check_launch_extent("QKVZBA activation elements", B * T * F);
   check_launch_extent("QKV activation elements", B * T * C);
+  check_launch_extent("QKVZBA activation elements", B * T * F);
   check_launch_extent("conv state elements", B * rows * C);
 
   // The core reads float32 q, k, v, g and beta that the segment's stages
