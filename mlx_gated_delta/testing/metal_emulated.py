@@ -250,8 +250,9 @@ def _activation_values(data, dtype):
 
 def main(argv=None):
     """`python -m mlx_gated_delta.testing.metal_emulated [B T Hk Hv Dk Dv] [--dtype D]
-    [--algorithm A] [--normalize-qk]`: prints a plan (default: the Qwen3-Next
-    prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16)."""
+    [--algorithm A] [--normalize-qk] [--segment K]`: prints a plan (default: the
+    Qwen3-Next prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16); with
+    `--segment K` the fused segment's plan with a K-tap conv."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -259,9 +260,15 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=ACTIVATION_DTYPES)
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--normalize-qk", action="store_true")
+    parser.add_argument("--segment", type=int, metavar="K",
+                        help="the fused segment's plan with a conv of K taps")
     options = parser.parse_args(argv)
     if len(options.shape) != 6:
         parser.error("the shape is six integers: B T Hk Hv Dk Dv")
+    if options.segment is not None:
+        print(segment_plan(*options.shape, options.segment, dtype=options.dtype,
+                           algorithm=options.algorithm, describe=True), end="")
+        return
     print(describe_plan(*options.shape, dtype=options.dtype, algorithm=options.algorithm,
                         normalize_qk=options.normalize_qk), end="")
 
