@@ -305,7 +305,7 @@ def implementation_call(name: str) -> Callable[[Inputs, mx.array], tuple]:
 
 def peer_memory_bytes(s: Shape) -> int:
     """What MLX core and mlx-lm allocate per call: one float32 state per token (measured
-    peaks: 4.1 GB at T=2048, 16.5 GB at T=8192 for the Qwen3-Next shape)."""
+    peaks: 4.1 GiB at T=2048, 16.3 GiB at T=8192 for the Qwen3-Next shape)."""
     return s.T * state_bytes(s)
 
 
@@ -599,7 +599,7 @@ def results_table(rows: list[dict], decode: bool) -> str:
             cells.append(_ratio_cell(d.get("gflop_per_s"), ".1f"))
             cells.append(_percent_cell(d.get("fraction_of_gemm")))
         best = d.get("auto_over_best_algorithm")
-        cells.append("-" if best is None else f"{100 * best:+.0f}%")
+        cells.append("-" if best is None else f"{round(100 * best):+d}%")
         cells.append("-" if peak is None else f"{peak / MiB:.1f}/{row['io_bytes'] / MiB:.1f}")
         body.append(cells)
     return format_table(headers, body)

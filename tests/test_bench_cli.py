@@ -242,7 +242,14 @@ def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys
     assert 'pip install "mlx-gated-delta[test]"' in capsys.readouterr().err
 
 
-def test_examples_cap_reaches_tests_already_decorated_by_given():
+def test_selftest_says_fail_when_the_properties_do_not_run(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "PROPERTIES_MODULE", "mlx_gated_delta.testing.no_such_module")
+    assert cli.run_selftest(examples=None) == 1
+    out = capsys.readouterr().out
+    assert "default device" in out and "selftest FAIL" in out
+
+
+def test_examples_count_reaches_tests_already_decorated_by_given():
     from hypothesis import given, settings, strategies as st
 
     calls = []
@@ -255,8 +262,8 @@ def test_examples_cap_reaches_tests_already_decorated_by_given():
     class Item:
         obj = property_under_test
 
-    plugin = cli._MaxExamples(3)
-    plugin.pytest_collection_modifyitems([Item()])
+    plugin = cli._ExamplesPerProperty(3)
+    plugin.pytest_collection_modifyitems([Item(), Item()])  # e.g. two parametrized items
     property_under_test()
-    assert plugin.applied == 1
+    assert len(plugin.tests) == 1
     assert 1 <= len(calls) <= 3
