@@ -244,6 +244,8 @@ def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys
 
 def test_selftest_says_fail_when_the_properties_do_not_run(monkeypatch, capsys):
     monkeypatch.setattr(cli, "PROPERTIES_MODULE", "mlx_gated_delta.testing.no_such_module")
+    # selftest sets the Hypothesis profile variable; restore it for the tests after this one
+    monkeypatch.delenv("MLX_GATED_DELTA_HYPOTHESIS_PROFILE", raising=False)
     assert cli.run_selftest(examples=None) == 1
     out = capsys.readouterr().out
     assert "default device" in out and "selftest FAIL" in out
