@@ -22,6 +22,7 @@ inline float segment_silu(float x) {
 // negative x, log(1 + e) would round the small e away, so its series
 // e - e^2 / 2 (error below e^3 / 3) takes over there.
 inline float segment_softplus(float x) {
-  const float e = exp(-abs(x));
-  return max(x, 0.0f) + (e < 1e-3f ? e * (1.0f - 0.5f * e) : log(1.0f + e));
+  const float e = exp(x > 0.0f ? -x : x);  // exp(-|x|)
+  const float positive_part = x > 0.0f ? x : 0.0f;
+  return positive_part + (e < 1e-3f ? e * (1.0f - 0.5f * e) : log(1.0f + e));
 }
