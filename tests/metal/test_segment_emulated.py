@@ -8,11 +8,13 @@ taps, split continuity of out, conv state and state, and the plan's guards.
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
 
 # The reviewed (id, fingerprint) pairs of the segment's contracts (the same
 # as tests/test_segment.py holds the CPU op to).
@@ -78,6 +80,16 @@ def test_segment_matches_the_float64_oracle(recipe, algorithm):
     # The core runs on the conv's float32 output with q, k normalized.
     core_kernels = [k for k in info["kernels"] if "segment_" not in k]
     assert all(k.endswith("float32") for k in core_kernels if "gate_cumsum" not in k)
+    check_against_oracle(case, out, conv_state, state)
+
+
+# The CPU op's Hypothesis strategy over the emulated kernels, on a small
+# budget: every emulated call runs one OS thread per GPU thread.
+@settings(max_examples=4)
+@given(case=segment_cases(tokens=st.sampled_from((0, 1, 3, 64, 65))),
+       algorithm=st.sampled_from(("recurrent", "chunked")))
+def test_drawn_cases_match_the_float64_oracle(case, algorithm):
+    out, conv_state, state, _ = emulate(case, algorithm)
     check_against_oracle(case, out, conv_state, state)
 
 
