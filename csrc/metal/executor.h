@@ -1,11 +1,12 @@
-// The Metal executor (macOS): runs a core gated-delta call on MLX's Metal
-// stream by encoding its plan (plan.h) on MLX's command encoder. The
-// primitive's eval_gpu calls it under #ifdef _METAL_.
+// The Metal executor (macOS): runs a core gated-delta call or a fused segment
+// call on MLX's Metal stream by encoding its plan (plan.h) on MLX's command
+// encoder. The primitives' eval_gpu call it under #ifdef _METAL_.
 #pragma once
 
 #include <vector>
 
 #include "gated_delta/params.h"
+#include "segment/segment_params.h"
 #include "mlx/array.h"
 #include "mlx/stream.h"
 
@@ -17,6 +18,18 @@ namespace mlx_gated_delta::metal {
 // `algorithm` may be Auto (resolve_metal_algorithm picks).
 void eval_core_gpu(
     const GatedDeltaParams& params,
+    Algorithm algorithm,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& stream);
+
+// inputs: mixed_qkvzba (activation dtype), conv_weight [C, K], decay_parameter,
+// dt_bias, norm_weight (float32), conv_state (activation dtype), state
+// (float32) [, mask (bool) when params.has_mask], all row-contiguous: the
+// inputs of the segment primitive. outputs: out, conv_state_out (activation
+// dtype), state_out (float32); allocated here. `algorithm` may be Auto.
+void eval_segment_gpu(
+    const SegmentParams& params,
     Algorithm algorithm,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,

@@ -36,44 +36,18 @@ void require(bool condition, const char* message) {
   if (!condition) throw std::invalid_argument(message);
 }
 
-}  // namespace
-
-void eval_core_gpu(
-    const GatedDeltaParams& params,
-    Algorithm algorithm,
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs,
-    const mx::Stream& stream) {
-  require(inputs.size() == (params.has_mask ? 7u : 6u) && outputs.size() == 2,
-          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] and y, state_out");
-  for (const mx::array& input : inputs) {
-    require(input.flags().row_contiguous, "eval_core_gpu: inputs must be row-contiguous");
-  }
-  require(inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
-              inputs[5].dtype() == mx::float32,
-          "eval_core_gpu: g, beta and state must be float32");
-  const Plan plan = make_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
-
-  mx::array& y = outputs[0];
-  mx::array& state_out = outputs[1];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
-
-  // Plan buffers -> arrays (handles sharing the data). Scratch of the chunked
-  // stages is float32 and lives until the command buffer completes.
-  std::map<PlanBuffer, mx::array> arrays;
-  const PlanBuffer io[] = {PlanBuffer::Query, PlanBuffer::Key, PlanBuffer::Value,
-                           PlanBuffer::Gate, PlanBuffer::Beta, PlanBuffer::StateIn};
-  for (size_t i = 0; i < 6; ++i) arrays.emplace(io[i], inputs[i]);
-  if (params.has_mask) arrays.emplace(PlanBuffer::Mask, inputs[6]);
-  arrays.emplace(PlanBuffer::Output, y);
-  arrays.emplace(PlanBuffer::StateOut, state_out);
+// Encodes `plan` on the stream's command encoder. `arrays` holds the plan's
+// inputs and outputs (outputs already allocated); its scratch is allocated
+// here, float32 (4-byte elements), and lives until the command buffer
+// completes.
+void encode_plan(const Plan& plan, std::map<PlanBuffer, mx::array>& arrays,
+                 const mx::Stream& stream) {
   std::vector<mx::array> scratch;
   for (const BufferSpec& spec : plan.buffers) {
-    if (!is_scratch(spec.buffer)) continue;
+    if (spec.role != BufferRole::Scratch) continue;
     const uint64_t elements = spec.bytes / sizeof(float);
     require(elements <= uint64_t(std::numeric_limits<int32_t>::max()),
-            "eval_core_gpu: a scratch buffer exceeds MLX's 32-bit shape");
+            "gated_delta Metal executor: a scratch buffer exceeds MLX's 32-bit shape");
     mx::array buffer(mx::Shape{int32_t(elements)}, mx::float32, nullptr, {});
     buffer.set_data(mx::allocator::malloc(spec.bytes));
     arrays.emplace(spec.buffer, buffer);
@@ -98,13 +72,88 @@ void eval_core_gpu(
         encoder.set_input_array(array, binding.index);
       }
     }
-    encoder.set_bytes(plan.kernel_params, dispatch.params_index);
+    if (dispatch.params_block == KernelParamsBlock::Core) {
+      encoder.set_bytes(plan.kernel_params, dispatch.params_index);
+    } else {
+      encoder.set_bytes(plan.segment_params, dispatch.params_index);
+    }
     const Grid3 groups = dispatch.threadgroups;
     const Grid3 threads = dispatch.threads_per_threadgroup;
     encoder.dispatch_threadgroups(MTL::Size(groups.x, groups.y, groups.z),
                                   MTL::Size(threads.x, threads.y, threads.z));
   }
   encoder.add_temporaries(std::move(scratch));
+}
+
+void allocate(std::vector<mx::array>& outputs) {
+  for (mx::array& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+  }
+}
+
+}  // namespace
+
+void eval_core_gpu(
+    const GatedDeltaParams& params,
+    Algorithm algorithm,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const mx::Stream& stream) {
+  require(inputs.size() == (params.has_mask ? 7u : 6u) && outputs.size() == 2,
+          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] and y, state_out");
+  for (const mx::array& input : inputs) {
+    require(input.flags().row_contiguous, "eval_core_gpu: inputs must be row-contiguous");
+  }
+  require(inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
+              inputs[5].dtype() == mx::float32,
+          "eval_core_gpu: g, beta and state must be float32");
+  const Plan plan = make_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
+  allocate(outputs);
+
+  // Plan buffers -> arrays (handles sharing the data).
+  std::map<PlanBuffer, mx::array> arrays;
+  const PlanBuffer io[] = {PlanBuffer::Query, PlanBuffer::Key, PlanBuffer::Value,
+                           PlanBuffer::Gate, PlanBuffer::Beta, PlanBuffer::StateIn};
+  for (size_t i = 0; i < 6; ++i) arrays.emplace(io[i], inputs[i]);
+  if (params.has_mask) arrays.emplace(PlanBuffer::Mask, inputs[6]);
+  arrays.emplace(PlanBuffer::Output, outputs[0]);
+  arrays.emplace(PlanBuffer::StateOut, outputs[1]);
+  encode_plan(plan, arrays, stream);
+}
+
+void eval_segment_gpu(
+    const SegmentParams& params,
+    Algorithm algorithm,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const mx::Stream& stream) {
+  require(inputs.size() == (params.has_mask ? 8u : 7u) && outputs.size() == 3,
+          "eval_segment_gpu: expected mixed, conv_weight, decay_parameter, dt_bias, "
+          "norm_weight, conv_state, state [, mask] and out, conv_state_out, state_out");
+  for (const mx::array& input : inputs) {
+    require(input.flags().row_contiguous, "eval_segment_gpu: inputs must be row-contiguous");
+  }
+  for (size_t i : {1, 2, 3, 4, 6}) {
+    require(inputs[i].dtype() == mx::float32,
+            "eval_segment_gpu: conv_weight, decay_parameter, dt_bias, norm_weight and state "
+            "must be float32");
+  }
+  require(inputs[5].dtype() == inputs[0].dtype(),
+          "eval_segment_gpu: conv_state must have the activation dtype");
+  const Plan plan = make_segment_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
+  allocate(outputs);
+
+  std::map<PlanBuffer, mx::array> arrays;
+  const PlanBuffer io[] = {PlanBuffer::Mixed,      PlanBuffer::ConvWeight,
+                           PlanBuffer::DecayParameter, PlanBuffer::DtBias,
+                           PlanBuffer::NormWeight, PlanBuffer::ConvStateIn,
+                           PlanBuffer::StateIn};
+  for (size_t i = 0; i < 7; ++i) arrays.emplace(io[i], inputs[i]);
+  if (params.has_mask) arrays.emplace(PlanBuffer::Mask, inputs[7]);
+  arrays.emplace(PlanBuffer::SegmentOutput, outputs[0]);
+  arrays.emplace(PlanBuffer::ConvStateOut, outputs[1]);
+  arrays.emplace(PlanBuffer::StateOut, outputs[2]);
+  encode_plan(plan, arrays, stream);
 }
 
 }  // namespace mlx_gated_delta::metal

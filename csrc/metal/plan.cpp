@@ -56,16 +56,34 @@ const char* to_string(PlanBuffer buffer) {
   static const char* const names[] = {
       "q", "k", "v", "g", "beta", "mask", "state_in", "y", "state_out",
       "query_inverse_norm", "key_inverse_norm", "gate_cumsum", "last_wipe",
-      "beta_effective", "k_gram", "kkt_inverse", "w", "u", "qk", "output_inter"};
+      "beta_effective", "k_gram", "kkt_inverse", "w", "u", "qk", "output_inter",
+      "mixed", "conv_weight", "decay_parameter", "dt_bias", "norm_weight", "conv_state_in",
+      "out", "conv_state_out"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }
 
-uint64_t Plan::buffer_bytes(PlanBuffer buffer) const {
+const BufferSpec* Plan::find_buffer(PlanBuffer buffer) const {
   for (const BufferSpec& spec : buffers) {
-    if (spec.buffer == buffer) return spec.bytes;
+    if (spec.buffer == buffer) return &spec;
   }
-  return 0;
+  return nullptr;
+}
+
+uint64_t Plan::buffer_bytes(PlanBuffer buffer) const {
+  const BufferSpec* spec = find_buffer(buffer);
+  return spec ? spec->bytes : 0;
+}
+
+const void* Plan::params_data(const Dispatch& dispatch) const {
+  return dispatch.params_block == KernelParamsBlock::Core
+             ? static_cast<const void*>(&kernel_params)
+             : static_cast<const void*>(&segment_params);
+}
+
+size_t Plan::params_size(const Dispatch& dispatch) const {
+  return dispatch.params_block == KernelParamsBlock::Core ? sizeof(kernel_params)
+                                                          : sizeof(segment_params);
 }
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
@@ -76,6 +94,26 @@ Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
 }
 
 namespace {
+
+Dispatch make_dispatch(const Plan& plan, const char* stage, std::string kernel, Grid3 groups,
+                       unsigned threads, size_t threadgroup_bytes,
+                       const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
+                       unsigned params_index, const std::vector<PlanBuffer>& writes) {
+  Dispatch d;
+  d.stage = stage;
+  d.kernel = std::move(kernel);
+  d.threadgroups = groups;
+  d.threads_per_threadgroup = {threads, 1, 1};
+  d.threadgroup_memory_bytes = threadgroup_bytes;
+  // A buffer the call does not have (no mask, no tokens) stays unbound: the
+  // kernel reads it only under the flag or the extent that says it exists.
+  for (auto [index, buffer] : bindings) {
+    bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
+    if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
+  }
+  d.params_index = params_index;
+  return d;
+}
 
 struct PlanBuilder {
   const GatedDeltaParams& p;
@@ -107,44 +145,33 @@ struct PlanBuilder {
     k.num_chunks = unsigned(C);
     k.scale = p.scale;
 
-    add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e);
-    add_buffer(PlanBuffer::Key, B * T * Hk * Dk * e);
-    add_buffer(PlanBuffer::Value, B * T * Hv * Dv * e);
-    add_buffer(PlanBuffer::Gate, B * T * Hv * 4);
-    add_buffer(PlanBuffer::Beta, B * T * Hv * 4);
-    if (p.has_mask) add_buffer(PlanBuffer::Mask, B * T);
-    add_buffer(PlanBuffer::StateIn, B * Hv * Dv * Dk * 4);
-    add_buffer(PlanBuffer::Output, B * T * Hv * Dv * e);
-    add_buffer(PlanBuffer::StateOut, B * Hv * Dv * Dk * 4);
+    using enum BufferRole;
+    add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e, Input);
+    add_buffer(PlanBuffer::Key, B * T * Hk * Dk * e, Input);
+    add_buffer(PlanBuffer::Value, B * T * Hv * Dv * e, Input);
+    add_buffer(PlanBuffer::Gate, B * T * Hv * 4, Input);
+    add_buffer(PlanBuffer::Beta, B * T * Hv * 4, Input);
+    if (p.has_mask) add_buffer(PlanBuffer::Mask, B * T, Input);
+    add_buffer(PlanBuffer::StateIn, B * Hv * Dv * Dk * 4, Input);
+    add_buffer(PlanBuffer::Output, B * T * Hv * Dv * e, Output);
+    add_buffer(PlanBuffer::StateOut, B * Hv * Dv * Dk * 4, Output);
   }
 
-  void add_buffer(PlanBuffer buffer, uint64_t bytes) {
-    plan.buffers.push_back({buffer, bytes});
+  void add_buffer(PlanBuffer buffer, uint64_t bytes, BufferRole role) {
+    plan.buffers.push_back({buffer, bytes, role});
   }
   // Scratch is indexed by the kernels with 32-bit integers too.
   void add_scratch(PlanBuffer buffer, const char* what, uint64_t elements, uint64_t bytes_each) {
     check_launch_extent(what, elements);
-    add_buffer(buffer, elements * bytes_each);
+    add_buffer(buffer, elements * bytes_each, BufferRole::Scratch);
   }
 
   Dispatch& add(const char* stage, std::string kernel, Grid3 groups, unsigned threads,
                 size_t threadgroup_bytes,
                 std::vector<std::pair<unsigned, PlanBuffer>> bindings, unsigned params_index,
                 std::vector<PlanBuffer> writes) {
-    Dispatch d;
-    d.stage = stage;
-    d.kernel = std::move(kernel);
-    d.threadgroups = groups;
-    d.threads_per_threadgroup = {threads, 1, 1};
-    d.threadgroup_memory_bytes = threadgroup_bytes;
-    // A buffer the call does not have (no mask) stays unbound: the kernel
-    // reads it only under the flag that says it exists.
-    for (auto [index, buffer] : bindings) {
-      bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
-      if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
-    }
-    d.params_index = params_index;
-    plan.dispatches.push_back(std::move(d));
+    plan.dispatches.push_back(make_dispatch(plan, stage, std::move(kernel), groups, threads,
+                                            threadgroup_bytes, bindings, params_index, writes));
     return plan.dispatches.back();
   }
 
@@ -306,6 +333,120 @@ Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDt
   return std::move(builder.plan);
 }
 
+Plan make_segment_plan(const SegmentParams& sp, Algorithm algorithm, ActivationDtype dtype) {
+  using enum PlanBuffer;
+  if (sp.conv_kernel < 1) {
+    throw std::invalid_argument("the conv kernel needs at least one tap, got " +
+                                std::to_string(sp.conv_kernel));
+  }
+  const uint64_t B = sp.batch, T = sp.tokens, Hv = sp.value_heads, Dv = sp.value_dim;
+  const uint64_t C = sp.conv_channels(), F = sp.packed_width(), K = sp.conv_kernel;
+  const uint64_t rows = sp.conv_state_rows(), e = element_bytes(dtype);
+  // The segment's own 32-bit extents (the names of the original design);
+  // make_plan guards the core's.
+  check_launch_extent("QKV activation elements", B * T * C);
+  check_launch_extent("QKVZBA activation elements", B * T * F);
+  check_launch_extent("conv state elements", B * rows * C);
+
+  // The core reads float32 q, k, v, g and beta that the segment's stages
+  // write, and its float32 y feeds gated_norm: scratch, all of them.
+  Plan core = make_plan(sp.core_params(), algorithm, ActivationDtype::Float32);
+  Plan plan;
+  plan.algorithm = core.algorithm;
+  plan.dtype = dtype;
+  plan.kernel_params = core.kernel_params;
+  plan.buffers = core.buffers;
+  for (BufferSpec& spec : plan.buffers) {
+    if (spec.buffer == Query || spec.buffer == Key || spec.buffer == Value ||
+        spec.buffer == Gate || spec.buffer == Beta || spec.buffer == Output) {
+      spec.role = BufferRole::Scratch;
+    }
+  }
+  plan.buffers.push_back({Mixed, B * T * F * e, BufferRole::Input});
+  plan.buffers.push_back({ConvWeight, C * K * 4, BufferRole::Input});
+  plan.buffers.push_back({DecayParameter, Hv * 4, BufferRole::Input});
+  plan.buffers.push_back({DtBias, Hv * 4, BufferRole::Input});
+  plan.buffers.push_back({NormWeight, Dv * 4, BufferRole::Input});
+  plan.buffers.push_back({ConvStateIn, B * rows * C * e, BufferRole::Input});
+  plan.buffers.push_back({SegmentOutput, B * T * Hv * Dv * e, BufferRole::Output});
+  plan.buffers.push_back({ConvStateOut, B * rows * C * e, BufferRole::Output});
+
+  SegmentKernelParams& k = plan.segment_params;
+  k.batch = sp.batch;
+  k.tokens = sp.tokens;
+  k.key_heads = sp.key_heads;
+  k.value_heads = sp.value_heads;
+  k.key_dim = sp.key_dim;
+  k.value_dim = sp.value_dim;
+  k.conv_kernel = sp.conv_kernel;
+  k.conv_channels = unsigned(C);
+  k.packed_width = unsigned(F);
+  k.z_offset = sp.z_offset();
+  k.b_offset = sp.b_offset();
+  k.a_offset = sp.a_offset();
+  k.log_rate = sp.decay_parameterization == DecayParameterization::LogRate ? 1 : 0;
+  k.has_mask = sp.has_mask ? 1 : 0;
+  k.norm_eps = sp.norm_eps;
+
+  // One thread per channel: a threadgroup spans up to kSegmentThreads channels.
+  const unsigned channel_threads = unsigned(std::min<uint64_t>(kSegmentThreads, (C + 31) / 32 * 32));
+  const unsigned channel_groups = ceil_div(C, channel_threads);
+  auto segment_kernel = [&](const char* stage) {
+    return kernel_name((std::string("segment_") + stage).c_str(), dtype);
+  };
+  std::vector<Dispatch> before_core;
+  {
+    Dispatch d = make_dispatch(
+        plan, "prepare_conv", segment_kernel("prepare_conv"),
+        {channel_groups, unsigned(T), unsigned(B)}, channel_threads, 0,
+        {{0, Mixed}, {1, ConvWeight}, {2, ConvStateIn}, {3, Mask}, {4, Query}, {5, Key},
+         {6, Value}},
+        7, {Query, Key, Value});
+    // Each input read once (the windows' repeats come from caches), q|k|v
+    // written float32; K multiply-adds and a SiLU per output.
+    d.bytes_moved = double(B * T * C * (e + 4) + C * K * 4);
+    d.flops = double(B * T * C * (2 * K + 4));
+    before_core.push_back(std::move(d));
+  }
+  {
+    Dispatch d = make_dispatch(plan, "prepare_gates", segment_kernel("prepare_gates"),
+                               {ceil_div(B * T * Hv, kSegmentThreads), 1, 1}, kSegmentThreads, 0,
+                               {{0, Mixed}, {1, DecayParameter}, {2, DtBias}, {3, Gate},
+                                {4, Beta}},
+                               5, {Gate, Beta});
+    d.bytes_moved = double(B * T * Hv * (2 * e + 8));
+    d.flops = double(B * T * Hv * 12);
+    before_core.push_back(std::move(d));
+  }
+  {
+    Dispatch d = make_dispatch(plan, "collect_conv_state", segment_kernel("collect_conv_state"),
+                               {channel_groups, unsigned(rows), unsigned(B)}, channel_threads, 0,
+                               {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}}, 4,
+                               {ConvStateOut});
+    d.bytes_moved = double(2 * B * rows * C * e);
+    before_core.push_back(std::move(d));
+  }
+  Dispatch norm = make_dispatch(
+      plan, "gated_norm", segment_kernel("gated_norm"),
+      {ceil_div(B * T * Hv, kGatedNormRowsPerThreadgroup), 1, 1},
+      kGatedNormRowsPerThreadgroup * 32, 0,
+      {{0, Output}, {1, Mixed}, {2, NormWeight}, {3, Mask}, {4, SegmentOutput}}, 5,
+      {SegmentOutput});
+  norm.bytes_moved = double(B * T * Hv * Dv * (4 + 2 * e));
+  norm.flops = double(B * T * Hv * Dv * 10);
+
+  for (Dispatch& d : before_core) {
+    d.params_block = KernelParamsBlock::Segment;
+    plan.dispatches.push_back(std::move(d));
+  }
+  for (Dispatch& d : core.dispatches) plan.dispatches.push_back(std::move(d));
+  norm.params_block = KernelParamsBlock::Segment;
+  plan.dispatches.push_back(std::move(norm));
+  std::erase_if(plan.dispatches, [](const Dispatch& d) { return d.threadgroups.count() == 0; });
+  validate_plan(plan);
+  return plan;
+}
+
 void validate_plan(const Plan& plan) {
   for (const Dispatch& d : plan.dispatches) {
     uint64_t threads = d.threads_per_threadgroup.count();
@@ -318,8 +459,12 @@ void validate_plan(const Plan& plan) {
                                   " bytes of threadgroup memory (Metal allows 32768)");
     }
     for (const auto& [index, buffer, written] : d.buffers) {
-      if (written && !is_scratch(buffer) && buffer != PlanBuffer::Output &&
-          buffer != PlanBuffer::StateOut) {
+      const BufferSpec* spec = plan.find_buffer(buffer);
+      if (spec == nullptr) {
+        throw std::invalid_argument(d.kernel + " binds " + to_string(buffer) +
+                                    ", which the plan does not have");
+      }
+      if (written && spec->role == BufferRole::Input) {
         throw std::invalid_argument(d.kernel + " would write its input " + to_string(buffer));
       }
       if (index > kMaxBufferIndex || index == d.params_index) {
@@ -352,7 +497,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
       << (k.normalize_qk ? " normalize_qk" : "") << (k.has_mask ? " mask" : "") << "\n";
   out << "roofline: " << roofline.chip << "\n";
   out << "dispatches: " << plan.dispatches.size() << "\n";
-  std::snprintf(line, sizeof(line), "%-14s %-44s %18s %8s %9s %10s %11s %10s %10s %6s\n",
+  std::snprintf(line, sizeof(line), "%-18s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
                 "stage", "kernel", "threadgroups", "threads", "tg bytes", "MB moved",
                 "GFLOP", "t_mem us", "t_flop us", "bound");
   out << line;
@@ -363,7 +508,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
     char groups[64];
     std::snprintf(groups, sizeof(groups), "%ux%ux%u", d.threadgroups.x, d.threadgroups.y,
                   d.threadgroups.z);
-    std::snprintf(line, sizeof(line), "%-14s %-44s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
+    std::snprintf(line, sizeof(line), "%-18s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
                   d.stage.c_str(), d.kernel.c_str(), groups,
                   (unsigned long long)d.threads_per_threadgroup.count(),
                   d.threadgroup_memory_bytes, d.bytes_moved / 1e6, d.flops / 1e9, t_mem, t_flop,
@@ -375,7 +520,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
   }
   uint64_t scratch = 0;
   for (const BufferSpec& spec : plan.buffers) {
-    if (is_scratch(spec.buffer)) scratch += spec.bytes;
+    if (spec.role == BufferRole::Scratch) scratch += spec.bytes;
   }
   std::snprintf(line, sizeof(line),
                 "total: %.2f MB moved, %.3f GFLOP; roofline time (sum over stages of "

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gated_delta/params.h"
+#include "segment/segment_params.h"
 #include "metal/kernels/kernel_abi.h"
 
 namespace mlx_gated_delta::metal {
@@ -22,8 +23,10 @@ enum class ActivationDtype : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 const char* to_string(ActivationDtype dtype);
 size_t element_bytes(ActivationDtype dtype);
 
-// Every buffer a plan can bind: the call's inputs and outputs, then the
-// scratch buffers of the chunked stages (float32 unless noted).
+// Every buffer a plan can bind: the core call's inputs and outputs, the
+// scratch buffers of the chunked stages (float32 unless noted), then the
+// fused segment's own. In a segment plan, q, k, v, g, beta and y are scratch
+// between the segment's stages and the core's (float32).
 enum class PlanBuffer : int {
   Query,
   Key,
@@ -45,17 +48,30 @@ enum class PlanBuffer : int {
   U,                 // [B, Hv, C*64, Dv] U, then v' = U - W S^T (chunk_carry)
   QK,                // [B, Hk, C, 64, 64] q_i . k_j
   OutputInter,       // [B, Hv, C*64, Dv] scale * decay * S_chunk_entry q_i
+  Mixed,             // [B, T, F] packed [q | k | v | z | b | a], activation dtype
+  ConvWeight,        // [C, K]
+  DecayParameter,    // [Hv]
+  DtBias,            // [Hv]
+  NormWeight,        // [Dv]
+  ConvStateIn,       // [B, K-1, C] activation dtype
+  SegmentOutput,     // [B, T, Hv, Dv] activation dtype
+  ConvStateOut,      // [B, K-1, C] activation dtype
   Count,
 };
 const char* to_string(PlanBuffer buffer);
-constexpr bool is_scratch(PlanBuffer buffer) {
-  return buffer >= PlanBuffer::QueryInverseNorm;
-}
+
+// What a buffer is to the call: executors fill inputs from the caller, hand
+// outputs back, and allocate scratch; no dispatch may write an input.
+enum class BufferRole : int { Input, Output, Scratch };
 
 struct BufferSpec {
   PlanBuffer buffer;
   uint64_t bytes;
+  BufferRole role;
 };
+
+// The scalar block a dispatch gets at its params_index.
+enum class KernelParamsBlock : int { Core, Segment };
 
 struct Grid3 {
   unsigned x = 1, y = 1, z = 1;
@@ -74,7 +90,8 @@ struct Dispatch {
   std::string stage;   // the math's name: recurrent, k_gram, kkt_inverse, ...
   std::string kernel;  // host name of the kernel instantiation
   std::vector<Binding> buffers;
-  unsigned params_index = 0;  // [[buffer(n)]] of the GatedDeltaKernelParams bytes
+  unsigned params_index = 0;  // [[buffer(n)]] of the scalar params' bytes
+  KernelParamsBlock params_block = KernelParamsBlock::Core;
   Grid3 threadgroups;
   Grid3 threads_per_threadgroup;
   size_t threadgroup_memory_bytes = 0;  // what the kernel declares, statically
@@ -86,10 +103,15 @@ struct Plan {
   Algorithm algorithm = Algorithm::Recurrent;  // resolved, never Auto
   ActivationDtype dtype = ActivationDtype::Float32;
   GatedDeltaKernelParams kernel_params{};
+  SegmentKernelParams segment_params{};  // segment plans only
   std::vector<BufferSpec> buffers;  // every buffer bound, inputs included
   std::vector<Dispatch> dispatches;
 
   uint64_t buffer_bytes(PlanBuffer buffer) const;
+  const BufferSpec* find_buffer(PlanBuffer buffer) const;
+  // The bytes of the scalar block a dispatch binds at its params_index.
+  const void* params_data(const Dispatch& dispatch) const;
+  size_t params_size(const Dispatch& dispatch) const;
 };
 
 // What "auto" runs on Metal: recurrent for short sequences (decode and up to
@@ -100,6 +122,13 @@ Algorithm resolve_metal_algorithm(const GatedDeltaParams& params);
 // Throws std::invalid_argument for shapes no plan covers (and, through
 // validate_launch_extents, for 32-bit index overflow).
 Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype);
+
+// The fused layer segment (API.md section 3): prepare_conv (conv + SiLU into
+// float32 q, k, v), prepare_gates, collect_conv_state, then the core plan of
+// SegmentParams::core_params() (normalize_qk on) over those float32
+// buffers, then gated_norm. `dtype` is the activation dtype of mixed, the
+// conv state and out.
+Plan make_segment_plan(const SegmentParams& params, Algorithm algorithm, ActivationDtype dtype);
 
 // Metal's limits (threads per threadgroup, threadgroup memory, buffer
 // indices); make_plan calls it, and so does every executor.

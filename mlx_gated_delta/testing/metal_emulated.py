@@ -4,7 +4,7 @@ thread per GPU thread, real barriers and SIMD collectives, Metal's limits and
 sentinel guards checked). For tests; the op itself never calls this.
 
 NumPy (or mlx) arrays in, NumPy out, with the meaning of the core op
-(API.md section 1). bfloat16, which NumPy lacks, comes in as mlx bfloat16
+(API.md section 1) and of the fused layer segment (section 3). bfloat16, which NumPy lacks, comes in as mlx bfloat16
 arrays or as `dtype="bfloat16"` with float arrays that the wrapper rounds.
 """
 
@@ -84,6 +84,107 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
     return y, state_out, {"algorithm": algorithm_run, "kernels": kernels}
 
 
+def gated_delta_segment(
+    mixed_qkvzba,
+    conv_weight,
+    decay_parameter,
+    dt_bias,
+    norm_weight,
+    conv_state=None,
+    state=None,
+    *,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    decay_parameterization="log_rate",
+    head_mapping="grouped",
+    norm_eps=1e-6,
+    mask=None,
+    algorithm="auto",
+    dtype=None,
+):
+    """Runs the Metal plan of one fused segment call in the emulator.
+
+    The signature of `mlx_gated_delta.gated_delta_segment`, NumPy in and out;
+    `dtype` is the activation dtype the kernels see (by default the dtype of
+    `mixed_qkvzba`). Returns `(out, conv_state, state)`: out `[B, T, Hv, Dv]`
+    and conv_state `[B, K-1, C]` as float16 for float16 and float32 otherwise
+    (bfloat16 values widened exactly), state `[B, Hv, Dv, Dk]` float32.
+    """
+    out, conv_state, state, _ = run_segment(
+        mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight, conv_state, state,
+        key_heads=key_heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim,
+        decay_parameterization=decay_parameterization, head_mapping=head_mapping,
+        norm_eps=norm_eps, mask=mask, algorithm=algorithm, dtype=dtype)
+    return out, conv_state, state
+
+
+def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
+                conv_state=None, state=None, *, key_heads, value_heads, key_dim, value_dim,
+                decay_parameterization="log_rate", head_mapping="grouped", norm_eps=1e-6,
+                mask=None, algorithm="auto", dtype=None):
+    """`gated_delta_segment`, plus the kernels the plan dispatched, in order."""
+    dtype = dtype or _dtype_name(mixed_qkvzba)
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
+    mixed = _to_float32(mixed_qkvzba)
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    width = channels + value_heads * value_dim + 2 * value_heads
+    if mixed.ndim != 3 or mixed.shape[2] != width:
+        raise ValueError(f"mixed_qkvzba must be [B, T, {width}], got {mixed.shape}")
+    batch, tokens = mixed.shape[:2]
+    conv_weight = _to_float32(conv_weight)
+    if conv_weight.ndim == 3 and conv_weight.shape[2] == 1:
+        conv_weight = conv_weight[:, :, 0]
+    if conv_weight.ndim != 2 or conv_weight.shape[0] != channels:
+        raise ValueError(f"conv_weight must be [{channels}, K] or [{channels}, K, 1], "
+                         f"got {conv_weight.shape}")
+    conv_kernel = conv_weight.shape[1]
+    conv_state_shape = (batch, conv_kernel - 1, channels)
+    conv_state = (np.zeros(conv_state_shape, np.float32) if conv_state is None
+                  else _to_float32(conv_state))
+    state_shape = (batch, value_heads, value_dim, key_dim)
+    state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
+    vectors = {"decay_parameter": (decay_parameter, value_heads),
+               "dt_bias": (dt_bias, value_heads), "norm_weight": (norm_weight, value_dim)}
+    for name, (value, length) in vectors.items():
+        if _to_float32(value).shape != (length,):
+            raise ValueError(f"{name} must be [{length}], got {_to_float32(value).shape}")
+    for name, value, shape in (("conv_state", conv_state, conv_state_shape),
+                               ("state", state, state_shape)):
+        if value.shape != shape:
+            raise ValueError(f"{name} must be {shape}, got {value.shape}")
+    mask_bytes = None
+    if mask is not None:
+        mask = np.asarray(mask, dtype=bool)
+        if mask.shape != (batch, tokens):
+            raise ValueError(f"mask must be {(batch, tokens)}, got {mask.shape}")
+        mask_bytes = mask.astype(np.uint8).tobytes()
+
+    out, conv_state_out, state_out, algorithm_run, kernels = _metal_emulator.run_segment(
+        _activation_bytes(mixed, dtype), conv_weight.tobytes(),
+        _to_float32(decay_parameter).tobytes(), _to_float32(dt_bias).tobytes(),
+        _to_float32(norm_weight).tobytes(), _activation_bytes(conv_state, dtype),
+        state.tobytes(), mask_bytes, batch, tokens, key_heads, value_heads, key_dim, value_dim,
+        conv_kernel, decay_parameterization, head_mapping, float(norm_eps), algorithm, dtype,
+        BARRIER_TIMEOUT_MS)
+    out = _activation_values(out, dtype).reshape(batch, tokens, value_heads, value_dim)
+    conv_state_out = _activation_values(conv_state_out, dtype).reshape(conv_state_shape)
+    state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
+    return out, conv_state_out, state_out, {"algorithm": algorithm_run, "kernels": kernels}
+
+
+def segment_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel=4, *,
+                 dtype="float32", algorithm="auto", decay_parameterization="log_rate",
+                 head_mapping="grouped", mask=False, describe=False):
+    """The fused segment's plan: a dict like `plan`'s, or with `describe=True`
+    the table against the assumed M-series roofline."""
+    return _metal_emulator.segment_plan(batch, tokens, key_heads, value_heads, key_dim,
+                                        value_dim, conv_kernel, dtype, algorithm,
+                                        decay_parameterization, head_mapping, mask, describe)
+
+
 def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
                   dtype="float32", algorithm="auto", head_mapping="grouped",
                   normalize_qk=False, mask=False):
@@ -149,8 +250,9 @@ def _activation_values(data, dtype):
 
 def main(argv=None):
     """`python -m mlx_gated_delta.testing.metal_emulated [B T Hk Hv Dk Dv] [--dtype D]
-    [--algorithm A] [--normalize-qk]`: prints a plan (default: the Qwen3-Next
-    prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16)."""
+    [--algorithm A] [--normalize-qk] [--segment K]`: prints a plan (default: the
+    Qwen3-Next prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16); with
+    `--segment K` the fused segment's plan with a K-tap conv."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -158,9 +260,15 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=ACTIVATION_DTYPES)
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--normalize-qk", action="store_true")
+    parser.add_argument("--segment", type=int, metavar="K",
+                        help="the fused segment's plan with a conv of K taps")
     options = parser.parse_args(argv)
     if len(options.shape) != 6:
         parser.error("the shape is six integers: B T Hk Hv Dk Dv")
+    if options.segment is not None:
+        print(segment_plan(*options.shape, options.segment, dtype=options.dtype,
+                           algorithm=options.algorithm, describe=True), end="")
+        return
     print(describe_plan(*options.shape, dtype=options.dtype, algorithm=options.algorithm,
                         normalize_qk=options.normalize_qk), end="")
 

@@ -6,16 +6,23 @@
 #   1. chunk_output.metal with its barrier deleted      -> ThreadSanitizer: data race
 #   2. chunk_carry.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   3. chunk_output.metal with a loop bound widened     -> AddressSanitizer / sentinel guard
+#   4. collect_conv_state.metal with its channel bound widened -> sentinel guard
+#
+#   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 WORK="$(mktemp -d)"
 trap 'rm -rf "$WORK"' EXIT
 status=0
+ONLY=("$@")
 
 # mutate NAME FILE SANITIZER PYTHON-EXPRESSION: copy the kernels, apply the
 # edit to FILE (it must change the file), build and run under SANITIZER.
 mutate() {
   local name="$1" file="$2" sanitizer="$3" edit="$4"
+  if [ ${#ONLY[@]} -gt 0 ] && [[ ! " ${ONLY[*]} " == *" $name "* ]]; then
+    return
+  fi
   local kernels="$WORK/$name/kernels"
   mkdir -p "$kernels"
   cp "$ROOT"/csrc/metal/kernels/* "$kernels/"
@@ -48,4 +55,6 @@ mutate deleted-barrier-chunk-carry chunk_carry.metal thread \
     $BARRIER ==> and every read of the entry S is done."
 mutate widened-bound-chunk-output chunk_output.metal address \
   "e < length * p.value_dim ==> e <= length * p.value_dim"
+mutate widened-bound-collect-conv-state collect_conv_state.metal address \
+  "if (c >= p.conv_channels) { ==> if (c > p.conv_channels) {"
 exit $status

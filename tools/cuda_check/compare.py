@@ -1,5 +1,6 @@
 """Compares the GPU's results (run_cuda.py's results.npz) with the float64
-oracle under the core op's numerical contracts.
+oracle under the core op's numerical contracts, and the segment's under the
+segment's (the registry's current ones).
 
 Usage: python tools/cuda_check/compare.py RESULTS.npz
 """
@@ -10,7 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import CASES, make_case  # noqa: E402
+from cases import CASES, SEGMENT_CASES, make_case  # noqa: E402
 
 from mlx_gated_delta.testing import metal_emulated  # noqa: E402
 from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches  # noqa: E402
@@ -20,9 +21,41 @@ from mlx_gated_delta.testing.properties import (  # noqa: E402
 )
 
 
+def compare_segment(name, results):
+    """Checks one segment case; returns a line to print."""
+    _, case = make_case(name)
+    dtype = case.recipe["dtype"]
+    expected = dict(zip(("out", "conv_state_out", "state_out"), case.reference()))
+    contracts = {"out": f"segment.oracle.v2.{dtype}.output",
+                 "conv_state_out": "segment.oracle.v1.any.conv_state",
+                 "state_out": "segment.oracle.v2.float32.state"}
+    errors = []
+    for buffer, contract_id in contracts.items():
+        raw = results[f"{name}/{buffer}"].tobytes()
+        if buffer == "state_out":
+            actual = np.frombuffer(raw, np.float32)
+        else:
+            actual = metal_emulated._activation_values(raw, dtype)
+        actual = actual.reshape(expected[buffer].shape)
+        error = assert_matches(buffer, actual, expected[buffer], contract_id,
+                               CONTRACTS[contract_id].fingerprint)
+        errors.append(f"{buffer} {error:.2e} (<= {CONTRACTS[contract_id].threshold:g})")
+    return f"{name:36s} " + ", ".join(errors)
+
+
 def main(path):
     results = np.load(path)
     failures = 0
+    for name in SEGMENT_CASES:
+        if f"{name}/out" not in results.files:
+            print(f"{name}: no result")
+            failures += 1
+            continue
+        try:
+            print(compare_segment(name, results))
+        except AssertionError as error:
+            print(f"{name}: FAILED {error}")
+            failures += 1
     for name in CASES:
         algorithm, case = make_case(name)
         if f"{name}/y" not in results.files:
@@ -45,7 +78,7 @@ def main(path):
         except AssertionError as error:
             print(f"{name}: FAILED {error}")
             failures += 1
-    print(f"{len(CASES) - failures} passed, {failures} failed")
+    print(f"{len(CASES) + len(SEGMENT_CASES) - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 

@@ -18,10 +18,11 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from cases import CASES, make_case  # noqa: E402
+from cases import CASES, SEGMENT_CASES, make_case  # noqa: E402
 
 KERNELS = ["recurrent", "qk_norm", "gate_cumsum", "k_gram", "kkt_inverse", "recompute_w_u",
-           "chunk_qk", "chunk_carry", "chunk_output"]
+           "chunk_qk", "chunk_carry", "chunk_output", "prepare_conv", "prepare_gates",
+           "collect_conv_state", "gated_norm"]
 BROKEN_BARRIER = ("staged before any output reads it.\n"
                   "  threadgroup_barrier(mem_flags::mem_threadgroup);")
 
@@ -31,6 +32,49 @@ def prep(kernel_dir, out_dir, stem):
     subprocess.run([sys.executable, os.path.join(HERE, "prep_cuda.py"),
                     os.path.join(out_dir, f"{stem}.cu"), os.path.join(out_dir, f"{stem}.json"),
                     *paths], check=True)
+
+
+def json_ready(plan, dtype):
+    """The plan with its scalar blocks as hex strings, and the dtype."""
+    plan["kernel_params"] = plan["kernel_params"].hex()
+    for dispatch in plan["dispatches"]:
+        dispatch["params"] = dispatch["params"].hex()
+    plan["dtype"] = dtype
+    return plan
+
+
+def export_segment_case(name, algorithm, case, arrays):
+    from mlx_gated_delta.testing import metal_emulated
+
+    recipe = case.recipe
+    dtype = recipe["dtype"]
+    mask = case.options["mask"]
+    plan = metal_emulated.segment_plan(
+        recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
+        recipe["key_dim"], recipe["value_dim"], recipe["conv_kernel"], dtype=dtype,
+        algorithm=algorithm, decay_parameterization=recipe["decay_parameterization"],
+        head_mapping=recipe["head_mapping"], mask=mask is not None)
+    f32 = metal_emulated._to_float32
+    channels = 2 * recipe["key_heads"] * recipe["key_dim"] + recipe["value_heads"] * recipe["value_dim"]
+    conv_state = (np.zeros((recipe["batch"], recipe["conv_kernel"] - 1, channels), np.float32)
+                  if case.conv_state is None else f32(case.conv_state))
+    state = (np.zeros((recipe["batch"], recipe["value_heads"], recipe["value_dim"],
+                       recipe["key_dim"]), np.float32)
+             if case.state is None else f32(case.state))
+    raw = {
+        "mixed": metal_emulated._activation_bytes(f32(case.mixed), dtype),
+        "conv_weight": f32(case.conv_weight).reshape(channels, -1).tobytes(),
+        "decay_parameter": f32(case.decay_parameter).tobytes(),
+        "dt_bias": f32(case.dt_bias).tobytes(),
+        "norm_weight": f32(case.norm_weight).tobytes(),
+        "conv_state_in": metal_emulated._activation_bytes(conv_state, dtype),
+        "state_in": state.tobytes(),
+    }
+    if mask is not None:
+        raw["mask"] = np.array(mask).astype(np.uint8).tobytes()
+    for buffer, data in raw.items():
+        arrays[f"{name}/{buffer}"] = np.frombuffer(data, np.uint8)
+    return json_ready(plan, dtype)
 
 
 def main(out_dir):
@@ -51,6 +95,9 @@ def main(out_dir):
         shutil.copy(os.path.join(HERE, name), out_dir)
 
     arrays, plans = {}, {}
+    for name in SEGMENT_CASES:
+        algorithm, case = make_case(name)
+        plans[name] = export_segment_case(name, algorithm, case, arrays)
     for name in CASES:
         algorithm, case = make_case(name)
         recipe = case.recipe
@@ -62,9 +109,7 @@ def main(out_dir):
             recipe["key_dim"], recipe["value_dim"], dtype=dtype, algorithm=algorithm,
             head_mapping=recipe["head_mapping"], normalize_qk=recipe["normalize_qk"],
             mask=mask is not None, scale=case.options["scale"])
-        plan["kernel_params"] = plan["kernel_params"].hex()
-        plan["dtype"] = dtype
-        plans[name] = plan
+        plans[name] = json_ready(plan, dtype)
         inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_in": state}
         for buffer, value in inputs.items():
             value = metal_emulated._to_float32(value) if value is not None else \

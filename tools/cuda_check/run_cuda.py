@@ -54,10 +54,11 @@ def main():
                 assert arrays[key].size == size, (key, arrays[key].size, size)
                 storage[GUARD:GUARD + size] = cp.asarray(arrays[key])
             buffers[buffer] = storage
-        params = cp.asarray(np.frombuffer(bytes.fromhex(plan["kernel_params"]), np.uint8))
         for dispatch in plan["dispatches"]:
             bound = {index: buffers[buffer][GUARD:] for index, buffer, _ in dispatch["buffers"]}
-            bound[dispatch["params_index"]] = params
+            # The dispatch's scalar block (the core's or the segment's).
+            bound[dispatch["params_index"]] = cp.asarray(
+                np.frombuffer(bytes.fromhex(dispatch["params"]), np.uint8))
             arguments = tuple(bound.get(index, np.uint64(0))
                               for index in argument_order[dispatch["kernel"]])
             kernel = module.get_function(dispatch["kernel"])
@@ -69,7 +70,8 @@ def main():
                 if not bool((guards == SENTINEL).all()):
                     raise SystemExit(f"{name}: {dispatch['stage']} ({dispatch['kernel']}) wrote "
                                      f"outside buffer {buffer}")
-        for buffer in ("y", "state_out"):
+        outputs = [buffer for buffer, role in plan["buffer_roles"].items() if role == "output"]
+        for buffer in outputs:
             size = plan["buffer_bytes"][buffer]
             results[f"{name}/{buffer}"] = cp.asnumpy(buffers[buffer][GUARD:GUARD + size])
         kernels = sorted({d["kernel"] for d in plan["dispatches"]})

@@ -12,23 +12,20 @@
 
 namespace mlx_gated_delta::metal::emulator {
 
-// The call's inputs as raw bytes in the plan's layouts (the mask as one byte
-// per token; empty when the plan has no mask).
-struct CallInputs {
-  std::span<const std::byte> q, k, v, g, beta, mask, state;
-};
-struct CallOutputs {
-  std::vector<std::byte> y;      // [B, T, Hv, Dv] in the activation dtype
-  std::vector<std::byte> state;  // [B, Hv, Dv, Dk] float32
-};
+// Raw bytes per plan buffer, in the plan's layouts (a mask is one byte per
+// token).
+using BufferInputs = std::map<PlanBuffer, std::span<const std::byte>>;
+using BufferOutputs = std::map<PlanBuffer, std::vector<std::byte>>;
 
-// Every buffer gets sentinel guard bytes before and after it; after each
-// dispatch the guards of every buffer are checked, and after the last one the
-// inputs are compared with what was passed in. Outputs and scratch start as
-// NaN, so an element no kernel writes shows. Throws std::runtime_error naming
-// the dispatch and the buffer on any violation, and whatever run_launch
-// throws (limits, divergence, deadlock).
-CallOutputs run_plan(const Plan& plan, const CallInputs& inputs,
-                     std::chrono::milliseconds barrier_timeout);
+// Runs every dispatch of `plan`; `inputs` holds exactly the plan's input
+// buffers, and the result its output buffers. Every buffer gets sentinel
+// guard bytes before and after it; after each dispatch the guards of every
+// buffer are checked, and after the last one the inputs are compared with
+// what was passed in. Outputs and scratch start as NaN, so an element no
+// kernel writes shows. Throws std::runtime_error naming the dispatch and the
+// buffer on any violation, and whatever run_launch throws (limits,
+// divergence, deadlock).
+BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
+                       std::chrono::milliseconds barrier_timeout);
 
 }  // namespace mlx_gated_delta::metal::emulator

@@ -57,6 +57,76 @@ nb::bytes to_bytes(const std::vector<std::byte>& data) {
   return nb::bytes(reinterpret_cast<const char*>(data.data()), data.size());
 }
 
+std::vector<std::string> kernels_of(const Plan& plan) {
+  std::vector<std::string> kernels;
+  for (const Dispatch& d : plan.dispatches) kernels.push_back(d.kernel);
+  return kernels;
+}
+
+SegmentParams make_segment_params(int batch, int tokens, int key_heads, int value_heads,
+                                  int key_dim, int value_dim, int conv_kernel,
+                                  const std::string& decay_parameterization,
+                                  const std::string& head_mapping, float norm_eps,
+                                  bool has_mask) {
+  SegmentParams p;
+  p.batch = batch;
+  p.tokens = tokens;
+  p.key_heads = key_heads;
+  p.value_heads = value_heads;
+  p.key_dim = key_dim;
+  p.value_dim = value_dim;
+  p.conv_kernel = conv_kernel;
+  p.decay_parameterization = parse_decay_parameterization(decay_parameterization);
+  p.head_mapping = parse_head_mapping(head_mapping);
+  p.norm_eps = norm_eps;
+  p.has_mask = has_mask;
+  return p;
+}
+
+const char* to_string(BufferRole role) {
+  switch (role) {
+    case BufferRole::Input: return "input";
+    case BufferRole::Output: return "output";
+    case BufferRole::Scratch: return "scratch";
+  }
+  return "?";
+}
+
+nb::dict plan_as_dict(const Plan& plan) {
+  nb::list dispatches;
+  for (const Dispatch& d : plan.dispatches) {
+    nb::dict entry;
+    entry["stage"] = d.stage;
+    entry["kernel"] = d.kernel;
+    entry["threadgroups"] = nb::make_tuple(d.threadgroups.x, d.threadgroups.y, d.threadgroups.z);
+    entry["threads_per_threadgroup"] = d.threads_per_threadgroup.count();
+    entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
+    entry["bytes_moved"] = d.bytes_moved;
+    entry["flops"] = d.flops;
+    nb::list buffers;
+    for (const Binding& binding : d.buffers) {
+      buffers.append(nb::make_tuple(binding.index, to_string(binding.buffer), binding.written));
+    }
+    entry["buffers"] = buffers;
+    entry["params_index"] = d.params_index;
+    entry["params"] = nb::bytes(static_cast<const char*>(plan.params_data(d)), plan.params_size(d));
+    dispatches.append(entry);
+  }
+  nb::dict sizes, roles;
+  for (const BufferSpec& spec : plan.buffers) {
+    sizes[to_string(spec.buffer)] = spec.bytes;
+    roles[to_string(spec.buffer)] = to_string(spec.role);
+  }
+  nb::dict result;
+  result["algorithm"] = to_string(plan.algorithm);
+  result["kernel_params"] = nb::bytes(reinterpret_cast<const char*>(&plan.kernel_params),
+                                      sizeof(plan.kernel_params));
+  result["buffer_bytes"] = sizes;
+  result["buffer_roles"] = roles;
+  result["dispatches"] = dispatches;
+  return result;
+}
+
 }  // namespace
 
 NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
@@ -73,19 +143,20 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
                                               value_dim, scale, head_mapping, normalize_qk,
                                               mask.has_value());
         Plan plan = make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
-        emulator::CallInputs inputs{view(q), view(k), view(v), view(g), view(beta),
-                                    mask ? view(*mask) : std::span<const std::byte>{},
-                                    view(state)};
-        emulator::CallOutputs outputs;
+        emulator::BufferInputs inputs{
+            {PlanBuffer::Query, view(q)}, {PlanBuffer::Key, view(k)},
+            {PlanBuffer::Value, view(v)}, {PlanBuffer::Gate, view(g)},
+            {PlanBuffer::Beta, view(beta)}, {PlanBuffer::StateIn, view(state)}};
+        if (mask) inputs[PlanBuffer::Mask] = view(*mask);
+        emulator::BufferOutputs outputs;
         {
           nb::gil_scoped_release release;
           outputs = emulator::run_plan(plan, inputs,
                                        std::chrono::milliseconds(barrier_timeout_ms));
         }
-        std::vector<std::string> kernels;
-        for (const Dispatch& d : plan.dispatches) kernels.push_back(d.kernel);
-        return std::make_tuple(to_bytes(outputs.y), to_bytes(outputs.state),
-                               std::string(to_string(plan.algorithm)), kernels);
+        return std::make_tuple(to_bytes(outputs.at(PlanBuffer::Output)),
+                               to_bytes(outputs.at(PlanBuffer::StateOut)),
+                               std::string(to_string(plan.algorithm)), kernels_of(plan));
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("state"),
       nb::arg("mask").none(), nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"),
@@ -99,37 +170,10 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
          const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
          bool normalize_qk, bool has_mask, float scale) {
-        Plan plan = make_plan(make_params(batch, tokens, key_heads, value_heads, key_dim,
-                                          value_dim, scale, head_mapping, normalize_qk, has_mask),
-                              parse_algorithm(algorithm), parse_dtype(dtype));
-        nb::list dispatches;
-        for (const Dispatch& d : plan.dispatches) {
-          nb::dict entry;
-          entry["stage"] = d.stage;
-          entry["kernel"] = d.kernel;
-          entry["threadgroups"] = nb::make_tuple(d.threadgroups.x, d.threadgroups.y,
-                                                 d.threadgroups.z);
-          entry["threads_per_threadgroup"] = d.threads_per_threadgroup.count();
-          entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
-          entry["bytes_moved"] = d.bytes_moved;
-          entry["flops"] = d.flops;
-          nb::list buffers;
-          for (const Binding& binding : d.buffers) {
-            buffers.append(nb::make_tuple(binding.index, to_string(binding.buffer), binding.written));
-          }
-          entry["buffers"] = buffers;
-          entry["params_index"] = d.params_index;
-          dispatches.append(entry);
-        }
-        nb::dict sizes;
-        for (const BufferSpec& spec : plan.buffers) sizes[to_string(spec.buffer)] = spec.bytes;
-        nb::dict result;
-        result["algorithm"] = to_string(plan.algorithm);
-        result["kernel_params"] = nb::bytes(reinterpret_cast<const char*>(&plan.kernel_params),
-                                            sizeof(plan.kernel_params));
-        result["buffer_bytes"] = sizes;
-        result["dispatches"] = dispatches;
-        return result;
+        return plan_as_dict(make_plan(
+            make_params(batch, tokens, key_heads, value_heads, key_dim, value_dim, scale,
+                        head_mapping, normalize_qk, has_mask),
+            parse_algorithm(algorithm), parse_dtype(dtype)));
       },
       nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
@@ -153,6 +197,65 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
       nb::arg("normalize_qk") = false, nb::arg("has_mask") = false,
       "A readable table of the plan against an assumed M-series roofline.");
+
+  m.def(
+      "run_segment",
+      [](nb::bytes mixed, nb::bytes conv_weight, nb::bytes decay_parameter, nb::bytes dt_bias,
+         nb::bytes norm_weight, nb::bytes conv_state, nb::bytes state,
+         std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
+         int key_dim, int value_dim, int conv_kernel, const std::string& decay_parameterization,
+         const std::string& head_mapping, float norm_eps, const std::string& algorithm,
+         const std::string& dtype, int barrier_timeout_ms) {
+        SegmentParams params = make_segment_params(
+            batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel,
+            decay_parameterization, head_mapping, norm_eps, mask.has_value());
+        Plan plan = make_segment_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
+        emulator::BufferInputs inputs{
+            {PlanBuffer::Mixed, view(mixed)}, {PlanBuffer::ConvWeight, view(conv_weight)},
+            {PlanBuffer::DecayParameter, view(decay_parameter)},
+            {PlanBuffer::DtBias, view(dt_bias)}, {PlanBuffer::NormWeight, view(norm_weight)},
+            {PlanBuffer::ConvStateIn, view(conv_state)}, {PlanBuffer::StateIn, view(state)}};
+        if (mask) inputs[PlanBuffer::Mask] = view(*mask);
+        emulator::BufferOutputs outputs;
+        {
+          nb::gil_scoped_release release;
+          outputs = emulator::run_plan(plan, inputs,
+                                       std::chrono::milliseconds(barrier_timeout_ms));
+        }
+        return std::make_tuple(to_bytes(outputs.at(PlanBuffer::SegmentOutput)),
+                               to_bytes(outputs.at(PlanBuffer::ConvStateOut)),
+                               to_bytes(outputs.at(PlanBuffer::StateOut)),
+                               std::string(to_string(plan.algorithm)), kernels_of(plan));
+      },
+      nb::arg("mixed"), nb::arg("conv_weight"), nb::arg("decay_parameter"), nb::arg("dt_bias"),
+      nb::arg("norm_weight"), nb::arg("conv_state"), nb::arg("state"), nb::arg("mask").none(),
+      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
+      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
+      nb::arg("decay_parameterization"), nb::arg("head_mapping"), nb::arg("norm_eps"),
+      nb::arg("algorithm"), nb::arg("dtype"), nb::arg("barrier_timeout_ms"),
+      "Runs the Metal plan of one fused segment call; returns (out bytes, conv_state bytes, "
+      "state bytes, algorithm, kernels).");
+
+  m.def(
+      "segment_plan",
+      [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
+         int conv_kernel, const std::string& dtype, const std::string& algorithm,
+         const std::string& decay_parameterization, const std::string& head_mapping,
+         bool has_mask, bool describe) -> nb::object {
+        Plan plan = make_segment_plan(
+            make_segment_params(batch, tokens, key_heads, value_heads, key_dim, value_dim,
+                                conv_kernel, decay_parameterization, head_mapping, 1e-6f,
+                                has_mask),
+            parse_algorithm(algorithm), parse_dtype(dtype));
+        if (describe) return nb::str(describe_plan(plan, assumed_m_series_roofline()).c_str());
+        return plan_as_dict(plan);
+      },
+      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
+      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
+      nb::arg("dtype") = "float32", nb::arg("algorithm") = "auto",
+      nb::arg("decay_parameterization") = "log_rate", nb::arg("head_mapping") = "grouped",
+      nb::arg("has_mask") = false, nb::arg("describe") = false,
+      "The fused segment's plan as a dict like plan()'s, or with describe=True as a table.");
 
   m.def(
       "run_kernel",

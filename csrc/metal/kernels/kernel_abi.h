@@ -49,3 +49,30 @@ GATED_DELTA_ABI_CONSTANT unsigned int kRecurrentSimdRows = 4;
 GATED_DELTA_ABI_CONSTANT unsigned int kSimdStatePerLane = 4;
 GATED_DELTA_ABI_CONSTANT unsigned int kRecurrentGenericRows = 64;
 GATED_DELTA_ABI_CONSTANT unsigned int kMaxGenericKeyDim = 1024;
+
+// The fused layer segment's own stages (prepare_conv, prepare_gates,
+// collect_conv_state, gated_norm) around the core's. One packed token row of
+// `mixed` is [q | k | v | z | b | a]; the conv sees the C channels q|k|v.
+struct SegmentKernelParams {
+  unsigned int batch;
+  unsigned int tokens;
+  unsigned int key_heads;
+  unsigned int value_heads;
+  unsigned int key_dim;
+  unsigned int value_dim;
+  unsigned int conv_kernel;    // K taps; the conv state keeps K - 1 rows
+  unsigned int conv_channels;  // C = 2 * Hk * Dk + Hv * Dv
+  unsigned int packed_width;   // F = C + Hv * Dv + 2 * Hv
+  unsigned int z_offset;
+  unsigned int b_offset;
+  unsigned int a_offset;
+  unsigned int log_rate;  // 1: decay_parameter is A_log (rate = -exp(A_log)); 0: the rate
+  unsigned int has_mask;
+  float norm_eps;
+};
+
+// prepare_conv, prepare_gates, collect_conv_state: one thread per element,
+// this many per threadgroup at most.
+GATED_DELTA_ABI_CONSTANT unsigned int kSegmentThreads = 256;
+// gated_norm: one SIMD-group per (batch, token, value head) row.
+GATED_DELTA_ABI_CONSTANT unsigned int kGatedNormRowsPerThreadgroup = 8;

@@ -1,0 +1,30 @@
+// prepare_gates: the core's float32 gates from the packed a and b columns,
+// g = rate * softplus(a + dt_bias) (log-space decay; rate = -exp(A_log) or
+// the negative rate itself) and beta = sigmoid(b). Masked tokens get gates
+// too; the core turns them into no-ops.
+
+#include "segment_common.h"
+
+// One thread per (batch, token, value head).
+template <typename T>
+[[kernel]] void gated_delta_segment_prepare_gates(
+    const device T* mixed [[buffer(0)]],
+    const device float* decay_parameter [[buffer(1)]],
+    const device float* dt_bias [[buffer(2)]],
+    device float* g [[buffer(3)]],
+    device float* beta [[buffer(4)]],
+    constant SegmentKernelParams& p [[buffer(5)]],
+    uint index [[thread_position_in_grid]]) {
+  if (index >= p.batch * p.tokens * p.value_heads) {
+    return;
+  }
+  const uint h = index % p.value_heads;
+  const device T* packed = mixed + (index / p.value_heads) * p.packed_width;
+  const float rate = p.log_rate != 0 ? -exp(decay_parameter[h]) : decay_parameter[h];
+  g[index] = rate * segment_softplus(float(packed[p.a_offset + h]) + dt_bias[h]);
+  beta[index] = segment_sigmoid(float(packed[p.b_offset + h]));
+}
+
+instantiate_kernel("gated_delta_segment_prepare_gates_float32", gated_delta_segment_prepare_gates, float)
+instantiate_kernel("gated_delta_segment_prepare_gates_float16", gated_delta_segment_prepare_gates, half)
+instantiate_kernel("gated_delta_segment_prepare_gates_bfloat16", gated_delta_segment_prepare_gates, bfloat)
