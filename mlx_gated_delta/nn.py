@@ -18,9 +18,9 @@ projections' weights (about 1% of a Qwen3-Next model).
 On the CPU the dense projections (the packed input projection and
 `out_proj`) run through our blocked kernel instead of MLX's CPU matmul, which
 is 10-100x slower on the machines measured; quantized projections use MLX's
-`quantized_matmul`. The segment has CPU kernels only for now: off the CPU (a
-Mac's GPU) it runs on the CPU stream. There is no gradient through the
-segment yet: these layers are for inference (mlx-lm's own layers train).
+`quantized_matmul`. On a Mac's GPU the segment runs our Metal kernels. There
+is no gradient through the segment yet: these layers are for inference
+(mlx-lm's own layers train).
 """
 
 from __future__ import annotations
@@ -238,10 +238,6 @@ class _GatedDeltaNetBase(nn.Module):
             value_dim=self.head_v_dim,
             norm_eps=self.norm.eps,
             mask=mask,
-            # The segment has CPU kernels only for now: off the CPU (a Mac's
-            # GPU) run it on the CPU stream, which reads the same unified
-            # memory; on the CPU stay on the caller's stream.
-            stream=None if mx.default_device() == mx.cpu else mx.cpu,
         )
         if cache is not None:
             cache[0] = conv_state

@@ -138,17 +138,15 @@ std::vector<mx::array> gated_delta_segment(
   }
   // Before any allocation: the same limits on every backend (API.md section 5).
   validate_launch_extents(p.core_params());
-  check_launch_extent("packed activation elements",
+  // The seed's names: the conv's channels (q|k|v), then the packed row.
+  check_launch_extent("QKV activation elements",
+                      uint64_t(p.batch) * p.tokens * C);
+  check_launch_extent("QKVZBA activation elements",
                       uint64_t(p.batch) * p.tokens * p.packed_width());
   check_launch_extent("conv state elements",
                       uint64_t(p.batch) * p.conv_state_rows() * C);
 
   auto stream = mx::to_stream(s);
-  if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(
-        "gated_delta_segment has CPU kernels only in this version; pass "
-        "stream=mx.cpu");
-  }
   mx::array conv_state_in =
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =
@@ -157,7 +155,9 @@ std::vector<mx::array> gated_delta_segment(
     return {mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream),
             conv_state_in, state_in};
   }
-  const Algorithm resolved = requested == Algorithm::Auto
+  // On the GPU the Metal plan resolves "auto" itself.
+  const Algorithm resolved =
+      (requested == Algorithm::Auto && stream.device == mx::Device::cpu)
       ? resolve_cpu_algorithm(p.core_params())
       : requested;
 

@@ -6,6 +6,10 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "segment/segment_cpu.h"
 
+#ifdef _METAL_
+#include "metal/executor.h"
+#endif
+
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
@@ -106,11 +110,15 @@ void GatedDeltaSegment::eval_cpu(
 }
 
 void GatedDeltaSegment::eval_gpu(
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
-  // The op function routes GPU streams elsewhere; reaching this is a bug.
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+#ifdef _METAL_
+  metal::eval_segment_gpu(params_for(inputs), algorithm_, inputs, outputs, stream());
+#else
   throw std::runtime_error(
-      "GatedDeltaSegment has no GPU kernels yet; it runs on the CPU stream");
+      "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
+      "on macOS only); run gated_delta_segment on the CPU (stream=mx.cpu).");
+#endif
 }
 
 }  // namespace mlx_gated_delta
