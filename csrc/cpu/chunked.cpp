@@ -74,13 +74,17 @@ class ChunkDecays {
   int last_wipe_[kChunkSize];
 };
 
-// Scratch for the chunks of one problem. Row strides: Dk for [L, Dk], Dv for
-// [L, Dv], kChunkSize for [L, L] and for the transposed keys [Dk, L].
+// Scratch of one task. Row strides: Dk for [L, Dk], Dv for [L, Dv],
+// kChunkSize for [L, L] and for the transposed keys [Dk, L]. The first group
+// depends only on the key head and is shared by the value heads that read it;
+// the rest is one value head's work on one chunk.
 struct ChunkScratch {
   ChunkScratch(int dk, int dv)
       : q(kChunkSize * dk),
         k(kChunkSize * dk),
         k_transposed(dk * kChunkSize),
+        kk(kChunkSize * kChunkSize),
+        qk_raw(kChunkSize * kChunkSize),
         scaled_k(kChunkSize * dk),
         w(kChunkSize * dk),
         scaled_v(kChunkSize * dv),
@@ -89,15 +93,16 @@ struct ChunkScratch {
         decay(kChunkSize * kChunkSize),
         a(kChunkSize * kChunkSize),
         t(kChunkSize * kChunkSize),
-        qk(kChunkSize * kChunkSize),
-        state_transposed(dk * dv) {}
-  std::vector<float> q, k, k_transposed, scaled_k, w;
+        qk(kChunkSize * kChunkSize) {}
+  // Shared by the value heads of one key head.
+  std::vector<float> q, k, k_transposed, kk, qk_raw;
+  bool active[kChunkSize];
+  // One value head's chunk.
+  std::vector<float> scaled_k, w;
   std::vector<float> scaled_v, u, y;
   std::vector<float> decay, a, t, qk;
-  std::vector<float> state_transposed;
   float beta[kChunkSize];
   float g[kChunkSize];
-  bool active[kChunkSize];
   ChunkDecays decays;
 };
 
@@ -127,131 +132,165 @@ void solve_tril(const float* a, int length, float* t) {
   }
 }
 
+// One value head's share of a chunk whose q and k (and their grams) are in
+// `s`: everything from the gates on. `state_t` is the head's state, [Dk, Dv].
+template <typename T>
+void chunk_value_head(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s,
+    float* state_t) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  constexpr int C = kChunkSize;
+
+  // A masked token is a step that changes nothing: decay 1 and beta 0 make
+  // its delta vanish; its output row is written as 0.
+  for (int i = 0; i < L; ++i) {
+    const int t = start + i;
+    s.g[i] = h.g[t * h.gate_token_stride];
+    s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
+    load_vector(h.v + t * h.v_token_stride, &s.scaled_v[i * dv], dv);
+  }
+  for (int i = 0; i < L; ++i) {
+    for (int c = 0; c < dv; ++c) {
+      s.scaled_v[i * dv + c] *= s.beta[i];
+    }
+  }
+  s.decays.compute(s.g, s.active, L);
+  s.decays.lower_matrix(s.decay.data());
+
+  // k_gram: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal.
+  for (int i = 0; i < L; ++i) {
+    for (int j = 0; j < L; ++j) {
+      s.a[i * C + j] =
+          j < i ? s.beta[i] * s.decay[i * C + j] * s.kk[i * C + j] : 0.0f;
+    }
+  }
+  solve_tril(s.a.data(), L, s.t.data());
+
+  // recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
+  for (int i = 0; i < L; ++i) {
+    const float w_scale = s.beta[i] * s.decays.from_start(i);
+    for (int c = 0; c < dk; ++c) {
+      s.scaled_k[i * dk + c] = w_scale * s.k[i * dk + c];
+    }
+  }
+  const MatrixA t_rows{s.t.data(), C, 1};
+  fill_zero(s.u);
+  gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv,
+       Triangle::LowerA);
+  fill_zero(s.w);
+  gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk,
+       Triangle::LowerA);
+
+  // V' = U - W S0^T: the deltas, now that the entry state is known.
+  gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
+
+  // chunk_output: y_i = decay(i,-1) S0 q_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j
+  fill_zero(s.y);
+  gemm(L, dv, dk, 1.0f, {s.q.data(), dk, 1}, state_t, dv, s.y.data(), dv);
+  for (int i = 0; i < L; ++i) {
+    const float d = s.decays.from_start(i);
+    for (int c = 0; c < dv; ++c) {
+      s.y[i * dv + c] *= d;
+    }
+  }
+  for (int i = 0; i < L; ++i) {
+    for (int j = 0; j < L; ++j) {
+      // The decay matrix is 0 above the diagonal.
+      s.qk[i * C + j] = s.decay[i * C + j] * s.qk_raw[i * C + j];
+    }
+  }
+  gemm(L, dv, L, 1.0f, {s.qk.data(), C, 1}, s.u.data(), dv, s.y.data(), dv,
+       Triangle::LowerA);
+  for (int i = 0; i < L; ++i) {
+    T* y = h.y + (start + i) * h.y_token_stride;
+    if (!s.active[i]) {
+      zero_output_row(y, dv);
+      continue;
+    }
+    for (int c = 0; c < dv; ++c) {
+      y[c] = T(p.scale * s.y[i * dv + c]);
+    }
+  }
+
+  // chunk_state: S_end^T = decay(L-1,-1) S0^T + (diag(decay(L-1, j)) K)^T V'
+  const float chunk_decay = s.decays.from_start(L - 1);
+  for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
+    state_t[e] *= chunk_decay;
+  }
+  for (int j = 0; j < L; ++j) {
+    const float d = s.decays.to_end(j);
+    for (int c = 0; c < dk; ++c) {
+      s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+    }
+  }
+  gemm(dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t,
+       dv);
+}
+
 }  // namespace
 
 template <typename T>
-void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h) {
+void chunked_heads(
+    const GatedDeltaParams& p,
+    const HeadView<T>* heads,
+    int head_count) {
   ChunkScratch s(p.key_dim, p.value_dim);
   const int dk = p.key_dim, dv = p.value_dim;
   constexpr int C = kChunkSize;
-  float* state_t = s.state_transposed.data();
-  if (h.state_in) {
-    transpose(h.state_in, dv, dk, dk, state_t, dv);
-  } else {
-    fill_zero(s.state_transposed);
+  const HeadView<T>& first = heads[0];  // q, k and the mask are shared
+
+  // Each head's state, transposed to [Dk, Dv] while the chunks run.
+  std::vector<float> states(size_t(head_count) * dk * dv, 0.0f);
+  for (int n = 0; n < head_count; ++n) {
+    if (heads[n].state_in) {
+      transpose(heads[n].state_in, dv, dk, dk, &states[size_t(n) * dk * dv], dv);
+    }
   }
 
   for (int start = 0; start < p.tokens; start += C) {
     const int L = std::min(C, p.tokens - start);
 
-    // Load the chunk. A masked token is a step that changes nothing: decay 1
-    // and beta 0 make its delta vanish; its output row is written as 0.
     // The rows are copied first and normalised after: a copy loop keeps many
     // rows' loads in flight, where a per-row norm would wait on each row.
     for (int i = 0; i < L; ++i) {
       const int t = start + i;
-      s.active[i] = !h.mask || h.mask[t];
-      s.g[i] = h.g[t * h.gate_token_stride];
-      s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
-      load_vector(h.q + t * h.qk_token_stride, &s.q[i * dk], dk);
-      load_vector(h.k + t * h.qk_token_stride, &s.k[i * dk], dk);
-      load_vector(h.v + t * h.v_token_stride, &s.scaled_v[i * dv], dv);
+      s.active[i] = !first.mask || first.mask[t];
+      load_vector(first.q + t * first.qk_token_stride, &s.q[i * dk], dk);
+      load_vector(first.k + t * first.qk_token_stride, &s.k[i * dk], dk);
     }
-    for (int i = 0; i < L; ++i) {
-      if (p.normalize_qk) {
+    if (p.normalize_qk) {
+      for (int i = 0; i < L; ++i) {
         normalize(&s.q[i * dk], dk);
         normalize(&s.k[i * dk], dk);
       }
-      for (int c = 0; c < dv; ++c) {
-        s.scaled_v[i * dv + c] *= s.beta[i];
-      }
     }
-    s.decays.compute(s.g, s.active, L);
-    s.decays.lower_matrix(s.decay.data());
+    // The undecayed grams K K^T and Q K^T (lower triangles), once per key head.
     transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
-    const MatrixA q_rows{s.q.data(), dk, 1};
-
-    // k_gram: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal.
-    fill_zero(s.a);
+    fill_zero(s.kk);
     gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
-         s.a.data(), C, Triangle::LowerC);
-    for (int i = 0; i < L; ++i) {
-      for (int j = 0; j < L; ++j) {
-        s.a[i * C + j] *= j < i ? s.beta[i] * s.decay[i * C + j] : 0.0f;
-      }
-    }
-    solve_tril(s.a.data(), L, s.t.data());
+         s.kk.data(), C, Triangle::LowerC);
+    fill_zero(s.qk_raw);
+    gemm(L, L, dk, 1.0f, {s.q.data(), dk, 1}, s.k_transposed.data(), C,
+         s.qk_raw.data(), C, Triangle::LowerC);
 
-    // recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
-    for (int i = 0; i < L; ++i) {
-      const float w_scale = s.beta[i] * s.decays.from_start(i);
-      for (int c = 0; c < dk; ++c) {
-        s.scaled_k[i * dk + c] = w_scale * s.k[i * dk + c];
-      }
+    for (int n = 0; n < head_count; ++n) {
+      chunk_value_head(p, heads[n], start, L, s, &states[size_t(n) * dk * dv]);
     }
-    const MatrixA t_rows{s.t.data(), C, 1};
-    fill_zero(s.u);
-    gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv,
-         Triangle::LowerA);
-    fill_zero(s.w);
-    gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk,
-         Triangle::LowerA);
-
-    // V' = U - W S0^T: the deltas, now that the entry state is known.
-    gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
-
-    // chunk_output: y_i = decay(i,-1) S0 q_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j
-    fill_zero(s.y);
-    gemm(L, dv, dk, 1.0f, q_rows, state_t, dv, s.y.data(), dv);
-    for (int i = 0; i < L; ++i) {
-      const float d = s.decays.from_start(i);
-      for (int c = 0; c < dv; ++c) {
-        s.y[i * dv + c] *= d;
-      }
-    }
-    fill_zero(s.qk);
-    gemm(L, L, dk, 1.0f, q_rows, s.k_transposed.data(), C, s.qk.data(), C,
-         Triangle::LowerC);
-    for (int i = 0; i < L; ++i) {
-      for (int j = 0; j < L; ++j) {
-        s.qk[i * C + j] *= s.decay[i * C + j];  // 0 above the diagonal
-      }
-    }
-    gemm(L, dv, L, 1.0f, {s.qk.data(), C, 1}, s.u.data(), dv, s.y.data(), dv,
-         Triangle::LowerA);
-    for (int i = 0; i < L; ++i) {
-      T* y = h.y + (start + i) * h.y_token_stride;
-      if (!s.active[i]) {
-        zero_output_row(y, dv);
-        continue;
-      }
-      for (int c = 0; c < dv; ++c) {
-        y[c] = T(p.scale * s.y[i * dv + c]);
-      }
-    }
-
-    // chunk_state: S_end^T = decay(L-1,-1) S0^T + (diag(decay(L-1, j)) K)^T V'
-    const float chunk_decay = s.decays.from_start(L - 1);
-    for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
-      state_t[e] *= chunk_decay;
-    }
-    for (int j = 0; j < L; ++j) {
-      const float d = s.decays.to_end(j);
-      for (int c = 0; c < dk; ++c) {
-        s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
-      }
-    }
-    gemm(dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t,
-         dv);
   }
-  transpose(state_t, dk, dv, dv, h.state, dk);
+  for (int n = 0; n < head_count; ++n) {
+    transpose(&states[size_t(n) * dk * dv], dk, dv, dv, heads[n].state, dk);
+  }
 }
 
-
-template void chunked_head<float>(const GatedDeltaParams&, const HeadView<float>&);
-template void chunked_head<mlx::core::float16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&);
-template void chunked_head<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>&);
+template void chunked_heads<float>(
+    const GatedDeltaParams&, const HeadView<float>*, int);
+template void chunked_heads<mlx::core::float16_t>(
+    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>*, int);
+template void chunked_heads<mlx::core::bfloat16_t>(
+    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>*, int);
 
 }  // namespace mlx_gated_delta::cpu

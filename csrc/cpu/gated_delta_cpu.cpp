@@ -1,9 +1,11 @@
-// Entry point of the CPU kernels: one (batch row, value head) problem per
-// task of the thread pool.
+// Entry point of the CPU kernels: independent (batch row, head) problems
+// spread over the thread pool.
 #include "cpu/gated_delta_cpu.h"
 
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"
+
+#include <vector>
 
 namespace mlx_gated_delta::cpu {
 
@@ -15,16 +17,34 @@ void gated_delta_forward(
     const GatedDeltaParams& p,
     Algorithm algorithm,
     const CoreBuffers<T>& buffers) {
-  const int problems = p.batch * p.value_heads;
-  parallel_for(problems, [&](int problem) {
-    const int batch = problem / p.value_heads;
-    const int head = problem % p.value_heads;
-    const HeadView<T> view = head_view(p, buffers, batch, head);
-    if (algorithm == Algorithm::Chunked) {
-      chunked_head(p, view);
-    } else {
-      recurrent_head(p, view);
+  if (algorithm == Algorithm::Recurrent) {
+    parallel_for(p.batch * p.value_heads, [&](int problem) {
+      const int batch = problem / p.value_heads;
+      const int head = problem % p.value_heads;
+      recurrent_head(p, head_view(p, buffers, batch, head));
+    });
+    return;
+  }
+  // Chunked: one task per (batch row, key head) with the value heads that
+  // read it, while that leaves every thread a task; else one per value head.
+  const int ratio = p.value_heads / p.key_heads;
+  const bool group_heads =
+      ratio > 1 && p.batch * p.key_heads >= thread_count();
+  const int heads_per_task = group_heads ? ratio : 1;
+  const int tasks = p.batch * p.value_heads / heads_per_task;
+  parallel_for(tasks, [&](int task) {
+    const int batch = task / (p.value_heads / heads_per_task);
+    const int group = task % (p.value_heads / heads_per_task);
+    std::vector<HeadView<T>> heads;
+    for (int n = 0; n < heads_per_task; ++n) {
+      // Group g holds the value heads of key head g: consecutive ones in the
+      // grouped mapping, every Hk-th one in the interleaved mapping.
+      const int head = !group_heads ? group
+          : p.head_mapping == HeadMapping::Grouped ? group * ratio + n
+                                                   : group + n * p.key_heads;
+      heads.push_back(head_view(p, buffers, batch, head));
     }
+    chunked_heads(p, heads.data(), heads_per_task);
   });
 }
 

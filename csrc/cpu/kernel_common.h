@@ -119,7 +119,11 @@ inline void copy_initial_state(const GatedDeltaParams& p, const float* state_in,
 // The two algorithms, for one problem: read state_in, write the final state.
 template <typename T>
 void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h);
+// The chunked form runs the value heads that read one key head together, so
+// that their shared work (loading and normalising q and k, the grams K K^T and
+// Q K^T) is done once; `heads` all read the same key head and batch row.
 template <typename T>
-void chunked_head(const GatedDeltaParams& p, const HeadView<T>& h);
+void chunked_heads(const GatedDeltaParams& p, const HeadView<T>* heads,
+                   int head_count);
 
 }  // namespace mlx_gated_delta::cpu

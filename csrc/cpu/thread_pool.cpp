@@ -58,6 +58,10 @@ class ThreadPool {
     }
   }
 
+  int thread_count() const {
+    return static_cast<int>(threads_.size()) + 1;
+  }
+
   void run(int count, const std::function<void(int)>& task) {
     if (count <= 0) {
       return;
@@ -136,11 +140,19 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
+ThreadPool& pool() {
+  static ThreadPool instance;
+  return instance;
+}
+
 }  // namespace
 
 void parallel_for(int count, const std::function<void(int)>& task) {
-  static ThreadPool pool;
-  pool.run(count, task);
+  pool().run(count, task);
+}
+
+int thread_count() {
+  return pool().thread_count();
 }
 
 }  // namespace mlx_gated_delta::cpu

@@ -15,4 +15,7 @@ namespace mlx_gated_delta::cpu {
 // one thread, so results do not depend on the number of threads.
 void parallel_for(int count, const std::function<void(int)>& task);
 
+// How many threads parallel_for runs on (the workers and the caller).
+int thread_count();
+
 }  // namespace mlx_gated_delta::cpu
