@@ -8,7 +8,12 @@ import os
 import sys
 from typing import Optional
 
-PROPERTIES_MODULE = "mlx_gated_delta.testing.properties"
+# The package's property modules that selftest runs, each with the name its verdict gives it.
+PROPERTY_MODULES = {
+    "mlx_gated_delta.testing.properties": "core op",
+    "mlx_gated_delta.testing.segment_properties": "segment",
+    "mlx_gated_delta.testing.layer_properties": "layer",
+}
 
 
 def run_demo(argv: list[str]) -> int:
@@ -50,6 +55,37 @@ class _ExamplesPerProperty:
                 self.tests.add(id(test))
 
 
+class _Outcomes:
+    """pytest plugin: the outcome of every test of one run, and why a whole module was
+    skipped (the layer's, without mlx-lm)."""
+
+    def __init__(self):
+        self.by_test = {}  # node id -> outcome
+        self.module_skip_reason = None
+
+    def pytest_runtest_logreport(self, report):
+        # One outcome per test: a failure or skip in any phase (setup, call, teardown)
+        # outweighs the pass of its call.
+        if self.by_test.get(report.nodeid, "passed") == "passed" and (
+            report.when == "call" or report.outcome != "passed"
+        ):
+            self.by_test[report.nodeid] = report.outcome
+
+    def pytest_collectreport(self, report):
+        if report.skipped:
+            reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+            self.module_skip_reason = str(reason).removeprefix("Skipped: ")
+
+    def summary(self):
+        """'9 passed, 1 failed', or 'skipped (why)'."""
+        if self.module_skip_reason is not None and not self.by_test:
+            return f"skipped ({self.module_skip_reason})"
+        counts = {}
+        for outcome in self.by_test.values():
+            counts[outcome] = counts.get(outcome, 0) + 1
+        return ", ".join(f"{count} {outcome}" for outcome, count in counts.items()) or "0 ran"
+
+
 def run_selftest(examples: Optional[int]) -> int:
     # Looked up, not imported: pytest must import Hypothesis itself to load its plugin.
     if any(importlib.util.find_spec(name) is None for name in ("pytest", "hypothesis")):
@@ -64,14 +100,26 @@ def run_selftest(examples: Optional[int]) -> int:
     print(f"mlx-gated-delta {__version__}, MLX {mx.__version__}, "
           f"default device: {mx.default_device()}")
     os.environ["MLX_GATED_DELTA_HYPOTHESIS_PROFILE"] = "selftest"
-    plugins = [] if examples is None else [_ExamplesPerProperty(examples)]
-    code = pytest.main(["--pyargs", PROPERTIES_MODULE, "-q", "-p", "no:cacheprovider"],
-                       plugins=plugins)
-    if examples is not None:
-        print(f"{len(plugins[0].tests)} Hypothesis tests ran with {examples} examples each")
-    passed = code == 0
-    print(f"selftest {'PASS' if passed else 'FAIL'} on {mx.default_device()} "
-          f"(pytest exit code {int(code)})")
+    examples_plugin = None if examples is None else _ExamplesPerProperty(examples)
+    # One pytest run per module: each module's count is then the count of its run (node
+    # ids alone do not tell the modules apart: outside the working directory, --pyargs
+    # can give them no file part).
+    passed = True
+    summaries, codes = [], []
+    for module, name in PROPERTY_MODULES.items():
+        outcomes = _Outcomes()
+        plugins = [outcomes] if examples_plugin is None else [outcomes, examples_plugin]
+        code = pytest.main(["--pyargs", module, "-q", "-rs", "-p", "no:cacheprovider"],
+                           plugins=plugins)
+        skipped_as_a_whole = (code == pytest.ExitCode.NO_TESTS_COLLECTED
+                              and outcomes.module_skip_reason is not None)
+        passed = passed and (code == pytest.ExitCode.OK or skipped_as_a_whole)
+        summaries.append(f"{name}: {outcomes.summary()}")
+        codes.append(str(int(code)))
+    if examples_plugin is not None:
+        print(f"{len(examples_plugin.tests)} Hypothesis tests ran with {examples} examples each")
+    print(f"selftest {'PASS' if passed else 'FAIL'} on {mx.default_device()}: "
+          f"{'; '.join(summaries)} (pytest exit codes {', '.join(codes)})")
     return 0 if passed else 1
 
 
@@ -94,8 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_arguments(bench)
     selftest = commands.add_parser(
         "selftest", help="run the property tests on this machine's default device",
-        description="Run the Hypothesis property tests of the core op on MLX's default device "
-                    "(the Metal GPU on a Mac) with a small budget, and print PASS or FAIL.")
+        description="Run the Hypothesis property tests of the core op, the fused segment and "
+                    "the drop-in layer (with mlx-lm) on MLX's default device (the Metal GPU "
+                    "on a Mac) with a small budget, and print PASS or FAIL with the count of "
+                    "tests of each.")
     selftest.add_argument("--examples", type=int, metavar="N",
                           help="examples per property test (default: the selftest profile's "
                                "small budget)")

@@ -235,12 +235,52 @@ def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys
 
 
 def test_selftest_says_fail_when_the_properties_do_not_run(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "PROPERTIES_MODULE", "mlx_gated_delta.testing.no_such_module")
+    monkeypatch.setattr(cli, "PROPERTY_MODULES", {"mlx_gated_delta.testing.no_such_module": "x"})
     # selftest sets the Hypothesis profile variable; restore it for the tests after this one
     monkeypatch.delenv("MLX_GATED_DELTA_HYPOTHESIS_PROFILE", raising=False)
     assert cli.run_selftest(examples=None) == 1
     out = capsys.readouterr().out
     assert "default device" in out and "selftest FAIL" in out
+
+
+FAKE_PROPERTY_MODULES = {
+    "passing": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
+    "failing": "def test_passes():\n    pass\n\ndef test_fails():\n    assert False\n",
+    "skipped": "import pytest\n"
+               "pytest.importorskip('selftest_no_such_dependency', reason='no dependency here')\n",
+}
+
+
+def use_fake_property_modules(monkeypatch, tmp_path, test_name, kinds):
+    """selftest runs these fake modules instead of the package's (module names unique to
+    the test: pytest refuses a module name already imported from another directory)."""
+    modules = {}
+    for kind in kinds:
+        module = f"selftest_fake_{test_name}_{kind}"
+        (tmp_path / f"{module}.py").write_text(FAKE_PROPERTY_MODULES[kind])
+        modules[module] = kind
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.setattr(cli, "PROPERTY_MODULES", modules)
+    # selftest sets the Hypothesis profile variable; restore it for the tests after this one
+    monkeypatch.delenv("MLX_GATED_DELTA_HYPOTHESIS_PROFILE", raising=False)
+
+
+def test_selftest_verdict_counts_the_tests_of_each_module(tmp_path, monkeypatch, capsys):
+    use_fake_property_modules(monkeypatch, tmp_path, "counts", ("passing", "failing", "skipped"))
+    assert cli.run_selftest(examples=None) == 1
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("selftest FAIL on ")
+    assert ("passing: 2 passed; failing: 1 passed, 1 failed; "
+            "skipped: skipped (no dependency here)") in verdict
+
+
+def test_selftest_passes_with_a_module_skipped_as_a_whole(tmp_path, monkeypatch, capsys):
+    # The layer's properties without mlx-lm: skipped, with the reason, and no failure.
+    use_fake_property_modules(monkeypatch, tmp_path, "skip", ("passing", "skipped"))
+    assert cli.run_selftest(examples=None) == 0
+    verdict = capsys.readouterr().out.strip().splitlines()[-1]
+    assert verdict.startswith("selftest PASS on ")
+    assert "passing: 2 passed; skipped: skipped (no dependency here)" in verdict
 
 
 def test_examples_count_reaches_tests_already_decorated_by_given():

@@ -1,6 +1,9 @@
 """The drop-in layers and `patch_mlx_lm` on tiny random mlx-lm models:
-parity with mlx-lm's own layers, the cache (prefill + decode, conv-state
-layout, batching with padding), weight loading and quantization, errors."""
+parity with mlx-lm's own layers, the cache (conv-state layout, batching with
+padding, prompt caches), weight loading and quantization, errors. The layer's
+property tests (patched vs mlx-lm's logits and greedy tokens, prefill + decode)
+live in the package, so that `python -m mlx_gated_delta selftest` runs them
+too; collected here by name, with the tiny models they build."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -11,93 +14,22 @@ pytest.importorskip("mlx_lm")
 
 from mlx.utils import tree_flatten  # noqa: E402
 from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
-from mlx_lm.models import qwen3_5, qwen3_next  # noqa: E402
+from mlx_lm.models import qwen3_next  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
-from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
+from mlx_gated_delta.nn import GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
+from mlx_gated_delta.testing import layer_properties, segment_properties  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import *  # noqa: E402,F401,F403
+from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
 
-FINGERPRINTS = {
-    "layer.mlx_lm_parity.v2.float32.logits": "292f83dfa1ee545ad6798b5d305fdb59b835f5de333d272d620938a09777e8f8",
-    "layer.self_consistency.v2.float32.logits": "bf1dc95683ed3f1b553f16ca0db699a843503b691541bb12d7fde45296b4abd4",
-    "segment.oracle.v2.float32.output": "942c9e8e4d02b27c409f6f2c5c7b523500bb3eb0d580826224f9a9dc649f3c3d",
-    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
-}
+FINGERPRINTS = {**layer_properties.FINGERPRINTS, **segment_properties.FINGERPRINTS}
 
 
 def check(name, actual, expected, contract_id):
     return assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
-
-
-VOCAB = 128
-
-LINEAR_HEADS = dict(
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=16,
-    linear_value_head_dim=8,
-    linear_conv_kernel_dim=4,
-)
-
-
-def next_args(layers=4):
-    return qwen3_next.ModelArgs(
-        model_type="qwen3_next",
-        hidden_size=64,
-        num_hidden_layers=layers,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        decoder_sparse_step=1,
-        shared_expert_intermediate_size=64,
-        mlp_only_layers=[],
-        moe_intermediate_size=32,
-        rms_norm_eps=1e-6,
-        vocab_size=VOCAB,
-        rope_theta=10000.0,
-        partial_rotary_factor=0.25,
-        max_position_embeddings=512,
-        **LINEAR_HEADS,
-    )
-
-
-def qwen35_model(layers=4):
-    text = dict(
-        model_type="qwen3_5_text",
-        hidden_size=64,
-        num_hidden_layers=layers,
-        intermediate_size=96,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        vocab_size=VOCAB,
-        max_position_embeddings=512,
-        **LINEAR_HEADS,
-    )
-    return qwen3_5.Model(qwen3_5.ModelArgs(model_type="qwen3_5", text_config=text))
-
-
-def build(kind, seed):
-    mx.random.seed(seed)
-    model = qwen3_next.Model(next_args()) if kind == "qwen3_next" else qwen35_model()
-    # mlx-lm initializes dt_bias and the norm weight to ones: draw them, so a
-    # mix-up of heads or of value dims shows in the output.
-    for layer in model.layers:
-        if layer.is_linear:
-            attn = layer.linear_attn
-            attn.dt_bias = mx.random.normal(attn.dt_bias.shape)
-            attn.norm.weight = mx.random.uniform(0.5, 1.5, attn.norm.weight.shape)
-    mx.eval(model.parameters())
-    return model
-
-
-def tokens(seed, shape):
-    return mx.random.randint(0, VOCAB, shape, key=mx.random.key(seed))
 
 
 # ---------------------------------------------------------------------------
@@ -133,24 +65,6 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_patched_model_matches_mlx_lm_logits_and_greedy_tokens(kind):
-    model = build(kind, 1)
-    prompt = tokens(2, (1, 37))
-    expected_logits = model(prompt)
-    expected_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                         sampler=lambda x: mx.argmax(x, -1))]
-    assert patch_mlx_lm(model) == 3
-    assert all(
-        isinstance(l.linear_attn, (GatedDeltaNet, Qwen35GatedDeltaNet))
-        for l in model.layers if l.is_linear
-    )
-    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
-    got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                    sampler=lambda x: mx.argmax(x, -1))]
-    assert got_tokens == expected_tokens
-
-
 def test_patch_keeps_the_parameter_tree_and_arrays():
     model = build("qwen3_next", 3)
     before = dict(tree_flatten(model.parameters()))
@@ -158,20 +72,6 @@ def test_patch_keeps_the_parameter_tree_and_arrays():
     after = dict(tree_flatten(model.parameters()))
     assert before.keys() == after.keys()
     assert all(before[name] is after[name] for name in before)
-
-
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
-def test_prefill_then_token_by_token_decode_equals_full_forward(kind):
-    model = build(kind, 4)
-    patch_mlx_lm(model)
-    sequence = tokens(5, (1, 24))
-    full = model(sequence)
-    cache = model.make_cache()
-    pieces = [model(sequence[:, :17], cache=cache)]
-    for t in range(17, 24):
-        pieces.append(model(sequence[:, t : t + 1], cache=cache))
-    check("logits", mx.concatenate(pieces, axis=1), full,
-          "layer.self_consistency.v2.float32.logits")
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])

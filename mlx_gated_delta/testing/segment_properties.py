@@ -1,0 +1,220 @@
+"""Property tests of the fused layer segment `gated_delta_segment` (API.md
+section 3): agreement with the float64 oracle over both decay
+parameterizations, both head mappings, the activation dtypes and masks; split
+continuity of out, conv state and state; the skip semantics of masks; T == 0.
+
+Ordinary pytest functions, run both by the repository's suite
+(`tests/test_segment.py`, which keeps the bad-input errors and the checks tied
+to the CPU stream) and by `python -m mlx_gated_delta selftest`, on the default
+device. The budget comes from the Hypothesis profile chosen by
+MLX_GATED_DELTA_HYPOTHESIS_PROFILE (see `strategies`).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_gated_delta import gated_delta_segment
+from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
+
+# The reviewed (id, fingerprint) pairs of the contracts these properties hold.
+FINGERPRINTS = {
+    "segment.oracle.v2.float32.output": "942c9e8e4d02b27c409f6f2c5c7b523500bb3eb0d580826224f9a9dc649f3c3d",
+    "segment.oracle.v2.float16.output": "6120c01352456625f9d71b35cf2498e099d8c116c6d67ac61e58fad936e02315",
+    "segment.oracle.v2.bfloat16.output": "c4df443c2a65d07b059b4fdcf0b89898feba281831638b946b82a11b92320b47",
+    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
+    "segment.oracle.v1.any.conv_state": "63d37af6246477cae5fe93a5280a709a921ac7535def57937722563f251f8b44",
+    "segment.recurrent_split.v1.any.output": "e6b5a2cfbff3168d32041ec90a1e9d8ad7be9fce58006e3ae60053e4f52a866b",
+    "segment.recurrent_split.v1.float32.state": "a04612ab78a3743df86269bc9e1c7f56f7d05474c0eb831c794a22fd36b67eae",
+    "segment.recurrent_split.v1.any.conv_state": "7ee34aefe20e92b2e34abc5803d6c67b1575b26ccd3daadb90e68772cf3d2139",
+    "segment.chunked_split.v2.float32.output": "ac8811ddb35a004e25741e1bc27a575d29d8ddff31c4191658b47d09ef5fe139",
+    "segment.chunked_split.v2.float32.state": "cfbbca00ece995f86ac211ef75e4ba02194ff774d802b079a09a3c67870e706f",
+}
+
+
+def check(name, actual, expected, contract_id):
+    return assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
+
+
+def run(case, **overrides):
+    options = dict(case.options)
+    options.update(overrides)
+    return gated_delta_segment(*case.args(), **options)
+
+
+def dtype_name(array):
+    return str(array.dtype).split(".")[-1]
+
+
+@given(case=segment_cases(), algorithm=st.sampled_from(("recurrent", "chunked", "auto")))
+def test_segment_matches_oracle(case, algorithm):
+    out, conv_state, state = run(case, algorithm=algorithm)
+    expected_out, expected_conv_state, expected_state = case.reference()
+    assert out.dtype == case.mixed.dtype
+    assert conv_state.dtype == case.mixed.dtype
+    assert state.dtype == mx.float32
+    check("out", out, expected_out, f"segment.oracle.v2.{dtype_name(out)}.output")
+    check("state", state, expected_state, "segment.oracle.v2.float32.state")
+    check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
+
+
+def split_runs(case, split_points, algorithm):
+    """The case's tokens in consecutive calls passing both states along."""
+    bounds = [0, *split_points, case.mixed.shape[1]]
+    conv_state, state = case.conv_state, case.state
+    outs = []
+    mask = case.options["mask"]
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        options = dict(case.options, mask=None if mask is None else mask[:, start:stop])
+        out, conv_state, state = gated_delta_segment(
+            case.mixed[:, start:stop],
+            case.conv_weight,
+            case.decay_parameter,
+            case.dt_bias,
+            case.norm_weight,
+            conv_state,
+            state,
+            algorithm=algorithm,
+            **options,
+        )
+        outs.append(out)
+    return mx.concatenate(outs, axis=1), conv_state, state
+
+
+@st.composite
+def split_cases(draw, dtypes=("float32",)):
+    case = draw(segment_cases(dtypes=dtypes, tokens=st.integers(1, 150)))
+    tokens = case.mixed.shape[1]
+    points = draw(st.lists(st.integers(0, tokens), min_size=1, max_size=3))
+    return case, sorted(points)
+
+
+@given(split=split_cases(dtypes=("float32", "float16", "bfloat16")))
+def test_split_continuity_any_split_points_recurrent(split):
+    case, points = split
+    full = run(case, algorithm="recurrent")
+    parts = split_runs(case, points, "recurrent")
+    check("out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
+    check("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
+    check("state", parts[2], full[2], "segment.recurrent_split.v1.float32.state")
+
+
+@given(split=split_cases())
+def test_split_continuity_any_split_points_chunked(split):
+    case, points = split
+    full = run(case, algorithm="chunked")
+    parts = split_runs(case, points, "chunked")
+    check("out", parts[0], full[0], "segment.chunked_split.v2.float32.output")
+    check("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
+    check("state", parts[2], full[2], "segment.chunked_split.v2.float32.state")
+
+
+@pytest.mark.parametrize(
+    "decay_parameterization, head_mapping",
+    [("log_rate", "grouped"), ("negative_rate", "interleaved")],
+)
+def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapping):
+    # The original design's conformance case: half-precision activations, a
+    # carried conv state and recurrent state, decode split after token 3 of 4.
+    case = make_segment_case(
+        7,
+        batch=1,
+        tokens=4,
+        key_heads=2,
+        value_heads=4,
+        key_dim=32,
+        value_dim=32,
+        dtype="float16",
+        decay_parameterization=decay_parameterization,
+        head_mapping=head_mapping,
+    )
+    expected = case.reference()
+    for algorithm in ("recurrent", "chunked"):
+        full = run(case, algorithm=algorithm)
+        check("full out", full[0], expected[0], "segment.oracle.v2.float16.output")
+        check("full conv_state", full[1], expected[1], "segment.oracle.v1.any.conv_state")
+        check("full state", full[2], expected[2], "segment.oracle.v2.float32.state")
+    full = run(case, algorithm="recurrent")
+    parts = split_runs(case, [3], "recurrent")
+    check("split out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
+    check("split conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
+    check("split state", parts[2], full[2], "segment.recurrent_split.v1.float32.state")
+
+
+@given(case=segment_cases(dtypes=("float32",), mask_kinds=("random",)))
+def test_masked_token_is_an_omitted_token(case):
+    # Skip semantics, checked without the oracle's own mask handling: the
+    # oracle on the sequence with the masked tokens removed.
+    mask = np.asarray(case.options["mask"])
+    out, conv_state, state = run(case)
+    out = to_float64(out)
+    assert np.all(out[~mask] == 0.0)
+    for b in range(mask.shape[0]):
+        kept = mask[b]
+        row = lambda a: None if a is None else a[b : b + 1]  # noqa: E731
+        options = dict(case.options, mask=None)
+        expected = gated_delta_segment_reference(
+            to_float64(case.mixed)[b : b + 1, kept],
+            case.conv_weight,
+            case.decay_parameter,
+            case.dt_bias,
+            case.norm_weight,
+            row(case.conv_state),
+            row(case.state),
+            **options,
+        )
+        check("kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v2.float32.output")
+        check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
+        check("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
+
+
+def test_conv_state_comes_from_the_carried_state_when_few_tokens_are_kept():
+    case = make_segment_case(
+        3, batch=1, tokens=2, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        conv_kernel=4,
+    )
+    _, conv_state, _ = run(case)
+    channels = case.conv_state.shape[-1]
+    expected = np.concatenate(
+        [to_float64(case.conv_state)[0, 2:], to_float64(case.mixed)[0, :, :channels]]
+    )
+    assert np.array_equal(to_float64(conv_state)[0], expected)
+
+
+def test_zero_tokens_return_empty_out_and_unchanged_states():
+    case = make_segment_case(
+        1, batch=2, tokens=0, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
+    out, conv_state, state = run(case)
+    assert out.shape == (2, 0, 2, 8)
+    assert np.array_equal(to_float64(conv_state), to_float64(case.conv_state))
+    assert np.array_equal(to_float64(state), to_float64(case.state))
+
+
+def test_default_states_are_zeros():
+    case = make_segment_case(
+        2, batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        with_conv_state=False, with_state=False,
+    )
+    zeros = make_segment_case(
+        2, batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+    )
+    zeros.conv_state = mx.zeros_like(zeros.conv_state)
+    zeros.state = mx.zeros_like(zeros.state)
+    for a, b in zip(run(case), run(zeros)):
+        assert np.array_equal(to_float64(a), to_float64(b))
+
+
+def test_inputs_are_not_written():
+    case = make_segment_case(
+        4, batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=8, value_dim=8,
+        mask_kind="random",
+    )
+    before = [to_float64(a) for a in case.args()]
+    mx.eval(run(case))
+    for name, a, b in zip(["mixed", "w", "decay", "dt", "norm", "conv", "state"], before, case.args()):
+        assert np.array_equal(a, to_float64(b)), name
