@@ -3,7 +3,6 @@ Metal would refuse or what would be undefined on a GPU (divergent barriers,
 limits, writes past a buffer). The probe kernels are in
 csrc/metal/emulator/probes.metal."""
 
-import re
 
 import numpy as np
 import pytest

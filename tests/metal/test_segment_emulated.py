@@ -15,21 +15,8 @@ from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
-
-# The reviewed (id, fingerprint) pairs of the segment's contracts (the same
-# as tests/test_segment.py holds the CPU op to).
-FINGERPRINTS = {
-    "segment.oracle.v2.float32.output": "942c9e8e4d02b27c409f6f2c5c7b523500bb3eb0d580826224f9a9dc649f3c3d",
-    "segment.oracle.v2.float16.output": "6120c01352456625f9d71b35cf2498e099d8c116c6d67ac61e58fad936e02315",
-    "segment.oracle.v2.bfloat16.output": "c4df443c2a65d07b059b4fdcf0b89898feba281831638b946b82a11b92320b47",
-    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
-    "segment.oracle.v1.any.conv_state": "63d37af6246477cae5fe93a5280a709a921ac7535def57937722563f251f8b44",
-    "segment.recurrent_split.v1.any.output": "e6b5a2cfbff3168d32041ec90a1e9d8ad7be9fce58006e3ae60053e4f52a866b",
-    "segment.recurrent_split.v1.float32.state": "a04612ab78a3743df86269bc9e1c7f56f7d05474c0eb831c794a22fd36b67eae",
-    "segment.recurrent_split.v1.any.conv_state": "7ee34aefe20e92b2e34abc5803d6c67b1575b26ccd3daadb90e68772cf3d2139",
-    "segment.chunked_split.v2.float32.output": "ac8811ddb35a004e25741e1bc27a575d29d8ddff31c4191658b47d09ef5fe139",
-    "segment.chunked_split.v2.float32.state": "cfbbca00ece995f86ac211ef75e4ba02194ff774d802b079a09a3c67870e706f",
-}
+# The same reviewed (id, fingerprint) pairs as the CPU op is held to.
+from mlx_gated_delta.testing.segment_properties import FINGERPRINTS
 
 SEGMENT_STAGES = ("prepare_conv", "prepare_gates", "collect_conv_state", "gated_norm")
 
