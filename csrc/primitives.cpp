@@ -120,8 +120,8 @@ void GatedDeltaRule::eval_cpu(
 }
 
 void GatedDeltaRule::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    [[maybe_unused]] const std::vector<mx::array>& inputs,
+    [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
   metal::eval_core_gpu(params_for(inputs), algorithm_, inputs, outputs, stream());
 #else

@@ -27,7 +27,7 @@ std::string dtype_string(mx::Dtype dtype) {
 
 void check_rank(const std::string& name, const mx::array& a, int rank,
                 const char* layout) {
-  if (a.ndim() != rank) {
+  if (static_cast<int>(a.ndim()) != rank) {
     std::ostringstream out;
     out << name << " must have rank " << rank << " " << layout << ", got shape "
         << shape_string(a.shape()) << " (rank " << a.ndim() << ")";

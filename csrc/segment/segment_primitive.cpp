@@ -110,8 +110,8 @@ void GatedDeltaSegment::eval_cpu(
 }
 
 void GatedDeltaSegment::eval_gpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    [[maybe_unused]] const std::vector<mx::array>& inputs,
+    [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
   metal::eval_segment_gpu(params_for(inputs), algorithm_, inputs, outputs, stream());
 #else
