@@ -27,19 +27,6 @@ void bind_segment(nb::module_& m);
 
 namespace {
 
-GatedDeltaParams shape_params(
-    int batch, int tokens, int key_heads, int value_heads, int key_dim,
-    int value_dim) {
-  GatedDeltaParams p;
-  p.batch = batch;
-  p.tokens = tokens;
-  p.key_heads = key_heads;
-  p.value_heads = value_heads;
-  p.key_dim = key_dim;
-  p.value_dim = value_dim;
-  return p;
-}
-
 constexpr int kGuardWords = 16;
 
 // Runs the CPU kernel directly on output buffers followed by kGuardWords

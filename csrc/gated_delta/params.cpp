@@ -59,6 +59,18 @@ const char* to_string(DecayParameterization parameterization) {
   return kDecayParameterizations[static_cast<int>(parameterization)].first;
 }
 
+GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
+                              int value_heads, int key_dim, int value_dim) {
+  GatedDeltaParams p;
+  p.batch = batch;
+  p.tokens = tokens;
+  p.key_heads = key_heads;
+  p.value_heads = value_heads;
+  p.key_dim = key_dim;
+  p.value_dim = value_dim;
+  return p;
+}
+
 bool supports_simd_delta(const GatedDeltaParams& params, int simd_width) {
   return simd_width == 32 && params.key_dim % 32 == 0 &&
       params.key_dim > 0 && params.key_dim <= 128;

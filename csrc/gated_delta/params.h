@@ -63,6 +63,11 @@ struct GatedDeltaParams {
   }
 };
 
+// The params of a shape, with the default options (scale 1, grouped, no
+// normalisation, no mask).
+GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
+                              int value_heads, int key_dim, int value_dim);
+
 // The recurrent kernel with one SIMD-group per state row slice can hold a key
 // vector of Dk floats in SIMD lanes only when Dk is a multiple of the SIMD
 // width and fits four values per lane.

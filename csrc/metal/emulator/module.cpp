@@ -35,13 +35,8 @@ metal::ActivationDtype parse_dtype(const std::string& name) {
 GatedDeltaParams make_params(int batch, int tokens, int key_heads, int value_heads, int key_dim,
                              int value_dim, float scale, const std::string& head_mapping,
                              bool normalize_qk, bool has_mask) {
-  GatedDeltaParams p;
-  p.batch = batch;
-  p.tokens = tokens;
-  p.key_heads = key_heads;
-  p.value_heads = value_heads;
-  p.key_dim = key_dim;
-  p.value_dim = value_dim;
+  GatedDeltaParams p =
+      shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim);
   p.scale = scale;
   p.head_mapping = parse_head_mapping(head_mapping);
   p.normalize_qk = normalize_qk;
