@@ -9,9 +9,11 @@
 
 using namespace metal;
 
-// One host-named instantiation of a templated kernel (MLX's idiom).
-#define instantiate_kernel(host_name, function, ...) \
-  template [[host_name(host_name)]] [[kernel]] decltype(function<__VA_ARGS__>) function<__VA_ARGS__>;
+// One host-named instantiation of a templated kernel (MLX's idiom). The first
+// parameter must not be called `host_name`: the preprocessor would replace the
+// attribute's own name with the string too.
+#define instantiate_kernel(name, function, ...) \
+  template [[host_name(name)]] [[kernel]] decltype(function<__VA_ARGS__>) function<__VA_ARGS__>;
 
 inline uint key_head_of(constant GatedDeltaKernelParams& p, uint value_head) {
   return p.head_mapping == 0 ? value_head / p.value_heads_per_key_head
