@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -11,6 +12,7 @@
 
 #include "cpu/gated_delta_cpu.h"
 #include "gated_delta/params.h"
+#include "metal/library.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
 #include "ops.h"
@@ -127,6 +129,15 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       },
       "batch"_a, "tokens"_a, "key_heads"_a, "value_heads"_a, "key_dim"_a,
       "value_dim"_a);
+
+  // The Metal library's test hook and failure message (metal/library.h),
+  // bound so that tests check them on machines without an Apple GPU.
+  m.def(
+      "metal_library_source",
+      [](const std::string& embedded) { return metal::library_source(embedded.c_str()); },
+      "embedded"_a);
+  m.def("metal_library_failure_message", &metal::library_failure_message,
+        "compiler_output"_a);
 
   m.def(
       "run_core_guarded",

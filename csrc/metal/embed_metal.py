@@ -1,7 +1,8 @@
 """Writes the .metal kernels as one self-contained C++ string (run by CMake on
 macOS): Metal compiles a library from source at run time (MLX's
 Device::get_library), where local #include files cannot be found, so each
-local header is inlined once, in the order first included.
+local header is inlined once, in the order first included, with `#line`
+markers that keep every compiler message's file and line.
 
 Usage: embed_metal.py OUTPUT.h KERNEL.metal...
 """
@@ -20,13 +21,18 @@ def inline(path, seen, out):
     if path in seen:
         return
     seen.add(path)
-    out.append(f"// ---- {os.path.basename(path)}")
+    name = os.path.basename(path)
+    # `#line` markers make each compiler error name its .metal file and line.
+    out.append(f'#line 1 "{name}"')
     with open(path) as handle:
-        for line in handle.read().split("\n"):
+        for number, line in enumerate(handle.read().split("\n"), 1):
             include = LOCAL_INCLUDE.match(line)
             if include:
                 inline(os.path.join(os.path.dirname(path), include["path"]), seen, out)
-            elif not PRAGMA_ONCE.match(line):
+                out.append(f'#line {number + 1} "{name}"')
+            elif PRAGMA_ONCE.match(line):
+                out.append("")
+            else:
                 out.append(line)
 
 
@@ -35,6 +41,11 @@ def main(output_path, kernels):
     for kernel in kernels:
         inline(kernel, seen, lines)
     source = "\n".join(lines)
+    # MLX hands the source to Metal as an ASCII string: any other byte would
+    # change what Apple's compiler reads.
+    for number, line in enumerate(source.split("\n"), 1):
+        if not line.isascii():
+            raise SystemExit(f"embed_metal: non-ASCII character in the library source: {line!r}")
     if f'){DELIMITER}"' in source:
         raise SystemExit("embed_metal: the raw-string delimiter occurs in the source")
     with open(output_path, "w") as handle:

@@ -7,6 +7,8 @@
 #   2. chunk_carry.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   3. chunk_output.metal with a loop bound widened     -> AddressSanitizer / sentinel guard
 #   4. collect_conv_state.metal with its channel bound widened -> sentinel guard
+#   5. the instantiation macro's parameter named host_name again -> the build
+#      fails: it expands to [["name"("name")]], as Metal's compiler would see it
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -41,7 +43,7 @@ PY
     status=1
   else
     echo "caught:"
-    grep -m 8 -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|FAILED|^    #[0-2] .*\.metal|SUMMARY" \
+    grep -m 8 -E "WARNING: ThreadSanitizer|ERROR: AddressSanitizer|FAILED|error:|^    #[0-2] .*\.metal|SUMMARY" \
       "$WORK/$name/log" | sed 's/^/  /'
   fi
 }
@@ -57,4 +59,8 @@ mutate widened-bound-chunk-output chunk_output.metal address \
   "e < length * p.value_dim ==> e <= length * p.value_dim"
 mutate widened-bound-collect-conv-state collect_conv_state.metal address \
   "if (c >= p.conv_channels) { ==> if (c > p.conv_channels) {"
+mutate host-name-macro gated_delta_common.h address \
+  "#define instantiate_kernel(name, function, ...) \\
+  template [[host_name(name)]] ==> #define instantiate_kernel(host_name, function, ...) \\
+  template [[host_name(host_name)]]"
 exit $status

@@ -2,7 +2,8 @@
 
 The same parsing as the emulator's rewrite (csrc/metal/emulator/prep_metal.py):
 local headers are inlined once, `threadgroup` arrays become `__shared__`,
-attributes and the Metal instantiation lines go, and every host-named kernel
+attributes go except in the instantiation macro and its uses (NVRTC compiles
+the real macro's expansion), and every host-named kernel
 gets an `extern "C" __global__` wrapper that passes its buffers and built-in
 positions. Also writes a JSON map host name -> buffer indices in the wrapper's
 argument order.
@@ -73,15 +74,18 @@ def main(out_source, out_map, kernel_paths):
     body, instantiations = [], []
     in_macro = False
     for line in lines:
-        # The Metal-only instantiation macro (attributes CUDA lacks) and its
-        # continuation lines.
+        # The instantiation macro (with its continuation lines) and its uses
+        # stay as they are, attributes included: NVRTC expands the kernels'
+        # own macro and must parse what it expands to, as Metal's compiler does.
         if line.lstrip().startswith("#define instantiate_kernel") or in_macro:
             in_macro = line.rstrip().endswith("\\")
+            body.append(line)
             continue
         instantiation = prep_metal.INSTANTIATION.match(line)
         if instantiation:
             instantiations.append((instantiation["host"], instantiation["function"],
                                    instantiation["args"].strip()))
+            body.append(line)
             continue
         array = prep_metal.THREADGROUP_ARRAY.match(line)
         if array:

@@ -9,10 +9,13 @@ sanitizer and divergence report back to the .metal line:
   `threadgroup` (an address-space qualifier on a pointer) is dropped. Headers
   the kernel includes are compiled as they are (the shim defines `threadgroup`
   away), so they must declare no threadgroup arrays: that is checked here.
-* `instantiate_kernel("host_name", function, types)` lines are blanked: they
-  carry Metal-only attributes. Each one, and each non-template kernel, gets a
-  generated entry point that passes the bound buffers and the built-in
-  positions as ordinary arguments, registered under its host name.
+* `instantiate_kernel("host_name", function, types)` lines stay as they are:
+  the C++ compiler expands the kernels' own macro and must parse what it
+  expands to, attributes included, as Metal's compiler does (a malformed
+  instantiation macro fails the emulator build). Each instantiation, and each
+  non-template kernel, also gets a generated entry point that passes the bound
+  buffers and the built-in positions as ordinary arguments, registered under
+  its host name.
 
 Usage: prep_metal.py INPUT.metal OUTPUT.cpp
 """
@@ -123,7 +126,7 @@ def main(input_path, output_path):
         if instantiation:
             instantiations.append(
                 (instantiation["host"], instantiation["function"], instantiation["args"].strip()))
-            out.append("")
+            out.append(line)
             continue
         array = THREADGROUP_ARRAY.match(line)
         if array:
