@@ -7,7 +7,9 @@ For every `[[kernel]]` (or `kernel`) function of the given .metal files:
     [[threadgroup(n)]] for threadgroup;
   - any other parameter is a built-in input with its attribute
     ([[thread_position_in_grid]] ...) and an integer scalar or vector type;
-  - no buffer (or threadgroup) index is bound twice in one kernel.
+  - no buffer (or threadgroup) index is bound twice in one kernel;
+and a threadgroup variable is declared only in a kernel function's body (the
+strict front end cannot see this: its `threadgroup` is `static`, legal anywhere).
 
 Usage: lint_kernels.py FILE...   (errors as FILE:LINE: message; exit 1 if any)
 """
@@ -42,6 +44,9 @@ BUILT_INS = {
     "threads_per_simdgroup",
     "threads_per_threadgroup",
 }
+# A threadgroup variable (not a pointer or reference to threadgroup memory).
+THREADGROUP_VARIABLE = re.compile(
+    r"\bthreadgroup\s+(?:const\s+)?\w+(?:\s*<[^;>]*>)?\s+(?P<name>\w+)\s*(?:\[[^\];]*\]\s*)*;")
 BUILT_IN_TYPES = {"uint", "ushort", "uint2", "uint3", "ushort2", "ushort3"}
 
 
@@ -72,6 +77,20 @@ def split_parameters(text, start):
     raise ValueError("unterminated parameter list")
 
 
+def body_span(text, start):
+    """(begin, end) of the braces of the function body that opens after `start`."""
+    begin = text.index("{", start)
+    depth = 0
+    for at in range(begin, len(text)):
+        if text[at] == "{":
+            depth += 1
+        elif text[at] == "}":
+            depth -= 1
+            if depth == 0:
+                return begin, at
+    raise ValueError("unterminated function body")
+
+
 def lint_text(path, text):
     text = strip_comments(text)
     errors = []
@@ -79,10 +98,14 @@ def lint_text(path, text):
     def line_of(offset):
         return text.count("\n", 0, offset) + 1
 
+    bodies = []
     for kernel in KERNEL.finditer(text):
         name = kernel["name"]
         bound = {}  # (attribute, index) -> line
-        for offset, parameter in split_parameters(text, kernel.end()):
+        parameters = split_parameters(text, kernel.end())
+        last_offset, last = parameters[-1]
+        bodies.append(body_span(text, last_offset + len(last)))
+        for offset, parameter in parameters:
             leading = len(parameter) - len(parameter.lstrip())
             line = line_of(offset + leading)
             where = f"{path}:{line}: kernel '{name}'"
@@ -132,6 +155,11 @@ def lint_text(path, text):
                 errors.append(
                     f"{where}: parameter '{parameter_name}' is neither a pointer or reference "
                     "with an address space nor a built-in with its attribute")
+    for variable in THREADGROUP_VARIABLE.finditer(text):
+        if not any(begin < variable.start() < end for begin, end in bodies):
+            errors.append(
+                f"{path}:{line_of(variable.start())}: threadgroup variable '{variable['name']}' "
+                "outside a kernel function (MSL declares threadgroup memory in kernels only)")
     return errors
 
 
