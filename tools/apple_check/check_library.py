@@ -117,9 +117,11 @@ def diagnostics(output):
     return result
 
 
-def source_line(path, line, library):
+def source_line(path, line, kernel_dir, library):
     """A line of the compiled text, following #line markers to their files."""
-    for candidate in (path, os.path.join(REPO, path), os.path.join(KERNEL_DIR, path), library):
+    candidates = (path, os.path.join(REPO, path), os.path.join(kernel_dir, os.path.basename(path)),
+                  library)
+    for candidate in candidates:
         if os.path.isfile(candidate):
             with open(candidate) as handle:
                 lines = handle.read().split("\n")
@@ -127,7 +129,7 @@ def source_line(path, line, library):
     return ""
 
 
-def accepted_divergence(diagnostic, library):
+def accepted_divergence(diagnostic, kernel_dir, library):
     """True for the two places where C++ clang rejects what Metal accepts.
 
     - `template [[host_name(..)]] [[kernel]] decltype(f<T>) f<T>;`: Metal allows
@@ -144,17 +146,17 @@ def accepted_divergence(diagnostic, library):
         # The line itself, or the macro it expands, reads `template [[`.
         where = [(path, line)] + [(p, n) for p, n, note in notes
                                   if note.startswith("expanded from macro")]
-        return any(source_line(p, n, library).strip().startswith("template [[")
+        return any(source_line(p, n, kernel_dir, library).strip().startswith("template [[")
                    for p, n in where)
     if message == "invalid storage class specifier in function declarator":
         return any(note == "expanded from macro 'threadgroup'" for _, _, note in notes)
     return False
 
 
-def front_end(library):
+def front_end(kernel_dir, library):
     result = run([CLANG, *FRONT_END_FLAGS, "-I", os.path.join(HERE, "msl"), library])
     found = diagnostics(result.stderr)
-    errors = [d for d in found if not accepted_divergence(d, library)]
+    errors = [d for d in found if not accepted_divergence(d, kernel_dir, library)]
     messages = [f"{path}:{line}: {kind}: {message}" for kind, path, line, message, _ in errors]
     if result.returncode != 0 and not found:
         messages.append(f"clang failed without a diagnostic:\n{result.stderr}")
@@ -203,7 +205,8 @@ def check(kernel_dir, work_dir):
     """All the errors of the library built from kernel_dir (paths relative to the repository)."""
     library, kernels = library_text(kernel_dir, work_dir)
     headers = [os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir)) if f.endswith(".h")]
-    errors = front_end(library) + instantiations(library) + lint_kernels.lint_files(kernels + headers)
+    errors = (front_end(kernel_dir, library) + instantiations(library)
+              + lint_kernels.lint_files(kernels + headers))
     return [error.replace(REPO + os.sep, "") for error in errors]
 
 
