@@ -7,6 +7,14 @@
 
 #include "kernel_abi.h"
 
+// Every kernel is instantiated for bfloat, which Metal has from language
+// version 3.1: the version MLX compiles source libraries at on macOS 14, the
+// oldest system it supports. Should MLX ever pass an older one, the build
+// fails with this line quoted rather than with an unknown type.
+#if defined(__METAL_VERSION__) && __METAL_VERSION__ < 310
+#error "mlx-gated-delta's Metal kernels need Metal 3.1 (macOS 14 or newer) for bfloat"
+#endif
+
 using namespace metal;
 
 // One host-named instantiation of a templated kernel (MLX's idiom). The first
