@@ -1,7 +1,6 @@
 """Prepares a CUDA check of the Metal kernels (run here, where the package is
-built): the kernels as one CUDA source, two deliberately broken copies (a
-barrier deleted; the instantiation macro's parameter named host_name), and
-each case's inputs and Metal plan.
+built): the kernels as one CUDA source, a deliberately broken copy (a barrier
+deleted), and each case's inputs and Metal plan.
 
 Usage: python tools/cuda_check/export.py OUT_DIR
 Then on the GPU machine: bash OUT_DIR/run.sh, and here:
@@ -26,12 +25,6 @@ KERNELS = ["recurrent", "qk_norm", "gate_cumsum", "k_gram", "kkt_inverse", "reco
            "collect_conv_state", "gated_norm"]
 BROKEN_BARRIER = ("staged before any output reads it.\n"
                   "  threadgroup_barrier(mem_flags::mem_threadgroup);")
-# The instantiation macro as it once was: its parameter named like the
-# attribute, which the preprocessor then replaces too.
-BROKEN_MACRO = ("#define instantiate_kernel(name, function, ...) \\\n"
-                "  template [[host_name(name)]]",
-                "#define instantiate_kernel(host_name, function, ...) \\\n"
-                "  template [[host_name(host_name)]]")
 
 
 def prep(kernel_dir, out_dir, stem):
@@ -90,18 +83,14 @@ def main(out_dir):
     os.makedirs(out_dir, exist_ok=True)
     kernel_dir = os.path.join(ROOT, "csrc", "metal", "kernels")
     prep(kernel_dir, out_dir, "kernels")
-    broken = [("kernels_broken", "chunk_output.metal",
-               (BROKEN_BARRIER, "staged before any output reads it.")),
-              ("kernels_broken_macro", "gated_delta_common.h", BROKEN_MACRO)]
-    for stem, file, (intact, edit) in broken:
-        broken_dir = os.path.join(out_dir, "broken_kernels")
-        shutil.copytree(kernel_dir, broken_dir, dirs_exist_ok=True)
-        path = os.path.join(broken_dir, file)
-        text = open(path).read()
-        assert text.count(intact) == 1, f"{file} no longer holds the text to break"
-        open(path, "w").write(text.replace(intact, edit))
-        prep(broken_dir, out_dir, stem)
-        shutil.rmtree(broken_dir)
+    broken_dir = os.path.join(out_dir, "broken_kernels")
+    shutil.copytree(kernel_dir, broken_dir, dirs_exist_ok=True)
+    path = os.path.join(broken_dir, "chunk_output.metal")
+    text = open(path).read()
+    assert text.count(BROKEN_BARRIER) == 1
+    open(path, "w").write(text.replace(BROKEN_BARRIER, "staged before any output reads it."))
+    prep(broken_dir, out_dir, "kernels_broken")
+    shutil.rmtree(broken_dir)
     for name in ("metal_cuda.h", "run_cuda.py", "run.sh"):
         shutil.copy(os.path.join(HERE, name), out_dir)
 

@@ -2,10 +2,10 @@
 
 The same parsing as the emulator's rewrite (csrc/metal/emulator/prep_metal.py):
 local headers are inlined once, `threadgroup` arrays become `__shared__`,
-attributes go except in the instantiation macro and its uses (NVRTC compiles
-the real macro's expansion), and every host-named kernel
-gets an `extern "C" __global__` wrapper that passes its buffers and built-in
-positions. Also writes a JSON map host name -> buffer indices in the wrapper's
+attributes go, the instantiation lines are checked and their host names read
+off the C preprocessor's expansion of the kernels' own macro, and every
+host-named kernel gets an `extern "C" __global__` wrapper that passes its
+buffers and built-in positions. Also writes a JSON map host name -> buffer indices in the wrapper's
 argument order.
 
 Usage: prep_cuda.py OUT.cu OUT.json KERNEL.metal...
@@ -71,21 +71,21 @@ def main(out_source, out_map, kernel_paths):
     seen, lines = set(), []
     for path in kernel_paths:
         inline(path, seen, lines)
-    body, instantiations = [], []
+    body, calls = [], []
     in_macro = False
     for line in lines:
-        # The instantiation macro (with its continuation lines) and its uses
-        # stay as they are, attributes included: NVRTC expands the kernels'
-        # own macro and must parse what it expands to, as Metal's compiler does.
-        if line.lstrip().startswith("#define instantiate_kernel") or in_macro:
+        # The instantiations are checked through what the kernels' own macro
+        # expands to (prep_metal.expand_instantiations), which also gives the
+        # host names. NVRTC, like upstream clang, refuses attributes on an
+        # explicit instantiation, so the macro and its uses stay out of the
+        # CUDA source: each wrapper below instantiates its kernel.
+        if prep_metal.MACRO_DEFINITION.match(line) or in_macro:
             in_macro = line.rstrip().endswith("\\")
-            body.append(line)
+            body.append("")
             continue
-        instantiation = prep_metal.INSTANTIATION.match(line)
-        if instantiation:
-            instantiations.append((instantiation["host"], instantiation["function"],
-                                   instantiation["args"].strip()))
-            body.append(line)
+        if prep_metal.INSTANTIATION.match(line):
+            calls.append(line)
+            body.append("")
             continue
         array = prep_metal.THREADGROUP_ARRAY.match(line)
         if array:
@@ -95,6 +95,7 @@ def main(out_source, out_map, kernel_paths):
     kernels = prep_metal.find_kernels(source)
     entries = [(name, name, params) for name, (params, is_template) in kernels.items()
                if not is_template]
+    instantiations = prep_metal.expand_instantiations("the CUDA source", calls, [source])
     entries += [(host, f"{function}<{args}>", kernels[function][0])
                 for host, function, args in instantiations]
 

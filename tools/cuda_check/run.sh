@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine: the oracle run, then compute-sanitizer racecheck and
-# memcheck over the sanitizer cases, then racecheck over the broken copy, and
-# the compile of the copy with the broken instantiation macro, which must fail.
+# memcheck over the sanitizer cases, then racecheck over the broken copy.
 # Writes results.npz and the logs to $OUT (or ./out).
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -22,7 +21,3 @@ echo "=== compute-sanitizer --tool racecheck (chunk_output with its barrier dele
 compute-sanitizer --tool racecheck python3 "$HERE/run_cuda.py" "$HERE" --source kernels_broken \
   --cases chunked_bf16_norm > "$OUT/racecheck_broken.log" 2>&1
 echo "exit $?"; grep -m 3 -E "Race reported|hazard" "$OUT/racecheck_broken.log"; tail -n 3 "$OUT/racecheck_broken.log"
-echo "=== NVRTC, instantiation macro with its parameter named host_name (must not compile)"
-python3 "$HERE/run_cuda.py" "$HERE" --source kernels_broken_macro --cases recurrent_generic_f16 \
-  > "$OUT/broken_macro.log" 2>&1
-echo "exit $?"; grep -m 3 -E "error" "$OUT/broken_macro.log"

@@ -11,24 +11,31 @@ sanitizer and divergence report back to the .metal line:
   away), so they must declare no threadgroup arrays: that is checked here.
 * `instantiate_kernel("host_name", function, types)` lines stay as they are:
   the C++ compiler expands the kernels' own macro and must parse what it
-  expands to, attributes included, as Metal's compiler does (a malformed
-  instantiation macro fails the emulator build). Each instantiation, and each
-  non-template kernel, also gets a generated entry point that passes the bound
-  buffers and the built-in positions as ordinary arguments, registered under
-  its host name.
+  expands to, attributes included, as Metal's compiler does. The host names
+  are read off that expansion (the C preprocessor on the real macro), so a
+  malformed instantiation macro fails the emulator build. Each instantiation,
+  and each non-template kernel, gets a generated entry point that passes the
+  bound buffers and the built-in positions as ordinary arguments, registered
+  under its host name.
 
 Usage: prep_metal.py INPUT.metal OUTPUT.cpp
 """
 
 import os
 import re
+import subprocess
 import sys
 
 THREADGROUP_ARRAY = re.compile(
     r"^(?P<indent>\s*)threadgroup\s+(?P<decl>[^;]*?\b(?P<name>\w+)\s*\[[^;]*\])\s*;(?P<rest>.*)$")
 THREADGROUP_WORD = re.compile(r"\bthreadgroup\b(?!_)\s*")
-INSTANTIATION = re.compile(
-    r'^\s*instantiate_kernel\(\s*"(?P<host>\w+)"\s*,\s*(?P<function>\w+)\s*,(?P<args>[^)]*)\)\s*$')
+INSTANTIATION = re.compile(r"^\s*instantiate_kernel\(.*\)\s*$")
+MACRO_DEFINITION = re.compile(r"^\s*#\s*define\s+instantiate_kernel\b")
+# What one instantiation must expand to for Metal to export the kernel under
+# its host name.
+EXPANSION = re.compile(
+    r'^template \[\[host_name\("(?P<host>\w+)"\)\]\] \[\[kernel\]\] '
+    r"decltype\((?P<function>\w+)<(?P<args>[^<>]*)>\) (?P=function)<(?P=args)>;$")
 KERNEL_HEAD = re.compile(r"(?:\[\[kernel\]\]|\bkernel)\s+void\s+(?P<name>\w+)\s*\(")
 ATTRIBUTE = re.compile(r"\[\[\s*(?P<attr>\w+)\s*(?:\((?P<arg>[^)]*)\))?\s*\]\]")
 
@@ -101,6 +108,9 @@ LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s+"(?P<path>[^"]+)"', re.MULTILINE)
 
 
 def check_headers(source, directory, seen):
+    """The texts of the local headers `source` includes, directly or not;
+    checks that they declare no threadgroup arrays."""
+    texts = []
     for include in LOCAL_INCLUDE.finditer(source):
         path = os.path.join(directory, include["path"])
         if path in seen:
@@ -112,20 +122,62 @@ def check_headers(source, directory, seen):
             if THREADGROUP_ARRAY.match(line):
                 raise SystemExit(f"{path}:{number}: threadgroup arrays belong in the kernel's "
                                  ".metal file, where the emulator's rewrite can see them")
-        check_headers(text, os.path.dirname(path), seen)
+        texts.append(text)
+        texts += check_headers(text, os.path.dirname(path), seen)
+    return texts
+
+
+def macro_definition(texts):
+    """The text of `#define instantiate_kernel`, continuation lines included."""
+    for text in texts:
+        lines = text.split("\n")
+        for number, line in enumerate(lines):
+            if MACRO_DEFINITION.match(line):
+                end = number
+                while lines[end].rstrip().endswith("\\"):
+                    end += 1
+                return "\n".join(lines[number: end + 1])
+    raise SystemExit("prep_metal: no #define instantiate_kernel in the kernel or its headers")
+
+
+def expand_instantiations(path, calls, texts):
+    """(host, function, args) of each `instantiate_kernel(...)` call, read off
+    what the kernels' own macro expands to under the C preprocessor: the
+    host name is the one Metal would export, and a macro that does not expand
+    to a host-named kernel instantiation stops the build."""
+    if not calls:
+        return []
+    preprocessor = os.environ.get("CXX", "c++")
+    source = macro_definition(texts) + "\n" + "\n".join(calls) + "\n"
+    result = subprocess.run([preprocessor, "-E", "-P", "-x", "c++", "-"], input=source,
+                            capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"prep_metal: {path}: preprocessing the instantiations failed:\n"
+                         + result.stderr)
+    expansions = [line.strip() for line in result.stdout.split("\n") if line.strip()]
+    if len(expansions) != len(calls):
+        raise SystemExit(f"prep_metal: {path}: {len(calls)} instantiations expanded to "
+                         f"{len(expansions)} lines")
+    instantiations = []
+    for call, expansion in zip(calls, expansions):
+        found = EXPANSION.match(expansion)
+        if not found:
+            raise SystemExit(f"prep_metal: {path}: {call.strip()}\n  expands to {expansion}\n"
+                             "  which is not a host-named [[kernel]] instantiation")
+        instantiations.append((found["host"], found["function"], found["args"].strip()))
+    return instantiations
 
 
 def main(input_path, output_path):
     with open(input_path) as handle:
-        lines = handle.read().split("\n")
-    check_headers("\n".join(lines), os.path.dirname(input_path), set())
+        text = handle.read()
+    lines = text.split("\n")
+    headers = check_headers(text, os.path.dirname(input_path), set())
     out = [f'#line 1 "{input_path}"']
-    instantiations = []
+    calls = []
     for line in lines:
-        instantiation = INSTANTIATION.match(line)
-        if instantiation:
-            instantiations.append(
-                (instantiation["host"], instantiation["function"], instantiation["args"].strip()))
+        if INSTANTIATION.match(line):
+            calls.append(line)
             out.append(line)
             continue
         array = THREADGROUP_ARRAY.match(line)
@@ -136,7 +188,8 @@ def main(input_path, output_path):
                     f"{array['rest']}")
         out.append(THREADGROUP_WORD.sub("", line))
 
-    kernels = find_kernels("\n".join(lines))
+    instantiations = expand_instantiations(input_path, calls, [text, *headers])
+    kernels = find_kernels(text)
     entries = []
     for name, (parameters, is_template) in kernels.items():
         if not is_template:
