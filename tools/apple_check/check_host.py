@@ -157,11 +157,21 @@ def make_probe_source(probe, name):
     return patched
 
 
-def first_error(diagnostics):
-    for line in diagnostics.splitlines():
-        if ": error: " in line:
-            return line
-    return None
+def compile_probe(probe, name, mode, includes):
+    """compile_unit on the probe's patched copy of its source."""
+    patched = make_probe_source(probe, name)
+    # Quoted includes resolve next to the real source, as they would unpatched.
+    extra = ["-iquote", os.path.dirname(os.path.join(REPO, probe["source"]))]
+    return compile_unit(patched, mode, includes, extra)
+
+
+def probe_verdict(probe, ok, diagnostics):
+    """(rejected, first error line): rejected for the expected reason means the
+    first error is in the probe's real source file and carries its message."""
+    error = next((line for line in diagnostics.splitlines() if ": error: " in line), None)
+    rejected = (not ok and error is not None and error.startswith(probe["source"] + ":")
+                and probe["error"] in error)
+    return rejected, error
 
 
 def run_units(includes, pool):
@@ -182,19 +192,12 @@ def run_probes(includes, pool):
     for path in probe_files():
         name = os.path.splitext(os.path.basename(path))[0]
         probe = parse_probe(path)
-        patched = make_probe_source(probe, name)
-        # Quoted includes resolve next to the real source, as they would unpatched.
-        extra = ["-iquote", os.path.dirname(os.path.join(REPO, probe["source"]))]
         for mode in MODES:
-            jobs[(name, mode)] = (probe, pool.submit(compile_unit, patched, mode, includes, extra))
+            jobs[(name, mode)] = (probe, pool.submit(compile_probe, probe, name, mode, includes))
     failures = 0
     for (name, mode), (probe, job) in jobs.items():
         ok, seconds, diagnostics = job.result()
-        error = first_error(diagnostics)
-        # Rejected for the expected reason: the first error is in the probe's
-        # real source file and carries the expected message.
-        rejected = (not ok and error is not None and error.startswith(probe["source"] + ":")
-                    and probe["error"] in error)
+        rejected, error = probe_verdict(probe, ok, diagnostics)
         print(f"{'PASS' if rejected else 'FAIL'}  probe {name}  [{mode}]  {seconds:.1f} s", flush=True)
         if rejected:
             print(f"      rejected: {error}", flush=True)

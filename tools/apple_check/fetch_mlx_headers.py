@@ -44,6 +44,10 @@ def include_dir(version):
     return os.path.join(BUILD, f"mlx-metal-{version}", "mlx", "include")
 
 
+def is_fetched(version):
+    return os.path.exists(os.path.join(BUILD, f"mlx-metal-{version}", COMPLETE_MARKER))
+
+
 def downloaded_wheel(wheels, version):
     """The mlx-metal wheel of `version` in `wheels`, or None."""
     names = glob.glob(os.path.join(wheels, f"mlx_metal-{version}-*.whl"))
@@ -52,8 +56,7 @@ def downloaded_wheel(wheels, version):
 
 def fetch(version):
     """Returns the unpacked include directory, downloading the wheel if needed."""
-    unpacked = os.path.join(BUILD, f"mlx-metal-{version}")
-    if os.path.exists(os.path.join(unpacked, COMPLETE_MARKER)):
+    if is_fetched(version):
         return include_dir(version)
 
     wheels = os.path.join(BUILD, "wheels")
@@ -73,6 +76,7 @@ def fetch(version):
         members = [name for name in archive.namelist() if name.startswith(INCLUDE_PREFIX)]
         if not any(name.startswith(INCLUDE_PREFIX + "mlx/backend/metal/") for name in members):
             raise SystemExit(f"fetch_mlx_headers: {wheel_name} has no mlx/backend/metal headers")
+        unpacked = os.path.join(BUILD, f"mlx-metal-{version}")
         archive.extractall(unpacked, members)
     with open(os.path.join(unpacked, COMPLETE_MARKER), "w") as handle:
         handle.write(f"{wheel_name}\n")
