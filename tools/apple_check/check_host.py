@@ -42,8 +42,8 @@ CLANG = "clang-19"
 # only; without it metal-cpp takes its x86 or "unsupported architecture"
 # branch). __APPLE__ is not defined: no header these translation units
 # reach tests it (MLX's headers do not, metal-cpp tests only __arm64__ and
-# __OBJC__), while the Linux C and C++ library headers used here would switch
-# to Darwin paths they do not have. __OBJC__ stays undefined, as in any C++
+# __OBJC__), while the C++ libraries used here would switch to Darwin paths
+# the Linux sysroot lacks (libc++ then includes <xlocale.h>). __OBJC__ stays undefined, as in any C++
 # file on a Mac. The macOS availability macros (__MAC_OS_X_VERSION_MIN_REQUIRED,
 # __MAC_26_0) and TargetConditionals' switches are read only in metal-cpp's
 # *_PRIVATE_IMPLEMENTATION sections, which these files do not compile.
