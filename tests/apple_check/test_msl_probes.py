@@ -44,8 +44,8 @@ def test_library_is_what_get_library_receives():
     # Every kernel file and local header is inlined once, and nothing of the
     # C++ wrapper (raw-string delimiter, namespace) leaks into the string.
     for name in check_library.kernel_names():
-        assert text.count(f"// ---- {name}.metal\n") == 1
-    assert text.count("// ---- gated_delta_common.h\n") == 1
+        assert text.count(f"#line 1 \"{name}.metal\"\n") == 1
+    assert text.count("#line 1 \"gated_delta_common.h\"\n") == 1
     assert "metal_source" not in text and "kMetalLibrarySource" not in text
     assert text.count("#include <metal_stdlib>") == 1
 
