@@ -84,9 +84,12 @@ std::vector<mx::array> gated_delta_rule(
   check_activation_dtype("k", k);
   check_activation_dtype("v", v);
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    // The message opens with the one whose dtype differs from the other two.
+    const char* odd = k.dtype() == q.dtype() ? "v" : v.dtype() == q.dtype() ? "k" : "q";
     throw std::domain_error(
-        "q, k and v must share one dtype, got q " + dtype_string(q.dtype()) +
-        ", k " + dtype_string(k.dtype()) + ", v " + dtype_string(v.dtype()));
+        std::string(odd) + " must have the dtype of the others: q, k and v share one " +
+        "dtype, got q " + dtype_string(q.dtype()) + ", k " + dtype_string(k.dtype()) +
+        ", v " + dtype_string(v.dtype()));
   }
   check_floating(names.g, g);
   check_floating("beta", beta);

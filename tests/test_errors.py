@@ -88,6 +88,8 @@ BAD_INPUTS = [
      TypeError, [word("q"), "float32", "int32"]),
     ("activations of mixed dtypes", call_rule(v=mx.zeros((B, T, HV, DV), dtype=mx.float16)),
      TypeError, [word("v"), "float16", "float32"]),
+    ("k of another dtype", call_rule(k=mx.zeros((B, T, HK, DK), dtype=mx.bfloat16)),
+     TypeError, [word("k"), "bfloat16", "float32"]),
     ("integer decay", call_rule(g=mx.zeros((B, T, HV), dtype=mx.int32)), TypeError,
      [word("g"), "float", "int32"]),
     ("a NumPy array for q", call_rule(q=np.zeros((B, T, HK, DK), dtype=np.float32)),
