@@ -64,6 +64,8 @@ class Fuzzer:
         self.rng = np.random.default_rng(seed)
         self.counts = {name: Counter() for name in FUNCTIONS}
         self.examples = []  # (function, outcome, detail) of the first failures
+        # How many calls each check ran on (a check that never runs proves nothing).
+        self.checks = Counter()
 
     # -- drawing -------------------------------------------------------------
 
@@ -200,12 +202,16 @@ class Fuzzer:
                 or state.shape != (B, Hv, Dv, Dk) or state.dtype != mx.float32:
             return self.record(function, "bad_result",
                                f"{y.shape} {y.dtype} {state.shape}, broken: {broke}")
+        if 0 in y.shape or 0 in state.shape:
+            self.checks["zero-size result"] += 1
         if poisoned is not None:
+            self.checks["NaN/Inf isolation"] += 1
             leak = self.core_leak(function, op, arguments, options, y, state, poisoned, Hk, Hv)
             if leak:
                 return self.record(function, "nan_leak", leak)
         if function == "gated_delta_rule" and B and T and broke is None:
-            overwrite = self.guarded(arguments, options, Dk)
+            overwrite = self.guarded(arguments, options)
+            self.checks["sentinel guard"] += 1
             if overwrite:
                 return self.record(function, "sentinel_overwrite", overwrite)
         self.record(function, "ok")
@@ -244,13 +250,11 @@ class Fuzzer:
             return f"non-finite at {tuple(int(i) for i in np.argwhere(leaked)[0])}"
         return ""
 
-    def guarded(self, arguments, options, Dk):
-        if "initial_state" in arguments:
-            return ""
+    def guarded(self, arguments, options):
+        q, k, v, g, beta = (arguments[n] for n in ("q", "k", "v", "g", "beta"))
         state = arguments.get("state")
         if state is None:
-            return ""
-        q, k, v, g, beta = (arguments[n] for n in ("q", "k", "v", "g", "beta"))
+            state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]))
         _, _, y_tail, state_tail = run_core_guarded(
             q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state,
             scale=options["scale"], head_mapping=options["head_mapping"],
@@ -325,7 +329,10 @@ class Fuzzer:
                 conv_state.shape != (B, K - 1, C) or state.shape != (B, Hv, Dv, Dk):
             return self.record("gated_delta_segment", "bad_result",
                                f"{out.shape} {conv_state.shape} {state.shape}, broken: {broke}")
+        if 0 in out.shape or 0 in state.shape:
+            self.checks["zero-size result"] += 1
         if poisoned_row is not None:
+            self.checks["NaN/Inf isolation"] += 1
             clean = dict(arguments, mixed_qkvzba=mx.nan_to_num(
                 arguments["mixed_qkvzba"], nan=0.0, posinf=0.0, neginf=0.0))
             clean_out, _, clean_state = gated_delta_segment(**clean, **options)
@@ -367,6 +374,9 @@ class Fuzzer:
             lines.append(f"{function:<{width}}  " + "  ".join(f"{counts[o]:>10}" for o in OUTCOMES))
         totals = self.totals()
         lines.append(f"{'all':<{width}}  " + "  ".join(f"{totals[o]:>10}" for o in OUTCOMES))
+        lines.append("calls checked: " + ", ".join(
+            f"{name} {self.checks[name]}"
+            for name in ("NaN/Inf isolation", "sentinel guard", "zero-size result")))
         return "\n".join(lines)
 
 
