@@ -70,7 +70,7 @@ def test_eight_threads_on_their_own_streams_give_the_serial_results():
     jobs = [workloads(i) for i in range(THREADS)]
     serial = [[evaluated(job(mx.default_stream(mx.default_device()))) for job in per_thread]
               for per_thread in jobs]
-    mismatches, errors = [], []
+    mismatches, errors, jobs_done = [], [], []
 
     def worker(index):
         try:
@@ -83,6 +83,7 @@ def test_eight_threads_on_their_own_streams_give_the_serial_results():
                     for n, (a, b) in enumerate(zip(got, serial[index][j])):
                         if a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=True):
                             mismatches.append((index, round_, int(j), n))
+                    jobs_done.append(len(got))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append((index, repr(error)))
 
@@ -94,6 +95,8 @@ def test_eight_threads_on_their_own_streams_give_the_serial_results():
     assert not any(thread.is_alive() for thread in threads), "a thread hung"
     assert not errors, errors
     assert not mismatches, f"(thread, round, job, output) not bitwise serial: {mismatches[:10]}"
+    assert len(jobs_done) == THREADS * ROUNDS * 3
+    print(f"{len(jobs_done)} jobs, {sum(jobs_done)} outputs, bitwise the serial results")
 
 
 def test_the_stress_check_sees_a_wrong_result():
