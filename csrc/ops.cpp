@@ -45,7 +45,16 @@ std::vector<mx::array> gated_delta_rule(
   check_shape("k", k, q.shape(), "[B, T, Hk, Dk] (the shape of q)");
   check_shape("v", v, {p.batch, p.tokens, p.value_heads, p.value_dim},
               "[B, T, Hv, Dv] (B and T of q)");
-  if (p.key_heads == 0 || p.value_heads % p.key_heads != 0) {
+  // Zero-size B, T, Hv or Dv leave nothing to compute (empty results); a
+  // key head and a key dim are needed to define the heads' mapping and the
+  // default scale Dk ** -0.5.
+  if (p.key_heads == 0 || p.key_dim == 0) {
+    throw std::invalid_argument(
+        std::string("q must have at least one key head and a key dim of at least 1 "
+                    "[B, T, Hk, Dk] (Hk >= 1, Dk >= 1), got shape ") +
+        shape_string(q.shape()));
+  }
+  if (p.value_heads % p.key_heads != 0) {
     std::ostringstream out;
     out << "value heads (v.shape[2] = " << p.value_heads
         << ") must be a multiple of key heads (q.shape[2] = " << p.key_heads
@@ -75,9 +84,12 @@ std::vector<mx::array> gated_delta_rule(
   check_activation_dtype("k", k);
   check_activation_dtype("v", v);
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
+    // The message opens with the one whose dtype differs from the other two.
+    const char* odd = k.dtype() == q.dtype() ? "v" : v.dtype() == q.dtype() ? "k" : "q";
     throw std::domain_error(
-        "q, k and v must share one dtype, got q " + dtype_string(q.dtype()) +
-        ", k " + dtype_string(k.dtype()) + ", v " + dtype_string(v.dtype()));
+        std::string(odd) + " must have the dtype of the others: q, k and v share one " +
+        "dtype, got q " + dtype_string(q.dtype()) + ", k " + dtype_string(k.dtype()) +
+        ", v " + dtype_string(v.dtype()));
   }
   check_floating(names.g, g);
   check_floating("beta", beta);

@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_gated_delta {demo,bench,selftest}``."""
+"""Command line: ``python -m mlx_gated_delta {demo,bench,selftest,fuzz}``."""
 
 from __future__ import annotations
 
@@ -149,6 +149,20 @@ def build_parser() -> argparse.ArgumentParser:
     selftest.add_argument("--examples", type=int, metavar="N",
                           help="examples per property test (default: the selftest profile's "
                                "small budget)")
+    fuzz = commands.add_parser(
+        "fuzz", help="call every public function with drawn shapes, dtypes and values",
+        description="Call gated_delta_rule, gated_delta_update and gated_delta_segment with "
+                    "drawn shapes (zero sizes included), dtypes, options and values (NaN and "
+                    "Inf included), some with one argument broken. Counts the outcomes per "
+                    "function; fails on a crash, a rejection that names no argument, a "
+                    "result of the wrong shape, NaN reaching an unrelated batch row or head, "
+                    "or a write past an output.")
+    fuzz.add_argument("--calls", type=int, default=1000, metavar="N",
+                      help="number of calls (default 1000)")
+    fuzz.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
+    fuzz.add_argument("--call-timeout", type=float, default=60.0, metavar="S",
+                      help="seconds one call may take before the run is stopped as hung "
+                           "(default 60)")
     return parser
 
 
@@ -163,6 +177,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--examples must be at least 1, got {args.examples}")
     if args.command == "bench":
         return run_bench(args)
+    if args.command == "fuzz":
+        if args.calls < 1:
+            parser.error(f"--calls must be at least 1, got {args.calls}")
+        from .testing import fuzz as fuzz_module
+
+        return fuzz_module.main(args.calls, args.seed, args.call_timeout)
     return run_selftest(args.examples)
 
 

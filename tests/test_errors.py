@@ -88,6 +88,8 @@ BAD_INPUTS = [
      TypeError, [word("q"), "float32", "int32"]),
     ("activations of mixed dtypes", call_rule(v=mx.zeros((B, T, HV, DV), dtype=mx.float16)),
      TypeError, [word("v"), "float16", "float32"]),
+    ("k of another dtype", call_rule(k=mx.zeros((B, T, HK, DK), dtype=mx.bfloat16)),
+     TypeError, [word("k"), "bfloat16", "float32"]),
     ("integer decay", call_rule(g=mx.zeros((B, T, HV), dtype=mx.int32)), TypeError,
      [word("g"), "float", "int32"]),
     ("a NumPy array for q", call_rule(q=np.zeros((B, T, HK, DK), dtype=np.float32)),
@@ -103,7 +105,36 @@ BAD_INPUTS = [
      [word("gamma"), shape(B, T, HV), shape(B, T)]),
     ("update: mask of the wrong shape", call_update(mask=mx.ones((B,), dtype=mx.bool_)),
      ValueError, [word("mask"), shape(B, T), shape(B)]),
+    # Zero-size B, T, Hv and Dv give empty results (test_properties); a zero
+    # key dim or no key head is named as such, not as a symptom of it (an
+    # infinite default scale, a head count that does not divide).
+    ("key dim of zero", call_rule(q=mx.zeros((B, T, HK, 0)), k=mx.zeros((B, T, HK, 0))),
+     ValueError, [word("q"), r"key dim", r"Dk >= 1", shape(B, T, HK, 0)]),
+    ("key dim of zero, explicit scale",
+     lambda: gated_delta_rule(**{**good_inputs(), "q": mx.zeros((B, T, HK, 0)),
+                                 "k": mx.zeros((B, T, HK, 0))}, scale=1.0),
+     ValueError, [word("q"), r"key dim", shape(B, T, HK, 0)]),
+    ("update: key dim of zero", call_update(q=mx.zeros((B, T, HK, 0)), k=mx.zeros((B, T, HK, 0))),
+     ValueError, [word("q"), r"key dim", shape(B, T, HK, 0)]),
+    ("no key heads", call_rule(q=mx.zeros((B, T, 0, DK)), k=mx.zeros((B, T, 0, DK))),
+     ValueError, [word("q"), r"key head", r"Hk >= 1", shape(B, T, 0, DK)]),
+    ("no key heads and no value heads",
+     call_rule(q=mx.zeros((B, T, 0, DK)), k=mx.zeros((B, T, 0, DK)), v=mx.zeros((B, T, 0, DV)),
+               g=mx.zeros((B, T, 0)), beta=mx.zeros((B, T, 0))),
+     ValueError, [word("q"), r"key head", shape(B, T, 0, DK)]),
 ]
+
+
+def test_every_message_starts_with_the_argument_it_is_about():
+    # What a user reads first: the message opens with the argument's name
+    # (or, for the head counts, the two quantities that disagree).
+    for case_id, call, exception, fragments, *_ in BAD_INPUTS:
+        with pytest.raises(exception) as failure:
+            call()
+        first_word = re.match(r"[\w.]+", str(failure.value)).group(0)
+        assert re.fullmatch(fragments[0], first_word) or case_id.startswith("value heads"), (
+            f"{case_id}: the message opens with {first_word!r}: {failure.value}"
+        )
 
 
 @pytest.mark.parametrize(

@@ -133,3 +133,22 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(kind):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
     check("logits", mx.concatenate(pieces, axis=1), full,
           "layer.self_consistency.v2.float32.logits")
+
+
+@pytest.mark.parametrize("length", (63, 64, 65, 127, 128))
+def test_extreme_decays_at_chunk_boundaries_match_mlx_lm(length):
+    # Per value head: a decay near 1 (A_log = -12, rate 6e-6), a model-like
+    # one and severe ones (A_log = 5.7, rate about 300: g = -300 softplus(.)
+    # is below -104 per token, where exp(g) underflows to exactly 0 in
+    # float32, wherever softplus(.) > 0.35).
+    kind = "qwen3_next" if length % 2 else "qwen3_5"
+    model = build(kind, length)
+    for layer in model.layers:
+        if layer.is_linear:
+            attn = layer.linear_attn
+            attn.A_log = mx.array([-12.0, 0.0, 5.7, 5.7])[: attn.A_log.shape[0]]
+    mx.eval(model.parameters())
+    prompt = tokens(length, (2, length))
+    expected = model(prompt)
+    patch_mlx_lm(model)
+    check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")

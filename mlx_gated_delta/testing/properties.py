@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mlx_gated_delta import gated_delta_rule
-from mlx_gated_delta.reference import to_float64
+from mlx_gated_delta import gated_delta_rule, gated_delta_update
+from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.guarded import run_core_guarded
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case, snapshot
@@ -378,3 +378,86 @@ def test_state_guard_no_write_past_the_outputs(algorithm, case):
     expected_y, expected_state = case.reference()
     assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, dtype_name(case.v)])
     assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])
+
+
+# The edges, drawn on purpose rather than left to the general strategy's
+# luck: wipes at chunk edges and in runs, with severe or mixed decays around
+# them, at the token counts around chunk boundaries.
+EDGE_TOKENS = (63, 64, 65, 127, 128)
+UPDATE_ORACLE_CONTRACTS = {
+    "float32": ("compat.update_oracle.v2.float32.output", "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91"),
+    "bfloat16": ("compat.update_oracle.v2.bfloat16.output", "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961"),
+}
+UPDATE_ORACLE_STATE_CONTRACT = ("compat.update_oracle.v2.float32.state", "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2")
+
+
+@st.composite
+def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16")):
+    return make_core_case(
+        draw(st.integers(0, 2**32 - 1)),
+        batch=draw(st.integers(1, 2)),
+        tokens=draw(st.sampled_from(EDGE_TOKENS)),
+        key_heads=1,
+        value_heads=draw(st.sampled_from((1, 2))),
+        key_dim=draw(st.sampled_from((16, 32))),
+        value_dim=draw(st.sampled_from((8, 16))),
+        dtype=draw(st.sampled_from(dtypes)),
+        decay=draw(st.sampled_from(("model", "severe", "mixed", "none"))),
+        mask_kind=draw(st.sampled_from(("none", "random", "left_padding", "right_padding"))),
+        head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
+        wipes=wipes,
+        state_scale=draw(st.sampled_from(("unit", "huge"))),
+    )
+
+
+@pytest.mark.parametrize("wipes", ("random", "chunk_edges", "runs"))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_wipes_match_the_float64_oracle(algorithm, wipes, data):
+    case = data.draw(wipe_cases(wipes))
+    y, state = run(case, algorithm)
+    expected_y, expected_state = case.reference()
+    assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, dtype_name(y)])
+    assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])
+
+
+@pytest.mark.parametrize("wipes", ("random", "chunk_edges", "runs"))
+@given(data=st.data())
+def test_gamma_zero_wipes_through_gated_delta_update(wipes, data):
+    # The MLX-compatible entry point: gamma = exp(g), so a wipe is gamma == 0
+    # exactly (log(0) = -inf inside); the oracle sees the same gamma's log.
+    case = data.draw(wipe_cases(wipes))
+    gamma = mx.exp(case.g.astype(mx.float32))
+    assert mx.any(gamma == 0).item() or not np.any(np.isneginf(to_float64(case.g)))
+    y, state = gated_delta_update(
+        case.q, case.k, case.v, gamma, case.beta, case.state, mask=case.options["mask"]
+    )
+    expected_y, expected_state = gated_delta_rule_reference(
+        case.q, case.k, case.v, mx.log(gamma), case.beta, case.state,
+        scale=1.0, mask=case.options["mask"],
+    )
+    assert_matches("y", y, expected_y, *UPDATE_ORACLE_CONTRACTS[dtype_name(y)])
+    assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE_CONTRACT)
+
+
+@pytest.mark.parametrize("algorithm", ("auto", *ALGORITHMS))
+@pytest.mark.parametrize(
+    "batch, tokens, value_heads, value_dim",
+    [(0, 5, 2, 8), (0, 0, 2, 8), (0, 70, 2, 8), (2, 70, 0, 8), (2, 70, 2, 0), (1, 0, 0, 0)],
+)
+def test_zero_size_batch_value_heads_or_value_dim_give_empty_results(
+    algorithm, batch, tokens, value_heads, value_dim
+):
+    # Nothing to compute: y and the state are empty arrays of the right shapes
+    # (Hk and Dk of zero are errors: tests/test_errors.py).
+    q = mx.ones((batch, tokens, 1, 8))
+    v = mx.ones((batch, tokens, value_heads, value_dim))
+    g = mx.full((batch, tokens, value_heads), -0.5)
+    state = mx.ones((batch, value_heads, value_dim, 8))
+    for initial in (None, state):
+        y, final = gated_delta_rule(q, q * 0.1, v, g, g + 1.0, initial, algorithm=algorithm)
+        mx.eval(y, final)
+        assert y.shape == v.shape and y.dtype == v.dtype
+        assert final.shape == state.shape and final.dtype == mx.float32
+        if tokens == 0 and initial is not None:
+            assert_bitwise_equal("state", final, state)

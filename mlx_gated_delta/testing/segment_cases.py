@@ -16,7 +16,25 @@ import numpy as np
 from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_segment_reference
-from mlx_gated_delta.testing.strategies import BOUNDARY_TOKENS, DTYPES
+from mlx_gated_delta.testing.strategies import (
+    BOUNDARY_TOKENS,
+    DTYPES,
+    MASK_KINDS,
+    WIPE_KINDS,
+    _make_mask,
+    make_decays,
+    wipe_positions,
+)
+
+# The segment's decays come from its gate input a: g = rate * softplus(a +
+# dt_bias). "model" keeps a as drawn (O(1), like the rest of the projection);
+# the other kinds set a so that g follows `strategies.make_decays`, and a wipe
+# is a = +inf (softplus(inf) = inf, g = -inf).
+SEGMENT_DECAY_KINDS = ("model", "mild", "severe", "mixed")
+# The state's magnitudes: the gated RMS norm makes out independent of the
+# scale of y, but it sums y^2 in float32, so "huge" keeps y^2 summed over a
+# head (|y| about 1e16) below float32's largest value (3.4e38).
+SEGMENT_STATE_SCALES = {"unit": 0.5, "tiny": 1e-30, "huge": 1e15}
 
 
 @dataclass(repr=False)
@@ -71,6 +89,10 @@ def make_segment_case(
     with_state=True,
     mask_kind="none",
     conv1d_layout=False,
+    decay="model",
+    wipes="none",
+    state_scale="unit",
+    strided=False,
 ):
     recipe = dict(locals())
     rng = np.random.default_rng(seed)
@@ -86,31 +108,48 @@ def make_segment_case(
         decay_parameter = rng.uniform(-2.0, 1.5, size=value_heads)  # A_log
     else:
         decay_parameter = -rng.uniform(0.05, 4.0, size=value_heads)  # the rate
-    mask = None
-    if mask_kind == "random":
-        mask = mx.array(rng.uniform(size=(batch, tokens)) < 0.7)
-    elif mask_kind == "left_padding":
-        starts = rng.integers(0, tokens + 1, size=(batch, 1))
-        mask = mx.array(np.arange(tokens)[None, :] >= starts)
-    elif mask_kind != "none":
-        raise ValueError(f"unknown mask kind {mask_kind!r}")
+    mask = _make_mask(rng, mask_kind, batch, tokens)
+
+    mixed = rng.standard_normal((batch, tokens, width))
+    dt_bias = rng.standard_normal(value_heads)
+    rate = -np.exp(decay_parameter) if decay_parameterization == "log_rate" else decay_parameter
+    gate = mixed[..., width - value_heads :]  # a, the last Hv columns
+    if decay != "model":
+        # softplus(a + dt_bias) = g / rate; softplus^-1(x) = log(expm1(x)),
+        # written x + log1p(-exp(-x)) above 1 (no overflow), with x kept
+        # above 1e-30 (a decay of exactly 1 would need a = -inf).
+        target = np.maximum(make_decays(rng, decay, gate.shape) / rate, 1e-30)
+        large = np.maximum(target, 1.0)
+        inverse = np.where(target > 1.0, large + np.log1p(-np.exp(-large)),
+                           np.log(np.expm1(np.minimum(target, 1.0))))
+        gate[...] = inverse - dt_bias
+    gate[wipe_positions(rng, wipes, gate.shape)] = np.inf
+
+    # Drawn whether used or not, so that a case and its copy without a state
+    # draw the same numbers for everything else.
+    state = rng.standard_normal((batch, value_heads, value_dim, key_dim))
+    state = to_mx(state * SEGMENT_STATE_SCALES[state_scale]) if with_state else None
+    mixed = to_mx(mixed, activation)
+    if strided:
+        # Every other element of an array twice as wide; the state read
+        # through a transpose of an array stored transposed.
+        mixed = mx.repeat(mixed, 2, axis=-1)[..., ::2]
+        if state is not None:
+            state = mx.swapaxes(mx.contiguous(mx.swapaxes(state, 2, 3)), 2, 3)
+        mx.eval([x for x in (mixed, state) if x is not None])
 
     return SegmentCase(
-        mixed=to_mx(rng.standard_normal((batch, tokens, width)), activation),
+        mixed=mixed,
         conv_weight=to_mx(rng.normal(0.0, 0.5, size=weight_shape)),
         decay_parameter=to_mx(decay_parameter),
-        dt_bias=to_mx(rng.standard_normal(value_heads)),
+        dt_bias=to_mx(dt_bias),
         norm_weight=to_mx(rng.uniform(0.5, 1.5, size=value_dim)),
         conv_state=(
             to_mx(rng.standard_normal((batch, conv_kernel - 1, channels)), activation)
             if with_conv_state
             else None
         ),
-        state=(
-            to_mx(rng.standard_normal((batch, value_heads, value_dim, key_dim)) * 0.5)
-            if with_state
-            else None
-        ),
+        state=state,
         options=dict(
             key_heads=key_heads,
             value_heads=value_heads,
@@ -129,7 +168,7 @@ def segment_cases(
     draw,
     dtypes=tuple(DTYPES),
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(0, 100)),
-    mask_kinds=("none", "random", "left_padding"),
+    mask_kinds=MASK_KINDS,
 ):
     """A segment call over the shapes and options of API.md section 3."""
     key_heads = draw(st.integers(1, 2))
@@ -149,4 +188,8 @@ def segment_cases(
         with_state=draw(st.booleans()),
         mask_kind=draw(st.sampled_from(mask_kinds)),
         conv1d_layout=draw(st.booleans()),
+        decay=draw(st.sampled_from(SEGMENT_DECAY_KINDS)),
+        wipes=draw(st.sampled_from(WIPE_KINDS)),
+        state_scale=draw(st.sampled_from(tuple(SEGMENT_STATE_SCALES))),
+        strided=draw(st.booleans()),
     )

@@ -218,3 +218,26 @@ def test_inputs_are_not_written():
     mx.eval(run(case))
     for name, a, b in zip(["mixed", "w", "decay", "dt", "norm", "conv", "state"], before, case.args()):
         assert np.array_equal(a, to_float64(b)), name
+
+
+@pytest.mark.parametrize("wipes", ("random", "chunk_edges", "runs"))
+@given(data=st.data(), algorithm=st.sampled_from(("recurrent", "chunked")))
+def test_segment_wipes_match_oracle(wipes, data, algorithm):
+    # A wipe in the segment is a gate input a = +inf (g = rate * softplus(inf)
+    # = -inf); drawn on purpose at chunk edges and in runs.
+    case = make_segment_case(
+        data.draw(st.integers(0, 2**32 - 1), label="seed"),
+        batch=2, tokens=data.draw(st.sampled_from((63, 64, 65, 127, 128)), label="tokens"),
+        key_heads=1, value_heads=2, key_dim=16, value_dim=8,
+        dtype=data.draw(st.sampled_from(("float32", "bfloat16")), label="dtype"),
+        decay=data.draw(st.sampled_from(("model", "severe", "mixed")), label="decay"),
+        mask_kind=data.draw(
+            st.sampled_from(("none", "random", "left_padding", "right_padding")), label="mask"
+        ),
+        wipes=wipes,
+    )
+    out, conv_state, state = run(case, algorithm=algorithm)
+    expected_out, expected_conv_state, expected_state = case.reference()
+    check("out", out, expected_out, f"segment.oracle.v2.{dtype_name(out)}.output")
+    check("state", state, expected_state, "segment.oracle.v2.float32.state")
+    check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")

@@ -57,9 +57,37 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 ODD_HEAD_DIMS = (1, 3, 17, 130)
 HEAD_RATIOS = (1, 2, 4)
 
-# Per-token log decays: none, mild, model-like, and strong enough that the
-# decay across a 64-token chunk underflows float32 (exp(-8 * 64)).
-DECAY_RANGES = {"none": (0.0, 0.0), "mild": (-0.1, 0.0), "model": (-2.0, 0.0), "strong": (-8.0, 0.0)}
+# Per-token log decays: none, mild, model-like, strong enough that the decay
+# across a 64-token chunk underflows float32 (exp(-8 * 64)), and severe: down
+# to -300 per token, where exp(g) alone underflows float32 (below about -104)
+# or is subnormal (-104 to -87). "mixed" is mostly near-0 decays with a few
+# severe ones between them: a chunk whose cumulative log decay is large while
+# the decays between neighbouring tokens stay near 1.
+DECAY_RANGES = {
+    "none": (0.0, 0.0),
+    "mild": (-0.1, 0.0),
+    "model": (-2.0, 0.0),
+    "strong": (-8.0, 0.0),
+    "severe": (-300.0, 0.0),
+}
+DECAY_KINDS = (*DECAY_RANGES, "mixed")
+MIXED_SEVERE_FRACTION = 0.15
+
+# Where wipes go (a decay of exactly 0: g = -inf, gamma = 0): nowhere, at
+# random tokens, on the first and last token of chunks (t % 64 in {0, 63}),
+# in runs of consecutive tokens.
+WIPE_KINDS = ("none", "random", "chunk_edges", "runs")
+CHUNK = 64
+
+MASK_KINDS = ("none", "random", "left_padding", "right_padding", "all_true", "all_false")
+
+# Magnitudes of the initial state. "huge" in float16 is bounded by y, which
+# must stay finite in float16 (largest 65504): |y| <= |scale| |S| |q| with
+# |q| up to about 4 sqrt(Dk); 300 keeps y below about 2e4 for Dk <= 130.
+# In float32 and bfloat16 (float32's exponent range) 1e18 keeps every
+# product of the recurrence far from float32's largest value.
+STATE_SCALES = {"unit": 1.0, "tiny": 1e-30, "huge": 1e18}
+HUGE_FLOAT16_STATE = 300.0
 
 
 @dataclass(repr=False)
@@ -112,6 +140,9 @@ def make_core_case(
     normalize_qk=False,
     scale=None,
     head_mapping="grouped",
+    wipes="none",
+    state_scale="unit",
+    strided=False,
 ):
     recipe = dict(locals())
     rng = np.random.default_rng(seed)
@@ -129,11 +160,17 @@ def make_core_case(
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
         k *= rng.uniform(0.25, 0.99, size=(B, T, key_heads, 1))
     v = rng.standard_normal((B, T, value_heads, value_dim))
-    low, high = DECAY_RANGES[decay]
-    g = rng.uniform(low, high, size=(B, T, value_heads))
+    g = make_decays(rng, decay, (B, T, value_heads))
+    g[wipe_positions(rng, wipes, (B, T, value_heads))] = -np.inf
     beta = rng.uniform(0.0, beta_max, size=(B, T, value_heads))
+    magnitude = STATE_SCALES[state_scale]
+    if state_scale == "huge" and dtype == "float16":
+        magnitude = HUGE_FLOAT16_STATE
     state = (
-        mx.array(rng.standard_normal((B, value_heads, value_dim, key_dim)).astype(np.float32))
+        mx.array(
+            (rng.standard_normal((B, value_heads, value_dim, key_dim)) * magnitude)
+            .astype(np.float32)
+        )
         if with_state
         else None
     )
@@ -145,16 +182,68 @@ def make_core_case(
         return mx.array(x.astype(np.float32)).astype(dtype)
 
     gate = DTYPES[gate_dtype]
-    return CoreCase(
-        q=to_mx(q, activation),
-        k=to_mx(k, activation),
-        v=to_mx(v, activation),
-        g=to_mx(g, gate),
-        beta=to_mx(beta, gate),
-        state=state,
-        options=options,
-        recipe=recipe,
-    )
+    arrays = [to_mx(q, activation), to_mx(k, activation), to_mx(v, activation),
+              to_mx(g, gate), to_mx(beta, gate), state]
+    if strided:
+        arrays = strided_views(*arrays)
+    return CoreCase(*arrays, options=options, recipe=recipe)
+
+
+def make_decays(rng, kind, shape):
+    """Log decays of one of DECAY_KINDS, in float64."""
+    if kind == "mixed":
+        severe = rng.uniform(size=shape) < MIXED_SEVERE_FRACTION
+        return np.where(severe, rng.uniform(DECAY_RANGES["severe"][0], -8.0, size=shape),
+                        rng.uniform(-1e-3, 0.0, size=shape))
+    low, high = DECAY_RANGES[kind]
+    return rng.uniform(low, high, size=shape)
+
+
+def wipe_positions(rng, kind, shape):
+    """A bool array of `shape` ([B, T, H]): True where the decay is a wipe."""
+    batch, tokens, heads = shape
+    wiped = np.zeros(shape, dtype=bool)
+    if kind == "none" or tokens == 0:
+        return wiped
+    if kind == "random":
+        wiped = rng.uniform(size=shape) < 0.05
+    elif kind == "chunk_edges":
+        # The first or the last token of a chunk (and of the call, when its
+        # last chunk is ragged), each head one or the other or neither.
+        t = np.arange(tokens)
+        first = (t % CHUNK == 0)[None, :, None]
+        last = ((t % CHUNK == CHUNK - 1) | (t == tokens - 1))[None, :, None]
+        which = rng.integers(0, 3, size=(batch, 1, heads))
+        wiped = (first & (which == 0)) | (last & (which == 1))
+    elif kind == "runs":
+        for b in range(batch):
+            for h in range(heads):
+                for _ in range(rng.integers(1, 3)):
+                    start = rng.integers(0, tokens)
+                    wiped[b, start : start + rng.integers(1, 9), h] = True
+    else:
+        raise ValueError(f"unknown wipe kind {kind!r}")
+    return wiped
+
+
+def strided_views(q, k, v, g, beta, state):
+    """Non-contiguous views holding the same values: every other element of
+    arrays twice as long in the head dim; the gates and the state read
+    through a transpose of arrays stored transposed."""
+
+    def every_other(x):
+        return mx.repeat(x, 2, axis=-1)[..., ::2]
+
+    def transposed_view(x, axis1, axis2):
+        if x is None:
+            return None
+        stored_transposed = mx.contiguous(mx.swapaxes(x, axis1, axis2))
+        return mx.swapaxes(stored_transposed, axis1, axis2)
+
+    views = [every_other(q), every_other(k), every_other(v), transposed_view(g, 1, 2),
+             transposed_view(beta, 0, 1), transposed_view(state, 2, 3)]
+    mx.eval([x for x in views if x is not None])
+    return views
 
 
 def _make_mask(rng, kind, batch, tokens):
@@ -162,10 +251,19 @@ def _make_mask(rng, kind, batch, tokens):
         return None
     if kind == "random":
         mask = rng.uniform(size=(batch, tokens)) < 0.7
-    elif kind == "left_padding":
-        # Batched prompts of different lengths, padded on the left.
-        starts = rng.integers(0, tokens + 1, size=(batch, 1))
-        mask = np.arange(tokens)[None, :] >= starts
+    elif kind in ("left_padding", "right_padding"):
+        # Batched prompts of different lengths, padded on the left (or the
+        # right: a batch whose rows end early).
+        lengths = rng.integers(0, tokens + 1, size=(batch, 1))
+        positions = np.arange(tokens)[None, :]
+        if kind == "left_padding":
+            mask = positions >= tokens - lengths
+        else:
+            mask = positions < lengths
+    elif kind == "all_true":
+        mask = np.ones((batch, tokens), dtype=bool)
+    elif kind == "all_false":
+        mask = np.zeros((batch, tokens), dtype=bool)
     else:
         raise ValueError(f"unknown mask kind {kind!r}")
     return mx.array(mask)
@@ -193,13 +291,16 @@ def core_cases(
         value_dim=draw(head_dims),
         dtype=dtype,
         gate_dtype=draw(st.sampled_from(("float32", dtype))),
-        decay=draw(st.sampled_from(tuple(DECAY_RANGES))),
+        decay=draw(st.sampled_from(DECAY_KINDS)),
         beta_max=draw(st.sampled_from((1.0, 2.0))),
         with_state=draw(with_state),
-        mask_kind=draw(st.sampled_from(("none", "random", "left_padding"))),
+        mask_kind=draw(st.sampled_from(MASK_KINDS)),
         normalize_qk=draw(st.booleans()),
         scale=draw(st.sampled_from((None, 0.5, 1.0))),
         head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
+        wipes=draw(st.sampled_from(WIPE_KINDS)),
+        state_scale=draw(st.sampled_from(tuple(STATE_SCALES))),
+        strided=draw(st.booleans()),
     )
 
 

@@ -1,0 +1,107 @@
+"""Thread stress: Python threads, each on its own stream, mixing prefill,
+token-by-token decode and the fused segment; every result must be bitwise
+the result of the same call run serially on the default stream.
+
+MLX_GATED_DELTA_THREAD_ROUNDS sets the rounds per thread (default 3); the
+longer run of the reliability notes used 50.
+"""
+
+import os
+import threading
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_gated_delta import gated_delta_rule, gated_delta_segment
+from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta.testing.strategies import make_core_case
+
+THREADS = 8
+ROUNDS = int(os.environ.get("MLX_GATED_DELTA_THREAD_ROUNDS", "3"))
+
+
+def workloads(index):
+    """Three jobs per thread index, on inputs of their own: a prefill (both
+    algorithms), a prefill then 6 decode steps, a segment call."""
+    case = make_core_case(
+        index, batch=2, tokens=70 + index, key_heads=2, value_heads=4, key_dim=32,
+        value_dim=16, decay="mixed", wipes="runs", mask_kind="random",
+    )
+    segment = make_segment_case(
+        100 + index, batch=2, tokens=65, key_heads=1, value_heads=2, key_dim=16,
+        value_dim=8, wipes="chunk_edges", mask_kind="left_padding",
+    )
+
+    def prefill(stream):
+        results = []
+        for algorithm in ("recurrent", "chunked"):
+            results += gated_delta_rule(*case.args(), algorithm=algorithm, stream=stream,
+                                        **case.options)
+        return results
+
+    def decode(stream):
+        tokens = case.q.shape[1]
+        y, state = gated_delta_rule(
+            *(x[:, : tokens - 6] for x in case.args()[:5]), case.state, stream=stream,
+            **{**case.options, "mask": case.options["mask"][:, : tokens - 6]},
+        )
+        results = [y]
+        for t in range(tokens - 6, tokens):
+            y, state = gated_delta_rule(
+                *(x[:, t : t + 1] for x in case.args()[:5]), state, stream=stream,
+                **{**case.options, "mask": case.options["mask"][:, t : t + 1]},
+            )
+            results.append(y)
+        return [*results, state]
+
+    def fused(stream):
+        return list(gated_delta_segment(*segment.args(), stream=stream, **segment.options))
+
+    return (prefill, decode, fused)
+
+
+def evaluated(results):
+    mx.eval(results)
+    return [np.array(r.astype(mx.float32)) if r.dtype == mx.bfloat16 else np.array(r)
+            for r in results]
+
+
+def test_eight_threads_on_their_own_streams_give_the_serial_results():
+    jobs = [workloads(i) for i in range(THREADS)]
+    serial = [[evaluated(job(mx.default_stream(mx.default_device()))) for job in per_thread]
+              for per_thread in jobs]
+    mismatches, errors, jobs_done = [], [], []
+
+    def worker(index):
+        try:
+            stream = mx.new_stream(mx.default_device())
+            for round_ in range(ROUNDS):
+                # Each thread walks its jobs in another order.
+                order = np.roll(np.arange(3), index + round_)
+                for j in order:
+                    got = evaluated(jobs[index][j](stream))
+                    for n, (a, b) in enumerate(zip(got, serial[index][j])):
+                        if a.dtype != b.dtype or not np.array_equal(a, b, equal_nan=True):
+                            mismatches.append((index, round_, int(j), n))
+                    jobs_done.append(len(got))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append((index, repr(error)))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+    assert not errors, errors
+    assert not mismatches, f"(thread, round, job, output) not bitwise serial: {mismatches[:10]}"
+    assert len(jobs_done) == THREADS * ROUNDS * 3
+    print(f"{len(jobs_done)} jobs, {sum(jobs_done)} outputs, bitwise the serial results")
+
+
+def test_the_stress_check_sees_a_wrong_result():
+    # Probe: the comparison the stress relies on flags a one-ulp change.
+    a = evaluated(workloads(0)[2](mx.default_stream(mx.default_device())))[0]
+    b = a.copy()
+    b.flat[np.argmax(np.abs(b))] = np.nextafter(b.flat[np.argmax(np.abs(b))], np.inf)
+    assert not np.array_equal(a, b, equal_nan=True)
