@@ -1,5 +1,7 @@
 #include "gated_delta/params.h"
 
+#include "segment/segment_params.h"
+
 #include <limits>
 #include <sstream>
 #include <stdexcept>
@@ -62,12 +64,8 @@ const char* to_string(DecayParameterization parameterization) {
 GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
                               int value_heads, int key_dim, int value_dim) {
   GatedDeltaParams p;
-  p.batch = batch;
-  p.tokens = tokens;
-  p.key_heads = key_heads;
-  p.value_heads = value_heads;
-  p.key_dim = key_dim;
-  p.value_dim = value_dim;
+  static_cast<ProblemShape&>(p) =
+      ProblemShape{batch, tokens, key_heads, value_heads, key_dim, value_dim};
   return p;
 }
 
@@ -110,6 +108,25 @@ void validate_launch_extents(const GatedDeltaParams& p) {
   check_launch_extent(
       "state elements",
       b * uint64_t(p.value_heads) * p.value_dim * uint64_t(p.key_dim));
+}
+
+void validate_plan_shape(const GatedDeltaParams& params) {
+  validate_launch_extents(params);
+  if (params.key_heads <= 0 || params.value_heads % params.key_heads != 0) {
+    throw std::invalid_argument("value_heads must be a multiple of key_heads");
+  }
+}
+
+void validate_segment_plan_shape(const SegmentParams& sp) {
+  if (sp.conv_kernel < 1) {
+    throw std::invalid_argument("the conv kernel needs at least one tap, got " +
+                                std::to_string(sp.conv_kernel));
+  }
+  // The segment's own 32-bit extents; validate_plan_shape guards the core's.
+  const uint64_t b = sp.batch, t = sp.tokens, channels = sp.conv_channels();
+  check_launch_extent("QKV activation elements", b * t * channels);
+  check_launch_extent("QKVZBA activation elements", b * t * uint64_t(sp.packed_width()));
+  check_launch_extent("conv state elements", b * uint64_t(sp.conv_state_rows()) * channels);
 }
 
 }  // namespace mlx_gated_delta

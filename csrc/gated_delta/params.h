@@ -36,18 +36,23 @@ const char* to_string(HeadMapping mapping);
 const char* to_string(Algorithm algorithm);
 const char* to_string(DecayParameterization parameterization);
 
-// Everything that fixes the result of one core gated-delta call, except the
-// data. Layouts (all row-major, contiguous):
-//   q, k  [B, T, Hk, Dk]     v, y  [B, T, Hv, Dv]
-//   g, beta [B, T, Hv] (float32)   mask [B, T]
-//   state [B, Hv, Dv, Dk] (float32)
-struct GatedDeltaParams {
+// The extents of one call, shared by the core's and the segment's params (both
+// derive from it, so a shape is copied as one value, never field by field).
+struct ProblemShape {
   int batch = 0;
   int tokens = 0;
   int key_heads = 0;
   int value_heads = 0;
   int key_dim = 0;
   int value_dim = 0;
+};
+
+// Everything that fixes the result of one core gated-delta call, except the
+// data. Layouts (all row-major, contiguous):
+//   q, k  [B, T, Hk, Dk]     v, y  [B, T, Hv, Dv]
+//   g, beta [B, T, Hv] (float32)   mask [B, T]
+//   state [B, Hv, Dv, Dk] (float32)
+struct GatedDeltaParams : ProblemShape {
   float scale = 1.0f;
   HeadMapping head_mapping = HeadMapping::Grouped;
   bool normalize_qk = false;
@@ -84,6 +89,11 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params);
 // or writes must have fewer than 2^32 elements. Throws std::invalid_argument
 // naming the tensor (e.g. "QKV activation elements") otherwise.
 void validate_launch_extents(const GatedDeltaParams& params);
+
+// The shape checks every Metal plan makes before it allocates (an op has
+// already made its own, with messages that name its arguments): the 32-bit
+// extents and a key head for every value head.
+void validate_plan_shape(const GatedDeltaParams& params);
 
 // Throws std::invalid_argument with `what` named when `elements` does not fit
 // a 32-bit kernel index.

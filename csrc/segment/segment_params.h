@@ -17,13 +17,7 @@ namespace mlx_gated_delta {
 //   decay_parameter, dt_bias [Hv]      norm_weight [Dv] (float32)
 //   state [B, Hv, Dv, Dk] (float32)    out [B, T, Hv, Dv]   mask [B, T]
 // where C = 2*Hk*Dk + Hv*Dv are the channels the convolution sees (q|k|v).
-struct SegmentParams {
-  int batch = 0;
-  int tokens = 0;
-  int key_heads = 0;
-  int value_heads = 0;
-  int key_dim = 0;
-  int value_dim = 0;
+struct SegmentParams : ProblemShape {
   int conv_kernel = 0;
   DecayParameterization decay_parameterization = DecayParameterization::LogRate;
   HeadMapping head_mapping = HeadMapping::Grouped;
@@ -60,12 +54,7 @@ struct SegmentParams {
   // the core and the readout scale is Dk ** -0.5.
   GatedDeltaParams core_params() const {
     GatedDeltaParams core;
-    core.batch = batch;
-    core.tokens = tokens;
-    core.key_heads = key_heads;
-    core.value_heads = value_heads;
-    core.key_dim = key_dim;
-    core.value_dim = value_dim;
+    static_cast<ProblemShape&>(core) = *this;
     core.scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
     core.head_mapping = head_mapping;
     core.normalize_qk = true;
@@ -73,5 +62,9 @@ struct SegmentParams {
     return core;
   }
 };
+
+// The segment's own checks before a Metal plan allocates: at least one conv
+// tap and the 32-bit extents of the packed input, q|k|v and the conv state.
+void validate_segment_plan_shape(const SegmentParams& params);
 
 }  // namespace mlx_gated_delta
