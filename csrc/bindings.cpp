@@ -9,11 +9,11 @@
 
 #include <stdexcept>
 
-#include "cpu/gated_delta_cpu.h"
-#include "gated_delta/params.h"
+#include "cpu/core.h"
+#include "core/core_params.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
-#include "ops.h"
+#include "core/core_op.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 #include "mlx/types/half_types.h"
 
 namespace mlx_gated_delta::cpu {

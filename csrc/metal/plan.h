@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 #include "segment/segment_params.h"
 #include "metal/kernels/kernel_abi.h"
 

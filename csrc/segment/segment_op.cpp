@@ -7,7 +7,7 @@
 #include "mlx/ops.h"
 #include "segment/segment_params.h"
 #include "segment/segment_primitive.h"
-#include "validation.h"
+#include "validation/arguments.h"
 
 namespace mx = mlx::core;
 

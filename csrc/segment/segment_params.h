@@ -1,12 +1,12 @@
 // Shapes and parameters of the fused layer segment (API.md section 3).
 //
-// Plain C++ with no backend and no MLX dependency, like gated_delta/params.h:
+// Plain C++ with no backend and no MLX dependency, like core/core_params.h:
 // the CPU kernels, the primitive and the op function read the same struct.
 #pragma once
 
 #include <cmath>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 
 namespace mlx_gated_delta {
 

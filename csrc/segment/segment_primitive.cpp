@@ -4,7 +4,7 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "segment/segment_cpu.h"
+#include "cpu/segment.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"

@@ -3,7 +3,7 @@
 
 #include <cstdint>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 
 namespace mlx_gated_delta::cpu {
 

@@ -1,4 +1,4 @@
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 
 #include "segment/segment_params.h"
 

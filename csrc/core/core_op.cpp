@@ -1,13 +1,13 @@
-#include "ops.h"
+#include "core/core_op.h"
 
 #include <cmath>
 #include <sstream>
 #include <stdexcept>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 #include "mlx/ops.h"
-#include "primitives.h"
-#include "validation.h"
+#include "core/core_primitive.h"
+#include "validation/arguments.h"
 
 namespace mx = mlx::core;
 

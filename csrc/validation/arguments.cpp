@@ -1,4 +1,4 @@
-#include "validation.h"
+#include "validation/arguments.h"
 
 #include <sstream>
 #include <stdexcept>

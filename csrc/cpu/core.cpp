@@ -1,6 +1,6 @@
 // Entry point of the CPU kernels: independent (batch row, head) problems
 // spread over the thread pool.
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"

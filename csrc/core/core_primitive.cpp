@@ -1,12 +1,12 @@
-#include "primitives.h"
+#include "core/core_primitive.h"
 
 #include <stdexcept>
 
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "ops.h"
+#include "core/core_op.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"

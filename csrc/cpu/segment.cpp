@@ -1,11 +1,11 @@
 // CPU kernels of the fused layer segment (see segment_cpu.h).
-#include "segment/segment_cpu.h"
+#include "cpu/segment.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
 

@@ -1,7 +1,7 @@
 // MLX primitives of mlx-gated-delta.
 #pragma once
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 #include "mlx/primitives.h"
 
 namespace mlx_gated_delta {
