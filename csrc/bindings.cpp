@@ -9,11 +9,13 @@
 
 #include <stdexcept>
 
-#include "cpu/core.h"
+#include "core/core_op.h"
 #include "core/core_params.h"
+#include "core/dispatch.h"
+#include "cpu/core.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
-#include "core/core_op.h"
+#include "validation/extents.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -41,16 +43,12 @@ nb::tuple run_guarded(
       size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
   std::vector<T> y(y_size + kGuardWords, T(sentinel));
   std::vector<float> state(state_size + kGuardWords, sentinel);
-  cpu::CoreBuffers<T> buffers{
-      in[0].data<T>(), in[1].data<T>(), in[2].data<T>(),
-      int64_t(p.tokens) * p.key_heads * p.key_dim,
-      int64_t(p.key_heads) * p.key_dim,
-      int64_t(p.tokens) * p.value_heads * p.value_dim,
-      int64_t(p.value_heads) * p.value_dim,
-      in[3].data<float>(), in[4].data<float>(),
-      p.has_mask ? in[6].data<bool>() : nullptr,
-      in[5].data<float>(), y.data(), state.data()};
-  cpu::gated_delta_forward<T>(p, algorithm, buffers);
+  cpu::gated_delta_forward<T>(
+      p, algorithm,
+      cpu::contiguous_buffers<T>(
+          p, in[0].data<T>(), in[1].data<T>(), in[2].data<T>(), in[3].data<float>(),
+          in[4].data<float>(), p.has_mask ? in[6].data<bool>() : nullptr,
+          in[5].data<float>(), y.data(), state.data()));
   const mx::Dtype dtype = in[2].dtype();
   mx::array y_out(y.begin(), {p.batch, p.tokens, p.value_heads, p.value_dim}, dtype);
   mx::array y_tail(y.begin() + y_size, {kGuardWords}, dtype);

@@ -1,16 +1,19 @@
-// Shapes, parameters, validation and dispatch predicates of the gated-delta ops.
+// Shapes and parameters of the core gated-delta op.
 //
 // Plain C++ with no backend and no MLX dependency: the CPU kernels, the Metal
 // plans, the Metal emulator and the op functions all read the same structs.
+// The checks on them are in validation/, the choices made from them
+// (algorithm, kernel variants) in core/dispatch.h.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
-namespace mlx_gated_delta {
+// kChunkSize, the chunk length of the chunked form on every backend, is
+// defined once, beside the other constants the kernels and the C++ share.
+#include "metal/kernels/kernel_abi.h"
 
-// Chunk length of the chunked (WY/UT) algorithm, on every backend.
-constexpr int kChunkSize = 64;
+namespace mlx_gated_delta {
 
 // Which key head a value head reads (API.md, "Head mappings").
 enum class HeadMapping : int {
@@ -45,6 +48,11 @@ struct ProblemShape {
   int value_heads = 0;
   int key_dim = 0;
   int value_dim = 0;
+
+  // Sets the shape part of a params struct derived from this one.
+  void set_shape(const ProblemShape& shape) {
+    *this = shape;
+  }
 };
 
 // Everything that fixes the result of one core gated-delta call, except the
@@ -64,7 +72,7 @@ struct GatedDeltaParams : ProblemShape {
         : value_head % key_heads;
   }
   int num_chunks() const {
-    return (tokens + kChunkSize - 1) / kChunkSize;
+    return (tokens + int(kChunkSize) - 1) / int(kChunkSize);
   }
 };
 
@@ -72,31 +80,5 @@ struct GatedDeltaParams : ProblemShape {
 // normalisation, no mask).
 GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
                               int value_heads, int key_dim, int value_dim);
-
-// The recurrent kernel with one SIMD-group per state row slice can hold a key
-// vector of Dk floats in SIMD lanes only when Dk is a multiple of the SIMD
-// width and fits four values per lane.
-bool supports_simd_delta(const GatedDeltaParams& params, int simd_width);
-
-// The K K^T gram specialization shares one key head's gram between the value
-// heads that read it; it pays only for Dk == 128 with repeated key heads.
-bool uses_chunk_k_gram_k128(const GatedDeltaParams& params);
-
-// The algorithm "auto" resolves to on the CPU (README: measured choice).
-Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params);
-
-// GPU kernels index with 32-bit unsigned integers: every buffer a kernel reads
-// or writes must have fewer than 2^32 elements. Throws std::invalid_argument
-// naming the tensor (e.g. "QKV activation elements") otherwise.
-void validate_launch_extents(const GatedDeltaParams& params);
-
-// The shape checks every Metal plan makes before it allocates (an op has
-// already made its own, with messages that name its arguments): the 32-bit
-// extents and a key head for every value head.
-void validate_plan_shape(const GatedDeltaParams& params);
-
-// Throws std::invalid_argument with `what` named when `elements` does not fit
-// a 32-bit kernel index.
-void check_launch_extent(const char* what, uint64_t elements);
 
 }  // namespace mlx_gated_delta

@@ -6,7 +6,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "core/core_op.h"
+#include "core/dispatch.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"
@@ -33,21 +33,12 @@ void run_cpu(
     const mx::array* mask,
     mx::array& y,
     mx::array& state_out) {
-  cpu::CoreBuffers<T> buffers{
-      q.data<T>(),
-      k.data<T>(),
-      v.data<T>(),
-      int64_t(p.tokens) * p.key_heads * p.key_dim,
-      int64_t(p.key_heads) * p.key_dim,
-      int64_t(p.tokens) * p.value_heads * p.value_dim,
-      int64_t(p.value_heads) * p.value_dim,
-      g.data<float>(),
-      beta.data<float>(),
-      mask ? mask->data<bool>() : nullptr,
-      state.data<float>(),
-      y.data<T>(),
-      state_out.data<float>()};
-  cpu::gated_delta_forward<T>(p, algorithm, buffers);
+  cpu::gated_delta_forward<T>(
+      p, algorithm,
+      cpu::contiguous_buffers<T>(
+          p, q.data<T>(), k.data<T>(), v.data<T>(), g.data<float>(),
+          beta.data<float>(), mask ? mask->data<bool>() : nullptr,
+          state.data<float>(), y.data<T>(), state_out.data<float>()));
 }
 
 }  // namespace
@@ -57,12 +48,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
   GatedDeltaParams p;
   const auto& q = inputs[kQ];
   const auto& v = inputs[kV];
-  p.batch = q.shape(0);
-  p.tokens = q.shape(1);
-  p.key_heads = q.shape(2);
-  p.key_dim = q.shape(3);
-  p.value_heads = v.shape(2);
-  p.value_dim = v.shape(3);
+  p.set_shape({q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
   p.scale = scale_;
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;

@@ -5,6 +5,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "validation/extents.h"
+
 namespace mlx_gated_delta::metal {
 
 namespace {
@@ -95,13 +97,6 @@ const void* Plan::params_data(const Dispatch& dispatch) const {
 size_t Plan::params_size(const Dispatch& dispatch) const {
   return dispatch.params_block == KernelParamsBlock::Core ? sizeof(kernel_params)
                                                           : sizeof(segment_params);
-}
-
-Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
-  if (params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
-    return Algorithm::Recurrent;
-  }
-  return Algorithm::Chunked;
 }
 
 namespace {

@@ -1,4 +1,4 @@
-// Shapes and parameters of the fused layer segment (API.md section 3).
+// Shapes and parameters of the fused layer segment (docs/contract.md).
 //
 // Plain C++ with no backend and no MLX dependency, like core/core_params.h:
 // the CPU kernels, the primitive and the op function read the same struct.
@@ -54,7 +54,7 @@ struct SegmentParams : ProblemShape {
   // the core and the readout scale is Dk ** -0.5.
   GatedDeltaParams core_params() const {
     GatedDeltaParams core;
-    static_cast<ProblemShape&>(core) = *this;
+    core.set_shape(*this);
     core.scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
     core.head_mapping = head_mapping;
     core.normalize_qk = true;
@@ -62,9 +62,5 @@ struct SegmentParams : ProblemShape {
     return core;
   }
 };
-
-// The segment's own checks before a Metal plan allocates: at least one conv
-// tap and the 32-bit extents of the packed input, q|k|v and the conv state.
-void validate_segment_plan_shape(const SegmentParams& params);
 
 }  // namespace mlx_gated_delta

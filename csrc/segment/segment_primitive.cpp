@@ -19,12 +19,8 @@ SegmentParams GatedDeltaSegment::params_for(
   const mx::array& mixed = inputs[0];
   const mx::array& conv_weight = inputs[1];
   SegmentParams p;
-  p.batch = mixed.shape(0);
-  p.tokens = mixed.shape(1);
-  p.key_heads = key_heads_;
-  p.value_heads = value_heads_;
-  p.key_dim = key_dim_;
-  p.value_dim = value_dim_;
+  p.set_shape({mixed.shape(0), mixed.shape(1), key_heads_, value_heads_, key_dim_,
+               value_dim_});
   p.conv_kernel = conv_weight.shape(1);
   p.decay_parameterization = decay_parameterization_;
   p.head_mapping = head_mapping_;

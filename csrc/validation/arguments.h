@@ -1,12 +1,17 @@
-// Argument checks shared by the op functions (API.md section 5): messages name
-// the argument, the expected and the actual shape or dtype. Wrong values throw
-// std::invalid_argument (Python: ValueError); wrong types throw
-// std::domain_error, which the bindings turn into TypeError.
+// The argument checks of the op functions, all of them (docs/contract.md,
+// "Errors"): messages name the argument, the expected and the actual shape or
+// dtype. Wrong values throw std::invalid_argument (Python: ValueError); wrong
+// types throw std::domain_error, which the bindings turn into TypeError. Each
+// op's checks end with the extents of validation/extents.h, before any
+// allocation.
 #pragma once
 
+#include <optional>
 #include <string>
 
+#include "core/core_params.h"
 #include "mlx/array.h"
+#include "segment/segment_params.h"
 
 namespace mlx_gated_delta {
 
@@ -22,5 +27,50 @@ void check_floating(const std::string& name, const mlx::core::array& a);
 // float32, float16 or bfloat16: the activation dtypes the kernels read.
 bool is_activation_dtype(mlx::core::Dtype dtype);
 void check_activation_dtype(const std::string& name, const mlx::core::array& a);
+
+// A recurrent state: the given shape, float32.
+void check_state(const std::string& name, const mlx::core::array& state,
+                 const mlx::core::Shape& shape);
+// A mask: [B, T], bool.
+void check_mask(const mlx::core::array& mask, int batch, int tokens);
+
+// How error messages name the gate and the state: the MLX-compatible entry
+// point calls them gamma and initial_state (and passes log(gamma) as g).
+struct CoreArgumentNames {
+  std::string g = "g";
+  std::string state = "state";
+};
+
+// Every check of the core op's arguments; fills the shape and the scale of
+// `params` (the default scale is Dk ** -0.5).
+void check_core_arguments(
+    GatedDeltaParams& params,
+    const mlx::core::array& q,
+    const mlx::core::array& k,
+    const mlx::core::array& v,
+    const mlx::core::array& g,
+    const mlx::core::array& beta,
+    const std::optional<mlx::core::array>& state,
+    std::optional<float> scale,
+    const std::optional<mlx::core::array>& mask,
+    const CoreArgumentNames& names);
+
+// Every check of the segment op's arguments; fills the shape, conv_kernel
+// and norm_eps of `params`.
+void check_segment_arguments(
+    SegmentParams& params,
+    const mlx::core::array& mixed_qkvzba,
+    const mlx::core::array& conv_weight,
+    const mlx::core::array& decay_parameter,
+    const mlx::core::array& dt_bias,
+    const mlx::core::array& norm_weight,
+    const std::optional<mlx::core::array>& conv_state,
+    const std::optional<mlx::core::array>& state,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim,
+    float norm_eps,
+    const std::optional<mlx::core::array>& mask);
 
 }  // namespace mlx_gated_delta
