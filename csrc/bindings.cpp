@@ -33,7 +33,7 @@ constexpr int kGuardWords = 16;
 
 // Runs the CPU kernel directly on output buffers followed by kGuardWords
 // sentinel values each, and returns what lies past the end, so a test can
-// prove no write lands past y or the state (the original design's guard).
+// prove no write lands past y or the state.
 template <typename T>
 nb::tuple run_guarded(
     const GatedDeltaParams& p, Algorithm algorithm, std::vector<mx::array> in,

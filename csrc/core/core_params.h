@@ -15,7 +15,7 @@
 
 namespace mlx_gated_delta {
 
-// Which key head a value head reads (API.md, "Head mappings").
+// Which key head a value head reads (docs/contract.md).
 enum class HeadMapping : int {
   Grouped = 0,      // kh = h / (Hv / Hk)
   Interleaved = 1,  // kh = h % Hk

@@ -1,4 +1,4 @@
-// The MLX primitive of the fused layer segment (API.md section 3).
+// The MLX primitive of the fused layer segment (docs/contract.md).
 #pragma once
 
 #include "mlx/primitives.h"

@@ -9,7 +9,7 @@ review) makes every test that relied on the old one fail.
 Metrics:
 - `max_abs`: the largest |actual - expected|.
 - `max_rel`: the largest |actual - expected| divided by the largest |expected|
-  of the same batch row and head (API.md's accuracy measure), or by the
+  of the same batch row and head (docs/numerics.md), or by the
   contract's magnitude floor where that is larger.
 - `norm_ratio`: ||actual - expected||_2 / ||expected||_2 over the whole tensor,
   the norm no less than the magnitude floor.
@@ -69,7 +69,7 @@ class Contract:
         return (axes.index("B"), axes.index("H"))
 
 
-# The float32 accuracy of every algorithm (API.md section 1). The recurrence is
+# The float32 accuracy of every algorithm (docs/contract.md). The recurrence is
 # non-expansive for beta in [0, 2] and |k| <= 1, so float32 rounding (2^-24 per
 # operation) does not grow exponentially; over the few hundred tokens and
 # 128-long dot products of the tests it stays near 1e-6, and the contract
@@ -144,7 +144,7 @@ _REFERENCE_CONTRACTS = (
     _relative("reference.transcription.v2.float64.output", 1e-12, _OUTPUT),
     _relative("reference.transcription.v2.float64.state", 1e-12, _STATE),
     # mx.fast.gated_delta_update is a float32 computation of the recurrence:
-    # the float32 contract of API.md against the exact result.
+    # the float32 contract of docs/numerics.md against the exact result.
     _relative("reference.mlx_fast.v2.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
     _relative("reference.mlx_fast.v2.float32.state", _FLOAT32_RELATIVE, _STATE),
 )
@@ -152,7 +152,7 @@ _REFERENCE_CONTRACTS = (
 _CONV_STATE = "[B,K,C]"
 _LOGITS = "[B,T,V]"
 
-# The fused layer segment (API.md section 3) and the drop-in layer.
+# The fused layer segment (docs/contract.md) and the drop-in layer.
 _SEGMENT_CONTRACTS = (
     # The segment against its float64 oracle, any algorithm. The oracle sees
     # the inputs already rounded to the activation dtype and the segment keeps

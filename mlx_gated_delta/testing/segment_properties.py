@@ -1,5 +1,5 @@
-"""Property tests of the fused layer segment `gated_delta_segment` (API.md
-section 3): agreement with the float64 oracle over both decay
+"""Property tests of the fused layer segment `gated_delta_segment` (docs/contract.md):
+agreement with the float64 oracle over both decay
 parameterizations, both head mappings, the activation dtypes and masks; split
 continuity of out, conv state and state; the skip semantics of masks; T == 0.
 
@@ -118,7 +118,7 @@ def test_split_continuity_any_split_points_chunked(split):
     [("log_rate", "grouped"), ("negative_rate", "interleaved")],
 )
 def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapping):
-    # The original design's conformance case: half-precision activations, a
+    # The conformance case: half-precision activations, a
     # carried conv state and recurrent state, decode split after token 3 of 4.
     case = make_segment_case(
         7,
