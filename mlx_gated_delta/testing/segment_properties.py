@@ -218,3 +218,59 @@ def test_inputs_are_not_written():
     mx.eval(run(case))
     for name, a, b in zip(["mixed", "w", "decay", "dt", "norm", "conv", "state"], before, case.args()):
         assert np.array_equal(a, to_float64(b)), name
+
+
+@pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
+def test_vmap_is_one_call_per_mapped_slice(algorithm):
+    # Three slices of the activations and states (scaled copies), the weights
+    # shared: the mapped call folds the slices into the batch.
+    case = make_segment_case(
+        5, batch=2, tokens=7, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        mask_kind="random",
+    )
+    mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
+    options = {name: value for name, value in case.options.items() if name != "mask"}
+    mask = case.options["mask"]
+    stacked = [mx.stack([x, 0.5 * x, 0.25 * x]) for x in (mixed, conv_state, state)]
+    stacked.append(mx.stack([mask, ~mask, mask]))
+
+    def call(mixed, conv_state, state, mask):
+        return gated_delta_segment(mixed, weight, decay, dt_bias, norm, conv_state, state,
+                                   mask=mask, algorithm=algorithm, **options)
+
+    mapped = mx.vmap(call)(*stacked)
+    for i in range(3):
+        for name, got, expected in zip(("out", "conv_state", "state"), mapped,
+                                       call(*(x[i] for x in stacked))):
+            assert np.array_equal(to_float64(got[i]), to_float64(expected)), (name, i)
+
+
+def test_vmap_over_the_weights_is_refused_clearly():
+    case = make_segment_case(6, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
+                             value_dim=8)
+    mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
+
+    def call(weight):
+        return gated_delta_segment(mixed, weight, decay, dt_bias, norm, conv_state, state,
+                                   **case.options)
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.vmap(call)(mx.stack([weight, weight])))
+    assert "vmap" in str(failure.value) and "conv_weight" in str(failure.value)
+
+
+def test_grad_and_jvp_through_the_segment_raise_clear_errors():
+    # No vjp or jvp yet: refused, never silently wrong (or zero).
+    case = make_segment_case(7, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
+                             value_dim=8)
+    mixed, *rest = case.args()
+
+    def out(mixed):
+        return gated_delta_segment(mixed, *rest, **case.options)[0]
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.grad(lambda x: out(x).sum())(mixed))
+    assert "gated_delta_segment" in str(failure.value) and "gradient" in str(failure.value)
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.jvp(out, [mixed], [mx.ones_like(mixed)]))
+    assert "gated_delta_segment" in str(failure.value) and "jvp" in str(failure.value)
