@@ -144,29 +144,14 @@ def to_float64(x):
 # ---------------------------------------------------------------------------
 
 
-def gated_delta_rule_chunked_reference(
-    q,
-    k,
-    v,
-    g,
-    beta,
-    state=None,
-    *,
-    scale=None,
-    head_mapping="grouped",
-    mask=None,
-    normalize_qk=False,
-    chunk_size=CHUNK_SIZE,
-):
+def gated_delta_rule_chunked_reference(*args, **options):
     """`gated_delta_rule_reference` computed in the chunked form.
 
-    Same arguments and result `(y, state)`; equal to the recurrent oracle up to
+    The arguments of `chunked_stages` (those of the recurrent oracle, and
+    `chunk_size`); returns `(y, state)`, equal to the recurrent oracle's up to
     float64 rounding. `chunked_stages` returns every stage's output as well.
     """
-    stages = chunked_stages(
-        q, k, v, g, beta, state, scale=scale, head_mapping=head_mapping,
-        mask=mask, normalize_qk=normalize_qk, chunk_size=chunk_size,
-    )
+    stages = chunked_stages(*args, **options)
     return stages["y"], stages["state"]
 
 
