@@ -21,7 +21,8 @@ namespace {
 //   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i);  T = (I + A)^-1
 //   recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
 //   chunk_carry    V' = U - W S0^T (the true deltas), the inter-chunk output
-//                  decay(i,-1) S0 q_i, and S_end = decay(L-1,-1) S0
+//                  decay(i,-1) S0 q_i, and (chunk_carry_state, after
+//                  chunk_output) S_end = decay(L-1,-1) S0
 //                  + sum_j decay(L-1, j) V'_j k_j^T
 //   chunk_output   y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
 // Every stage is a product of small matrices (small_gemm.h). The state is held
@@ -227,11 +228,11 @@ void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
        Triangle::LowerA);
 }
 
-// chunk_carry: V' = U - W S0^T (the deltas, now that the entry state is
-// known), the inter-chunk output decay(i,-1) S0 q_i, then the exit state
-// S_end^T = decay(L-1,-1) S0^T + (diag(decay(L-1, j)) K)^T V'.
+// chunk_carry, in two steps around chunk_output. The first: V' = U - W S0^T
+// (the deltas, now that the entry state is known) and the inter-chunk output
+// decay(i,-1) S0 q_i.
 void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
-                 float* state_t) {
+                 const float* state_t) {
   const int dk = p.key_dim, dv = p.value_dim;
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
@@ -243,7 +244,14 @@ void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
       s.y[i * dv + c] *= d;
     }
   }
+}
 
+// The second: the exit state S_end^T = decay(L-1,-1) S0^T
+// + (diag(decay(L-1, j)) K)^T V'. It runs after chunk_output, which reads the
+// output rows chunk_carry just wrote while they are still in cache.
+void chunk_carry_state(const GatedDeltaParams& p, int L, ChunkScratch& s,
+                       float* state_t) {
+  const int dk = p.key_dim, dv = p.value_dim;
   const float chunk_decay = s.decays.from_start(L - 1);
   for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
     state_t[e] *= chunk_decay;
@@ -320,6 +328,7 @@ void chunked_heads(
       recompute_w_u(p, h, start, L, s);
       chunk_carry(p, L, s, state_t);
       chunk_output(p, h, start, L, s);
+      chunk_carry_state(p, L, s, state_t);
     }
   }
   for (int n = 0; n < head_count; ++n) {

@@ -1,4 +1,4 @@
-// CPU kernels of the fused layer segment (see segment_cpu.h).
+// CPU kernels of the fused layer segment (see segment.h).
 #include "cpu/segment.h"
 
 #include <algorithm>
