@@ -30,7 +30,7 @@ std::vector<mx::array> gated_delta_rule(
   p.normalize_qk = normalize_qk;
   p.has_mask = mask.has_value();
 
-  check_core_arguments(p, q, k, v, g, beta, state, scale, mask, names);
+  check_core_arguments(p, {q, k, v, g, beta, state, mask}, scale, names);
   const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
 
   auto stream = mx::to_stream(s);

@@ -34,9 +34,11 @@ std::vector<mx::array> gated_delta_segment(
   const Algorithm requested = parse_algorithm(algorithm);
   p.has_mask = mask.has_value();
 
-  check_segment_arguments(p, mixed_qkvzba, conv_weight, decay_parameter, dt_bias,
-                          norm_weight, conv_state, state, key_heads, value_heads,
-                          key_dim, value_dim, norm_eps, mask);
+  check_segment_arguments(
+      p,
+      {mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
+       conv_state, state, mask},
+      {0, 0, key_heads, value_heads, key_dim, value_dim}, norm_eps);
   const mx::Dtype dtype = mixed_qkvzba.dtype();
   const int C = p.conv_channels();
   const mx::Shape conv_state_shape = {p.batch, p.conv_state_rows(), C};

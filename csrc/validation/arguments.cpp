@@ -84,17 +84,10 @@ void check_mask(const mx::array& mask, int batch, int tokens) {
   }
 }
 
-void check_core_arguments(
-    GatedDeltaParams& p,
-    const mx::array& q,
-    const mx::array& k,
-    const mx::array& v,
-    const mx::array& g,
-    const mx::array& beta,
-    const std::optional<mx::array>& state,
-    std::optional<float> scale,
-    const std::optional<mx::array>& mask,
-    const CoreArgumentNames& names) {
+void check_core_arguments(GatedDeltaParams& p, const CoreArrays& arrays,
+                          std::optional<float> scale,
+                          const CoreArgumentNames& names) {
+  const auto& [q, k, v, g, beta, state, mask] = arrays;
   check_rank("q", q, 4, "[B, T, Hk, Dk]");
   check_rank("k", k, 4, "[B, T, Hk, Dk]");
   check_rank("v", v, 4, "[B, T, Hv, Dv]");
@@ -146,21 +139,12 @@ void check_positive(const char* name, int value) {
 
 }  // namespace
 
-void check_segment_arguments(
-    SegmentParams& p,
-    const mx::array& mixed_qkvzba,
-    const mx::array& conv_weight,
-    const mx::array& decay_parameter,
-    const mx::array& dt_bias,
-    const mx::array& norm_weight,
-    const std::optional<mx::array>& conv_state,
-    const std::optional<mx::array>& state,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim,
-    float norm_eps,
-    const std::optional<mx::array>& mask) {
+void check_segment_arguments(SegmentParams& p, const SegmentArrays& arrays,
+                             const ProblemShape& heads, float norm_eps) {
+  const auto& [mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
+               conv_state, state, mask] = arrays;
+  const int key_heads = heads.key_heads, value_heads = heads.value_heads;
+  const int key_dim = heads.key_dim, value_dim = heads.value_dim;
   check_positive("key_heads", key_heads);
   check_positive("value_heads", value_heads);
   check_positive("key_dim", key_dim);

@@ -41,36 +41,28 @@ struct CoreArgumentNames {
   std::string state = "state";
 };
 
+// The arrays of one core op call, as the op received them.
+struct CoreArrays {
+  const mlx::core::array &q, &k, &v, &g, &beta;
+  const std::optional<mlx::core::array>&state, &mask;
+};
+
 // Every check of the core op's arguments; fills the shape and the scale of
 // `params` (the default scale is Dk ** -0.5).
-void check_core_arguments(
-    GatedDeltaParams& params,
-    const mlx::core::array& q,
-    const mlx::core::array& k,
-    const mlx::core::array& v,
-    const mlx::core::array& g,
-    const mlx::core::array& beta,
-    const std::optional<mlx::core::array>& state,
-    std::optional<float> scale,
-    const std::optional<mlx::core::array>& mask,
-    const CoreArgumentNames& names);
+void check_core_arguments(GatedDeltaParams& params, const CoreArrays& arrays,
+                          std::optional<float> scale,
+                          const CoreArgumentNames& names);
 
-// Every check of the segment op's arguments; fills the shape, conv_kernel
-// and norm_eps of `params`.
-void check_segment_arguments(
-    SegmentParams& params,
-    const mlx::core::array& mixed_qkvzba,
-    const mlx::core::array& conv_weight,
-    const mlx::core::array& decay_parameter,
-    const mlx::core::array& dt_bias,
-    const mlx::core::array& norm_weight,
-    const std::optional<mlx::core::array>& conv_state,
-    const std::optional<mlx::core::array>& state,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim,
-    float norm_eps,
-    const std::optional<mlx::core::array>& mask);
+// The arrays of one segment op call, as the op received them.
+struct SegmentArrays {
+  const mlx::core::array &mixed_qkvzba, &conv_weight, &decay_parameter,
+      &dt_bias, &norm_weight;
+  const std::optional<mlx::core::array>&conv_state, &state, &mask;
+};
+
+// Every check of the segment op's arguments; fills the shape (from the
+// packed input and `heads`), conv_kernel and norm_eps of `params`.
+void check_segment_arguments(SegmentParams& params, const SegmentArrays& arrays,
+                             const ProblemShape& heads, float norm_eps);
 
 }  // namespace mlx_gated_delta
