@@ -10,12 +10,14 @@
 
 #include <stdexcept>
 
-#include "cpu/gated_delta_cpu.h"
-#include "gated_delta/params.h"
+#include "core/core_op.h"
+#include "core/core_params.h"
+#include "core/dispatch.h"
+#include "cpu/core.h"
 #include "metal/library.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
-#include "ops.h"
+#include "validation/extents.h"
 
 namespace nb = nanobind;
 namespace mx = mlx::core;
@@ -33,7 +35,7 @@ constexpr int kGuardWords = 16;
 
 // Runs the CPU kernel directly on output buffers followed by kGuardWords
 // sentinel values each, and returns what lies past the end, so a test can
-// prove no write lands past y or the state (the original design's guard).
+// prove no write lands past y or the state.
 template <typename T>
 nb::tuple run_guarded(
     const GatedDeltaParams& p, Algorithm algorithm, std::vector<mx::array> in,
@@ -43,16 +45,12 @@ nb::tuple run_guarded(
       size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
   std::vector<T> y(y_size + kGuardWords, T(sentinel));
   std::vector<float> state(state_size + kGuardWords, sentinel);
-  cpu::CoreBuffers<T> buffers{
-      in[0].data<T>(), in[1].data<T>(), in[2].data<T>(),
-      int64_t(p.tokens) * p.key_heads * p.key_dim,
-      int64_t(p.key_heads) * p.key_dim,
-      int64_t(p.tokens) * p.value_heads * p.value_dim,
-      int64_t(p.value_heads) * p.value_dim,
-      in[3].data<float>(), in[4].data<float>(),
-      p.has_mask ? in[6].data<bool>() : nullptr,
-      in[5].data<float>(), y.data(), state.data()};
-  cpu::gated_delta_forward<T>(p, algorithm, buffers);
+  cpu::gated_delta_forward<T>(
+      p, algorithm,
+      cpu::contiguous_buffers<T>(
+          p, in[0].data<T>(), in[1].data<T>(), in[2].data<T>(), in[3].data<float>(),
+          in[4].data<float>(), p.has_mask ? in[6].data<bool>() : nullptr,
+          in[5].data<float>(), y.data(), state.data()));
   const mx::Dtype dtype = in[2].dtype();
   mx::array y_out(y.begin(), {p.batch, p.tokens, p.value_heads, p.value_dim}, dtype);
   mx::array y_tail(y.begin() + y_size, {kGuardWords}, dtype);

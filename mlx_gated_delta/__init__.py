@@ -1,5 +1,7 @@
 """Gated DeltaNet linear attention for MLX: fast CPU and Metal kernels."""
 
+from importlib.metadata import version as _version
+
 import mlx.core as _mx  # noqa: F401  (loads MLX's libraries before our extension)
 
 from . import nn
@@ -7,7 +9,8 @@ from .ops import gated_delta_rule, gated_delta_update
 from .patch import patch_mlx_lm
 from .segment import gated_delta_segment
 
-__version__ = "0.1.0"
+# Written once, in pyproject.toml.
+__version__ = _version("mlx-gated-delta")
 
 __all__ = [
     "gated_delta_rule",

@@ -106,7 +106,7 @@ def qwen3_next(B: int, T: int, dtype: str) -> Shape:
 
 
 def benchmark_shapes(quick: bool) -> list[Shape]:
-    """The shapes of PERFORMANCE.md; ``quick`` keeps the Qwen3-Next B=1 rows up to T=2048."""
+    """The benchmark shapes (benchmarks/RESULTS.md); ``quick`` keeps the Qwen3-Next B=1 rows up to T=2048."""
     dtypes = list(DTYPES)
     if quick:
         return [qwen3_next(1, T, d) for d in dtypes for T in (1, 64, 512, 2048)]

@@ -1,4 +1,4 @@
-"""The core op (API.md sections 1 and 2)."""
+"""The core op (docs/contract.md)."""
 
 from __future__ import annotations
 

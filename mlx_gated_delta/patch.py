@@ -1,4 +1,4 @@
-"""Swap mlx-lm's Gated DeltaNet layers for ours, in place (API.md section 4)."""
+"""Swap mlx-lm's Gated DeltaNet layers for ours, in place (docs/contract.md)."""
 
 from __future__ import annotations
 

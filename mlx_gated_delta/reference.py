@@ -1,8 +1,13 @@
-"""Float64 NumPy oracle of the gated-delta ops (API.md), independent of the C++.
+"""Float64 NumPy oracles of the gated-delta ops, independent of the C++.
 
-Every function here transcribes the contract directly: a loop over tokens, with
-batch rows and heads vectorised, everything in float64. The tests compare each
-fast path against these functions through the contracts of `testing.contracts`.
+`gated_delta_rule_reference` transcribes the contract (docs/contract.md)
+directly: a loop over tokens, with batch rows and heads vectorised, everything
+in float64. Beside it, `gated_delta_rule_chunked_reference` computes the same
+thing in the chunked form, built from one function per stage with the names the
+CPU and Metal kernels use (docs/stages.md); the per-stage tests compare each
+kernel stage with its namesake here. The segment oracle is split into its
+stages the same way. The tests compare each fast path against these functions
+through the contracts of `testing.contracts`.
 
 Arguments may be NumPy arrays of any float dtype or mlx arrays; callers that
 test a low-precision path pass the inputs already rounded to that dtype, so the
@@ -12,8 +17,11 @@ oracle sees exactly the numbers the kernel sees.
 import mlx.core as mx
 import numpy as np
 
-# normalize_qk: x / sqrt(sum(x * x) + eps) per head (API.md section 1).
+# normalize_qk: x / sqrt(sum(x * x) + eps) per head (docs/contract.md).
 QK_NORM_EPS = 1e-6
+
+# Tokens per chunk of the chunked form, on every backend.
+CHUNK_SIZE = 64
 
 
 def gated_delta_rule_reference(
@@ -29,7 +37,7 @@ def gated_delta_rule_reference(
     mask=None,
     normalize_qk=False,
 ):
-    """The core recurrence of API.md section 1 with the log-space decay `g`.
+    """The core recurrence (docs/contract.md) with the log-space decay `g`.
 
     Returns `(y, state)` as float64 arrays: y `[B, T, Hv, Dv]`, state
     `[B, Hv, Dv, Dk]`.
@@ -37,8 +45,8 @@ def gated_delta_rule_reference(
     q, k, v, g, beta = (to_float64(x) for x in (q, k, v, g, beta))
     key_dim = q.shape[-1]
     if normalize_qk:
-        q = _l2_normalize(q)
-        k = _l2_normalize(k)
+        q = qk_norm(q)
+        k = qk_norm(k)
     if scale is None:
         scale = key_dim**-0.5
     return _delta_rule_recurrence(
@@ -49,7 +57,7 @@ def gated_delta_rule_reference(
 def gated_delta_update_reference(
     q, k, v, gamma, beta, initial_state=None, mask=None
 ):
-    """`mx.fast.gated_delta_update`'s meaning (API.md section 2).
+    """`mx.fast.gated_delta_update`'s meaning (docs/contract.md).
 
     `gamma` is the linear decay and is applied as it is, never through
     `log`, so `gamma == 0` wipes the state exactly. No scale (1), grouped
@@ -62,7 +70,7 @@ def gated_delta_update_reference(
 
 
 def key_head_of(value_heads, key_heads, head_mapping):
-    """Index array: the key head each value head reads (API.md, head mappings)."""
+    """Index array: the key head each value head reads (docs/contract.md)."""
     value_head = np.arange(value_heads)
     if head_mapping == "grouped":
         return value_head // (value_heads // key_heads)
@@ -113,7 +121,8 @@ def _delta_rule_recurrence(
     return y, S
 
 
-def _l2_normalize(x):
+def qk_norm(x):
+    """Stage qk_norm: each row of the last axis over sqrt(|x|^2 + eps)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)
 
 
@@ -126,7 +135,204 @@ def to_float64(x):
 
 
 # ---------------------------------------------------------------------------
-# The fused layer segment (API.md section 3).
+# The chunked form, stage by stage (docs/stages.md, docs/numerics.md).
+#
+# Per-chunk arrays are laid out [B, H, C, L] (C chunks of L = CHUNK_SIZE
+# tokens; the last chunk padded with no-op tokens), per-chunk tiles
+# [B, H, C, L, L], per-token rows [B, H, C, L, D]. Masked and padded tokens are
+# no-ops: decay 1 (g = 0) and beta 0.
+# ---------------------------------------------------------------------------
+
+
+def gated_delta_rule_chunked_reference(*args, **options):
+    """`gated_delta_rule_reference` computed in the chunked form.
+
+    The arguments of `chunked_stages` (those of the recurrent oracle, and
+    `chunk_size`); returns `(y, state)`, equal to the recurrent oracle's up to
+    float64 rounding. `chunked_stages` returns every stage's output as well.
+    """
+    stages = chunked_stages(*args, **options)
+    return stages["y"], stages["state"]
+
+
+def chunked_stages(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+    chunk_size=CHUNK_SIZE,
+):
+    """The chunked pipeline; returns a dict of every stage's output by name.
+
+    Keys: `q`, `k` (after qk_norm), `log_cumsum`, `last_wipe`,
+    `beta_effective` (gate_cumsum), `k_gram`, `qk` (key-head tiles),
+    `kkt_inverse`, `w`, `u` (recompute_w_u), `corrected` (v'), `output_inter`,
+    `entry_states` ([B, Hv, C, Dv, Dk], the state each chunk starts from),
+    `state` (chunk_carry), `y` ([B, T, Hv, Dv], chunk_output).
+    """
+    q, k, v, g, beta = (to_float64(x) for x in (q, k, v, g, beta))
+    batch, tokens, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = key_dim**-0.5
+    if normalize_qk:
+        q, k = qk_norm(q), qk_norm(k)
+    active = (
+        np.ones((batch, tokens), dtype=bool)
+        if mask is None
+        else np.asarray(mask, dtype=bool)
+    )
+    if state is None:
+        state = np.zeros((batch, value_heads, value_dim, key_dim))
+    out = {"q": q, "k": k}
+    log_cumsum, last_wipe, beta_effective = gate_cumsum(g, beta, active, chunk_size)
+    out.update(log_cumsum=log_cumsum, last_wipe=last_wipe, beta_effective=beta_effective)
+    q_rows, k_rows = chunk_rows(q, chunk_size), chunk_rows(k, chunk_size)
+    out["k_gram"] = k_gram(k_rows)
+    out["qk"] = chunk_qk(q_rows, k_rows)
+    # Every value head reads its key head's rows and tiles.
+    key_head = key_head_of(value_heads, key_heads, head_mapping)
+    out["kkt_inverse"] = kkt_inverse(
+        out["k_gram"][:, key_head], log_cumsum, last_wipe, beta_effective
+    )
+    out["w"], out["u"] = recompute_w_u(
+        out["kkt_inverse"], k_rows[:, key_head], chunk_rows(v, chunk_size),
+        log_cumsum, last_wipe, beta_effective,
+    )
+    out["corrected"], out["output_inter"], out["entry_states"], out["state"] = chunk_carry(
+        out["w"], out["u"], q_rows[:, key_head], k_rows[:, key_head],
+        log_cumsum, last_wipe, to_float64(state), scale,
+    )
+    out["y"] = chunk_output(
+        out["qk"][:, key_head], out["corrected"], out["output_inter"],
+        log_cumsum, last_wipe, active, scale,
+    )
+    return out
+
+
+def gate_cumsum(g, beta, active, chunk_size=CHUNK_SIZE):
+    """Stage gate_cumsum: g, beta `[B, T, H]` and the mask `[B, T]` ->
+    `(log_cumsum, last_wipe, beta_effective)`, each `[B, H, C, L]`.
+
+    log_cumsum is the in-chunk inclusive sum of the finite g; last_wipe the
+    last in-chunk index <= i whose g is -inf (a wipe, from gamma == 0), or -1;
+    beta_effective is beta, 0 on masked and padded tokens. Keeping wipes by
+    position means no difference of sums is ever -inf - -inf.
+    """
+    active = np.broadcast_to(np.asarray(active, dtype=bool)[..., None], g.shape)
+    g = chunk_rows(np.where(active, g, 0.0)[..., None], chunk_size)[..., 0]
+    beta = chunk_rows(np.where(active, beta, 0.0)[..., None], chunk_size)[..., 0]
+    wipe = np.isneginf(g)
+    log_cumsum = np.cumsum(np.where(wipe, 0.0, g), axis=-1)
+    index = np.arange(g.shape[-1])
+    last_wipe = np.maximum.accumulate(np.where(wipe, index, -1), axis=-1)
+    return log_cumsum, last_wipe, beta
+
+
+def chunk_decay(log_cumsum, last_wipe):
+    """decay(i, j) = prod_{j < s <= i} exp(g_s) as `[..., L, L]` tiles: 0
+    above the diagonal and wherever a wipe lies in (j, i]."""
+    i = np.arange(log_cumsum.shape[-1])
+    lower = i[None, :] <= i[:, None]
+    wiped = last_wipe[..., :, None] > i[None, :]
+    with np.errstate(over="ignore"):
+        decay = np.exp(log_cumsum[..., :, None] - log_cumsum[..., None, :])
+    return np.where(lower & ~wiped, decay, 0.0)
+
+
+def decay_from_start(log_cumsum, last_wipe):
+    """decay(i, -1): from the chunk's entry state to token i, `[..., L]`."""
+    return np.where(last_wipe < 0, np.exp(log_cumsum), 0.0)
+
+
+def k_gram(k_rows):
+    """Stage k_gram: the undecayed K K^T of each chunk, `[B, Hk, C, L, L]`."""
+    return np.einsum("bhcid,bhcjd->bhcij", k_rows, k_rows)
+
+
+def chunk_qk(q_rows, k_rows):
+    """Stage chunk_qk: the undecayed Q K^T of each chunk, `[B, Hk, C, L, L]`."""
+    return np.einsum("bhcid,bhcjd->bhcij", q_rows, k_rows)
+
+
+def kkt_inverse(k_gram_tiles, log_cumsum, last_wipe, beta_effective):
+    """Stage kkt_inverse: T = (I + A)^-1 with the strictly lower
+    A_ij = beta_i decay(i, j) k_i . k_j, per value head, `[B, Hv, C, L, L]`."""
+    length = log_cumsum.shape[-1]
+    strictly_lower = np.tri(length, k=-1, dtype=bool)
+    a = np.where(
+        strictly_lower,
+        beta_effective[..., :, None] * chunk_decay(log_cumsum, last_wipe) * k_gram_tiles,
+        0.0,
+    )
+    return np.linalg.inv(np.eye(length) + a)
+
+
+def recompute_w_u(inverse, k_rows, v_rows, log_cumsum, last_wipe, beta_effective):
+    """Stage recompute_w_u: `(W, U)` with U = T diag(beta) V and
+    W = T diag(beta decay(i, -1)) K, rows `[B, Hv, C, L, D]`."""
+    u = inverse @ (beta_effective[..., None] * v_rows)
+    w_scale = beta_effective * decay_from_start(log_cumsum, last_wipe)
+    w = inverse @ (w_scale[..., None] * k_rows)
+    return w, u
+
+
+def chunk_carry(w, u, q_rows, k_rows, log_cumsum, last_wipe, state, scale):
+    """Stage chunk_carry: walks the chunks in order from `state` and returns
+    `(corrected, output_inter, entry_states, final_state)`.
+
+    With S the state a chunk starts from: corrected v' = U - W S^T, the
+    inter-chunk output scale decay(i, -1) S q_i, and the next state
+    decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T.
+    """
+    chunks = w.shape[2]
+    from_start = decay_from_start(log_cumsum, last_wipe)
+    to_end = chunk_decay(log_cumsum, last_wipe)[..., -1, :]
+    corrected = np.empty_like(u)
+    output_inter = np.empty_like(u)
+    entry_states = np.empty(state.shape[:2] + (chunks,) + state.shape[2:])
+    S = state.copy()
+    for c in range(chunks):
+        entry_states[:, :, c] = S
+        corrected[:, :, c] = u[:, :, c] - np.einsum("bhik,bhvk->bhiv", w[:, :, c], S)
+        output_inter[:, :, c] = scale * from_start[:, :, c, :, None] * np.einsum(
+            "bhvk,bhik->bhiv", S, q_rows[:, :, c]
+        )
+        S = from_start[:, :, c, -1, None, None] * S + np.einsum(
+            "bhj,bhjv,bhjk->bhvk", to_end[:, :, c], corrected[:, :, c], k_rows[:, :, c]
+        )
+    return corrected, output_inter, entry_states, S
+
+
+def chunk_output(qk_tiles, corrected, output_inter, log_cumsum, last_wipe, active, scale):
+    """Stage chunk_output: y_i = inter_i + scale sum_{j <= i} decay(i, j)
+    (q_i . k_j) v'_j, 0 on masked tokens; returns `[B, T, Hv, Dv]`."""
+    weights = chunk_decay(log_cumsum, last_wipe) * qk_tiles
+    rows = output_inter + scale * weights @ corrected  # [B, Hv, C, L, Dv]
+    batch, heads, chunks, length, dim = rows.shape
+    tokens = active.shape[1]
+    y = rows.reshape(batch, heads, chunks * length, dim)[:, :, :tokens].transpose(0, 2, 1, 3)
+    return np.where(np.asarray(active, dtype=bool)[..., None, None], y, 0.0)
+
+
+def chunk_rows(x, chunk_size=CHUNK_SIZE):
+    """`[B, T, H, D]` -> `[B, H, C, L, D]`, the last chunk padded with zeros."""
+    batch, tokens, heads, dim = x.shape
+    chunks = -(-tokens // chunk_size)
+    padded = np.zeros((batch, chunks * chunk_size, heads, dim))
+    padded[:, :tokens] = x
+    return padded.reshape(batch, chunks, chunk_size, heads, dim).transpose(0, 3, 1, 2, 4)
+
+
+# ---------------------------------------------------------------------------
+# The fused layer segment (docs/contract.md), stage by stage.
 # ---------------------------------------------------------------------------
 
 
@@ -162,57 +368,31 @@ def gated_delta_segment_reference(
     """
     x = to_float64(mixed_qkvzba)
     batch, tokens, width = x.shape
-    qk_width = key_heads * key_dim
-    v_width = value_heads * value_dim
-    channels = 2 * qk_width + v_width
-    if width != channels + v_width + 2 * value_heads:
+    layout = SegmentLayout(key_heads, value_heads, key_dim, value_dim)
+    if width != layout.packed_width:
         raise ValueError(f"packed width {width} does not match the head layout")
-    weight = to_float64(conv_weight).reshape(channels, -1)  # [C, K] or [C, K, 1]
-    kernel = weight.shape[1]
-
-    decay_parameter = to_float64(decay_parameter)
-    if decay_parameterization == "log_rate":
-        rate = -np.exp(decay_parameter)
-    elif decay_parameterization == "negative_rate":
-        rate = decay_parameter
-    else:
-        raise ValueError(
-            "decay_parameterization must be 'log_rate' or 'negative_rate', got "
-            f"{decay_parameterization!r}"
-        )
-
+    weight = to_float64(conv_weight).reshape(layout.channels, -1)  # [C, K] or [C, K, 1]
     window = (
-        np.zeros((batch, kernel - 1, channels))
+        np.zeros((batch, weight.shape[1] - 1, layout.channels))
         if conv_state is None
-        else to_float64(conv_state).copy()
+        else to_float64(conv_state)
     )
     active = (
         np.ones((batch, tokens), dtype=bool)
         if mask is None
         else np.asarray(mask, dtype=bool)
     )
-    qkv = np.zeros((batch, tokens, channels))
-    for b in range(batch):
-        for t in range(tokens):
-            if not active[b, t]:
-                continue  # skipped: the window does not move
-            taps = np.concatenate([window[b], x[b, t, None, :channels]])  # [K, C]
-            window[b] = taps[1:]
-            # The newest input meets the last tap, as in mlx's Conv1d.
-            conv = np.einsum("kc,ck->c", taps, weight)
-            qkv[b, t] = conv * _sigmoid(conv)
 
-    z = x[..., channels : channels + v_width].reshape(
-        batch, tokens, value_heads, value_dim
+    qkv = prepare_conv(x, weight, window, active, layout)
+    new_window = collect_conv_state(x, window, active, layout)
+    g, beta = prepare_gates(
+        x, decay_parameter, dt_bias, layout, decay_parameterization
     )
-    b_gate = x[..., channels + v_width : channels + v_width + value_heads]
-    a_gate = x[..., channels + v_width + value_heads :]
-    g = rate * np.logaddexp(0.0, a_gate + to_float64(dt_bias))  # softplus
-    beta = _sigmoid(b_gate)
-
-    q = qkv[..., :qk_width].reshape(batch, tokens, key_heads, key_dim)
-    k = qkv[..., qk_width : 2 * qk_width].reshape(batch, tokens, key_heads, key_dim)
-    v = qkv[..., 2 * qk_width :].reshape(batch, tokens, value_heads, value_dim)
+    q = qkv[..., : layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
+    k = qkv[..., layout.qk_width : 2 * layout.qk_width].reshape(
+        batch, tokens, key_heads, key_dim
+    )
+    v = qkv[..., 2 * layout.qk_width :].reshape(batch, tokens, value_heads, value_dim)
     y, state = gated_delta_rule_reference(
         q,
         k,
@@ -225,11 +405,88 @@ def gated_delta_segment_reference(
         mask=active,
         normalize_qk=True,
     )
+    out = gated_norm(y, x, norm_weight, active, layout, norm_eps)
+    return out, new_window, state
 
+
+class SegmentLayout:
+    """Where the parts of one packed token row `[q | k | v | z | b | a]` lie."""
+
+    def __init__(self, key_heads, value_heads, key_dim, value_dim):
+        self.value_heads, self.value_dim = value_heads, value_dim
+        self.qk_width = key_heads * key_dim
+        self.v_width = value_heads * value_dim
+        self.channels = 2 * self.qk_width + self.v_width  # what the conv sees
+        self.z_offset = self.channels
+        self.b_offset = self.z_offset + self.v_width
+        self.a_offset = self.b_offset + value_heads
+        self.packed_width = self.a_offset + value_heads
+
+
+def prepare_conv(x, weight, window, active, layout):
+    """Stage prepare_conv: causal depthwise conv over q|k|v of each unmasked
+    token (the carried conv state first, the newest input on the last tap, as
+    in mlx's Conv1d), then SiLU; `[B, T, C]`, 0 on masked tokens, which enter
+    no window."""
+    batch, tokens = active.shape
+    history = _conv_history(x, window, active, layout)
+    taps = weight.shape[1]
+    qkv = np.zeros((batch, tokens, layout.channels))
+    for b in range(batch):
+        for n, t in enumerate(np.flatnonzero(active[b])):
+            rows = history[b][n : n + taps]  # [K, C]: this token's window
+            conv = np.einsum("kc,ck->c", rows, weight)
+            qkv[b, t] = conv * _sigmoid(conv)
+    return qkv
+
+
+def collect_conv_state(x, window, active, layout):
+    """Stage collect_conv_state: the last K-1 pre-conv rows of each batch row
+    (masked tokens skipped), reaching back into the carried state, `[B, K-1, C]`."""
+    rows = window.shape[1]
+    history = _conv_history(x, window, active, layout)
+    return np.stack([h[len(h) - rows :] for h in history])
+
+
+def prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization="log_rate"):
+    """Stage prepare_gates: `(g, beta)`, `[B, T, Hv]` each, with
+    g = rate softplus(a + dt_bias) and beta = sigmoid(b)."""
+    decay_parameter = to_float64(decay_parameter)
+    if decay_parameterization == "log_rate":
+        rate = -np.exp(decay_parameter)
+    elif decay_parameterization == "negative_rate":
+        rate = decay_parameter
+    else:
+        raise ValueError(
+            "decay_parameterization must be 'log_rate' or 'negative_rate', got "
+            f"{decay_parameterization!r}"
+        )
+    b_gate = x[..., layout.b_offset : layout.a_offset]
+    a_gate = x[..., layout.a_offset : layout.packed_width]
+    g = rate * np.logaddexp(0.0, a_gate + to_float64(dt_bias))  # softplus
+    return g, _sigmoid(b_gate)
+
+
+def gated_norm(y, x, norm_weight, active, layout, norm_eps=1e-6):
+    """Stage gated_norm: rms_norm(y) norm_weight silu(z) per (token, value
+    head), 0 on masked tokens; `[B, T, Hv, Dv]`."""
+    batch, tokens = active.shape
+    z = x[..., layout.z_offset : layout.b_offset].reshape(
+        batch, tokens, layout.value_heads, layout.value_dim
+    )
+    y = to_float64(y)
     rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + norm_eps)
     out = y / rms * to_float64(norm_weight) * (z * _sigmoid(z))
-    out = np.where(active[..., None, None], out, 0.0)
-    return out, window, state
+    return np.where(active[..., None, None], out, 0.0)
+
+
+def _conv_history(x, window, active, layout):
+    """Per batch row, the pre-conv rows the conv sees, oldest first: the
+    carried conv state, then every unmasked token's q|k|v."""
+    return [
+        np.concatenate([window[b], x[b, active[b], : layout.channels]])
+        for b in range(x.shape[0])
+    ]
 
 
 def _sigmoid(x):

@@ -1,4 +1,4 @@
-"""The fused layer segment (API.md section 3)."""
+"""The fused layer segment (docs/contract.md)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The kernel-choice predicates and the launch-extent check, as pure functions.
 
-The cases of the original design's tests (Qwen3-Next: Hk=16, Hv=32, D=128)
-plus the edges of each rule.
+The Qwen3-Next shape (Hk=16, Hv=32, D=128) plus the edges of each rule
+(csrc/core/dispatch.h).
 """
 
 import pytest

@@ -1,4 +1,4 @@
-"""Bad input gets a clear error at call time (API.md section 5).
+"""Bad input gets a clear error at call time (docs/contract.md).
 
 Each case checks the exception type and that the message names the argument,
 what was expected and what was given.

@@ -1,5 +1,5 @@
-"""`gated_delta_update`, the drop-in for `mx.fast.gated_delta_update` (API.md
-section 2): the same results in float32, and exact where MLX core is not."""
+"""`gated_delta_update`, the drop-in for `mx.fast.gated_delta_update`
+(docs/contract.md): the same results in float32, and exact where MLX core is not."""
 
 import mlx.core as mx
 import numpy as np

@@ -1,4 +1,4 @@
-"""The fused layer segment (API.md section 3): the errors for bad input and
+"""The fused layer segment (docs/contract.md): the errors for bad input and
 the checks tied to the CPU stream. Its property tests (oracle agreement, split
 continuity, masks, T == 0) live in the package, so that
 `python -m mlx_gated_delta selftest` runs them too; collected here by name."""

@@ -10,15 +10,21 @@ namespace mlx_gated_delta::cpu {
 namespace {
 
 // ---------------------------------------------------------------------------
-// Chunked WY/UT form. Per chunk of L tokens with entry state S0 ([Dv, Dk]):
-//   decay(i, j) = prod_{j < s <= i} exp(g_s)          (j = -1: chunk start)
-//   A_ij = beta_i decay(i, j) k_i.k_j   (j < i)        k_gram
-//   T = (I + A)^-1 (unit lower triangular)             solve_tril
-//   U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K   recompute_w_u
-//   V' = U - W S0^T                                    (the true deltas d_i)
-//   y_i = scale (decay(i,-1) S0 q_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
-//                                                      chunk_output
-//   S_end = decay(L-1,-1) S0 + sum_j decay(L-1, j) V'_j k_j^T     chunk_state
+// Chunked WY/UT form, per chunk of L tokens with entry state S0 ([Dv, Dk]), as
+// a pipeline of the stages the Metal kernels and the float64 reference
+// (mlx_gated_delta/reference.py) name the same way (docs/numerics.md has the
+// math and the stage table):
+//   qk_norm        q, k rows loaded as float32 (and L2-normalised)
+//   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: chunk start)
+//   k_gram         K K^T (lower triangle)
+//   chunk_qk       Q K^T (lower triangle)
+//   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i);  T = (I + A)^-1
+//   recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
+//   chunk_carry    V' = U - W S0^T (the true deltas), the inter-chunk output
+//                  decay(i,-1) S0 q_i, and (chunk_carry_state, after
+//                  chunk_output) S_end = decay(L-1,-1) S0
+//                  + sum_j decay(L-1, j) V'_j k_j^T
+//   chunk_output   y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
 // Every stage is a product of small matrices (small_gemm.h). The state is held
 // transposed ([Dk, Dv]) while a problem runs, so that it is the row-major
 // right-hand operand of the products that read and update it.
@@ -83,8 +89,8 @@ struct ChunkScratch {
       : q(kChunkSize * dk),
         k(kChunkSize * dk),
         k_transposed(dk * kChunkSize),
-        kk(kChunkSize * kChunkSize),
-        qk_raw(kChunkSize * kChunkSize),
+        k_gram(kChunkSize * kChunkSize),
+        qk(kChunkSize * kChunkSize),
         scaled_k(kChunkSize * dk),
         w(kChunkSize * dk),
         scaled_v(kChunkSize * dv),
@@ -92,15 +98,16 @@ struct ChunkScratch {
         y(kChunkSize * dv),
         decay(kChunkSize * kChunkSize),
         a(kChunkSize * kChunkSize),
-        t(kChunkSize * kChunkSize),
-        qk(kChunkSize * kChunkSize) {}
+        inverse(kChunkSize * kChunkSize),
+        qk_decayed(kChunkSize * kChunkSize) {}
   // Shared by the value heads of one key head.
-  std::vector<float> q, k, k_transposed, kk, qk_raw;
+  std::vector<float> q, k, k_transposed, k_gram, qk;
   bool active[kChunkSize];
-  // One value head's chunk.
+  // One value head's chunk. u holds U, then V' after chunk_carry; y holds the
+  // inter-chunk output, then the whole output row before scaling.
   std::vector<float> scaled_k, w;
   std::vector<float> scaled_v, u, y;
-  std::vector<float> decay, a, t, qk;
+  std::vector<float> decay, a, inverse, qk_decayed;
   float beta[kChunkSize];
   float g[kChunkSize];
   ChunkDecays decays;
@@ -119,76 +126,116 @@ void transpose(const float* in, int rows, int cols, int64_t ld_in, float* out,
   }
 }
 
-// solve_tril: T = (I + A)^-1 for the strictly lower A, row by row:
-// T_i = e_i - sum_{m<i} A_im T_m. Entries above the diagonal stay 0.
-void solve_tril(const float* a, int length, float* t) {
-  for (int i = 0; i < length; ++i) {
-    float* t_i = t + i * kChunkSize;
-    std::fill(t_i, t_i + kChunkSize, 0.0f);
-    t_i[i] = 1.0f;
-    for (int m = 0; m < i; ++m) {
-      axpy(-a[i * kChunkSize + m], t + m * kChunkSize, t_i, m + 1);
+// qk_norm: the chunk's q and k rows as float32, L2-normalised when asked.
+// The rows are copied first and normalised after: a copy loop keeps many
+// rows' loads in flight, where a per-row norm would wait on each row.
+template <typename T>
+void qk_norm(const GatedDeltaParams& p, const HeadView<T>& h, int start, int L,
+             ChunkScratch& s) {
+  const int dk = p.key_dim;
+  for (int i = 0; i < L; ++i) {
+    const int t = start + i;
+    s.active[i] = !h.mask || h.mask[t];
+    load_vector(h.q + t * h.qk_token_stride, &s.q[i * dk], dk);
+    load_vector(h.k + t * h.qk_token_stride, &s.k[i * dk], dk);
+  }
+  if (p.normalize_qk) {
+    for (int i = 0; i < L; ++i) {
+      normalize(&s.q[i * dk], dk);
+      normalize(&s.k[i * dk], dk);
     }
   }
 }
 
-// One value head's share of a chunk whose q and k (and their grams) are in
-// `s`: everything from the gates on. `state_t` is the head's state, [Dk, Dv].
-template <typename T>
-void chunk_value_head(
-    const GatedDeltaParams& p,
-    const HeadView<T>& h,
-    int start,
-    int L,
-    ChunkScratch& s,
-    float* state_t) {
-  const int dk = p.key_dim, dv = p.value_dim;
+// k_gram: the undecayed K K^T (lower triangle), once per key head; also
+// leaves K^T for chunk_qk.
+void k_gram(int dk, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
+  transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
+  fill_zero(s.k_gram);
+  gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
+       s.k_gram.data(), C, Triangle::LowerC);
+}
 
-  // A masked token is a step that changes nothing: decay 1 and beta 0 make
-  // its delta vanish; its output row is written as 0.
+// chunk_qk: the undecayed Q K^T (lower triangle), once per key head.
+void chunk_qk(int dk, int L, ChunkScratch& s) {
+  constexpr int C = kChunkSize;
+  fill_zero(s.qk);
+  gemm(L, L, dk, 1.0f, {s.q.data(), dk, 1}, s.k_transposed.data(), C,
+       s.qk.data(), C, Triangle::LowerC);
+}
+
+// gate_cumsum: one value head's gates and betas for the chunk, and its decay
+// matrix. A masked token is a step that changes nothing: decay 1 and beta 0
+// make its delta vanish.
+template <typename T>
+void gate_cumsum(const HeadView<T>& h, int start, int L, ChunkScratch& s) {
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
     s.g[i] = h.g[t * h.gate_token_stride];
     s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
-    load_vector(h.v + t * h.v_token_stride, &s.scaled_v[i * dv], dv);
+  }
+  s.decays.compute(s.g, s.active, L);
+  s.decays.lower_matrix(s.decay.data());
+}
+
+// kkt_inverse: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal, then
+// T = (I + A)^-1 row by row: T_i = e_i - sum_{m<i} A_im T_m. Entries above
+// the diagonal stay 0.
+void kkt_inverse(int L, ChunkScratch& s) {
+  constexpr int C = kChunkSize;
+  for (int i = 0; i < L; ++i) {
+    for (int j = 0; j < L; ++j) {
+      s.a[i * C + j] =
+          j < i ? s.beta[i] * s.decay[i * C + j] * s.k_gram[i * C + j] : 0.0f;
+    }
+  }
+  for (int i = 0; i < L; ++i) {
+    float* t_i = s.inverse.data() + i * C;
+    std::fill(t_i, t_i + C, 0.0f);
+    t_i[i] = 1.0f;
+    for (int m = 0; m < i; ++m) {
+      axpy(-s.a[i * C + m], s.inverse.data() + m * C, t_i, m + 1);
+    }
+  }
+}
+
+// recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
+template <typename T>
+void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
+                   int L, ChunkScratch& s) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  for (int i = 0; i < L; ++i) {
+    load_vector(h.v + (start + i) * h.v_token_stride, &s.scaled_v[i * dv], dv);
   }
   for (int i = 0; i < L; ++i) {
     for (int c = 0; c < dv; ++c) {
       s.scaled_v[i * dv + c] *= s.beta[i];
     }
   }
-  s.decays.compute(s.g, s.active, L);
-  s.decays.lower_matrix(s.decay.data());
-
-  // k_gram: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal.
-  for (int i = 0; i < L; ++i) {
-    for (int j = 0; j < L; ++j) {
-      s.a[i * C + j] =
-          j < i ? s.beta[i] * s.decay[i * C + j] * s.kk[i * C + j] : 0.0f;
-    }
-  }
-  solve_tril(s.a.data(), L, s.t.data());
-
-  // recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
   for (int i = 0; i < L; ++i) {
     const float w_scale = s.beta[i] * s.decays.from_start(i);
     for (int c = 0; c < dk; ++c) {
       s.scaled_k[i * dk + c] = w_scale * s.k[i * dk + c];
     }
   }
-  const MatrixA t_rows{s.t.data(), C, 1};
+  const MatrixA t_rows{s.inverse.data(), kChunkSize, 1};
   fill_zero(s.u);
   gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv,
        Triangle::LowerA);
   fill_zero(s.w);
   gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk,
        Triangle::LowerA);
+}
 
-  // V' = U - W S0^T: the deltas, now that the entry state is known.
+// chunk_carry, in two steps around chunk_output. The first: V' = U - W S0^T
+// (the deltas, now that the entry state is known) and the inter-chunk output
+// decay(i,-1) S0 q_i.
+void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
+                 const float* state_t) {
+  const int dk = p.key_dim, dv = p.value_dim;
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
-  // chunk_output: y_i = decay(i,-1) S0 q_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j
   fill_zero(s.y);
   gemm(L, dv, dk, 1.0f, {s.q.data(), dk, 1}, state_t, dv, s.y.data(), dv);
   for (int i = 0; i < L; ++i) {
@@ -197,26 +244,14 @@ void chunk_value_head(
       s.y[i * dv + c] *= d;
     }
   }
-  for (int i = 0; i < L; ++i) {
-    for (int j = 0; j < L; ++j) {
-      // The decay matrix is 0 above the diagonal.
-      s.qk[i * C + j] = s.decay[i * C + j] * s.qk_raw[i * C + j];
-    }
-  }
-  gemm(L, dv, L, 1.0f, {s.qk.data(), C, 1}, s.u.data(), dv, s.y.data(), dv,
-       Triangle::LowerA);
-  for (int i = 0; i < L; ++i) {
-    T* y = h.y + (start + i) * h.y_token_stride;
-    if (!s.active[i]) {
-      zero_output_row(y, dv);
-      continue;
-    }
-    for (int c = 0; c < dv; ++c) {
-      y[c] = T(p.scale * s.y[i * dv + c]);
-    }
-  }
+}
 
-  // chunk_state: S_end^T = decay(L-1,-1) S0^T + (diag(decay(L-1, j)) K)^T V'
+// The second: the exit state S_end^T = decay(L-1,-1) S0^T
+// + (diag(decay(L-1, j)) K)^T V'. It runs after chunk_output, which reads the
+// output rows chunk_carry just wrote while they are still in cache.
+void chunk_carry_state(const GatedDeltaParams& p, int L, ChunkScratch& s,
+                       float* state_t) {
+  const int dk = p.key_dim, dv = p.value_dim;
   const float chunk_decay = s.decays.from_start(L - 1);
   for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
     state_t[e] *= chunk_decay;
@@ -229,6 +264,33 @@ void chunk_value_head(
   }
   gemm(dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t,
        dv);
+}
+
+// chunk_output: y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j);
+// a masked token's output row is written as 0.
+template <typename T>
+void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
+                  int L, ChunkScratch& s) {
+  const int dv = p.value_dim;
+  constexpr int C = kChunkSize;
+  for (int i = 0; i < L; ++i) {
+    for (int j = 0; j < L; ++j) {
+      // The decay matrix is 0 above the diagonal.
+      s.qk_decayed[i * C + j] = s.decay[i * C + j] * s.qk[i * C + j];
+    }
+  }
+  gemm(L, dv, L, 1.0f, {s.qk_decayed.data(), C, 1}, s.u.data(), dv,
+       s.y.data(), dv, Triangle::LowerA);
+  for (int i = 0; i < L; ++i) {
+    T* y = h.y + (start + i) * h.y_token_stride;
+    if (!s.active[i]) {
+      zero_output_row(y, dv);
+      continue;
+    }
+    for (int c = 0; c < dv; ++c) {
+      y[c] = T(p.scale * s.y[i * dv + c]);
+    }
+  }
 }
 
 }  // namespace
@@ -254,31 +316,19 @@ void chunked_heads(
   for (int start = 0; start < p.tokens; start += C) {
     const int L = std::min(C, p.tokens - start);
 
-    // The rows are copied first and normalised after: a copy loop keeps many
-    // rows' loads in flight, where a per-row norm would wait on each row.
-    for (int i = 0; i < L; ++i) {
-      const int t = start + i;
-      s.active[i] = !first.mask || first.mask[t];
-      load_vector(first.q + t * first.qk_token_stride, &s.q[i * dk], dk);
-      load_vector(first.k + t * first.qk_token_stride, &s.k[i * dk], dk);
-    }
-    if (p.normalize_qk) {
-      for (int i = 0; i < L; ++i) {
-        normalize(&s.q[i * dk], dk);
-        normalize(&s.k[i * dk], dk);
-      }
-    }
-    // The undecayed grams K K^T and Q K^T (lower triangles), once per key head.
-    transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
-    fill_zero(s.kk);
-    gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
-         s.kk.data(), C, Triangle::LowerC);
-    fill_zero(s.qk_raw);
-    gemm(L, L, dk, 1.0f, {s.q.data(), dk, 1}, s.k_transposed.data(), C,
-         s.qk_raw.data(), C, Triangle::LowerC);
-
+    // Once per key head, shared by its value heads.
+    qk_norm(p, first, start, L, s);
+    k_gram(dk, L, s);
+    chunk_qk(dk, L, s);
     for (int n = 0; n < head_count; ++n) {
-      chunk_value_head(p, heads[n], start, L, s, &states[size_t(n) * dk * dv]);
+      const HeadView<T>& h = heads[n];
+      float* state_t = &states[size_t(n) * dk * dv];
+      gate_cumsum(h, start, L, s);
+      kkt_inverse(L, s);
+      recompute_w_u(p, h, start, L, s);
+      chunk_carry(p, L, s, state_t);
+      chunk_output(p, h, start, L, s);
+      chunk_carry_state(p, L, s, state_t);
     }
   }
   for (int n = 0; n < head_count; ++n) {

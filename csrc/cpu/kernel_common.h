@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 #include "mlx/types/half_types.h"
 
 namespace mlx_gated_delta::cpu {
@@ -35,7 +35,7 @@ inline void load_vector(const T* source, float* out, int n) {
   }
 }
 
-// q and k are optionally L2-normalised per head, in float32 (API.md).
+// q and k are optionally L2-normalised per head, in float32 (docs/contract.md).
 inline void normalize(float* x, int n) {
   const float inverse_norm = 1.0f / std::sqrt(dot(x, x, n) + 1e-6f);
   for (int i = 0; i < n; ++i) {

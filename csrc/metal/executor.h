@@ -5,7 +5,7 @@
 
 #include <vector>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 #include "segment/segment_params.h"
 #include "mlx/array.h"
 #include "mlx/stream.h"

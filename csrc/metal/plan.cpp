@@ -5,6 +5,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "validation/extents.h"
+
 namespace mlx_gated_delta::metal {
 
 namespace {
@@ -35,6 +37,17 @@ unsigned ceil_div(uint64_t a, uint64_t b) {
 
 std::string kernel_name(const char* stage, ActivationDtype dtype) {
   return std::string("gated_delta_") + stage + "_" + to_string(dtype);
+}
+
+// The six shape fields every scalar block starts with.
+template <typename KernelParams>
+void set_kernel_shape(KernelParams& k, const ProblemShape& shape) {
+  k.batch = shape.batch;
+  k.tokens = shape.tokens;
+  k.key_heads = shape.key_heads;
+  k.value_heads = shape.value_heads;
+  k.key_dim = shape.key_dim;
+  k.value_dim = shape.value_dim;
 }
 
 }  // namespace
@@ -86,41 +99,21 @@ size_t Plan::params_size(const Dispatch& dispatch) const {
                                                           : sizeof(segment_params);
 }
 
-Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
-  if (params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
-    return Algorithm::Recurrent;
-  }
-  return Algorithm::Chunked;
-}
-
 namespace {
 
-Dispatch make_dispatch(const Plan& plan, const char* stage, std::string kernel, Grid3 groups,
-                       unsigned threads, size_t threadgroup_bytes,
-                       const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
-                       unsigned params_index, const std::vector<PlanBuffer>& writes) {
-  Dispatch d;
-  d.stage = stage;
-  d.kernel = std::move(kernel);
-  d.threadgroups = groups;
-  d.threads_per_threadgroup = {threads, 1, 1};
-  d.threadgroup_memory_bytes = threadgroup_bytes;
-  // A buffer the call does not have (no mask, no tokens) stays unbound: the
-  // kernel reads it only under the flag or the extent that says it exists.
-  for (auto [index, buffer] : bindings) {
-    bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
-    if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
-  }
-  d.params_index = params_index;
-  return d;
-}
-
+// Builds a plan one stage at a time: the constructor binds the core call's
+// inputs and outputs, each stage method adds its dispatch (and, for the
+// chunked stages, chunked_scratch() their scratch first). A segment plan is
+// the same builder with the segment's buffers and stages around the core's.
 struct PlanBuilder {
   const GatedDeltaParams& p;
   Plan plan;
+  ActivationDtype core_dtype;  // of q, k, v, y: float32 inside a segment
   uint64_t B, T, Hk, Hv, Dk, Dv, C, padded_tokens, e;
 
-  PlanBuilder(const GatedDeltaParams& params, ActivationDtype dtype) : p(params) {
+  PlanBuilder(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype)
+      : p(params), core_dtype(dtype) {
+    plan.algorithm = algorithm == Algorithm::Auto ? resolve_metal_algorithm(p) : algorithm;
     plan.dtype = dtype;
     B = p.batch;
     T = p.tokens;
@@ -132,12 +125,7 @@ struct PlanBuilder {
     padded_tokens = C * kChunkSize;
     e = element_bytes(dtype);
     GatedDeltaKernelParams& k = plan.kernel_params;
-    k.batch = p.batch;
-    k.tokens = p.tokens;
-    k.key_heads = p.key_heads;
-    k.value_heads = p.value_heads;
-    k.key_dim = p.key_dim;
-    k.value_dim = p.value_dim;
+    set_kernel_shape(k, p);
     k.value_heads_per_key_head = p.value_heads / p.key_heads;
     k.head_mapping = p.head_mapping == HeadMapping::Grouped ? 0 : 1;
     k.normalize_qk = p.normalize_qk ? 1 : 0;
@@ -166,13 +154,54 @@ struct PlanBuilder {
     add_buffer(buffer, elements * bytes_each, BufferRole::Scratch);
   }
 
+  // A buffer the call does not have (no mask, no tokens) stays unbound: the
+  // kernel reads it only under the flag or the extent that says it exists.
   Dispatch& add(const char* stage, std::string kernel, Grid3 groups, unsigned threads,
                 size_t threadgroup_bytes,
-                std::vector<std::pair<unsigned, PlanBuffer>> bindings, unsigned params_index,
-                std::vector<PlanBuffer> writes) {
-    plan.dispatches.push_back(make_dispatch(plan, stage, std::move(kernel), groups, threads,
-                                            threadgroup_bytes, bindings, params_index, writes));
+                const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
+                unsigned params_index, const std::vector<PlanBuffer>& writes) {
+    Dispatch d;
+    d.stage = stage;
+    d.kernel = std::move(kernel);
+    d.threadgroups = groups;
+    d.threads_per_threadgroup = {threads, 1, 1};
+    d.threadgroup_memory_bytes = threadgroup_bytes;
+    for (auto [index, buffer] : bindings) {
+      bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
+      if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
+    }
+    d.params_index = params_index;
+    plan.dispatches.push_back(std::move(d));
     return plan.dispatches.back();
+  }
+
+  std::string core_kernel(const char* stage) const {
+    return kernel_name(stage, core_dtype);
+  }
+  bool uses_k_gram() const {
+    return uses_chunk_k_gram_k128(p);
+  }
+  double tile() const {
+    return double(kChunkSize) * kChunkSize;
+  }
+  uint64_t chunk_tiles() const {
+    return C * kChunkSize * kChunkSize;
+  }
+
+  // The core's stages, in order.
+  void core() {
+    if (plan.algorithm == Algorithm::Recurrent) {
+      recurrent();
+      return;
+    }
+    if (p.normalize_qk) qk_norm();
+    gate_cumsum();
+    if (uses_k_gram()) k_gram();
+    kkt_inverse();
+    recompute_w_u();
+    chunk_qk();
+    chunk_carry();
+    chunk_output();
   }
 
   void recurrent() {
@@ -185,7 +214,7 @@ struct PlanBuilder {
     }
     const unsigned rows = simd ? kRecurrentSimdRows : kRecurrentGenericRows;
     Dispatch& d = add(
-        "recurrent", kernel_name(simd ? "recurrent_simd" : "recurrent_generic", plan.dtype),
+        "recurrent", core_kernel(simd ? "recurrent_simd" : "recurrent_generic"),
         {ceil_div(Dv, rows), unsigned(Hv), unsigned(B)}, simd ? rows * 32 : rows,
         simd ? 0 : kRecurrentGenericBytes,
         {{0, Query}, {1, Key}, {2, Value}, {3, Gate}, {4, Beta}, {5, Mask}, {6, StateIn},
@@ -196,16 +225,15 @@ struct PlanBuilder {
     d.flops = 8.0 * B * T * Hv * Dk * Dv;
   }
 
-  void chunked() {
+  // The scratch the chunked stages pass each other (nothing for recurrent).
+  void chunked_scratch() {
     using enum PlanBuffer;
+    if (plan.algorithm != Algorithm::Chunked) return;
     if (Dk > kMaxChunkedKeyDim) {
       throw std::invalid_argument(
           "the Metal chunked kernels support key_dim up to " +
           std::to_string(kMaxChunkedKeyDim) + ", got " + std::to_string(Dk));
     }
-    const double tile = double(kChunkSize) * kChunkSize;
-    const double triangle = tile / 2;
-    const uint64_t chunk_tiles = C * kChunkSize * kChunkSize;
     if (p.normalize_qk) {
       add_scratch(QueryInverseNorm, "query norm elements", B * T * Hk, 4);
       add_scratch(KeyInverseNorm, "key norm elements", B * T * Hk, 4);
@@ -213,238 +241,254 @@ struct PlanBuilder {
     add_scratch(GateCumsum, "gate cumsum elements", B * Hv * padded_tokens, 4);
     add_scratch(LastWipe, "last wipe elements", B * Hv * padded_tokens, 4);
     add_scratch(BetaEffective, "beta elements", B * Hv * padded_tokens, 4);
-    const bool k_gram = uses_chunk_k_gram_k128(p);
-    if (k_gram) add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles, 4);
-    add_scratch(KktInverse, "kkt inverse elements", B * Hv * chunk_tiles, 4);
+    if (uses_k_gram()) add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles(), 4);
+    add_scratch(KktInverse, "kkt inverse elements", B * Hv * chunk_tiles(), 4);
     add_scratch(W, "W elements", B * Hv * padded_tokens * Dk, 4);
     add_scratch(U, "U elements", B * Hv * padded_tokens * Dv, 4);
-    add_scratch(QK, "QK elements", B * Hk * chunk_tiles, 4);
+    add_scratch(QK, "QK elements", B * Hk * chunk_tiles(), 4);
     add_scratch(OutputInter, "inter-chunk output elements", B * Hv * padded_tokens * Dv, 4);
+  }
 
-    const unsigned c = unsigned(C), hk = unsigned(Hk), hv = unsigned(Hv), b = unsigned(B);
-    if (p.normalize_qk) {
-      Dispatch& d = add("qk_norm", kernel_name("qk_norm", plan.dtype),
-                        {ceil_div(B * T * Hk, kNormRowsPerThreadgroup), 1, 1},
-                        kNormRowsPerThreadgroup * 32, 0,
-                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}}, 4,
-                        {QueryInverseNorm, KeyInverseNorm});
-      d.bytes_moved = double(B * T * Hk * (2 * Dk * e + 8));
-      d.flops = 4.0 * B * T * Hk * Dk;
+  void qk_norm() {
+    using enum PlanBuffer;
+    Dispatch& d = add("qk_norm", core_kernel("qk_norm"),
+                      {ceil_div(B * T * Hk, kNormRowsPerThreadgroup), 1, 1},
+                      kNormRowsPerThreadgroup * 32, 0,
+                      {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}}, 4,
+                      {QueryInverseNorm, KeyInverseNorm});
+    d.bytes_moved = double(B * T * Hk * (2 * Dk * e + 8));
+    d.flops = 4.0 * B * T * Hk * Dk;
+  }
+
+  void gate_cumsum() {
+    using enum PlanBuffer;
+    Dispatch& d = add("gate_cumsum", "gated_delta_gate_cumsum",
+                      {ceil_div(B * Hv * C, kCumsumThreads), 1, 1}, kCumsumThreads, 0,
+                      {{0, Gate}, {1, Beta}, {2, Mask}, {3, GateCumsum}, {4, LastWipe},
+                       {5, BetaEffective}},
+                      6, {GateCumsum, LastWipe, BetaEffective});
+    d.bytes_moved = double(B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
+                           3 * B * Hv * padded_tokens * 4);
+    d.flops = double(B * T * Hv);
+  }
+
+  void k_gram() {
+    using enum PlanBuffer;
+    Dispatch& d = add("k_gram", core_kernel("k_gram"), {unsigned(C), unsigned(Hk), unsigned(B)},
+                      kChunkThreads, kChunkDotBytes,
+                      {{0, Key}, {1, KeyInverseNorm}, {2, KGram}}, 3, {KGram});
+    d.bytes_moved = double(B * T * Hk * Dk * e + B * Hk * chunk_tiles() * 4);
+    d.flops = 2.0 * B * Hk * C * tile() * Dk;
+  }
+
+  void kkt_inverse() {
+    using enum PlanBuffer;
+    const bool k_gram = uses_k_gram();
+    Dispatch& d = add(
+        "kkt_inverse", core_kernel(k_gram ? "kkt_inverse_from_k_gram" : "kkt_inverse"),
+        {unsigned(C), unsigned(Hv), unsigned(B)}, kChunkThreads, kKktInverseBytes,
+        {{0, Key}, {1, KeyInverseNorm}, {2, KGram}, {3, GateCumsum}, {4, LastWipe},
+         {5, BetaEffective}, {6, KktInverse}},
+        7, {KktInverse});
+    // Gram (read, or built from K), the decays and beta, then the
+    // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
+    double gram_bytes = k_gram ? B * Hv * chunk_tiles() * 4.0 : B * Hv * T * Dk * double(e);
+    d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 + B * Hv * chunk_tiles() * 4.0;
+    d.flops = B * Hv * C * ((k_gram ? 0.0 : 2.0 * tile() * Dk) + 3 * tile() +
+                            tile() * kChunkSize / 3);
+  }
+
+  void recompute_w_u() {
+    using enum PlanBuffer;
+    Dispatch& d = add("recompute_w_u", core_kernel("recompute_w_u"),
+                      {unsigned(C), unsigned(Hv), unsigned(B)}, kChunkThreads, kRecomputeWuBytes,
+                      {{0, Key}, {1, Value}, {2, KeyInverseNorm}, {3, GateCumsum},
+                       {4, LastWipe}, {5, BetaEffective}, {6, KktInverse}, {7, W}, {8, U}},
+                      9, {W, U});
+    d.bytes_moved = B * Hv * (T * (Dk + Dv) * double(e) + chunk_tiles() * 4.0 +
+                              padded_tokens * (Dk + Dv) * 4.0);
+    d.flops = 2.0 * B * Hv * C * (tile() / 2) * (Dk + Dv);
+  }
+
+  void chunk_qk() {
+    using enum PlanBuffer;
+    Dispatch& d = add("chunk_qk", core_kernel("chunk_qk"),
+                      {unsigned(C), unsigned(Hk), unsigned(B)}, kChunkThreads, kChunkDotBytes,
+                      {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
+                       {4, QK}},
+                      5, {QK});
+    d.bytes_moved = double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles() * 4);
+    d.flops = 2.0 * B * Hk * C * tile() * Dk;
+  }
+
+  void chunk_carry() {
+    using enum PlanBuffer;
+    Dispatch& d = add("chunk_carry", core_kernel("chunk_carry"),
+                      {ceil_div(Dv, kCarryRows), unsigned(Hv), unsigned(B)},
+                      kCarryRows * kChunkSize, kChunkCarryBytes,
+                      {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
+                       {4, GateCumsum}, {5, LastWipe}, {6, W}, {7, U}, {8, StateIn},
+                       {9, StateOut}, {10, OutputInter}},
+                      11, {U, StateOut, OutputInter});
+    // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
+    // W, q and k rows (caches serve the repeats; counted once per head),
+    // U and writes v' and the inter-chunk output; the state once each way.
+    d.bytes_moved = B * Hv * (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
+                              2 * Dv * Dk * 4.0);
+    // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
+    // and the state update (sum_j v'_j k_j^T): three Dk-long dot products.
+    d.flops = 6.0 * B * Hv * T * Dk * Dv;
+  }
+
+  void chunk_output() {
+    using enum PlanBuffer;
+    Dispatch& d = add("chunk_output", core_kernel("chunk_output"),
+                      {unsigned(C), unsigned(Hv), unsigned(B)}, kChunkThreads, kChunkOutputBytes,
+                      {{0, QK}, {1, GateCumsum}, {2, LastWipe}, {3, Mask}, {4, U},
+                       {5, OutputInter}, {6, Output}},
+                      7, {Output});
+    d.bytes_moved = B * Hv * (chunk_tiles() * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
+                              T * Dv * double(e));
+    d.flops = 2.0 * B * Hv * C * (tile() / 2) * Dv;
+  }
+
+  // No tokens (T == 0, chunked): the per-chunk stages have empty grids and
+  // are left out; the carry still copies the state.
+  Plan finish() {
+    std::erase_if(plan.dispatches, [](const Dispatch& d) { return d.threadgroups.count() == 0; });
+    validate_plan(plan);
+    return std::move(plan);
+  }
+};
+
+// The segment's stages around the core's: q, k, v, g, beta and y become
+// float32 scratch between them, and the segment's own buffers are added.
+struct SegmentPlanBuilder : PlanBuilder {
+  const SegmentParams& sp;
+  uint64_t channels, packed, taps, conv_rows, segment_e;
+  unsigned channel_threads, channel_groups;
+
+  SegmentPlanBuilder(const SegmentParams& params, const GatedDeltaParams& core_params,
+                     Algorithm algorithm, ActivationDtype dtype)
+      : PlanBuilder(core_params, algorithm, ActivationDtype::Float32), sp(params) {
+    using enum PlanBuffer;
+    plan.dtype = dtype;
+    channels = sp.conv_channels();
+    packed = sp.packed_width();
+    taps = sp.conv_kernel;
+    conv_rows = sp.conv_state_rows();
+    segment_e = element_bytes(dtype);
+    // One thread per channel: a threadgroup spans up to kSegmentThreads channels.
+    channel_threads = unsigned(std::min<uint64_t>(kSegmentThreads, (channels + 31) / 32 * 32));
+    channel_groups = ceil_div(channels, channel_threads);
+
+    chunked_scratch();
+    for (BufferSpec& spec : plan.buffers) {
+      if (spec.buffer == Query || spec.buffer == Key || spec.buffer == Value ||
+          spec.buffer == Gate || spec.buffer == Beta || spec.buffer == Output) {
+        spec.role = BufferRole::Scratch;
+      }
     }
-    {
-      Dispatch& d = add("gate_cumsum", "gated_delta_gate_cumsum",
-                        {ceil_div(B * Hv * C, kCumsumThreads), 1, 1}, kCumsumThreads, 0,
-                        {{0, Gate}, {1, Beta}, {2, Mask}, {3, GateCumsum}, {4, LastWipe},
-                         {5, BetaEffective}},
-                        6, {GateCumsum, LastWipe, BetaEffective});
-      d.bytes_moved = double(B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
-                             3 * B * Hv * padded_tokens * 4);
-      d.flops = double(B * T * Hv);
-    }
-    if (k_gram) {
-      Dispatch& d = add("k_gram", kernel_name("k_gram", plan.dtype), {c, hk, b}, kChunkThreads,
-                        kChunkDotBytes, {{0, Key}, {1, KeyInverseNorm}, {2, KGram}}, 3, {KGram});
-      d.bytes_moved = double(B * T * Hk * Dk * e + B * Hk * chunk_tiles * 4);
-      d.flops = 2.0 * B * Hk * C * tile * Dk;
-    }
-    {
-      Dispatch& d = add(
-          "kkt_inverse",
-          kernel_name(k_gram ? "kkt_inverse_from_k_gram" : "kkt_inverse", plan.dtype),
-          {c, hv, b}, kChunkThreads, kKktInverseBytes,
-          {{0, Key}, {1, KeyInverseNorm}, {2, KGram}, {3, GateCumsum}, {4, LastWipe},
-           {5, BetaEffective}, {6, KktInverse}},
-          7, {KktInverse});
-      // Gram (read, or built from K), the decays and beta, then the
-      // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
-      double gram_bytes = k_gram ? B * Hv * chunk_tiles * 4.0 : B * Hv * T * Dk * double(e);
-      d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 + B * Hv * chunk_tiles * 4.0;
-      d.flops = B * Hv * C * ((k_gram ? 0.0 : 2.0 * tile * Dk) + 3 * tile + tile * kChunkSize / 3);
-    }
-    {
-      Dispatch& d = add("recompute_w_u", kernel_name("recompute_w_u", plan.dtype), {c, hv, b},
-                        kChunkThreads, kRecomputeWuBytes,
-                        {{0, Key}, {1, Value}, {2, KeyInverseNorm}, {3, GateCumsum},
-                         {4, LastWipe}, {5, BetaEffective}, {6, KktInverse}, {7, W}, {8, U}},
-                        9, {W, U});
-      d.bytes_moved = B * Hv * (T * (Dk + Dv) * double(e) + chunk_tiles * 4.0 +
-                                padded_tokens * (Dk + Dv) * 4.0);
-      d.flops = 2.0 * B * Hv * C * triangle * (Dk + Dv);
-    }
-    {
-      Dispatch& d = add("chunk_qk", kernel_name("chunk_qk", plan.dtype), {c, hk, b},
-                        kChunkThreads, kChunkDotBytes,
-                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
-                         {4, QK}},
-                        5, {QK});
-      d.bytes_moved = double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles * 4);
-      d.flops = 2.0 * B * Hk * C * tile * Dk;
-    }
-    {
-      Dispatch& d = add("chunk_carry", kernel_name("chunk_carry", plan.dtype),
-                        {ceil_div(Dv, kCarryRows), hv, b}, kCarryRows * kChunkSize,
-                        kChunkCarryBytes,
-                        {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
-                         {4, GateCumsum}, {5, LastWipe}, {6, W}, {7, U}, {8, StateIn},
-                         {9, StateOut}, {10, OutputInter}},
-                        11, {U, StateOut, OutputInter});
-      // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
-      // W, q and k rows (caches serve the repeats; counted once per head),
-      // U and writes v' and the inter-chunk output; the state once each way.
-      d.bytes_moved = B * Hv * (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
-                                2 * Dv * Dk * 4.0);
-      // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
-      // and the state update (sum_j v'_j k_j^T): three Dk-long dot products.
-      d.flops = 6.0 * B * Hv * T * Dk * Dv;
-    }
-    {
-      Dispatch& d = add("chunk_output", kernel_name("chunk_output", plan.dtype), {c, hv, b},
-                        kChunkThreads, kChunkOutputBytes,
-                        {{0, QK}, {1, GateCumsum}, {2, LastWipe}, {3, Mask}, {4, U},
-                         {5, OutputInter}, {6, Output}},
-                        7, {Output});
-      d.bytes_moved = B * Hv * (chunk_tiles * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
-                                T * Dv * double(e));
-      d.flops = 2.0 * B * Hv * C * triangle * Dv;
-    }
+    const uint64_t Fe = B * T * packed * segment_e, state_bytes = B * conv_rows * channels * segment_e;
+    add_buffer(Mixed, Fe, BufferRole::Input);
+    add_buffer(ConvWeight, channels * taps * 4, BufferRole::Input);
+    add_buffer(DecayParameter, Hv * 4, BufferRole::Input);
+    add_buffer(DtBias, Hv * 4, BufferRole::Input);
+    add_buffer(NormWeight, Dv * 4, BufferRole::Input);
+    add_buffer(ConvStateIn, state_bytes, BufferRole::Input);
+    add_buffer(SegmentOutput, B * T * Hv * Dv * segment_e, BufferRole::Output);
+    add_buffer(ConvStateOut, state_bytes, BufferRole::Output);
+
+    SegmentKernelParams& k = plan.segment_params;
+    set_kernel_shape(k, sp);
+    k.conv_kernel = sp.conv_kernel;
+    k.conv_channels = unsigned(channels);
+    k.packed_width = unsigned(packed);
+    k.z_offset = sp.z_offset();
+    k.b_offset = sp.b_offset();
+    k.a_offset = sp.a_offset();
+    k.log_rate = sp.decay_parameterization == DecayParameterization::LogRate ? 1 : 0;
+    k.has_mask = sp.has_mask ? 1 : 0;
+    k.norm_eps = sp.norm_eps;
+  }
+
+  Dispatch& add_segment(const char* stage, Grid3 groups, unsigned threads,
+                        const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
+                        unsigned params_index, const std::vector<PlanBuffer>& writes) {
+    Dispatch& d = add(stage, kernel_name((std::string("segment_") + stage).c_str(), plan.dtype),
+                      groups, threads, 0, bindings, params_index, writes);
+    d.params_block = KernelParamsBlock::Segment;
+    return d;
+  }
+
+  void prepare_conv() {
+    using enum PlanBuffer;
+    Dispatch& d = add_segment(
+        "prepare_conv", {channel_groups, unsigned(T), unsigned(B)}, channel_threads,
+        {{0, Mixed}, {1, ConvWeight}, {2, ConvStateIn}, {3, Mask}, {4, Query}, {5, Key},
+         {6, Value}},
+        7, {Query, Key, Value});
+    // Each input read once (the windows' repeats come from caches), q|k|v
+    // written float32; K multiply-adds and a SiLU per output.
+    d.bytes_moved = double(B * T * channels * (segment_e + 4) + channels * taps * 4);
+    d.flops = double(B * T * channels * (2 * taps + 4));
+  }
+
+  void prepare_gates() {
+    using enum PlanBuffer;
+    Dispatch& d = add_segment("prepare_gates", {ceil_div(B * T * Hv, kSegmentThreads), 1, 1},
+                              kSegmentThreads,
+                              {{0, Mixed}, {1, DecayParameter}, {2, DtBias}, {3, Gate},
+                               {4, Beta}},
+                              5, {Gate, Beta});
+    d.bytes_moved = double(B * T * Hv * (2 * segment_e + 8));
+    d.flops = double(B * T * Hv * 12);
+  }
+
+  void collect_conv_state() {
+    using enum PlanBuffer;
+    Dispatch& d = add_segment("collect_conv_state",
+                              {channel_groups, unsigned(conv_rows), unsigned(B)}, channel_threads,
+                              {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}}, 4,
+                              {ConvStateOut});
+    d.bytes_moved = double(2 * B * conv_rows * channels * segment_e);
+  }
+
+  void gated_norm() {
+    using enum PlanBuffer;
+    Dispatch& d = add_segment(
+        "gated_norm", {ceil_div(B * T * Hv, kGatedNormRowsPerThreadgroup), 1, 1},
+        kGatedNormRowsPerThreadgroup * 32,
+        {{0, Output}, {1, Mixed}, {2, NormWeight}, {3, Mask}, {4, SegmentOutput}}, 5,
+        {SegmentOutput});
+    d.bytes_moved = double(B * T * Hv * Dv * (4 + 2 * segment_e));
+    d.flops = double(B * T * Hv * Dv * 10);
   }
 };
 
 }  // namespace
 
 Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype) {
-  validate_launch_extents(params);
-  if (params.key_heads <= 0 || params.value_heads % params.key_heads != 0) {
-    throw std::invalid_argument("value_heads must be a multiple of key_heads");
-  }
-  PlanBuilder builder(params, dtype);
-  builder.plan.algorithm =
-      algorithm == Algorithm::Auto ? resolve_metal_algorithm(params) : algorithm;
-  if (builder.plan.algorithm == Algorithm::Recurrent) {
-    builder.recurrent();
-  } else {
-    builder.chunked();
-  }
-  // No tokens (T == 0, chunked): the per-chunk stages have empty grids and
-  // are left out; the carry still copies the state.
-  std::erase_if(builder.plan.dispatches,
-                [](const Dispatch& d) { return d.threadgroups.count() == 0; });
-  validate_plan(builder.plan);
-  return std::move(builder.plan);
+  validate_plan_shape(params);
+  PlanBuilder builder(params, algorithm, dtype);
+  builder.chunked_scratch();
+  builder.core();
+  return builder.finish();
 }
 
 Plan make_segment_plan(const SegmentParams& sp, Algorithm algorithm, ActivationDtype dtype) {
-  using enum PlanBuffer;
-  if (sp.conv_kernel < 1) {
-    throw std::invalid_argument("the conv kernel needs at least one tap, got " +
-                                std::to_string(sp.conv_kernel));
-  }
-  const uint64_t B = sp.batch, T = sp.tokens, Hv = sp.value_heads, Dv = sp.value_dim;
-  const uint64_t C = sp.conv_channels(), F = sp.packed_width(), K = sp.conv_kernel;
-  const uint64_t rows = sp.conv_state_rows(), e = element_bytes(dtype);
-  // The segment's own 32-bit extents (the names of the original design);
-  // make_plan guards the core's.
-  check_launch_extent("QKV activation elements", B * T * C);
-  check_launch_extent("QKVZBA activation elements", B * T * F);
-  check_launch_extent("conv state elements", B * rows * C);
-
+  validate_segment_plan_shape(sp);
   // The core reads float32 q, k, v, g and beta that the segment's stages
-  // write, and its float32 y feeds gated_norm: scratch, all of them.
-  Plan core = make_plan(sp.core_params(), algorithm, ActivationDtype::Float32);
-  Plan plan;
-  plan.algorithm = core.algorithm;
-  plan.dtype = dtype;
-  plan.kernel_params = core.kernel_params;
-  plan.buffers = core.buffers;
-  for (BufferSpec& spec : plan.buffers) {
-    if (spec.buffer == Query || spec.buffer == Key || spec.buffer == Value ||
-        spec.buffer == Gate || spec.buffer == Beta || spec.buffer == Output) {
-      spec.role = BufferRole::Scratch;
-    }
-  }
-  plan.buffers.push_back({Mixed, B * T * F * e, BufferRole::Input});
-  plan.buffers.push_back({ConvWeight, C * K * 4, BufferRole::Input});
-  plan.buffers.push_back({DecayParameter, Hv * 4, BufferRole::Input});
-  plan.buffers.push_back({DtBias, Hv * 4, BufferRole::Input});
-  plan.buffers.push_back({NormWeight, Dv * 4, BufferRole::Input});
-  plan.buffers.push_back({ConvStateIn, B * rows * C * e, BufferRole::Input});
-  plan.buffers.push_back({SegmentOutput, B * T * Hv * Dv * e, BufferRole::Output});
-  plan.buffers.push_back({ConvStateOut, B * rows * C * e, BufferRole::Output});
-
-  SegmentKernelParams& k = plan.segment_params;
-  k.batch = sp.batch;
-  k.tokens = sp.tokens;
-  k.key_heads = sp.key_heads;
-  k.value_heads = sp.value_heads;
-  k.key_dim = sp.key_dim;
-  k.value_dim = sp.value_dim;
-  k.conv_kernel = sp.conv_kernel;
-  k.conv_channels = unsigned(C);
-  k.packed_width = unsigned(F);
-  k.z_offset = sp.z_offset();
-  k.b_offset = sp.b_offset();
-  k.a_offset = sp.a_offset();
-  k.log_rate = sp.decay_parameterization == DecayParameterization::LogRate ? 1 : 0;
-  k.has_mask = sp.has_mask ? 1 : 0;
-  k.norm_eps = sp.norm_eps;
-
-  // One thread per channel: a threadgroup spans up to kSegmentThreads channels.
-  const unsigned channel_threads = unsigned(std::min<uint64_t>(kSegmentThreads, (C + 31) / 32 * 32));
-  const unsigned channel_groups = ceil_div(C, channel_threads);
-  auto segment_kernel = [&](const char* stage) {
-    return kernel_name((std::string("segment_") + stage).c_str(), dtype);
-  };
-  std::vector<Dispatch> before_core;
-  {
-    Dispatch d = make_dispatch(
-        plan, "prepare_conv", segment_kernel("prepare_conv"),
-        {channel_groups, unsigned(T), unsigned(B)}, channel_threads, 0,
-        {{0, Mixed}, {1, ConvWeight}, {2, ConvStateIn}, {3, Mask}, {4, Query}, {5, Key},
-         {6, Value}},
-        7, {Query, Key, Value});
-    // Each input read once (the windows' repeats come from caches), q|k|v
-    // written float32; K multiply-adds and a SiLU per output.
-    d.bytes_moved = double(B * T * C * (e + 4) + C * K * 4);
-    d.flops = double(B * T * C * (2 * K + 4));
-    before_core.push_back(std::move(d));
-  }
-  {
-    Dispatch d = make_dispatch(plan, "prepare_gates", segment_kernel("prepare_gates"),
-                               {ceil_div(B * T * Hv, kSegmentThreads), 1, 1}, kSegmentThreads, 0,
-                               {{0, Mixed}, {1, DecayParameter}, {2, DtBias}, {3, Gate},
-                                {4, Beta}},
-                               5, {Gate, Beta});
-    d.bytes_moved = double(B * T * Hv * (2 * e + 8));
-    d.flops = double(B * T * Hv * 12);
-    before_core.push_back(std::move(d));
-  }
-  {
-    Dispatch d = make_dispatch(plan, "collect_conv_state", segment_kernel("collect_conv_state"),
-                               {channel_groups, unsigned(rows), unsigned(B)}, channel_threads, 0,
-                               {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}}, 4,
-                               {ConvStateOut});
-    d.bytes_moved = double(2 * B * rows * C * e);
-    before_core.push_back(std::move(d));
-  }
-  Dispatch norm = make_dispatch(
-      plan, "gated_norm", segment_kernel("gated_norm"),
-      {ceil_div(B * T * Hv, kGatedNormRowsPerThreadgroup), 1, 1},
-      kGatedNormRowsPerThreadgroup * 32, 0,
-      {{0, Output}, {1, Mixed}, {2, NormWeight}, {3, Mask}, {4, SegmentOutput}}, 5,
-      {SegmentOutput});
-  norm.bytes_moved = double(B * T * Hv * Dv * (4 + 2 * e));
-  norm.flops = double(B * T * Hv * Dv * 10);
-
-  for (Dispatch& d : before_core) {
-    d.params_block = KernelParamsBlock::Segment;
-    plan.dispatches.push_back(std::move(d));
-  }
-  for (Dispatch& d : core.dispatches) plan.dispatches.push_back(std::move(d));
-  norm.params_block = KernelParamsBlock::Segment;
-  plan.dispatches.push_back(std::move(norm));
-  std::erase_if(plan.dispatches, [](const Dispatch& d) { return d.threadgroups.count() == 0; });
-  validate_plan(plan);
-  return plan;
+  // write, and its float32 y feeds gated_norm.
+  const GatedDeltaParams core = sp.core_params();
+  validate_plan_shape(core);
+  SegmentPlanBuilder builder(sp, core, algorithm, dtype);
+  builder.prepare_conv();
+  builder.prepare_gates();
+  builder.collect_conv_state();
+  builder.core();
+  builder.gated_norm();
+  return builder.finish();
 }
 
 void validate_plan(const Plan& plan) {

@@ -13,9 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "gated_delta/params.h"
-#include "segment/segment_params.h"
+#include "core/core_params.h"
+#include "core/dispatch.h"
 #include "metal/kernels/kernel_abi.h"
+#include "segment/segment_params.h"
 
 namespace mlx_gated_delta::metal {
 
@@ -114,16 +115,12 @@ struct Plan {
   size_t params_size(const Dispatch& dispatch) const;
 };
 
-// What "auto" runs on Metal: recurrent for short sequences (decode and up to
-// one chunk, where the chunked form's extra passes cannot pay) and for key
-// dims the chunked stages do not cover; chunked otherwise.
-Algorithm resolve_metal_algorithm(const GatedDeltaParams& params);
-
 // Throws std::invalid_argument for shapes no plan covers (and, through
-// validate_launch_extents, for 32-bit index overflow).
+// validate_plan_shape, for 32-bit index overflow). "auto" resolves through
+// resolve_metal_algorithm (core/dispatch.h).
 Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype);
 
-// The fused layer segment (API.md section 3): prepare_conv (conv + SiLU into
+// The fused layer segment (docs/contract.md): prepare_conv (conv + SiLU into
 // float32 q, k, v), prepare_gates, collect_conv_state, then the core plan of
 // SegmentParams::core_params() (normalize_qk on) over those float32
 // buffers, then gated_norm. `dtype` is the activation dtype of mixed, the

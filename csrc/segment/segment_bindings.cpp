@@ -6,7 +6,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "segment/projection_op.h"
+#include "projection/projection_op.h"
 #include "segment/segment_op.h"
 
 namespace nb = nanobind;

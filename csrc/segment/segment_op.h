@@ -10,7 +10,7 @@
 
 namespace mlx_gated_delta {
 
-// API.md section 3. Returns {out, conv_state, state}.
+// docs/contract.md. Returns {out, conv_state, state}.
 // Bad input raises std::invalid_argument (ValueError in Python) or
 // std::domain_error (TypeError) naming the argument, before any allocation.
 std::vector<mlx::core::array> gated_delta_segment(

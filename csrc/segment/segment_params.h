@@ -1,12 +1,12 @@
-// Shapes and parameters of the fused layer segment (API.md section 3).
+// Shapes and parameters of the fused layer segment (docs/contract.md).
 //
-// Plain C++ with no backend and no MLX dependency, like gated_delta/params.h:
+// Plain C++ with no backend and no MLX dependency, like core/core_params.h:
 // the CPU kernels, the primitive and the op function read the same struct.
 #pragma once
 
 #include <cmath>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 
 namespace mlx_gated_delta {
 
@@ -17,13 +17,7 @@ namespace mlx_gated_delta {
 //   decay_parameter, dt_bias [Hv]      norm_weight [Dv] (float32)
 //   state [B, Hv, Dv, Dk] (float32)    out [B, T, Hv, Dv]   mask [B, T]
 // where C = 2*Hk*Dk + Hv*Dv are the channels the convolution sees (q|k|v).
-struct SegmentParams {
-  int batch = 0;
-  int tokens = 0;
-  int key_heads = 0;
-  int value_heads = 0;
-  int key_dim = 0;
-  int value_dim = 0;
+struct SegmentParams : ProblemShape {
   int conv_kernel = 0;
   DecayParameterization decay_parameterization = DecayParameterization::LogRate;
   HeadMapping head_mapping = HeadMapping::Grouped;
@@ -60,12 +54,7 @@ struct SegmentParams {
   // the core and the readout scale is Dk ** -0.5.
   GatedDeltaParams core_params() const {
     GatedDeltaParams core;
-    core.batch = batch;
-    core.tokens = tokens;
-    core.key_heads = key_heads;
-    core.value_heads = value_heads;
-    core.key_dim = key_dim;
-    core.value_dim = value_dim;
+    core.set_shape(*this);
     core.scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
     core.head_mapping = head_mapping;
     core.normalize_qk = true;

@@ -4,7 +4,9 @@
 
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
-#include "segment/segment_cpu.h"
+#include "core/vmap_fold.h"
+#include "cpu/segment.h"
+#include "mlx/ops.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"
@@ -14,17 +16,29 @@ namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
 
+namespace {
+
+// The order of the primitive's inputs (segment_op.cpp builds them).
+enum SegmentInput {
+  kMixed = 0,
+  kConvWeight,
+  kDecayParameter,
+  kDtBias,
+  kNormWeight,
+  kConvState,
+  kState,
+  kMask
+};
+
+}  // namespace
+
 SegmentParams GatedDeltaSegment::params_for(
     const std::vector<mx::array>& inputs) const {
-  const mx::array& mixed = inputs[0];
-  const mx::array& conv_weight = inputs[1];
+  const mx::array& mixed = inputs[kMixed];
+  const mx::array& conv_weight = inputs[kConvWeight];
   SegmentParams p;
-  p.batch = mixed.shape(0);
-  p.tokens = mixed.shape(1);
-  p.key_heads = key_heads_;
-  p.value_heads = value_heads_;
-  p.key_dim = key_dim_;
-  p.value_dim = value_dim_;
+  p.set_shape({mixed.shape(0), mixed.shape(1), key_heads_, value_heads_, key_dim_,
+               value_dim_});
   p.conv_kernel = conv_weight.shape(1);
   p.decay_parameterization = decay_parameterization_;
   p.head_mapping = head_mapping_;
@@ -61,14 +75,14 @@ void dispatch_segment(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   cpu::SegmentBuffers<T> io;
-  io.mixed = inputs[0].data<T>();
-  io.conv_weight = inputs[1].data<float>();
-  io.decay_parameter = inputs[2].data<float>();
-  io.dt_bias = inputs[3].data<float>();
-  io.norm_weight = inputs[4].data<float>();
-  io.conv_state_in = inputs[5].data<T>();
-  io.state_in = inputs[6].data<float>();
-  io.mask = p.has_mask ? inputs[7].data<bool>() : nullptr;
+  io.mixed = inputs[kMixed].data<T>();
+  io.conv_weight = inputs[kConvWeight].data<float>();
+  io.decay_parameter = inputs[kDecayParameter].data<float>();
+  io.dt_bias = inputs[kDtBias].data<float>();
+  io.norm_weight = inputs[kNormWeight].data<float>();
+  io.conv_state_in = inputs[kConvState].data<T>();
+  io.state_in = inputs[kState].data<float>();
+  io.mask = p.has_mask ? inputs[kMask].data<bool>() : nullptr;
   io.out = outputs[0].data<T>();
   io.conv_state_out = outputs[1].data<T>();
   io.state_out = outputs[2].data<float>();
@@ -94,7 +108,7 @@ void GatedDeltaSegment::eval_cpu(
     output.set_data(mx::allocator::malloc(output.nbytes()));
   }
   const SegmentParams p = params_for(inputs);
-  switch (inputs[0].dtype()) {
+  switch (inputs[kMixed].dtype()) {
     case mx::float32:
       dispatch_segment<float>(stream(), p, algorithm_, inputs, outputs);
       break;
@@ -119,6 +133,62 @@ void GatedDeltaSegment::eval_gpu(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
       "on macOS only); run gated_delta_segment on the CPU (stream=mx.cpu).");
 #endif
+}
+
+std::vector<mx::array> GatedDeltaSegment::vjp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&,
+    const std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "mlx_gated_delta.gated_delta_segment has no gradient yet: its vjp "
+      "(training) is not implemented, so mx.grad / mx.vjp through it is "
+      "refused rather than returning a wrong gradient.");
+}
+
+std::vector<mx::array> GatedDeltaSegment::jvp(
+    const std::vector<mx::array>&,
+    const std::vector<mx::array>&,
+    const std::vector<int>&) {
+  throw std::runtime_error(
+      "mlx_gated_delta.gated_delta_segment has no jvp yet: forward-mode "
+      "differentiation through it is not implemented.");
+}
+
+// The activations, the conv state, the state and the mask carry the batch
+// and fold a mapped axis into it (core/vmap_fold.h); the weights (conv
+// weight, decay parameter, dt_bias, norm weight) have no batch axis, so
+// mapping over them is refused.
+std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegment::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  for (int i : {kConvWeight, kDecayParameter, kDtBias, kNormWeight}) {
+    if (axes[i] >= 0) {
+      throw std::invalid_argument(
+          "mlx_gated_delta.gated_delta_segment: vmap over the layer's weights "
+          "(conv_weight, decay_parameter, dt_bias, norm_weight) is not "
+          "supported; map over the activations and the states only.");
+    }
+  }
+  const int size = vmap_size(inputs, axes);
+  std::vector<mx::array> folded = inputs;
+  for (int i : {kMixed, kConvState, kState, kMask}) {
+    if (i < int(inputs.size())) {
+      folded[i] = fold_into_batch(inputs[i], axes[i], size, stream());
+    }
+  }
+  auto outputs = mx::array::make_arrays(
+      output_shapes(folded),
+      {folded[kMixed].dtype(), folded[kMixed].dtype(), mx::float32},
+      std::make_shared<GatedDeltaSegment>(
+          stream(), key_heads_, value_heads_, key_dim_, value_dim_,
+          decay_parameterization_, head_mapping_, norm_eps_, has_mask_,
+          algorithm_),
+      folded);
+  for (auto& out : outputs) {
+    out = unfold_from_batch(out, size, stream());
+  }
+  return {outputs, {0, 0, 0}};
 }
 
 }  // namespace mlx_gated_delta

@@ -1,4 +1,4 @@
-// The MLX primitive of the fused layer segment (API.md section 3).
+// The MLX primitive of the fused layer segment (docs/contract.md).
 #pragma once
 
 #include "mlx/primitives.h"
@@ -43,6 +43,19 @@ class GatedDeltaSegment : public mlx::core::Primitive {
   void eval_gpu(
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
+
+  std::vector<mlx::core::array> vjp(
+      const std::vector<mlx::core::array>& primals,
+      const std::vector<mlx::core::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mlx::core::array>& outputs) override;
+  std::vector<mlx::core::array> jvp(
+      const std::vector<mlx::core::array>& primals,
+      const std::vector<mlx::core::array>& tangents,
+      const std::vector<int>& argnums) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
 
   const char* name() const override {
     return "GatedDeltaSegment";

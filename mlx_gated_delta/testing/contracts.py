@@ -9,7 +9,7 @@ review) makes every test that relied on the old one fail.
 Metrics:
 - `max_abs`: the largest |actual - expected|.
 - `max_rel`: the largest |actual - expected| divided by the largest |expected|
-  of the same batch row and head (API.md's accuracy measure), or by the
+  of the same batch row and head (docs/numerics.md), or by the
   contract's magnitude floor where that is larger.
 - `norm_ratio`: ||actual - expected||_2 / ||expected||_2 over the whole tensor,
   the norm no less than the magnitude floor.
@@ -39,6 +39,9 @@ LAYOUTS = ("[B,T,H,D]", "[B,H,Dv,Dk]")
 # The fused segment's conv state and a model's logits (no head axis: these
 # layouts take max_abs or norm_ratio only).
 LAYOUTS += ("[B,K,C]", "[B,T,V]")
+# The chunked stages' scratch (docs/stages.md): per-token gates [B,T,H],
+# per-chunk gate arrays [B,H,C,L], tiles [B,H,C,L,L] and rows [B,H,C,L,D].
+LAYOUTS += ("[B,T,H]", "[B,H,C,L]", "[B,H,C,L,L]", "[B,H,C,L,D]")
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,7 @@ class Contract:
         return (axes.index("B"), axes.index("H"))
 
 
-# The float32 accuracy of every algorithm (API.md section 1). The recurrence is
+# The float32 accuracy of every algorithm (docs/contract.md). The recurrence is
 # non-expansive for beta in [0, 2] and |k| <= 1, so float32 rounding (2^-24 per
 # operation) does not grow exponentially; over the few hundred tokens and
 # 128-long dot products of the tests it stays near 1e-6, and the contract
@@ -141,7 +144,7 @@ _REFERENCE_CONTRACTS = (
     _relative("reference.transcription.v2.float64.output", 1e-12, _OUTPUT),
     _relative("reference.transcription.v2.float64.state", 1e-12, _STATE),
     # mx.fast.gated_delta_update is a float32 computation of the recurrence:
-    # the float32 contract of API.md against the exact result.
+    # the float32 contract of docs/numerics.md against the exact result.
     _relative("reference.mlx_fast.v2.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
     _relative("reference.mlx_fast.v2.float32.state", _FLOAT32_RELATIVE, _STATE),
 )
@@ -149,7 +152,7 @@ _REFERENCE_CONTRACTS = (
 _CONV_STATE = "[B,K,C]"
 _LOGITS = "[B,T,V]"
 
-# The fused layer segment (API.md section 3) and the drop-in layer.
+# The fused layer segment (docs/contract.md) and the drop-in layer.
 _SEGMENT_CONTRACTS = (
     # The segment against its float64 oracle, any algorithm. The oracle sees
     # the inputs already rounded to the activation dtype and the segment keeps
@@ -193,7 +196,50 @@ _SEGMENT_CONTRACTS = (
     Contract("projection.linear.v2.bfloat16.output", "norm_ratio", _BFLOAT16_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
 )
 
-CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS}
+# Each stage of the pipelines against its namesake in the float64 reference
+# (docs/stages.md), run on float32 inputs the reference also sees. A stage's
+# output is computed in float32 from the float32 outputs of the stages before
+# it, and the whole pipeline meets the core's float32 contract of 1e-4
+# against the exact result; every stage on the way is a sum of O(1) float32
+# products no longer than the pipeline's (64-term cumsums, Dk-long dot
+# products, 64 x 64 triangular solves of a unit lower triangular matrix whose
+# entries are at most beta |k|^2 <= 1 with the tests' normalised keys), so the
+# same 1e-4 bounds each stage. What the kernels only copy is exact.
+_GATES = "[B,T,H]"
+_CHUNK_ARRAY = "[B,H,C,L]"
+_TILE = "[B,H,C,L,L]"
+_ROWS = "[B,H,C,L,D]"
+_STAGE_CONTRACTS = (
+    _relative("stage.qk_norm.v1.float32.inverse_norm", _FLOAT32_RELATIVE, _GATES),
+    _relative("stage.gate_cumsum.v1.float32.log_cumsum", _FLOAT32_RELATIVE, _CHUNK_ARRAY),
+    Contract("stage.gate_cumsum.v1.int32.last_wipe", "max_abs", 0.0, _CHUNK_ARRAY),
+    Contract("stage.gate_cumsum.v1.float32.beta", "max_abs", 0.0, _CHUNK_ARRAY),
+    _relative("stage.k_gram.v1.float32.tile", _FLOAT32_RELATIVE, _TILE),
+    _relative("stage.chunk_qk.v1.float32.tile", _FLOAT32_RELATIVE, _TILE),
+    _relative("stage.kkt_inverse.v1.float32.tile", _FLOAT32_RELATIVE, _TILE),
+    _relative("stage.recompute_w_u.v1.float32.w", _FLOAT32_RELATIVE, _ROWS),
+    _relative("stage.recompute_w_u.v1.float32.u", _FLOAT32_RELATIVE, _ROWS),
+    _relative("stage.chunk_carry.v1.float32.corrected", _FLOAT32_RELATIVE, _ROWS),
+    _relative("stage.chunk_carry.v1.float32.output_inter", _FLOAT32_RELATIVE, _ROWS),
+    _relative("stage.chunk_carry.v1.float32.state", _FLOAT32_RELATIVE, _STATE),
+    _relative("stage.chunk_output.v1.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
+    # The segment's own stages: prepare_conv is a K-tap float32 dot product
+    # and a SiLU, prepare_gates a softplus and a sigmoid of float32 values,
+    # gated_norm an RMS over Dv; float32 rounding, far below 1e-4.
+    _relative("stage.prepare_conv.v1.float32.qkv", _FLOAT32_RELATIVE, _OUTPUT),
+    _relative("stage.prepare_gates.v1.float32.gates", _FLOAT32_RELATIVE, _GATES),
+    Contract("stage.collect_conv_state.v1.any.conv_state", "max_abs", 0.0, _CONV_STATE),
+    _relative("stage.gated_norm.v1.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
+    # The chunked reference against the recurrent oracle: two float64
+    # computations of the same result, different only by float64 rounding.
+    _relative("reference.chunked.v1.float64.output", 1e-12, _OUTPUT),
+    _relative("reference.chunked.v1.float64.state", 1e-12, _STATE),
+)
+
+CONTRACTS = {
+    contract.id: contract
+    for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS + _STAGE_CONTRACTS
+}
 
 
 def assert_matches(name, actual, expected, contract_id, fingerprint):

@@ -1,4 +1,4 @@
-"""The state guard of the original design: sentinels past every output."""
+"""The state guard: sentinels past every output."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Property tests of the drop-in layer (API.md section 4) on tiny random
+"""Property tests of the drop-in layer (docs/contract.md) on tiny random
 mlx-lm models (Qwen3-Next and Qwen3.5): patched and unpatched give the same
 logits, within the layer contract, and the same greedy tokens; prefill then
 token-by-token decode through the cache gives the full forward's logits.

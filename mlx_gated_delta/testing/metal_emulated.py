@@ -4,7 +4,7 @@ thread per GPU thread, real barriers and SIMD collectives, Metal's limits and
 sentinel guards checked). For tests; the op itself never calls this.
 
 NumPy (or mlx) arrays in, NumPy out, with the meaning of the core op
-(API.md section 1) and of the fused layer segment (section 3). bfloat16, which NumPy lacks, comes in as mlx bfloat16
+and of the fused layer segment (docs/contract.md). bfloat16, which NumPy lacks, comes in as mlx bfloat16
 arrays or as `dtype="bfloat16"` with float arrays that the wrapper rounds.
 """
 
@@ -46,8 +46,12 @@ def gated_delta_rule(
 
 
 def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mask=None,
-        normalize_qk=False, algorithm="auto", dtype=None):
-    """`gated_delta_rule`, plus the kernels the plan dispatched, in order."""
+        normalize_qk=False, algorithm="auto", dtype=None, through_stage=None):
+    """`gated_delta_rule`, plus a dict with the algorithm run, the kernels the
+    plan dispatched, in order, and `buffers`: every output buffer's raw bytes
+    by plan name. With `through_stage`, only the dispatches through the first
+    of that stage run, and `buffers` holds the scratch too (`stage_buffers`
+    reads it); y and the state are then whatever those stages left."""
     dtype = dtype or _dtype_name(q)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
@@ -74,14 +78,15 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
     if scale is None:
         scale = key_dim**-0.5
 
-    y, state_out, algorithm_run, kernels = _metal_emulator.run_core(
+    y, state_out, algorithm_run, kernels, buffers = _metal_emulator.run_core(
         _activation_bytes(q, dtype), _activation_bytes(k, dtype), _activation_bytes(v, dtype),
         g.tobytes(), beta.tobytes(), state.tobytes(), mask_bytes,
         batch, tokens, key_heads, value_heads, key_dim, value_dim, float(scale),
-        head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS)
+        head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS,
+        through_stage or "")
     y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    return y, state_out, {"algorithm": algorithm_run, "kernels": kernels}
+    return y, state_out, {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
 
 
 def gated_delta_segment(
@@ -123,8 +128,9 @@ def gated_delta_segment(
 def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
                 conv_state=None, state=None, *, key_heads, value_heads, key_dim, value_dim,
                 decay_parameterization="log_rate", head_mapping="grouped", norm_eps=1e-6,
-                mask=None, algorithm="auto", dtype=None):
-    """`gated_delta_segment`, plus the kernels the plan dispatched, in order."""
+                mask=None, algorithm="auto", dtype=None, through_stage=None):
+    """`gated_delta_segment`, plus the dict `run` returns (`through_stage`
+    as there)."""
     dtype = dtype or _dtype_name(mixed_qkvzba)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
@@ -162,17 +168,18 @@ def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight
             raise ValueError(f"mask must be {(batch, tokens)}, got {mask.shape}")
         mask_bytes = mask.astype(np.uint8).tobytes()
 
-    out, conv_state_out, state_out, algorithm_run, kernels = _metal_emulator.run_segment(
+    out, conv_state_out, state_out, algorithm_run, kernels, buffers = _metal_emulator.run_segment(
         _activation_bytes(mixed, dtype), conv_weight.tobytes(),
         _to_float32(decay_parameter).tobytes(), _to_float32(dt_bias).tobytes(),
         _to_float32(norm_weight).tobytes(), _activation_bytes(conv_state, dtype),
         state.tobytes(), mask_bytes, batch, tokens, key_heads, value_heads, key_dim, value_dim,
         conv_kernel, decay_parameterization, head_mapping, float(norm_eps), algorithm, dtype,
-        BARRIER_TIMEOUT_MS)
+        BARRIER_TIMEOUT_MS, through_stage or "")
     out = _activation_values(out, dtype).reshape(batch, tokens, value_heads, value_dim)
     conv_state_out = _activation_values(conv_state_out, dtype).reshape(conv_state_shape)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    return out, conv_state_out, state_out, {"algorithm": algorithm_run, "kernels": kernels}
+    return out, conv_state_out, state_out, {"algorithm": algorithm_run, "kernels": kernels,
+                                            "buffers": buffers}
 
 
 def segment_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel=4, *,
@@ -208,6 +215,40 @@ def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, *
     """The plan's dispatches as dicts (stage, kernel, grid, threadgroup memory,
     bindings as (index, buffer, written), bytes and FLOPs)."""
     return plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options)["dispatches"]
+
+
+CHUNK_SIZE = 64
+
+
+def stage_buffers(buffers, batch, tokens, key_heads, value_heads, key_dim, value_dim):
+    """The chunked stages' scratch in the dict `run(..., through_stage=...)`
+    returns, as NumPy arrays in the layouts of `reference.chunked_stages`:
+    inverse norms `[B, T, Hk]`; gate_cumsum, last_wipe (int32) and
+    beta_effective `[B, Hv, C, L]`; k_gram and qk `[B, Hk, C, L, L]`;
+    kkt_inverse `[B, Hv, C, L, L]`; w, u and output_inter `[B, Hv, C, L, D]`.
+    Buffers the plan does not have are left out."""
+    chunks = -(-tokens // CHUNK_SIZE)
+    tiles = (chunks, CHUNK_SIZE, CHUNK_SIZE)
+    rows = (batch, value_heads, chunks, CHUNK_SIZE)
+    shapes = {
+        "query_inverse_norm": (batch, tokens, key_heads),
+        "key_inverse_norm": (batch, tokens, key_heads),
+        "gate_cumsum": rows,
+        "last_wipe": rows,
+        "beta_effective": rows,
+        "k_gram": (batch, key_heads) + tiles,
+        "qk": (batch, key_heads) + tiles,
+        "kkt_inverse": (batch, value_heads) + tiles,
+        "w": rows + (key_dim,),
+        "u": rows + (value_dim,),
+        "output_inter": rows + (value_dim,),
+    }
+    return {
+        name: np.frombuffer(buffers[name], np.int32 if name == "last_wipe" else np.float32)
+        .reshape(shape)
+        for name, shape in shapes.items()
+        if name in buffers
+    }
 
 
 def round_to_bfloat16(x):

@@ -1,4 +1,4 @@
-"""Property tests of the core op `gated_delta_rule` (API.md section 1).
+"""Property tests of the core op `gated_delta_rule` (docs/contract.md).
 
 Ordinary pytest functions, run both by the repository's suite
 (`tests/test_properties.py`) and by `python -m mlx_gated_delta selftest`, on
@@ -202,7 +202,7 @@ def test_inputs_are_never_modified(algorithm, case):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @given(case=core_cases(with_state=st.just(True)))
 def test_masked_tokens_output_exact_zeros_and_leave_the_state(algorithm, case):
-    # API.md: a False mask step leaves the state unchanged and outputs 0,
+    # docs/contract.md: a False mask step leaves the state unchanged and outputs 0,
     # exactly (not merely within the contract).
     mask = case.options["mask"]
     if mask is None:

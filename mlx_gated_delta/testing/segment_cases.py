@@ -1,4 +1,4 @@
-"""Inputs for the property tests of the fused layer segment (API.md section 3).
+"""Inputs for the property tests of the fused layer segment (docs/contract.md).
 
 Like `strategies.py` (whose Hypothesis profiles load with this module),
 Hypothesis draws the shape, the options and a seed, and NumPy draws the
@@ -170,7 +170,7 @@ def segment_cases(
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(0, 100)),
     mask_kinds=MASK_KINDS,
 ):
-    """A segment call over the shapes and options of API.md section 3."""
+    """A segment call over the shapes and options of docs/contract.md."""
     key_heads = draw(st.integers(1, 2))
     return make_segment_case(
         draw(st.integers(0, 2**32 - 1)),

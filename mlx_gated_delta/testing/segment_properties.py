@@ -1,5 +1,5 @@
-"""Property tests of the fused layer segment `gated_delta_segment` (API.md
-section 3): agreement with the float64 oracle over both decay
+"""Property tests of the fused layer segment `gated_delta_segment` (docs/contract.md):
+agreement with the float64 oracle over both decay
 parameterizations, both head mappings, the activation dtypes and masks; split
 continuity of out, conv state and state; the skip semantics of masks; T == 0.
 
@@ -118,7 +118,7 @@ def test_split_continuity_any_split_points_chunked(split):
     [("log_rate", "grouped"), ("negative_rate", "interleaved")],
 )
 def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapping):
-    # The original design's conformance case: half-precision activations, a
+    # The conformance case: half-precision activations, a
     # carried conv state and recurrent state, decode split after token 3 of 4.
     case = make_segment_case(
         7,
@@ -241,3 +241,59 @@ def test_segment_wipes_match_oracle(wipes, data, algorithm):
     check("out", out, expected_out, f"segment.oracle.v2.{dtype_name(out)}.output")
     check("state", state, expected_state, "segment.oracle.v2.float32.state")
     check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
+
+
+@pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
+def test_vmap_is_one_call_per_mapped_slice(algorithm):
+    # Three slices of the activations and states (scaled copies), the weights
+    # shared: the mapped call folds the slices into the batch.
+    case = make_segment_case(
+        5, batch=2, tokens=7, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        mask_kind="random",
+    )
+    mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
+    options = {name: value for name, value in case.options.items() if name != "mask"}
+    mask = case.options["mask"]
+    stacked = [mx.stack([x, 0.5 * x, 0.25 * x]) for x in (mixed, conv_state, state)]
+    stacked.append(mx.stack([mask, ~mask, mask]))
+
+    def call(mixed, conv_state, state, mask):
+        return gated_delta_segment(mixed, weight, decay, dt_bias, norm, conv_state, state,
+                                   mask=mask, algorithm=algorithm, **options)
+
+    mapped = mx.vmap(call)(*stacked)
+    for i in range(3):
+        for name, got, expected in zip(("out", "conv_state", "state"), mapped,
+                                       call(*(x[i] for x in stacked))):
+            assert np.array_equal(to_float64(got[i]), to_float64(expected)), (name, i)
+
+
+def test_vmap_over_the_weights_is_refused_clearly():
+    case = make_segment_case(6, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
+                             value_dim=8)
+    mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
+
+    def call(weight):
+        return gated_delta_segment(mixed, weight, decay, dt_bias, norm, conv_state, state,
+                                   **case.options)
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.vmap(call)(mx.stack([weight, weight])))
+    assert "vmap" in str(failure.value) and "conv_weight" in str(failure.value)
+
+
+def test_grad_and_jvp_through_the_segment_raise_clear_errors():
+    # No vjp or jvp yet: refused, never silently wrong (or zero).
+    case = make_segment_case(7, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
+                             value_dim=8)
+    mixed, *rest = case.args()
+
+    def out(mixed):
+        return gated_delta_segment(mixed, *rest, **case.options)[0]
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.grad(lambda x: out(x).sum())(mixed))
+    assert "gated_delta_segment" in str(failure.value) and "gradient" in str(failure.value)
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.jvp(out, [mixed], [mx.ones_like(mixed)]))
+    assert "gated_delta_segment" in str(failure.value) and "jvp" in str(failure.value)

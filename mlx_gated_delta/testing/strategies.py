@@ -277,7 +277,7 @@ def core_cases(
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(1, 200)),
     with_state=st.booleans(),
 ):
-    """A core op call over the shapes and options of API.md section 1."""
+    """A core op call over the shapes and options of docs/contract.md."""
     head_dims = st.one_of(st.sampled_from(HEAD_DIMS), st.sampled_from(ODD_HEAD_DIMS))
     key_heads = draw(st.integers(1, 2))
     dtype = draw(st.sampled_from(dtypes))

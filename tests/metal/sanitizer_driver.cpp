@@ -102,12 +102,8 @@ void report(const char* name, const Plan& plan, std::set<std::string>& kernels_r
 
 void run(const Shape& shape, std::set<std::string>& kernels_run) {
   GatedDeltaParams p;
-  p.batch = 1;
-  p.tokens = shape.tokens;
-  p.key_heads = shape.key_heads;
-  p.value_heads = shape.value_heads;
-  p.key_dim = shape.key_dim;
-  p.value_dim = shape.value_dim;
+  p.set_shape({1, shape.tokens, shape.key_heads, shape.value_heads, shape.key_dim,
+               shape.value_dim});
   p.scale = 1.0f / std::sqrt(float(shape.key_dim));
   p.normalize_qk = shape.normalize_qk;
   p.has_mask = shape.mask;
@@ -150,12 +146,8 @@ struct SegmentShape {
 
 void run_segment(const SegmentShape& shape, std::set<std::string>& kernels_run) {
   SegmentParams p;
-  p.batch = shape.batch;
-  p.tokens = shape.tokens;
-  p.key_heads = shape.key_heads;
-  p.value_heads = shape.value_heads;
-  p.key_dim = shape.key_dim;
-  p.value_dim = shape.value_dim;
+  p.set_shape({shape.batch, shape.tokens, shape.key_heads, shape.value_heads, shape.key_dim,
+               shape.value_dim});
   p.conv_kernel = shape.conv_kernel;
   p.decay_parameterization = shape.decay;
   p.has_mask = shape.mask;

@@ -97,7 +97,7 @@ def split_runs(case, points, algorithm):
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
 def test_recurrent_split_continuity_is_exact(dtype):
-    # The original design's split at 3 of 4 tokens, and more split points over
+    # The split at 3 of 4 tokens, and more split points over
     # a masked sequence: every token sees the same numbers in the same order.
     for tokens, points, mask_kind in ((4, (3,), "none"), (12, (0, 2, 2, 7), "random")):
         case = make_segment_case(7, batch=2, tokens=tokens, key_heads=2, value_heads=4,

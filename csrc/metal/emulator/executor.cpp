@@ -1,5 +1,6 @@
 #include "executor.h"
 
+#include <algorithm>
 #include <cstring>
 #include <stdexcept>
 #include <string>
@@ -10,8 +11,18 @@
 namespace mlx_gated_delta::metal::emulator {
 
 BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
-                       std::chrono::milliseconds barrier_timeout) {
+                       std::chrono::milliseconds barrier_timeout,
+                       const std::string& through_stage) {
   validate_plan(plan);
+  size_t dispatch_count = plan.dispatches.size();
+  if (!through_stage.empty()) {
+    auto last = std::find_if(plan.dispatches.begin(), plan.dispatches.end(),
+                             [&](const Dispatch& d) { return d.stage == through_stage; });
+    if (last == plan.dispatches.end()) {
+      throw std::invalid_argument("metal emulator: the plan has no stage " + through_stage);
+    }
+    dispatch_count = size_t(last - plan.dispatches.begin()) + 1;
+  }
   std::map<PlanBuffer, metal_emulator::GuardedBuffer> buffers;
   size_t inputs_used = 0;
   for (const BufferSpec& spec : plan.buffers) {
@@ -34,7 +45,8 @@ BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
   // The kernels take their scalars by constant reference: one copy each.
   GatedDeltaKernelParams core_params = plan.kernel_params;
   SegmentKernelParams segment_params = plan.segment_params;
-  for (const Dispatch& dispatch : plan.dispatches) {
+  for (size_t n = 0; n < dispatch_count; ++n) {
+    const Dispatch& dispatch = plan.dispatches[n];
     metal_emulator::Launch launch;
     launch.kernel = dispatch.kernel;
     for (const auto& [index, id, written] : dispatch.buffers) {
@@ -64,7 +76,7 @@ BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
         throw std::runtime_error(std::string("metal emulator: the plan wrote its input ") +
                                  to_string(spec.buffer));
       }
-    } else if (spec.role == BufferRole::Output) {
+    } else if (spec.role == BufferRole::Output || !through_stage.empty()) {
       outputs[spec.buffer].assign(buffer.data(), buffer.data() + buffer.size());
     }
   }

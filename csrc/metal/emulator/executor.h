@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "metal/plan.h"
@@ -25,7 +26,13 @@ using BufferOutputs = std::map<PlanBuffer, std::vector<std::byte>>;
 // kernel writes shows. Throws std::runtime_error naming the dispatch and the
 // buffer on any violation, and whatever run_launch throws (limits,
 // divergence, deadlock).
+//
+// With `through_stage`, only the dispatches up to and including the first of
+// that stage run, and the result holds the scratch buffers besides the
+// outputs: what the stages so far wrote, for the per-stage tests. Throws
+// std::invalid_argument when no dispatch has that stage.
 BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
-                       std::chrono::milliseconds barrier_timeout);
+                       std::chrono::milliseconds barrier_timeout,
+                       const std::string& through_stage = {});
 
 }  // namespace mlx_gated_delta::metal::emulator

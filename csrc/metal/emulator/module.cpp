@@ -64,18 +64,20 @@ SegmentParams make_segment_params(int batch, int tokens, int key_heads, int valu
                                   const std::string& head_mapping, float norm_eps,
                                   bool has_mask) {
   SegmentParams p;
-  p.batch = batch;
-  p.tokens = tokens;
-  p.key_heads = key_heads;
-  p.value_heads = value_heads;
-  p.key_dim = key_dim;
-  p.value_dim = value_dim;
+  p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
   p.conv_kernel = conv_kernel;
   p.decay_parameterization = parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
   p.norm_eps = norm_eps;
   p.has_mask = has_mask;
   return p;
+}
+
+// Every buffer run_plan returned, by its plan name.
+nb::dict buffers_as_dict(const emulator::BufferOutputs& outputs) {
+  nb::dict buffers;
+  for (const auto& [buffer, bytes] : outputs) buffers[to_string(buffer)] = to_bytes(bytes);
+  return buffers;
 }
 
 const char* to_string(BufferRole role) {
@@ -133,7 +135,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
          int key_dim, int value_dim, float scale, const std::string& head_mapping,
          bool normalize_qk, const std::string& algorithm, const std::string& dtype,
-         int barrier_timeout_ms) {
+         int barrier_timeout_ms, const std::string& through_stage) {
         GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
                                               value_dim, scale, head_mapping, normalize_qk,
                                               mask.has_value());
@@ -147,18 +149,22 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
         {
           nb::gil_scoped_release release;
           outputs = emulator::run_plan(plan, inputs,
-                                       std::chrono::milliseconds(barrier_timeout_ms));
+                                       std::chrono::milliseconds(barrier_timeout_ms),
+                                       through_stage);
         }
         return std::make_tuple(to_bytes(outputs.at(PlanBuffer::Output)),
                                to_bytes(outputs.at(PlanBuffer::StateOut)),
-                               std::string(to_string(plan.algorithm)), kernels_of(plan));
+                               std::string(to_string(plan.algorithm)), kernels_of(plan),
+                               buffers_as_dict(outputs));
       },
       nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("state"),
       nb::arg("mask").none(), nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"),
       nb::arg("value_heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("scale"),
       nb::arg("head_mapping"), nb::arg("normalize_qk"), nb::arg("algorithm"), nb::arg("dtype"),
-      nb::arg("barrier_timeout_ms"),
-      "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels).");
+      nb::arg("barrier_timeout_ms"), nb::arg("through_stage") = "",
+      "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels, "
+      "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
+      "and the dict holds the scratch buffers too.");
 
   m.def(
       "plan",
@@ -200,7 +206,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
          int key_dim, int value_dim, int conv_kernel, const std::string& decay_parameterization,
          const std::string& head_mapping, float norm_eps, const std::string& algorithm,
-         const std::string& dtype, int barrier_timeout_ms) {
+         const std::string& dtype, int barrier_timeout_ms, const std::string& through_stage) {
         SegmentParams params = make_segment_params(
             batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel,
             decay_parameterization, head_mapping, norm_eps, mask.has_value());
@@ -215,12 +221,14 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
         {
           nb::gil_scoped_release release;
           outputs = emulator::run_plan(plan, inputs,
-                                       std::chrono::milliseconds(barrier_timeout_ms));
+                                       std::chrono::milliseconds(barrier_timeout_ms),
+                                       through_stage);
         }
         return std::make_tuple(to_bytes(outputs.at(PlanBuffer::SegmentOutput)),
                                to_bytes(outputs.at(PlanBuffer::ConvStateOut)),
                                to_bytes(outputs.at(PlanBuffer::StateOut)),
-                               std::string(to_string(plan.algorithm)), kernels_of(plan));
+                               std::string(to_string(plan.algorithm)), kernels_of(plan),
+                               buffers_as_dict(outputs));
       },
       nb::arg("mixed"), nb::arg("conv_weight"), nb::arg("decay_parameter"), nb::arg("dt_bias"),
       nb::arg("norm_weight"), nb::arg("conv_state"), nb::arg("state"), nb::arg("mask").none(),
@@ -228,8 +236,10 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
       nb::arg("decay_parameterization"), nb::arg("head_mapping"), nb::arg("norm_eps"),
       nb::arg("algorithm"), nb::arg("dtype"), nb::arg("barrier_timeout_ms"),
+      nb::arg("through_stage") = "",
       "Runs the Metal plan of one fused segment call; returns (out bytes, conv_state bytes, "
-      "state bytes, algorithm, kernels).");
+      "state bytes, algorithm, kernels, {buffer name: bytes}); with through_stage, only the "
+      "dispatches through that stage run and the dict holds the scratch buffers too.");
 
   m.def(
       "segment_plan",

@@ -1,5 +1,5 @@
 // The recurrent gated-delta kernels (decode and short prefill): the recurrence
-// of API.md section 1, token by token, for one slice of state rows.
+// of docs/contract.md, token by token, for one slice of state rows.
 //
 //   S <- exp(g) S;  d = beta (v - S k);  S += d k^T;  y = scale S q
 //

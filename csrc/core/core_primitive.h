@@ -1,12 +1,12 @@
 // MLX primitives of mlx-gated-delta.
 #pragma once
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 #include "mlx/primitives.h"
 
 namespace mlx_gated_delta {
 
-// The core recurrence of API.md section 1.
+// The core recurrence of docs/contract.md.
 // Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)],
 // all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk].
 // Carries only what changes the result: the shape-free options and the

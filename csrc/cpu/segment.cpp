@@ -1,11 +1,11 @@
-// CPU kernels of the fused layer segment (see segment_cpu.h).
-#include "segment/segment_cpu.h"
+// CPU kernels of the fused layer segment (see segment.h).
+#include "cpu/segment.h"
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
 
@@ -62,7 +62,7 @@ std::vector<const T*> conv_history(
 }  // namespace
 
 template <typename T>
-void prepare_conv_silu(
+void prepare_conv(
     const SegmentParams& p,
     const T* mixed,
     const float* conv_weight,
@@ -155,7 +155,7 @@ void prepare_gates(
 }
 
 template <typename T>
-void gated_rms_norm(
+void gated_norm(
     const SegmentParams& p,
     const float* y,
     const T* mixed,
@@ -202,7 +202,7 @@ void gated_delta_segment_forward(
   std::vector<float> beta(rows * p.value_heads);
   std::vector<float> y(rows * p.v_width());
 
-  prepare_conv_silu(p, io.mixed, io.conv_weight, io.conv_state_in, io.mask,
+  prepare_conv(p, io.mixed, io.conv_weight, io.conv_state_in, io.mask,
                     qkv.data());
   collect_conv_state(p, io.mixed, io.conv_state_in, io.mask, io.conv_state_out);
   prepare_gates(p, io.mixed, io.decay_parameter, io.dt_bias, g.data(),
@@ -224,7 +224,7 @@ void gated_delta_segment_forward(
   core.state_out = io.state_out;
   gated_delta_forward<float>(p.core_params(), algorithm, core);
 
-  gated_rms_norm(p, y.data(), io.mixed, io.norm_weight, io.mask, io.out);
+  gated_norm(p, y.data(), io.mixed, io.norm_weight, io.mask, io.out);
 }
 
 #define INSTANTIATE_SEGMENT(T)                                       \

@@ -1,4 +1,4 @@
-#include "segment/projection_op.h"
+#include "projection/projection_op.h"
 
 #include <sstream>
 #include <stdexcept>
@@ -6,7 +6,7 @@
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "segment/projection_cpu.h"
+#include "projection/projection_cpu.h"
 
 namespace mx = mlx::core;
 

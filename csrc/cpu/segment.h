@@ -1,9 +1,9 @@
 // CPU kernels of the fused layer segment stages around the core recurrence.
 //
-// The segment runs, per call: prepare_conv_silu (causal depthwise conv over
+// The segment runs, per call: prepare_conv (causal depthwise conv over
 // q|k|v with the carried conv state, then SiLU) and collect_conv_state,
 // prepare_gates (g and beta), the core recurrence (cpu::gated_delta_forward,
-// reading q/k/v straight out of the conv output), and gated_rms_norm.
+// reading q/k/v straight out of the conv output), and gated_norm.
 // Every intermediate is float32 whatever the activation dtype T.
 #pragma once
 
@@ -15,7 +15,7 @@ namespace mlx_gated_delta::cpu {
 // unmasked inputs of row b (the carried conv state first), float32 [B, T, C].
 // A masked token is skipped: it is not in any window and its qkv row is 0.
 template <typename T>
-void prepare_conv_silu(
+void prepare_conv(
     const SegmentParams& params,
     const T* mixed,           // [B, T, F]
     const float* conv_weight, // [C, K]
@@ -46,7 +46,7 @@ void prepare_gates(
 // out = rms_norm(y, eps) * norm_weight * silu(z), per (token, value head);
 // masked tokens get 0.
 template <typename T>
-void gated_rms_norm(
+void gated_norm(
     const SegmentParams& params,
     const float* y,            // [B, T, Hv, Dv]
     const T* mixed,            // [B, T, F] (z is read from here)

@@ -1,12 +1,13 @@
-#include "primitives.h"
+#include "core/core_primitive.h"
 
 #include <stdexcept>
 
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "ops.h"
+#include "core/dispatch.h"
+#include "core/vmap_fold.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"
@@ -33,21 +34,12 @@ void run_cpu(
     const mx::array* mask,
     mx::array& y,
     mx::array& state_out) {
-  cpu::CoreBuffers<T> buffers{
-      q.data<T>(),
-      k.data<T>(),
-      v.data<T>(),
-      int64_t(p.tokens) * p.key_heads * p.key_dim,
-      int64_t(p.key_heads) * p.key_dim,
-      int64_t(p.tokens) * p.value_heads * p.value_dim,
-      int64_t(p.value_heads) * p.value_dim,
-      g.data<float>(),
-      beta.data<float>(),
-      mask ? mask->data<bool>() : nullptr,
-      state.data<float>(),
-      y.data<T>(),
-      state_out.data<float>()};
-  cpu::gated_delta_forward<T>(p, algorithm, buffers);
+  cpu::gated_delta_forward<T>(
+      p, algorithm,
+      cpu::contiguous_buffers<T>(
+          p, q.data<T>(), k.data<T>(), v.data<T>(), g.data<float>(),
+          beta.data<float>(), mask ? mask->data<bool>() : nullptr,
+          state.data<float>(), y.data<T>(), state_out.data<float>()));
 }
 
 }  // namespace
@@ -57,12 +49,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
   GatedDeltaParams p;
   const auto& q = inputs[kQ];
   const auto& v = inputs[kV];
-  p.batch = q.shape(0);
-  p.tokens = q.shape(1);
-  p.key_heads = q.shape(2);
-  p.key_dim = q.shape(3);
-  p.value_heads = v.shape(2);
-  p.value_dim = v.shape(3);
+  p.set_shape({q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
   p.scale = scale_;
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
@@ -151,34 +138,15 @@ std::vector<mx::array> GatedDeltaRule::jvp(
       "differentiation through it is not implemented.");
 }
 
-// Folds the vmapped axis into the batch axis: every input of the op has the
-// batch as its leading axis, so mapping over V copies of a batch of B is one
-// call on a batch of V*B.
+// Every input of the core op carries the batch: each mapped axis folds into
+// it (core/vmap_fold.h).
 std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
-  int vmap_size = -1;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (axes[i] >= 0) {
-      vmap_size = inputs[i].shape(axes[i]);
-      break;
-    }
-  }
+  const int size = vmap_size(inputs, axes);
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    mx::array x = axes[i] >= 0
-        ? mx::moveaxis(inputs[i], axes[i], 0, stream())
-        : mx::broadcast_to(
-              mx::expand_dims(inputs[i], 0, stream()),
-              [&] {
-                mx::Shape shape = inputs[i].shape();
-                shape.insert(shape.begin(), vmap_size);
-                return shape;
-              }(),
-              stream());
-    mx::Shape shape(x.shape().begin() + 1, x.shape().end());
-    shape[0] *= vmap_size;
-    folded.push_back(mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
+    folded.push_back(fold_into_batch(inputs[i], axes[i], size, stream()));
   }
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
@@ -187,10 +155,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
           stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_),
       folded);
   for (auto& out : outputs) {
-    mx::Shape shape = out.shape();
-    shape[0] /= vmap_size;
-    shape.insert(shape.begin(), vmap_size);
-    out = mx::reshape(out, shape, stream());
+    out = unfold_from_batch(out, size, stream());
   }
   return {outputs, {0, 0}};
 }

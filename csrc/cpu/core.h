@@ -1,9 +1,9 @@
-// CPU kernels of the core gated-delta recurrence (API.md section 1).
+// CPU kernels of the core gated-delta recurrence (docs/contract.md).
 #pragma once
 
 #include <cstdint>
 
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 
 namespace mlx_gated_delta::cpu {
 
@@ -27,6 +27,21 @@ struct CoreBuffers {
   T* y;                   // [B, T, Hv, Dv], contiguous
   float* state_out;       // [B, Hv, Dv, Dk]; may alias nothing it reads
 };
+
+// The buffers of one core call in the op's own contiguous layouts.
+template <typename T>
+CoreBuffers<T> contiguous_buffers(
+    const GatedDeltaParams& p, const T* q, const T* k, const T* v,
+    const float* g, const float* beta, const bool* mask, const float* state_in,
+    T* y, float* state_out) {
+  return CoreBuffers<T>{
+      q, k, v,
+      int64_t(p.tokens) * p.key_heads * p.key_dim,
+      int64_t(p.key_heads) * p.key_dim,
+      int64_t(p.tokens) * p.value_heads * p.value_dim,
+      int64_t(p.value_heads) * p.value_dim,
+      g, beta, mask, state_in, y, state_out};
+}
 
 // Runs the whole recurrence for every (batch row, value head), threaded over
 // those pairs. `algorithm` must be Recurrent or Chunked (resolve Auto first).

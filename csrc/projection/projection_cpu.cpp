@@ -1,4 +1,4 @@
-#include "segment/projection_cpu.h"
+#include "projection/projection_cpu.h"
 
 #include <algorithm>
 #include <bit>

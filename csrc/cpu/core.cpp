@@ -1,7 +1,8 @@
 // Entry point of the CPU kernels: independent (batch row, head) problems
 // spread over the thread pool.
-#include "cpu/gated_delta_cpu.h"
+#include "cpu/core.h"
 
+#include "core/dispatch.h"
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"
 
@@ -26,11 +27,10 @@ void gated_delta_forward(
     return;
   }
   // Chunked: one task per (batch row, key head) with the value heads that
-  // read it, while that leaves every thread a task; else one per value head.
+  // read it, or one per value head (cpu_value_heads_per_task decides).
   const int ratio = p.value_heads / p.key_heads;
-  const bool group_heads =
-      ratio > 1 && p.batch * p.key_heads >= thread_count();
-  const int heads_per_task = group_heads ? ratio : 1;
+  const int heads_per_task = cpu_value_heads_per_task(p, thread_count());
+  const bool group_heads = heads_per_task > 1;
   const int tasks = p.batch * p.value_heads / heads_per_task;
   parallel_for(tasks, [&](int task) {
     const int batch = task / (p.value_heads / heads_per_task);

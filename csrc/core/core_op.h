@@ -1,4 +1,5 @@
-// Op functions: validate (API.md section 5) and build the graph.
+// The op function of the core recurrence: validate (validation/arguments.h),
+// then build the graph.
 #pragma once
 
 #include <optional>
@@ -6,17 +7,11 @@
 
 #include "mlx/array.h"
 #include "mlx/utils.h"
+#include "validation/arguments.h"
 
 namespace mlx_gated_delta {
 
-// How error messages name the gate and the state: the MLX-compatible entry
-// point calls them gamma and initial_state (and passes log(gamma) as g).
-struct CoreArgumentNames {
-  std::string g = "g";
-  std::string state = "state";
-};
-
-// API.md section 1. Returns {y, state}.
+// The core recurrence (docs/contract.md). Returns {y, state}.
 std::vector<mlx::core::array> gated_delta_rule(
     const mlx::core::array& q,
     const mlx::core::array& k,

@@ -1,6 +1,5 @@
-#include "gated_delta/params.h"
+#include "core/core_params.h"
 
-#include <limits>
 #include <sstream>
 #include <stdexcept>
 
@@ -62,54 +61,8 @@ const char* to_string(DecayParameterization parameterization) {
 GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
                               int value_heads, int key_dim, int value_dim) {
   GatedDeltaParams p;
-  p.batch = batch;
-  p.tokens = tokens;
-  p.key_heads = key_heads;
-  p.value_heads = value_heads;
-  p.key_dim = key_dim;
-  p.value_dim = value_dim;
+  p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
   return p;
-}
-
-bool supports_simd_delta(const GatedDeltaParams& params, int simd_width) {
-  return simd_width == 32 && params.key_dim % 32 == 0 &&
-      params.key_dim > 0 && params.key_dim <= 128;
-}
-
-bool uses_chunk_k_gram_k128(const GatedDeltaParams& params) {
-  return params.key_dim == 128 && params.value_heads > params.key_heads;
-}
-
-Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
-  // Measured on the Qwen3-Next shape (README, "Choosing the algorithm"):
-  // the chunked form's per-chunk setup (gram, triangular solve, transposes)
-  // pays off from about 40 tokens; below, the recurrent form is faster.
-  constexpr int kChunkedMinTokens = 48;
-  return params.tokens < kChunkedMinTokens ? Algorithm::Recurrent
-                                           : Algorithm::Chunked;
-}
-
-void check_launch_extent(const char* what, uint64_t elements) {
-  constexpr uint64_t kMax = std::numeric_limits<uint32_t>::max();
-  if (elements > kMax) {
-    std::ostringstream message;
-    message << what << " (" << elements
-            << ") exceed the 32-bit index range of a GPU kernel (at most "
-            << kMax << ")";
-    throw std::invalid_argument(message.str());
-  }
-}
-
-void validate_launch_extents(const GatedDeltaParams& p) {
-  const uint64_t b = p.batch, t = p.tokens;
-  check_launch_extent(
-      "QK activation elements", b * t * uint64_t(p.key_heads) * p.key_dim);
-  check_launch_extent(
-      "V activation elements", b * t * uint64_t(p.value_heads) * p.value_dim);
-  check_launch_extent("gate elements", b * t * uint64_t(p.value_heads));
-  check_launch_extent(
-      "state elements",
-      b * uint64_t(p.value_heads) * p.value_dim * uint64_t(p.key_dim));
 }
 
 }  // namespace mlx_gated_delta

@@ -1,0 +1,67 @@
+#include "core/core_op.h"
+
+#include "core/core_params.h"
+#include "core/dispatch.h"
+#include "mlx/ops.h"
+#include "core/core_primitive.h"
+#include "validation/arguments.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_gated_delta {
+
+std::vector<mx::array> gated_delta_rule(
+    const mx::array& q,
+    const mx::array& k,
+    const mx::array& v,
+    const mx::array& g,
+    const mx::array& beta,
+    const std::optional<mx::array>& state,
+    std::optional<float> scale,
+    const std::string& head_mapping,
+    const std::optional<mx::array>& mask,
+    bool normalize_qk,
+    const std::string& algorithm,
+    mx::StreamOrDevice s,
+    const CoreArgumentNames& names) {
+  GatedDeltaParams p;
+  p.head_mapping = parse_head_mapping(head_mapping);
+  Algorithm requested = parse_algorithm(algorithm);
+  p.normalize_qk = normalize_qk;
+  p.has_mask = mask.has_value();
+
+  check_core_arguments(p, {q, k, v, g, beta, state, mask}, scale, names);
+  const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
+
+  auto stream = mx::to_stream(s);
+  mx::array initial_state =
+      state ? *state : mx::zeros(state_shape, mx::float32, stream);
+  if (p.tokens == 0) {
+    return {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
+  }
+  const Algorithm resolved = (requested == Algorithm::Auto &&
+                              stream.device == mx::Device::cpu)
+      ? resolve_cpu_algorithm(p)
+      : requested;
+
+  // g and beta are read in float32: widening is exact, and they are never
+  // rounded to the activation dtype.
+  std::vector<mx::array> inputs = {
+      mx::contiguous(q, false, stream),
+      mx::contiguous(k, false, stream),
+      mx::contiguous(v, false, stream),
+      mx::contiguous(mx::astype(g, mx::float32, stream), false, stream),
+      mx::contiguous(mx::astype(beta, mx::float32, stream), false, stream),
+      mx::contiguous(initial_state, false, stream)};
+  if (mask) {
+    inputs.push_back(mx::contiguous(*mask, false, stream));
+  }
+  return mx::array::make_arrays(
+      {v.shape(), state_shape},
+      {v.dtype(), mx::float32},
+      std::make_shared<GatedDeltaRule>(
+          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved),
+      inputs);
+}
+
+}  // namespace mlx_gated_delta

@@ -1,0 +1,84 @@
+// Shapes and parameters of the core gated-delta op.
+//
+// Plain C++ with no backend and no MLX dependency: the CPU kernels, the Metal
+// plans, the Metal emulator and the op functions all read the same structs.
+// The checks on them are in validation/, the choices made from them
+// (algorithm, kernel variants) in core/dispatch.h.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+// kChunkSize, the chunk length of the chunked form on every backend, is
+// defined once, beside the other constants the kernels and the C++ share.
+#include "metal/kernels/kernel_abi.h"
+
+namespace mlx_gated_delta {
+
+// Which key head a value head reads (docs/contract.md).
+enum class HeadMapping : int {
+  Grouped = 0,      // kh = h / (Hv / Hk)
+  Interleaved = 1,  // kh = h % Hk
+};
+
+enum class Algorithm : int {
+  Auto = 0,
+  Recurrent = 1,
+  Chunked = 2,
+};
+
+enum class DecayParameterization : int {
+  LogRate = 0,       // decay_parameter is A_log: rate = -exp(A_log)
+  NegativeRate = 1,  // decay_parameter is the (negative) rate itself
+};
+
+HeadMapping parse_head_mapping(const std::string& name);
+Algorithm parse_algorithm(const std::string& name);
+DecayParameterization parse_decay_parameterization(const std::string& name);
+const char* to_string(HeadMapping mapping);
+const char* to_string(Algorithm algorithm);
+const char* to_string(DecayParameterization parameterization);
+
+// The extents of one call, shared by the core's and the segment's params (both
+// derive from it, so a shape is copied as one value, never field by field).
+struct ProblemShape {
+  int batch = 0;
+  int tokens = 0;
+  int key_heads = 0;
+  int value_heads = 0;
+  int key_dim = 0;
+  int value_dim = 0;
+
+  // Sets the shape part of a params struct derived from this one.
+  void set_shape(const ProblemShape& shape) {
+    *this = shape;
+  }
+};
+
+// Everything that fixes the result of one core gated-delta call, except the
+// data. Layouts (all row-major, contiguous):
+//   q, k  [B, T, Hk, Dk]     v, y  [B, T, Hv, Dv]
+//   g, beta [B, T, Hv] (float32)   mask [B, T]
+//   state [B, Hv, Dv, Dk] (float32)
+struct GatedDeltaParams : ProblemShape {
+  float scale = 1.0f;
+  HeadMapping head_mapping = HeadMapping::Grouped;
+  bool normalize_qk = false;
+  bool has_mask = false;
+
+  int key_head_of(int value_head) const {
+    return head_mapping == HeadMapping::Grouped
+        ? value_head / (value_heads / key_heads)
+        : value_head % key_heads;
+  }
+  int num_chunks() const {
+    return (tokens + int(kChunkSize) - 1) / int(kChunkSize);
+  }
+};
+
+// The params of a shape, with the default options (scale 1, grouped, no
+// normalisation, no mask).
+GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
+                              int value_heads, int key_dim, int value_dim);
+
+}  // namespace mlx_gated_delta
