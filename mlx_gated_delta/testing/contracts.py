@@ -39,6 +39,8 @@ LAYOUTS = ("[B,T,H,D]", "[B,H,Dv,Dk]")
 # The fused segment's conv state and a model's logits (no head axis: these
 # layouts take max_abs or norm_ratio only).
 LAYOUTS += ("[B,K,C]", "[B,T,V]")
+# The per-token gates g, gamma and beta and their gradients.
+LAYOUTS += ("[B,T,H]",)
 
 
 @dataclass(frozen=True)
@@ -193,7 +195,31 @@ _SEGMENT_CONTRACTS = (
     Contract("projection.linear.v2.bfloat16.output", "norm_ratio", _BFLOAT16_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
 )
 
-CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS}
+_GATES = "[B,T,H]"
+
+# Gradients (API.md section 7), compared norm-wise per tensor: the
+# activations' gradients (q, k, v: `activation_grad`), the gates' (g or
+# gamma, beta: `gate_grad`) and the initial state's (`state_grad`).
+_GRADIENT_TENSORS = (("activation_grad", _OUTPUT), ("gate_grad", _GATES), ("state_grad", _STATE))
+
+
+def _gradient_contracts(prefix, threshold):
+    return tuple(
+        Contract(f"{prefix}.{tensor}", "norm_ratio", threshold, layout, _DATA_SCALE_FLOOR)
+        for tensor, layout in _GRADIENT_TENSORS
+    )
+
+
+_GRADIENT_CONTRACTS = (
+    # The float64 reference backward against central finite differences of
+    # the float64 forward (step 1e-6): truncation h^2 |f'''| ~ 1e-12 and
+    # cancellation 2^-53 / h ~ 1e-10 relative, so 1e-6 leaves room for the
+    # few hundred operations of a test case and still sees any wrong term.
+    *_gradient_contracts("reference.finite_difference.v1.float64", 1e-6),
+)
+
+CONTRACTS = {contract.id: contract for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS + _GRADIENT_CONTRACTS
+}
 
 
 def assert_matches(name, actual, expected, contract_id, fingerprint):
