@@ -17,7 +17,8 @@ from mlx_gated_delta.reference import (
     gated_delta_update_reference_vjp,
 )
 from mlx_gated_delta.testing import strategies  # noqa: F401 (loads the Hypothesis profile)
-from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.grad_properties import FINGERPRINTS
 
 FD_STEP = 1e-6
 FD_PREFIX = "reference.finite_difference.v1.float64"
@@ -29,7 +30,7 @@ TENSOR_KIND = {
 
 def fd_contract(name):
     contract_id = f"{FD_PREFIX}.{TENSOR_KIND[name]}"
-    return contract_id, CONTRACTS[contract_id].fingerprint
+    return contract_id, FINGERPRINTS[contract_id]
 
 
 def make_inputs(seed, *, batch, tokens, key_heads, ratio, key_dim, value_dim, mask_kind):
