@@ -44,6 +44,17 @@ class GatedDeltaSegment : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 
+  // Both in segment_vjp.cpp: the gradient of every input (through the core
+  // op's backward) and the vmap rule (the mapped axis folds into the batch).
+  std::vector<mlx::core::array> vjp(
+      const std::vector<mlx::core::array>& primals,
+      const std::vector<mlx::core::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mlx::core::array>& outputs) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
+
   const char* name() const override {
     return "GatedDeltaSegment";
   }
