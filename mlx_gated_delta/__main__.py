@@ -13,6 +13,8 @@ PROPERTY_MODULES = {
     "mlx_gated_delta.testing.properties": "core op",
     "mlx_gated_delta.testing.segment_properties": "segment",
     "mlx_gated_delta.testing.layer_properties": "layer",
+    "mlx_gated_delta.testing.grad_properties": "gradients",
+    "mlx_gated_delta.testing.segment_grad_properties": "segment gradients",
 }
 
 

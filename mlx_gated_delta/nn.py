@@ -6,26 +6,29 @@ same module tree as mlx-lm's own layer. The forward pass is one projection
 into the packed `[q | k | v | z | b | a]` layout, one `gated_delta_segment`
 (conv, gates, norms and the recurrence), and the output projection.
 
-The packed projection is derived from the mlx-lm parameters: their rows are
-permuted and concatenated once into a single weight (dense or quantized alike),
-and that weight is reused by every call until one of the source parameters is
-replaced (loading, quantizing, sharding or an optimizer step replace the
-arrays; the layer compares them by identity, which costs nothing per call).
-This is simpler than renaming parameters and translating checkpoints, and it
-keeps every mlx-lm tool working; the price is a second copy of the input
-projections' weights (about 1% of a Qwen3-Next model).
+The packed input is made from the outputs of mlx-lm's own projection modules
+each call: each module projects the input (plain, quantized or LoRA-wrapped,
+as `mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
+concatenated and, for Qwen3-Next, reordered into the packed layout. Nothing is
+derived from the weights and kept, so no weight can go stale: after an
+optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
+that updates the parameter arrays in place, the next call reads the current
+weights.
 
-On the CPU the dense projections (the packed input projection and
-`out_proj`) run through our blocked kernel instead of MLX's CPU matmul, which
-is 10-100x slower on the machines measured; quantized projections use MLX's
-`quantized_matmul`. On a Mac's GPU the segment runs our Metal kernels. There
-is no gradient through the segment yet: these layers are for inference
-(mlx-lm's own layers train).
+On the CPU the plain dense projections run through our blocked kernel instead
+of MLX's CPU matmul, which is 10-100x slower on the machines measured; other
+projections are the modules' own calls. On a Mac's GPU the segment runs our
+Metal kernels.
+
+Training: `mx.grad` and `mlx.nn.value_and_grad` through these layers give
+every parameter its gradient (the segment's and the projection kernel's
+vjps), with no fallback to mlx-lm's per-token loop. The backward runs on the
+CPU (`mx.set_default_device(mx.cpu)`); on the GPU it raises.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,65 +48,6 @@ class GatedRMSNormWeight(nn.Module):
         self.weight = mx.ones(dims)
 
 
-class _PackedProjection:
-    """One matmul producing the segment's packed input from several projections.
-
-    `sources` are `(module, rows)` pairs in packed order: the output rows of
-    each module (`None` for all, in order) that go next into the packed layout.
-    """
-
-    def __init__(self, sources: Sequence[Tuple[nn.Module, Optional[np.ndarray]]]):
-        modules = [m for m, _ in sources]
-        # Holding the source arrays keeps their ids from being reused.
-        self._source_arrays = _source_arrays(modules)
-        self.key = _source_key(modules)
-        quantized = all(isinstance(m, nn.QuantizedLinear) for m in modules) and (
-            len({(m.group_size, m.bits, m.mode) for m in modules}) == 1
-        )
-        self.quantization = None
-        if quantized:
-            first = modules[0]
-            self.quantization = dict(
-                group_size=first.group_size, bits=first.bits, mode=first.mode
-            )
-            names = ["weight", "scales"] + (
-                ["biases"] if first.get("biases") is not None else []
-            )
-            self.arrays = {
-                name: _take_rows([(m[name], rows) for m, rows in sources])
-                for name in names
-            }
-        else:
-            # Plain layers, or a mix of kinds: one dense weight.
-            self.arrays = {
-                "weight": _take_rows([(_dense_weight(m), rows) for m, rows in sources])
-            }
-        if any("bias" in m for m in modules):
-            self.arrays["bias"] = _take_rows(
-                [
-                    (m["bias"] if "bias" in m else mx.zeros(_out_rows(m)), rows)
-                    for m, rows in sources
-                ]
-            )
-
-    def __call__(self, x: mx.array) -> mx.array:
-        a = self.arrays
-        if self.quantization is not None:
-            y = mx.quantized_matmul(
-                x,
-                a["weight"],
-                scales=a["scales"],
-                biases=a.get("biases"),
-                transpose=True,
-                **self.quantization,
-            )
-        else:
-            y = dense_projection(x, a["weight"])
-        if "bias" in a:
-            y = y + a["bias"]
-        return y
-
-
 def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T` (nn.Linear's product, weight `[out, in]`): on the CPU
     through our blocked kernel (MLX's CPU matmul is 10-100x slower on the
@@ -117,35 +61,14 @@ def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
     return x @ weight.T
 
 
-def _source_arrays(modules) -> List[mx.array]:
-    return [v for m in modules for _, v in sorted(m.items()) if isinstance(v, mx.array)]
-
-
-def _source_key(modules) -> Tuple[int, ...]:
-    """Identifies the parameter arrays a packed projection was built from."""
-    return tuple(id(a) for a in _source_arrays(modules))
-
-
-def _out_rows(module: nn.Module) -> int:
-    return module["weight"].shape[0]
-
-
-def _dense_weight(module: nn.Module) -> mx.array:
-    if isinstance(module, nn.QuantizedLinear):
-        return mx.dequantize(
-            module["weight"],
-            module["scales"],
-            module.get("biases"),
-            group_size=module.group_size,
-            bits=module.bits,
-            mode=module.mode,
-        )
-    return module["weight"]
-
-
-def _take_rows(parts) -> mx.array:
-    taken = [a if rows is None else mx.take(a, mx.array(rows), axis=0) for a, rows in parts]
-    return mx.contiguous(mx.concatenate(taken, axis=0))
+def _project(module: nn.Module, x: mx.array) -> mx.array:
+    """One input projection: a plain bias-free Linear through
+    `dense_projection`, anything else (quantized, LoRA-wrapped, with bias)
+    by calling the module itself, so every wrapper mlx-lm's tools put there
+    is followed."""
+    if type(module) is nn.Linear and "bias" not in module:
+        return dense_projection(x, module.weight)
+    return module(x)
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -180,25 +103,23 @@ class _GatedDeltaNetBase(nn.Module):
         self.A_log = mx.log(mx.random.uniform(low=0, high=16, shape=(self.num_v_heads,)))
         self.norm = GatedRMSNormWeight(self.head_v_dim, eps=self.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
-        # Not a parameter: a derived weight (see the module docstring).
-        object.__setattr__(self, "_packed", None)
 
     def _projection_modules(self) -> List[nn.Module]:
         """The projections whose outputs make the packed layout, in order."""
         raise NotImplementedError
 
-    def _projection_rows(self) -> List[Optional[np.ndarray]]:
-        """Per projection, its output rows in packed order (None: as they are)."""
+    def _packed_columns(self) -> Optional[mx.array]:
+        """The columns of the concatenated projection outputs in packed
+        order, or None where they are in packed order already."""
         raise NotImplementedError
 
-    def packed_projection(self) -> _PackedProjection:
-        """The one projection into the segment's packed layout, derived from
-        the current parameters and rebuilt only when one was replaced."""
-        modules = self._projection_modules()
-        if self._packed is None or self._packed.key != _source_key(modules):
-            sources = list(zip(modules, self._projection_rows()))
-            object.__setattr__(self, "_packed", _PackedProjection(sources))
-        return self._packed
+    def packed_projection(self, x: mx.array) -> mx.array:
+        """The segment's packed input `[q | k | v | z | b | a]` for `x`,
+        from the current projection modules."""
+        parts = [_project(m, x) for m in self._projection_modules()]
+        mixed = mx.concatenate(parts, axis=-1)
+        columns = self._packed_columns()
+        return mixed if columns is None else mx.take(mixed, columns, axis=-1)
 
     def __call__(
         self,
@@ -211,7 +132,7 @@ class _GatedDeltaNetBase(nn.Module):
         if sharding_group is not None:
             inputs = nn.layers.distributed.sum_gradients(sharding_group)(inputs)
 
-        mixed = self.packed_projection()(inputs)
+        mixed = self.packed_projection(inputs)
         conv_state = state = None
         if cache is not None:
             conv_state, state = cache[0], cache[1]
@@ -261,7 +182,7 @@ class GatedDeltaNet(_GatedDeltaNetBase):
 
     `in_proj_qkvz` and `in_proj_ba` are packed per key-head group, as in the
     checkpoints: `[q | k | v_group | z_group]` and `[b_group | a_group]` for
-    each key head; the packed projection reorders their rows once.
+    each key head; the packed projection reorders their output columns.
     """
 
     def __init__(self, config: Any):
@@ -274,7 +195,7 @@ class GatedDeltaNet(_GatedDeltaNetBase):
     def _projection_modules(self):
         return [self.in_proj_qkvz, self.in_proj_ba]
 
-    def _projection_rows(self):
+    def _packed_columns(self):
         nk, dk = self.num_k_heads, self.head_k_dim
         group_v = self.num_v_heads // nk * self.head_v_dim  # v (or z) per group
         group_heads = self.num_v_heads // nk  # b (or a) per group
@@ -298,7 +219,9 @@ class GatedDeltaNet(_GatedDeltaNetBase):
                 rows(2 * group_heads, group_heads, group_heads),  # a
             ]
         )
-        return [qkvz_rows, ba_rows]
+        # in_proj_ba's outputs follow in_proj_qkvz's in the concatenation.
+        qkvz_width = 2 * self.key_dim + 2 * self.value_dim
+        return mx.array(np.concatenate([qkvz_rows, ba_rows + qkvz_width]))
 
 
 class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
@@ -306,7 +229,7 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
     (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`,
     `dt_bias`, `A_log`, `norm`, `out_proj`), cache and `sharding_group`
     (mlx-lm's `shard` splits heads across ranks and works on this layer).
-    The projections are already in packed order: they are concatenated once.
+    The projections are already in packed order: their outputs are concatenated.
     """
 
     def __init__(self, config: Any):
@@ -322,5 +245,5 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
     def _projection_modules(self):
         return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
 
-    def _projection_rows(self):
-        return [None, None, None, None]
+    def _packed_columns(self):
+        return None

@@ -63,6 +63,13 @@ def gated_delta_rule(
 
     Returns:
         ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state.
+
+    Gradients: ``mx.grad`` / ``mx.vjp`` give the gradients of q, k, v, g,
+    beta and state for the cotangents of both outputs, each in its input's
+    dtype (accumulated in float32); masked steps get zero gradient. The
+    backward recomputes the forward from one saved state per 64 tokens, so its
+    memory grows with ``T / 64`` states, not ``T``. It runs on the CPU only for
+    now (``stream=mx.cpu``); on the GPU it raises.
     """
     _check_core_arguments(q, k, v, beta, mask)
     _require_array("g", g)
@@ -92,6 +99,10 @@ def gated_delta_update(
     ``gamma`` is the linear decay ``[B, T, Hv]``; no scale is applied and the
     head mapping is grouped. Unlike MLX's op, ``gamma`` and ``beta`` are never
     rounded to the activation dtype, and ``gamma == 0`` wipes the state exactly.
+
+    Differentiable like ``gated_delta_rule`` (CPU only for now): ``gamma``
+    receives the gradient of the linear decay itself, not one through
+    ``log``, so it is finite and exact where ``gamma == 0``.
     """
     _check_core_arguments(q, k, v, beta, mask)
     _require_array("gamma", gamma)
@@ -103,8 +114,12 @@ def gated_delta_update(
     if initial_state is not None:
         _require_array("initial_state", initial_state)
     # log(0) = -inf is a decay of exactly 0: the kernels treat it as a wipe.
-    g = mx.log(gamma.astype(mx.float32, stream=stream), stream=stream)
+    # The gradient does not go through log (0 / 0 at a wipe): gamma is passed
+    # as well and receives the gradient of the linear decay directly.
+    g = mx.log(
+        mx.stop_gradient(gamma).astype(mx.float32, stream=stream), stream=stream
+    )
     return _ext.gated_delta_rule(
         q, k, v, g, beta, initial_state, 1.0, "grouped", mask, False, "auto", stream,
-        g_name="gamma", state_name="initial_state",
+        g_name="gamma", state_name="initial_state", linear_gate=gamma,
     )

@@ -121,6 +121,167 @@ def _delta_rule_recurrence(
     return y, S
 
 
+def gated_delta_rule_reference_vjp(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    y_cotangent=None,
+    state_cotangent=None,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+):
+    """Reverse-mode gradient of `gated_delta_rule_reference`, in float64.
+
+    Given the cotangents of `y` `[B, T, Hv, Dv]` and of the final state
+    `[B, Hv, Dv, Dk]` (either may be None: zero), returns a dict of the
+    gradients of the inputs: `q`, `k` `[B, T, Hk, Dk]` (summed over the value
+    heads that read each key head), `v`, `g`, `beta`, `state`, and `decay`, the
+    gradient with respect to the linear decay `exp(g)` (what
+    `gated_delta_update`'s `gamma` receives). At a wipe (`g = -inf`) the
+    gradient of `g` is exactly 0 and that of the decay is finite.
+    """
+    q, k, v, g, beta = (to_float64(x) for x in (q, k, v, g, beta))
+    key_dim = q.shape[-1]
+    if scale is None:
+        scale = key_dim**-0.5
+    raw_q, raw_k = q, k
+    if normalize_qk:
+        q, k = qk_norm(q), qk_norm(k)
+    grads = _delta_rule_recurrence_vjp(
+        q, k, v, np.exp(g), beta, state, y_cotangent, state_cotangent, scale,
+        head_mapping, mask,
+    )
+    if normalize_qk:
+        grads["q"] = qk_norm_backward(raw_q, grads["q"])
+        grads["k"] = qk_norm_backward(raw_k, grads["k"])
+    # d/dg exp(g) = exp(g): exactly 0 at a wipe, never 0 * inf.
+    grads["g"] = grads["decay"] * np.exp(g)
+    return grads
+
+
+def gated_delta_update_reference_vjp(
+    q, k, v, gamma, beta, initial_state=None, mask=None, *,
+    y_cotangent=None, state_cotangent=None,
+):
+    """Reverse-mode gradient of `gated_delta_update_reference`, in float64.
+
+    Returns the dict of `gated_delta_rule_reference_vjp` with `gamma` (the
+    gradient of the linear decay, finite and exact at `gamma == 0`) in place
+    of `g` and `decay`.
+    """
+    q, k, v, gamma, beta = (to_float64(x) for x in (q, k, v, gamma, beta))
+    grads = _delta_rule_recurrence_vjp(
+        q, k, v, gamma, beta, initial_state, y_cotangent, state_cotangent, 1.0,
+        "grouped", mask,
+    )
+    grads["gamma"] = grads.pop("decay")
+    return grads
+
+
+def _delta_rule_recurrence_vjp(
+    q, k, v, decay, beta, state, y_cotangent, state_cotangent, scale,
+    head_mapping, mask,
+):
+    """The recurrence backward: the forward again, keeping every state, then
+    the tokens in reverse order carrying dS, the cotangent of the state.
+
+    Per active token, forward:      Sd = a S_prev;  p = Sd k;
+        d = beta (v - p);  S = Sd + d k^T;  y = scale S q.
+    Backward, in reverse:           dS += scale dy q^T;  dq = scale S^T dy;
+        dd = dS k;  dk = dS^T d;  dv = beta dd;  dbeta = dd.(v - p);
+        dp = -beta dd;  dSd = dS + dp k^T;  dk += Sd^T dp;
+        da = <dSd, S_prev>;  dS_prev = a dSd.
+    A masked token passes dS through and gets zero gradients.
+    """
+    batch, tokens, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    key_head = key_head_of(value_heads, key_heads, head_mapping)
+    q_h = q[:, :, key_head]  # [B, T, Hv, Dk]
+    k_h = k[:, :, key_head]
+    active = (
+        np.ones((batch, tokens), dtype=bool)
+        if mask is None
+        else np.asarray(mask, dtype=bool)
+    )
+    dy = (
+        np.zeros((batch, tokens, value_heads, value_dim))
+        if y_cotangent is None
+        else to_float64(y_cotangent)
+    )
+
+    # states[t] is the state before token t; states[tokens] the final one.
+    states = np.zeros((tokens + 1, batch, value_heads, value_dim, key_dim))
+    if state is not None:
+        states[0] = to_float64(state)
+    for t in range(tokens):
+        decayed = decay[:, t, :, None, None] * states[t]
+        delta = beta[:, t, :, None] * (
+            v[:, t] - np.einsum("bhvk,bhk->bhv", decayed, k_h[:, t])
+        )
+        updated = decayed + delta[..., :, None] * k_h[:, t, :, None, :]
+        states[t + 1] = np.where(active[:, t, None, None, None], updated, states[t])
+
+    dS = (
+        np.zeros((batch, value_heads, value_dim, key_dim))
+        if state_cotangent is None
+        else to_float64(state_cotangent).copy()
+    )
+    dq = np.zeros((batch, tokens, value_heads, key_dim))
+    dk = np.zeros((batch, tokens, value_heads, key_dim))
+    dv = np.zeros((batch, tokens, value_heads, value_dim))
+    da = np.zeros((batch, tokens, value_heads))
+    dbeta = np.zeros((batch, tokens, value_heads))
+    for t in reversed(range(tokens)):
+        step = active[:, t]
+        q_t, k_t, v_t = q_h[:, t], k_h[:, t], v[:, t]
+        a_t, beta_t = decay[:, t, :, None], beta[:, t, :, None]
+        previous, updated = states[t], states[t + 1]
+        decayed = a_t[..., None] * previous
+        predicted = np.einsum("bhvk,bhk->bhv", decayed, k_t)
+        delta = beta_t * (v_t - predicted)
+
+        dS_step = dS + scale * dy[:, t, :, :, None] * q_t[:, :, None, :]
+        dd = np.einsum("bhvk,bhk->bhv", dS_step, k_t)
+        dp = -beta_t * dd
+        dSd = dS_step + dp[..., :, None] * k_t[:, :, None, :]
+        grads_t = {
+            "q": scale * np.einsum("bhvk,bhv->bhk", updated, dy[:, t]),
+            "k": np.einsum("bhvk,bhv->bhk", dS_step, delta)
+            + np.einsum("bhvk,bhv->bhk", decayed, dp),
+            "v": beta_t * dd,
+            "a": np.einsum("bhvk,bhvk->bh", dSd, previous),
+            "beta": np.einsum("bhv,bhv->bh", dd, v_t - predicted),
+        }
+        for name, out in (("q", dq), ("k", dk), ("v", dv), ("a", da), ("beta", dbeta)):
+            value = grads_t[name]
+            where = step.reshape(step.shape + (1,) * (value.ndim - 1))
+            out[:, t] = np.where(where, value, 0.0)
+        dS = np.where(step[:, None, None, None], a_t[..., None] * dSd, dS)
+
+    # Key-head gradients: the sum over the value heads that read each key head.
+    dq_key = np.zeros((batch, tokens, key_heads, key_dim))
+    dk_key = np.zeros((batch, tokens, key_heads, key_dim))
+    np.add.at(dq_key, (slice(None), slice(None), key_head), dq)
+    np.add.at(dk_key, (slice(None), slice(None), key_head), dk)
+    return {
+        "q": dq_key, "k": dk_key, "v": dv, "decay": da, "beta": dbeta, "state": dS,
+    }
+
+
+def qk_norm_backward(x, cotangent):
+    """Gradient through x / n, n = sqrt(sum(x * x) + eps), per head:
+    (c - x_hat (x_hat . c)) / n."""
+    norm = np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)
+    x_hat = x / norm
+    return (cotangent - x_hat * np.sum(x_hat * cotangent, axis=-1, keepdims=True)) / norm
+
+
 def qk_norm(x):
     """Stage qk_norm: each row of the last axis over sqrt(|x|^2 + eps)."""
     return x / np.sqrt(np.sum(x * x, axis=-1, keepdims=True) + QK_NORM_EPS)

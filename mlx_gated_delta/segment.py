@@ -59,6 +59,16 @@ def gated_delta_segment(
     Returns:
         ``out`` ``[B, T, Hv, Dv]`` in the activation dtype, the new
         ``conv_state`` and the new float32 ``state``.
+
+    Gradients: ``mx.grad`` / ``mx.vjp`` give the gradient of every array
+    input (the packed input, the conv weight, the decay parameter, dt_bias,
+    the norm weight, the conv state and the state) for the cotangents of all
+    three outputs, each in its input's dtype; skipped (masked) tokens get
+    zero gradient. The conv, gates and norm are differentiated as float32
+    MLX ops and the recurrence through the core op's chunked backward. CPU
+    only for now (``stream=mx.cpu``); on the GPU the backward raises.
+    ``mx.vmap`` maps over the packed input, the states and the mask (not
+    over the parameters).
     """
     for name, value in (
         ("mixed_qkvzba", mixed_qkvzba),

@@ -23,7 +23,8 @@ std::vector<mx::array> gated_delta_rule(
     bool normalize_qk,
     const std::string& algorithm,
     mx::StreamOrDevice s,
-    const CoreArgumentNames& names) {
+    const CoreArgumentNames& names,
+    const std::optional<mx::array>& linear_gate) {
   GatedDeltaParams p;
   p.head_mapping = parse_head_mapping(head_mapping);
   Algorithm requested = parse_algorithm(algorithm);
@@ -56,11 +57,15 @@ std::vector<mx::array> gated_delta_rule(
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
+  if (linear_gate) {
+    inputs.push_back(mx::astype(*linear_gate, mx::float32, stream));
+  }
   return mx::array::make_arrays(
       {v.shape(), state_shape},
       {v.dtype(), mx::float32},
       std::make_shared<GatedDeltaRule>(
-          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved),
+          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved,
+          linear_gate.has_value()),
       inputs);
 }
 

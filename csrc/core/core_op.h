@@ -11,7 +11,10 @@
 
 namespace mlx_gated_delta {
 
-// The core recurrence (docs/contract.md). Returns {y, state}.
+// The core recurrence (docs/contract.md). Returns {y, state}. `linear_gate`:
+// the MLX-compatible entry point's gamma, of which `g` is log(gamma) with its
+// gradient stopped; the gradient of the linear decay reaches gamma directly
+// through it.
 std::vector<mlx::core::array> gated_delta_rule(
     const mlx::core::array& q,
     const mlx::core::array& k,
@@ -25,6 +28,7 @@ std::vector<mlx::core::array> gated_delta_rule(
     bool normalize_qk,
     const std::string& algorithm,
     mlx::core::StreamOrDevice s = {},
-    const CoreArgumentNames& names = {});
+    const CoreArgumentNames& names = {},
+    const std::optional<mlx::core::array>& linear_gate = std::nullopt);
 
 }  // namespace mlx_gated_delta

@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "core/backward_primitive.h"
 #include "cpu/core.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -110,7 +111,10 @@ void GatedDeltaRule::eval_gpu(
     [[maybe_unused]] const std::vector<mx::array>& inputs,
     [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
-  metal::eval_core_gpu(params_for(inputs), algorithm_, inputs, outputs, stream());
+  // The linear gate, when present, is for the vjp only.
+  const std::vector<mx::array> kernel_inputs(
+      inputs.begin(), inputs.begin() + (has_mask_ ? kMask + 1 : kMask));
+  metal::eval_core_gpu(params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
@@ -118,15 +122,15 @@ void GatedDeltaRule::eval_gpu(
 #endif
 }
 
+// The backward is a primitive of its own (backward_primitive.h).
 std::vector<mx::array> GatedDeltaRule::vjp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "mlx_gated_delta.gated_delta_rule has no gradient yet: its vjp "
-      "(training) is not implemented, so mx.grad / mx.vjp through it is "
-      "refused rather than returning a wrong gradient.");
+  return gated_delta_rule_vjp(
+      stream(), scale_, head_mapping_, normalize_qk_, has_mask_, has_linear_gate_,
+      primals, cotangents, argnums);
 }
 
 std::vector<mx::array> GatedDeltaRule::jvp(
@@ -152,7 +156,8 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
       output_shapes(folded),
       {folded[kV].dtype(), mx::float32},
       std::make_shared<GatedDeltaRule>(
-          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_),
+          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_,
+          has_linear_gate_),
       folded);
   for (auto& out : outputs) {
     out = unfold_from_batch(out, size, stream());
@@ -164,7 +169,7 @@ bool GatedDeltaRule::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDeltaRule&>(other);
   return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
       normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
-      algorithm_ == o.algorithm_;
+      algorithm_ == o.algorithm_ && has_linear_gate_ == o.has_linear_gate_;
 }
 
 std::vector<mx::Shape> GatedDeltaRule::output_shapes(

@@ -11,7 +11,10 @@ namespace mlx_gated_delta {
 // all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk].
 // Carries only what changes the result: the shape-free options and the
 // algorithm (already resolved for the CPU; Auto on the GPU, where the Metal
-// plan chooses).
+// plan chooses). With `has_linear_gate`, one more input follows: the linear
+// decay gamma of which g = log(gamma) was taken; the forward does not read it,
+// the vjp gives it the gradient of the linear decay (exact where gamma == 0,
+// where the chain rule through log would be 0 / 0).
 class GatedDeltaRule : public mlx::core::Primitive {
  public:
   GatedDeltaRule(
@@ -20,13 +23,15 @@ class GatedDeltaRule : public mlx::core::Primitive {
       HeadMapping head_mapping,
       bool normalize_qk,
       bool has_mask,
-      Algorithm algorithm)
+      Algorithm algorithm,
+      bool has_linear_gate = false)
       : mlx::core::Primitive(stream),
         scale_(scale),
         head_mapping_(head_mapping),
         normalize_qk_(normalize_qk),
         has_mask_(has_mask),
-        algorithm_(algorithm) {}
+        algorithm_(algorithm),
+        has_linear_gate_(has_linear_gate) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -64,6 +69,7 @@ class GatedDeltaRule : public mlx::core::Primitive {
   bool normalize_qk_;
   bool has_mask_;
   Algorithm algorithm_;
+  bool has_linear_gate_;
 };
 
 }  // namespace mlx_gated_delta

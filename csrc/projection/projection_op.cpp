@@ -69,6 +69,31 @@ void LinearProjection::eval_gpu(
       "LinearProjection is a CPU kernel; on the GPU use MLX's matmul");
 }
 
+std::vector<mx::array> LinearProjection::vjp(
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums,
+    const std::vector<mx::array>&) {
+  const mx::array& x = primals[0];
+  const mx::array& weight = primals[1];
+  const mx::array& dy = cotangents[0];
+  const mx::Stream s = stream();
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      // dx = dy W: the product x w^T with w = W^T [in, out].
+      grads.push_back(linear_projection(dy, mx::transpose(weight, s), s));
+    } else {
+      // dW = dy^T x over all rows: a [out, N] times (x^T [in, N])^T.
+      const int rows = static_cast<int>(x.size() / x.shape(-1));
+      mx::array dy_t = mx::transpose(mx::reshape(dy, {rows, weight.shape(0)}, s), s);
+      mx::array x_t = mx::transpose(mx::reshape(x, {rows, x.shape(-1)}, s), s);
+      grads.push_back(linear_projection(dy_t, x_t, s));
+    }
+  }
+  return grads;
+}
+
 mx::array linear_projection(
     const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
   if (x.ndim() < 1 || weight.ndim() != 2 || x.shape(-1) != weight.shape(1)) {

@@ -22,6 +22,13 @@ class LinearProjection : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 
+  // dx = dy W and dW = dy^T x, both through this kernel again.
+  std::vector<mlx::core::array> vjp(
+      const std::vector<mlx::core::array>& primals,
+      const std::vector<mlx::core::array>& cotangents,
+      const std::vector<int>& argnums,
+      const std::vector<mlx::core::array>& outputs) override;
+
   const char* name() const override {
     return "LinearProjection";
   }

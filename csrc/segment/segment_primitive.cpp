@@ -135,17 +135,6 @@ void GatedDeltaSegment::eval_gpu(
 #endif
 }
 
-std::vector<mx::array> GatedDeltaSegment::vjp(
-    const std::vector<mx::array>&,
-    const std::vector<mx::array>&,
-    const std::vector<int>&,
-    const std::vector<mx::array>&) {
-  throw std::runtime_error(
-      "mlx_gated_delta.gated_delta_segment has no gradient yet: its vjp "
-      "(training) is not implemented, so mx.grad / mx.vjp through it is "
-      "refused rather than returning a wrong gradient.");
-}
-
 std::vector<mx::array> GatedDeltaSegment::jvp(
     const std::vector<mx::array>&,
     const std::vector<mx::array>&,

@@ -44,6 +44,8 @@ class GatedDeltaSegment : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 
+  // In segment_vjp.cpp: the gradient of every input, through the core op's
+  // backward.
   std::vector<mlx::core::array> vjp(
       const std::vector<mlx::core::array>& primals,
       const std::vector<mlx::core::array>& cotangents,

@@ -236,9 +236,115 @@ _STAGE_CONTRACTS = (
     _relative("reference.chunked.v1.float64.state", 1e-12, _STATE),
 )
 
+# Gradients (docs/contract.md, gradients), compared norm-wise per tensor: the
+# activations' gradients (q, k, v: `activation_grad`), the gates' (g or
+# gamma, beta: `gate_grad`) and the initial state's (`state_grad`).
+_GRADIENT_TENSORS = (("activation_grad", _OUTPUT), ("gate_grad", _GATES), ("state_grad", _STATE))
+
+
+def _gradient_contracts(prefix, threshold):
+    return tuple(
+        Contract(f"{prefix}.{tensor}", "norm_ratio", threshold, layout, _DATA_SCALE_FLOOR)
+        for tensor, layout in _GRADIENT_TENSORS
+    )
+
+
+_GRADIENT_CONTRACTS = (
+    # The float64 reference backward against central finite differences of
+    # the float64 forward (step 1e-6): truncation h^2 |f'''| ~ 1e-12 and
+    # cancellation 2^-53 / h ~ 1e-10 relative, so 1e-6 leaves room for the
+    # few hundred operations of a test case and still sees any wrong term.
+    *_gradient_contracts("reference.finite_difference.v1.float64", 1e-6),
+    # The kernels' gradients against the float64 reference backward, on the
+    # same rounded inputs and cotangents (docs/contract.md, gradients: float32 to about
+    # 1e-3). The backward accumulates in float32 whatever the activation
+    # dtype; seen over 150 drawn cases: 7.3e-6 (float32, q k v), 1.5e-6
+    # (gates), 3.1e-7 (state).
+    *_gradient_contracts("core_grad.oracle.v1.float32", 1e-3),
+    # A gradient returned in float16 or bfloat16 (q, k, v, and g or beta given
+    # in that dtype) adds its final rounding, at most half an ulp of each
+    # element and so of the norm: 2^-11 = 4.9e-4 and 2^-8 = 3.9e-3, on top of
+    # the float32 contract. Seen over 150 drawn cases: 4.0e-4 (float16),
+    # 3.4e-3 (bfloat16).
+    *_gradient_contracts("core_grad.oracle.v1.float16", 1.5e-3)[:2],
+    *_gradient_contracts("core_grad.oracle.v1.bfloat16", 5e-3)[:2],
+    # Two float32 computations of one gradient, each within the 1e-3 contract
+    # of the exact one: split over calls that carry the state, the chunked
+    # and the recurrent forward, and under mx.compile / mx.vmap. A wrong carry
+    # or a lost term shows as an O(1) error.
+    *_gradient_contracts("core_grad.split.v1.float32", 2e-3),
+    *_gradient_contracts("core_grad.algorithms.v1.float32", 2e-3),
+    *_gradient_contracts("core_grad.transforms.v1.float32", 2e-3),
+)
+
+# The segment's packed input and its parameters (any shape; these layouts
+# take norm_ratio only).
+LAYOUTS += ("[B,T,F]", "[P]")
+
+# The segment's gradients, norm-wise per tensor: the packed input's and the
+# conv state's (`input_grad`, in the activation dtype), the parameters'
+# (conv weight, decay parameter, dt_bias, norm weight: `parameter_grad`) and
+# the initial state's (`state_grad`, float32).
+_SEGMENT_GRADIENT_TENSORS = (
+    ("input_grad", "[B,T,F]"), ("parameter_grad", "[P]"), ("state_grad", _STATE)
+)
+
+
+def _segment_gradient_contracts(prefix, threshold, tensors=_SEGMENT_GRADIENT_TENSORS):
+    return tuple(
+        Contract(f"{prefix}.{tensor}", "norm_ratio", threshold, layout, _DATA_SCALE_FLOOR)
+        for tensor, layout in tensors
+    )
+
+
+_SEGMENT_GRADIENT_CONTRACTS = (
+    # The segment's gradients against central finite differences (step 1e-6)
+    # of the float64 segment oracle, on the same rounded inputs and
+    # cotangents. The backward is float32 throughout (the conv, gates and
+    # norm as MLX float32 ops, the recurrence through the core's backward), so
+    # the core's float32 gradient contract (docs/contract.md, gradients: about 1e-3)
+    # applies; the finite differences add about 1e-9. Seen over 60 drawn
+    # cases: 3.0e-7 (packed input, conv state), 1.0e-6 (parameters), 3.6e-7
+    # (state).
+    *_segment_gradient_contracts("segment_grad.oracle.v1.float32", 1e-3),
+    # A gradient returned in float16 or bfloat16 (the packed input's and the
+    # conv state's) adds its final rounding, half an ulp of each element:
+    # 2^-11 = 4.9e-4 and 2^-8 = 3.9e-3 on top of the float32 contract, as for
+    # the core. The parameters' and the state's gradients stay float32.
+    # Seen over 60 drawn cases: 3.0e-4 (float16), 1.9e-3 (bfloat16).
+    *_segment_gradient_contracts(
+        "segment_grad.oracle.v1.float16", 1.5e-3, _SEGMENT_GRADIENT_TENSORS[:1]
+    ),
+    *_segment_gradient_contracts(
+        "segment_grad.oracle.v1.bfloat16", 5e-3, _SEGMENT_GRADIENT_TENSORS[:1]
+    ),
+    # Two float32 computations of one gradient, each within the 1e-3
+    # contract: split over calls that carry both states, the chunked and the
+    # recurrent core, and under mx.compile / mx.vmap.
+    *_segment_gradient_contracts("segment_grad.split.v1.float32", 2e-3),
+    *_segment_gradient_contracts("segment_grad.algorithms.v1.float32", 2e-3),
+    *_segment_gradient_contracts("segment_grad.transforms.v1.float32", 2e-3),
+    # A patched float32 mlx-lm model's parameter gradients against the stock
+    # model's (mlx-lm's own layers, differentiated through its op loop): two
+    # float32 computations of the same gradient, each within the 1e-3
+    # contract of exact.
+    Contract("layer_grad.mlx_lm_parity.v1.float32.parameter_grad", "norm_ratio", 2e-3, "[P]", _DATA_SCALE_FLOOR),
+    # The loss curve of a short LoRA run (Adam) on a patched model against
+    # the same run on the stock model: each step's loss, relative to the
+    # curve's norm. The curves start from the same loss within float32 and
+    # part only by the float32 gradient differences above, which Adam (its
+    # first steps are about lr * sign(g)) amplifies: the stock model against
+    # itself with its weights perturbed by 1e-6 relative parts by 4.9e-4 over
+    # 20 steps at lr 1e-4 (1.4e-2 at lr 1e-3, where neither side is
+    # reproducible to this contract). Runs of smooth models (no top-k expert
+    # routing, whose choice a float32 difference can flip) at lr 1e-4.
+    Contract("layer_train.lora_curve.v1.float32.loss", "norm_ratio", 2e-3, "[P]", _DATA_SCALE_FLOOR),
+)
+
 CONTRACTS = {
     contract.id: contract
     for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS + _STAGE_CONTRACTS
+    + _GRADIENT_CONTRACTS + _SEGMENT_GRADIENT_CONTRACTS
 }
 
 

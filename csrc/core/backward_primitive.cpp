@@ -1,0 +1,211 @@
+#include "core/backward_primitive.h"
+
+#include <optional>
+#include <stdexcept>
+
+#include "cpu/backward.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/ops.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_gated_delta {
+
+namespace {
+
+enum Input { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
+enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
+
+template <typename T>
+void run_cpu(const GatedDeltaParams& p, const std::vector<mx::array>& in,
+             std::vector<mx::array>& out) {
+  const size_t cotangents = p.has_mask ? kMask + 1 : kMask;
+  cpu::BackwardBuffers<T> buffers{
+      in[kQ].data<T>(),
+      in[kK].data<T>(),
+      in[kV].data<T>(),
+      in[kG].data<float>(),
+      in[kBeta].data<float>(),
+      p.has_mask ? in[kMask].data<bool>() : nullptr,
+      in[kState].data<float>(),
+      in[cotangents].data<T>(),
+      in[cotangents + 1].data<float>(),
+      out[kDq].data<T>(),
+      out[kDk].data<T>(),
+      out[kDv].data<T>(),
+      out[kDg].data<float>(),
+      out[kDDecay].data<float>(),
+      out[kDbeta].data<float>(),
+      out[kDstate].data<float>()};
+  cpu::gated_delta_backward<T>(p, buffers);
+}
+
+// Gradients in their inputs' dtypes: q, k and v in the activation dtype; the
+// gates and the state are float32 inputs of the primitive.
+std::vector<mx::Dtype> output_dtypes(const std::vector<mx::array>& inputs) {
+  return {inputs[kQ].dtype(), inputs[kK].dtype(), inputs[kV].dtype(), mx::float32,
+          mx::float32, mx::float32, mx::float32};
+}
+
+std::vector<mx::Shape> gradient_shapes(const std::vector<mx::array>& inputs) {
+  return {inputs[kQ].shape(), inputs[kK].shape(), inputs[kV].shape(),
+          inputs[kG].shape(), inputs[kG].shape(), inputs[kBeta].shape(),
+          inputs[kState].shape()};
+}
+
+}  // namespace
+
+GatedDeltaParams GatedDeltaRuleVJP::params_for(
+    const std::vector<mx::array>& inputs) const {
+  GatedDeltaParams p;
+  p.batch = inputs[kQ].shape(0);
+  p.tokens = inputs[kQ].shape(1);
+  p.key_heads = inputs[kQ].shape(2);
+  p.key_dim = inputs[kQ].shape(3);
+  p.value_heads = inputs[kV].shape(2);
+  p.value_dim = inputs[kV].shape(3);
+  p.scale = scale_;
+  p.head_mapping = head_mapping_;
+  p.normalize_qk = normalize_qk_;
+  p.has_mask = has_mask_;
+  return p;
+}
+
+void GatedDeltaRuleVJP::eval_cpu(
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs) {
+  const GatedDeltaParams p = params_for(inputs);
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  for (const auto& input : inputs) {
+    encoder.set_input_array(input);
+  }
+  std::vector<mx::array> out;
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+    encoder.set_output_array(output);
+    out.push_back(mx::array::unsafe_weak_copy(output));
+  }
+  std::vector<mx::array> in;
+  for (const auto& input : inputs) {
+    in.push_back(mx::array::unsafe_weak_copy(input));
+  }
+  encoder.dispatch([p, in = std::move(in), out = std::move(out)]() mutable {
+    switch (in[kV].dtype()) {
+      case mx::float32:
+        run_cpu<float>(p, in, out);
+        break;
+      case mx::float16:
+        run_cpu<mx::float16_t>(p, in, out);
+        break;
+      case mx::bfloat16:
+        run_cpu<mx::bfloat16_t>(p, in, out);
+        break;
+      default:
+        throw std::runtime_error("GatedDeltaRuleVJP: unsupported activation dtype");
+    }
+  });
+}
+
+void GatedDeltaRuleVJP::eval_gpu(
+    const std::vector<mx::array>&,
+    std::vector<mx::array>&) {
+  throw std::runtime_error(
+      "mlx_gated_delta: the gradient of gated_delta_rule / gated_delta_update "
+      "has no GPU (Metal) kernels yet; run the op and its gradient on the CPU "
+      "(stream=mx.cpu).");
+}
+
+// Folds the vmapped axis into the batch axis, as GatedDeltaRule::vmap does:
+// every input and output has the batch as its leading axis.
+std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRuleVJP::vmap(
+    const std::vector<mx::array>& inputs,
+    const std::vector<int>& axes) {
+  int vmap_size = -1;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      vmap_size = inputs[i].shape(axes[i]);
+      break;
+    }
+  }
+  std::vector<mx::array> folded;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    mx::array x = inputs[i];
+    if (axes[i] >= 0) {
+      x = mx::moveaxis(x, axes[i], 0, stream());
+    } else {
+      mx::Shape shape = x.shape();
+      shape.insert(shape.begin(), vmap_size);
+      x = mx::broadcast_to(mx::expand_dims(x, 0, stream()), shape, stream());
+    }
+    mx::Shape shape(x.shape().begin() + 1, x.shape().end());
+    shape[0] *= vmap_size;
+    folded.push_back(mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
+  }
+  auto outputs = mx::array::make_arrays(
+      output_shapes(folded), output_dtypes(folded),
+      std::make_shared<GatedDeltaRuleVJP>(
+          stream(), scale_, head_mapping_, normalize_qk_, has_mask_),
+      folded);
+  for (auto& out : outputs) {
+    mx::Shape shape = out.shape();
+    shape[0] /= vmap_size;
+    shape.insert(shape.begin(), vmap_size);
+    out = mx::reshape(out, shape, stream());
+  }
+  return {outputs, std::vector<int>(outputs.size(), 0)};
+}
+
+bool GatedDeltaRuleVJP::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDeltaRuleVJP&>(other);
+  return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
+      normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_;
+}
+
+std::vector<mx::Shape> GatedDeltaRuleVJP::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  return gradient_shapes(inputs);
+}
+
+std::vector<mx::array> gated_delta_rule_vjp(
+    mx::Stream stream,
+    float scale,
+    HeadMapping head_mapping,
+    bool normalize_qk,
+    bool has_mask,
+    bool has_linear_gate,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    const std::vector<int>& argnums) {
+  const mx::Dtype activation = primals[kV].dtype();
+  std::vector<mx::array> inputs(primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));
+  inputs.push_back(mx::contiguous(mx::astype(cotangents[0], activation, stream), false, stream));
+  inputs.push_back(
+      mx::contiguous(mx::astype(cotangents[1], mx::float32, stream), false, stream));
+  auto grads = mx::array::make_arrays(
+      gradient_shapes(inputs), output_dtypes(inputs),
+      std::make_shared<GatedDeltaRuleVJP>(
+          stream, scale, head_mapping, normalize_qk, has_mask),
+      inputs);
+  const int linear_gate = has_linear_gate ? (has_mask ? kMask + 1 : kMask) : -1;
+  std::vector<mx::array> result;
+  for (int argnum : argnums) {
+    switch (argnum) {
+      case kQ: result.push_back(grads[kDq]); break;
+      case kK: result.push_back(grads[kDk]); break;
+      case kV: result.push_back(grads[kDv]); break;
+      case kG: result.push_back(grads[kDg]); break;
+      case kBeta: result.push_back(grads[kDbeta]); break;
+      case kState: result.push_back(grads[kDstate]); break;
+      default:
+        if (argnum == linear_gate) {
+          result.push_back(grads[kDDecay]);
+        } else {  // the mask: not differentiable
+          result.push_back(mx::zeros_like(primals[argnum], stream));
+        }
+    }
+  }
+  return result;
+}
+
+}  // namespace mlx_gated_delta

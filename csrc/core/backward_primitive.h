@@ -1,0 +1,71 @@
+// The backward (vjp) of the core gated-delta op as an MLX primitive, so that
+// mx.compile and the graph hold it like any other.
+#pragma once
+
+#include "core/core_params.h"
+#include "mlx/primitives.h"
+
+namespace mlx_gated_delta {
+
+// Inputs: q, k, v, g, beta, state [, mask], then the cotangents of y (in v's
+// dtype) and of the final state (float32), all row-contiguous: the forward's
+// inputs, so the backward recomputes what it needs (see cpu/backward.cpp).
+// Outputs: dq, dk, dv (in their inputs' dtypes), dg, d_decay (the gradient of
+// the linear decay exp(g)), dbeta and dstate, float32.
+class GatedDeltaRuleVJP : public mlx::core::Primitive {
+ public:
+  GatedDeltaRuleVJP(
+      mlx::core::Stream stream,
+      float scale,
+      HeadMapping head_mapping,
+      bool normalize_qk,
+      bool has_mask)
+      : mlx::core::Primitive(stream),
+        scale_(scale),
+        head_mapping_(head_mapping),
+        normalize_qk_(normalize_qk),
+        has_mask_(has_mask) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override {
+    return "GatedDeltaRuleVJP";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override;
+  std::vector<mlx::core::Shape> output_shapes(
+      const std::vector<mlx::core::array>& inputs) override;
+
+ private:
+  GatedDeltaParams params_for(const std::vector<mlx::core::array>& inputs) const;
+
+  float scale_;
+  HeadMapping head_mapping_;
+  bool normalize_qk_;
+  bool has_mask_;
+};
+
+// GatedDeltaRule's vjp: the gradients of the requested primals. `primals`
+// are the forward primitive's inputs: q, k, v, g, beta, state [, mask]
+// [, linear_gate]; the optional linear gate (gated_delta_update's gamma, of
+// which g = log(gamma) is the unread-for-gradient copy) receives the
+// gradient of the linear decay, finite and exact where gamma == 0.
+std::vector<mlx::core::array> gated_delta_rule_vjp(
+    mlx::core::Stream stream,
+    float scale,
+    HeadMapping head_mapping,
+    bool normalize_qk,
+    bool has_mask,
+    bool has_linear_gate,
+    const std::vector<mlx::core::array>& primals,
+    const std::vector<mlx::core::array>& cotangents,
+    const std::vector<int>& argnums);
+
+}  // namespace mlx_gated_delta

@@ -1,0 +1,344 @@
+// The backward pass of the gated delta rule on the CPU, with O(T / 64)
+// states in memory.
+//
+// Per active token the forward is (a = exp(g), S is [Dv, Dk]):
+//   Sd = a S_prev;  p = Sd k;  d = beta (v - p);  S = Sd + d k^T;
+//   y = scale S q.
+// Its reverse, given dy and dS (the cotangent of S after the token):
+//   dS += scale dy q^T;        dq = scale S^T dy;
+//   dd = dS k;                 dk = dS^T d + Sd^T dp;   dp = -beta dd;
+//   dv = beta dd;              dbeta = dd . (v - p);
+//   dSd = dS + dp k^T;         da = <dSd, S_prev>;      dg = a da;
+//   dS_prev = a dSd.
+// dg = a da is exactly 0 at a wipe (a = 0, g = -inf) and da, the gradient of
+// the linear decay (gated_delta_update's gamma), stays finite there.
+//
+// The reverse needs the state before and after every token. Keeping them all
+// would be T states per head (16 GiB for the Qwen3-Next shape at T = 8192),
+// so each (batch row, value head) problem runs in three stages:
+//   boundary_states:  the forward once more, keeping only the state entering
+//                     each chunk of 64 tokens (T / 64 states);
+//   chunk_states:     per chunk, last to first: the 64 states inside it,
+//                     recomputed from the chunk's boundary state;
+//   chunk_backward:   the tokens of that chunk in reverse, carrying dS.
+// Then qk_grad_reduce sums the per-value-head gradients of q and k over the
+// value heads that read each key head and takes them through the L2 norm.
+//
+// Recomputing the boundaries here rather than saving them in the forward keeps
+// the forward primitive, its kernels and its outputs unchanged (an inference
+// call pays nothing for training), at the price of one more forward pass,
+// a fraction of the backward's work.
+#include "cpu/backward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu/kernel_common.h"
+#include "cpu/thread_pool.h"
+
+namespace mlx_gated_delta::cpu {
+
+namespace {
+
+// One (batch row, value head) problem: the addresses of its token 0.
+template <typename T>
+struct ProblemView {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* dy;
+  int64_t qk_token_stride;
+  int64_t v_token_stride;
+  const float* g;
+  const float* beta;
+  const bool* mask;
+  int64_t gate_token_stride;
+  const float* state_in;
+  const float* state_cotangent;
+  float* dq_head;  // float32 scratch [T, Hv, Dk]-strided, like v
+  float* dk_head;
+  int64_t head_grad_token_stride;
+  T* dv;
+  float* dg;
+  float* d_decay;
+  float* dbeta;
+  float* dstate;
+};
+
+// The vectors of one token, in float32, q and k normalised as the forward
+// normalises them.
+struct TokenInputs {
+  std::vector<float> q, k, v, dy;
+  float decay = 0.0f, beta = 0.0f;
+  bool active = false;
+  TokenInputs(int dk, int dv) : q(dk), k(dk), v(dv), dy(dv) {}
+};
+
+template <typename T>
+void load_token(const GatedDeltaParams& p, const ProblemView<T>& h, int t,
+                bool with_readout, TokenInputs& x) {
+  x.active = !h.mask || h.mask[t];
+  if (!x.active) {
+    return;
+  }
+  load_qk_vector(h.k + t * h.qk_token_stride, x.k.data(), p.key_dim, p.normalize_qk);
+  load_vector(h.v + t * h.v_token_stride, x.v.data(), p.value_dim);
+  x.decay = std::exp(h.g[t * h.gate_token_stride]);
+  x.beta = h.beta[t * h.gate_token_stride];
+  if (with_readout) {
+    load_qk_vector(h.q + t * h.qk_token_stride, x.q.data(), p.key_dim, p.normalize_qk);
+    load_vector(h.dy + t * h.v_token_stride, x.dy.data(), p.value_dim);
+  }
+}
+
+// One token of the forward, from `previous` into `next` (may be the same).
+void forward_step(const GatedDeltaParams& p, const TokenInputs& x,
+                  const float* previous, float* next) {
+  const int dk = p.key_dim;
+  for (int r = 0; r < p.value_dim; ++r) {
+    const float* old_row = previous + int64_t(r) * dk;
+    float* row = next + int64_t(r) * dk;
+    const float predicted = x.decay * dot(old_row, x.k.data(), dk);
+    const float delta = x.beta * (x.v[r] - predicted);
+#pragma omp simd
+    for (int c = 0; c < dk; ++c) {
+      row[c] = x.decay * old_row[c] + delta * x.k[c];
+    }
+  }
+}
+
+// boundary_states: boundaries[c] = the state entering chunk c.
+template <typename T>
+void boundary_states(const GatedDeltaParams& p, const ProblemView<T>& h,
+                     TokenInputs& x, float* boundaries) {
+  const int64_t size = int64_t(p.value_dim) * p.key_dim;
+  std::vector<float> state(h.state_in, h.state_in + size);
+  for (int c = 0; c < p.num_chunks(); ++c) {
+    std::memcpy(boundaries + c * size, state.data(), sizeof(float) * size);
+    const int end = std::min(p.tokens, (c + 1) * int(kChunkSize));
+    for (int t = c * kChunkSize; t < end; ++t) {
+      load_token(p, h, t, false, x);
+      if (x.active) {
+        forward_step(p, x, state.data(), state.data());
+      }
+    }
+  }
+}
+
+// chunk_states: states[i] = the state before token start + i, for i in
+// [0, length]; states[0] is the chunk's boundary state.
+template <typename T>
+void chunk_states(const GatedDeltaParams& p, const ProblemView<T>& h, int start,
+                  int length, TokenInputs& x, float* states) {
+  const int64_t size = int64_t(p.value_dim) * p.key_dim;
+  for (int i = 0; i < length; ++i) {
+    load_token(p, h, start + i, false, x);
+    if (x.active) {
+      forward_step(p, x, states + i * size, states + (i + 1) * size);
+    } else {
+      std::memcpy(states + (i + 1) * size, states + i * size, sizeof(float) * size);
+    }
+  }
+}
+
+// chunk_backward: the reverse of tokens [start, start + length), last first;
+// `ds` holds the cotangent of the state after the chunk on entry and before
+// it on return. The reverse of one token works row by row of the state, in
+// two passes over the row (see the top of this file for the formulas).
+template <typename T>
+void chunk_backward(const GatedDeltaParams& p, const ProblemView<T>& h, int start,
+                    int length, TokenInputs& x, const float* states, float* ds) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  const int64_t size = int64_t(dv) * dk;
+  std::vector<float> dq(dk), dk_acc(dk);
+  for (int i = length - 1; i >= 0; --i) {
+    const int t = start + i;
+    float* dq_out = h.dq_head + t * h.head_grad_token_stride;
+    float* dk_out = h.dk_head + t * h.head_grad_token_stride;
+    T* dv_out = h.dv + t * h.v_token_stride;
+    const int64_t gate = t * h.gate_token_stride;
+    load_token(p, h, t, true, x);
+    if (!x.active) {  // a skipped token: dS passes through, no gradients
+      std::fill(dq_out, dq_out + dk, 0.0f);
+      std::fill(dk_out, dk_out + dk, 0.0f);
+      zero_output_row(dv_out, dv);
+      h.dg[gate] = h.d_decay[gate] = h.dbeta[gate] = 0.0f;
+      continue;
+    }
+    const float* previous = states + i * size;
+    const float* updated = states + (i + 1) * size;
+    std::fill(dq.begin(), dq.end(), 0.0f);
+    std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
+    float d_decay = 0.0f, dbeta = 0.0f;
+    for (int r = 0; r < dv; ++r) {
+      const float* old_row = previous + int64_t(r) * dk;
+      const float* new_row = updated + int64_t(r) * dk;
+      float* ds_row = ds + int64_t(r) * dk;
+      const float dy_scaled = p.scale * x.dy[r];
+      // Pass 1: dS += scale dy q^T; dq += scale dy_r S_r; dd = dS k; S_prev k.
+      float dd = 0.0f, old_k = 0.0f;
+#pragma omp simd reduction(+ : dd, old_k)
+      for (int c = 0; c < dk; ++c) {
+        const float ds_c = ds_row[c] + dy_scaled * x.q[c];
+        ds_row[c] = ds_c;
+        dq[c] += dy_scaled * new_row[c];
+        dd += ds_c * x.k[c];
+        old_k += old_row[c] * x.k[c];
+      }
+      const float residual = x.v[r] - x.decay * old_k;  // v - p
+      const float delta = x.beta * residual;
+      const float dp = -x.beta * dd;
+      dv_out[r] = T(x.beta * dd);
+      dbeta += dd * residual;
+      // Pass 2: dk += d dS + a dp S_prev; dSd = dS + dp k; da; dS_prev.
+      const float decayed_dp = x.decay * dp;
+      float da = 0.0f;
+#pragma omp simd reduction(+ : da)
+      for (int c = 0; c < dk; ++c) {
+        const float ds_c = ds_row[c];
+        dk_acc[c] += delta * ds_c + decayed_dp * old_row[c];
+        const float dsd = ds_c + dp * x.k[c];
+        da += dsd * old_row[c];
+        ds_row[c] = x.decay * dsd;
+      }
+      d_decay += da;
+    }
+    std::copy(dq.begin(), dq.end(), dq_out);
+    std::copy(dk_acc.begin(), dk_acc.end(), dk_out);
+    h.d_decay[gate] = d_decay;
+    h.dg[gate] = x.decay * d_decay;  // exactly 0 at a wipe
+    h.dbeta[gate] = dbeta;
+  }
+}
+
+template <typename T>
+void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
+  const int64_t size = int64_t(p.value_dim) * p.key_dim;
+  TokenInputs x(p.key_dim, p.value_dim);
+  std::vector<float> boundaries(p.num_chunks() * size);
+  boundary_states(p, h, x, boundaries.data());
+
+  std::vector<float> states((kChunkSize + 1) * size);
+  std::copy(h.state_cotangent, h.state_cotangent + size, h.dstate);
+  for (int c = p.num_chunks() - 1; c >= 0; --c) {
+    const int start = c * kChunkSize;
+    const int length = std::min(int(kChunkSize), p.tokens - start);
+    std::copy(boundaries.begin() + c * size, boundaries.begin() + (c + 1) * size,
+              states.begin());
+    chunk_states(p, h, start, length, x, states.data());
+    chunk_backward(p, h, start, length, x, states.data(), h.dstate);
+  }
+}
+
+// qk_grad_reduce for one (batch row, token, key head): the gradient c of the
+// normalised vector, summed over the value heads that read it, then through
+// x / n, n = sqrt(x.x + eps):  (c n^2 - x (x.c)) / n^3.
+// The two terms cancel along x, leaving c eps / n^3 there: a small vector
+// (one element, Dk = 1, is all along x) would lose that difference to float32
+// rounding, so these two dot products and the difference are in float64.
+template <typename T>
+void qk_grad_reduce(const GatedDeltaParams& p, const float* head_grads,
+                    const T* raw, int key_head, float* sum, float* x, T* out) {
+  const int dk = p.key_dim;
+  const int ratio = p.value_heads / p.key_heads;
+  std::fill(sum, sum + dk, 0.0f);
+  for (int n = 0; n < ratio; ++n) {
+    const int head = p.head_mapping == HeadMapping::Grouped
+        ? key_head * ratio + n
+        : key_head + n * p.key_heads;
+    axpy(1.0f, head_grads + int64_t(head) * dk, sum, dk);
+  }
+  if (p.normalize_qk) {
+    load_vector(raw, x, dk);
+    double squares = 0.0, projection = 0.0;
+    for (int c = 0; c < dk; ++c) {
+      squares += double(x[c]) * x[c];
+      projection += double(x[c]) * sum[c];
+    }
+    const double norm_squared = squares + double(1e-6f);  // the forward's eps
+    const double inverse_cube = 1.0 / (norm_squared * std::sqrt(norm_squared));
+    for (int c = 0; c < dk; ++c) {
+      sum[c] = float((sum[c] * norm_squared - x[c] * projection) * inverse_cube);
+    }
+  }
+  for (int c = 0; c < dk; ++c) {
+    out[c] = T(sum[c]);
+  }
+}
+
+}  // namespace
+
+template <typename T>
+void gated_delta_backward(const GatedDeltaParams& p, const BackwardBuffers<T>& b) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  // The per-value-head gradients of the normalised q and k, float32.
+  const int64_t head_grad_size = int64_t(p.batch) * p.tokens * p.value_heads * dk;
+  std::vector<float> dq_heads(head_grad_size), dk_heads(head_grad_size);
+
+  parallel_for(p.batch * p.value_heads, [&](int problem) {
+    const int batch = problem / p.value_heads;
+    const int head = problem % p.value_heads;
+    const int key_head = p.key_head_of(head);
+    const int64_t qk_offset =
+        int64_t(batch) * p.tokens * p.key_heads * dk + int64_t(key_head) * dk;
+    const int64_t v_offset =
+        (int64_t(batch) * p.tokens * p.value_heads + head) * dv;
+    const int64_t gate_offset = int64_t(batch) * p.tokens * p.value_heads + head;
+    const int64_t head_grad_offset =
+        (int64_t(batch) * p.tokens * p.value_heads + head) * dk;
+    const int64_t state_offset = (int64_t(batch) * p.value_heads + head) * dv * dk;
+    const ProblemView<T> view{
+        b.q + qk_offset,
+        b.k + qk_offset,
+        b.v + v_offset,
+        b.y_cotangent + v_offset,
+        int64_t(p.key_heads) * dk,
+        int64_t(p.value_heads) * dv,
+        b.g + gate_offset,
+        b.beta + gate_offset,
+        b.mask ? b.mask + int64_t(batch) * p.tokens : nullptr,
+        p.value_heads,
+        b.state_in + state_offset,
+        b.state_cotangent + state_offset,
+        dq_heads.data() + head_grad_offset,
+        dk_heads.data() + head_grad_offset,
+        int64_t(p.value_heads) * dk,
+        b.dv + v_offset,
+        b.dg + gate_offset,
+        b.d_decay + gate_offset,
+        b.dbeta + gate_offset,
+        b.dstate + state_offset,
+    };
+    problem_backward(p, view);
+  });
+
+  // One task per (batch row, chunk of tokens): every key head of those tokens.
+  const int chunks = p.num_chunks();
+  parallel_for(p.batch * chunks, [&](int task) {
+    const int batch = task / chunks;
+    const int start = (task % chunks) * kChunkSize;
+    const int end = std::min(p.tokens, start + int(kChunkSize));
+    std::vector<float> sum(dk), x(dk);
+    for (int t = start; t < end; ++t) {
+      const int64_t row = int64_t(batch) * p.tokens + t;
+      const float* dq_row = dq_heads.data() + row * p.value_heads * dk;
+      const float* dk_row = dk_heads.data() + row * p.value_heads * dk;
+      for (int kh = 0; kh < p.key_heads; ++kh) {
+        const int64_t qk = (row * p.key_heads + kh) * dk;
+        qk_grad_reduce(p, dq_row, b.q + qk, kh, sum.data(), x.data(), b.dq + qk);
+        qk_grad_reduce(p, dk_row, b.k + qk, kh, sum.data(), x.data(), b.dk + qk);
+      }
+    }
+  });
+}
+
+template void gated_delta_backward<float>(
+    const GatedDeltaParams&, const BackwardBuffers<float>&);
+template void gated_delta_backward<mlx::core::float16_t>(
+    const GatedDeltaParams&, const BackwardBuffers<mlx::core::float16_t>&);
+template void gated_delta_backward<mlx::core::bfloat16_t>(
+    const GatedDeltaParams&, const BackwardBuffers<mlx::core::bfloat16_t>&);
+
+}  // namespace mlx_gated_delta::cpu

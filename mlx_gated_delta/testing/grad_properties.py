@@ -1,0 +1,260 @@
+"""Property tests of the gradients of the core op (docs/contract.md, gradients).
+
+Ordinary pytest functions, collected by `tests/test_grad.py` (and runnable by
+`python -m mlx_gated_delta selftest` like the other property modules). The
+backward has CPU kernels only so far, so every gradient here is taken on the
+CPU stream. The loss is <y, Wy> + <S_final, WS>: its gradient is the vjp with
+the cotangents Wy (in y's dtype, so the op and the reference see the same
+numbers) and WS.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_gated_delta import gated_delta_rule, gated_delta_update
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference_vjp,
+    gated_delta_update_reference_vjp,
+)
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.strategies import BOUNDARY_TOKENS, core_cases, make_core_case
+
+INPUTS = ("q", "k", "v", "g", "beta", "state")
+KIND = {
+    "q": "activation_grad", "k": "activation_grad", "v": "activation_grad",
+    "g": "gate_grad", "gamma": "gate_grad", "beta": "gate_grad", "state": "state_grad",
+}
+# (contract id -> fingerprint) of the reviewed contracts these properties hold.
+FINGERPRINTS = {
+    'reference.finite_difference.v1.float64.activation_grad': "13881d1fb7a45847f2e17279a50c0ee13210d5c8422cfa0458f7039ae5a219a6",
+    'reference.finite_difference.v1.float64.gate_grad': "2929dd648fcc678189212b5cc64bc55ef3ed75dcb66191ab456e4495e986be23",
+    'reference.finite_difference.v1.float64.state_grad': "768cdf966fee85ac7245415700d9227a81a51032d20f63389dd704199ca97058",
+    'core_grad.oracle.v1.float32.activation_grad': "c8ad8d708daba7d2111ba307e28177522761ee70487a9ac46d979fa916ef148f",
+    'core_grad.oracle.v1.float32.gate_grad': "f298cd058f04160f5c6b14542f5a77385f815d84e57acf00be551b9352b08f62",
+    'core_grad.oracle.v1.float32.state_grad': "28d7a6b5fca6566732c70da5095985061684cf2671e08b04d4ce478441ff2406",
+    'core_grad.oracle.v1.float16.activation_grad': "43e1dfecb950e3228ee3fc7f1eb697f56acad4f36a85a6900136b4cce940a20d",
+    'core_grad.oracle.v1.float16.gate_grad': "5c6008797134d2d93de96ff39317f56be013b1188a3fc8746e52829da2a9ae9c",
+    'core_grad.oracle.v1.bfloat16.activation_grad': "b72e5257bc181dd455559cfe46d836234c1d7d98dd85cb6ee51e37fccc3092f7",
+    'core_grad.oracle.v1.bfloat16.gate_grad': "4584e7270cce47cea3e8e4394ffe6a70313edf8bd3a2f00e6c3dac5a02cb645c",
+    'core_grad.split.v1.float32.activation_grad': "0d08df16249aa90bd9859c760eb90eaf5849bbed775ceb58357e43bf426f4443",
+    'core_grad.split.v1.float32.gate_grad': "02a51c6ed381bd4ad13d3a11c298c53d16d5741dc13e94f719a88c6230f2f0d8",
+    'core_grad.split.v1.float32.state_grad': "dd7dbf7137655d75f71c8552a031cba18661a24e698c7e36fd921b87f6c03347",
+    'core_grad.algorithms.v1.float32.activation_grad': "d0c825acdc632e4e14e27022cd1358ec7b18b6dfccd16c0a0c84596bd0dad58a",
+    'core_grad.algorithms.v1.float32.gate_grad': "bbb1e2c0b74aaf1672863f9d138bdc233c7c18e10f1a50ff26c6ec372a243b92",
+    'core_grad.algorithms.v1.float32.state_grad': "4afa2eca0fb6c7bf90373c0bd73d6b741df796c398001ea3b99c4250c6ceffaf",
+    'core_grad.transforms.v1.float32.activation_grad': "f62aa24e9691e31ceb790229ce5a81a78424f5fb739c5fe96e166ebb9cf650a3",
+    'core_grad.transforms.v1.float32.gate_grad': "e6809b59a6508e93747125ca2763e563f1f3376449db0d2ea9d7f318ccf5922c",
+    'core_grad.transforms.v1.float32.state_grad': "ed03e65db869926842c1e561d08f4d458cc1e60648a192a30c35bff1b86e5254",
+}
+
+# Fewer examples than the forward's properties: each one runs the float64
+# reference backward, a Python loop over tokens.
+BUDGET = settings(max_examples=min(40, settings.default.max_examples))
+SMALL_BUDGET = settings(max_examples=min(15, settings.default.max_examples))
+SHORT_TOKENS = st.one_of(st.sampled_from(BOUNDARY_TOKENS[:7]), st.integers(1, 140))
+
+
+def contract(prefix, name, grad):
+    contract_id = f"{prefix}.{str(grad.dtype).rsplit('.', 1)[-1]}.{KIND[name]}"
+    return contract_id, FINGERPRINTS[contract_id]
+
+
+def cotangents(case, seed=0):
+    rng = np.random.default_rng(seed)
+    wy = mx.array(rng.standard_normal(case.v.shape).astype(np.float32)).astype(case.v.dtype)
+    shape = (case.v.shape[0], case.v.shape[2], case.v.shape[3], case.q.shape[3])
+    ws = mx.array(rng.standard_normal(shape).astype(np.float32))
+    return wy, ws
+
+
+def case_gradients(case, wy, ws, *, algorithm="auto", use_y=True, use_state=True, transform=None):
+    """The gradients of the loss wrt every input the case has, as a dict."""
+    names = [name for name in INPUTS if getattr(case, name) is not None]
+
+    def loss(*arrays):
+        y, state = gated_delta_rule(
+            **dict(zip(names, arrays)), **case.options, algorithm=algorithm, stream=mx.cpu
+        )
+        total = mx.array(0.0)
+        if use_y:
+            total = total + (y * wy).astype(mx.float32).sum()
+        if use_state:
+            total = total + (state * ws).sum()
+        return total
+
+    grad = mx.grad(loss, argnums=tuple(range(len(names))))
+    if transform is not None:
+        grad = transform(grad)
+    grads = grad(*[getattr(case, name) for name in names])
+    mx.eval(grads)
+    return dict(zip(names, grads))
+
+
+def assert_gradients_match(prefix, grads, expected):
+    for name, grad in grads.items():
+        assert_matches(f"d{name}", grad, expected[name], *contract(prefix, name, grad))
+
+
+@BUDGET
+@given(case=core_cases(tokens=SHORT_TOKENS), which=st.sampled_from(("both", "y", "state")))
+def test_gradients_match_the_float64_reference(case, which):
+    wy, ws = cotangents(case)
+    use_y, use_state = which in ("both", "y"), which in ("both", "state")
+    grads = case_gradients(case, wy, ws, use_y=use_y, use_state=use_state)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(),
+        y_cotangent=wy if use_y else None,
+        state_cotangent=ws if use_state else None,
+        **case.options,
+    )
+    for name, grad in grads.items():
+        assert grad.dtype == getattr(case, name).dtype, name
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+
+    # Masked steps: their inputs get exactly zero gradient.
+    mask = case.options["mask"]
+    if mask is not None:
+        skipped = ~np.asarray(mask)
+        for name in ("q", "k", "v", "g", "beta"):
+            values = np.asarray(grads[name].astype(mx.float32))
+            assert np.all(values[skipped] == 0.0), name
+
+
+@SMALL_BUDGET
+@given(case=core_cases(dtypes=("float32",), tokens=SHORT_TOKENS), data=st.data())
+def test_split_gradients_equal_the_gradient_of_one_call(case, data):
+    tokens = case.q.shape[1]
+    cut = data.draw(st.integers(0, tokens), label="cut")
+    wy, ws = cotangents(case)
+    whole = case_gradients(case, wy, ws)
+    if case.state is None:
+        # The split needs a state input to differentiate: zeros are the default.
+        shape = (case.v.shape[0], case.v.shape[2], case.v.shape[3], case.q.shape[3])
+        case.state = mx.zeros(shape)
+    mask = case.options["mask"]
+    options = {key: value for key, value in case.options.items() if key != "mask"}
+
+    def loss(q, k, v, g, beta, state):
+        ys = []
+        for start, end in ((0, cut), (cut, tokens)):
+            y, state = gated_delta_rule(
+                q[:, start:end], k[:, start:end], v[:, start:end], g[:, start:end],
+                beta[:, start:end], state, **options,
+                mask=None if mask is None else mask[:, start:end], stream=mx.cpu,
+            )
+            ys.append(y)
+        y = mx.concatenate(ys, axis=1)
+        return (y * wy).sum() + (state * ws).sum()
+
+    split = mx.grad(loss, argnums=tuple(range(6)))(*case.args())
+    split = dict(zip(INPUTS, split))
+    for name, grad in whole.items():
+        assert_matches(f"d{name}", split[name], grad, *contract("core_grad.split.v1", name, grad))
+
+
+@SMALL_BUDGET
+@given(case=core_cases(dtypes=("float32",), tokens=SHORT_TOKENS))
+def test_gradients_agree_between_the_algorithms(case):
+    wy, ws = cotangents(case)
+    recurrent = case_gradients(case, wy, ws, algorithm="recurrent")
+    chunked = case_gradients(case, wy, ws, algorithm="chunked")
+    for name, grad in chunked.items():
+        assert_matches(
+            f"d{name}", grad, recurrent[name], *contract("core_grad.algorithms.v1", name, grad)
+        )
+
+
+@pytest.mark.parametrize("transform", ("compile", "vmap_of_grad", "grad_of_vmap"))
+def test_gradients_under_compile_and_vmap(transform):
+    cases = [
+        make_core_case(
+            seed, batch=2, tokens=70, key_heads=2, value_heads=4, key_dim=16, value_dim=8,
+            mask_kind="random", normalize_qk=True, head_mapping="interleaved",
+        )
+        for seed in (1, 2)
+    ]
+    wy, ws = cotangents(cases[0])
+    expected = [case_gradients(case, wy, ws) for case in cases]
+    if transform == "compile":
+        grads = [case_gradients(case, wy, ws, transform=mx.compile) for case in cases]
+    else:
+        # Two independent problems stacked on a new leading axis.
+        stacked = make_core_case(
+            1, batch=2, tokens=70, key_heads=2, value_heads=4, key_dim=16, value_dim=8,
+            mask_kind="random", normalize_qk=True, head_mapping="interleaved",
+        )
+        for name in INPUTS:
+            setattr(stacked, name, mx.stack([getattr(case, name) for case in cases]))
+        stacked.options = {**stacked.options, "mask": mx.stack([c.options["mask"] for c in cases])}
+        mask = stacked.options.pop("mask")
+        options = stacked.options
+
+        def per_problem_loss(q, k, v, g, beta, state, mask):
+            y, state = gated_delta_rule(q, k, v, g, beta, state, **options, mask=mask, stream=mx.cpu)
+            return (y * wy).sum() + (state * ws).sum()
+
+        arrays = [getattr(stacked, name) for name in INPUTS] + [mask]
+        if transform == "vmap_of_grad":
+            grad = mx.vmap(mx.grad(per_problem_loss, argnums=tuple(range(6))))
+        else:
+            def total(*arrays):
+                return mx.vmap(per_problem_loss)(*arrays).sum()
+
+            grad = mx.grad(total, argnums=tuple(range(6)))
+        result = grad(*arrays)
+        grads = [
+            {name: value[i] for name, value in zip(INPUTS, result)} for i in range(len(cases))
+        ]
+    for got, want in zip(grads, expected):
+        for name, grad in want.items():
+            assert_matches(
+                f"d{name}", got[name], grad, *contract("core_grad.transforms.v1", name, grad)
+            )
+
+
+@pytest.mark.parametrize("tokens", (5, 130))
+def test_wipes_give_finite_exact_gradients(tokens):
+    case = make_core_case(
+        4, batch=2, tokens=tokens, key_heads=1, value_heads=2, key_dim=16, value_dim=8,
+    )
+    wipes = np.zeros(case.g.shape, dtype=bool)
+    wipes[0, 2, 0] = wipes[1, tokens - 2, :] = wipes[:, tokens // 2, 1] = True
+    gamma = mx.where(mx.array(wipes), 0.0, mx.exp(case.g))
+    wy, ws = cotangents(case)
+    expected = gated_delta_update_reference_vjp(
+        case.q, case.k, case.v, gamma, case.beta, case.state, y_cotangent=wy, state_cotangent=ws
+    )
+
+    def loss(q, k, v, gamma, beta, state):
+        y, state = gated_delta_update(q, k, v, gamma, beta, state, stream=mx.cpu)
+        return (y * wy).sum() + (state * ws).sum()
+
+    grads = mx.grad(loss, argnums=tuple(range(6)))(case.q, case.k, case.v, gamma, case.beta, case.state)
+    grads = dict(zip(("q", "k", "v", "gamma", "beta", "state"), grads))
+    for name, grad in grads.items():
+        assert np.all(np.isfinite(np.asarray(grad))), name
+    assert np.all(np.asarray(grads["gamma"])[wipes] != 0.0)  # a wipe still has a gradient
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+
+    # Through the log-space op: g = -inf at the wipes; dg is exactly 0 there.
+    case.g = mx.where(mx.array(wipes), -mx.inf, case.g)
+    case.options["scale"] = 1.0
+    rule = case_gradients(case, wy, ws)
+    for name, grad in rule.items():
+        assert np.all(np.isfinite(np.asarray(grad))), name
+    assert np.all(np.asarray(rule["g"])[wipes] == 0.0)
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="no Metal GPU")
+def test_the_gradient_on_the_gpu_asks_for_the_cpu():
+    case = make_core_case(0, batch=1, tokens=4, key_heads=1, value_heads=1, key_dim=16, value_dim=8)
+
+    def loss(v):
+        y, _ = gated_delta_rule(case.q, case.k, v, case.g, case.beta, stream=mx.gpu)
+        return y.sum()
+
+    with pytest.raises(Exception, match="stream=mx.cpu"):
+        mx.eval(mx.grad(loss)(case.v))

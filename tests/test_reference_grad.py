@@ -1,0 +1,184 @@
+"""The float64 reference backward checked against central finite differences
+of the float64 forward, before it judges the kernels' gradients.
+
+The loss is <y, Wy> + <S_final, WS> for random weights, so its gradient is the
+vjp with the cotangents Wy and WS.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference,
+    gated_delta_rule_reference_vjp,
+    gated_delta_update_reference,
+    gated_delta_update_reference_vjp,
+)
+from mlx_gated_delta.testing import strategies  # noqa: F401 (loads the Hypothesis profile)
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.grad_properties import FINGERPRINTS
+
+FD_STEP = 1e-6
+FD_PREFIX = "reference.finite_difference.v1.float64"
+TENSOR_KIND = {
+    "q": "activation_grad", "k": "activation_grad", "v": "activation_grad",
+    "g": "gate_grad", "gamma": "gate_grad", "beta": "gate_grad", "state": "state_grad",
+}
+
+
+def fd_contract(name):
+    contract_id = f"{FD_PREFIX}.{TENSOR_KIND[name]}"
+    return contract_id, FINGERPRINTS[contract_id]
+
+
+def make_inputs(seed, *, batch, tokens, key_heads, ratio, key_dim, value_dim, mask_kind):
+    rng = np.random.default_rng(seed)
+    value_heads = key_heads * ratio
+    inputs = {
+        "q": rng.standard_normal((batch, tokens, key_heads, key_dim)),
+        "k": rng.standard_normal((batch, tokens, key_heads, key_dim)) * 0.5,
+        "v": rng.standard_normal((batch, tokens, value_heads, value_dim)),
+        "g": rng.uniform(-1.0, 0.0, (batch, tokens, value_heads)),
+        "beta": rng.uniform(0.0, 1.0, (batch, tokens, value_heads)),
+        "state": rng.standard_normal((batch, value_heads, value_dim, key_dim)),
+    }
+    mask = None
+    if mask_kind == "random":
+        mask = rng.uniform(size=(batch, tokens)) < 0.6
+    weights = {
+        "y": rng.standard_normal((batch, tokens, value_heads, value_dim)),
+        "state": rng.standard_normal((batch, value_heads, value_dim, key_dim)),
+    }
+    return inputs, mask, weights
+
+
+def finite_differences(loss, inputs):
+    """Central differences of loss(inputs) for every element of every input."""
+    grads = {}
+    for name, value in inputs.items():
+        grad = np.zeros_like(value)
+        for index in np.ndindex(value.shape):
+            saved = value[index]
+            value[index] = saved + FD_STEP
+            plus = loss(inputs)
+            value[index] = saved - FD_STEP
+            minus = loss(inputs)
+            value[index] = saved
+            grad[index] = (plus - minus) / (2 * FD_STEP)
+        grads[name] = grad
+    return grads
+
+
+def rule_loss(weights, options, use_y=True, use_state=True):
+    def loss(inputs):
+        y, state = gated_delta_rule_reference(**inputs, **options)
+        return (np.sum(y * weights["y"]) if use_y else 0.0) + (
+            np.sum(state * weights["state"]) if use_state else 0.0
+        )
+
+    return loss
+
+
+def assert_gradients_match(grads, expected):
+    for name, value in expected.items():
+        assert_matches(f"d{name}", grads[name], value, *fd_contract(name))
+
+
+@settings(max_examples=25)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 6),
+    key_heads=st.integers(1, 2),
+    ratio=st.sampled_from((1, 2)),
+    head_mapping=st.sampled_from(("grouped", "interleaved")),
+    normalize_qk=st.booleans(),
+    mask_kind=st.sampled_from(("none", "random")),
+    scale=st.sampled_from((None, 0.7)),
+    cotangents=st.sampled_from(("both", "y", "state")),
+)
+def test_reference_vjp_matches_finite_differences(
+    seed, tokens, key_heads, ratio, head_mapping, normalize_qk, mask_kind, scale,
+    cotangents,
+):
+    inputs, mask, weights = make_inputs(
+        seed, batch=2, tokens=tokens, key_heads=key_heads, ratio=ratio, key_dim=3,
+        value_dim=2, mask_kind=mask_kind,
+    )
+    options = dict(scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk)
+    use_y, use_state = cotangents in ("both", "y"), cotangents in ("both", "state")
+    expected = finite_differences(rule_loss(weights, options, use_y, use_state), inputs)
+    grads = gated_delta_rule_reference_vjp(
+        **inputs,
+        y_cotangent=weights["y"] if use_y else None,
+        state_cotangent=weights["state"] if use_state else None,
+        **options,
+    )
+    assert_gradients_match(grads, expected)
+    if mask is not None:
+        # A masked step gives its inputs exactly zero gradient.
+        skipped = ~mask
+        for name in ("v", "g", "beta"):
+            assert np.all(grads[name][skipped] == 0.0), name
+
+
+def test_the_check_sees_a_missing_cotangent_and_a_wrong_head_mapping():
+    # Probes: gradients that are wrong in one term fail the comparison.
+    inputs, _, weights = make_inputs(
+        1, batch=1, tokens=4, key_heads=2, ratio=2, key_dim=3, value_dim=2, mask_kind="none"
+    )
+    options = dict(scale=None, head_mapping="grouped", mask=None, normalize_qk=False)
+    expected = finite_differences(rule_loss(weights, options), inputs)
+    without_state = gated_delta_rule_reference_vjp(
+        **inputs, y_cotangent=weights["y"], **options
+    )
+    with pytest.raises(AssertionError, match="violated"):
+        assert_gradients_match(without_state, expected)
+    wrong_mapping = gated_delta_rule_reference_vjp(
+        **inputs, y_cotangent=weights["y"], state_cotangent=weights["state"],
+        **{**options, "head_mapping": "interleaved"},
+    )
+    with pytest.raises(AssertionError, match="violated"):
+        assert_gradients_match(wrong_mapping, expected)
+
+
+def test_a_wipe_has_finite_exact_gradients():
+    # gamma == 0 (g = -inf) forgets the state. Every token's output is linear
+    # in each gamma, so central differences in gamma are exact up to rounding
+    # even at gamma == 0, where the gradient wrt g = log(gamma) is 0.
+    inputs, _, weights = make_inputs(
+        3, batch=2, tokens=6, key_heads=1, ratio=2, key_dim=3, value_dim=2, mask_kind="none"
+    )
+    gamma = np.exp(inputs.pop("g"))
+    gamma[:, 2, 0] = 0.0
+    gamma[1, 4, :] = 0.0
+    update_inputs = {
+        "q": inputs["q"], "k": inputs["k"], "v": inputs["v"], "gamma": gamma,
+        "beta": inputs["beta"], "initial_state": inputs["state"],
+    }
+
+    def update_loss(values):
+        y, state = gated_delta_update_reference(**values)
+        return np.sum(y * weights["y"]) + np.sum(state * weights["state"])
+
+    expected = finite_differences(update_loss, update_inputs)
+    expected["state"] = expected.pop("initial_state")
+    grads = gated_delta_update_reference_vjp(
+        **update_inputs, y_cotangent=weights["y"], state_cotangent=weights["state"]
+    )
+    assert_gradients_match(grads, expected)
+    assert np.all(grads["gamma"][gamma == 0.0] != 0.0)  # the wipe still has a gradient
+
+    # The same call through the log-space rule: g = -inf at the wipes.
+    with np.errstate(divide="ignore"):
+        g = np.log(gamma)
+    rule_grads = gated_delta_rule_reference_vjp(
+        inputs["q"], inputs["k"], inputs["v"], g, inputs["beta"], inputs["state"],
+        y_cotangent=weights["y"], state_cotangent=weights["state"], scale=1.0,
+    )
+    for name, value in rule_grads.items():
+        assert np.all(np.isfinite(value)), name
+    assert np.all(rule_grads["g"][gamma == 0.0] == 0.0)
+    # exp(log(gamma)) rounds, so the decay's gradient is held to the same check.
+    assert_gradients_match({"gamma": rule_grads["decay"]}, {"gamma": expected["gamma"]})
