@@ -16,6 +16,24 @@ def _require_array(name: str, value) -> None:
         raise TypeError(f"{name} must be an mlx.core.array, got {type(value).__name__}")
 
 
+def _checkpoints_array(checkpoints):
+    """``checkpoints`` as an integer array for the C++ checks (which own the
+    rules: 1-D, integer, strictly increasing, within ``[1, T]``)."""
+    if checkpoints is None or isinstance(checkpoints, mx.array):
+        return checkpoints
+    if not isinstance(checkpoints, (list, tuple)):
+        raise TypeError(
+            "checkpoints must be a list of ints or a 1-D integer mlx.core.array, "
+            f"got {type(checkpoints).__name__}"
+        )
+    for position in checkpoints:
+        if isinstance(position, bool) or not isinstance(position, int):
+            raise TypeError(
+                f"checkpoints must hold ints (token counts), got {position!r}"
+            )
+    return mx.array(list(checkpoints), dtype=mx.int64)
+
+
 def _check_core_arguments(q, k, v, beta, mask) -> None:
     for name, value in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         _require_array(name, value)
@@ -36,9 +54,11 @@ def gated_delta_rule(
     mask: Optional[mx.array] = None,
     normalize_qk: bool = False,
     algorithm: str = "auto",
+    checkpoints=None,
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array]:
-    """Gated delta rule over ``T`` tokens; returns ``(y, state)``.
+) -> Tuple[mx.array, ...]:
+    """Gated delta rule over ``T`` tokens; returns ``(y, state)``, and with
+    ``checkpoints`` ``(y, state, checkpoint_states)``.
 
     Per batch row, value head ``h`` and token ``t`` (key head ``kh``)::
 
@@ -60,9 +80,15 @@ def gated_delta_rule(
         normalize_qk: L2-normalise q and k per head (eps 1e-6) in float32.
         algorithm: ``"recurrent"``, ``"chunked"`` (chunks of 64, WY form) or
             ``"auto"`` (on the CPU: recurrent below 48 tokens, chunked from 48).
+        checkpoints: strictly increasing token counts ``1 <= p <= T`` (a list
+            of ints or a 1-D integer array with concrete values): the states
+            after the first ``p`` tokens of the call, computed in the same
+            pass. A masked token counts as a position.
 
     Returns:
-        ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state.
+        ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state; with
+        checkpoints also ``[len(checkpoints), B, Hv, Dv, Dk]`` float32. ``y``
+        and the state are those of the call without checkpoints.
     """
     _check_core_arguments(q, k, v, beta, mask)
     _require_array("g", g)
@@ -73,7 +99,7 @@ def gated_delta_rule(
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     return _ext.gated_delta_rule(
         q, k, v, g, beta, state, scale, head_mapping, mask, bool(normalize_qk),
-        algorithm, stream,
+        algorithm, stream, checkpoints=_checkpoints_array(checkpoints),
     )
 
 

@@ -23,7 +23,8 @@ std::vector<mx::array> gated_delta_rule(
     bool normalize_qk,
     const std::string& algorithm,
     mx::StreamOrDevice s,
-    const CoreArgumentNames& names) {
+    const CoreArgumentNames& names,
+    const std::optional<mx::array>& checkpoints) {
   GatedDeltaParams p;
   p.head_mapping = parse_head_mapping(head_mapping);
   Algorithm requested = parse_algorithm(algorithm);
@@ -31,13 +32,23 @@ std::vector<mx::array> gated_delta_rule(
   p.has_mask = mask.has_value();
 
   check_core_arguments(p, q, k, v, g, beta, state, scale, mask, names);
+  std::vector<int> positions;
+  if (checkpoints) {
+    positions = check_checkpoints(*checkpoints, p.tokens);
+    p.checkpoint_count = int(positions.size());
+  }
   const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
 
   auto stream = mx::to_stream(s);
   mx::array initial_state =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
-  if (p.tokens == 0) {
-    return {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
+  if (p.tokens == 0) {  // no checkpoint fits in no tokens
+    std::vector<mx::array> empty = {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
+    if (checkpoints) {
+      empty.push_back(mx::zeros(
+          {0, p.batch, p.value_heads, p.value_dim, p.key_dim}, mx::float32, stream));
+    }
+    return empty;
   }
   const Algorithm resolved = (requested == Algorithm::Auto &&
                               stream.device == mx::Device::cpu)
@@ -56,11 +67,19 @@ std::vector<mx::array> gated_delta_rule(
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
+  std::vector<mx::Shape> shapes = {v.shape(), state_shape};
+  std::vector<mx::Dtype> dtypes = {v.dtype(), mx::float32};
+  if (checkpoints) {
+    inputs.push_back(mx::array(
+        positions.begin(), {p.checkpoint_count}, mx::int32));
+    shapes.push_back({p.checkpoint_count, p.batch, p.value_heads, p.value_dim, p.key_dim});
+    dtypes.push_back(mx::float32);
+  }
   return mx::array::make_arrays(
-      {v.shape(), state_shape},
-      {v.dtype(), mx::float32},
+      shapes, dtypes,
       std::make_shared<GatedDeltaRule>(
-          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved),
+          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved,
+          checkpoints.has_value()),
       inputs);
 }
 

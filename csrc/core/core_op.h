@@ -11,7 +11,8 @@
 
 namespace mlx_gated_delta {
 
-// The core recurrence (docs/contract.md). Returns {y, state}.
+// The core recurrence (docs/contract.md). Returns {y, state}, and with
+// checkpoints {y, state, checkpoint states}.
 std::vector<mlx::core::array> gated_delta_rule(
     const mlx::core::array& q,
     const mlx::core::array& k,
@@ -25,6 +26,7 @@ std::vector<mlx::core::array> gated_delta_rule(
     bool normalize_qk,
     const std::string& algorithm,
     mlx::core::StreamOrDevice s = {},
-    const CoreArgumentNames& names = {});
+    const CoreArgumentNames& names = {},
+    const std::optional<mlx::core::array>& checkpoints = std::nullopt);
 
 }  // namespace mlx_gated_delta

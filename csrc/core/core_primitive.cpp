@@ -20,6 +20,11 @@ namespace {
 
 enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
 
+// The checkpoints come after the mask, when there is one.
+int checkpoints_input(bool has_mask) {
+  return has_mask ? kMask + 1 : kMask;
+}
+
 template <typename T>
 void run_cpu(
     const GatedDeltaParams& p,
@@ -31,14 +36,18 @@ void run_cpu(
     const mx::array& beta,
     const mx::array& state,
     const mx::array* mask,
+    const mx::array* checkpoints,
     mx::array& y,
-    mx::array& state_out) {
+    mx::array& state_out,
+    mx::array* checkpoint_states) {
   cpu::gated_delta_forward<T>(
       p, algorithm,
       cpu::contiguous_buffers<T>(
           p, q.data<T>(), k.data<T>(), v.data<T>(), g.data<float>(),
           beta.data<float>(), mask ? mask->data<bool>() : nullptr,
-          state.data<float>(), y.data<T>(), state_out.data<float>()));
+          state.data<float>(), y.data<T>(), state_out.data<float>(),
+          checkpoints ? checkpoints->data<int>() : nullptr,
+          checkpoint_states ? checkpoint_states->data<float>() : nullptr));
 }
 
 }  // namespace
@@ -53,6 +62,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
+  p.checkpoint_count = has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
   return p;
 }
 
@@ -60,17 +70,20 @@ void GatedDeltaRule::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+  }
   auto& y = outputs[0];
   auto& state_out = outputs[1];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
   }
-  encoder.set_output_array(y);
-  encoder.set_output_array(state_out);
+  for (auto& output : outputs) {
+    encoder.set_output_array(output);
+  }
+  const bool with_checkpoints = p.checkpoint_count > 0;
   const Algorithm algorithm =
       algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(p) : algorithm_;
   encoder.dispatch([p,
@@ -84,20 +97,30 @@ void GatedDeltaRule::eval_cpu(
                     mask = p.has_mask
                         ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
                         : std::nullopt,
+                    checkpoints = with_checkpoints
+                        ? std::optional(mx::array::unsafe_weak_copy(
+                              inputs[checkpoints_input(p.has_mask)]))
+                        : std::nullopt,
                     y = mx::array::unsafe_weak_copy(y),
-                    state_out = mx::array::unsafe_weak_copy(state_out)]() mutable {
+                    state_out = mx::array::unsafe_weak_copy(state_out),
+                    checkpoint_states = with_checkpoints
+                        ? std::optional(mx::array::unsafe_weak_copy(outputs[2]))
+                        : std::nullopt]() mutable {
     const mx::array* mask_ptr = mask ? &*mask : nullptr;
+    const mx::array* checkpoints_ptr = checkpoints ? &*checkpoints : nullptr;
+    mx::array* checkpoint_states_ptr = checkpoint_states ? &*checkpoint_states : nullptr;
     switch (v.dtype()) {
       case mx::float32:
-        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
+                       checkpoints_ptr, y, state_out, checkpoint_states_ptr);
         break;
       case mx::float16:
-        run_cpu<mx::float16_t>(
-            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        run_cpu<mx::float16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
+                               checkpoints_ptr, y, state_out, checkpoint_states_ptr);
         break;
       case mx::bfloat16:
-        run_cpu<mx::bfloat16_t>(
-            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        run_cpu<mx::bfloat16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
+                                checkpoints_ptr, y, state_out, checkpoint_states_ptr);
         break;
       default:
         throw std::runtime_error("GatedDeltaRule: unsupported activation dtype");
@@ -150,8 +173,19 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
       break;
     }
   }
+  // The checkpoint positions are the same for every mapped call: they are
+  // not folded (and may not be mapped).
+  const int unfolded = has_checkpoints_ ? checkpoints_input(has_mask_) : -1;
+  if (unfolded >= 0 && axes[unfolded] >= 0) {
+    throw std::invalid_argument(
+        "gated_delta_rule: checkpoints cannot be mapped by vmap (pass one list)");
+  }
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
+    if (int(i) == unfolded) {
+      folded.push_back(inputs[i]);
+      continue;
+    }
     mx::array x = axes[i] >= 0
         ? mx::moveaxis(inputs[i], axes[i], 0, stream())
         : mx::broadcast_to(
@@ -166,31 +200,46 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
     shape[0] *= vmap_size;
     folded.push_back(mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
   }
+  std::vector<mx::Dtype> dtypes = {folded[kV].dtype(), mx::float32};
+  if (has_checkpoints_) dtypes.push_back(mx::float32);
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
-      {folded[kV].dtype(), mx::float32},
+      dtypes,
       std::make_shared<GatedDeltaRule>(
-          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_),
+          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_,
+          has_checkpoints_),
       folded);
-  for (auto& out : outputs) {
-    mx::Shape shape = out.shape();
-    shape[0] /= vmap_size;
-    shape.insert(shape.begin(), vmap_size);
-    out = mx::reshape(out, shape, stream());
+  // y and the state lead with the batch; the checkpoint states with the
+  // checkpoint, then the batch.
+  std::vector<int> out_axes;
+  for (size_t n = 0; n < outputs.size(); ++n) {
+    const int batch_axis = n == 2 ? 1 : 0;
+    mx::Shape shape = outputs[n].shape();
+    shape[batch_axis] /= vmap_size;
+    shape.insert(shape.begin() + batch_axis, vmap_size);
+    outputs[n] = mx::reshape(outputs[n], shape, stream());
+    out_axes.push_back(batch_axis);
   }
-  return {outputs, {0, 0}};
+  return {outputs, out_axes};
 }
 
 bool GatedDeltaRule::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDeltaRule&>(other);
   return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
       normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
-      algorithm_ == o.algorithm_;
+      algorithm_ == o.algorithm_ && has_checkpoints_ == o.has_checkpoints_;
 }
 
 std::vector<mx::Shape> GatedDeltaRule::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {inputs[kV].shape(), inputs[kState].shape()};
+  std::vector<mx::Shape> shapes = {inputs[kV].shape(), inputs[kState].shape()};
+  if (has_checkpoints_) {
+    mx::Shape checkpoint_shape = inputs[kState].shape();
+    checkpoint_shape.insert(
+        checkpoint_shape.begin(), inputs[checkpoints_input(has_mask_)].shape(0));
+    shapes.push_back(checkpoint_shape);
+  }
+  return shapes;
 }
 
 }  // namespace mlx_gated_delta

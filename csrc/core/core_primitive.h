@@ -7,8 +7,10 @@
 namespace mlx_gated_delta {
 
 // The core recurrence of docs/contract.md.
-// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)],
-// all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk].
+// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)]
+// [, checkpoints (int32, validated)], all row-contiguous. Outputs: y
+// [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk] [, checkpoint states
+// [N, B, Hv, Dv, Dk]].
 // Carries only what changes the result: the shape-free options and the
 // algorithm (already resolved for the CPU; Auto on the GPU, where the Metal
 // plan chooses).
@@ -20,13 +22,15 @@ class GatedDeltaRule : public mlx::core::Primitive {
       HeadMapping head_mapping,
       bool normalize_qk,
       bool has_mask,
-      Algorithm algorithm)
+      Algorithm algorithm,
+      bool has_checkpoints = false)
       : mlx::core::Primitive(stream),
         scale_(scale),
         head_mapping_(head_mapping),
         normalize_qk_(normalize_qk),
         has_mask_(has_mask),
-        algorithm_(algorithm) {}
+        algorithm_(algorithm),
+        has_checkpoints_(has_checkpoints) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -64,6 +68,7 @@ class GatedDeltaRule : public mlx::core::Primitive {
   bool normalize_qk_;
   bool has_mask_;
   Algorithm algorithm_;
+  bool has_checkpoints_;
 };
 
 }  // namespace mlx_gated_delta

@@ -16,41 +16,46 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
   const int dk = p.key_dim, dv = p.value_dim;
   std::vector<float> q(dk), k(dk), v(dv);
   if (!h.state_in) {
-    copy_initial_state(p, nullptr, h.state);
+    copy_state(p, nullptr, h.state);
   }
   const float* source = h.state_in ? h.state_in : h.state;
+  int next_checkpoint = 0;
   for (int t = 0; t < p.tokens; ++t) {
     T* y = h.y + t * h.y_token_stride;
     if (h.mask && !h.mask[t]) {
       zero_output_row(y, dv);
-      continue;
-    }
-    load_qk_vector(h.q + t * h.qk_token_stride, q.data(), dk, p.normalize_qk);
-    load_qk_vector(h.k + t * h.qk_token_stride, k.data(), dk, p.normalize_qk);
-    load_vector(h.v + t * h.v_token_stride, v.data(), dv);
-    const float decay = std::exp(h.g[t * h.gate_token_stride]);
-    const float beta = h.beta[t * h.gate_token_stride];
-    for (int r = 0; r < dv; ++r) {
-      const float* old_row = source + int64_t(r) * dk;
-      float* row = h.state + int64_t(r) * dk;
-      const float predicted = decay * dot(old_row, k.data(), dk);
-      const float delta = beta * (v[r] - predicted);
-      float readout = 0.0f;
+    } else {
+      load_qk_vector(h.q + t * h.qk_token_stride, q.data(), dk, p.normalize_qk);
+      load_qk_vector(h.k + t * h.qk_token_stride, k.data(), dk, p.normalize_qk);
+      load_vector(h.v + t * h.v_token_stride, v.data(), dv);
+      const float decay = std::exp(h.g[t * h.gate_token_stride]);
+      const float beta = h.beta[t * h.gate_token_stride];
+      for (int r = 0; r < dv; ++r) {
+        const float* old_row = source + int64_t(r) * dk;
+        float* row = h.state + int64_t(r) * dk;
+        const float predicted = decay * dot(old_row, k.data(), dk);
+        const float delta = beta * (v[r] - predicted);
+        float readout = 0.0f;
 #pragma omp simd reduction(+ : readout)
-      for (int c = 0; c < dk; ++c) {
-        const float updated = decay * old_row[c] + delta * k[c];
-        row[c] = updated;
-        readout += updated * q[c];
+        for (int c = 0; c < dk; ++c) {
+          const float updated = decay * old_row[c] + delta * k[c];
+          row[c] = updated;
+          readout += updated * q[c];
+        }
+        y[r] = T(p.scale * readout);
       }
-      y[r] = T(p.scale * readout);
+      source = h.state;
     }
-    source = h.state;
+    // A checkpoint is a copy of the state after its token, masked or not.
+    if (next_checkpoint < h.checkpoint_count && h.checkpoints[next_checkpoint] == t + 1) {
+      copy_state(p, source, checkpoint_slot(h, next_checkpoint));
+      ++next_checkpoint;
+    }
   }
   if (source != h.state) {  // every step was masked
-    copy_initial_state(p, source, h.state);
+    copy_state(p, source, h.state);
   }
 }
-
 
 template void recurrent_head<float>(const GatedDeltaParams&, const HeadView<float>&);
 template void recurrent_head<mlx::core::float16_t>(

@@ -57,6 +57,9 @@ enum class PlanBuffer : int {
   ConvStateIn,       // [B, K-1, C] activation dtype
   SegmentOutput,     // [B, T, Hv, Dv] activation dtype
   ConvStateOut,      // [B, K-1, C] activation dtype
+  Checkpoints,       // [N] int32 token counts (only with checkpoints)
+  CheckpointStates,  // [N, B, Hv, Dv, Dk] the state after each checkpoint
+  ConvCheckpointStates,  // [N, B, K-1, C] activation dtype (segment)
   Count,
 };
 const char* to_string(PlanBuffer buffer);

@@ -4,6 +4,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
 #include "mlx/utils.h"
 #include "validation/extents.h"
 
@@ -133,6 +135,38 @@ void check_core_arguments(
     throw std::invalid_argument("scale must be finite, got " + std::to_string(p.scale));
   }
   validate_launch_extents(p);
+}
+
+std::vector<int> check_checkpoints(const mx::array& checkpoints, int tokens) {
+  if (checkpoints.ndim() != 1) {
+    throw std::invalid_argument(
+        "checkpoints must be a 1-D list of token counts, got shape " +
+        shape_string(checkpoints.shape()));
+  }
+  if (!mx::issubdtype(checkpoints.dtype(), mx::integer)) {
+    throw std::domain_error(
+        "checkpoints must be integers (token counts), got " +
+        dtype_string(checkpoints.dtype()));
+  }
+  mx::array values = mx::astype(checkpoints, mx::int64, mx::Device::cpu);
+  mx::eval(values);
+  const int64_t* data = values.data<int64_t>();
+  std::vector<int> positions;
+  for (size_t n = 0; n < values.size(); ++n) {
+    const int64_t position = data[n];
+    if (position < 1 || position > tokens) {
+      throw std::invalid_argument(
+          "checkpoints must lie in [1, T] with T = " + std::to_string(tokens) +
+          " tokens, got " + std::to_string(position) + " at index " + std::to_string(n));
+    }
+    if (n > 0 && position <= positions.back()) {
+      throw std::invalid_argument(
+          "checkpoints must be strictly increasing, got " + std::to_string(position) +
+          " after " + std::to_string(positions.back()) + " at index " + std::to_string(n));
+    }
+    positions.push_back(int(position));
+  }
+  return positions;
 }
 
 namespace {

@@ -45,6 +45,18 @@ inline uint chunk_length(constant GatedDeltaKernelParams& p, uint chunk) {
   return min(kChunkSize, p.tokens - chunk * kChunkSize);
 }
 
+// Checkpoints (docs/contract.md): `checkpoints` holds N strictly increasing
+// token counts; the state after checkpoints[n] tokens of the call goes to
+// slot n of checkpoint_states [N, B, Hv, Dv, Dk].
+inline uint checkpoint_offset(constant GatedDeltaKernelParams& p, uint n) {
+  return n * p.batch * p.value_heads * p.value_dim * p.key_dim;
+}
+// Whether checkpoint `next` (if any is left) falls after `tokens` tokens.
+inline bool checkpoint_at(constant GatedDeltaKernelParams& p, const device int* checkpoints,
+                          uint next, uint tokens) {
+  return next < p.num_checkpoints && uint(checkpoints[next]) == tokens;
+}
+
 // Decay from token j to token i (j <= i) of one chunk: prod_{j < m <= i} exp(g_m).
 // `gate_cumsum` sums only finite g inside the chunk and `last_wipe` is the last
 // index <= i whose g is -inf (gamma == 0), or -1: a wipe in (j, i] gives

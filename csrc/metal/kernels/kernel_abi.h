@@ -23,6 +23,7 @@ struct GatedDeltaKernelParams {
   unsigned int has_mask;
   unsigned int num_chunks;
   float scale;
+  unsigned int num_checkpoints;  // N: the states after checkpoints[n] tokens are kept
 };
 
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;
