@@ -14,6 +14,7 @@ PROPERTY_MODULES = {
     "mlx_gated_delta.testing.segment_properties": "segment",
     "mlx_gated_delta.testing.layer_properties": "layer",
     "mlx_gated_delta.testing.checkpoint_properties": "checkpoints",
+    "mlx_gated_delta.testing.serving_properties": "serving",
 }
 
 

@@ -1,0 +1,134 @@
+"""Serving with a patched model: the trimmable cache (restores, window,
+errors, save/load, batching) and mlx-lm's speculative decoding. The
+properties (trim then re-feed, speculative = greedy) live in
+mlx_gated_delta/testing/serving_properties.py and are collected here."""
+
+import mlx.core as mx
+import pytest
+
+pytest.importorskip("mlx_lm")
+
+from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
+from mlx_lm.models.cache import (  # noqa: E402
+    ArraysCache,
+    can_trim_prompt_cache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+    trim_prompt_cache,
+)
+
+from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW, TrimmableArraysCache  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import tokens  # noqa: E402
+from mlx_gated_delta.testing.serving_properties import *  # noqa: E402,F401,F403
+from mlx_gated_delta.testing.serving_properties import (  # noqa: E402
+    argmax,
+    attention_draft,
+    feed,
+    patched,
+)
+
+
+def linear_caches(cache):
+    return [c for c in cache if isinstance(c, ArraysCache)]
+
+
+def test_patched_models_make_trimmable_caches():
+    model = patched("qwen3_next", 1)
+    cache = make_prompt_cache(model)
+    assert len(linear_caches(cache)) == 3
+    assert all(type(c) is TrimmableArraysCache for c in linear_caches(cache))
+    assert can_trim_prompt_cache(cache)
+    # Patching again does not wrap make_cache twice.
+    make_cache = model.make_cache
+    from mlx_gated_delta import patch_mlx_lm
+    assert patch_mlx_lm(model) == 0
+    assert model.make_cache is make_cache
+
+
+def test_trim_reaches_back_across_calls_and_within_a_call_up_to_the_window():
+    model = patched("qwen3_5", 2)
+    sequence = tokens(4, (1, 40))
+    cache = make_prompt_cache(model)
+    feed(model, cache, sequence, [0, 30, 35, 36, 37])
+    assert all(c.trimmable_tokens() == DEFAULT_TRIM_WINDOW for c in linear_caches(cache))
+    with pytest.raises(ValueError, match="can trim at most 16 tokens"):
+        linear_caches(cache)[0].trim(DEFAULT_TRIM_WINDOW + 1)
+    assert trim_prompt_cache(cache, 0) == 0
+    assert trim_prompt_cache(cache, 2) == 2   # two single-token calls
+    assert trim_prompt_cache(cache, 3) == 3   # inside the 5-token call
+    fresh = make_prompt_cache(model)
+    feed(model, fresh, sequence, [0, 32])
+    for ours, theirs in zip(linear_caches(cache), linear_caches(fresh)):
+        assert mx.array_equal(ours[1], theirs[1]).item()
+        assert mx.array_equal(ours[0], theirs[0]).item()
+
+
+def test_a_trim_that_breaks_the_state_is_caught_by_the_refeed_check():
+    # The checker's probe: restoring the state one token off (what a wrong
+    # checkpoint index would do) changes the logits of the re-fed tokens.
+    model = patched("qwen3_next", 3)
+    sequence = tokens(9, (1, 20))
+    cache = make_prompt_cache(model)
+    feed(model, cache, sequence, [0, 20])
+    # The state after 15 tokens where the one after 16 belongs: the same
+    # tokens re-fed give other logits.
+    trim_prompt_cache(cache, 5)
+    off_by_one = feed(model, cache, sequence, [16, 20])
+    fresh = feed(model, make_prompt_cache(model), sequence, [0, 16, 20])
+    assert off_by_one.shape == fresh.shape
+    assert not mx.array_equal(off_by_one, fresh).item()
+
+
+def test_save_and_load_prompt_cache_keep_the_states(tmp_path):
+    model = patched("qwen3_next", 1)
+    sequence = tokens(3, (1, 12))
+    cache = make_prompt_cache(model)
+    feed(model, cache, sequence, [0, 10])
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)
+    assert [type(c) for c in loaded] == [type(c) for c in cache]
+    # The window starts empty after a load: honest about what it can trim.
+    assert all(c.trimmable_tokens() == 0 for c in linear_caches(loaded))
+    with pytest.raises(ValueError, match="can trim at most 0 tokens"):
+        linear_caches(loaded)[0].trim(1)
+    after_load = feed(model, loaded, sequence, [10, 12])
+    continued = feed(model, cache, sequence, [10, 12])
+    assert mx.array_equal(after_load, continued).item()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("draft_kind", ["attention", "hybrid"])
+def test_speculative_decoding_with_partial_acceptance_gives_the_greedy_tokens(kind, draft_kind):
+    target = patched(kind, 1)
+    # A hybrid draft close to the target accepts some drafts, rejects others:
+    # the target is trimmed within its verify call, the draft across calls.
+    draft = attention_draft(5) if draft_kind == "attention" else patched(kind, 1, 0.005)
+    prompt = tokens(2, (30,))
+    greedy = [int(t) for t, _ in generate_step(prompt, target, max_tokens=24, sampler=argmax)]
+    steps = list(speculative_generate_step(prompt, target, draft, num_draft_tokens=4,
+                                           max_tokens=24, sampler=argmax))
+    assert [int(t) for t, _, _ in steps] == greedy
+    accepted = sum(from_draft for _, _, from_draft in steps)
+    if draft_kind == "hybrid":
+        assert 0 < accepted < 24
+
+
+def test_batched_generation_with_trimmable_caches_matches_unbatched():
+    from mlx_lm.generate import BatchGenerator
+    model = patched("qwen3_next", 6)
+    prompts = [tokens(1, (9,)).tolist(), tokens(2, (14,)).tolist()]
+    assert all(type(c) is TrimmableArraysCache for c in linear_caches(model.make_cache()))
+    generator = BatchGenerator(model, max_tokens=6, prefill_batch_size=4,
+                               completion_batch_size=4)
+    uids = generator.insert(prompts)
+    results = {uid: [] for uid in uids}
+    while responses := generator.next_generated():
+        for response in responses:
+            results[response.uid].append(response.token)
+    generator.close()
+    for uid, prompt in zip(uids, prompts):
+        alone = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6,
+                                                  sampler=argmax)]
+        assert results[uid] == alone
