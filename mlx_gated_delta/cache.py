@@ -65,16 +65,17 @@ class TrimmableArraysCache(ArraysCache):
         """The layer's update after a call of `tokens` tokens: the new
         states, and the checkpoint states at `checkpoints_for(tokens)`."""
         self.history.append(list(self.cache))
-        if checkpoints is not None:
+        if checkpoints is not None:  # None for a one-token call: no inner positions
             self.history.extend([conv_checkpoints[n], checkpoints[n]]
                                 for n in range(checkpoints.shape[0]))
-        elif tokens > 1:
-            # The call's inner positions are unknown: nothing before them
-            # can be reached either.
-            self.history.clear()
         del self.history[: max(0, len(self.history) - self.window)]
         self.cache[0] = conv_state
         self.cache[1] = state
+
+    @property
+    def nbytes(self):
+        kept = sum(a.nbytes for entry in self.history for a in entry if a is not None)
+        return super().nbytes + kept
 
     def trimmable_tokens(self) -> int:
         return len(self.history)

@@ -143,3 +143,15 @@ def test_demo_speculative_run_gives_the_greedy_tokens_with_accepted_drafts():
     assert drafted["tokens"] == alone["tokens"]
     # The damped target is what the draft predicts often: drafts are accepted.
     assert drafted["accepted"] > 0
+
+
+def test_nbytes_counts_the_kept_states():
+    model = patched("qwen3_next", 1)
+    cache = make_prompt_cache(model)
+    feed(model, cache, tokens(3, (1, 8)), [0, 8])
+    layer = linear_caches(cache)[0]
+    current = layer[0].nbytes + layer[1].nbytes
+    # Eight tokens: the states before the call (none: a fresh cache) and
+    # after its first seven.
+    assert layer.trimmable_tokens() == 8
+    assert layer.nbytes == current + 7 * current
