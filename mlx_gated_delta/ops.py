@@ -16,22 +16,24 @@ def _require_array(name: str, value) -> None:
         raise TypeError(f"{name} must be an mlx.core.array, got {type(value).__name__}")
 
 
-def _checkpoints_array(checkpoints):
-    """``checkpoints`` as an integer array for the C++ checks (which own the
-    rules: 1-D, integer, strictly increasing, within ``[1, T]``)."""
-    if checkpoints is None or isinstance(checkpoints, mx.array):
-        return checkpoints
-    if not isinstance(checkpoints, (list, tuple)):
+def _index_array(name, values, what):
+    """A list of ints (``checkpoints``, ``parents``) as an integer array for
+    the C++ checks, which own the rules on its shape and values."""
+    if values is None or isinstance(values, mx.array):
+        return values
+    if not isinstance(values, (list, tuple)):
         raise TypeError(
-            "checkpoints must be a list of ints or a 1-D integer mlx.core.array, "
-            f"got {type(checkpoints).__name__}"
+            f"{name} must be a list of ints or a 1-D integer mlx.core.array, "
+            f"got {type(values).__name__}"
         )
-    for position in checkpoints:
-        if isinstance(position, bool) or not isinstance(position, int):
-            raise TypeError(
-                f"checkpoints must hold ints (token counts), got {position!r}"
-            )
-    return mx.array(list(checkpoints), dtype=mx.int64)
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must hold ints ({what}), got {value!r}")
+    return mx.array(list(values), dtype=mx.int64)
+
+
+def _checkpoints_array(checkpoints):
+    return _index_array("checkpoints", checkpoints, "token counts")
 
 
 def _check_core_arguments(q, k, v, beta, mask) -> None:
@@ -55,6 +57,7 @@ def gated_delta_rule(
     normalize_qk: bool = False,
     algorithm: str = "auto",
     checkpoints=None,
+    parents=None,
     stream: StreamOrDevice = None,
 ) -> Tuple[mx.array, ...]:
     """Gated delta rule over ``T`` tokens; returns ``(y, state)``, and with
@@ -84,6 +87,13 @@ def gated_delta_rule(
             of ints or a 1-D integer array with concrete values): the states
             after the first ``p`` tokens of the call, computed in the same
             pass. A masked token counts as a position.
+        parents: tree verification: one index per token (a list of ints or a
+            1-D integer array), ``parents[t]`` in ``[-1, t - 1]``; token t's
+            step starts from token ``parents[t]``'s state (-1: ``state``), so
+            each token's ``y`` is that of the sequential call along its
+            root-to-token path. The returned state is the last token's; with
+            ``checkpoints``, ``p`` gives token ``p - 1``'s state. Runs the
+            recurrent form (``algorithm`` ``"recurrent"`` or ``"auto"``).
 
     Returns:
         ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state; with
@@ -100,6 +110,7 @@ def gated_delta_rule(
     return _ext.gated_delta_rule(
         q, k, v, g, beta, state, scale, head_mapping, mask, bool(normalize_qk),
         algorithm, stream, checkpoints=_checkpoints_array(checkpoints),
+        parents=_index_array("parents", parents, "token indices"),
     )
 
 

@@ -101,3 +101,29 @@ def test_masked_tokens_count_as_positions_and_keep_the_state():
         # Tokens 3 and 4 are masked: the state after 2, 3 and 4 tokens is one state.
         assert mx.array_equal(checkpoints[0], checkpoints[1]).item(), algorithm
         assert mx.array_equal(checkpoints[0], checkpoints[2]).item(), algorithm
+
+
+@pytest.mark.parametrize("parents, error, words", [
+    ([-1, 0, 2, 1, 0, 0, 0, 0, 0, 0], ValueError, "parents[2] must lie in [-1, 1]"),
+    ([-2] + [0] * 9, ValueError, "parents[0] must lie in [-1, -1]"),
+    ([-1, 0], ValueError, "one parent index per token"),
+    ([-1] + [0.0] * 9, TypeError, "ints"),
+    (mx.array([-1.0] * 10), TypeError, "integers"),
+])
+def test_bad_parents_are_refused_naming_them(parents, error, words):
+    case = core_case()
+    with pytest.raises(error, match="parents") as raised:
+        gated_delta_rule(*case.args(), parents=parents, **case.options)
+    assert words in str(raised.value)
+
+
+def test_a_tree_runs_the_recurrent_form_only():
+    case = core_case()
+    with pytest.raises(ValueError, match="parents .*recurrent"):
+        gated_delta_rule(*case.args(), parents=[-1] * 10, algorithm="chunked", **case.options)
+    # "auto" picks the recurrent form for a tree, however long.
+    long = core_case(tokens=70)
+    chain = list(range(-1, 69))
+    tree_y = gated_delta_rule(*long.args(), parents=chain, **long.options)[0]
+    recurrent_y = gated_delta_rule(*long.args(), algorithm="recurrent", **long.options)[0]
+    assert mx.array_equal(tree_y, recurrent_y).item()

@@ -24,7 +24,8 @@ std::vector<mx::array> gated_delta_rule(
     const std::string& algorithm,
     mx::StreamOrDevice s,
     const CoreArgumentNames& names,
-    const std::optional<mx::array>& checkpoints) {
+    const std::optional<mx::array>& checkpoints,
+    const std::optional<mx::array>& parents) {
   GatedDeltaParams p;
   p.head_mapping = parse_head_mapping(head_mapping);
   Algorithm requested = parse_algorithm(algorithm);
@@ -36,6 +37,11 @@ std::vector<mx::array> gated_delta_rule(
   if (checkpoints) {
     positions = check_checkpoints(*checkpoints, p.tokens);
     p.checkpoint_count = int(positions.size());
+  }
+  std::vector<int> parent_indices;
+  if (parents) {
+    parent_indices = check_parents(*parents, p.tokens, requested);
+    p.has_tree = true;
   }
   const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
 
@@ -75,11 +81,15 @@ std::vector<mx::array> gated_delta_rule(
     shapes.push_back({p.checkpoint_count, p.batch, p.value_heads, p.value_dim, p.key_dim});
     dtypes.push_back(mx::float32);
   }
+  if (parents) {
+    inputs.push_back(mx::array(parent_indices.begin(), {p.tokens}, mx::int32));
+  }
   return mx::array::make_arrays(
       shapes, dtypes,
       std::make_shared<GatedDeltaRule>(
-          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved,
-          checkpoints.has_value()),
+          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask,
+          p.has_tree ? Algorithm::Recurrent : resolved, checkpoints.has_value(),
+          p.has_tree),
       inputs);
 }
 

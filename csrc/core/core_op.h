@@ -27,6 +27,7 @@ std::vector<mlx::core::array> gated_delta_rule(
     const std::string& algorithm,
     mlx::core::StreamOrDevice s = {},
     const CoreArgumentNames& names = {},
-    const std::optional<mlx::core::array>& checkpoints = std::nullopt);
+    const std::optional<mlx::core::array>& checkpoints = std::nullopt,
+    const std::optional<mlx::core::array>& parents = std::nullopt);
 
 }  // namespace mlx_gated_delta

@@ -69,6 +69,9 @@ struct GatedDeltaParams : ProblemShape {
   bool normalize_qk = false;
   bool has_mask = false;
   int checkpoint_count = 0;  // N
+  // Tree verification: parents [T] (int32), token t's state follows from
+  // token parents[t]'s (-1: the call's initial state); the recurrent form only.
+  bool has_tree = false;
 
   int key_head_of(int value_head) const {
     return head_mapping == HeadMapping::Grouped

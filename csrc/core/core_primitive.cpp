@@ -20,9 +20,13 @@ namespace {
 
 enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
 
-// The checkpoints come after the mask, when there is one.
+// The checkpoints come after the mask, when there is one, and the parents
+// after both.
 int checkpoints_input(bool has_mask) {
   return has_mask ? kMask + 1 : kMask;
+}
+int parents_input(bool has_mask, bool has_checkpoints) {
+  return checkpoints_input(has_mask) + (has_checkpoints ? 1 : 0);
 }
 
 template <typename T>
@@ -39,7 +43,8 @@ void run_cpu(
     const mx::array* checkpoints,
     mx::array& y,
     mx::array& state_out,
-    mx::array* checkpoint_states) {
+    mx::array* checkpoint_states,
+    const mx::array* parents) {
   cpu::gated_delta_forward<T>(
       p, algorithm,
       cpu::contiguous_buffers<T>(
@@ -47,7 +52,8 @@ void run_cpu(
           beta.data<float>(), mask ? mask->data<bool>() : nullptr,
           state.data<float>(), y.data<T>(), state_out.data<float>(),
           checkpoints ? checkpoints->data<int>() : nullptr,
-          checkpoint_states ? checkpoint_states->data<float>() : nullptr));
+          checkpoint_states ? checkpoint_states->data<float>() : nullptr,
+          parents ? parents->data<int>() : nullptr));
 }
 
 }  // namespace
@@ -63,6 +69,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
   p.checkpoint_count = has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
+  p.has_tree = has_tree_;
   return p;
 }
 
@@ -105,22 +112,30 @@ void GatedDeltaRule::eval_cpu(
                     state_out = mx::array::unsafe_weak_copy(state_out),
                     checkpoint_states = with_checkpoints
                         ? std::optional(mx::array::unsafe_weak_copy(outputs[2]))
+                        : std::nullopt,
+                    parents = p.has_tree
+                        ? std::optional(mx::array::unsafe_weak_copy(
+                              inputs[parents_input(p.has_mask, has_checkpoints_)]))
                         : std::nullopt]() mutable {
     const mx::array* mask_ptr = mask ? &*mask : nullptr;
     const mx::array* checkpoints_ptr = checkpoints ? &*checkpoints : nullptr;
     mx::array* checkpoint_states_ptr = checkpoint_states ? &*checkpoint_states : nullptr;
+    const mx::array* parents_ptr = parents ? &*parents : nullptr;
     switch (v.dtype()) {
       case mx::float32:
         run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
-                       checkpoints_ptr, y, state_out, checkpoint_states_ptr);
+                       checkpoints_ptr, y, state_out, checkpoint_states_ptr,
+                       parents_ptr);
         break;
       case mx::float16:
         run_cpu<mx::float16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
-                               checkpoints_ptr, y, state_out, checkpoint_states_ptr);
+                               checkpoints_ptr, y, state_out, checkpoint_states_ptr,
+                       parents_ptr);
         break;
       case mx::bfloat16:
         run_cpu<mx::bfloat16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
-                                checkpoints_ptr, y, state_out, checkpoint_states_ptr);
+                                checkpoints_ptr, y, state_out, checkpoint_states_ptr,
+                       parents_ptr);
         break;
       default:
         throw std::runtime_error("GatedDeltaRule: unsupported activation dtype");
@@ -173,16 +188,19 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
       break;
     }
   }
-  // The checkpoint positions are the same for every mapped call: they are
-  // not folded (and may not be mapped).
-  const int unfolded = has_checkpoints_ ? checkpoints_input(has_mask_) : -1;
-  if (unfolded >= 0 && axes[unfolded] >= 0) {
-    throw std::invalid_argument(
-        "gated_delta_rule: checkpoints cannot be mapped by vmap (pass one list)");
+  // The checkpoint positions and the parents are the same for every mapped
+  // call: they are not folded (and may not be mapped).
+  const int first_unfolded = checkpoints_input(has_mask_);
+  for (size_t i = first_unfolded; i < inputs.size(); ++i) {
+    if (axes[i] >= 0) {
+      throw std::invalid_argument(
+          "gated_delta_rule: checkpoints and parents cannot be mapped by vmap "
+          "(pass one list)");
+    }
   }
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (int(i) == unfolded) {
+    if (int(i) >= first_unfolded) {
       folded.push_back(inputs[i]);
       continue;
     }
@@ -207,7 +225,7 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
       dtypes,
       std::make_shared<GatedDeltaRule>(
           stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_,
-          has_checkpoints_),
+          has_checkpoints_, has_tree_),
       folded);
   // y and the state lead with the batch; the checkpoint states with the
   // checkpoint, then the batch.
@@ -227,7 +245,8 @@ bool GatedDeltaRule::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDeltaRule&>(other);
   return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
       normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
-      algorithm_ == o.algorithm_ && has_checkpoints_ == o.has_checkpoints_;
+      algorithm_ == o.algorithm_ && has_checkpoints_ == o.has_checkpoints_ &&
+      has_tree_ == o.has_tree_;
 }
 
 std::vector<mx::Shape> GatedDeltaRule::output_shapes(

@@ -8,7 +8,8 @@ namespace mlx_gated_delta {
 
 // The core recurrence of docs/contract.md.
 // Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)]
-// [, checkpoints (int32, validated)], all row-contiguous. Outputs: y
+// [, checkpoints (int32, validated)] [, parents (int32, validated)], all
+// row-contiguous. Outputs: y
 // [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk] [, checkpoint states
 // [N, B, Hv, Dv, Dk]].
 // Carries only what changes the result: the shape-free options and the
@@ -23,14 +24,16 @@ class GatedDeltaRule : public mlx::core::Primitive {
       bool normalize_qk,
       bool has_mask,
       Algorithm algorithm,
-      bool has_checkpoints = false)
+      bool has_checkpoints = false,
+      bool has_tree = false)
       : mlx::core::Primitive(stream),
         scale_(scale),
         head_mapping_(head_mapping),
         normalize_qk_(normalize_qk),
         has_mask_(has_mask),
         algorithm_(algorithm),
-        has_checkpoints_(has_checkpoints) {}
+        has_checkpoints_(has_checkpoints),
+        has_tree_(has_tree) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -69,6 +72,7 @@ class GatedDeltaRule : public mlx::core::Primitive {
   bool has_mask_;
   Algorithm algorithm_;
   bool has_checkpoints_;
+  bool has_tree_;
 };
 
 }  // namespace mlx_gated_delta

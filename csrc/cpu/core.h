@@ -30,6 +30,8 @@ struct CoreBuffers {
   // the states after them, [N, B, Hv, Dv, Dk]; nullptr when N == 0.
   const int* checkpoints = nullptr;
   float* checkpoint_states = nullptr;
+  // Tree verification: [T] parent of each token (params.has_tree), else nullptr.
+  const int* parents = nullptr;
 };
 
 // The buffers of one core call in the op's own contiguous layouts.
@@ -38,14 +40,14 @@ CoreBuffers<T> contiguous_buffers(
     const GatedDeltaParams& p, const T* q, const T* k, const T* v,
     const float* g, const float* beta, const bool* mask, const float* state_in,
     T* y, float* state_out, const int* checkpoints = nullptr,
-    float* checkpoint_states = nullptr) {
+    float* checkpoint_states = nullptr, const int* parents = nullptr) {
   return CoreBuffers<T>{
       q, k, v,
       int64_t(p.tokens) * p.key_heads * p.key_dim,
       int64_t(p.key_heads) * p.key_dim,
       int64_t(p.tokens) * p.value_heads * p.value_dim,
       int64_t(p.value_heads) * p.value_dim,
-      g, beta, mask, state_in, y, state_out, checkpoints, checkpoint_states};
+      g, beta, mask, state_in, y, state_out, checkpoints, checkpoint_states, parents};
 }
 
 // Runs the whole recurrence for every (batch row, value head), threaded over

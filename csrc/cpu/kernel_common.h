@@ -73,6 +73,7 @@ struct HeadView {
   int checkpoint_count;
   float* checkpoint_state;
   int64_t checkpoint_stride;
+  const int* parents;  // [T], or nullptr for a sequence
 };
 
 template <typename T>
@@ -107,6 +108,7 @@ inline HeadView<T> head_view(
               (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim
           : nullptr,
       int64_t(p.batch) * p.value_heads * p.value_dim * p.key_dim,
+      b.parents,
   };
 }
 

@@ -100,18 +100,21 @@ void eval_core_gpu(
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
   const bool has_checkpoints = outputs.size() == 3;
-  require(inputs.size() == 6u + params.has_mask + has_checkpoints &&
+  require(inputs.size() == 6u + params.has_mask + has_checkpoints + params.has_tree &&
               (outputs.size() == 2 || has_checkpoints),
-          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] [, checkpoints] and y, "
-          "state_out [, checkpoint_states]");
+          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] [, checkpoints] "
+          "[, parents] and y, state_out [, checkpoint_states]");
   for (const mx::array& input : inputs) {
     require(input.flags().row_contiguous, "eval_core_gpu: inputs must be row-contiguous");
   }
   require(inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
               inputs[5].dtype() == mx::float32,
           "eval_core_gpu: g, beta and state must be float32");
-  require(!has_checkpoints || inputs.back().dtype() == mx::int32,
+  const size_t checkpoints_index = 6 + params.has_mask;
+  require(!has_checkpoints || inputs[checkpoints_index].dtype() == mx::int32,
           "eval_core_gpu: checkpoints must be int32");
+  require(!params.has_tree || inputs.back().dtype() == mx::int32,
+          "eval_core_gpu: parents must be int32");
   const Plan plan = make_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
   allocate(outputs);
 
@@ -124,9 +127,10 @@ void eval_core_gpu(
   arrays.emplace(PlanBuffer::Output, outputs[0]);
   arrays.emplace(PlanBuffer::StateOut, outputs[1]);
   if (has_checkpoints) {
-    arrays.emplace(PlanBuffer::Checkpoints, inputs.back());
+    arrays.emplace(PlanBuffer::Checkpoints, inputs[checkpoints_index]);
     arrays.emplace(PlanBuffer::CheckpointStates, outputs[2]);
   }
+  if (params.has_tree) arrays.emplace(PlanBuffer::Parents, inputs.back());
   encode_plan(plan, arrays, stream);
 }
 

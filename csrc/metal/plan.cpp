@@ -72,7 +72,7 @@ const char* to_string(PlanBuffer buffer) {
       "beta_effective", "k_gram", "kkt_inverse", "w", "u", "qk", "output_inter",
       "mixed", "conv_weight", "decay_parameter", "dt_bias", "norm_weight", "conv_state_in",
       "out", "conv_state_out", "checkpoints", "checkpoint_states",
-      "conv_checkpoint_states"};
+      "conv_checkpoint_states", "parents", "tree_states"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }
@@ -134,6 +134,10 @@ struct PlanBuilder {
     k.num_chunks = unsigned(C);
     k.scale = p.scale;
     k.num_checkpoints = unsigned(p.checkpoint_count);
+    k.has_tree = p.has_tree ? 1 : 0;
+    if (p.has_tree && algorithm == Algorithm::Chunked) {
+      throw std::invalid_argument("tree verification (parents) runs the recurrent plan only");
+    }
 
     using enum BufferRole;
     add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e, Input);
@@ -150,6 +154,10 @@ struct PlanBuilder {
       check_launch_extent("checkpoint state elements", N * B * Hv * Dv * Dk);
       add_buffer(PlanBuffer::Checkpoints, N * 4, Input);
       add_buffer(PlanBuffer::CheckpointStates, N * B * Hv * Dv * Dk * 4, Output);
+    }
+    if (p.has_tree) {
+      add_buffer(PlanBuffer::Parents, T * 4, Input);
+      add_scratch(PlanBuffer::TreeStates, "tree state elements", B * Hv * T * Dv * Dk, 4);
     }
   }
 
@@ -226,11 +234,13 @@ struct PlanBuilder {
         {ceil_div(Dv, rows), unsigned(Hv), unsigned(B)}, simd ? rows * 32 : rows,
         simd ? 0 : kRecurrentGenericBytes,
         {{0, Query}, {1, Key}, {2, Value}, {3, Gate}, {4, Beta}, {5, Mask}, {6, StateIn},
-         {7, StateOut}, {8, Output}, {10, Checkpoints}, {11, CheckpointStates}},
-        9, {StateOut, Output, CheckpointStates});
+         {7, StateOut}, {8, Output}, {10, Checkpoints}, {11, CheckpointStates},
+         {12, Parents}, {13, TreeStates}},
+        9, {StateOut, Output, CheckpointStates, TreeStates});
     // Per value head: q, k (read once per head), v, g, beta, y; the state once each way.
     d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) +
-                           (2 + p.checkpoint_count) * B * Hv * Dv * Dk * 4);
+                           (2 + p.checkpoint_count) * B * Hv * Dv * Dk * 4 +
+                           (p.has_tree ? 2 * B * Hv * T * Dv * Dk * 4 : 0));
     d.flops = 8.0 * B * T * Hv * Dk * Dv;
   }
 

@@ -60,6 +60,8 @@ enum class PlanBuffer : int {
   Checkpoints,       // [N] int32 token counts (only with checkpoints)
   CheckpointStates,  // [N, B, Hv, Dv, Dk] the state after each checkpoint
   ConvCheckpointStates,  // [N, B, K-1, C] activation dtype (segment)
+  Parents,           // [T] int32 (tree verification only)
+  TreeStates,        // [B, Hv, T, Dv, Dk] every token's state (tree verification)
   Count,
 };
 const char* to_string(PlanBuffer buffer);

@@ -169,6 +169,37 @@ std::vector<int> check_checkpoints(const mx::array& checkpoints, int tokens) {
   return positions;
 }
 
+std::vector<int> check_parents(const mx::array& parents, int tokens, Algorithm algorithm) {
+  if (parents.ndim() != 1 || parents.shape(0) != tokens) {
+    throw std::invalid_argument(
+        "parents must be a 1-D list of one parent index per token, shape (" +
+        std::to_string(tokens) + ",), got shape " + shape_string(parents.shape()));
+  }
+  if (!mx::issubdtype(parents.dtype(), mx::integer)) {
+    throw std::domain_error(
+        "parents must be integers (token indices), got " + dtype_string(parents.dtype()));
+  }
+  if (algorithm == Algorithm::Chunked) {
+    throw std::invalid_argument(
+        "parents (tree verification) runs the recurrent form: algorithm must be "
+        "'recurrent' or 'auto', got 'chunked'");
+  }
+  mx::array values = mx::astype(parents, mx::int64, mx::Device::cpu);
+  mx::eval(values);
+  const int64_t* data = values.data<int64_t>();
+  std::vector<int> result;
+  for (int t = 0; t < tokens; ++t) {
+    if (data[t] < -1 || data[t] >= t) {
+      throw std::invalid_argument(
+          "parents must name an earlier token or -1 (the initial state): parents[" +
+          std::to_string(t) + "] must lie in [-1, " + std::to_string(t - 1) + "], got " +
+          std::to_string(data[t]));
+    }
+    result.push_back(int(data[t]));
+  }
+  return result;
+}
+
 namespace {
 
 void check_positive(const char* name, int value) {

@@ -40,6 +40,13 @@ void check_mask(const mlx::core::array& mask, int batch, int tokens);
 // concrete, not traced) and returns them.
 std::vector<int> check_checkpoints(const mlx::core::array& checkpoints, int tokens);
 
+// parents (tree verification): a 1-D integer array of T entries, entry t in
+// [-1, t - 1] (-1: the token follows the call's initial state). Reads the
+// values and returns them. A tree runs the recurrent form only: `algorithm`
+// must not be Chunked.
+std::vector<int> check_parents(const mlx::core::array& parents, int tokens,
+                               Algorithm algorithm);
+
 // How error messages name the gate and the state: the MLX-compatible entry
 // point calls them gamma and initial_state (and passes log(gamma) as g).
 struct CoreArgumentNames {

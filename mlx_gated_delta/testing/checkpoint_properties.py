@@ -1,8 +1,10 @@
-"""Property tests of state checkpoints (docs/contract.md, "Checkpoints"):
-the states `gated_delta_rule(..., checkpoints=...)` and
+"""Property tests of state checkpoints and tree verification
+(docs/contract.md, "Checkpoints", "Tree verification"): the states
+`gated_delta_rule(..., checkpoints=...)` and
 `gated_delta_segment(..., checkpoints=...)` return equal the final states of
-calls over the same prefixes, masks included; y and the state are those of
-the call without checkpoints.
+calls over the same prefixes, masks included, and y and the state are those
+of the call without checkpoints; a tree of tokens (`parents=...`) gives every
+token the output and state of the sequential call along its path.
 
 Run by the repository's suite (`tests/test_checkpoint_properties.py`) and by
 `python -m mlx_gated_delta selftest`, on the default device.
@@ -86,3 +88,40 @@ def test_segment_checkpoints_equal_prefix_calls(algorithm, case, data):
                              prefix_conv_state)
         assert_state_matches(algorithm, f"checkpoint {position}", checkpoints[n],
                              prefix_state)
+
+
+@st.composite
+def trees(draw, tokens):
+    """One parent per token: -1 (the call's initial state) or an earlier token."""
+    return [draw(st.integers(-1, t - 1)) for t in range(tokens)]
+
+
+def path_to(parents, token):
+    """The tokens from a root to `token`, in order."""
+    path = []
+    while token >= 0:
+        path.append(token)
+        token = parents[token]
+    return path[::-1]
+
+
+@given(case=core_cases(tokens=st.integers(1, 24)), data=st.data())
+def test_a_tree_equals_its_paths(case, data):
+    tokens = case.q.shape[1]
+    parents = data.draw(trees(tokens), label="parents")
+    positions = list(range(1, tokens + 1))
+    y, state, node_states = gated_delta_rule(*case.args(), parents=parents,
+                                             checkpoints=positions, **case.options)
+    mx.eval(y, state, node_states)
+    # The returned state is the last token's.
+    assert_bitwise_equal("state", state, node_states[-1])
+    for token in range(tokens):
+        path = mx.array(path_to(parents, token))
+        args = [x[:, path] for x in case.args()[:5]]
+        mask = case.options["mask"]
+        options = {**case.options, "mask": None if mask is None else mask[:, path]}
+        path_y, path_state = gated_delta_rule(*args, case.state, algorithm="recurrent",
+                                              **options)
+        # The same steps from the same states: exactly the sequential call.
+        assert_bitwise_equal(f"y of token {token}", y[:, token], path_y[:, -1])
+        assert_bitwise_equal(f"state of token {token}", node_states[token], path_state)

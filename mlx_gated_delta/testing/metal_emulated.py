@@ -47,14 +47,15 @@ def gated_delta_rule(
 
 def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mask=None,
         normalize_qk=False, algorithm="auto", dtype=None, through_stage=None,
-        checkpoints=None):
+        checkpoints=None, parents=None):
     """`gated_delta_rule`, plus a dict with the algorithm run, the kernels the
     plan dispatched, in order, and `buffers`: every output buffer's raw bytes
     by plan name. With `through_stage`, only the dispatches through the first
     of that stage run, and `buffers` holds the scratch too (`stage_buffers`
     reads it); y and the state are then whatever those stages left. With
     `checkpoints` (token counts, checked by the op, not here), the dict also
-    holds `checkpoint_states` `[N, B, Hv, Dv, Dk]`."""
+    holds `checkpoint_states` `[N, B, Hv, Dv, Dk]`. `parents`: tree
+    verification, one parent index per token."""
     dtype = dtype or _dtype_name(q)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
@@ -86,7 +87,7 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
         g.tobytes(), beta.tobytes(), state.tobytes(), mask_bytes,
         batch, tokens, key_heads, value_heads, key_dim, value_dim, float(scale),
         head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS,
-        through_stage or "", _checkpoint_bytes(checkpoints))
+        through_stage or "", _checkpoint_bytes(checkpoints), _checkpoint_bytes(parents))
     y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
     info = {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
@@ -96,10 +97,11 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
     return y, state_out, info
 
 
-def _checkpoint_bytes(checkpoints):
-    if checkpoints is None:
+def _checkpoint_bytes(indices):
+    """Checkpoints or parents as the int32 bytes the plan reads, or None."""
+    if indices is None:
         return None
-    return np.asarray(checkpoints, dtype=np.int32).tobytes()
+    return np.asarray(indices, dtype=np.int32).tobytes()
 
 
 def gated_delta_segment(

@@ -1,7 +1,9 @@
 """Checkpoints on the Metal plans, run by the emulator: the recurrent kernels
 (SIMD and generic) copy their rows of the state after each checkpoint's
 token, chunk_carry cuts a chunk's update at a checkpoint inside it, and the
-segment's collect_conv_checkpoints stage collects the conv states. Each is
+segment's collect_conv_checkpoints stage collects the conv states; for tree
+verification the recurrent kernels start each token from its parent's kept
+state. Each is
 held to the CPU op's checkpoint states (themselves held to prefix calls by
 tests/test_checkpoint_properties.py), and y and the state to the plan
 without checkpoints."""
@@ -90,3 +92,25 @@ def test_plans_bind_checkpoints_only_when_asked():
         bound = {name for d in plan["dispatches"] if d["stage"] == stage
                  for _, name, _ in d["buffers"]}
         assert "checkpoint_states" not in bound
+
+
+@pytest.mark.parametrize("key_dim", [32, 24])   # the SIMD and the generic kernel
+@pytest.mark.parametrize("mask_kind", ["none", "random"])
+def test_tree_verification_matches_the_cpu_op(key_dim, mask_kind):
+    case = make_core_case(12, batch=2, tokens=9, key_heads=1, value_heads=2, key_dim=key_dim,
+                          value_dim=8, dtype="float32", gate_dtype="float32", decay="model",
+                          beta_max=1.0, with_state=True, mask_kind=mask_kind,
+                          normalize_qk=True)
+    parents = [-1, 0, 0, 1, -1, 4, 2, 6, 3]
+    positions = list(range(1, 10))
+    mask = case.options["mask"]
+    y, state, info = metal_emulated.run(
+        *[np.array(x) for x in case.args()], scale=case.options["scale"],
+        head_mapping=case.options["head_mapping"], normalize_qk=True, algorithm="recurrent",
+        mask=None if mask is None else np.array(mask), parents=parents, checkpoints=positions)
+    expected_y, expected_state, expected_nodes = gated_delta_rule(
+        *case.args(), parents=parents, checkpoints=positions, stream=mx.cpu, **case.options)
+    assert_close("y", y, np.array(expected_y))
+    assert_close("state", state, np.array(expected_state))
+    assert_close("node states", info["checkpoint_states"], np.array(expected_nodes))
+

@@ -141,11 +141,12 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          int key_dim, int value_dim, float scale, const std::string& head_mapping,
          bool normalize_qk, const std::string& algorithm, const std::string& dtype,
          int barrier_timeout_ms, const std::string& through_stage,
-         std::optional<nb::bytes> checkpoints) {
+         std::optional<nb::bytes> checkpoints, std::optional<nb::bytes> parents) {
         GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
                                               value_dim, scale, head_mapping, normalize_qk,
                                               mask.has_value());
         params.checkpoint_count = checkpoint_count(checkpoints);
+        params.has_tree = parents.has_value();
         Plan plan = make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         emulator::BufferInputs inputs{
             {PlanBuffer::Query, view(q)}, {PlanBuffer::Key, view(k)},
@@ -153,6 +154,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
             {PlanBuffer::Beta, view(beta)}, {PlanBuffer::StateIn, view(state)}};
         if (mask) inputs[PlanBuffer::Mask] = view(*mask);
         if (params.checkpoint_count > 0) inputs[PlanBuffer::Checkpoints] = view(*checkpoints);
+        if (parents) inputs[PlanBuffer::Parents] = view(*parents);
         emulator::BufferOutputs outputs;
         {
           nb::gil_scoped_release release;
@@ -170,11 +172,11 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("value_heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("scale"),
       nb::arg("head_mapping"), nb::arg("normalize_qk"), nb::arg("algorithm"), nb::arg("dtype"),
       nb::arg("barrier_timeout_ms"), nb::arg("through_stage") = "",
-      nb::arg("checkpoints").none() = nb::none(),
+      nb::arg("checkpoints").none() = nb::none(), nb::arg("parents").none() = nb::none(),
       "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels, "
       "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
       "and the dict holds the scratch buffers too. checkpoints: int32 bytes; the dict then "
-      "holds checkpoint_states.");
+      "holds checkpoint_states. parents: int32 bytes (tree verification).");
 
   m.def(
       "plan",

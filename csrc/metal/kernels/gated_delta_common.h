@@ -57,6 +57,14 @@ inline bool checkpoint_at(constant GatedDeltaKernelParams& p, const device int* 
   return next < p.num_checkpoints && uint(checkpoints[next]) == tokens;
 }
 
+// Tree verification: every token's state is kept in tree_states
+// [B, Hv, T, Dv, Dk] for its children; this is the offset of token t's row
+// `row` (the caller adds the column).
+inline uint tree_state_row(constant GatedDeltaKernelParams& p, uint b, uint h, uint t,
+                           uint row) {
+  return (((b * p.value_heads + h) * p.tokens + t) * p.value_dim + row) * p.key_dim;
+}
+
 // Decay from token j to token i (j <= i) of one chunk: prod_{j < m <= i} exp(g_m).
 // `gate_cumsum` sums only finite g inside the chunk and `last_wipe` is the last
 // index <= i whose g is -inf (gamma == 0), or -1: a wipe in (j, i] gives

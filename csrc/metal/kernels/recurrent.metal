@@ -6,7 +6,9 @@
 // Rows of S (value dims) evolve independently, so each threadgroup owns a
 // slice of rows of one (batch, value head) and walks all tokens. With
 // checkpoints, its rows of S are copied out after each checkpoint's token
-// (masked or not).
+// (masked or not). For tree verification, token t starts from token
+// parents[t]'s rows (state_in for -1), and every token's rows are kept in
+// tree_states for its children; each thread reads back only what it wrote.
 
 #include "gated_delta_common.h"
 
@@ -27,6 +29,8 @@ template <typename T>
     constant GatedDeltaKernelParams& p [[buffer(9)]],
     const device int* checkpoints [[buffer(10)]],
     device float* checkpoint_states [[buffer(11)]],
+    const device int* parents [[buffer(12)]],
+    device float* tree_states [[buffer(13)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -48,6 +52,13 @@ template <typename T>
   uint next_checkpoint = 0;
   for (uint t = 0; t < p.tokens; ++t) {
     const uint out = v_offset(p, b, t, h) + row;
+    if (p.has_tree != 0) {
+      const int parent = parents[t];
+      for (uint m = 0; m < per_lane; ++m) {
+        s[m] = parent < 0 ? state_in[state_row + lane + 32 * m]
+                          : tree_states[tree_state_row(p, b, h, uint(parent), row) + lane + 32 * m];
+      }
+    }
     if (token_is_masked(p, mask, b, t)) {
       if (lane == 0) {
         y[out] = static_cast<T>(0.0f);
@@ -88,6 +99,11 @@ template <typename T>
         y[out] = static_cast<T>(readout);
       }
     }
+    if (p.has_tree != 0) {
+      for (uint m = 0; m < per_lane; ++m) {
+        tree_states[tree_state_row(p, b, h, t, row) + lane + 32 * m] = s[m];
+      }
+    }
     if (checkpoint_at(p, checkpoints, next_checkpoint, t + 1)) {
       const uint slot = checkpoint_offset(p, next_checkpoint) + state_row;
       for (uint m = 0; m < per_lane; ++m) {
@@ -118,6 +134,8 @@ template <typename T>
     constant GatedDeltaKernelParams& p [[buffer(9)]],
     const device int* checkpoints [[buffer(10)]],
     device float* checkpoint_states [[buffer(11)]],
+    const device int* parents [[buffer(12)]],
+    device float* tree_states [[buffer(13)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float k_token[kMaxGenericKeyDim];
@@ -137,6 +155,14 @@ template <typename T>
   uint next_checkpoint = 0;
   for (uint t = 0; t < p.tokens; ++t) {
     const uint out = v_offset(p, b, t, h) + row;
+    if (p.has_tree != 0 && owns_row) {
+      const int parent = parents[t];
+      for (uint c = 0; c < p.key_dim; ++c) {
+        state_out[state_row + c] =
+            parent < 0 ? state_in[state_row + c]
+                       : tree_states[tree_state_row(p, b, h, uint(parent), row) + c];
+      }
+    }
     // The mask is uniform across the threadgroup, so are its barriers.
     if (token_is_masked(p, mask, b, t)) {
       if (owns_row) {
@@ -181,6 +207,11 @@ template <typename T>
           readout += updated * q_token[c];
         }
         y[out] = static_cast<T>(readout * q_scale * p.scale);
+      }
+    }
+    if (p.has_tree != 0 && owns_row) {
+      for (uint c = 0; c < p.key_dim; ++c) {
+        tree_states[tree_state_row(p, b, h, t, row) + c] = state_out[state_row + c];
       }
     }
     if (checkpoint_at(p, checkpoints, next_checkpoint, t + 1)) {
