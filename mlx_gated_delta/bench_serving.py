@@ -13,6 +13,13 @@ Then the same for a whole patched model (the demo's 12-layer Qwen3-Next-shaped
 target): one forward over k tokens through a trimmable cache, then a trim
 back by k, against k one-token forwards. Medians of `--repeats` runs, on the
 default device.
+
+Then a two-turn chat on the demo's 4-layer patched model: turn 1 prefills a
+`--prompt-tokens` prompt and generates 32 tokens; turn 2's prompt shares turn
+1's prompt except its last 8 tokens (a chat template re-rendering the end of
+the turn), then 64 new tokens. Time to first token of turn 2: a fresh
+prefill, against restoring the longest snapshotted prefix of turn 1's cache
+(snapshots every 256 tokens) and prefilling only the rest.
 """
 
 from __future__ import annotations
@@ -108,6 +115,56 @@ def model_rows(repeats: int) -> list:
     return rows
 
 
+def first_token_ms(model, cache, prompt) -> float:
+    start = time.perf_counter()
+    logits = model(prompt, cache=cache)
+    mx.eval(mx.argmax(logits[:, -1], axis=-1))
+    return 1e3 * (time.perf_counter() - start)
+
+
+def chat_rows(prompt_tokens: int, repeats: int) -> dict:
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from mlx_gated_delta import patch_mlx_lm
+    from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
+    from mlx_gated_delta.demo import build_model, demo_config
+
+    model = build_model(0, 4)
+    patch_mlx_lm(model)
+    vocab = demo_config().vocab_size
+    turn1 = mx.random.randint(0, vocab, (prompt_tokens,), key=mx.random.key(2))
+    user2 = mx.random.randint(0, vocab, (8 + 64,), key=mx.random.key(3))
+    turn2 = mx.concatenate([turn1[:-8], user2])[None]
+    common = prompt_tokens - 8
+
+    def turn1_cache(snapshots: bool):
+        cache = make_prompt_cache(model)
+        if snapshots:
+            enable_prefix_snapshots(cache, every=256, max_snapshots=16)
+        for _ in generate_step(turn1, model, max_tokens=32, prompt_cache=cache,
+                               sampler=lambda x: mx.argmax(x, -1)):
+            pass
+        return cache
+
+    fresh, reused, prefixes = [], [], []
+    first_token_ms(model, make_prompt_cache(model), turn2[:, :16])  # warm-up
+    for _ in range(repeats):
+        fresh.append(first_token_ms(model, make_prompt_cache(model), turn2))
+        cache = turn1_cache(snapshots=True)
+        start = time.perf_counter()
+        prefix = reusable_prefix(cache, common)
+        restore_prefix(cache, prefix)
+        restore_ms = 1e3 * (time.perf_counter() - start)
+        reused.append(restore_ms + first_token_ms(model, cache, turn2[:, prefix:]))
+        prefixes.append(prefix)
+    snapshot_bytes = sum(c.nbytes for c in turn1_cache(snapshots=True))
+    plain_bytes = sum(c.nbytes for c in turn1_cache(snapshots=False))
+    return {"fresh_ms": statistics.median(fresh), "reused_ms": statistics.median(reused),
+            "prefix": prefixes[0], "turn2_tokens": turn2.shape[1],
+            "cache_mib": plain_bytes / 2**20, "cache_with_snapshots_mib": snapshot_bytes / 2**20}
+
+
 def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mlx_gated_delta.bench_serving",
                                      description=__doc__,
@@ -115,6 +172,8 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--no-model", action="store_true", help="the op rows only")
+    parser.add_argument("--prompt-tokens", type=int, default=1024,
+                        help="turn 1's prompt in the two-turn chat (default 1024)")
     args = parser.parse_args(argv)
     dtype = getattr(mx, args.dtype)
 
@@ -132,6 +191,14 @@ def main(argv: Optional[list] = None) -> int:
     print(f"{'k':>3}{'forward k + trim':>18}{'k forwards + trim':>19}{'ratio':>8}")
     for drafts, verify, singles in model_rows(args.repeats):
         print(f"{drafts:3d}{verify:18.2f}{singles:19.2f}{verify / singles:8.2f}")
+    chat = chat_rows(args.prompt_tokens, max(3, args.repeats // 4))
+    print(f"\ntwo-turn chat, demo model (4 patched layers): turn 2 prompt "
+          f"{chat['turn2_tokens']} tokens, {args.prompt_tokens - 8} shared with turn 1")
+    print(f"time to first token, fresh prefill:          {chat['fresh_ms']:9.1f} ms")
+    print(f"time to first token, reuse (prefix {chat['prefix']:5d}):    "
+          f"{chat['reused_ms']:9.1f} ms   ({chat['fresh_ms'] / chat['reused_ms']:.1f}x)")
+    print(f"prompt cache after turn 1: {chat['cache_mib']:.1f} MiB, with snapshots "
+          f"{chat['cache_with_snapshots_mib']:.1f} MiB")
     return 0
 
 

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW, TrimmableArraysCache  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import tokens  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import check, tokens  # noqa: E402
 from mlx_gated_delta.testing.serving_properties import *  # noqa: E402,F401,F403
 from mlx_gated_delta.testing.serving_properties import (  # noqa: E402
     argmax,
@@ -155,3 +155,36 @@ def test_nbytes_counts_the_kept_states():
     # after its first seven.
     assert layer.trimmable_tokens() == 8
     assert layer.nbytes == current + 7 * current
+
+
+def test_prompt_reuse_restores_the_longest_snapshotted_prefix():
+    from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
+    model = patched("qwen3_5", 8)
+    first = tokens(10, (1, 200))
+    # A second prompt that shares the first 150 tokens, then differs.
+    second = mx.concatenate([first[:, :150], tokens(11, (1, 40))], axis=1)
+    cache = make_prompt_cache(model)
+    enable_prefix_snapshots(cache, every=64, max_snapshots=2)
+    feed(model, cache, first, [0, 100, 200])
+    layer = linear_caches(cache)[0]
+    # Bounded: the two most recent multiples of 64.
+    assert layer.snapshot_positions() == [128, 192]
+    assert reusable_prefix(cache, 150) == 128
+    restore_prefix(cache, 128)
+    reused = feed(model, cache, second, [128, 190])
+    fresh = feed(model, make_prompt_cache(model), second, [0, 128, 190])
+    # The snapshot at 128 was cut inside a chunk of the call [100, 200): the
+    # same tokens as a fresh prefill split otherwise, within the layer's
+    # self-consistency contract.
+    check("logits", reused, fresh, "layer.self_consistency.v2.float32.logits")
+    with pytest.raises(ValueError, match="no snapshot after 100 tokens"):
+        layer.restore(100)
+
+
+def test_without_snapshots_nothing_is_reusable():
+    from mlx_gated_delta.cache import reusable_prefix
+    model = patched("qwen3_next", 8)
+    cache = make_prompt_cache(model)
+    feed(model, cache, tokens(10, (1, 130)), [0, 130])
+    assert reusable_prefix(cache, 130) == 0
+    assert all(c.snapshot_positions() == [] for c in linear_caches(cache))
