@@ -188,3 +188,46 @@ def test_without_snapshots_nothing_is_reusable():
     feed(model, cache, tokens(10, (1, 130)), [0, 130])
     assert reusable_prefix(cache, 130) == 0
     assert all(c.snapshot_positions() == [] for c in linear_caches(cache))
+
+
+class TokenIdDetokenizer:
+    """A streaming detokenizer that writes each token id as text: enough for
+    mlx-lm's generate() on a model without a real tokenizer."""
+
+    def reset(self):
+        self.pending = ""
+
+    def add_token(self, token):
+        self.pending += f"{token} "
+
+    def finalize(self):
+        pass
+
+    @property
+    def last_segment(self):
+        segment, self.pending = self.pending, ""
+        return segment
+
+
+def token_id_tokenizer():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    # The wrapper's constructor inspects a Hugging Face tokenizer; generate()
+    # only reads the detokenizer and the end-of-sequence ids.
+    tokenizer = TokenizerWrapper.__new__(TokenizerWrapper)
+    tokenizer._detokenizer = TokenIdDetokenizer()
+    tokenizer._eos_token_ids = set()
+    return tokenizer
+
+
+@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+def test_mlx_lm_generate_with_a_draft_model_gives_the_greedy_text(kind):
+    from mlx_lm.generate import generate
+    target = patched(kind, 1)
+    prompt = tokens(2, (25,))
+    options = dict(max_tokens=12, sampler=argmax)
+    greedy = generate(target, token_id_tokenizer(), prompt, **options)
+    for draft in (attention_draft(5), patched(kind, 1, 0.005)):
+        drafted = generate(target, token_id_tokenizer(), prompt, draft_model=draft,
+                           num_draft_tokens=3, **options)
+        assert drafted == greedy
+    assert len(greedy.split()) == 12
