@@ -205,12 +205,13 @@ def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight
 
 def segment_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel=4, *,
                  dtype="float32", algorithm="auto", decay_parameterization="log_rate",
-                 head_mapping="grouped", mask=False, describe=False):
+                 head_mapping="grouped", mask=False, describe=False, checkpoints=0):
     """The fused segment's plan: a dict like `plan`'s, or with `describe=True`
-    the table against the assumed M-series roofline."""
+    the table against the assumed M-series roofline; `checkpoints`: how many."""
     return _metal_emulator.segment_plan(batch, tokens, key_heads, value_heads, key_dim,
                                         value_dim, conv_kernel, dtype, algorithm,
-                                        decay_parameterization, head_mapping, mask, describe)
+                                        decay_parameterization, head_mapping, mask, describe,
+                                        checkpoints)
 
 
 def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
@@ -224,12 +225,15 @@ def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
 
 
 def plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *, dtype="float32",
-         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None):
+         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None,
+         checkpoints=0, tree=False):
     """The whole plan as a dict: resolved algorithm, the kernel params as bytes,
-    every buffer's size, and the dispatches."""
+    every buffer's size, and the dispatches; `checkpoints`: how many, `tree`:
+    with parents (tree verification)."""
     scale = key_dim**-0.5 if scale is None else scale
     return _metal_emulator.plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, dtype,
-                                algorithm, head_mapping, normalize_qk, mask, float(scale))
+                                algorithm, head_mapping, normalize_qk, mask, float(scale),
+                                checkpoints, tree)
 
 
 def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options):

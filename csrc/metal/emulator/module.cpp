@@ -182,17 +182,20 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       "plan",
       [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
          const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
-         bool normalize_qk, bool has_mask, float scale) {
-        return plan_as_dict(make_plan(
-            make_params(batch, tokens, key_heads, value_heads, key_dim, value_dim, scale,
-                        head_mapping, normalize_qk, has_mask),
-            parse_algorithm(algorithm), parse_dtype(dtype)));
+         bool normalize_qk, bool has_mask, float scale, int checkpoints, bool tree) {
+        GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
+                                              value_dim, scale, head_mapping, normalize_qk,
+                                              has_mask);
+        params.checkpoint_count = checkpoints;
+        params.has_tree = tree;
+        return plan_as_dict(make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype)));
       },
       nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
       nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
       nb::arg("normalize_qk") = false, nb::arg("has_mask") = false, nb::arg("scale") = 1.0f,
-      "The plan: resolved algorithm, the kernel params' bytes, every buffer's size and the "
+      nb::arg("checkpoints") = 0, nb::arg("tree") = false,
+      "The plan (with `checkpoints` positions, with parents for `tree`): resolved algorithm, the kernel params' bytes, every buffer's size and the "
       "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
 
   m.def(
@@ -261,12 +264,13 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
          int conv_kernel, const std::string& dtype, const std::string& algorithm,
          const std::string& decay_parameterization, const std::string& head_mapping,
-         bool has_mask, bool describe) -> nb::object {
-        Plan plan = make_segment_plan(
+         bool has_mask, bool describe, int checkpoints) -> nb::object {
+        SegmentParams params =
             make_segment_params(batch, tokens, key_heads, value_heads, key_dim, value_dim,
                                 conv_kernel, decay_parameterization, head_mapping, 1e-6f,
-                                has_mask),
-            parse_algorithm(algorithm), parse_dtype(dtype));
+                                has_mask);
+        params.checkpoint_count = checkpoints;
+        Plan plan = make_segment_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         if (describe) return nb::str(describe_plan(plan, assumed_m_series_roofline()).c_str());
         return plan_as_dict(plan);
       },
@@ -274,7 +278,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
       nb::arg("dtype") = "float32", nb::arg("algorithm") = "auto",
       nb::arg("decay_parameterization") = "log_rate", nb::arg("head_mapping") = "grouped",
-      nb::arg("has_mask") = false, nb::arg("describe") = false,
+      nb::arg("has_mask") = false, nb::arg("describe") = false, nb::arg("checkpoints") = 0,
       "The fused segment's plan as a dict like plan()'s, or with describe=True as a table.");
 
   m.def(
