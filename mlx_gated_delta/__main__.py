@@ -15,6 +15,8 @@ PROPERTY_MODULES = {
     "mlx_gated_delta.testing.layer_properties": "layer",
     "mlx_gated_delta.testing.grad_properties": "gradients",
     "mlx_gated_delta.testing.segment_grad_properties": "segment gradients",
+    "mlx_gated_delta.testing.checkpoint_properties": "checkpoints",
+    "mlx_gated_delta.testing.serving_properties": "serving",
 }
 
 

@@ -142,10 +142,16 @@ class _GatedDeltaNetBase(nn.Module):
             if state is not None and state.dtype != mx.float32:
                 state = state.astype(mx.float32)
 
+        # A trimmable cache (mlx_gated_delta.cache) keeps the states after the
+        # call's last tokens: the segment returns them as checkpoints.
+        checkpoints = None
+        if cache is not None and hasattr(cache, "checkpoints_for"):
+            checkpoints = cache.checkpoints_for(S)
+
         # mlx-lm's mask (left padding, lengths) marks the tokens that are not
         # in a row's sequence; the segment skips them, so each row's conv and
         # recurrent states are those of its own tokens only.
-        out, conv_state, state = gated_delta_segment(
+        out, conv_state, state, *kept = gated_delta_segment(
             mixed,
             self.conv1d.weight,
             self.A_log,
@@ -159,10 +165,14 @@ class _GatedDeltaNetBase(nn.Module):
             value_dim=self.head_v_dim,
             norm_eps=self.norm.eps,
             mask=mask,
+            checkpoints=checkpoints,
         )
         if cache is not None:
-            cache[0] = conv_state
-            cache[1] = state
+            if hasattr(cache, "checkpoints_for"):
+                cache.update(conv_state, state, S, *kept)
+            else:
+                cache[0] = conv_state
+                cache[1] = state
             cache.advance(S)
 
         out = out.reshape(B, S, -1)

@@ -16,6 +16,26 @@ def _require_array(name: str, value) -> None:
         raise TypeError(f"{name} must be an mlx.core.array, got {type(value).__name__}")
 
 
+def _index_array(name, values, what):
+    """A list of ints (``checkpoints``, ``parents``) as an integer array for
+    the C++ checks, which own the rules on its shape and values."""
+    if values is None or isinstance(values, mx.array):
+        return values
+    if not isinstance(values, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a list of ints or a 1-D integer mlx.core.array, "
+            f"got {type(values).__name__}"
+        )
+    for value in values:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must hold ints ({what}), got {value!r}")
+    return mx.array(list(values), dtype=mx.int64)
+
+
+def _checkpoints_array(checkpoints):
+    return _index_array("checkpoints", checkpoints, "token counts")
+
+
 def _check_core_arguments(q, k, v, beta, mask) -> None:
     for name, value in (("q", q), ("k", k), ("v", v), ("beta", beta)):
         _require_array(name, value)
@@ -36,9 +56,12 @@ def gated_delta_rule(
     mask: Optional[mx.array] = None,
     normalize_qk: bool = False,
     algorithm: str = "auto",
+    checkpoints=None,
+    parents=None,
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array]:
-    """Gated delta rule over ``T`` tokens; returns ``(y, state)``.
+) -> Tuple[mx.array, ...]:
+    """Gated delta rule over ``T`` tokens; returns ``(y, state)``, and with
+    ``checkpoints`` ``(y, state, checkpoint_states)``.
 
     Per batch row, value head ``h`` and token ``t`` (key head ``kh``)::
 
@@ -60,9 +83,22 @@ def gated_delta_rule(
         normalize_qk: L2-normalise q and k per head (eps 1e-6) in float32.
         algorithm: ``"recurrent"``, ``"chunked"`` (chunks of 64, WY form) or
             ``"auto"`` (on the CPU: recurrent below 48 tokens, chunked from 48).
+        checkpoints: strictly increasing token counts ``1 <= p <= T`` (a list
+            of ints or a 1-D integer array with concrete values): the states
+            after the first ``p`` tokens of the call, computed in the same
+            pass. A masked token counts as a position.
+        parents: tree verification: one index per token (a list of ints or a
+            1-D integer array), ``parents[t]`` in ``[-1, t - 1]``; token t's
+            step starts from token ``parents[t]``'s state (-1: ``state``), so
+            each token's ``y`` is that of the sequential call along its
+            root-to-token path. The returned state is the last token's; with
+            ``checkpoints``, ``p`` gives token ``p - 1``'s state. Runs the
+            recurrent form (``algorithm`` ``"recurrent"`` or ``"auto"``).
 
     Returns:
-        ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state.
+        ``y`` ``[B, T, Hv, Dv]`` in v's dtype and the new float32 state; with
+        checkpoints also ``[len(checkpoints), B, Hv, Dv, Dk]`` float32. ``y``
+        and the state are those of the call without checkpoints.
 
     Gradients: ``mx.grad`` / ``mx.vjp`` give the gradients of q, k, v, g,
     beta and state for the cotangents of both outputs, each in its input's
@@ -80,7 +116,8 @@ def gated_delta_rule(
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     return _ext.gated_delta_rule(
         q, k, v, g, beta, state, scale, head_mapping, mask, bool(normalize_qk),
-        algorithm, stream,
+        algorithm, stream, checkpoints=_checkpoints_array(checkpoints),
+        parents=_index_array("parents", parents, "token indices"),
     )
 
 

@@ -54,6 +54,9 @@ def patch_mlx_lm(model: nn.Module) -> int:
     Generation then runs the fused segment. The module tree keeps mlx-lm's
     names, so `model.load_weights` after patching reaches the new layers.
     Layers that are already ours are left alone (patching twice replaces 0).
+    `model.make_cache()` then gives the gated-delta layers a
+    `TrimmableArraysCache` (mlx_gated_delta.cache), so that mlx-lm can trim
+    the prompt cache (speculative decoding, `trim_prompt_cache`).
 
     Raises:
         ValueError: the model has no Gated DeltaNet layer, mlx-lm's or ours.
@@ -85,4 +88,22 @@ def patch_mlx_lm(model: nn.Module) -> int:
             parent[key] = ours
         else:
             parent[key][index] = ours
+    _make_caches_trimmable(model)
     return len(found)
+
+
+def _make_caches_trimmable(model: nn.Module) -> None:
+    """Wraps the model's `make_cache` (once) so that its gated-delta layers
+    get a TrimmableArraysCache instead of mlx-lm's ArraysCache."""
+    from .cache import trimmable_cache
+
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None or getattr(make_cache, "_gated_delta_trimmable", False):
+        return
+
+    def make_trimmable_cache():
+        return trimmable_cache(make_cache())
+
+    make_trimmable_cache._gated_delta_trimmable = True
+    # An instance attribute: mlx-lm's make_prompt_cache calls model.make_cache().
+    object.__setattr__(model, "make_cache", make_trimmable_cache)

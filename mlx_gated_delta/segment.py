@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 import mlx.core as mx
 
 from . import _ext
-from .ops import StreamOrDevice, _require_array
+from .ops import StreamOrDevice, _checkpoints_array, _require_array
 
 
 def gated_delta_segment(
@@ -28,10 +28,12 @@ def gated_delta_segment(
     norm_eps: float = 1e-6,
     mask: Optional[mx.array] = None,
     algorithm: str = "auto",
+    checkpoints=None,
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array, mx.array]:
+) -> Tuple[mx.array, ...]:
     """A Gated DeltaNet token mixer from its packed input projection to the
-    gated norm, in one op; returns ``(out, conv_state, state)``.
+    gated norm, in one op; returns ``(out, conv_state, state)``, and with
+    ``checkpoints`` also ``(conv_checkpoint_states, checkpoint_states)``.
 
     Per token: ``q|k|v = silu(causal_conv(q|k|v))`` with the carried conv
     state; ``g = rate * softplus(a + dt_bias)``; ``beta = sigmoid(b)``; q and k
@@ -55,10 +57,15 @@ def gated_delta_segment(
             the sequence: it enters neither the conv window nor the state,
             and its ``out`` row is 0.
         algorithm: the core's ``"recurrent"``, ``"chunked"`` or ``"auto"``.
+        checkpoints: strictly increasing token counts ``1 <= p <= T``, as for
+            ``gated_delta_rule``: the conv state and the state after the
+            first ``p`` tokens of the call.
 
     Returns:
         ``out`` ``[B, T, Hv, Dv]`` in the activation dtype, the new
-        ``conv_state`` and the new float32 ``state``.
+        ``conv_state`` and the new float32 ``state``; with checkpoints also
+        ``[N, B, K-1, C]`` conv states (activation dtype) and
+        ``[N, B, Hv, Dv, Dk]`` float32 states.
 
     Gradients: ``mx.grad`` / ``mx.vjp`` give the gradient of every array
     input (the packed input, the conv weight, the decay parameter, dt_bias,
@@ -92,5 +99,5 @@ def gated_delta_segment(
         mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
         conv_state, state, int(key_heads), int(value_heads), int(key_dim),
         int(value_dim), decay_parameterization, head_mapping, float(norm_eps),
-        mask, algorithm, stream,
+        mask, algorithm, stream, checkpoints=_checkpoints_array(checkpoints),
     )

@@ -24,6 +24,8 @@ std::vector<mx::array> gated_delta_rule(
     const std::string& algorithm,
     mx::StreamOrDevice s,
     const CoreArgumentNames& names,
+    const std::optional<mx::array>& checkpoints,
+    const std::optional<mx::array>& parents,
     const std::optional<mx::array>& linear_gate) {
   GatedDeltaParams p;
   p.head_mapping = parse_head_mapping(head_mapping);
@@ -32,13 +34,28 @@ std::vector<mx::array> gated_delta_rule(
   p.has_mask = mask.has_value();
 
   check_core_arguments(p, {q, k, v, g, beta, state, mask}, scale, names);
+  std::vector<int> positions;
+  if (checkpoints) {
+    positions = check_checkpoints(*checkpoints, p.tokens);
+    p.checkpoint_count = int(positions.size());
+  }
+  std::vector<int> parent_indices;
+  if (parents) {
+    parent_indices = check_parents(*parents, p.tokens, requested);
+    p.has_tree = true;
+  }
   const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
 
   auto stream = mx::to_stream(s);
   mx::array initial_state =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
-  if (p.tokens == 0) {
-    return {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
+  if (p.tokens == 0) {  // no checkpoint fits in no tokens
+    std::vector<mx::array> empty = {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
+    if (checkpoints) {
+      empty.push_back(mx::zeros(
+          {0, p.batch, p.value_heads, p.value_dim, p.key_dim}, mx::float32, stream));
+    }
+    return empty;
   }
   const Algorithm resolved = (requested == Algorithm::Auto &&
                               stream.device == mx::Device::cpu)
@@ -57,15 +74,27 @@ std::vector<mx::array> gated_delta_rule(
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
+  std::vector<mx::Shape> shapes = {v.shape(), state_shape};
+  std::vector<mx::Dtype> dtypes = {v.dtype(), mx::float32};
+  if (checkpoints) {
+    inputs.push_back(mx::array(
+        positions.begin(), {p.checkpoint_count}, mx::int32));
+    shapes.push_back({p.checkpoint_count, p.batch, p.value_heads, p.value_dim, p.key_dim});
+    dtypes.push_back(mx::float32);
+  }
+  if (parents) {
+    inputs.push_back(mx::array(parent_indices.begin(), {p.tokens}, mx::int32));
+  }
+  // Last: read by the vjp only.
   if (linear_gate) {
     inputs.push_back(mx::astype(*linear_gate, mx::float32, stream));
   }
   return mx::array::make_arrays(
-      {v.shape(), state_shape},
-      {v.dtype(), mx::float32},
+      shapes, dtypes,
       std::make_shared<GatedDeltaRule>(
-          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved,
-          linear_gate.has_value()),
+          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask,
+          p.has_tree ? Algorithm::Recurrent : resolved, checkpoints.has_value(),
+          p.has_tree, linear_gate.has_value()),
       inputs);
 }
 

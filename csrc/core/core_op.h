@@ -11,8 +11,9 @@
 
 namespace mlx_gated_delta {
 
-// The core recurrence (docs/contract.md). Returns {y, state}. `linear_gate`:
-// the MLX-compatible entry point's gamma, of which `g` is log(gamma) with its
+// The core recurrence (docs/contract.md). Returns {y, state}, and with
+// checkpoints {y, state, checkpoint states}. `linear_gate`: the
+// MLX-compatible entry point's gamma, of which `g` is log(gamma) with its
 // gradient stopped; the gradient of the linear decay reaches gamma directly
 // through it.
 std::vector<mlx::core::array> gated_delta_rule(
@@ -29,6 +30,8 @@ std::vector<mlx::core::array> gated_delta_rule(
     const std::string& algorithm,
     mlx::core::StreamOrDevice s = {},
     const CoreArgumentNames& names = {},
+    const std::optional<mlx::core::array>& checkpoints = std::nullopt,
+    const std::optional<mlx::core::array>& parents = std::nullopt,
     const std::optional<mlx::core::array>& linear_gate = std::nullopt);
 
 }  // namespace mlx_gated_delta

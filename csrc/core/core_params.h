@@ -60,11 +60,18 @@ struct ProblemShape {
 //   q, k  [B, T, Hk, Dk]     v, y  [B, T, Hv, Dv]
 //   g, beta [B, T, Hv] (float32)   mask [B, T]
 //   state [B, Hv, Dv, Dk] (float32)
+//   checkpoints [N] (int32, strictly increasing token counts in [1, T])
+//   checkpoint_states [N, B, Hv, Dv, Dk] (float32): the state after each
+//   checkpoint's first tokens of the call
 struct GatedDeltaParams : ProblemShape {
   float scale = 1.0f;
   HeadMapping head_mapping = HeadMapping::Grouped;
   bool normalize_qk = false;
   bool has_mask = false;
+  int checkpoint_count = 0;  // N
+  // Tree verification: parents [T] (int32), token t's state follows from
+  // token parents[t]'s (-1: the call's initial state); the recurrent form only.
+  bool has_tree = false;
 
   int key_head_of(int value_head) const {
     return head_mapping == HeadMapping::Grouped

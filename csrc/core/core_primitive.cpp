@@ -22,6 +22,15 @@ namespace {
 
 enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
 
+// The checkpoints come after the mask, when there is one, and the parents
+// after both.
+int checkpoints_input(bool has_mask) {
+  return has_mask ? kMask + 1 : kMask;
+}
+int parents_input(bool has_mask, bool has_checkpoints) {
+  return checkpoints_input(has_mask) + (has_checkpoints ? 1 : 0);
+}
+
 template <typename T>
 void run_cpu(
     const GatedDeltaParams& p,
@@ -33,14 +42,20 @@ void run_cpu(
     const mx::array& beta,
     const mx::array& state,
     const mx::array* mask,
+    const mx::array* checkpoints,
     mx::array& y,
-    mx::array& state_out) {
+    mx::array& state_out,
+    mx::array* checkpoint_states,
+    const mx::array* parents) {
   cpu::gated_delta_forward<T>(
       p, algorithm,
       cpu::contiguous_buffers<T>(
           p, q.data<T>(), k.data<T>(), v.data<T>(), g.data<float>(),
           beta.data<float>(), mask ? mask->data<bool>() : nullptr,
-          state.data<float>(), y.data<T>(), state_out.data<float>()));
+          state.data<float>(), y.data<T>(), state_out.data<float>(),
+          checkpoints ? checkpoints->data<int>() : nullptr,
+          checkpoint_states ? checkpoint_states->data<float>() : nullptr,
+          parents ? parents->data<int>() : nullptr));
 }
 
 }  // namespace
@@ -55,6 +70,8 @@ GatedDeltaParams GatedDeltaRule::params_for(
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
+  p.checkpoint_count = has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
+  p.has_tree = has_tree_;
   return p;
 }
 
@@ -62,17 +79,20 @@ void GatedDeltaRule::eval_cpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+  }
   auto& y = outputs[0];
   auto& state_out = outputs[1];
-  y.set_data(mx::allocator::malloc(y.nbytes()));
-  state_out.set_data(mx::allocator::malloc(state_out.nbytes()));
 
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
   }
-  encoder.set_output_array(y);
-  encoder.set_output_array(state_out);
+  for (auto& output : outputs) {
+    encoder.set_output_array(output);
+  }
+  const bool with_checkpoints = p.checkpoint_count > 0;
   const Algorithm algorithm =
       algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(p) : algorithm_;
   encoder.dispatch([p,
@@ -86,20 +106,38 @@ void GatedDeltaRule::eval_cpu(
                     mask = p.has_mask
                         ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
                         : std::nullopt,
+                    checkpoints = with_checkpoints
+                        ? std::optional(mx::array::unsafe_weak_copy(
+                              inputs[checkpoints_input(p.has_mask)]))
+                        : std::nullopt,
                     y = mx::array::unsafe_weak_copy(y),
-                    state_out = mx::array::unsafe_weak_copy(state_out)]() mutable {
+                    state_out = mx::array::unsafe_weak_copy(state_out),
+                    checkpoint_states = with_checkpoints
+                        ? std::optional(mx::array::unsafe_weak_copy(outputs[2]))
+                        : std::nullopt,
+                    parents = p.has_tree
+                        ? std::optional(mx::array::unsafe_weak_copy(
+                              inputs[parents_input(p.has_mask, has_checkpoints_)]))
+                        : std::nullopt]() mutable {
     const mx::array* mask_ptr = mask ? &*mask : nullptr;
+    const mx::array* checkpoints_ptr = checkpoints ? &*checkpoints : nullptr;
+    mx::array* checkpoint_states_ptr = checkpoint_states ? &*checkpoint_states : nullptr;
+    const mx::array* parents_ptr = parents ? &*parents : nullptr;
     switch (v.dtype()) {
       case mx::float32:
-        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
+                       checkpoints_ptr, y, state_out, checkpoint_states_ptr,
+                       parents_ptr);
         break;
       case mx::float16:
-        run_cpu<mx::float16_t>(
-            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        run_cpu<mx::float16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
+                               checkpoints_ptr, y, state_out, checkpoint_states_ptr,
+                       parents_ptr);
         break;
       case mx::bfloat16:
-        run_cpu<mx::bfloat16_t>(
-            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+        run_cpu<mx::bfloat16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
+                                checkpoints_ptr, y, state_out, checkpoint_states_ptr,
+                       parents_ptr);
         break;
       default:
         throw std::runtime_error("GatedDeltaRule: unsupported activation dtype");
@@ -111,9 +149,9 @@ void GatedDeltaRule::eval_gpu(
     [[maybe_unused]] const std::vector<mx::array>& inputs,
     [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
-  // The linear gate, when present, is for the vjp only.
+  // The linear gate, when present, is the last input and for the vjp only.
   const std::vector<mx::array> kernel_inputs(
-      inputs.begin(), inputs.begin() + (has_mask_ ? kMask + 1 : kMask));
+      inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
   metal::eval_core_gpu(params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
 #else
   throw std::runtime_error(
@@ -128,6 +166,11 @@ std::vector<mx::array> GatedDeltaRule::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
+  if (has_checkpoints_ || has_tree_) {
+    throw std::invalid_argument(
+        "mlx_gated_delta.gated_delta_rule: no gradient through a call with "
+        "checkpoints or parents (serving calls); differentiate a call without them.");
+  }
   return gated_delta_rule_vjp(
       stream(), scale_, head_mapping_, normalize_qk_, has_mask_, has_linear_gate_,
       primals, cotangents, argnums);
@@ -148,33 +191,64 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes) {
   const int size = vmap_size(inputs, axes);
+  // The checkpoint positions and the parents are the same for every mapped
+  // call: they are not folded (and may not be mapped).
+  std::vector<bool> unfolded(inputs.size(), false);
+  if (has_checkpoints_) unfolded[checkpoints_input(has_mask_)] = true;
+  if (has_tree_) unfolded[parents_input(has_mask_, has_checkpoints_)] = true;
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    folded.push_back(fold_into_batch(inputs[i], axes[i], size, stream()));
+    if (!unfolded[i]) {
+      folded.push_back(fold_into_batch(inputs[i], axes[i], size, stream()));
+    } else if (axes[i] >= 0) {
+      throw std::invalid_argument(
+          "gated_delta_rule: checkpoints and parents cannot be mapped by vmap "
+          "(pass one list)");
+    } else {
+      folded.push_back(inputs[i]);
+    }
   }
+  std::vector<mx::Dtype> dtypes = {folded[kV].dtype(), mx::float32};
+  if (has_checkpoints_) dtypes.push_back(mx::float32);
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
-      {folded[kV].dtype(), mx::float32},
+      dtypes,
       std::make_shared<GatedDeltaRule>(
           stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_,
-          has_linear_gate_),
+          has_checkpoints_, has_tree_, has_linear_gate_),
       folded);
-  for (auto& out : outputs) {
-    out = unfold_from_batch(out, size, stream());
+  // y and the state lead with the batch; the checkpoint states with the
+  // checkpoint, then the batch.
+  std::vector<int> out_axes;
+  for (size_t n = 0; n < outputs.size(); ++n) {
+    const int batch_axis = n == 2 ? 1 : 0;
+    mx::Shape shape = outputs[n].shape();
+    shape[batch_axis] /= size;
+    shape.insert(shape.begin() + batch_axis, size);
+    outputs[n] = mx::reshape(outputs[n], shape, stream());
+    out_axes.push_back(batch_axis);
   }
-  return {outputs, {0, 0}};
+  return {outputs, out_axes};
 }
 
 bool GatedDeltaRule::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDeltaRule&>(other);
   return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
       normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
-      algorithm_ == o.algorithm_ && has_linear_gate_ == o.has_linear_gate_;
+      algorithm_ == o.algorithm_ && has_checkpoints_ == o.has_checkpoints_ &&
+      has_tree_ == o.has_tree_ && has_linear_gate_ == o.has_linear_gate_;
 }
 
 std::vector<mx::Shape> GatedDeltaRule::output_shapes(
     const std::vector<mx::array>& inputs) {
-  return {inputs[kV].shape(), inputs[kState].shape()};
+  std::vector<mx::Shape> shapes = {inputs[kV].shape(), inputs[kState].shape()};
+  if (has_checkpoints_) {
+    mx::Shape checkpoint_shape = inputs[kState].shape();
+    checkpoint_shape.insert(
+        checkpoint_shape.begin(), inputs[checkpoints_input(has_mask_)].shape(0));
+    shapes.push_back(checkpoint_shape);
+  }
+  return shapes;
 }
 
 }  // namespace mlx_gated_delta

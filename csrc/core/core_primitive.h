@@ -7,11 +7,14 @@
 namespace mlx_gated_delta {
 
 // The core recurrence of docs/contract.md.
-// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)],
-// all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk].
+// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)]
+// [, checkpoints (int32, validated)] [, parents (int32, validated)], all
+// row-contiguous. Outputs: y
+// [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk] [, checkpoint states
+// [N, B, Hv, Dv, Dk]].
 // Carries only what changes the result: the shape-free options and the
 // algorithm (already resolved for the CPU; Auto on the GPU, where the Metal
-// plan chooses). With `has_linear_gate`, one more input follows: the linear
+// plan chooses). With `has_linear_gate`, one last input follows: the linear
 // decay gamma of which g = log(gamma) was taken; the forward does not read it,
 // the vjp gives it the gradient of the linear decay (exact where gamma == 0,
 // where the chain rule through log would be 0 / 0).
@@ -24,6 +27,8 @@ class GatedDeltaRule : public mlx::core::Primitive {
       bool normalize_qk,
       bool has_mask,
       Algorithm algorithm,
+      bool has_checkpoints = false,
+      bool has_tree = false,
       bool has_linear_gate = false)
       : mlx::core::Primitive(stream),
         scale_(scale),
@@ -31,6 +36,8 @@ class GatedDeltaRule : public mlx::core::Primitive {
         normalize_qk_(normalize_qk),
         has_mask_(has_mask),
         algorithm_(algorithm),
+        has_checkpoints_(has_checkpoints),
+        has_tree_(has_tree),
         has_linear_gate_(has_linear_gate) {}
 
   void eval_cpu(
@@ -69,6 +76,8 @@ class GatedDeltaRule : public mlx::core::Primitive {
   bool normalize_qk_;
   bool has_mask_;
   Algorithm algorithm_;
+  bool has_checkpoints_;
+  bool has_tree_;
   bool has_linear_gate_;
 };
 

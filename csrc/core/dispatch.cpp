@@ -4,12 +4,15 @@ namespace mlx_gated_delta {
 
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
   constexpr int kChunkedMinTokens = 48;
+  if (params.has_tree) {
+    return Algorithm::Recurrent;  // a tree has no chunks
+  }
   return params.tokens < kChunkedMinTokens ? Algorithm::Recurrent
                                            : Algorithm::Chunked;
 }
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
-  if (params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
+  if (params.has_tree || params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
     return Algorithm::Recurrent;
   }
   return Algorithm::Chunked;

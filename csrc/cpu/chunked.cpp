@@ -25,6 +25,9 @@ namespace {
 //                  chunk_output) S_end = decay(L-1,-1) S0
 //                  + sum_j decay(L-1, j) V'_j k_j^T
 //   chunk_output   y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
+//   chunk_checkpoint  (only with checkpoints) the state after i tokens of the
+//                  chunk, decay(i-1,-1) S0 + sum_{j<i} decay(i-1, j) V'_j k_j^T:
+//                  chunk_carry's exit state cut at i (at i = L it is that state)
 // Every stage is a product of small matrices (small_gemm.h). The state is held
 // transposed ([Dk, Dv]) while a problem runs, so that it is the row-major
 // right-hand operand of the products that read and update it.
@@ -293,6 +296,34 @@ void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
   }
 }
 
+// chunk_checkpoint: for each checkpoint p inside the chunk (start < p <=
+// start + L), the state after its first i = p - start tokens, from the
+// chunk's entry state `entry_t` ([Dk, Dv]) and V' (in s.u after chunk_carry),
+// written untransposed ([Dv, Dk]) to the checkpoint's slot. Returns the index
+// of the first checkpoint past the chunk.
+template <typename T>
+int chunk_checkpoint(const GatedDeltaParams& p, const HeadView<T>& h, int start,
+                     int L, int next, const float* entry_t, ChunkScratch& s,
+                     std::vector<float>& cut_t) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  for (; next < h.checkpoint_count && h.checkpoints[next] <= start + L; ++next) {
+    const int i = h.checkpoints[next] - start;  // tokens of the chunk before the cut
+    const float entry_decay = s.decays.from_start(i - 1);
+    for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
+      cut_t[e] = entry_decay * entry_t[e];
+    }
+    for (int j = 0; j < i; ++j) {
+      const float d = s.decays(i - 1, j);
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+      }
+    }
+    gemm(dk, dv, i, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, cut_t.data(), dv);
+    transpose(cut_t.data(), dk, dv, dv, checkpoint_slot(h, next), dk);
+  }
+  return next;
+}
+
 }  // namespace
 
 template <typename T>
@@ -313,6 +344,16 @@ void chunked_heads(
     }
   }
 
+  // With checkpoints: each head's next checkpoint, and the entry state of
+  // the chunk (chunk_carry overwrites it) and the cut state of
+  // chunk_checkpoint.
+  std::vector<int> next_checkpoint(head_count, 0);
+  std::vector<float> entry_t, cut_t;
+  if (first.checkpoint_count > 0) {
+    entry_t.resize(size_t(dk) * dv);
+    cut_t.resize(size_t(dk) * dv);
+  }
+
   for (int start = 0; start < p.tokens; start += C) {
     const int L = std::min(C, p.tokens - start);
 
@@ -326,7 +367,16 @@ void chunked_heads(
       gate_cumsum(h, start, L, s);
       kkt_inverse(L, s);
       recompute_w_u(p, h, start, L, s);
+      const bool checkpoint_in_chunk = next_checkpoint[n] < h.checkpoint_count &&
+          h.checkpoints[next_checkpoint[n]] <= start + L;
+      if (checkpoint_in_chunk) {
+        std::copy(state_t, state_t + size_t(dk) * dv, entry_t.begin());
+      }
       chunk_carry(p, L, s, state_t);
+      if (checkpoint_in_chunk) {
+        next_checkpoint[n] = chunk_checkpoint(
+            p, h, start, L, next_checkpoint[n], entry_t.data(), s, cut_t);
+      }
       chunk_output(p, h, start, L, s);
       chunk_carry_state(p, L, s, state_t);
     }

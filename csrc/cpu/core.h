@@ -26,6 +26,12 @@ struct CoreBuffers {
   const float* state_in;  // [B, Hv, Dv, Dk] or nullptr for zeros
   T* y;                   // [B, T, Hv, Dv], contiguous
   float* state_out;       // [B, Hv, Dv, Dk]; may alias nothing it reads
+  // params.checkpoint_count positions (strictly increasing, in [1, T]) and
+  // the states after them, [N, B, Hv, Dv, Dk]; nullptr when N == 0.
+  const int* checkpoints = nullptr;
+  float* checkpoint_states = nullptr;
+  // Tree verification: [T] parent of each token (params.has_tree), else nullptr.
+  const int* parents = nullptr;
 };
 
 // The buffers of one core call in the op's own contiguous layouts.
@@ -33,14 +39,15 @@ template <typename T>
 CoreBuffers<T> contiguous_buffers(
     const GatedDeltaParams& p, const T* q, const T* k, const T* v,
     const float* g, const float* beta, const bool* mask, const float* state_in,
-    T* y, float* state_out) {
+    T* y, float* state_out, const int* checkpoints = nullptr,
+    float* checkpoint_states = nullptr, const int* parents = nullptr) {
   return CoreBuffers<T>{
       q, k, v,
       int64_t(p.tokens) * p.key_heads * p.key_dim,
       int64_t(p.key_heads) * p.key_dim,
       int64_t(p.tokens) * p.value_heads * p.value_dim,
       int64_t(p.value_heads) * p.value_dim,
-      g, beta, mask, state_in, y, state_out};
+      g, beta, mask, state_in, y, state_out, checkpoints, checkpoint_states, parents};
 }
 
 // Runs the whole recurrence for every (batch row, value head), threaded over

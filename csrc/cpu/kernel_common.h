@@ -67,6 +67,13 @@ struct HeadView {
   int64_t y_token_stride;
   const float* state_in;  // [Dv, Dk] initial state, or nullptr for zeros
   float* state;           // [Dv, Dk] final state
+  // The state after checkpoints[n] tokens goes to
+  // checkpoint_state + n * checkpoint_stride ([Dv, Dk]); none when count is 0.
+  const int* checkpoints;
+  int checkpoint_count;
+  float* checkpoint_state;
+  int64_t checkpoint_stride;
+  const int* parents;  // [T], or nullptr for a sequence
 };
 
 template <typename T>
@@ -94,6 +101,14 @@ inline HeadView<T> head_view(
                  : nullptr,
       b.state_out +
           (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim,
+      b.checkpoints,
+      b.checkpoint_states ? p.checkpoint_count : 0,
+      b.checkpoint_states
+          ? b.checkpoint_states +
+              (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim
+          : nullptr,
+      int64_t(p.batch) * p.value_heads * p.value_dim * p.key_dim,
+      b.parents,
   };
 }
 
@@ -104,9 +119,10 @@ inline void zero_output_row(T* y, int n) {
   }
 }
 
-// Copies the initial state (or zeros) into the final-state buffer: for the
-// paths that update the state in place.
-inline void copy_initial_state(const GatedDeltaParams& p, const float* state_in,
+// Copies a [Dv, Dk] state (or zeros, for nullptr): the initial state into
+// the final-state buffer of the paths that update it in place, a state into
+// a checkpoint slot.
+inline void copy_state(const GatedDeltaParams& p, const float* state_in,
                                float* state) {
   const size_t bytes = sizeof(float) * p.value_dim * p.key_dim;
   if (state_in) {
@@ -114,6 +130,12 @@ inline void copy_initial_state(const GatedDeltaParams& p, const float* state_in,
   } else {
     std::memset(state, 0, bytes);
   }
+}
+
+// The [Dv, Dk] slot of checkpoint n.
+template <typename T>
+inline float* checkpoint_slot(const HeadView<T>& h, int n) {
+  return h.checkpoint_state + n * h.checkpoint_stride;
 }
 
 // The two algorithms, for one problem: read state_in, write the final state.

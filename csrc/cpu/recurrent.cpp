@@ -11,46 +11,94 @@ namespace mlx_gated_delta::cpu {
 // so the row is read and written once while it sits in L1. The first step
 // reads the initial state where it lies and writes the output state, so a
 // decode step moves the state exactly once (read + write).
+// One token's step: from the state at `source` to the state at `destination`
+// (they may be the same buffer), writing the token's output row.
 template <typename T>
-void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
+void recurrent_step(const GatedDeltaParams& p, const HeadView<T>& h, int t,
+                    const float* source, float* destination, float* q, float* k,
+                    float* v) {
   const int dk = p.key_dim, dv = p.value_dim;
-  std::vector<float> q(dk), k(dk), v(dv);
-  if (!h.state_in) {
-    copy_initial_state(p, nullptr, h.state);
-  }
-  const float* source = h.state_in ? h.state_in : h.state;
-  for (int t = 0; t < p.tokens; ++t) {
-    T* y = h.y + t * h.y_token_stride;
-    if (h.mask && !h.mask[t]) {
-      zero_output_row(y, dv);
-      continue;
-    }
-    load_qk_vector(h.q + t * h.qk_token_stride, q.data(), dk, p.normalize_qk);
-    load_qk_vector(h.k + t * h.qk_token_stride, k.data(), dk, p.normalize_qk);
-    load_vector(h.v + t * h.v_token_stride, v.data(), dv);
-    const float decay = std::exp(h.g[t * h.gate_token_stride]);
-    const float beta = h.beta[t * h.gate_token_stride];
-    for (int r = 0; r < dv; ++r) {
-      const float* old_row = source + int64_t(r) * dk;
-      float* row = h.state + int64_t(r) * dk;
-      const float predicted = decay * dot(old_row, k.data(), dk);
-      const float delta = beta * (v[r] - predicted);
-      float readout = 0.0f;
+  T* y = h.y + t * h.y_token_stride;
+  load_qk_vector(h.q + t * h.qk_token_stride, q, dk, p.normalize_qk);
+  load_qk_vector(h.k + t * h.qk_token_stride, k, dk, p.normalize_qk);
+  load_vector(h.v + t * h.v_token_stride, v, dv);
+  const float decay = std::exp(h.g[t * h.gate_token_stride]);
+  const float beta = h.beta[t * h.gate_token_stride];
+  for (int r = 0; r < dv; ++r) {
+    const float* old_row = source + int64_t(r) * dk;
+    float* row = destination + int64_t(r) * dk;
+    const float predicted = decay * dot(old_row, k, dk);
+    const float delta = beta * (v[r] - predicted);
+    float readout = 0.0f;
 #pragma omp simd reduction(+ : readout)
-      for (int c = 0; c < dk; ++c) {
-        const float updated = decay * old_row[c] + delta * k[c];
-        row[c] = updated;
-        readout += updated * q[c];
-      }
-      y[r] = T(p.scale * readout);
+    for (int c = 0; c < dk; ++c) {
+      const float updated = decay * old_row[c] + delta * k[c];
+      row[c] = updated;
+      readout += updated * q[c];
     }
-    source = h.state;
-  }
-  if (source != h.state) {  // every step was masked
-    copy_initial_state(p, source, h.state);
+    y[r] = T(p.scale * readout);
   }
 }
 
+// Tree verification: token t steps from its parent's state (the initial
+// state for -1), so every token's state is kept until the call ends. The
+// final state is the last token's.
+template <typename T>
+void tree_head(const GatedDeltaParams& p, const HeadView<T>& h) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  const int64_t state_size = int64_t(dv) * dk;
+  std::vector<float> q(dk), k(dk), v(dv);
+  std::vector<float> initial(state_size), nodes(p.tokens * state_size);
+  copy_state(p, h.state_in, initial.data());
+  int next_checkpoint = 0;
+  for (int t = 0; t < p.tokens; ++t) {
+    const float* source =
+        h.parents[t] < 0 ? initial.data() : &nodes[h.parents[t] * state_size];
+    float* node = &nodes[t * state_size];
+    if (h.mask && !h.mask[t]) {
+      zero_output_row(h.y + t * h.y_token_stride, dv);
+      copy_state(p, source, node);
+    } else {
+      recurrent_step(p, h, t, source, node, q.data(), k.data(), v.data());
+    }
+    if (next_checkpoint < h.checkpoint_count && h.checkpoints[next_checkpoint] == t + 1) {
+      copy_state(p, node, checkpoint_slot(h, next_checkpoint));
+      ++next_checkpoint;
+    }
+  }
+  copy_state(p, &nodes[(p.tokens - 1) * state_size], h.state);
+}
+
+template <typename T>
+void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
+  if (h.parents) {
+    tree_head(p, h);
+    return;
+  }
+  const int dk = p.key_dim, dv = p.value_dim;
+  std::vector<float> q(dk), k(dk), v(dv);
+  if (!h.state_in) {
+    copy_state(p, nullptr, h.state);
+  }
+  const float* source = h.state_in ? h.state_in : h.state;
+  int next_checkpoint = 0;
+  for (int t = 0; t < p.tokens; ++t) {
+    if (h.mask && !h.mask[t]) {
+      zero_output_row(h.y + t * h.y_token_stride, dv);
+    } else {
+      recurrent_step(p, h, t, source, h.state, q.data(), k.data(), v.data());
+      source = h.state;
+    }
+    // A checkpoint is a copy of the state after its token, masked or not.
+    if (next_checkpoint < h.checkpoint_count && h.checkpoints[next_checkpoint] == t + 1) {
+      copy_state(p, source, checkpoint_slot(h, next_checkpoint));
+      ++next_checkpoint;
+    }
+  }
+  if (source != h.state) {  // every step was masked
+    copy_state(p, source, h.state);
+  }
+}
 
 template void recurrent_head<float>(const GatedDeltaParams&, const HeadView<float>&);
 template void recurrent_head<mlx::core::float16_t>(

@@ -128,6 +128,36 @@ void collect_conv_state(
 }
 
 template <typename T>
+void collect_conv_checkpoints(
+    const SegmentParams& p,
+    const T* mixed,
+    const T* conv_state_in,
+    const bool* mask,
+    const int* checkpoints,
+    T* conv_checkpoint_states) {
+  const int C = p.conv_channels();
+  const int rows_kept = p.conv_state_rows();
+  for (int b = 0; b < p.batch; ++b) {
+    const std::vector<const T*> rows =
+        conv_history(p, b, mixed, conv_state_in, mask);
+    // history_length: the carried rows and the unmasked tokens before t.
+    int t = 0;
+    size_t history_length = rows_kept;
+    for (int n = 0; n < p.checkpoint_count; ++n) {
+      for (; t < checkpoints[n]; ++t) {
+        history_length += is_kept(mask, int64_t(b) * p.tokens + t) ? 1 : 0;
+      }
+      const size_t first = history_length - rows_kept;
+      T* dst = conv_checkpoint_states +
+          (int64_t(n) * p.batch + b) * rows_kept * C;
+      for (int i = 0; i < rows_kept; ++i) {
+        std::copy(rows[first + i], rows[first + i] + C, dst + int64_t(i) * C);
+      }
+    }
+  }
+}
+
+template <typename T>
 void prepare_gates(
     const SegmentParams& p,
     const T* mixed,
@@ -205,6 +235,10 @@ void gated_delta_segment_forward(
   prepare_conv(p, io.mixed, io.conv_weight, io.conv_state_in, io.mask,
                     qkv.data());
   collect_conv_state(p, io.mixed, io.conv_state_in, io.mask, io.conv_state_out);
+  if (p.checkpoint_count > 0) {
+    collect_conv_checkpoints(p, io.mixed, io.conv_state_in, io.mask, io.checkpoints,
+                             io.conv_checkpoint_states);
+  }
   prepare_gates(p, io.mixed, io.decay_parameter, io.dt_bias, g.data(),
                 beta.data());
 
@@ -222,6 +256,8 @@ void gated_delta_segment_forward(
   core.state_in = io.state_in;
   core.y = y.data();
   core.state_out = io.state_out;
+  core.checkpoints = io.checkpoints;
+  core.checkpoint_states = io.checkpoint_states;
   gated_delta_forward<float>(p.core_params(), algorithm, core);
 
   gated_norm(p, y.data(), io.mixed, io.norm_weight, io.mask, io.out);

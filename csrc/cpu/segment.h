@@ -33,6 +33,17 @@ void collect_conv_state(
     const bool* mask,          // [B, T] or nullptr
     T* conv_state_out);        // [B, K-1, C]
 
+// The conv state after each checkpoint's first tokens of the call (the
+// conv state collect_conv_state would return for a call cut there).
+template <typename T>
+void collect_conv_checkpoints(
+    const SegmentParams& params,
+    const T* mixed,                 // [B, T, F]
+    const T* conv_state_in,         // [B, K-1, C]
+    const bool* mask,               // [B, T] or nullptr
+    const int* checkpoints,         // [N]
+    T* conv_checkpoint_states);     // [N, B, K-1, C]
+
 // g = rate * softplus(a + dt_bias) (log-space decay), beta = sigmoid(b).
 template <typename T>
 void prepare_gates(
@@ -69,6 +80,11 @@ struct SegmentBuffers {
   T* out;
   T* conv_state_out;
   float* state_out;
+  // params.checkpoint_count positions, and the conv states and states after
+  // them; nullptr when N == 0.
+  const int* checkpoints = nullptr;
+  T* conv_checkpoint_states = nullptr;     // [N, B, K-1, C]
+  float* checkpoint_states = nullptr;      // [N, B, Hv, Dv, Dk]
 };
 
 template <typename T>

@@ -117,14 +117,22 @@ void eval_core_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
-  require(inputs.size() == (params.has_mask ? 7u : 6u) && outputs.size() == 2,
-          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] and y, state_out");
+  const bool has_checkpoints = outputs.size() == 3;
+  require(inputs.size() == 6u + params.has_mask + has_checkpoints + params.has_tree &&
+              (outputs.size() == 2 || has_checkpoints),
+          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] [, checkpoints] "
+          "[, parents] and y, state_out [, checkpoint_states]");
   for (const mx::array& input : inputs) {
     require(input.flags().row_contiguous, "eval_core_gpu: inputs must be row-contiguous");
   }
   require(inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
               inputs[5].dtype() == mx::float32,
           "eval_core_gpu: g, beta and state must be float32");
+  const size_t checkpoints_index = 6 + params.has_mask;
+  require(!has_checkpoints || inputs[checkpoints_index].dtype() == mx::int32,
+          "eval_core_gpu: checkpoints must be int32");
+  require(!params.has_tree || inputs.back().dtype() == mx::int32,
+          "eval_core_gpu: parents must be int32");
   const Plan plan = make_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
   allocate(outputs);
 
@@ -136,6 +144,11 @@ void eval_core_gpu(
   if (params.has_mask) arrays.emplace(PlanBuffer::Mask, inputs[6]);
   arrays.emplace(PlanBuffer::Output, outputs[0]);
   arrays.emplace(PlanBuffer::StateOut, outputs[1]);
+  if (has_checkpoints) {
+    arrays.emplace(PlanBuffer::Checkpoints, inputs[checkpoints_index]);
+    arrays.emplace(PlanBuffer::CheckpointStates, outputs[2]);
+  }
+  if (params.has_tree) arrays.emplace(PlanBuffer::Parents, inputs.back());
   encode_plan(plan, arrays, stream);
 }
 
@@ -145,12 +158,17 @@ void eval_segment_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
-  require(inputs.size() == (params.has_mask ? 8u : 7u) && outputs.size() == 3,
+  const bool has_checkpoints = outputs.size() == 5;
+  require(inputs.size() == 7u + params.has_mask + has_checkpoints &&
+              (outputs.size() == 3 || has_checkpoints),
           "eval_segment_gpu: expected mixed, conv_weight, decay_parameter, dt_bias, "
-          "norm_weight, conv_state, state [, mask] and out, conv_state_out, state_out");
+          "norm_weight, conv_state, state [, mask] [, checkpoints] and out, conv_state_out, "
+          "state_out [, conv_checkpoint_states, checkpoint_states]");
   for (const mx::array& input : inputs) {
     require(input.flags().row_contiguous, "eval_segment_gpu: inputs must be row-contiguous");
   }
+  require(!has_checkpoints || inputs.back().dtype() == mx::int32,
+          "eval_segment_gpu: checkpoints must be int32");
   for (size_t i : {1, 2, 3, 4, 6}) {
     require(inputs[i].dtype() == mx::float32,
             "eval_segment_gpu: conv_weight, decay_parameter, dt_bias, norm_weight and state "
@@ -171,6 +189,11 @@ void eval_segment_gpu(
   arrays.emplace(PlanBuffer::SegmentOutput, outputs[0]);
   arrays.emplace(PlanBuffer::ConvStateOut, outputs[1]);
   arrays.emplace(PlanBuffer::StateOut, outputs[2]);
+  if (has_checkpoints) {
+    arrays.emplace(PlanBuffer::Checkpoints, inputs.back());
+    arrays.emplace(PlanBuffer::ConvCheckpointStates, outputs[3]);
+    arrays.emplace(PlanBuffer::CheckpointStates, outputs[4]);
+  }
   encode_plan(plan, arrays, stream);
 }
 

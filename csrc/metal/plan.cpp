@@ -71,7 +71,8 @@ const char* to_string(PlanBuffer buffer) {
       "query_inverse_norm", "key_inverse_norm", "gate_cumsum", "last_wipe",
       "beta_effective", "k_gram", "kkt_inverse", "w", "u", "qk", "output_inter",
       "mixed", "conv_weight", "decay_parameter", "dt_bias", "norm_weight", "conv_state_in",
-      "out", "conv_state_out"};
+      "out", "conv_state_out", "checkpoints", "checkpoint_states",
+      "conv_checkpoint_states", "parents", "tree_states"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }
@@ -132,6 +133,11 @@ struct PlanBuilder {
     k.has_mask = p.has_mask ? 1 : 0;
     k.num_chunks = unsigned(C);
     k.scale = p.scale;
+    k.num_checkpoints = unsigned(p.checkpoint_count);
+    k.has_tree = p.has_tree ? 1 : 0;
+    if (p.has_tree && algorithm == Algorithm::Chunked) {
+      throw std::invalid_argument("tree verification (parents) runs the recurrent plan only");
+    }
 
     using enum BufferRole;
     add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e, Input);
@@ -143,6 +149,16 @@ struct PlanBuilder {
     add_buffer(PlanBuffer::StateIn, B * Hv * Dv * Dk * 4, Input);
     add_buffer(PlanBuffer::Output, B * T * Hv * Dv * e, Output);
     add_buffer(PlanBuffer::StateOut, B * Hv * Dv * Dk * 4, Output);
+    if (p.checkpoint_count > 0) {
+      const uint64_t N = p.checkpoint_count;
+      check_launch_extent("checkpoint state elements", N * B * Hv * Dv * Dk);
+      add_buffer(PlanBuffer::Checkpoints, N * 4, Input);
+      add_buffer(PlanBuffer::CheckpointStates, N * B * Hv * Dv * Dk * 4, Output);
+    }
+    if (p.has_tree) {
+      add_buffer(PlanBuffer::Parents, T * 4, Input);
+      add_scratch(PlanBuffer::TreeStates, "tree state elements", B * Hv * T * Dv * Dk, 4);
+    }
   }
 
   void add_buffer(PlanBuffer buffer, uint64_t bytes, BufferRole role) {
@@ -218,10 +234,13 @@ struct PlanBuilder {
         {ceil_div(Dv, rows), unsigned(Hv), unsigned(B)}, simd ? rows * 32 : rows,
         simd ? 0 : kRecurrentGenericBytes,
         {{0, Query}, {1, Key}, {2, Value}, {3, Gate}, {4, Beta}, {5, Mask}, {6, StateIn},
-         {7, StateOut}, {8, Output}},
-        9, {StateOut, Output});
+         {7, StateOut}, {8, Output}, {10, Checkpoints}, {11, CheckpointStates},
+         {12, Parents}, {13, TreeStates}},
+        9, {StateOut, Output, CheckpointStates, TreeStates});
     // Per value head: q, k (read once per head), v, g, beta, y; the state once each way.
-    d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) + 2 * B * Hv * Dv * Dk * 4);
+    d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) +
+                           (2 + p.checkpoint_count) * B * Hv * Dv * Dk * 4 +
+                           (p.has_tree ? 2 * B * Hv * T * Dv * Dk * 4 : 0));
     d.flops = 8.0 * B * T * Hv * Dk * Dv;
   }
 
@@ -328,16 +347,19 @@ struct PlanBuilder {
                       kCarryRows * kChunkSize, kChunkCarryBytes,
                       {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
                        {4, GateCumsum}, {5, LastWipe}, {6, W}, {7, U}, {8, StateIn},
-                       {9, StateOut}, {10, OutputInter}},
-                      11, {U, StateOut, OutputInter});
+                       {9, StateOut}, {10, OutputInter}, {12, Checkpoints},
+                       {13, CheckpointStates}},
+                      11, {U, StateOut, OutputInter, CheckpointStates});
     // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
     // W, q and k rows (caches serve the repeats; counted once per head),
     // U and writes v' and the inter-chunk output; the state once each way.
     d.bytes_moved = B * Hv * (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
-                              2 * Dv * Dk * 4.0);
+                              (2 + p.checkpoint_count) * Dv * Dk * 4.0);
     // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
-    // and the state update (sum_j v'_j k_j^T): three Dk-long dot products.
-    d.flops = 6.0 * B * Hv * T * Dk * Dv;
+    // and the state update (sum_j v'_j k_j^T): three Dk-long dot products;
+    // a checkpoint cut in a chunk is at most one more update.
+    d.flops = 6.0 * B * Hv * T * Dk * Dv +
+              2.0 * p.checkpoint_count * B * Hv * kChunkSize * Dk * Dv;
   }
 
   void chunk_output() {
@@ -398,6 +420,11 @@ struct SegmentPlanBuilder : PlanBuilder {
     add_buffer(ConvStateIn, state_bytes, BufferRole::Input);
     add_buffer(SegmentOutput, B * T * Hv * Dv * segment_e, BufferRole::Output);
     add_buffer(ConvStateOut, state_bytes, BufferRole::Output);
+    if (sp.checkpoint_count > 0) {
+      check_launch_extent("conv checkpoint state elements",
+                          sp.checkpoint_count * B * conv_rows * channels);
+      add_buffer(ConvCheckpointStates, sp.checkpoint_count * state_bytes, BufferRole::Output);
+    }
 
     SegmentKernelParams& k = plan.segment_params;
     set_kernel_shape(k, sp);
@@ -454,6 +481,19 @@ struct SegmentPlanBuilder : PlanBuilder {
     d.bytes_moved = double(2 * B * conv_rows * channels * segment_e);
   }
 
+  // Only with checkpoints: collect_conv_state for the call cut after each one.
+  void collect_conv_checkpoints() {
+    using enum PlanBuffer;
+    if (sp.checkpoint_count == 0) return;
+    Dispatch& d = add_segment(
+        "collect_conv_checkpoints",
+        {channel_groups, unsigned(conv_rows), unsigned(sp.checkpoint_count * B)},
+        channel_threads,
+        {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, Checkpoints}, {4, ConvCheckpointStates}},
+        5, {ConvCheckpointStates});
+    d.bytes_moved = double(2 * sp.checkpoint_count * B * conv_rows * channels * segment_e);
+  }
+
   void gated_norm() {
     using enum PlanBuffer;
     Dispatch& d = add_segment(
@@ -486,6 +526,7 @@ Plan make_segment_plan(const SegmentParams& sp, Algorithm algorithm, ActivationD
   builder.prepare_conv();
   builder.prepare_gates();
   builder.collect_conv_state();
+  builder.collect_conv_checkpoints();
   builder.core();
   builder.gated_norm();
   return builder.finish();

@@ -57,6 +57,11 @@ enum class PlanBuffer : int {
   ConvStateIn,       // [B, K-1, C] activation dtype
   SegmentOutput,     // [B, T, Hv, Dv] activation dtype
   ConvStateOut,      // [B, K-1, C] activation dtype
+  Checkpoints,       // [N] int32 token counts (only with checkpoints)
+  CheckpointStates,  // [N, B, Hv, Dv, Dk] the state after each checkpoint
+  ConvCheckpointStates,  // [N, B, K-1, C] activation dtype (segment)
+  Parents,           // [T] int32 (tree verification only)
+  TreeStates,        // [B, Hv, T, Dv, Dk] every token's state (tree verification)
   Count,
 };
 const char* to_string(PlanBuffer buffer);

@@ -27,7 +27,8 @@ std::vector<mx::array> gated_delta_segment(
     float norm_eps,
     const std::optional<mx::array>& mask,
     const std::string& algorithm,
-    mx::StreamOrDevice s) {
+    mx::StreamOrDevice s,
+    const std::optional<mx::array>& checkpoints) {
   SegmentParams p;
   p.decay_parameterization = parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
@@ -39,6 +40,11 @@ std::vector<mx::array> gated_delta_segment(
       {mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
        conv_state, state, mask},
       {0, 0, key_heads, value_heads, key_dim, value_dim}, norm_eps);
+  std::vector<int> positions;
+  if (checkpoints) {
+    positions = check_checkpoints(*checkpoints, p.tokens);
+    p.checkpoint_count = int(positions.size());
+  }
   const mx::Dtype dtype = mixed_qkvzba.dtype();
   const int C = p.conv_channels();
   const mx::Shape conv_state_shape = {p.batch, p.conv_state_rows(), C};
@@ -49,9 +55,16 @@ std::vector<mx::array> gated_delta_segment(
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
-  if (p.tokens == 0) {
-    return {mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream),
-            conv_state_in, state_in};
+  if (p.tokens == 0) {  // no checkpoint fits in no tokens
+    std::vector<mx::array> empty = {
+        mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream), conv_state_in,
+        state_in};
+    if (checkpoints) {
+      empty.push_back(mx::zeros({0, p.batch, p.conv_state_rows(), C}, dtype, stream));
+      empty.push_back(
+          mx::zeros({0, p.batch, value_heads, value_dim, key_dim}, mx::float32, stream));
+    }
+    return empty;
   }
   // On the GPU the Metal plan resolves "auto" itself.
   const Algorithm resolved =
@@ -74,13 +87,22 @@ std::vector<mx::array> gated_delta_segment(
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
+  std::vector<mx::Shape> shapes = {
+      {p.batch, p.tokens, value_heads, value_dim}, conv_state_shape, state_shape};
+  std::vector<mx::Dtype> dtypes = {dtype, dtype, mx::float32};
+  if (checkpoints) {
+    inputs.push_back(mx::array(positions.begin(), {p.checkpoint_count}, mx::int32));
+    shapes.push_back({p.checkpoint_count, p.batch, p.conv_state_rows(), C});
+    shapes.push_back({p.checkpoint_count, p.batch, value_heads, value_dim, key_dim});
+    dtypes.push_back(dtype);
+    dtypes.push_back(mx::float32);
+  }
   return mx::array::make_arrays(
-      {{p.batch, p.tokens, value_heads, value_dim}, conv_state_shape, state_shape},
-      {dtype, dtype, mx::float32},
+      shapes, dtypes,
       std::make_shared<GatedDeltaSegment>(
           stream, key_heads, value_heads, key_dim, value_dim,
           p.decay_parameterization, p.head_mapping, p.norm_eps, p.has_mask,
-          resolved),
+          resolved, checkpoints.has_value()),
       inputs);
 }
 

@@ -30,6 +30,7 @@ std::vector<mlx::core::array> gated_delta_segment(
     float norm_eps,
     const std::optional<mlx::core::array>& mask,
     const std::string& algorithm,
-    mlx::core::StreamOrDevice s = {});
+    mlx::core::StreamOrDevice s = {},
+    const std::optional<mlx::core::array>& checkpoints = std::nullopt);
 
 }  // namespace mlx_gated_delta

@@ -16,6 +16,8 @@ namespace mlx_gated_delta {
 //   conv_weight  [C, K] (float32)       conv_state [B, K-1, C]
 //   decay_parameter, dt_bias [Hv]      norm_weight [Dv] (float32)
 //   state [B, Hv, Dv, Dk] (float32)    out [B, T, Hv, Dv]   mask [B, T]
+//   checkpoints [N] (int32)  conv_checkpoint_states [N, B, K-1, C]
+//   checkpoint_states [N, B, Hv, Dv, Dk] (float32)
 // where C = 2*Hk*Dk + Hv*Dv are the channels the convolution sees (q|k|v).
 struct SegmentParams : ProblemShape {
   int conv_kernel = 0;
@@ -23,6 +25,7 @@ struct SegmentParams : ProblemShape {
   HeadMapping head_mapping = HeadMapping::Grouped;
   float norm_eps = 1e-6f;
   bool has_mask = false;
+  int checkpoint_count = 0;  // N
 
   int qk_width() const {
     return key_heads * key_dim;
@@ -59,6 +62,7 @@ struct SegmentParams : ProblemShape {
     core.head_mapping = head_mapping;
     core.normalize_qk = true;
     core.has_mask = has_mask;
+    core.checkpoint_count = checkpoint_count;
     return core;
   }
 };

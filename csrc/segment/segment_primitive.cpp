@@ -18,7 +18,8 @@ namespace mlx_gated_delta {
 
 namespace {
 
-// The order of the primitive's inputs (segment_op.cpp builds them).
+// The order of the primitive's inputs (segment_op.cpp builds them); the
+// checkpoints come after the mask, when there is one.
 enum SegmentInput {
   kMixed = 0,
   kConvWeight,
@@ -29,6 +30,9 @@ enum SegmentInput {
   kState,
   kMask
 };
+int checkpoints_input(bool has_mask) {
+  return has_mask ? kMask + 1 : kMask;
+}
 
 }  // namespace
 
@@ -44,16 +48,22 @@ SegmentParams GatedDeltaSegment::params_for(
   p.head_mapping = head_mapping_;
   p.norm_eps = norm_eps_;
   p.has_mask = has_mask_;
+  p.checkpoint_count = has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
   return p;
 }
 
 std::vector<mx::Shape> GatedDeltaSegment::output_shapes(
     const std::vector<mx::array>& inputs) {
   const SegmentParams p = params_for(inputs);
-  return {
+  std::vector<mx::Shape> shapes = {
       {p.batch, p.tokens, p.value_heads, p.value_dim},
       {p.batch, p.conv_state_rows(), p.conv_channels()},
       {p.batch, p.value_heads, p.value_dim, p.key_dim}};
+  if (has_checkpoints_) {
+    shapes.push_back({p.checkpoint_count, p.batch, p.conv_state_rows(), p.conv_channels()});
+    shapes.push_back({p.checkpoint_count, p.batch, p.value_heads, p.value_dim, p.key_dim});
+  }
+  return shapes;
 }
 
 bool GatedDeltaSegment::is_equivalent(const mx::Primitive& other) const {
@@ -62,7 +72,8 @@ bool GatedDeltaSegment::is_equivalent(const mx::Primitive& other) const {
       key_dim_ == o.key_dim_ && value_dim_ == o.value_dim_ &&
       decay_parameterization_ == o.decay_parameterization_ &&
       head_mapping_ == o.head_mapping_ && norm_eps_ == o.norm_eps_ &&
-      has_mask_ == o.has_mask_ && algorithm_ == o.algorithm_;
+      has_mask_ == o.has_mask_ && algorithm_ == o.algorithm_ &&
+      has_checkpoints_ == o.has_checkpoints_;
 }
 
 namespace {
@@ -86,6 +97,11 @@ void dispatch_segment(
   io.out = outputs[0].data<T>();
   io.conv_state_out = outputs[1].data<T>();
   io.state_out = outputs[2].data<float>();
+  if (p.checkpoint_count > 0) {
+    io.checkpoints = inputs[checkpoints_input(p.has_mask)].data<int>();
+    io.conv_checkpoint_states = outputs[3].data<T>();
+    io.checkpoint_states = outputs[4].data<float>();
+  }
 
   auto& encoder = mx::cpu::get_command_encoder(stream);
   for (const auto& input : inputs) {
@@ -159,10 +175,15 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegment::vmap(
           "supported; map over the activations and the states only.");
     }
   }
+  if (has_checkpoints_) {
+    throw std::invalid_argument(
+        "mlx_gated_delta.gated_delta_segment: vmap of a call with checkpoints is "
+        "not supported; call it once per mapped slice.");
+  }
   const int size = vmap_size(inputs, axes);
   std::vector<mx::array> folded = inputs;
   for (int i : {kMixed, kConvState, kState, kMask}) {
-    if (i < int(inputs.size())) {
+    if (i != kMask || has_mask_) {
       folded[i] = fold_into_batch(inputs[i], axes[i], size, stream());
     }
   }

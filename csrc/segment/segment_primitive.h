@@ -9,8 +9,10 @@ namespace mlx_gated_delta {
 // Inputs: mixed_qkvzba [B, T, F], conv_weight [C, K] (float32),
 // decay_parameter [Hv] (float32), dt_bias [Hv] (float32), norm_weight [Dv]
 // (float32), conv_state [B, K-1, C] (activation dtype), state [B, Hv, Dv, Dk]
-// (float32) [, mask [B, T] (bool)], all row-contiguous.
-// Outputs: out [B, T, Hv, Dv] (activation dtype), conv_state, state.
+// (float32) [, mask [B, T] (bool)] [, checkpoints [N] (int32, validated)], all
+// row-contiguous. Outputs: out [B, T, Hv, Dv] (activation dtype), conv_state,
+// state [, conv checkpoint states [N, B, K-1, C], checkpoint states
+// [N, B, Hv, Dv, Dk]].
 // Carries the head layout (not recoverable from the packed width alone) and
 // the options that change the result.
 class GatedDeltaSegment : public mlx::core::Primitive {
@@ -25,7 +27,8 @@ class GatedDeltaSegment : public mlx::core::Primitive {
       HeadMapping head_mapping,
       float norm_eps,
       bool has_mask,
-      Algorithm algorithm)
+      Algorithm algorithm,
+      bool has_checkpoints = false)
       : mlx::core::Primitive(stream),
         key_heads_(key_heads),
         value_heads_(value_heads),
@@ -35,7 +38,8 @@ class GatedDeltaSegment : public mlx::core::Primitive {
         head_mapping_(head_mapping),
         norm_eps_(norm_eps),
         has_mask_(has_mask),
-        algorithm_(algorithm) {}
+        algorithm_(algorithm),
+        has_checkpoints_(has_checkpoints) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -79,6 +83,7 @@ class GatedDeltaSegment : public mlx::core::Primitive {
   float norm_eps_;
   bool has_mask_;
   Algorithm algorithm_;
+  bool has_checkpoints_;
 };
 
 }  // namespace mlx_gated_delta

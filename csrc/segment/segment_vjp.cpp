@@ -210,6 +210,11 @@ std::vector<mx::array> GatedDeltaSegment::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
+  if (has_checkpoints_) {
+    throw std::invalid_argument(
+        "mlx_gated_delta.gated_delta_segment: no gradient through a call with "
+        "checkpoints (serving calls); differentiate a call without them.");
+  }
   const SegmentParams p = params_for(primals);
   const std::optional<mx::array> mask =
       has_mask_ ? std::optional(primals[kMask]) : std::nullopt;

@@ -4,6 +4,8 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
 #include "mlx/utils.h"
 #include "validation/extents.h"
 
@@ -138,6 +140,69 @@ void check_core_arguments(GatedDeltaParams& p, const CoreArrays& arrays,
     throw std::invalid_argument("scale must be finite, got " + std::to_string(p.scale));
   }
   validate_launch_extents(p);
+}
+
+std::vector<int> check_checkpoints(const mx::array& checkpoints, int tokens) {
+  if (checkpoints.ndim() != 1) {
+    throw std::invalid_argument(
+        "checkpoints must be a 1-D list of token counts, got shape " +
+        shape_string(checkpoints.shape()));
+  }
+  if (!mx::issubdtype(checkpoints.dtype(), mx::integer)) {
+    throw std::domain_error(
+        "checkpoints must be integers (token counts), got " +
+        dtype_string(checkpoints.dtype()));
+  }
+  mx::array values = mx::astype(checkpoints, mx::int64, mx::Device::cpu);
+  mx::eval(values);
+  const int64_t* data = values.data<int64_t>();
+  std::vector<int> positions;
+  for (size_t n = 0; n < values.size(); ++n) {
+    const int64_t position = data[n];
+    if (position < 1 || position > tokens) {
+      throw std::invalid_argument(
+          "checkpoints must lie in [1, T] with T = " + std::to_string(tokens) +
+          " tokens, got " + std::to_string(position) + " at index " + std::to_string(n));
+    }
+    if (n > 0 && position <= positions.back()) {
+      throw std::invalid_argument(
+          "checkpoints must be strictly increasing, got " + std::to_string(position) +
+          " after " + std::to_string(positions.back()) + " at index " + std::to_string(n));
+    }
+    positions.push_back(int(position));
+  }
+  return positions;
+}
+
+std::vector<int> check_parents(const mx::array& parents, int tokens, Algorithm algorithm) {
+  if (parents.ndim() != 1 || parents.shape(0) != tokens) {
+    throw std::invalid_argument(
+        "parents must be a 1-D list of one parent index per token, shape (" +
+        std::to_string(tokens) + ",), got shape " + shape_string(parents.shape()));
+  }
+  if (!mx::issubdtype(parents.dtype(), mx::integer)) {
+    throw std::domain_error(
+        "parents must be integers (token indices), got " + dtype_string(parents.dtype()));
+  }
+  if (algorithm == Algorithm::Chunked) {
+    throw std::invalid_argument(
+        "parents (tree verification) runs the recurrent form: algorithm must be "
+        "'recurrent' or 'auto', got 'chunked'");
+  }
+  mx::array values = mx::astype(parents, mx::int64, mx::Device::cpu);
+  mx::eval(values);
+  const int64_t* data = values.data<int64_t>();
+  std::vector<int> result;
+  for (int t = 0; t < tokens; ++t) {
+    if (data[t] < -1 || data[t] >= t) {
+      throw std::invalid_argument(
+          "parents must name an earlier token or -1 (the initial state): parents[" +
+          std::to_string(t) + "] must lie in [-1, " + std::to_string(t - 1) + "], got " +
+          std::to_string(data[t]));
+    }
+    result.push_back(int(data[t]));
+  }
+  return result;
 }
 
 namespace {

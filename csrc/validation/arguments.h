@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/core_params.h"
 #include "mlx/array.h"
@@ -33,6 +34,18 @@ void check_state(const std::string& name, const mlx::core::array& state,
                  const mlx::core::Shape& shape);
 // A mask: [B, T], bool.
 void check_mask(const mlx::core::array& mask, int batch, int tokens);
+
+// checkpoints: a 1-D integer array of strictly increasing token counts, each
+// in [1, tokens]. Reads the values (they fix the op's work, so they must be
+// concrete, not traced) and returns them.
+std::vector<int> check_checkpoints(const mlx::core::array& checkpoints, int tokens);
+
+// parents (tree verification): a 1-D integer array of T entries, entry t in
+// [-1, t - 1] (-1: the token follows the call's initial state). Reads the
+// values and returns them. A tree runs the recurrent form only: `algorithm`
+// must not be Chunked.
+std::vector<int> check_parents(const mlx::core::array& parents, int tokens,
+                               Algorithm algorithm);
 
 // How error messages name the gate and the state: the MLX-compatible entry
 // point calls them gamma and initial_state (and passes log(gamma) as g).

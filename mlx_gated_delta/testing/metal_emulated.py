@@ -46,12 +46,16 @@ def gated_delta_rule(
 
 
 def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mask=None,
-        normalize_qk=False, algorithm="auto", dtype=None, through_stage=None):
+        normalize_qk=False, algorithm="auto", dtype=None, through_stage=None,
+        checkpoints=None, parents=None):
     """`gated_delta_rule`, plus a dict with the algorithm run, the kernels the
     plan dispatched, in order, and `buffers`: every output buffer's raw bytes
     by plan name. With `through_stage`, only the dispatches through the first
     of that stage run, and `buffers` holds the scratch too (`stage_buffers`
-    reads it); y and the state are then whatever those stages left."""
+    reads it); y and the state are then whatever those stages left. With
+    `checkpoints` (token counts, checked by the op, not here), the dict also
+    holds `checkpoint_states` `[N, B, Hv, Dv, Dk]`. `parents`: tree
+    verification, one parent index per token."""
     dtype = dtype or _dtype_name(q)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
@@ -83,10 +87,21 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
         g.tobytes(), beta.tobytes(), state.tobytes(), mask_bytes,
         batch, tokens, key_heads, value_heads, key_dim, value_dim, float(scale),
         head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS,
-        through_stage or "")
+        through_stage or "", _checkpoint_bytes(checkpoints), _checkpoint_bytes(parents))
     y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    return y, state_out, {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
+    info = {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
+    if checkpoints is not None:
+        info["checkpoint_states"] = np.frombuffer(
+            buffers.get("checkpoint_states", b""), np.float32).reshape((-1,) + state_shape).copy()
+    return y, state_out, info
+
+
+def _checkpoint_bytes(indices):
+    """Checkpoints or parents as the int32 bytes the plan reads, or None."""
+    if indices is None:
+        return None
+    return np.asarray(indices, dtype=np.int32).tobytes()
 
 
 def gated_delta_segment(
@@ -128,9 +143,10 @@ def gated_delta_segment(
 def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
                 conv_state=None, state=None, *, key_heads, value_heads, key_dim, value_dim,
                 decay_parameterization="log_rate", head_mapping="grouped", norm_eps=1e-6,
-                mask=None, algorithm="auto", dtype=None, through_stage=None):
+                mask=None, algorithm="auto", dtype=None, through_stage=None, checkpoints=None):
     """`gated_delta_segment`, plus the dict `run` returns (`through_stage`
-    as there)."""
+    as there; with `checkpoints`, also `conv_checkpoint_states` and
+    `checkpoint_states`)."""
     dtype = dtype or _dtype_name(mixed_qkvzba)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
@@ -174,22 +190,28 @@ def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight
         _to_float32(norm_weight).tobytes(), _activation_bytes(conv_state, dtype),
         state.tobytes(), mask_bytes, batch, tokens, key_heads, value_heads, key_dim, value_dim,
         conv_kernel, decay_parameterization, head_mapping, float(norm_eps), algorithm, dtype,
-        BARRIER_TIMEOUT_MS, through_stage or "")
+        BARRIER_TIMEOUT_MS, through_stage or "", _checkpoint_bytes(checkpoints))
     out = _activation_values(out, dtype).reshape(batch, tokens, value_heads, value_dim)
     conv_state_out = _activation_values(conv_state_out, dtype).reshape(conv_state_shape)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    return out, conv_state_out, state_out, {"algorithm": algorithm_run, "kernels": kernels,
-                                            "buffers": buffers}
+    info = {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
+    if checkpoints is not None:
+        info["conv_checkpoint_states"] = _activation_values(
+            buffers.get("conv_checkpoint_states", b""), dtype).reshape((-1,) + conv_state_shape)
+        info["checkpoint_states"] = np.frombuffer(
+            buffers.get("checkpoint_states", b""), np.float32).reshape((-1,) + state_shape).copy()
+    return out, conv_state_out, state_out, info
 
 
 def segment_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel=4, *,
                  dtype="float32", algorithm="auto", decay_parameterization="log_rate",
-                 head_mapping="grouped", mask=False, describe=False):
+                 head_mapping="grouped", mask=False, describe=False, checkpoints=0):
     """The fused segment's plan: a dict like `plan`'s, or with `describe=True`
-    the table against the assumed M-series roofline."""
+    the table against the assumed M-series roofline; `checkpoints`: how many."""
     return _metal_emulator.segment_plan(batch, tokens, key_heads, value_heads, key_dim,
                                         value_dim, conv_kernel, dtype, algorithm,
-                                        decay_parameterization, head_mapping, mask, describe)
+                                        decay_parameterization, head_mapping, mask, describe,
+                                        checkpoints)
 
 
 def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
@@ -203,12 +225,15 @@ def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
 
 
 def plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *, dtype="float32",
-         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None):
+         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None,
+         checkpoints=0, tree=False):
     """The whole plan as a dict: resolved algorithm, the kernel params as bytes,
-    every buffer's size, and the dispatches."""
+    every buffer's size, and the dispatches; `checkpoints`: how many, `tree`:
+    with parents (tree verification)."""
     scale = key_dim**-0.5 if scale is None else scale
     return _metal_emulator.plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, dtype,
-                                algorithm, head_mapping, normalize_qk, mask, float(scale))
+                                algorithm, head_mapping, normalize_qk, mask, float(scale),
+                                checkpoints, tree)
 
 
 def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options):

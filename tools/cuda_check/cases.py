@@ -19,13 +19,29 @@ SEGMENT_CASES = {
     "segment_chunked_bf16_negative_rate": ("chunked", dict(batch=1, tokens=100, key_heads=1, value_heads=2, key_dim=64, value_dim=24, dtype="bfloat16", decay_parameterization="negative_rate", mask_kind="left_padding", conv_kernel=3)),
     "segment_chunked_qwen_layout_f32": ("chunked", dict(batch=1, tokens=300, key_heads=4, value_heads=8, key_dim=128, value_dim=128)),
 }
+# Core and segment cases with checkpoints (token counts) and, for the
+# recurrent kernels, tree verification (a parent per token), by the names of
+# the cases above whose inputs they reuse; held to the CPU op's results.
+CHECKPOINT_CASES = {
+    "checkpoints_recurrent_simd": ("recurrent_simd_f32_mask", [1, 4, 5, 9], None),
+    "checkpoints_chunked": ("chunked_f32_mask_interleaved", [1, 30, 64, 65, 128, 130], None),
+    "checkpoints_chunked_qwen_layout": ("chunked_qwen_layout_f32", [17, 64, 500, 999], None),
+    "tree_recurrent_simd": ("recurrent_simd_f32_mask", list(range(1, 10)),
+                            [-1, 0, 0, 1, -1, 4, 2, 6, 3]),
+    "tree_recurrent_generic": ("recurrent_generic_f16", [2, 6], [-1, 0, 1, 0, 3, 3]),
+    "checkpoints_segment_chunked": ("segment_chunked_bf16_negative_rate", [3, 64, 99, 100], None),
+}
 # The cases the sanitizers run (slow under instrumentation): every kernel once.
 SANITIZER_CASES = ("recurrent_simd_f32_mask", "recurrent_generic_f16", "chunked_bf16_norm",
-                   "chunked_k_gram_f16", "segment_recurrent_f16_mask")
+                   "chunked_k_gram_f16", "segment_recurrent_f16_mask", "checkpoints_chunked",
+                   "tree_recurrent_generic", "checkpoints_segment_chunked")
 
 
 def make_case(name):
-    """(algorithm, case) of a core case or of a segment case."""
+    """(algorithm, case) of a core case or of a segment case (a checkpoint
+    case: of the case it reuses)."""
+    if name in CHECKPOINT_CASES:
+        name = CHECKPOINT_CASES[name][0]
     from mlx_gated_delta.testing.segment_cases import make_segment_case
     from mlx_gated_delta.testing.strategies import make_core_case
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import CASES, SEGMENT_CASES, make_case  # noqa: E402
+from cases import CASES, CHECKPOINT_CASES, SEGMENT_CASES, make_case  # noqa: E402
 
 from mlx_gated_delta.testing import metal_emulated  # noqa: E402
 from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches  # noqa: E402
@@ -43,9 +43,59 @@ def compare_segment(name, results):
     return f"{name:36s} " + ", ".join(errors)
 
 
+# Checkpoint and tree cases against the CPU op on the same inputs: float32
+# states summed in other orders agree to rounding, relative to their size.
+CHECKPOINT_RELATIVE_TOLERANCE = 2e-5
+
+
+def compare_checkpoints(name, results):
+    """Checks one checkpoint or tree case against the CPU op; returns a line."""
+    import mlx.core as mx
+
+    from mlx_gated_delta import gated_delta_rule, gated_delta_segment
+
+    source, checkpoints, parents = CHECKPOINT_CASES[name]
+    algorithm, case = make_case(name)
+    dtype = case.recipe["dtype"]
+    if source in SEGMENT_CASES:
+        outputs = gated_delta_segment(*case.args(), algorithm=algorithm, stream=mx.cpu,
+                                      checkpoints=checkpoints, **case.options)
+        # Conv states are copies of input rows: exact.
+        conv = metal_emulated._activation_values(
+            results[f"{name}/conv_checkpoint_states"].tobytes(), dtype)
+        expected_conv = np.array(outputs[3].astype(mx.float32))
+        if not np.array_equal(conv.reshape(expected_conv.shape), expected_conv):
+            raise AssertionError("conv_checkpoint_states differ")
+        expected = {"checkpoint_states": outputs[4], "state_out": outputs[2]}
+    else:
+        y, state, states = gated_delta_rule(*case.args(), algorithm=algorithm, stream=mx.cpu,
+                                            checkpoints=checkpoints, parents=parents,
+                                            **case.options)
+        expected = {"checkpoint_states": states, "state_out": state}
+    errors = []
+    for buffer, value in expected.items():
+        value = np.array(value)
+        actual = np.frombuffer(results[f"{name}/{buffer}"].tobytes(), np.float32)
+        error = float(np.abs(actual.reshape(value.shape) - value).max() / np.abs(value).max())
+        if error > CHECKPOINT_RELATIVE_TOLERANCE:
+            raise AssertionError(f"{buffer}: relative error {error:.2e}")
+        errors.append(f"{buffer} {error:.2e}")
+    return f"{name:36s} against the CPU op: " + ", ".join(errors)
+
+
 def main(path):
     results = np.load(path)
     failures = 0
+    for name in CHECKPOINT_CASES:
+        if f"{name}/checkpoint_states" not in results.files:
+            print(f"{name}: no result")
+            failures += 1
+            continue
+        try:
+            print(compare_checkpoints(name, results))
+        except AssertionError as error:
+            print(f"{name}: FAILED {error}")
+            failures += 1
     for name in SEGMENT_CASES:
         if f"{name}/out" not in results.files:
             print(f"{name}: no result")
@@ -78,7 +128,8 @@ def main(path):
         except AssertionError as error:
             print(f"{name}: FAILED {error}")
             failures += 1
-    print(f"{len(CASES) + len(SEGMENT_CASES) - failures} passed, {failures} failed")
+    total = len(CASES) + len(SEGMENT_CASES) + len(CHECKPOINT_CASES)
+    print(f"{total - failures} passed, {failures} failed")
     return 1 if failures else 0
 
 

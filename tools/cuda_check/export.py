@@ -18,7 +18,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from cases import CASES, SEGMENT_CASES, make_case  # noqa: E402
+from cases import CASES, CHECKPOINT_CASES, SEGMENT_CASES, make_case  # noqa: E402
 
 KERNELS = ["recurrent", "qk_norm", "gate_cumsum", "k_gram", "kkt_inverse", "recompute_w_u",
            "chunk_qk", "chunk_carry", "chunk_output", "prepare_conv", "prepare_gates",
@@ -43,7 +43,7 @@ def json_ready(plan, dtype):
     return plan
 
 
-def export_segment_case(name, algorithm, case, arrays):
+def export_segment_case(name, algorithm, case, arrays, checkpoints=None):
     from mlx_gated_delta.testing import metal_emulated
 
     recipe = case.recipe
@@ -53,7 +53,8 @@ def export_segment_case(name, algorithm, case, arrays):
         recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
         recipe["key_dim"], recipe["value_dim"], recipe["conv_kernel"], dtype=dtype,
         algorithm=algorithm, decay_parameterization=recipe["decay_parameterization"],
-        head_mapping=recipe["head_mapping"], mask=mask is not None)
+        head_mapping=recipe["head_mapping"], mask=mask is not None,
+        checkpoints=len(checkpoints or ()))
     f32 = metal_emulated._to_float32
     channels = 2 * recipe["key_heads"] * recipe["key_dim"] + recipe["value_heads"] * recipe["value_dim"]
     conv_state = (np.zeros((recipe["batch"], recipe["conv_kernel"] - 1, channels), np.float32)
@@ -72,8 +73,40 @@ def export_segment_case(name, algorithm, case, arrays):
     }
     if mask is not None:
         raw["mask"] = np.array(mask).astype(np.uint8).tobytes()
+    if checkpoints:
+        raw["checkpoints"] = np.array(checkpoints, np.int32).tobytes()
     for buffer, data in raw.items():
         arrays[f"{name}/{buffer}"] = np.frombuffer(data, np.uint8)
+    return json_ready(plan, dtype)
+
+
+def export_core_case(name, algorithm, case, arrays, checkpoints=None, parents=None):
+    from mlx_gated_delta.testing import metal_emulated
+
+    recipe = case.recipe
+    dtype = recipe["dtype"]
+    q, k, v, g, beta, state = case.args()
+    mask = case.options["mask"]
+    plan = metal_emulated.plan(
+        recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
+        recipe["key_dim"], recipe["value_dim"], dtype=dtype, algorithm=algorithm,
+        head_mapping=recipe["head_mapping"], normalize_qk=recipe["normalize_qk"],
+        mask=mask is not None, scale=case.options["scale"],
+        checkpoints=len(checkpoints or ()), tree=parents is not None)
+    inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_in": state}
+    for buffer, value in inputs.items():
+        value = metal_emulated._to_float32(value) if value is not None else \
+            np.zeros((recipe["batch"], recipe["value_heads"], recipe["value_dim"],
+                      recipe["key_dim"]), np.float32)
+        raw = (metal_emulated._activation_bytes(value, dtype) if buffer in ("q", "k", "v")
+               else value.tobytes())
+        arrays[f"{name}/{buffer}"] = np.frombuffer(raw, np.uint8)
+    if mask is not None:
+        arrays[f"{name}/mask"] = np.array(mask).astype(np.uint8).reshape(-1)
+    for buffer, indices in (("checkpoints", checkpoints), ("parents", parents)):
+        if indices:
+            arrays[f"{name}/{buffer}"] = np.frombuffer(
+                np.array(indices, np.int32).tobytes(), np.uint8)
     return json_ready(plan, dtype)
 
 
@@ -99,27 +132,13 @@ def main(out_dir):
         algorithm, case = make_case(name)
         plans[name] = export_segment_case(name, algorithm, case, arrays)
     for name in CASES:
+        plans[name] = export_core_case(name, *make_case(name), arrays)
+    for name, (source, checkpoints, parents) in CHECKPOINT_CASES.items():
         algorithm, case = make_case(name)
-        recipe = case.recipe
-        dtype = recipe["dtype"]
-        q, k, v, g, beta, state = case.args()
-        mask = case.options["mask"]
-        plan = metal_emulated.plan(
-            recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
-            recipe["key_dim"], recipe["value_dim"], dtype=dtype, algorithm=algorithm,
-            head_mapping=recipe["head_mapping"], normalize_qk=recipe["normalize_qk"],
-            mask=mask is not None, scale=case.options["scale"])
-        plans[name] = json_ready(plan, dtype)
-        inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_in": state}
-        for buffer, value in inputs.items():
-            value = metal_emulated._to_float32(value) if value is not None else \
-                np.zeros((recipe["batch"], recipe["value_heads"], recipe["value_dim"],
-                          recipe["key_dim"]), np.float32)
-            raw = (metal_emulated._activation_bytes(value, dtype) if buffer in ("q", "k", "v")
-                   else value.tobytes())
-            arrays[f"{name}/{buffer}"] = np.frombuffer(raw, np.uint8)
-        if mask is not None:
-            arrays[f"{name}/mask"] = np.array(mask).astype(np.uint8).reshape(-1)
+        if source in SEGMENT_CASES:
+            plans[name] = export_segment_case(name, algorithm, case, arrays, checkpoints)
+        else:
+            plans[name] = export_core_case(name, algorithm, case, arrays, checkpoints, parents)
     np.savez(os.path.join(out_dir, "cases.npz"), **arrays)
     with open(os.path.join(out_dir, "cases.json"), "w") as handle:
         json.dump(plans, handle, indent=1)

@@ -52,6 +52,11 @@ nb::bytes to_bytes(const std::vector<std::byte>& data) {
   return nb::bytes(reinterpret_cast<const char*>(data.data()), data.size());
 }
 
+// The number of int32 positions in a checkpoints argument (0 without one).
+int checkpoint_count(const std::optional<nb::bytes>& checkpoints) {
+  return checkpoints ? int(checkpoints->size() / sizeof(int32_t)) : 0;
+}
+
 std::vector<std::string> kernels_of(const Plan& plan) {
   std::vector<std::string> kernels;
   for (const Dispatch& d : plan.dispatches) kernels.push_back(d.kernel);
@@ -135,16 +140,21 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
          int key_dim, int value_dim, float scale, const std::string& head_mapping,
          bool normalize_qk, const std::string& algorithm, const std::string& dtype,
-         int barrier_timeout_ms, const std::string& through_stage) {
+         int barrier_timeout_ms, const std::string& through_stage,
+         std::optional<nb::bytes> checkpoints, std::optional<nb::bytes> parents) {
         GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
                                               value_dim, scale, head_mapping, normalize_qk,
                                               mask.has_value());
+        params.checkpoint_count = checkpoint_count(checkpoints);
+        params.has_tree = parents.has_value();
         Plan plan = make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         emulator::BufferInputs inputs{
             {PlanBuffer::Query, view(q)}, {PlanBuffer::Key, view(k)},
             {PlanBuffer::Value, view(v)}, {PlanBuffer::Gate, view(g)},
             {PlanBuffer::Beta, view(beta)}, {PlanBuffer::StateIn, view(state)}};
         if (mask) inputs[PlanBuffer::Mask] = view(*mask);
+        if (params.checkpoint_count > 0) inputs[PlanBuffer::Checkpoints] = view(*checkpoints);
+        if (parents) inputs[PlanBuffer::Parents] = view(*parents);
         emulator::BufferOutputs outputs;
         {
           nb::gil_scoped_release release;
@@ -162,25 +172,30 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("value_heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("scale"),
       nb::arg("head_mapping"), nb::arg("normalize_qk"), nb::arg("algorithm"), nb::arg("dtype"),
       nb::arg("barrier_timeout_ms"), nb::arg("through_stage") = "",
+      nb::arg("checkpoints").none() = nb::none(), nb::arg("parents").none() = nb::none(),
       "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels, "
       "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
-      "and the dict holds the scratch buffers too.");
+      "and the dict holds the scratch buffers too. checkpoints: int32 bytes; the dict then "
+      "holds checkpoint_states. parents: int32 bytes (tree verification).");
 
   m.def(
       "plan",
       [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
          const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
-         bool normalize_qk, bool has_mask, float scale) {
-        return plan_as_dict(make_plan(
-            make_params(batch, tokens, key_heads, value_heads, key_dim, value_dim, scale,
-                        head_mapping, normalize_qk, has_mask),
-            parse_algorithm(algorithm), parse_dtype(dtype)));
+         bool normalize_qk, bool has_mask, float scale, int checkpoints, bool tree) {
+        GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
+                                              value_dim, scale, head_mapping, normalize_qk,
+                                              has_mask);
+        params.checkpoint_count = checkpoints;
+        params.has_tree = tree;
+        return plan_as_dict(make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype)));
       },
       nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
       nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
       nb::arg("normalize_qk") = false, nb::arg("has_mask") = false, nb::arg("scale") = 1.0f,
-      "The plan: resolved algorithm, the kernel params' bytes, every buffer's size and the "
+      nb::arg("checkpoints") = 0, nb::arg("tree") = false,
+      "The plan (with `checkpoints` positions, with parents for `tree`): resolved algorithm, the kernel params' bytes, every buffer's size and the "
       "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
 
   m.def(
@@ -206,10 +221,12 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
          int key_dim, int value_dim, int conv_kernel, const std::string& decay_parameterization,
          const std::string& head_mapping, float norm_eps, const std::string& algorithm,
-         const std::string& dtype, int barrier_timeout_ms, const std::string& through_stage) {
+         const std::string& dtype, int barrier_timeout_ms, const std::string& through_stage,
+         std::optional<nb::bytes> checkpoints) {
         SegmentParams params = make_segment_params(
             batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel,
             decay_parameterization, head_mapping, norm_eps, mask.has_value());
+        params.checkpoint_count = checkpoint_count(checkpoints);
         Plan plan = make_segment_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         emulator::BufferInputs inputs{
             {PlanBuffer::Mixed, view(mixed)}, {PlanBuffer::ConvWeight, view(conv_weight)},
@@ -217,6 +234,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
             {PlanBuffer::DtBias, view(dt_bias)}, {PlanBuffer::NormWeight, view(norm_weight)},
             {PlanBuffer::ConvStateIn, view(conv_state)}, {PlanBuffer::StateIn, view(state)}};
         if (mask) inputs[PlanBuffer::Mask] = view(*mask);
+        if (params.checkpoint_count > 0) inputs[PlanBuffer::Checkpoints] = view(*checkpoints);
         emulator::BufferOutputs outputs;
         {
           nb::gil_scoped_release release;
@@ -236,7 +254,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
       nb::arg("decay_parameterization"), nb::arg("head_mapping"), nb::arg("norm_eps"),
       nb::arg("algorithm"), nb::arg("dtype"), nb::arg("barrier_timeout_ms"),
-      nb::arg("through_stage") = "",
+      nb::arg("through_stage") = "", nb::arg("checkpoints").none() = nb::none(),
       "Runs the Metal plan of one fused segment call; returns (out bytes, conv_state bytes, "
       "state bytes, algorithm, kernels, {buffer name: bytes}); with through_stage, only the "
       "dispatches through that stage run and the dict holds the scratch buffers too.");
@@ -246,12 +264,13 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
          int conv_kernel, const std::string& dtype, const std::string& algorithm,
          const std::string& decay_parameterization, const std::string& head_mapping,
-         bool has_mask, bool describe) -> nb::object {
-        Plan plan = make_segment_plan(
+         bool has_mask, bool describe, int checkpoints) -> nb::object {
+        SegmentParams params =
             make_segment_params(batch, tokens, key_heads, value_heads, key_dim, value_dim,
                                 conv_kernel, decay_parameterization, head_mapping, 1e-6f,
-                                has_mask),
-            parse_algorithm(algorithm), parse_dtype(dtype));
+                                has_mask);
+        params.checkpoint_count = checkpoints;
+        Plan plan = make_segment_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         if (describe) return nb::str(describe_plan(plan, assumed_m_series_roofline()).c_str());
         return plan_as_dict(plan);
       },
@@ -259,7 +278,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
       nb::arg("dtype") = "float32", nb::arg("algorithm") = "auto",
       nb::arg("decay_parameterization") = "log_rate", nb::arg("head_mapping") = "grouped",
-      nb::arg("has_mask") = false, nb::arg("describe") = false,
+      nb::arg("has_mask") = false, nb::arg("describe") = false, nb::arg("checkpoints") = 0,
       "The fused segment's plan as a dict like plan()'s, or with describe=True as a table.");
 
   m.def(

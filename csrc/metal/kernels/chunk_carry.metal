@@ -8,6 +8,13 @@
 //
 // v' overwrites U (each element is read, then written, by the same thread)
 // and, with inter, feeds chunk_output; the last S is the final state.
+//
+// chunk_checkpoint, inside this kernel (with checkpoints): the state after the
+// first i tokens of a chunk is the same update cut at i,
+//
+//   S_i = Gamma_{i-1} S + sum_{j < i} decay(i-1, j) v'_j k_j^T,
+//
+// computed from the entry S before it is overwritten, and copied out.
 
 #include "gated_delta_common.h"
 
@@ -27,6 +34,8 @@ template <typename T>
     device float* state_out [[buffer(9)]],
     device float* output_inter [[buffer(10)]],
     constant GatedDeltaKernelParams& p [[buffer(11)]],
+    const device int* checkpoints [[buffer(12)]],
+    device float* checkpoint_states [[buffer(13)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float state[kCarryRows * kMaxChunkedKeyDim];
@@ -48,6 +57,7 @@ template <typename T>
       s[c] = state_in[state_row + c];
     }
   }
+  uint next_checkpoint = 0;
   for (uint chunk = 0; chunk < p.num_chunks; ++chunk) {
     const uint length = chunk_length(p, chunk);
     const uint first_token = chunk * kChunkSize;
@@ -83,6 +93,34 @@ template <typename T>
     }
     // Every v' of the chunk is known, and every read of the entry S is done.
     threadgroup_barrier(mem_flags::mem_threadgroup);
+
+    // chunk_checkpoint: each thread reads only the entry S columns it updates
+    // below, so no barrier is needed before the update.
+    while (next_checkpoint < p.num_checkpoints &&
+           uint(checkpoints[next_checkpoint]) <= first_token + length) {
+      const uint cut = uint(checkpoints[next_checkpoint]) - first_token;  // 1..length
+      if (owns_row) {
+        const device float* cumsum = gate_cumsum + rows;
+        const device int* wipe = last_wipe + rows;
+        const float decay_entry = decay_from_chunk_start(cumsum, wipe, cut - 1);
+        const uint slot = checkpoint_offset(p, next_checkpoint) + state_row;
+        for (uint c = lane; c < p.key_dim; c += kChunkSize) {
+          float sum = 0.0f;
+          for (uint j = 0; j < cut; ++j) {
+            const uint token = first_token + j;
+            float key_scale = 1.0f;
+            if (p.normalize_qk != 0) {
+              key_scale = key_inverse_norm[(b * p.tokens + token) * p.key_heads + kh];
+            }
+            sum += chunk_decay(cumsum, wipe, cut - 1, j) *
+                   corrected[local_row * kChunkSize + j] * key_scale *
+                   float(k[qk_offset(p, b, token, kh) + c]);
+          }
+          checkpoint_states[slot + c] = decay_entry * s[c] + sum;
+        }
+      }
+      ++next_checkpoint;
+    }
 
     if (owns_row) {
       const float decay_all = decay_from_start[length - 1];

@@ -53,6 +53,26 @@ inline uint chunk_length(constant GatedDeltaKernelParams& p, uint chunk) {
   return min(kChunkSize, p.tokens - chunk * kChunkSize);
 }
 
+// Checkpoints (docs/contract.md): `checkpoints` holds N strictly increasing
+// token counts; the state after checkpoints[n] tokens of the call goes to
+// slot n of checkpoint_states [N, B, Hv, Dv, Dk].
+inline uint checkpoint_offset(constant GatedDeltaKernelParams& p, uint n) {
+  return n * p.batch * p.value_heads * p.value_dim * p.key_dim;
+}
+// Whether checkpoint `next` (if any is left) falls after `tokens` tokens.
+inline bool checkpoint_at(constant GatedDeltaKernelParams& p, const device int* checkpoints,
+                          uint next, uint tokens) {
+  return next < p.num_checkpoints && uint(checkpoints[next]) == tokens;
+}
+
+// Tree verification: every token's state is kept in tree_states
+// [B, Hv, T, Dv, Dk] for its children; this is the offset of token t's row
+// `row` (the caller adds the column).
+inline uint tree_state_row(constant GatedDeltaKernelParams& p, uint b, uint h, uint t,
+                           uint row) {
+  return (((b * p.value_heads + h) * p.tokens + t) * p.value_dim + row) * p.key_dim;
+}
+
 // Decay from token j to token i (j <= i) of one chunk: prod_{j < m <= i} exp(g_m).
 // `gate_cumsum` sums only finite g inside the chunk and `last_wipe` is the last
 // index <= i whose g is -inf (gamma == 0), or -1: a wipe in (j, i] gives

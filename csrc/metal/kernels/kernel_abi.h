@@ -23,6 +23,8 @@ struct GatedDeltaKernelParams {
   unsigned int has_mask;
   unsigned int num_chunks;
   float scale;
+  unsigned int num_checkpoints;  // N: the states after checkpoints[n] tokens are kept
+  unsigned int has_tree;  // 1: token t steps from token parents[t]'s state (recurrent only)
 };
 
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;

@@ -1,0 +1,127 @@
+"""Property tests of state checkpoints and tree verification
+(docs/contract.md, "Checkpoints", "Tree verification"): the states
+`gated_delta_rule(..., checkpoints=...)` and
+`gated_delta_segment(..., checkpoints=...)` return equal the final states of
+calls over the same prefixes, masks included, and y and the state are those
+of the call without checkpoints; a tree of tokens (`parents=...`) gives every
+token the output and state of the sequential call along its path.
+
+Run by the repository's suite (`tests/test_checkpoint_properties.py`) and by
+`python -m mlx_gated_delta selftest`, on the default device.
+"""
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mlx_gated_delta import gated_delta_rule, gated_delta_segment
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.properties import (
+    ALGORITHMS,
+    SPLIT_CONTRACTS,
+    SPLIT_DTYPES,
+    assert_bitwise_equal,
+)
+from mlx_gated_delta.testing.segment_cases import segment_cases
+from mlx_gated_delta.testing.strategies import core_cases
+
+
+def checkpoint_positions(tokens):
+    """A strictly increasing, non-empty draw from 1..tokens."""
+    return st.lists(st.integers(1, tokens), min_size=1, max_size=6, unique=True).map(sorted)
+
+
+def prefix(x, stop):
+    return None if x is None else x[:, :stop]
+
+
+def assert_state_matches(algorithm, name, actual, expected):
+    # The recurrent form copies the state it carries: exactly the prefix
+    # call's. The chunked form cuts a chunk's update at the checkpoint: the
+    # same math as a call split there, held to the split contract.
+    if algorithm == "recurrent":
+        assert_bitwise_equal(name, actual, expected)
+    else:
+        assert_matches(name, actual, expected, *SPLIT_CONTRACTS["chunked"][1])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(dtypes=("float32",), tokens=st.integers(1, 140)), data=st.data())
+def test_checkpoint_states_equal_prefix_final_states(algorithm, case, data):
+    tokens = case.q.shape[1]
+    positions = data.draw(checkpoint_positions(tokens), label="checkpoints")
+    y, state, checkpoint_states = gated_delta_rule(
+        *case.args(), algorithm=algorithm, checkpoints=positions, **case.options)
+    plain_y, plain_state = gated_delta_rule(*case.args(), algorithm=algorithm, **case.options)
+    mx.eval(y, state, checkpoint_states, plain_y, plain_state)
+    assert_bitwise_equal("y", y, plain_y)
+    assert_bitwise_equal("state", state, plain_state)
+    assert checkpoint_states.shape == (len(positions), *state.shape)
+    for n, position in enumerate(positions):
+        args = [prefix(x, position) for x in case.args()[:5]]
+        options = {**case.options, "mask": prefix(case.options["mask"], position)}
+        _, prefix_state = gated_delta_rule(*args, case.state, algorithm=algorithm, **options)
+        assert_state_matches(algorithm, f"checkpoint {position}", checkpoint_states[n],
+                             prefix_state)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=segment_cases(dtypes=SPLIT_DTYPES["chunked"], tokens=st.integers(1, 140)),
+       data=st.data())
+def test_segment_checkpoints_equal_prefix_calls(algorithm, case, data):
+    tokens = case.mixed.shape[1]
+    positions = data.draw(checkpoint_positions(tokens), label="checkpoints")
+    out, conv_state, state, conv_checkpoints, checkpoints = gated_delta_segment(
+        *case.args(), algorithm=algorithm, checkpoints=positions, **case.options)
+    plain = gated_delta_segment(*case.args(), algorithm=algorithm, **case.options)
+    mx.eval(out, conv_state, state, conv_checkpoints, checkpoints, *plain)
+    for name, actual, expected in zip(("out", "conv_state", "state"),
+                                      (out, conv_state, state), plain):
+        assert_bitwise_equal(name, actual, expected)
+    for n, position in enumerate(positions):
+        options = {**case.options, "mask": prefix(case.options["mask"], position)}
+        _, prefix_conv_state, prefix_state = gated_delta_segment(
+            prefix(case.mixed, position), *case.args()[1:], algorithm=algorithm, **options)
+        # The conv state is a copy of input rows: exact on every path.
+        assert_bitwise_equal(f"conv checkpoint {position}", conv_checkpoints[n],
+                             prefix_conv_state)
+        assert_state_matches(algorithm, f"checkpoint {position}", checkpoints[n],
+                             prefix_state)
+
+
+@st.composite
+def trees(draw, tokens):
+    """One parent per token: -1 (the call's initial state) or an earlier token."""
+    return [draw(st.integers(-1, t - 1)) for t in range(tokens)]
+
+
+def path_to(parents, token):
+    """The tokens from a root to `token`, in order."""
+    path = []
+    while token >= 0:
+        path.append(token)
+        token = parents[token]
+    return path[::-1]
+
+
+@given(case=core_cases(tokens=st.integers(1, 24)), data=st.data())
+def test_a_tree_equals_its_paths(case, data):
+    tokens = case.q.shape[1]
+    parents = data.draw(trees(tokens), label="parents")
+    positions = list(range(1, tokens + 1))
+    y, state, node_states = gated_delta_rule(*case.args(), parents=parents,
+                                             checkpoints=positions, **case.options)
+    mx.eval(y, state, node_states)
+    # The returned state is the last token's.
+    assert_bitwise_equal("state", state, node_states[-1])
+    for token in range(tokens):
+        path = mx.array(path_to(parents, token))
+        args = [x[:, path] for x in case.args()[:5]]
+        mask = case.options["mask"]
+        options = {**case.options, "mask": None if mask is None else mask[:, path]}
+        path_y, path_state = gated_delta_rule(*args, case.state, algorithm="recurrent",
+                                              **options)
+        # The same steps from the same states: exactly the sequential call.
+        assert_bitwise_equal(f"y of token {token}", y[:, token], path_y[:, -1])
+        assert_bitwise_equal(f"state of token {token}", node_states[token], path_state)

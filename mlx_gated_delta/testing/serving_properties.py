@@ -1,0 +1,109 @@
+"""Property tests of serving with a patched model (docs/contract.md, "A
+trimmable cache"): trimming the cache and feeding the same tokens again
+equals a fresh cache fed them, however the tokens were split into calls; and
+mlx-lm's speculative decoding yields exactly the greedy tokens, with a
+pure-attention draft and with a hybrid one, whatever the draft accepts.
+
+Run by the repository's suite (`tests/test_serving.py`) and by
+`python -m mlx_gated_delta selftest`, on the default device. They need mlx-lm
+and are skipped without it.
+"""
+
+import mlx.core as mx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip(
+    "mlx_lm", reason='the serving properties need mlx-lm: pip install "mlx-gated-delta[mlx-lm]"'
+)
+
+from mlx.utils import tree_map  # noqa: E402
+from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
+
+from mlx_gated_delta import patch_mlx_lm  # noqa: E402
+from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import VOCAB, build, tokens  # noqa: E402
+
+KINDS = ("qwen3_next", "qwen3_5")
+
+
+def patched(kind, seed, noise=0.0):
+    """A tiny random patched model; with `noise`, its weights moved by that
+    much (a draft that agrees with the unmoved model on some tokens)."""
+    model = build(kind, seed)
+    patch_mlx_lm(model)
+    if noise:
+        mx.random.seed(seed + 1000)
+        model.update(tree_map(lambda p: p + noise * mx.random.normal(p.shape),
+                              model.parameters()))
+        mx.eval(model.parameters())
+    return model
+
+
+def attention_draft(seed):
+    """A tiny random llama with the test vocabulary: a pure-attention draft."""
+    mx.random.seed(seed)
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=VOCAB))
+    mx.eval(model.parameters())
+    return model
+
+
+def argmax(logprobs):
+    return mx.argmax(logprobs, axis=-1)
+
+
+def feed(model, cache, sequence, bounds):
+    """Feeds sequence[:, a:b] for consecutive bounds; returns the last logits."""
+    logits = None
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        if stop > start:
+            logits = model(sequence[:, start:stop], cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(deadline=None)
+@given(data=st.data())
+def test_trim_then_refeed_equals_a_fresh_cache(kind, data):
+    model = patched(kind, 3)
+    length = data.draw(st.integers(2, 40), label="tokens")
+    sequence = tokens(data.draw(st.integers(0, 1000), label="seed"), (1, length))
+    # Any split into calls, then trim back by up to the window (and to the
+    # prompt's start at most) and feed the trimmed tokens again.
+    points = sorted(data.draw(st.lists(st.integers(1, length - 1), max_size=4), label="splits"))
+    trim = data.draw(st.integers(1, min(DEFAULT_TRIM_WINDOW, length - 1)), label="trim")
+    cache = make_prompt_cache(model)
+    feed(model, cache, sequence, [0, *points, length])
+    assert trim_prompt_cache(cache, trim) == trim
+    refed = feed(model, cache, sequence, [length - trim, length])
+    fresh_cache = make_prompt_cache(model)
+    fresh = feed(model, fresh_cache, sequence, [0, length - trim, length])
+    # The same calls after the trim point from the same restored states:
+    # identical logits and identical states.
+    assert mx.array_equal(refed, fresh).item()
+    for ours, theirs in zip(cache, fresh_cache):
+        for a, b in zip(ours.state[:2], theirs.state[:2]):
+            if isinstance(a, mx.array):
+                assert mx.array_equal(a, b).item()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@settings(deadline=None, max_examples=6)
+@given(draft_kind=st.sampled_from(("attention", "hybrid")),
+       noise=st.sampled_from((0.0, 0.003, 0.01)),
+       draft_tokens=st.integers(1, 5), prompt_seed=st.integers(0, 1000))
+def test_speculative_decoding_yields_the_greedy_tokens(kind, draft_kind, noise, draft_tokens,
+                                                       prompt_seed):
+    target = patched(kind, 1)
+    draft = attention_draft(5) if draft_kind == "attention" else patched(kind, 1, noise)
+    prompt = tokens(prompt_seed, (20,))
+    greedy = [int(t) for t, _ in generate_step(prompt, target, max_tokens=16, sampler=argmax)]
+    speculative = [int(t) for t, _, _ in speculative_generate_step(
+        prompt, target, draft, num_draft_tokens=draft_tokens, max_tokens=16, sampler=argmax)]
+    assert speculative == greedy
