@@ -56,9 +56,12 @@ def test_cuda_check_wraps_the_host_names_the_macro_expands_to(tmp_path):
     result = prep_cuda(KERNELS, tmp_path)
     assert result.returncode == 0, result.stderr
     wrapped = set(json.loads((tmp_path / "k.json").read_text()))
-    calls = {name for path in KERNELS.glob("*.metal")
-             for name in re.findall(r'^instantiate_kernel\("(\w+)"', path.read_text(), re.MULTILINE)}
-    assert len(calls) == 42 and calls <= wrapped
+    texts = [path.read_text() for path in KERNELS.glob("*.metal")]
+    calls = {name for text in texts
+             for name in re.findall(r'^instantiate_kernel\("(\w+)"', text, re.MULTILINE)}
+    # Every instantiation line is seen (the host names are unique) and wrapped.
+    assert len(calls) == sum(text.count('\ninstantiate_kernel("') for text in texts) > 0
+    assert calls <= wrapped
 
 
 @pytest.mark.parametrize("tool", ["emulator", "cuda"])
