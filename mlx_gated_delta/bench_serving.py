@@ -28,7 +28,7 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -62,16 +62,23 @@ def op_rows(dtype, repeats: int) -> list:
     mx.eval(q, k, v, g, beta, state)
 
     def call(start, stop, state, checkpoints=None):
-        return gated_delta_rule(q[:, start:stop], k[:, start:stop], v[:, start:stop],
-                                g[:, start:stop], beta[:, start:stop], state,
-                                normalize_qk=True, checkpoints=checkpoints)
+        return gated_delta_rule(
+            q[:, start:stop],
+            k[:, start:stop],
+            v[:, start:stop],
+            g[:, start:stop],
+            beta[:, start:stop],
+            state,
+            normalize_qk=True,
+            checkpoints=checkpoints,
+        )
 
     rows = []
     for drafts in DRAFTS:
         verify = median_ms(lambda: call(0, drafts, state), repeats)
         with_checkpoints = median_ms(
-            lambda: call(0, drafts, state, list(range(1, drafts)) if drafts > 1 else None),
-            repeats)
+            lambda: call(0, drafts, state, list(range(1, drafts)) if drafts > 1 else None), repeats
+        )
 
         def single_steps():
             s = state
@@ -93,12 +100,12 @@ def model_rows(repeats: int) -> list:
 
     target, _ = speculative_models(0, target_layers=12, draft_layers=4, damping=0.05)
     prompt = mx.random.randint(0, demo_config().vocab_size, (1, 64), key=mx.random.key(0))
-    tokens = mx.random.randint(0, demo_config().vocab_size, (1, max(DRAFTS)),
-                               key=mx.random.key(1))
+    tokens = mx.random.randint(0, demo_config().vocab_size, (1, max(DRAFTS)), key=mx.random.key(1))
     cache = make_prompt_cache(target)
     mx.eval(target(prompt, cache=cache))
     rows = []
     for drafts in DRAFTS:
+
         def verify():
             logits = target(tokens[:, :drafts], cache=cache)
             mx.eval(logits)
@@ -106,7 +113,7 @@ def model_rows(repeats: int) -> list:
             return logits
 
         def single_steps():
-            logits = [target(tokens[:, t:t + 1], cache=cache) for t in range(drafts)]
+            logits = [target(tokens[:, t : t + 1], cache=cache) for t in range(drafts)]
             mx.eval(logits)
             trim_prompt_cache(cache, drafts)
             return logits
@@ -142,8 +149,9 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
         cache = make_prompt_cache(model)
         if snapshots:
             enable_prefix_snapshots(cache, every=256, max_snapshots=16)
-        for _ in generate_step(turn1, model, max_tokens=32, prompt_cache=cache,
-                               sampler=lambda x: mx.argmax(x, -1)):
+        for _ in generate_step(
+            turn1, model, max_tokens=32, prompt_cache=cache, sampler=lambda x: mx.argmax(x, -1)
+        ):
             pass
         return cache
 
@@ -160,45 +168,70 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
         prefixes.append(prefix)
     snapshot_bytes = sum(c.nbytes for c in turn1_cache(snapshots=True))
     plain_bytes = sum(c.nbytes for c in turn1_cache(snapshots=False))
-    return {"fresh_ms": statistics.median(fresh), "reused_ms": statistics.median(reused),
-            "prefix": prefixes[0], "turn2_tokens": turn2.shape[1],
-            "cache_mib": plain_bytes / 2**20, "cache_with_snapshots_mib": snapshot_bytes / 2**20}
+    return {
+        "fresh_ms": statistics.median(fresh),
+        "reused_ms": statistics.median(reused),
+        "prefix": prefixes[0],
+        "turn2_tokens": turn2.shape[1],
+        "cache_mib": plain_bytes / 2**20,
+        "cache_with_snapshots_mib": snapshot_bytes / 2**20,
+    }
 
 
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_gated_delta.bench_serving",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_gated_delta.bench_serving",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="bfloat16")
     parser.add_argument("--no-model", action="store_true", help="the op rows only")
-    parser.add_argument("--prompt-tokens", type=int, default=1024,
-                        help="turn 1's prompt in the two-turn chat (default 1024)")
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=1024,
+        help="turn 1's prompt in the two-turn chat (default 1024)",
+    )
     args = parser.parse_args(argv)
     dtype = getattr(mx, args.dtype)
 
-    print(f"gated_delta_rule, B=1 Hk=16 Hv=32 Dk=Dv=128 normalize_qk, {args.dtype}, "
-          f"{mx.default_device()}, medians of {args.repeats} runs (ms)")
-    print(f"{'k':>3}{'verify (T=k)':>15}{'+checkpoints':>15}{'k decodes':>12}"
-          f"{'verify/decodes':>16}{'checkpoint cost':>17}")
+    print(
+        f"gated_delta_rule, B=1 Hk=16 Hv=32 Dk=Dv=128 normalize_qk, {args.dtype}, "
+        f"{mx.default_device()}, medians of {args.repeats} runs (ms)"
+    )
+    print(
+        f"{'k':>3}{'verify (T=k)':>15}{'+checkpoints':>15}{'k decodes':>12}"
+        f"{'verify/decodes':>16}{'checkpoint cost':>17}"
+    )
     for drafts, verify, with_checkpoints, singles in op_rows(dtype, args.repeats):
-        print(f"{drafts:3d}{verify:15.3f}{with_checkpoints:15.3f}{singles:12.3f}"
-              f"{verify / singles:16.2f}{with_checkpoints / verify:16.2f}x")
+        print(
+            f"{drafts:3d}{verify:15.3f}{with_checkpoints:15.3f}{singles:12.3f}"
+            f"{verify / singles:16.2f}{with_checkpoints / verify:16.2f}x"
+        )
     if args.no_model:
         return 0
-    print(f"\npatched 12-layer Qwen3-Next-shaped model (the demo's target), trimmable cache "
-          f"after a 64-token prompt, medians of {args.repeats} runs (ms)")
+    print(
+        f"\npatched 12-layer Qwen3-Next-shaped model (the demo's target), trimmable cache "
+        f"after a 64-token prompt, medians of {args.repeats} runs (ms)"
+    )
     print(f"{'k':>3}{'forward k + trim':>18}{'k forwards + trim':>19}{'ratio':>8}")
     for drafts, verify, singles in model_rows(args.repeats):
         print(f"{drafts:3d}{verify:18.2f}{singles:19.2f}{verify / singles:8.2f}")
     chat = chat_rows(args.prompt_tokens, max(3, args.repeats // 4))
-    print(f"\ntwo-turn chat, demo model (4 patched layers): turn 2 prompt "
-          f"{chat['turn2_tokens']} tokens, {args.prompt_tokens - 8} shared with turn 1")
+    print(
+        f"\ntwo-turn chat, demo model (4 patched layers): turn 2 prompt "
+        f"{chat['turn2_tokens']} tokens, {args.prompt_tokens - 8} shared with turn 1"
+    )
     print(f"time to first token, fresh prefill:          {chat['fresh_ms']:9.1f} ms")
-    print(f"time to first token, reuse (prefix {chat['prefix']:5d}):    "
-          f"{chat['reused_ms']:9.1f} ms   ({chat['fresh_ms'] / chat['reused_ms']:.1f}x)")
-    print(f"prompt cache after turn 1: {chat['cache_mib']:.1f} MiB, with snapshots "
-          f"{chat['cache_with_snapshots_mib']:.1f} MiB")
+    print(
+        f"time to first token, reuse (prefix {chat['prefix']:5d}):    "
+        f"{chat['reused_ms']:9.1f} ms   ({chat['fresh_ms'] / chat['reused_ms']:.1f}x)"
+    )
+    print(
+        f"prompt cache after turn 1: {chat['cache_mib']:.1f} MiB, with snapshots "
+        f"{chat['cache_with_snapshots_mib']:.1f} MiB"
+    )
     return 0
 
 

@@ -24,8 +24,6 @@ cache to the longest snapshotted prefix of a new prompt
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import ArraysCache
 
@@ -44,8 +42,12 @@ class TrimmableArraysCache(ArraysCache):
     (`filter`, `extend`), whose rows the kept states no longer match.
     """
 
-    def __init__(self, size: int = 2, left_padding: Optional[List[int]] = None,
-                 window: int = DEFAULT_TRIM_WINDOW):
+    def __init__(
+        self,
+        size: int = 2,
+        left_padding: list[int] | None = None,
+        window: int = DEFAULT_TRIM_WINDOW,
+    ):
         super().__init__(size, left_padding)
         if window < 1:
             raise ValueError(f"window must be at least 1 token, got {window}")
@@ -57,10 +59,10 @@ class TrimmableArraysCache(ArraysCache):
         # current ones (self.cache) follow the last entry.
         self.history: list = []
         self.offset = 0  # tokens fed since the cache was made (or restored)
-        self.snapshot_every: Optional[int] = None
+        self.snapshot_every: int | None = None
         self.max_snapshots = 0
         self.snapshots: dict = {}  # token count -> [conv_state, state]
-        self._pending: List[int] = []
+        self._pending: list[int] = []
 
     @classmethod
     def from_state(cls, state):
@@ -69,7 +71,7 @@ class TrimmableArraysCache(ArraysCache):
         obj._reset_history()
         return obj
 
-    def checkpoints_for(self, tokens: int) -> Optional[List[int]]:
+    def checkpoints_for(self, tokens: int) -> list[int] | None:
         """The positions of a call of `tokens` tokens whose states the cache
         keeps: the window's, and with snapshots on, those at multiples of
         `snapshot_every` (the state after the call is the cache itself), or
@@ -78,18 +80,19 @@ class TrimmableArraysCache(ArraysCache):
         if self.snapshot_every:
             first = self.snapshot_every - self.offset % self.snapshot_every
             snapshots = list(range(first, tokens, self.snapshot_every))
-            positions.update(snapshots[-self.max_snapshots:])
+            positions.update(snapshots[-self.max_snapshots :])
         self._pending = sorted(positions)
         return self._pending or None
 
-    def update(self, conv_state, state, tokens: int, conv_checkpoints=None,
-               checkpoints=None):
+    def update(self, conv_state, state, tokens: int, conv_checkpoints=None, checkpoints=None):
         """The layer's update after a call of `tokens` tokens: the new
         states, and the checkpoint states at `checkpoints_for(tokens)`."""
         kept = {}
         if checkpoints is not None:  # None for a one-token call: no inner positions
-            kept = {position: [conv_checkpoints[n], checkpoints[n]]
-                    for n, position in enumerate(self._pending)}
+            kept = {
+                position: [conv_checkpoints[n], checkpoints[n]]
+                for n, position in enumerate(self._pending)
+            }
         self.history.append(list(self.cache))
         self.history.extend(kept[p] for p in range(max(1, tokens - self.window), tokens))
         del self.history[: max(0, len(self.history) - self.window)]
@@ -123,7 +126,7 @@ class TrimmableArraysCache(ArraysCache):
         self.history = []
         self.offset = tokens
 
-    def snapshot_positions(self) -> List[int]:
+    def snapshot_positions(self) -> list[int]:
         return sorted(self.snapshots)
 
     def trimmable_tokens(self) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional
 
 import mlx.core as mx
 
@@ -96,7 +95,7 @@ def generate(model, prompt: mx.array, new_tokens: int, on_token=None) -> dict:
 _OUTPUT_PROJECTIONS = ("out_proj.weight", "o_proj.weight", "down_proj.weight")
 
 
-def _layer_index(name: str) -> Optional[int]:
+def _layer_index(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[2]) if name.startswith("model.layers.") else None
 
@@ -109,21 +108,29 @@ def speculative_models(seed: int, target_layers: int, draft_layers: int, damping
     from mlx_gated_delta import patch_mlx_lm
 
     target = build_model(seed, target_layers)
-    damped = [(name, value * damping) for name, value in tree_flatten(target.parameters())
-              if (_layer_index(name) or 0) >= draft_layers
-              and name.endswith(_OUTPUT_PROJECTIONS)]
+    damped = [
+        (name, value * damping)
+        for name, value in tree_flatten(target.parameters())
+        if (_layer_index(name) or 0) >= draft_layers and name.endswith(_OUTPUT_PROJECTIONS)
+    ]
     target.load_weights(damped, strict=False)
     draft = build_model(seed + 1, draft_layers)
-    draft.load_weights([(name, value) for name, value in tree_flatten(target.parameters())
-                        if (_layer_index(name) or 0) < draft_layers])
+    draft.load_weights(
+        [
+            (name, value)
+            for name, value in tree_flatten(target.parameters())
+            if (_layer_index(name) or 0) < draft_layers
+        ]
+    )
     mx.eval(target.parameters(), draft.parameters())
     patch_mlx_lm(target)
     patch_mlx_lm(draft)
     return target, draft
 
 
-def speculative_generate(target, draft, prompt: mx.array, new_tokens: int, draft_tokens: int,
-                         on_token=None) -> dict:
+def speculative_generate(
+    target, draft, prompt: mx.array, new_tokens: int, draft_tokens: int, on_token=None
+) -> dict:
     """Greedy generation through mlx-lm's `speculative_generate_step`; the
     tokens, how many came from accepted drafts, and the decode rate (after
     the first token, as `generate`)."""
@@ -131,8 +138,14 @@ def speculative_generate(target, draft, prompt: mx.array, new_tokens: int, draft
 
     tokens, accepted = [], 0
     first_token_at = None
-    steps = speculative_generate_step(prompt, target, draft, num_draft_tokens=draft_tokens,
-                                      max_tokens=new_tokens, sampler=lambda x: mx.argmax(x, -1))
+    steps = speculative_generate_step(
+        prompt,
+        target,
+        draft,
+        num_draft_tokens=draft_tokens,
+        max_tokens=new_tokens,
+        sampler=lambda x: mx.argmax(x, -1),
+    )
     for token, _, from_draft in steps:
         tokens.append(int(token))
         accepted += int(from_draft)
@@ -181,25 +194,45 @@ class _Bar:
             sys.stderr.write("\n")
 
 
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_gated_delta demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_gated_delta demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--layers", type=int, default=4,
-                        help="decoder layers; every fourth is full attention (default 4)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="decoder layers; every fourth is full attention (default 4)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-speculative", action="store_true",
-                        help="skip the speculative-decoding run")
-    parser.add_argument("--target-layers", type=int, default=12,
-                        help="layers of the speculative run's target (default 12)")
-    parser.add_argument("--draft-layers", type=int, default=4,
-                        help="the target's first layers that make the draft (default 4)")
-    parser.add_argument("--draft-tokens", type=int, default=3,
-                        help="tokens drafted per verify step (default 3)")
-    parser.add_argument("--damping", type=float, default=0.05,
-                        help="scale of the target's output projections past the draft's "
-                             "layers (default 0.05)")
+    parser.add_argument(
+        "--no-speculative", action="store_true", help="skip the speculative-decoding run"
+    )
+    parser.add_argument(
+        "--target-layers",
+        type=int,
+        default=12,
+        help="layers of the speculative run's target (default 12)",
+    )
+    parser.add_argument(
+        "--draft-layers",
+        type=int,
+        default=4,
+        help="the target's first layers that make the draft (default 4)",
+    )
+    parser.add_argument(
+        "--draft-tokens", type=int, default=3, help="tokens drafted per verify step (default 3)"
+    )
+    parser.add_argument(
+        "--damping",
+        type=float,
+        default=0.05,
+        help="scale of the target's output projections past the draft's layers (default 0.05)",
+    )
     args = parser.parse_args(argv)
 
     try:
@@ -209,8 +242,9 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     from mlx_gated_delta import patch_mlx_lm
 
-    prompt = mx.random.randint(0, demo_config().vocab_size, (args.prompt_tokens,),
-                               key=mx.random.key(args.seed))
+    prompt = mx.random.randint(
+        0, demo_config().vocab_size, (args.prompt_tokens,), key=mx.random.key(args.seed)
+    )
     warmup_prompt = prompt[:16]
     runs = [("mlx-lm", False), ("mlx-lm + mlx_gated_delta", True)]
     bar = _Bar(total=len(runs) * (args.new_tokens + 2))
@@ -228,23 +262,26 @@ def main(argv: Optional[list] = None) -> int:
     stock, ours = (results[name] for name, _ in runs)
     same = stock["tokens"] == ours["tokens"]
     config = demo_config(args.layers)
-    print(f"Qwen3-Next-shaped mlx-lm model, random weights: {args.layers} layers "
-          f"(hidden {config.hidden_size}, linear attention Hk={config.linear_num_key_heads} "
-          f"Hv={config.linear_num_value_heads} D={config.linear_key_head_dim}), "
-          f"{mx.default_device()}; patch_mlx_lm replaced {ours['replaced']} layers")
+    print(
+        f"Qwen3-Next-shaped mlx-lm model, random weights: {args.layers} layers "
+        f"(hidden {config.hidden_size}, linear attention Hk={config.linear_num_key_heads} "
+        f"Hv={config.linear_num_value_heads} D={config.linear_key_head_dim}), "
+        f"{mx.default_device()}; patch_mlx_lm replaced {ours['replaced']} layers"
+    )
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(f"{'':28}{'prefill tok/s':>15}{'decode tok/s':>15}")
     for name, _ in runs:
         r = results[name]
         print(f"{name:28}{r['prefill_tokens_per_s']:15.1f}{r['decode_tokens_per_s']:15.1f}")
-    print(f"{'speed-up':28}{ours['prefill_tokens_per_s'] / stock['prefill_tokens_per_s']:14.2f}x"
-          f"{ours['decode_tokens_per_s'] / stock['decode_tokens_per_s']:14.2f}x")
+    print(
+        f"{'speed-up':28}{ours['prefill_tokens_per_s'] / stock['prefill_tokens_per_s']:14.2f}x"
+        f"{ours['decode_tokens_per_s'] / stock['decode_tokens_per_s']:14.2f}x"
+    )
     print(f"first tokens: {ours['tokens'][:12]}")
     if same:
         print(f"tokens identical: yes (all {len(ours['tokens'])})")
     else:
-        first = next(i for i, (a, b) in enumerate(zip(stock["tokens"], ours["tokens"]))
-                     if a != b)
+        first = next(i for i, (a, b) in enumerate(zip(stock["tokens"], ours["tokens"])) if a != b)
         print(f"tokens identical: NO, first difference at token {first}")
     if args.no_speculative:
         return 0 if same else 1
@@ -253,8 +290,9 @@ def main(argv: Optional[list] = None) -> int:
 
 def _speculative_run(args, prompt: mx.array) -> bool:
     """Prints the speculative run; returns whether its tokens are the greedy ones."""
-    target, draft = speculative_models(args.seed, args.target_layers, args.draft_layers,
-                                       args.damping)
+    target, draft = speculative_models(
+        args.seed, args.target_layers, args.draft_layers, args.damping
+    )
     bar = _Bar(total=2 * (args.new_tokens + 2))
     bar.label("target alone: warm-up")
     generate(target, prompt[:16], 2, on_token=bar.step)
@@ -263,23 +301,30 @@ def _speculative_run(args, prompt: mx.array) -> bool:
     bar.label("with a draft: warm-up")
     speculative_generate(target, draft, prompt[:16], 2, args.draft_tokens, on_token=bar.step)
     bar.label("with a draft")
-    drafted = speculative_generate(target, draft, prompt, args.new_tokens, args.draft_tokens,
-                                   on_token=bar.step)
+    drafted = speculative_generate(
+        target, draft, prompt, args.new_tokens, args.draft_tokens, on_token=bar.step
+    )
     bar.close()
     same = alone["tokens"] == drafted["tokens"]
-    print(f"speculative decoding (mlx-lm's speculative_generate_step): target "
-          f"{args.target_layers} patched layers (past layer {args.draft_layers} damped by "
-          f"{args.damping}), draft its first {args.draft_layers} layers, "
-          f"{args.draft_tokens} drafts per step, greedy")
+    print(
+        f"speculative decoding (mlx-lm's speculative_generate_step): target "
+        f"{args.target_layers} patched layers (past layer {args.draft_layers} damped by "
+        f"{args.damping}), draft its first {args.draft_layers} layers, "
+        f"{args.draft_tokens} drafts per step, greedy"
+    )
     print(f"{'':28}{'decode tok/s':>15}")
     print(f"{'target alone':28}{alone['decode_tokens_per_s']:15.1f}")
-    print(f"{'target + draft':28}{drafted['decode_tokens_per_s']:15.1f}   "
-          f"({drafted['accepted']} of {len(drafted['tokens'])} tokens from accepted drafts)")
-    print(f"{'speed-up':28}"
-          f"{drafted['decode_tokens_per_s'] / alone['decode_tokens_per_s']:14.2f}x")
-    print(f"speculative tokens identical to greedy: {'yes' if same else 'NO'} "
-          f"(all {len(alone['tokens'])})" if same else
-          "speculative tokens identical to greedy: NO")
+    print(
+        f"{'target + draft':28}{drafted['decode_tokens_per_s']:15.1f}   "
+        f"({drafted['accepted']} of {len(drafted['tokens'])} tokens from accepted drafts)"
+    )
+    print(f"{'speed-up':28}{drafted['decode_tokens_per_s'] / alone['decode_tokens_per_s']:14.2f}x")
+    print(
+        f"speculative tokens identical to greedy: {'yes' if same else 'NO'} "
+        f"(all {len(alone['tokens'])})"
+        if same
+        else "speculative tokens identical to greedy: NO"
+    )
     return same
 
 

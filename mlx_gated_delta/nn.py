@@ -28,7 +28,7 @@ CPU (`mx.set_default_device(mx.cpu)`); on the GPU it raises.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -52,10 +52,15 @@ def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T` (nn.Linear's product, weight `[out, in]`): on the CPU
     through our blocked kernel (MLX's CPU matmul is 10-100x slower on the
     machines measured), elsewhere MLX's matmul."""
-    if mx.default_device() == mx.cpu and x.dtype == weight.dtype and x.dtype in (
-        mx.float32,
-        mx.float16,
-        mx.bfloat16,
+    if (
+        mx.default_device() == mx.cpu
+        and x.dtype == weight.dtype
+        and x.dtype
+        in (
+            mx.float32,
+            mx.float16,
+            mx.bfloat16,
+        )
     ):
         return _ext.linear_projection(x, weight, None)
     return x @ weight.T
@@ -104,11 +109,11 @@ class _GatedDeltaNetBase(nn.Module):
         self.norm = GatedRMSNormWeight(self.head_v_dim, eps=self.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
 
-    def _projection_modules(self) -> List[nn.Module]:
+    def _projection_modules(self) -> list[nn.Module]:
         """The projections whose outputs make the packed layout, in order."""
         raise NotImplementedError
 
-    def _packed_columns(self) -> Optional[mx.array]:
+    def _packed_columns(self) -> mx.array | None:
         """The columns of the concatenated projection outputs in packed
         order, or None where they are in packed order already."""
         raise NotImplementedError
@@ -124,8 +129,8 @@ class _GatedDeltaNetBase(nn.Module):
     def __call__(
         self,
         inputs: mx.array,
-        mask: Optional[mx.array] = None,
-        cache: Optional[Any] = None,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
     ) -> mx.array:
         B, S, _ = inputs.shape
         sharding_group = getattr(self, "sharding_group", None)

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
-
 import mlx.core as mx
 
 from . import _ext
 
-StreamOrDevice = Union[None, mx.Stream, mx.Device]
+StreamOrDevice = None | mx.Stream | mx.Device
 
 
 def _require_array(name: str, value) -> None:
@@ -49,17 +47,17 @@ def gated_delta_rule(
     v: mx.array,
     g: mx.array,
     beta: mx.array,
-    state: Optional[mx.array] = None,
+    state: mx.array | None = None,
     *,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     head_mapping: str = "grouped",
-    mask: Optional[mx.array] = None,
+    mask: mx.array | None = None,
     normalize_qk: bool = False,
     algorithm: str = "auto",
     checkpoints=None,
     parents=None,
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, ...]:
+) -> tuple[mx.array, ...]:
     """Gated delta rule over ``T`` tokens; returns ``(y, state)``, and with
     ``checkpoints`` ``(y, state, checkpoint_states)``.
 
@@ -115,8 +113,19 @@ def gated_delta_rule(
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     return _ext.gated_delta_rule(
-        q, k, v, g, beta, state, scale, head_mapping, mask, bool(normalize_qk),
-        algorithm, stream, checkpoints=_checkpoints_array(checkpoints),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        scale,
+        head_mapping,
+        mask,
+        bool(normalize_qk),
+        algorithm,
+        stream,
+        checkpoints=_checkpoints_array(checkpoints),
         parents=_index_array("parents", parents, "token indices"),
     )
 
@@ -127,10 +136,10 @@ def gated_delta_update(
     v: mx.array,
     gamma: mx.array,
     beta: mx.array,
-    initial_state: Optional[mx.array] = None,
-    mask: Optional[mx.array] = None,
+    initial_state: mx.array | None = None,
+    mask: mx.array | None = None,
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array]:
+) -> tuple[mx.array, mx.array]:
     """Drop-in for ``mx.fast.gated_delta_update`` (MLX 0.32): same arguments.
 
     ``gamma`` is the linear decay ``[B, T, Hv]``; no scale is applied and the
@@ -153,10 +162,21 @@ def gated_delta_update(
     # log(0) = -inf is a decay of exactly 0: the kernels treat it as a wipe.
     # The gradient does not go through log (0 / 0 at a wipe): gamma is passed
     # as well and receives the gradient of the linear decay directly.
-    g = mx.log(
-        mx.stop_gradient(gamma).astype(mx.float32, stream=stream), stream=stream
-    )
+    g = mx.log(mx.stop_gradient(gamma).astype(mx.float32, stream=stream), stream=stream)
     return _ext.gated_delta_rule(
-        q, k, v, g, beta, initial_state, 1.0, "grouped", mask, False, "auto", stream,
-        g_name="gamma", state_name="initial_state", linear_gate=gamma,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        1.0,
+        "grouped",
+        mask,
+        False,
+        "auto",
+        stream,
+        g_name="gamma",
+        state_name="initial_state",
+        linear_gate=gamma,
     )

@@ -67,9 +67,7 @@ def patch_mlx_lm(model: nn.Module) -> int:
     for parent in model.modules():
         items = parent.items() if isinstance(parent, dict) else []
         for key, child in items:
-            children = (
-                [(i, c) for i, c in enumerate(child)] if isinstance(child, list) else []
-            )
+            children = [(i, c) for i, c in enumerate(child)] if isinstance(child, list) else []
             for index, layer in [(None, child)] + children:
                 if isinstance(layer, _GatedDeltaNetBase):
                     already_ours += 1

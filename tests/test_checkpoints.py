@@ -12,26 +12,41 @@ from mlx_gated_delta.testing.strategies import make_core_case
 
 
 def core_case(tokens=10, batch=2):
-    return make_core_case(3, batch=batch, tokens=tokens, key_heads=1, value_heads=2,
-                          key_dim=16, value_dim=8, dtype="float32", gate_dtype="float32",
-                          decay="model", beta_max=1.0, with_state=True,
-                          mask_kind="random", normalize_qk=True)
+    return make_core_case(
+        3,
+        batch=batch,
+        tokens=tokens,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        dtype="float32",
+        gate_dtype="float32",
+        decay="model",
+        beta_max=1.0,
+        with_state=True,
+        mask_kind="random",
+        normalize_qk=True,
+    )
 
 
-@pytest.mark.parametrize("checkpoints, error, words", [
-    ([3, 3], ValueError, "strictly increasing"),
-    ([5, 2], ValueError, "strictly increasing"),
-    ([0, 4], ValueError, "[1, T]"),
-    ([11], ValueError, "[1, T]"),
-    ([-1], ValueError, "[1, T]"),
-    ([1.0, 2.0], TypeError, "ints"),
-    ([True], TypeError, "ints"),
-    ("1,2", TypeError, "list of ints"),
-    (3, TypeError, "list of ints"),
-    (mx.array([1.0, 2.0]), TypeError, "integers"),
-    (mx.array([[1, 2]]), ValueError, "1-D"),
-    (mx.array([4, 2]), ValueError, "strictly increasing"),
-])
+@pytest.mark.parametrize(
+    "checkpoints, error, words",
+    [
+        ([3, 3], ValueError, "strictly increasing"),
+        ([5, 2], ValueError, "strictly increasing"),
+        ([0, 4], ValueError, "[1, T]"),
+        ([11], ValueError, "[1, T]"),
+        ([-1], ValueError, "[1, T]"),
+        ([1.0, 2.0], TypeError, "ints"),
+        ([True], TypeError, "ints"),
+        ("1,2", TypeError, "list of ints"),
+        (3, TypeError, "list of ints"),
+        (mx.array([1.0, 2.0]), TypeError, "integers"),
+        (mx.array([[1, 2]]), ValueError, "1-D"),
+        (mx.array([4, 2]), ValueError, "strictly increasing"),
+    ],
+)
 def test_bad_checkpoints_are_refused_naming_them(checkpoints, error, words):
     case = core_case()
     with pytest.raises(error, match="checkpoints") as raised:
@@ -40,8 +55,9 @@ def test_bad_checkpoints_are_refused_naming_them(checkpoints, error, words):
 
 
 def test_segment_refuses_bad_checkpoints_naming_them():
-    case = make_segment_case(1, batch=1, tokens=6, key_heads=1, value_heads=1, key_dim=8,
-                             value_dim=8)
+    case = make_segment_case(
+        1, batch=1, tokens=6, key_heads=1, value_heads=1, key_dim=8, value_dim=8
+    )
     with pytest.raises(ValueError, match="checkpoints must lie in"):
         gated_delta_segment(*case.args(), checkpoints=[7], **case.options)
 
@@ -49,11 +65,15 @@ def test_segment_refuses_bad_checkpoints_naming_them():
 @pytest.mark.parametrize("algorithm", ["recurrent", "chunked"])
 def test_an_integer_array_works_like_a_list(algorithm):
     case = core_case(tokens=70)
-    from_list = gated_delta_rule(*case.args(), algorithm=algorithm, checkpoints=[2, 64, 70],
-                                 **case.options)[2]
-    from_array = gated_delta_rule(*case.args(), algorithm=algorithm,
-                                  checkpoints=mx.array([2, 64, 70], dtype=mx.uint16),
-                                  **case.options)[2]
+    from_list = gated_delta_rule(
+        *case.args(), algorithm=algorithm, checkpoints=[2, 64, 70], **case.options
+    )[2]
+    from_array = gated_delta_rule(
+        *case.args(),
+        algorithm=algorithm,
+        checkpoints=mx.array([2, 64, 70], dtype=mx.uint16),
+        **case.options,
+    )[2]
     assert mx.array_equal(from_list, from_array).item()
 
 
@@ -72,8 +92,9 @@ def test_no_checkpoints_and_no_tokens_give_empty_stacks():
 def test_a_checkpoint_at_the_end_is_the_final_state():
     case = core_case(tokens=70)
     for algorithm in ("recurrent", "chunked"):
-        _, state, checkpoints = gated_delta_rule(*case.args(), algorithm=algorithm,
-                                                 checkpoints=[70], **case.options)
+        _, state, checkpoints = gated_delta_rule(
+            *case.args(), algorithm=algorithm, checkpoints=[70], **case.options
+        )
         assert mx.array_equal(checkpoints[0], state).item(), algorithm
 
 
@@ -83,8 +104,16 @@ def test_vmap_maps_the_batch_of_checkpoint_states():
     options = {key: value for key, value in case.options.items() if key != "mask"}
 
     def call(q, k, v, g, beta, state):
-        return gated_delta_rule(q[None], k[None], v[None], g[None], beta[None], state[None],
-                                checkpoints=[4, 9], **options)[2][:, 0]
+        return gated_delta_rule(
+            q[None],
+            k[None],
+            v[None],
+            g[None],
+            beta[None],
+            state[None],
+            checkpoints=[4, 9],
+            **options,
+        )[2][:, 0]
 
     mapped = mx.vmap(call, out_axes=1)(q, k, v, g, beta, state)
     direct = gated_delta_rule(q, k, v, g, beta, state, checkpoints=[4, 9], **options)[2]
@@ -96,20 +125,24 @@ def test_masked_tokens_count_as_positions_and_keep_the_state():
     mask = mx.array([[True, True, False, False, True, True, True, True]])
     options = {**case.options, "mask": mask}
     for algorithm in ("recurrent", "chunked"):
-        _, _, checkpoints = gated_delta_rule(*case.args(), algorithm=algorithm,
-                                             checkpoints=[2, 3, 4], **options)
+        _, _, checkpoints = gated_delta_rule(
+            *case.args(), algorithm=algorithm, checkpoints=[2, 3, 4], **options
+        )
         # Tokens 3 and 4 are masked: the state after 2, 3 and 4 tokens is one state.
         assert mx.array_equal(checkpoints[0], checkpoints[1]).item(), algorithm
         assert mx.array_equal(checkpoints[0], checkpoints[2]).item(), algorithm
 
 
-@pytest.mark.parametrize("parents, error, words", [
-    ([-1, 0, 2, 1, 0, 0, 0, 0, 0, 0], ValueError, "parents[2] must lie in [-1, 1]"),
-    ([-2] + [0] * 9, ValueError, "parents[0] must lie in [-1, -1]"),
-    ([-1, 0], ValueError, "one parent index per token"),
-    ([-1] + [0.0] * 9, TypeError, "ints"),
-    (mx.array([-1.0] * 10), TypeError, "integers"),
-])
+@pytest.mark.parametrize(
+    "parents, error, words",
+    [
+        ([-1, 0, 2, 1, 0, 0, 0, 0, 0, 0], ValueError, "parents[2] must lie in [-1, 1]"),
+        ([-2] + [0] * 9, ValueError, "parents[0] must lie in [-1, -1]"),
+        ([-1, 0], ValueError, "one parent index per token"),
+        ([-1] + [0.0] * 9, TypeError, "ints"),
+        (mx.array([-1.0] * 10), TypeError, "integers"),
+    ],
+)
 def test_bad_parents_are_refused_naming_them(parents, error, words):
     case = core_case()
     with pytest.raises(error, match="parents") as raised:

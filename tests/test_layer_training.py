@@ -16,6 +16,7 @@ pytest.importorskip("mlx_lm")
 from functools import partial  # noqa: E402
 
 from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import qwen3_next  # noqa: E402
 from mlx_lm.tuner.lora import LoRALinear  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
@@ -24,7 +25,6 @@ from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
-from mlx_lm.models import qwen3_next  # noqa: E402
 
 FINGERPRINTS = {
     "layer_grad.mlx_lm_parity.v1.float32.parameter_grad": "0b64f106516a2c97657ca76a5bf64683d05eb5921187e5a11e605d328a000069",
@@ -81,7 +81,7 @@ def stock_and_patched(kind, seed, quantize=False, lora=False):
             linear_to_lora_layers(model, len(model.layers), LORA)
             # LoRA starts with lora_b = 0, where lora_a's gradient is 0: draw
             # it, so both factors of every adapter have a gradient to compare.
-            for name, module in sorted(model.named_modules(), key=lambda item: item[0]):
+            for _name, module in sorted(model.named_modules(), key=lambda item: item[0]):
                 if "lora_b" in module:
                     module.lora_b = 0.05 * mx.random.normal(module.lora_b.shape)
         model.train()
@@ -112,10 +112,10 @@ def test_patched_parameter_gradients_equal_the_stock_models(kind, setup):
         kind, 3, quantize=setup == "quantized_lora", lora=setup != "full"
     )
     layers = linear_attention_layers(ours)
-    assert all(isinstance(l, (GatedDeltaNet, Qwen35GatedDeltaNet)) for l in layers)
+    assert all(isinstance(layer, (GatedDeltaNet, Qwen35GatedDeltaNet)) for layer in layers)
     if setup != "full":
         # The tuner wrapped our layers' projections.
-        assert all(isinstance(l.out_proj, LoRALinear) for l in layers)
+        assert all(isinstance(layer.out_proj, LoRALinear) for layer in layers)
     sequence, lengths = batch(4)
     stock_loss, stock_grads = gradients(stock, sequence, lengths)
     our_loss, our_grads = gradients(ours, sequence, lengths)

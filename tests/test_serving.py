@@ -42,6 +42,7 @@ def test_patched_models_make_trimmable_caches():
     # Patching again does not wrap make_cache twice.
     make_cache = model.make_cache
     from mlx_gated_delta import patch_mlx_lm
+
     assert patch_mlx_lm(model) == 0
     assert model.make_cache is make_cache
 
@@ -55,8 +56,8 @@ def test_trim_reaches_back_across_calls_and_within_a_call_up_to_the_window():
     with pytest.raises(ValueError, match="can trim at most 16 tokens"):
         linear_caches(cache)[0].trim(DEFAULT_TRIM_WINDOW + 1)
     assert trim_prompt_cache(cache, 0) == 0
-    assert trim_prompt_cache(cache, 2) == 2   # two single-token calls
-    assert trim_prompt_cache(cache, 3) == 3   # inside the 5-token call
+    assert trim_prompt_cache(cache, 2) == 2  # two single-token calls
+    assert trim_prompt_cache(cache, 3) == 3  # inside the 5-token call
     fresh = make_prompt_cache(model)
     feed(model, fresh, sequence, [0, 32])
     for ours, theirs in zip(linear_caches(cache), linear_caches(fresh)):
@@ -107,8 +108,11 @@ def test_speculative_decoding_with_partial_acceptance_gives_the_greedy_tokens(ki
     draft = attention_draft(5) if draft_kind == "attention" else patched(kind, 1, 0.005)
     prompt = tokens(2, (30,))
     greedy = [int(t) for t, _ in generate_step(prompt, target, max_tokens=24, sampler=argmax)]
-    steps = list(speculative_generate_step(prompt, target, draft, num_draft_tokens=4,
-                                           max_tokens=24, sampler=argmax))
+    steps = list(
+        speculative_generate_step(
+            prompt, target, draft, num_draft_tokens=4, max_tokens=24, sampler=argmax
+        )
+    )
     assert [int(t) for t, _, _ in steps] == greedy
     accepted = sum(from_draft for _, _, from_draft in steps)
     if draft_kind == "hybrid":
@@ -117,11 +121,11 @@ def test_speculative_decoding_with_partial_acceptance_gives_the_greedy_tokens(ki
 
 def test_batched_generation_with_trimmable_caches_matches_unbatched():
     from mlx_lm.generate import BatchGenerator
+
     model = patched("qwen3_next", 6)
     prompts = [tokens(1, (9,)).tolist(), tokens(2, (14,)).tolist()]
     assert all(type(c) is TrimmableArraysCache for c in linear_caches(model.make_cache()))
-    generator = BatchGenerator(model, max_tokens=6, prefill_batch_size=4,
-                               completion_batch_size=4)
+    generator = BatchGenerator(model, max_tokens=6, prefill_batch_size=4, completion_batch_size=4)
     uids = generator.insert(prompts)
     results = {uid: [] for uid in uids}
     while responses := generator.next_generated():
@@ -129,13 +133,15 @@ def test_batched_generation_with_trimmable_caches_matches_unbatched():
             results[response.uid].append(response.token)
     generator.close()
     for uid, prompt in zip(uids, prompts):
-        alone = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6,
-                                                  sampler=argmax)]
+        alone = [
+            int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=6, sampler=argmax)
+        ]
         assert results[uid] == alone
 
 
 def test_demo_speculative_run_gives_the_greedy_tokens_with_accepted_drafts():
     from mlx_gated_delta import demo
+
     target, draft = demo.speculative_models(0, target_layers=8, draft_layers=4, damping=0.05)
     prompt = mx.random.randint(0, demo.demo_config().vocab_size, (24,), key=mx.random.key(1))
     alone = demo.generate(target, prompt, 8)
@@ -159,6 +165,7 @@ def test_nbytes_counts_the_kept_states():
 
 def test_prompt_reuse_restores_the_longest_snapshotted_prefix():
     from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
+
     model = patched("qwen3_5", 8)
     first = tokens(10, (1, 200))
     # A second prompt that shares the first 150 tokens, then differs.
@@ -183,6 +190,7 @@ def test_prompt_reuse_restores_the_longest_snapshotted_prefix():
 
 def test_without_snapshots_nothing_is_reusable():
     from mlx_gated_delta.cache import reusable_prefix
+
     model = patched("qwen3_next", 8)
     cache = make_prompt_cache(model)
     feed(model, cache, tokens(10, (1, 130)), [0, 130])
@@ -211,6 +219,7 @@ class TokenIdDetokenizer:
 
 def token_id_tokenizer():
     from mlx_lm.tokenizer_utils import TokenizerWrapper
+
     # The wrapper's constructor inspects a Hugging Face tokenizer; generate()
     # only reads the detokenizer and the end-of-sequence ids.
     tokenizer = TokenizerWrapper.__new__(TokenizerWrapper)
@@ -222,12 +231,14 @@ def token_id_tokenizer():
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
 def test_mlx_lm_generate_with_a_draft_model_gives_the_greedy_text(kind):
     from mlx_lm.generate import generate
+
     target = patched(kind, 1)
     prompt = tokens(2, (25,))
     options = dict(max_tokens=12, sampler=argmax)
     greedy = generate(target, token_id_tokenizer(), prompt, **options)
     for draft in (attention_draft(5), patched(kind, 1, 0.005)):
-        drafted = generate(target, token_id_tokenizer(), prompt, draft_model=draft,
-                           num_draft_tokens=3, **options)
+        drafted = generate(
+            target, token_id_tokenizer(), prompt, draft_model=draft, num_draft_tokens=3, **options
+        )
         assert drafted == greedy
     assert len(greedy.split()) == 12

@@ -52,7 +52,8 @@ def test_checkpoint_states_equal_prefix_final_states(algorithm, case, data):
     tokens = case.q.shape[1]
     positions = data.draw(checkpoint_positions(tokens), label="checkpoints")
     y, state, checkpoint_states = gated_delta_rule(
-        *case.args(), algorithm=algorithm, checkpoints=positions, **case.options)
+        *case.args(), algorithm=algorithm, checkpoints=positions, **case.options
+    )
     plain_y, plain_state = gated_delta_rule(*case.args(), algorithm=algorithm, **case.options)
     mx.eval(y, state, checkpoint_states, plain_y, plain_state)
     assert_bitwise_equal("y", y, plain_y)
@@ -62,32 +63,35 @@ def test_checkpoint_states_equal_prefix_final_states(algorithm, case, data):
         args = [prefix(x, position) for x in case.args()[:5]]
         options = {**case.options, "mask": prefix(case.options["mask"], position)}
         _, prefix_state = gated_delta_rule(*args, case.state, algorithm=algorithm, **options)
-        assert_state_matches(algorithm, f"checkpoint {position}", checkpoint_states[n],
-                             prefix_state)
+        assert_state_matches(
+            algorithm, f"checkpoint {position}", checkpoint_states[n], prefix_state
+        )
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@given(case=segment_cases(dtypes=SPLIT_DTYPES["chunked"], tokens=st.integers(1, 140)),
-       data=st.data())
+@given(
+    case=segment_cases(dtypes=SPLIT_DTYPES["chunked"], tokens=st.integers(1, 140)), data=st.data()
+)
 def test_segment_checkpoints_equal_prefix_calls(algorithm, case, data):
     tokens = case.mixed.shape[1]
     positions = data.draw(checkpoint_positions(tokens), label="checkpoints")
     out, conv_state, state, conv_checkpoints, checkpoints = gated_delta_segment(
-        *case.args(), algorithm=algorithm, checkpoints=positions, **case.options)
+        *case.args(), algorithm=algorithm, checkpoints=positions, **case.options
+    )
     plain = gated_delta_segment(*case.args(), algorithm=algorithm, **case.options)
     mx.eval(out, conv_state, state, conv_checkpoints, checkpoints, *plain)
-    for name, actual, expected in zip(("out", "conv_state", "state"),
-                                      (out, conv_state, state), plain):
+    for name, actual, expected in zip(
+        ("out", "conv_state", "state"), (out, conv_state, state), plain
+    ):
         assert_bitwise_equal(name, actual, expected)
     for n, position in enumerate(positions):
         options = {**case.options, "mask": prefix(case.options["mask"], position)}
         _, prefix_conv_state, prefix_state = gated_delta_segment(
-            prefix(case.mixed, position), *case.args()[1:], algorithm=algorithm, **options)
+            prefix(case.mixed, position), *case.args()[1:], algorithm=algorithm, **options
+        )
         # The conv state is a copy of input rows: exact on every path.
-        assert_bitwise_equal(f"conv checkpoint {position}", conv_checkpoints[n],
-                             prefix_conv_state)
-        assert_state_matches(algorithm, f"checkpoint {position}", checkpoints[n],
-                             prefix_state)
+        assert_bitwise_equal(f"conv checkpoint {position}", conv_checkpoints[n], prefix_conv_state)
+        assert_state_matches(algorithm, f"checkpoint {position}", checkpoints[n], prefix_state)
 
 
 @st.composite
@@ -110,8 +114,9 @@ def test_a_tree_equals_its_paths(case, data):
     tokens = case.q.shape[1]
     parents = data.draw(trees(tokens), label="parents")
     positions = list(range(1, tokens + 1))
-    y, state, node_states = gated_delta_rule(*case.args(), parents=parents,
-                                             checkpoints=positions, **case.options)
+    y, state, node_states = gated_delta_rule(
+        *case.args(), parents=parents, checkpoints=positions, **case.options
+    )
     mx.eval(y, state, node_states)
     # The returned state is the last token's.
     assert_bitwise_equal("state", state, node_states[-1])
@@ -120,8 +125,7 @@ def test_a_tree_equals_its_paths(case, data):
         args = [x[:, path] for x in case.args()[:5]]
         mask = case.options["mask"]
         options = {**case.options, "mask": None if mask is None else mask[:, path]}
-        path_y, path_state = gated_delta_rule(*args, case.state, algorithm="recurrent",
-                                              **options)
+        path_y, path_state = gated_delta_rule(*args, case.state, algorithm="recurrent", **options)
         # The same steps from the same states: exactly the sequential call.
         assert_bitwise_equal(f"y of token {token}", y[:, token], path_y[:, -1])
         assert_bitwise_equal(f"state of token {token}", node_states[token], path_state)

@@ -108,16 +108,25 @@ def test_patched_model_matches_mlx_lm_logits_and_greedy_tokens(kind):
     model = build(kind, 1)
     prompt = tokens(2, (1, 37))
     expected_logits = model(prompt)
-    expected_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                         sampler=lambda x: mx.argmax(x, -1))]
+    expected_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert patch_mlx_lm(model) == 3
     assert all(
-        isinstance(l.linear_attn, (GatedDeltaNet, Qwen35GatedDeltaNet))
-        for l in model.layers if l.is_linear
+        isinstance(layer.linear_attn, (GatedDeltaNet, Qwen35GatedDeltaNet))
+        for layer in model.layers
+        if layer.is_linear
     )
     check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
-    got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                    sampler=lambda x: mx.argmax(x, -1))]
+    got_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert got_tokens == expected_tokens
 
 
@@ -131,8 +140,9 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(kind):
     pieces = [model(sequence[:, :17], cache=cache)]
     for t in range(17, 24):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
-    check("logits", mx.concatenate(pieces, axis=1), full,
-          "layer.self_consistency.v2.float32.logits")
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
 
 
 @pytest.mark.parametrize("length", (63, 64, 65, 127, 128))

@@ -37,8 +37,7 @@ def patched(kind, seed, noise=0.0):
     patch_mlx_lm(model)
     if noise:
         mx.random.seed(seed + 1000)
-        model.update(tree_map(lambda p: p + noise * mx.random.normal(p.shape),
-                              model.parameters()))
+        model.update(tree_map(lambda p: p + noise * mx.random.normal(p.shape), model.parameters()))
         mx.eval(model.parameters())
     return model
 
@@ -46,9 +45,18 @@ def patched(kind, seed, noise=0.0):
 def attention_draft(seed):
     """A tiny random llama with the test vocabulary: a pure-attention draft."""
     mx.random.seed(seed)
-    model = llama.Model(llama.ModelArgs(
-        model_type="llama", hidden_size=32, num_hidden_layers=2, intermediate_size=64,
-        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=VOCAB))
+    model = llama.Model(
+        llama.ModelArgs(
+            model_type="llama",
+            hidden_size=32,
+            num_hidden_layers=2,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            rms_norm_eps=1e-5,
+            vocab_size=VOCAB,
+        )
+    )
     mx.eval(model.parameters())
     return model
 
@@ -95,15 +103,23 @@ def test_trim_then_refeed_equals_a_fresh_cache(kind, data):
 
 @pytest.mark.parametrize("kind", KINDS)
 @settings(deadline=None, max_examples=6)
-@given(draft_kind=st.sampled_from(("attention", "hybrid")),
-       noise=st.sampled_from((0.0, 0.003, 0.01)),
-       draft_tokens=st.integers(1, 5), prompt_seed=st.integers(0, 1000))
-def test_speculative_decoding_yields_the_greedy_tokens(kind, draft_kind, noise, draft_tokens,
-                                                       prompt_seed):
+@given(
+    draft_kind=st.sampled_from(("attention", "hybrid")),
+    noise=st.sampled_from((0.0, 0.003, 0.01)),
+    draft_tokens=st.integers(1, 5),
+    prompt_seed=st.integers(0, 1000),
+)
+def test_speculative_decoding_yields_the_greedy_tokens(
+    kind, draft_kind, noise, draft_tokens, prompt_seed
+):
     target = patched(kind, 1)
     draft = attention_draft(5) if draft_kind == "attention" else patched(kind, 1, noise)
     prompt = tokens(prompt_seed, (20,))
     greedy = [int(t) for t, _ in generate_step(prompt, target, max_tokens=16, sampler=argmax)]
-    speculative = [int(t) for t, _, _ in speculative_generate_step(
-        prompt, target, draft, num_draft_tokens=draft_tokens, max_tokens=16, sampler=argmax)]
+    speculative = [
+        int(t)
+        for t, _, _ in speculative_generate_step(
+            prompt, target, draft, num_draft_tokens=draft_tokens, max_tokens=16, sampler=argmax
+        )
+    ]
     assert speculative == greedy

@@ -26,9 +26,11 @@ def compare_segment(name, results):
     _, case = make_case(name)
     dtype = case.recipe["dtype"]
     expected = dict(zip(("out", "conv_state_out", "state_out"), case.reference()))
-    contracts = {"out": f"segment.oracle.v2.{dtype}.output",
-                 "conv_state_out": "segment.oracle.v1.any.conv_state",
-                 "state_out": "segment.oracle.v2.float32.state"}
+    contracts = {
+        "out": f"segment.oracle.v2.{dtype}.output",
+        "conv_state_out": "segment.oracle.v1.any.conv_state",
+        "state_out": "segment.oracle.v2.float32.state",
+    }
     errors = []
     for buffer, contract_id in contracts.items():
         raw = results[f"{name}/{buffer}"].tobytes()
@@ -37,8 +39,9 @@ def compare_segment(name, results):
         else:
             actual = metal_emulated._activation_values(raw, dtype)
         actual = actual.reshape(expected[buffer].shape)
-        error = assert_matches(buffer, actual, expected[buffer], contract_id,
-                               CONTRACTS[contract_id].fingerprint)
+        error = assert_matches(
+            buffer, actual, expected[buffer], contract_id, CONTRACTS[contract_id].fingerprint
+        )
         errors.append(f"{buffer} {error:.2e} (<= {CONTRACTS[contract_id].threshold:g})")
     return f"{name:36s} " + ", ".join(errors)
 
@@ -58,19 +61,30 @@ def compare_checkpoints(name, results):
     algorithm, case = make_case(name)
     dtype = case.recipe["dtype"]
     if source in SEGMENT_CASES:
-        outputs = gated_delta_segment(*case.args(), algorithm=algorithm, stream=mx.cpu,
-                                      checkpoints=checkpoints, **case.options)
+        outputs = gated_delta_segment(
+            *case.args(),
+            algorithm=algorithm,
+            stream=mx.cpu,
+            checkpoints=checkpoints,
+            **case.options,
+        )
         # Conv states are copies of input rows: exact.
         conv = metal_emulated._activation_values(
-            results[f"{name}/conv_checkpoint_states"].tobytes(), dtype)
+            results[f"{name}/conv_checkpoint_states"].tobytes(), dtype
+        )
         expected_conv = np.array(outputs[3].astype(mx.float32))
         if not np.array_equal(conv.reshape(expected_conv.shape), expected_conv):
             raise AssertionError("conv_checkpoint_states differ")
         expected = {"checkpoint_states": outputs[4], "state_out": outputs[2]}
     else:
-        y, state, states = gated_delta_rule(*case.args(), algorithm=algorithm, stream=mx.cpu,
-                                            checkpoints=checkpoints, parents=parents,
-                                            **case.options)
+        y, state, states = gated_delta_rule(
+            *case.args(),
+            algorithm=algorithm,
+            stream=mx.cpu,
+            checkpoints=checkpoints,
+            parents=parents,
+            **case.options,
+        )
         expected = {"checkpoint_states": states, "state_out": state}
     errors = []
     for buffer, value in expected.items():
@@ -123,8 +137,10 @@ def main(path):
         try:
             error_y = assert_matches("y", y, expected_y, output_id, output_print)
             error_state = assert_matches("state", state, expected_state, state_id, state_print)
-            print(f"{name:32s} y max_rel {error_y:.2e} (<= {CONTRACTS[output_id].threshold:g}), "
-                  f"state max_rel {error_state:.2e} (<= {CONTRACTS[state_id].threshold:g})")
+            print(
+                f"{name:32s} y max_rel {error_y:.2e} (<= {CONTRACTS[output_id].threshold:g}), "
+                f"state max_rel {error_state:.2e} (<= {CONTRACTS[state_id].threshold:g})"
+            )
         except AssertionError as error:
             print(f"{name}: FAILED {error}")
             failures += 1
