@@ -1,9 +1,9 @@
 #include "core/core_op.h"
 
 #include "core/core_params.h"
+#include "core/core_primitive.h"
 #include "core/dispatch.h"
 #include "mlx/ops.h"
-#include "core/core_primitive.h"
 #include "validation/arguments.h"
 
 namespace mx = mlx::core;
@@ -44,21 +44,25 @@ std::vector<mx::array> gated_delta_rule(
     parent_indices = check_parents(*parents, p.tokens, requested);
     p.has_tree = true;
   }
-  const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
+  const mx::Shape state_shape = {
+      p.batch, p.value_heads, p.value_dim, p.key_dim};
 
   auto stream = mx::to_stream(s);
   mx::array initial_state =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
   if (p.tokens == 0) {  // no checkpoint fits in no tokens
-    std::vector<mx::array> empty = {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
+    std::vector<mx::array> empty = {
+        mx::zeros(v.shape(), v.dtype(), stream), initial_state};
     if (checkpoints) {
       empty.push_back(mx::zeros(
-          {0, p.batch, p.value_heads, p.value_dim, p.key_dim}, mx::float32, stream));
+          {0, p.batch, p.value_heads, p.value_dim, p.key_dim},
+          mx::float32,
+          stream));
     }
     return empty;
   }
-  const Algorithm resolved = (requested == Algorithm::Auto &&
-                              stream.device == mx::Device::cpu)
+  const Algorithm resolved =
+      (requested == Algorithm::Auto && stream.device == mx::Device::cpu)
       ? resolve_cpu_algorithm(p)
       : requested;
 
@@ -77,9 +81,10 @@ std::vector<mx::array> gated_delta_rule(
   std::vector<mx::Shape> shapes = {v.shape(), state_shape};
   std::vector<mx::Dtype> dtypes = {v.dtype(), mx::float32};
   if (checkpoints) {
-    inputs.push_back(mx::array(
-        positions.begin(), {p.checkpoint_count}, mx::int32));
-    shapes.push_back({p.checkpoint_count, p.batch, p.value_heads, p.value_dim, p.key_dim});
+    inputs.push_back(
+        mx::array(positions.begin(), {p.checkpoint_count}, mx::int32));
+    shapes.push_back(
+        {p.checkpoint_count, p.batch, p.value_heads, p.value_dim, p.key_dim});
     dtypes.push_back(mx::float32);
   }
   if (parents) {
@@ -90,11 +95,18 @@ std::vector<mx::array> gated_delta_rule(
     inputs.push_back(mx::astype(*linear_gate, mx::float32, stream));
   }
   return mx::array::make_arrays(
-      shapes, dtypes,
+      shapes,
+      dtypes,
       std::make_shared<GatedDeltaRule>(
-          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask,
-          p.has_tree ? Algorithm::Recurrent : resolved, checkpoints.has_value(),
-          p.has_tree, linear_gate.has_value()),
+          stream,
+          p.scale,
+          p.head_mapping,
+          p.normalize_qk,
+          p.has_mask,
+          p.has_tree ? Algorithm::Recurrent : resolved,
+          checkpoints.has_value(),
+          p.has_tree,
+          linear_gate.has_value()),
       inputs);
 }
 

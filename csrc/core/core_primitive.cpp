@@ -3,12 +3,12 @@
 #include <stdexcept>
 
 #include "core/backward_primitive.h"
+#include "core/dispatch.h"
+#include "core/vmap_fold.h"
 #include "cpu/core.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "core/dispatch.h"
-#include "core/vmap_fold.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"
@@ -48,11 +48,19 @@ void run_cpu(
     mx::array* checkpoint_states,
     const mx::array* parents) {
   cpu::gated_delta_forward<T>(
-      p, algorithm,
+      p,
+      algorithm,
       cpu::contiguous_buffers<T>(
-          p, q.data<T>(), k.data<T>(), v.data<T>(), g.data<float>(),
-          beta.data<float>(), mask ? mask->data<bool>() : nullptr,
-          state.data<float>(), y.data<T>(), state_out.data<float>(),
+          p,
+          q.data<T>(),
+          k.data<T>(),
+          v.data<T>(),
+          g.data<float>(),
+          beta.data<float>(),
+          mask ? mask->data<bool>() : nullptr,
+          state.data<float>(),
+          y.data<T>(),
+          state_out.data<float>(),
           checkpoints ? checkpoints->data<int>() : nullptr,
           checkpoint_states ? checkpoint_states->data<float>() : nullptr,
           parents ? parents->data<int>() : nullptr));
@@ -65,19 +73,20 @@ GatedDeltaParams GatedDeltaRule::params_for(
   GatedDeltaParams p;
   const auto& q = inputs[kQ];
   const auto& v = inputs[kV];
-  p.set_shape({q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
+  p.set_shape(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
   p.scale = scale_;
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
-  p.checkpoint_count = has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
+  p.checkpoint_count =
+      has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
   p.has_tree = has_tree_;
   return p;
 }
 
 void GatedDeltaRule::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
   for (auto& output : outputs) {
     output.set_data(mx::allocator::malloc(output.nbytes()));
@@ -95,54 +104,94 @@ void GatedDeltaRule::eval_cpu(
   const bool with_checkpoints = p.checkpoint_count > 0;
   const Algorithm algorithm =
       algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(p) : algorithm_;
-  encoder.dispatch([p,
-                    algorithm,
-                    q = mx::array::unsafe_weak_copy(inputs[kQ]),
-                    k = mx::array::unsafe_weak_copy(inputs[kK]),
-                    v = mx::array::unsafe_weak_copy(inputs[kV]),
-                    g = mx::array::unsafe_weak_copy(inputs[kG]),
-                    beta = mx::array::unsafe_weak_copy(inputs[kBeta]),
-                    state = mx::array::unsafe_weak_copy(inputs[kState]),
-                    mask = p.has_mask
-                        ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
-                        : std::nullopt,
-                    checkpoints = with_checkpoints
-                        ? std::optional(mx::array::unsafe_weak_copy(
-                              inputs[checkpoints_input(p.has_mask)]))
-                        : std::nullopt,
-                    y = mx::array::unsafe_weak_copy(y),
-                    state_out = mx::array::unsafe_weak_copy(state_out),
-                    checkpoint_states = with_checkpoints
-                        ? std::optional(mx::array::unsafe_weak_copy(outputs[2]))
-                        : std::nullopt,
-                    parents = p.has_tree
-                        ? std::optional(mx::array::unsafe_weak_copy(
-                              inputs[parents_input(p.has_mask, has_checkpoints_)]))
-                        : std::nullopt]() mutable {
-    const mx::array* mask_ptr = mask ? &*mask : nullptr;
-    const mx::array* checkpoints_ptr = checkpoints ? &*checkpoints : nullptr;
-    mx::array* checkpoint_states_ptr = checkpoint_states ? &*checkpoint_states : nullptr;
-    const mx::array* parents_ptr = parents ? &*parents : nullptr;
-    switch (v.dtype()) {
-      case mx::float32:
-        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
-                       checkpoints_ptr, y, state_out, checkpoint_states_ptr,
-                       parents_ptr);
-        break;
-      case mx::float16:
-        run_cpu<mx::float16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
-                               checkpoints_ptr, y, state_out, checkpoint_states_ptr,
-                       parents_ptr);
-        break;
-      case mx::bfloat16:
-        run_cpu<mx::bfloat16_t>(p, algorithm, q, k, v, g, beta, state, mask_ptr,
-                                checkpoints_ptr, y, state_out, checkpoint_states_ptr,
-                       parents_ptr);
-        break;
-      default:
-        throw std::runtime_error("GatedDeltaRule: unsupported activation dtype");
-    }
-  });
+  encoder.dispatch(
+      [p,
+       algorithm,
+       q = mx::array::unsafe_weak_copy(inputs[kQ]),
+       k = mx::array::unsafe_weak_copy(inputs[kK]),
+       v = mx::array::unsafe_weak_copy(inputs[kV]),
+       g = mx::array::unsafe_weak_copy(inputs[kG]),
+       beta = mx::array::unsafe_weak_copy(inputs[kBeta]),
+       state = mx::array::unsafe_weak_copy(inputs[kState]),
+       mask = p.has_mask
+           ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
+           : std::nullopt,
+       checkpoints = with_checkpoints
+           ? std::optional(mx::array::unsafe_weak_copy(
+                 inputs[checkpoints_input(p.has_mask)]))
+           : std::nullopt,
+       y = mx::array::unsafe_weak_copy(y),
+       state_out = mx::array::unsafe_weak_copy(state_out),
+       checkpoint_states = with_checkpoints
+           ? std::optional(mx::array::unsafe_weak_copy(outputs[2]))
+           : std::nullopt,
+       parents = p.has_tree
+           ? std::optional(mx::array::unsafe_weak_copy(
+                 inputs[parents_input(p.has_mask, has_checkpoints_)]))
+           : std::nullopt]() mutable {
+        const mx::array* mask_ptr = mask ? &*mask : nullptr;
+        const mx::array* checkpoints_ptr =
+            checkpoints ? &*checkpoints : nullptr;
+        mx::array* checkpoint_states_ptr =
+            checkpoint_states ? &*checkpoint_states : nullptr;
+        const mx::array* parents_ptr = parents ? &*parents : nullptr;
+        switch (v.dtype()) {
+          case mx::float32:
+            run_cpu<float>(
+                p,
+                algorithm,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state,
+                mask_ptr,
+                checkpoints_ptr,
+                y,
+                state_out,
+                checkpoint_states_ptr,
+                parents_ptr);
+            break;
+          case mx::float16:
+            run_cpu<mx::float16_t>(
+                p,
+                algorithm,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state,
+                mask_ptr,
+                checkpoints_ptr,
+                y,
+                state_out,
+                checkpoint_states_ptr,
+                parents_ptr);
+            break;
+          case mx::bfloat16:
+            run_cpu<mx::bfloat16_t>(
+                p,
+                algorithm,
+                q,
+                k,
+                v,
+                g,
+                beta,
+                state,
+                mask_ptr,
+                checkpoints_ptr,
+                y,
+                state_out,
+                checkpoint_states_ptr,
+                parents_ptr);
+            break;
+          default:
+            throw std::runtime_error(
+                "GatedDeltaRule: unsupported activation dtype");
+        }
+      });
 }
 
 void GatedDeltaRule::eval_gpu(
@@ -152,7 +201,8 @@ void GatedDeltaRule::eval_gpu(
   // The linear gate, when present, is the last input and for the vjp only.
   const std::vector<mx::array> kernel_inputs(
       inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
-  metal::eval_core_gpu(params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
+  metal::eval_core_gpu(
+      params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
@@ -172,8 +222,15 @@ std::vector<mx::array> GatedDeltaRule::vjp(
         "checkpoints or parents (serving calls); differentiate a call without them.");
   }
   return gated_delta_rule_vjp(
-      stream(), scale_, head_mapping_, normalize_qk_, has_mask_, has_linear_gate_,
-      primals, cotangents, argnums);
+      stream(),
+      scale_,
+      head_mapping_,
+      normalize_qk_,
+      has_mask_,
+      has_linear_gate_,
+      primals,
+      cotangents,
+      argnums);
 }
 
 std::vector<mx::array> GatedDeltaRule::jvp(
@@ -188,14 +245,15 @@ std::vector<mx::array> GatedDeltaRule::jvp(
 // Every input of the core op carries the batch: each mapped axis folds into
 // it (core/vmap_fold.h).
 std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
-    const std::vector<mx::array>& inputs,
-    const std::vector<int>& axes) {
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
   const int size = vmap_size(inputs, axes);
   // The checkpoint positions and the parents are the same for every mapped
   // call: they are not folded (and may not be mapped).
   std::vector<bool> unfolded(inputs.size(), false);
-  if (has_checkpoints_) unfolded[checkpoints_input(has_mask_)] = true;
-  if (has_tree_) unfolded[parents_input(has_mask_, has_checkpoints_)] = true;
+  if (has_checkpoints_)
+    unfolded[checkpoints_input(has_mask_)] = true;
+  if (has_tree_)
+    unfolded[parents_input(has_mask_, has_checkpoints_)] = true;
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!unfolded[i]) {
@@ -209,13 +267,21 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
     }
   }
   std::vector<mx::Dtype> dtypes = {folded[kV].dtype(), mx::float32};
-  if (has_checkpoints_) dtypes.push_back(mx::float32);
+  if (has_checkpoints_)
+    dtypes.push_back(mx::float32);
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
       dtypes,
       std::make_shared<GatedDeltaRule>(
-          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_,
-          has_checkpoints_, has_tree_, has_linear_gate_),
+          stream(),
+          scale_,
+          head_mapping_,
+          normalize_qk_,
+          has_mask_,
+          algorithm_,
+          has_checkpoints_,
+          has_tree_,
+          has_linear_gate_),
       folded);
   // y and the state lead with the batch; the checkpoint states with the
   // checkpoint, then the batch.
@@ -245,7 +311,8 @@ std::vector<mx::Shape> GatedDeltaRule::output_shapes(
   if (has_checkpoints_) {
     mx::Shape checkpoint_shape = inputs[kState].shape();
     checkpoint_shape.insert(
-        checkpoint_shape.begin(), inputs[checkpoints_input(has_mask_)].shape(0));
+        checkpoint_shape.begin(),
+        inputs[checkpoints_input(has_mask_)].shape(0));
     shapes.push_back(checkpoint_shape);
   }
   return shapes;

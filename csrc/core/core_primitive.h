@@ -68,7 +68,8 @@ class GatedDeltaRule : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs) override;
 
   // The params of one call, read off the input shapes.
-  GatedDeltaParams params_for(const std::vector<mlx::core::array>& inputs) const;
+  GatedDeltaParams params_for(
+      const std::vector<mlx::core::array>& inputs) const;
 
  private:
   float scale_;

@@ -15,19 +15,19 @@ namespace {
 // (mlx_gated_delta/reference.py) name the same way (docs/numerics.md has the
 // math and the stage table):
 //   qk_norm        q, k rows loaded as float32 (and L2-normalised)
-//   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: chunk start)
-//   k_gram         K K^T (lower triangle)
-//   chunk_qk       Q K^T (lower triangle)
-//   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i);  T = (I + A)^-1
-//   recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
+//   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: chunk
+//   start) k_gram         K K^T (lower triangle) chunk_qk       Q K^T (lower
+//   triangle) kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i);  T = (I
+//   + A)^-1 recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
 //   chunk_carry    V' = U - W S0^T (the true deltas), the inter-chunk output
 //                  decay(i,-1) S0 q_i, and (chunk_carry_state, after
 //                  chunk_output) S_end = decay(L-1,-1) S0
 //                  + sum_j decay(L-1, j) V'_j k_j^T
 //   chunk_output   y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
 //   chunk_checkpoint  (only with checkpoints) the state after i tokens of the
-//                  chunk, decay(i-1,-1) S0 + sum_{j<i} decay(i-1, j) V'_j k_j^T:
-//                  chunk_carry's exit state cut at i (at i = L it is that state)
+//                  chunk, decay(i-1,-1) S0 + sum_{j<i} decay(i-1, j) V'_j
+//                  k_j^T: chunk_carry's exit state cut at i (at i = L it is
+//                  that state)
 // Every stage is a product of small matrices (small_gemm.h). The state is held
 // transposed ([Dk, Dv]) while a problem runs, so that it is the row-major
 // right-hand operand of the products that read and update it.
@@ -120,8 +120,13 @@ void fill_zero(std::vector<float>& values) {
   std::fill(values.begin(), values.end(), 0.0f);
 }
 
-void transpose(const float* in, int rows, int cols, int64_t ld_in, float* out,
-               int64_t ld_out) {
+void transpose(
+    const float* in,
+    int rows,
+    int cols,
+    int64_t ld_in,
+    float* out,
+    int64_t ld_out) {
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) {
       out[c * ld_out + r] = in[r * ld_in + c];
@@ -133,8 +138,12 @@ void transpose(const float* in, int rows, int cols, int64_t ld_in, float* out,
 // The rows are copied first and normalised after: a copy loop keeps many
 // rows' loads in flight, where a per-row norm would wait on each row.
 template <typename T>
-void qk_norm(const GatedDeltaParams& p, const HeadView<T>& h, int start, int L,
-             ChunkScratch& s) {
+void qk_norm(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   const int dk = p.key_dim;
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
@@ -156,16 +165,34 @@ void k_gram(int dk, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
   fill_zero(s.k_gram);
-  gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
-       s.k_gram.data(), C, Triangle::LowerC);
+  gemm(
+      L,
+      L,
+      dk,
+      1.0f,
+      {s.k.data(), dk, 1},
+      s.k_transposed.data(),
+      C,
+      s.k_gram.data(),
+      C,
+      Triangle::LowerC);
 }
 
 // chunk_qk: the undecayed Q K^T (lower triangle), once per key head.
 void chunk_qk(int dk, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   fill_zero(s.qk);
-  gemm(L, L, dk, 1.0f, {s.q.data(), dk, 1}, s.k_transposed.data(), C,
-       s.qk.data(), C, Triangle::LowerC);
+  gemm(
+      L,
+      L,
+      dk,
+      1.0f,
+      {s.q.data(), dk, 1},
+      s.k_transposed.data(),
+      C,
+      s.qk.data(),
+      C,
+      Triangle::LowerC);
 }
 
 // gate_cumsum: one value head's gates and betas for the chunk, and its decay
@@ -205,8 +232,12 @@ void kkt_inverse(int L, ChunkScratch& s) {
 
 // recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
 template <typename T>
-void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
-                   int L, ChunkScratch& s) {
+void recompute_w_u(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   const int dk = p.key_dim, dv = p.value_dim;
   for (int i = 0; i < L; ++i) {
     load_vector(h.v + (start + i) * h.v_token_stride, &s.scaled_v[i * dv], dv);
@@ -224,18 +255,36 @@ void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
   }
   const MatrixA t_rows{s.inverse.data(), kChunkSize, 1};
   fill_zero(s.u);
-  gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv,
-       Triangle::LowerA);
+  gemm(
+      L,
+      dv,
+      L,
+      1.0f,
+      t_rows,
+      s.scaled_v.data(),
+      dv,
+      s.u.data(),
+      dv,
+      Triangle::LowerA);
   fill_zero(s.w);
-  gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk,
-       Triangle::LowerA);
+  gemm(
+      L,
+      dk,
+      L,
+      1.0f,
+      t_rows,
+      s.scaled_k.data(),
+      dk,
+      s.w.data(),
+      dk,
+      Triangle::LowerA);
 }
 
 // chunk_carry, in two steps around chunk_output. The first: V' = U - W S0^T
 // (the deltas, now that the entry state is known) and the inter-chunk output
 // decay(i,-1) S0 q_i.
-void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
-                 const float* state_t) {
+void chunk_carry(
+    const GatedDeltaParams& p, int L, ChunkScratch& s, const float* state_t) {
   const int dk = p.key_dim, dv = p.value_dim;
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
@@ -252,8 +301,8 @@ void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
 // The second: the exit state S_end^T = decay(L-1,-1) S0^T
 // + (diag(decay(L-1, j)) K)^T V'. It runs after chunk_output, which reads the
 // output rows chunk_carry just wrote while they are still in cache.
-void chunk_carry_state(const GatedDeltaParams& p, int L, ChunkScratch& s,
-                       float* state_t) {
+void chunk_carry_state(
+    const GatedDeltaParams& p, int L, ChunkScratch& s, float* state_t) {
   const int dk = p.key_dim, dv = p.value_dim;
   const float chunk_decay = s.decays.from_start(L - 1);
   for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
@@ -265,15 +314,19 @@ void chunk_carry_state(const GatedDeltaParams& p, int L, ChunkScratch& s,
       s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
     }
   }
-  gemm(dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t,
-       dv);
+  gemm(
+      dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t, dv);
 }
 
 // chunk_output: y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j);
 // a masked token's output row is written as 0.
 template <typename T>
-void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
-                  int L, ChunkScratch& s) {
+void chunk_output(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   const int dv = p.value_dim;
   constexpr int C = kChunkSize;
   for (int i = 0; i < L; ++i) {
@@ -282,8 +335,17 @@ void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
       s.qk_decayed[i * C + j] = s.decay[i * C + j] * s.qk[i * C + j];
     }
   }
-  gemm(L, dv, L, 1.0f, {s.qk_decayed.data(), C, 1}, s.u.data(), dv,
-       s.y.data(), dv, Triangle::LowerA);
+  gemm(
+      L,
+      dv,
+      L,
+      1.0f,
+      {s.qk_decayed.data(), C, 1},
+      s.u.data(),
+      dv,
+      s.y.data(),
+      dv,
+      Triangle::LowerA);
   for (int i = 0; i < L; ++i) {
     T* y = h.y + (start + i) * h.y_token_stride;
     if (!s.active[i]) {
@@ -302,12 +364,20 @@ void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
 // written untransposed ([Dv, Dk]) to the checkpoint's slot. Returns the index
 // of the first checkpoint past the chunk.
 template <typename T>
-int chunk_checkpoint(const GatedDeltaParams& p, const HeadView<T>& h, int start,
-                     int L, int next, const float* entry_t, ChunkScratch& s,
-                     std::vector<float>& cut_t) {
+int chunk_checkpoint(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    int next,
+    const float* entry_t,
+    ChunkScratch& s,
+    std::vector<float>& cut_t) {
   const int dk = p.key_dim, dv = p.value_dim;
-  for (; next < h.checkpoint_count && h.checkpoints[next] <= start + L; ++next) {
-    const int i = h.checkpoints[next] - start;  // tokens of the chunk before the cut
+  for (; next < h.checkpoint_count && h.checkpoints[next] <= start + L;
+       ++next) {
+    const int i =
+        h.checkpoints[next] - start;  // tokens of the chunk before the cut
     const float entry_decay = s.decays.from_start(i - 1);
     for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
       cut_t[e] = entry_decay * entry_t[e];
@@ -318,7 +388,16 @@ int chunk_checkpoint(const GatedDeltaParams& p, const HeadView<T>& h, int start,
         s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
       }
     }
-    gemm(dk, dv, i, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, cut_t.data(), dv);
+    gemm(
+        dk,
+        dv,
+        i,
+        1.0f,
+        {s.scaled_k.data(), 1, dk},
+        s.u.data(),
+        dv,
+        cut_t.data(),
+        dv);
     transpose(cut_t.data(), dk, dv, dv, checkpoint_slot(h, next), dk);
   }
   return next;
@@ -328,9 +407,7 @@ int chunk_checkpoint(const GatedDeltaParams& p, const HeadView<T>& h, int start,
 
 template <typename T>
 void chunked_heads(
-    const GatedDeltaParams& p,
-    const HeadView<T>* heads,
-    int head_count) {
+    const GatedDeltaParams& p, const HeadView<T>* heads, int head_count) {
   ChunkScratch s(p.key_dim, p.value_dim);
   const int dk = p.key_dim, dv = p.value_dim;
   constexpr int C = kChunkSize;
@@ -340,7 +417,8 @@ void chunked_heads(
   std::vector<float> states(size_t(head_count) * dk * dv, 0.0f);
   for (int n = 0; n < head_count; ++n) {
     if (heads[n].state_in) {
-      transpose(heads[n].state_in, dv, dk, dk, &states[size_t(n) * dk * dv], dv);
+      transpose(
+          heads[n].state_in, dv, dk, dk, &states[size_t(n) * dk * dv], dv);
     }
   }
 
@@ -367,7 +445,8 @@ void chunked_heads(
       gate_cumsum(h, start, L, s);
       kkt_inverse(L, s);
       recompute_w_u(p, h, start, L, s);
-      const bool checkpoint_in_chunk = next_checkpoint[n] < h.checkpoint_count &&
+      const bool checkpoint_in_chunk =
+          next_checkpoint[n] < h.checkpoint_count &&
           h.checkpoints[next_checkpoint[n]] <= start + L;
       if (checkpoint_in_chunk) {
         std::copy(state_t, state_t + size_t(dk) * dv, entry_t.begin());

@@ -14,9 +14,15 @@ namespace mlx_gated_delta::cpu {
 // One token's step: from the state at `source` to the state at `destination`
 // (they may be the same buffer), writing the token's output row.
 template <typename T>
-void recurrent_step(const GatedDeltaParams& p, const HeadView<T>& h, int t,
-                    const float* source, float* destination, float* q, float* k,
-                    float* v) {
+void recurrent_step(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int t,
+    const float* source,
+    float* destination,
+    float* q,
+    float* k,
+    float* v) {
   const int dk = p.key_dim, dv = p.value_dim;
   T* y = h.y + t * h.y_token_stride;
   load_qk_vector(h.q + t * h.qk_token_stride, q, dk, p.normalize_qk);
@@ -61,7 +67,8 @@ void tree_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     } else {
       recurrent_step(p, h, t, source, node, q.data(), k.data(), v.data());
     }
-    if (next_checkpoint < h.checkpoint_count && h.checkpoints[next_checkpoint] == t + 1) {
+    if (next_checkpoint < h.checkpoint_count &&
+        h.checkpoints[next_checkpoint] == t + 1) {
       copy_state(p, node, checkpoint_slot(h, next_checkpoint));
       ++next_checkpoint;
     }
@@ -90,7 +97,8 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
       source = h.state;
     }
     // A checkpoint is a copy of the state after its token, masked or not.
-    if (next_checkpoint < h.checkpoint_count && h.checkpoints[next_checkpoint] == t + 1) {
+    if (next_checkpoint < h.checkpoint_count &&
+        h.checkpoints[next_checkpoint] == t + 1) {
       copy_state(p, source, checkpoint_slot(h, next_checkpoint));
       ++next_checkpoint;
     }
@@ -100,7 +108,8 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
   }
 }
 
-template void recurrent_head<float>(const GatedDeltaParams&, const HeadView<float>&);
+template void recurrent_head<float>(
+    const GatedDeltaParams&, const HeadView<float>&);
 template void recurrent_head<mlx::core::float16_t>(
     const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&);
 template void recurrent_head<mlx::core::bfloat16_t>(

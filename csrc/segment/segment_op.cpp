@@ -1,7 +1,7 @@
 #include "segment/segment_op.h"
 
-#include "mlx/ops.h"
 #include "core/dispatch.h"
+#include "mlx/ops.h"
 #include "segment/segment_params.h"
 #include "segment/segment_primitive.h"
 #include "validation/arguments.h"
@@ -30,16 +30,24 @@ std::vector<mx::array> gated_delta_segment(
     mx::StreamOrDevice s,
     const std::optional<mx::array>& checkpoints) {
   SegmentParams p;
-  p.decay_parameterization = parse_decay_parameterization(decay_parameterization);
+  p.decay_parameterization =
+      parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
   const Algorithm requested = parse_algorithm(algorithm);
   p.has_mask = mask.has_value();
 
   check_segment_arguments(
       p,
-      {mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
-       conv_state, state, mask},
-      {0, 0, key_heads, value_heads, key_dim, value_dim}, norm_eps);
+      {mixed_qkvzba,
+       conv_weight,
+       decay_parameter,
+       dt_bias,
+       norm_weight,
+       conv_state,
+       state,
+       mask},
+      {0, 0, key_heads, value_heads, key_dim, value_dim},
+      norm_eps);
   std::vector<int> positions;
   if (checkpoints) {
     positions = check_checkpoints(*checkpoints, p.tokens);
@@ -57,12 +65,14 @@ std::vector<mx::array> gated_delta_segment(
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
   if (p.tokens == 0) {  // no checkpoint fits in no tokens
     std::vector<mx::array> empty = {
-        mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream), conv_state_in,
+        mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream),
+        conv_state_in,
         state_in};
     if (checkpoints) {
-      empty.push_back(mx::zeros({0, p.batch, p.conv_state_rows(), C}, dtype, stream));
       empty.push_back(
-          mx::zeros({0, p.batch, value_heads, value_dim, key_dim}, mx::float32, stream));
+          mx::zeros({0, p.batch, p.conv_state_rows(), C}, dtype, stream));
+      empty.push_back(mx::zeros(
+          {0, p.batch, value_heads, value_dim, key_dim}, mx::float32, stream));
     }
     return empty;
   }
@@ -88,21 +98,34 @@ std::vector<mx::array> gated_delta_segment(
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
   std::vector<mx::Shape> shapes = {
-      {p.batch, p.tokens, value_heads, value_dim}, conv_state_shape, state_shape};
+      {p.batch, p.tokens, value_heads, value_dim},
+      conv_state_shape,
+      state_shape};
   std::vector<mx::Dtype> dtypes = {dtype, dtype, mx::float32};
   if (checkpoints) {
-    inputs.push_back(mx::array(positions.begin(), {p.checkpoint_count}, mx::int32));
+    inputs.push_back(
+        mx::array(positions.begin(), {p.checkpoint_count}, mx::int32));
     shapes.push_back({p.checkpoint_count, p.batch, p.conv_state_rows(), C});
-    shapes.push_back({p.checkpoint_count, p.batch, value_heads, value_dim, key_dim});
+    shapes.push_back(
+        {p.checkpoint_count, p.batch, value_heads, value_dim, key_dim});
     dtypes.push_back(dtype);
     dtypes.push_back(mx::float32);
   }
   return mx::array::make_arrays(
-      shapes, dtypes,
+      shapes,
+      dtypes,
       std::make_shared<GatedDeltaSegment>(
-          stream, key_heads, value_heads, key_dim, value_dim,
-          p.decay_parameterization, p.head_mapping, p.norm_eps, p.has_mask,
-          resolved, checkpoints.has_value()),
+          stream,
+          key_heads,
+          value_heads,
+          key_dim,
+          value_dim,
+          p.decay_parameterization,
+          p.head_mapping,
+          p.norm_eps,
+          p.has_mask,
+          resolved,
+          checkpoints.has_value()),
       inputs);
 }
 

@@ -19,10 +19,16 @@ namespace mlx_gated_delta {
 std::string shape_string(const mlx::core::Shape& shape);
 std::string dtype_string(mlx::core::Dtype dtype);
 
-void check_rank(const std::string& name, const mlx::core::array& a, int rank,
-                const char* layout);
-void check_shape(const std::string& name, const mlx::core::array& a,
-                 const mlx::core::Shape& expected, const char* layout);
+void check_rank(
+    const std::string& name,
+    const mlx::core::array& a,
+    int rank,
+    const char* layout);
+void check_shape(
+    const std::string& name,
+    const mlx::core::array& a,
+    const mlx::core::Shape& expected,
+    const char* layout);
 void check_floating(const std::string& name, const mlx::core::array& a);
 
 // float32, float16 or bfloat16: the activation dtypes the kernels read.
@@ -30,22 +36,25 @@ bool is_activation_dtype(mlx::core::Dtype dtype);
 void check_activation_dtype(const std::string& name, const mlx::core::array& a);
 
 // A recurrent state: the given shape, float32.
-void check_state(const std::string& name, const mlx::core::array& state,
-                 const mlx::core::Shape& shape);
+void check_state(
+    const std::string& name,
+    const mlx::core::array& state,
+    const mlx::core::Shape& shape);
 // A mask: [B, T], bool.
 void check_mask(const mlx::core::array& mask, int batch, int tokens);
 
 // checkpoints: a 1-D integer array of strictly increasing token counts, each
 // in [1, tokens]. Reads the values (they fix the op's work, so they must be
 // concrete, not traced) and returns them.
-std::vector<int> check_checkpoints(const mlx::core::array& checkpoints, int tokens);
+std::vector<int> check_checkpoints(
+    const mlx::core::array& checkpoints, int tokens);
 
 // parents (tree verification): a 1-D integer array of T entries, entry t in
 // [-1, t - 1] (-1: the token follows the call's initial state). Reads the
 // values and returns them. A tree runs the recurrent form only: `algorithm`
 // must not be Chunked.
-std::vector<int> check_parents(const mlx::core::array& parents, int tokens,
-                               Algorithm algorithm);
+std::vector<int> check_parents(
+    const mlx::core::array& parents, int tokens, Algorithm algorithm);
 
 // How error messages name the gate and the state: the MLX-compatible entry
 // point calls them gamma and initial_state (and passes log(gamma) as g).
@@ -62,9 +71,11 @@ struct CoreArrays {
 
 // Every check of the core op's arguments; fills the shape and the scale of
 // `params` (the default scale is Dk ** -0.5).
-void check_core_arguments(GatedDeltaParams& params, const CoreArrays& arrays,
-                          std::optional<float> scale,
-                          const CoreArgumentNames& names);
+void check_core_arguments(
+    GatedDeltaParams& params,
+    const CoreArrays& arrays,
+    std::optional<float> scale,
+    const CoreArgumentNames& names);
 
 // The arrays of one segment op call, as the op received them.
 struct SegmentArrays {
@@ -75,7 +86,10 @@ struct SegmentArrays {
 
 // Every check of the segment op's arguments; fills the shape (from the
 // packed input and `heads`), conv_kernel and norm_eps of `params`.
-void check_segment_arguments(SegmentParams& params, const SegmentArrays& arrays,
-                             const ProblemShape& heads, float norm_eps);
+void check_segment_arguments(
+    SegmentParams& params,
+    const SegmentArrays& arrays,
+    const ProblemShape& heads,
+    float norm_eps);
 
 }  // namespace mlx_gated_delta
