@@ -18,18 +18,7 @@ namespace mlx_gated_delta {
 
 namespace {
 
-// The order of the primitive's inputs (segment_op.cpp builds them); the
-// checkpoints come after the mask, when there is one.
-enum SegmentInput {
-  kMixed = 0,
-  kConvWeight,
-  kDecayParameter,
-  kDtBias,
-  kNormWeight,
-  kConvState,
-  kState,
-  kMask
-};
+// The checkpoints come after the mask, when there is one.
 int checkpoints_input(bool has_mask) {
   return has_mask ? kMask + 1 : kMask;
 }

@@ -6,6 +6,18 @@
 
 namespace mlx_gated_delta {
 
+// The order of the segment primitive's inputs (segment_op.cpp builds them).
+enum SegmentInput {
+  kMixed = 0,
+  kConvWeight,
+  kDecayParameter,
+  kDtBias,
+  kNormWeight,
+  kConvState,
+  kState,
+  kMask
+};
+
 // Inputs: mixed_qkvzba [B, T, F], conv_weight [C, K] (float32),
 // decay_parameter [Hv] (float32), dt_bias [Hv] (float32), norm_weight [Dv]
 // (float32), conv_state [B, K-1, C] (activation dtype), state [B, Hv, Dv, Dk]

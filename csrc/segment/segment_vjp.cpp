@@ -29,17 +29,6 @@ namespace mlx_gated_delta {
 
 namespace {
 
-enum SegmentInput {
-  kMixed = 0,
-  kConvWeight,
-  kDecay,
-  kDtBias,
-  kNormWeight,
-  kConvState,
-  kState,
-  kMask
-};
-
 const char* head_mapping_name(HeadMapping mapping) {
   return mapping == HeadMapping::Grouped ? "grouped" : "interleaved";
 }
@@ -184,7 +173,7 @@ std::vector<mx::array> segment_composition(
   mx::array v = mx::reshape(
       mx::slice(qkv, {0, 0, 2 * qk_width}, {B, T, C}, s), {B, T, Hv, Dv}, s);
 
-  const mx::array& decay = primals[kDecay];
+  const mx::array& decay = primals[kDecayParameter];
   mx::array rate = p.decay_parameterization == DecayParameterization::LogRate
       ? mx::negative(mx::exp(decay, s), s)
       : decay;
