@@ -58,13 +58,22 @@ struct ProblemShape {
 // Everything that fixes the result of one core gated-delta call, except the
 // data. Layouts (all row-major, contiguous):
 //   q, k  [B, T, Hk, Dk]     v, y  [B, T, Hv, Dv]
-//   g, beta [B, T, Hv] (float32)   mask [B, T]
+//   g [B, T, Hv], or [B, T, Hv, Dk] with per_key_gates (float32)
+//   beta [B, T, Hv] (float32)   mask [B, T]
 //   state [B, Hv, Dv, Dk] (float32)
 struct GatedDeltaParams : ProblemShape {
   float scale = 1.0f;
   HeadMapping head_mapping = HeadMapping::Grouped;
   bool normalize_qk = false;
   bool has_mask = false;
+  // g holds one decay per key channel (Kimi Delta Attention): the state's
+  // column c decays by exp(g[t, h, c]) (docs/contract.md).
+  bool per_key_gates = false;
+
+  // g's elements per value head of one token: 1, or Dk with per-key gates.
+  int gate_width() const {
+    return per_key_gates ? key_dim : 1;
+  }
 
   int key_head_of(int value_head) const {
     return head_mapping == HeadMapping::Grouped

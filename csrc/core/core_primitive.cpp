@@ -55,6 +55,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
+  p.per_key_gates = inputs[kG].ndim() == 4;
   return p;
 }
 

@@ -3,6 +3,13 @@
 namespace mlx_gated_delta {
 
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
+  // Per-key gates: the chunked form builds its grams pair by pair (a decay
+  // per channel cannot be applied after the product), and its entry-state
+  // share is less accurate than the recurrence's when strong and weak
+  // channels meet a large state (docs/numerics.md).
+  if (params.per_key_gates) {
+    return Algorithm::Recurrent;
+  }
   constexpr int kChunkedMinTokens = 48;
   return params.tokens < kChunkedMinTokens ? Algorithm::Recurrent
                                            : Algorithm::Chunked;

@@ -15,6 +15,10 @@ template <typename T>
 void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
   const int dk = p.key_dim, dv = p.value_dim;
   std::vector<float> q(dk), k(dk), v(dv);
+  // Per-key gates: the decay of each state column, and k scaled by it (the
+  // prediction reads the decayed state: sum_c S_rc exp(g_c) k_c).
+  std::vector<float> decays(p.per_key_gates ? dk : 0);
+  std::vector<float> decayed_k(p.per_key_gates ? dk : 0);
   if (!h.state_in) {
     copy_initial_state(p, nullptr, h.state);
   }
@@ -28,19 +32,37 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     load_qk_vector(h.q + t * h.qk_token_stride, q.data(), dk, p.normalize_qk);
     load_qk_vector(h.k + t * h.qk_token_stride, k.data(), dk, p.normalize_qk);
     load_vector(h.v + t * h.v_token_stride, v.data(), dv);
-    const float decay = std::exp(h.g[t * h.gate_token_stride]);
+    const float* g = h.g + t * h.g_token_stride;
     const float beta = h.beta[t * h.gate_token_stride];
+    if (p.per_key_gates) {
+      for (int c = 0; c < dk; ++c) {
+        decays[c] = std::exp(g[c]);  // g = -inf: exactly 0, a wipe of column c
+        decayed_k[c] = decays[c] * k[c];
+      }
+    }
+    const float decay = p.per_key_gates ? 0.0f : std::exp(g[0]);
     for (int r = 0; r < dv; ++r) {
       const float* old_row = source + int64_t(r) * dk;
       float* row = h.state + int64_t(r) * dk;
-      const float predicted = decay * dot(old_row, k.data(), dk);
+      const float predicted = p.per_key_gates
+          ? dot(old_row, decayed_k.data(), dk)
+          : decay * dot(old_row, k.data(), dk);
       const float delta = beta * (v[r] - predicted);
       float readout = 0.0f;
+      if (p.per_key_gates) {
 #pragma omp simd reduction(+ : readout)
-      for (int c = 0; c < dk; ++c) {
-        const float updated = decay * old_row[c] + delta * k[c];
-        row[c] = updated;
-        readout += updated * q[c];
+        for (int c = 0; c < dk; ++c) {
+          const float updated = decays[c] * old_row[c] + delta * k[c];
+          row[c] = updated;
+          readout += updated * q[c];
+        }
+      } else {
+#pragma omp simd reduction(+ : readout)
+        for (int c = 0; c < dk; ++c) {
+          const float updated = decay * old_row[c] + delta * k[c];
+          row[c] = updated;
+          readout += updated * q[c];
+        }
       }
       y[r] = T(p.scale * readout);
     }
@@ -50,7 +72,6 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     copy_initial_state(p, source, h.state);
   }
 }
-
 
 template void recurrent_head<float>(const GatedDeltaParams&, const HeadView<float>&);
 template void recurrent_head<mlx::core::float16_t>(

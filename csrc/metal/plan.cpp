@@ -113,6 +113,11 @@ struct PlanBuilder {
 
   PlanBuilder(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype)
       : p(params), core_dtype(dtype) {
+    if (p.per_key_gates) {
+      throw std::invalid_argument(
+          "mlx_gated_delta: per-key-channel gates (g of shape [B, T, Hv, Dk]) have "
+          "no Metal kernels yet; run the op on the CPU (stream=mx.cpu).");
+    }
     plan.algorithm = algorithm == Algorithm::Auto ? resolve_metal_algorithm(p) : algorithm;
     plan.dtype = dtype;
     B = p.batch;
