@@ -69,6 +69,7 @@ GatedDeltaParams GatedDeltaRuleVJP::params_for(
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
+  p.per_key_gates = inputs[kG].ndim() == 4;
   return p;
 }
 
@@ -177,12 +178,6 @@ std::vector<mx::array> gated_delta_rule_vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums) {
-  if (primals[kG].ndim() == 4) {
-    throw std::invalid_argument(
-        "mlx_gated_delta: the gradient of gated_delta_rule with per-key-channel "
-        "gates (g or gamma of shape [B, T, Hv, Dk]) is not implemented yet; "
-        "use gates of shape [B, T, Hv] to differentiate.");
-  }
   const mx::Dtype activation = primals[kV].dtype();
   std::vector<mx::array> inputs(primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));
   inputs.push_back(mx::contiguous(mx::astype(cotangents[0], activation, stream), false, stream));

@@ -9,12 +9,23 @@ Run by the repository's suite (`tests/test_per_key.py`) and by
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_rule, gated_delta_update
-from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference,
+    gated_delta_rule_reference_vjp,
+    gated_delta_update_reference_vjp,
+    to_float64,
+)
 from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.grad_properties import (
+    SHORT_TOKENS,
+    assert_gradients_match,
+    case_gradients,
+    cotangents,
+)
 from mlx_gated_delta.testing.properties import (
     ALGORITHMS,
     EDGE_TOKENS,
@@ -221,3 +232,71 @@ def test_chunked_per_key_known_gap_on_a_huge_entry_state():
     )
     y, state = run(case, "chunked")
     assert_matches_oracle(case, y, state, "chunked")
+
+
+# Gradients (CPU, like every gradient so far): against the float64 reverse
+# mode of the recurrence, one gradient per key channel, under the core_grad
+# contracts of the scalar gates.
+GRAD_BUDGET = settings(max_examples=min(30, settings.default.max_examples))
+
+
+@GRAD_BUDGET
+@given(case=core_cases(tokens=SHORT_TOKENS, per_key_gates=True), which=st.sampled_from(("both", "y", "state")))
+def test_per_key_gradients_match_the_float64_reference(case, which):
+    wy, ws = cotangents(case)
+    use_y, use_state = which in ("both", "y"), which in ("both", "state")
+    grads = case_gradients(case, wy, ws, use_y=use_y, use_state=use_state)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(),
+        y_cotangent=wy if use_y else None,
+        state_cotangent=ws if use_state else None,
+        **case.options,
+    )
+    assert grads["g"].shape == case.g.shape
+    for name, grad in grads.items():
+        assert grad.dtype == getattr(case, name).dtype, name
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+    # A channel's wipe (g = -inf) gets exactly 0; masked steps get 0.
+    g_grad = np.asarray(grads["g"].astype(mx.float32))
+    assert np.all(g_grad[np.isneginf(to_float64(case.g))] == 0.0)
+    mask = case.options["mask"]
+    if mask is not None:
+        assert np.all(g_grad[~np.asarray(mask)] == 0.0)
+
+
+@GRAD_BUDGET
+@given(data=st.data())
+def test_per_key_gamma_gradient_is_finite_and_exact_at_channel_wipes(data):
+    case = data.draw(channel_wipe_cases("random", ("unit",)))
+    gamma = mx.exp(case.g.astype(mx.float32))
+    wy, ws = cotangents(case)
+    mask = case.options["mask"]
+
+    def loss(q, k, v, gamma, beta, state):
+        y, s = gated_delta_update(q, k, v, gamma, beta, state, mask=mask, stream=mx.cpu)
+        return (y * wy).astype(mx.float32).sum() + (s * ws).sum()
+
+    names = ("q", "k", "v", "gamma", "beta", "state")
+    arrays = (case.q, case.k, case.v, gamma, case.beta, case.state)
+    grads = dict(zip(names, mx.grad(loss, argnums=tuple(range(6)))(*arrays)))
+    expected = gated_delta_update_reference_vjp(
+        *arrays, mask, y_cotangent=wy, state_cotangent=ws
+    )
+    assert np.isfinite(to_float64(grads["gamma"])).all()
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_per_key_gradients_of_both_algorithms_are_the_recurrent_backward(algorithm):
+    # The backward is one recurrent-form kernel whichever algorithm ran the
+    # forward: the gradients agree with the reference either way.
+    case = make_core_case(
+        11, batch=2, tokens=70, key_heads=2, value_heads=4, key_dim=16, value_dim=8,
+        mask_kind="random", normalize_qk=True, head_mapping="interleaved", per_key_gates=True,
+    )
+    wy, ws = cotangents(case)
+    grads = case_gradients(case, wy, ws, algorithm=algorithm)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(), y_cotangent=wy, state_cotangent=ws, **case.options
+    )
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
