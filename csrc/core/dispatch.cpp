@@ -16,7 +16,9 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
 }
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
-  if (params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
+  // Per-key gates: the recurrent kernel alone has them (docs/metal.md).
+  if (params.per_key_gates ||
+      params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
     return Algorithm::Recurrent;
   }
   return Algorithm::Chunked;

@@ -113,12 +113,11 @@ struct PlanBuilder {
 
   PlanBuilder(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype)
       : p(params), core_dtype(dtype) {
-    if (p.per_key_gates) {
-      throw std::invalid_argument(
-          "mlx_gated_delta: per-key-channel gates (g of shape [B, T, Hv, Dk]) have "
-          "no Metal kernels yet; run the op on the CPU (stream=mx.cpu).");
-    }
-    plan.algorithm = algorithm == Algorithm::Auto ? resolve_metal_algorithm(p) : algorithm;
+    // Per-key gates run the recurrent kernel at any T, whatever was asked:
+    // the chunked stages have one decay per head (docs/metal.md).
+    plan.algorithm = algorithm == Algorithm::Auto || p.per_key_gates
+        ? resolve_metal_algorithm(p)
+        : algorithm;
     plan.dtype = dtype;
     B = p.batch;
     T = p.tokens;
@@ -137,12 +136,13 @@ struct PlanBuilder {
     k.has_mask = p.has_mask ? 1 : 0;
     k.num_chunks = unsigned(C);
     k.scale = p.scale;
+    k.per_key_gates = p.per_key_gates ? 1 : 0;
 
     using enum BufferRole;
     add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e, Input);
     add_buffer(PlanBuffer::Key, B * T * Hk * Dk * e, Input);
     add_buffer(PlanBuffer::Value, B * T * Hv * Dv * e, Input);
-    add_buffer(PlanBuffer::Gate, B * T * Hv * 4, Input);
+    add_buffer(PlanBuffer::Gate, B * T * Hv * uint64_t(p.gate_width()) * 4, Input);
     add_buffer(PlanBuffer::Beta, B * T * Hv * 4, Input);
     if (p.has_mask) add_buffer(PlanBuffer::Mask, B * T, Input);
     add_buffer(PlanBuffer::StateIn, B * Hv * Dv * Dk * 4, Input);
@@ -226,7 +226,8 @@ struct PlanBuilder {
          {7, StateOut}, {8, Output}},
         9, {StateOut, Output});
     // Per value head: q, k (read once per head), v, g, beta, y; the state once each way.
-    d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) + 2 * B * Hv * Dv * Dk * 4);
+    d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 4 + 4 * p.gate_width()) +
+                           2 * B * Hv * Dv * Dk * 4);
     d.flops = 8.0 * B * T * Hv * Dk * Dv;
   }
 

@@ -62,9 +62,13 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
                          f"q {q.shape}, k {k.shape}, v {v.shape}")
     batch, tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
-    if g.shape != (batch, tokens, value_heads) or beta.shape != g.shape:
-        raise ValueError(f"g and beta must be {(batch, tokens, value_heads)}; "
-                         f"got {g.shape}, {beta.shape}")
+    # g may be per key channel: [B, T, Hv, Dk].
+    per_key_gates = g.shape == (batch, tokens, value_heads, key_dim)
+    if g.shape[:3] != (batch, tokens, value_heads) or not (per_key_gates or g.ndim == 3) \
+            or beta.shape != (batch, tokens, value_heads):
+        raise ValueError(f"g must be {(batch, tokens, value_heads)} or "
+                         f"{(batch, tokens, value_heads, key_dim)} and beta "
+                         f"{(batch, tokens, value_heads)}; got {g.shape}, {beta.shape}")
     state_shape = (batch, value_heads, value_dim, key_dim)
     state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
     if state.shape != state_shape:
@@ -83,7 +87,7 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
         g.tobytes(), beta.tobytes(), state.tobytes(), mask_bytes,
         batch, tokens, key_heads, value_heads, key_dim, value_dim, float(scale),
         head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS,
-        through_stage or "")
+        through_stage or "", per_key_gates)
     y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
     return y, state_out, {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}

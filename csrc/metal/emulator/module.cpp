@@ -34,13 +34,14 @@ metal::ActivationDtype parse_dtype(const std::string& name) {
 
 GatedDeltaParams make_params(int batch, int tokens, int key_heads, int value_heads, int key_dim,
                              int value_dim, float scale, const std::string& head_mapping,
-                             bool normalize_qk, bool has_mask) {
+                             bool normalize_qk, bool has_mask, bool per_key_gates = false) {
   GatedDeltaParams p =
       shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim);
   p.scale = scale;
   p.head_mapping = parse_head_mapping(head_mapping);
   p.normalize_qk = normalize_qk;
   p.has_mask = has_mask;
+  p.per_key_gates = per_key_gates;
   return p;
 }
 
@@ -135,10 +136,10 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
          int key_dim, int value_dim, float scale, const std::string& head_mapping,
          bool normalize_qk, const std::string& algorithm, const std::string& dtype,
-         int barrier_timeout_ms, const std::string& through_stage) {
+         int barrier_timeout_ms, const std::string& through_stage, bool per_key_gates) {
         GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
                                               value_dim, scale, head_mapping, normalize_qk,
-                                              mask.has_value());
+                                              mask.has_value(), per_key_gates);
         Plan plan = make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         emulator::BufferInputs inputs{
             {PlanBuffer::Query, view(q)}, {PlanBuffer::Key, view(k)},
@@ -162,7 +163,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("value_heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("scale"),
       nb::arg("head_mapping"), nb::arg("normalize_qk"), nb::arg("algorithm"), nb::arg("dtype"),
       nb::arg("barrier_timeout_ms"), nb::arg("through_stage") = "",
-      "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels, "
+      nb::arg("per_key_gates") = false,
+      "Runs the Metal plan of one core call (g [B, T, Hv, Dk] with per_key_gates); returns (y bytes, state bytes, algorithm, kernels, "
       "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
       "and the dict holds the scratch buffers too.");
 

@@ -23,6 +23,7 @@ struct GatedDeltaKernelParams {
   unsigned int has_mask;
   unsigned int num_chunks;
   float scale;
+  unsigned int per_key_gates;  // 1: g is [B, T, Hv, Dk], a decay per key channel
 };
 
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;
