@@ -8,29 +8,40 @@ import mlx.nn as nn
 
 from .nn import (
     GatedDeltaNet,
+    KimiDeltaAttention,
     OlmoHybridGatedDeltaNet,
     Qwen35GatedDeltaNet,
     _GatedDeltaNetBase,
 )
 
 # Our layer classes (a layer of one of these is already patched).
-_OURS = (_GatedDeltaNetBase, OlmoHybridGatedDeltaNet)
+_OURS = (_GatedDeltaNetBase, OlmoHybridGatedDeltaNet, KimiDeltaAttention)
 
 
 def _replacements():
     """mlx-lm's layer classes and the class of ours that replaces each."""
-    from mlx_lm.models import olmo_hybrid, qwen3_5, qwen3_next
+    from mlx_lm.models import kimi_linear, olmo_hybrid, qwen3_5, qwen3_next
 
     return {
         qwen3_next.Qwen3NextGatedDeltaNet: GatedDeltaNet,
         qwen3_5.GatedDeltaNet: Qwen35GatedDeltaNet,
         olmo_hybrid.GatedDeltaNet: OlmoHybridGatedDeltaNet,
+        kimi_linear.KimiDeltaAttention: KimiDeltaAttention,
     }
 
 
 def _layer_config(layer: nn.Module) -> SimpleNamespace:
     """The fields our constructor reads, taken from a built mlx-lm layer (it
     does not keep its config; after mlx-lm's `shard` these are per rank)."""
+    if hasattr(layer, "f_a_proj"):  # Kimi-Linear's layer
+        return SimpleNamespace(
+            hidden_size=layer.o_proj.weight.shape[0],
+            linear_attn_config=dict(
+                num_heads=layer.num_heads, head_dim=layer.head_dim,
+                short_conv_kernel_size=layer.conv_kernel,
+            ),
+            rms_norm_eps=layer.o_norm.eps,
+        )
     if hasattr(layer, "o_norm"):  # OLMo-Hybrid's layer
         return SimpleNamespace(
             # o_proj's output dim: quantization packs only the input dim.
@@ -69,8 +80,8 @@ def _swap(layer: nn.Module, ours_class) -> nn.Module:
 
 
 def patch_mlx_lm(model: nn.Module) -> int:
-    """Replace every Gated DeltaNet layer of an mlx-lm Qwen3-Next, Qwen3.5 or
-    OLMo-Hybrid model by ours, in place, keeping its weights; returns how many it replaced.
+    """Replace every Gated DeltaNet layer of an mlx-lm Qwen3-Next, Qwen3.5,
+    OLMo-Hybrid or Kimi-Linear model by ours, in place, keeping its weights; returns how many it replaced.
 
     Generation then runs the fused segment (OLMo-Hybrid's layer: the core
     op between mlx-lm's projections and convolutions). The module tree keeps mlx-lm's
@@ -99,7 +110,8 @@ def patch_mlx_lm(model: nn.Module) -> int:
         raise ValueError(
             f"patch_mlx_lm: {type(model).__module__}.{type(model).__name__} has no "
             "Gated DeltaNet layer (mlx-lm's Qwen3NextGatedDeltaNet, "
-            "qwen3_5.GatedDeltaNet or olmo_hybrid.GatedDeltaNet); nothing to replace"
+            "qwen3_5.GatedDeltaNet, olmo_hybrid.GatedDeltaNet or "
+            "kimi_linear.KimiDeltaAttention); nothing to replace"
         )
     for parent, key, index, layer, ours_class in found:
         ours = _swap(layer, ours_class)
