@@ -55,13 +55,20 @@ def soak(steps, sample_every, layers, seed, prefill_block):
         logits = model(stream[None, step : step + 1], cache=cache)
         mx.eval(logits, [c.state for c in cache])
         if (step + 1) % sample_every == 0 or step + 1 == steps:
-            kv_bytes = sum(c.keys.nbytes + c.values.nbytes for c in cache
-                           if getattr(c, "keys", None) is not None)
+            kv_bytes = sum(
+                c.keys.nbytes + c.values.nbytes
+                for c in cache
+                if getattr(c, "keys", None) is not None
+            )
             samples.append((step + 1, mx.get_active_memory(), kv_bytes))
             elapsed = time.perf_counter() - start
-            print(f"soak: step {step + 1}/{steps}, active memory "
-                  f"{samples[-1][1] / 2**20:.2f} MiB (KV cache {kv_bytes / 2**20:.2f} MiB), "
-                  f"{(step + 1) / elapsed:.0f} steps/s", file=sys.stderr, flush=True)
+            print(
+                f"soak: step {step + 1}/{steps}, active memory "
+                f"{samples[-1][1] / 2**20:.2f} MiB (KV cache {kv_bytes / 2**20:.2f} MiB), "
+                f"{(step + 1) / elapsed:.0f} steps/s",
+                file=sys.stderr,
+                flush=True,
+            )
     decode_s = time.perf_counter() - start
     last = logits[:, -1]
 
@@ -90,8 +97,9 @@ def soak(steps, sample_every, layers, seed, prefill_block):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--sample-every", type=int, default=1000)
     parser.add_argument("--layers", type=int, default=4)
@@ -101,19 +109,25 @@ def main(argv=None):
     args = parser.parse_args(argv)
     result = soak(args.steps, args.sample_every, args.layers, args.seed, args.prefill_block)
     memory = result["active_less_kv_min_max"]
-    print(f"soak: {result['steps']} decode steps of the patched demo model "
-          f"({result['layers']} layers, {result['device']}), "
-          f"{result['steps_per_second']} steps/s")
+    print(
+        f"soak: {result['steps']} decode steps of the patched demo model "
+        f"({result['layers']} layers, {result['device']}), "
+        f"{result['steps_per_second']} steps/s"
+    )
     samples = result["samples_step_active_kv_bytes"]
-    print(f"active memory less the attention KV cache, over {len(samples)} samples: "
-          f"min {memory[0]} B, max {memory[1]} B (spread {memory[1] - memory[0]} B); "
-          f"active memory {samples[0][1]} B at step {samples[0][0]}, {samples[-1][1]} B at "
-          f"step {samples[-1][0]} (KV cache {samples[-1][2]} B)")
-    print(f"last step's logits vs a fresh chunked prefill of the same tokens: norm ratio "
-          f"{result['last_logits_norm_ratio_vs_fresh']:.3e} (contract "
-          f"{SELF_CONSISTENCY[0]}), bitwise equal: "
-          f"{result['last_logits_bitwise_equal_to_fresh']}, same greedy token: "
-          f"{result['same_greedy_token']}")
+    print(
+        f"active memory less the attention KV cache, over {len(samples)} samples: "
+        f"min {memory[0]} B, max {memory[1]} B (spread {memory[1] - memory[0]} B); "
+        f"active memory {samples[0][1]} B at step {samples[0][0]}, {samples[-1][1]} B at "
+        f"step {samples[-1][0]} (KV cache {samples[-1][2]} B)"
+    )
+    print(
+        f"last step's logits vs a fresh chunked prefill of the same tokens: norm ratio "
+        f"{result['last_logits_norm_ratio_vs_fresh']:.3e} (contract "
+        f"{SELF_CONSISTENCY[0]}), bitwise equal: "
+        f"{result['last_logits_bitwise_equal_to_fresh']}, same greedy token: "
+        f"{result['same_greedy_token']}"
+    )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)

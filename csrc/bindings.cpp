@@ -38,24 +38,38 @@ constexpr int kGuardWords = 16;
 // prove no write lands past y or the state.
 template <typename T>
 nb::tuple run_guarded(
-    const GatedDeltaParams& p, Algorithm algorithm, std::vector<mx::array> in,
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    std::vector<mx::array> in,
     float sentinel) {
-  const size_t y_size = size_t(p.batch) * p.tokens * p.value_heads * p.value_dim;
+  const size_t y_size =
+      size_t(p.batch) * p.tokens * p.value_heads * p.value_dim;
   const size_t state_size =
       size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
   std::vector<T> y(y_size + kGuardWords, T(sentinel));
   std::vector<float> state(state_size + kGuardWords, sentinel);
   cpu::gated_delta_forward<T>(
-      p, algorithm,
+      p,
+      algorithm,
       cpu::contiguous_buffers<T>(
-          p, in[0].data<T>(), in[1].data<T>(), in[2].data<T>(), in[3].data<float>(),
-          in[4].data<float>(), p.has_mask ? in[6].data<bool>() : nullptr,
-          in[5].data<float>(), y.data(), state.data()));
+          p,
+          in[0].data<T>(),
+          in[1].data<T>(),
+          in[2].data<T>(),
+          in[3].data<float>(),
+          in[4].data<float>(),
+          p.has_mask ? in[6].data<bool>() : nullptr,
+          in[5].data<float>(),
+          y.data(),
+          state.data()));
   const mx::Dtype dtype = in[2].dtype();
-  mx::array y_out(y.begin(), {p.batch, p.tokens, p.value_heads, p.value_dim}, dtype);
+  mx::array y_out(
+      y.begin(), {p.batch, p.tokens, p.value_heads, p.value_dim}, dtype);
   mx::array y_tail(y.begin() + y_size, {kGuardWords}, dtype);
   mx::array state_out(
-      state.begin(), {p.batch, p.value_heads, p.value_dim, p.key_dim}, mx::float32);
+      state.begin(),
+      {p.batch, p.value_heads, p.value_dim, p.key_dim},
+      mx::float32);
   mx::array state_tail(state.begin() + state_size, {kGuardWords}, mx::float32);
   return nb::make_tuple(y_out, state_out, y_tail, state_tail);
 }
@@ -63,7 +77,8 @@ nb::tuple run_guarded(
 }  // namespace
 
 NB_MODULE(_mlx_gated_delta_ext, m) {
-  m.doc() = "C++ core of mlx_gated_delta (use the functions of mlx_gated_delta).";
+  m.doc() =
+      "C++ core of mlx_gated_delta (use the functions of mlx_gated_delta).";
 
   // std::domain_error marks a wrong dtype/type: Python sees TypeError.
   nb::register_exception_translator([](const std::exception_ptr& p, void*) {
@@ -78,76 +93,149 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
 
   m.def(
       "gated_delta_rule",
-      [](const mx::array& q, const mx::array& k, const mx::array& v,
-         const mx::array& g, const mx::array& beta,
-         const std::optional<mx::array>& state, std::optional<float> scale,
-         const std::string& head_mapping, const std::optional<mx::array>& mask,
-         bool normalize_qk, const std::string& algorithm,
-         mx::StreamOrDevice stream, const std::string& g_name,
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const std::optional<mx::array>& state,
+         std::optional<float> scale,
+         const std::string& head_mapping,
+         const std::optional<mx::array>& mask,
+         bool normalize_qk,
+         const std::string& algorithm,
+         mx::StreamOrDevice stream,
+         const std::string& g_name,
          const std::string& state_name,
          const std::optional<mx::array>& linear_gate) {
         auto out = gated_delta_rule(
-            q, k, v, g, beta, state, scale, head_mapping, mask, normalize_qk,
-            algorithm, stream, CoreArgumentNames{g_name, state_name}, linear_gate);
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            scale,
+            head_mapping,
+            mask,
+            normalize_qk,
+            algorithm,
+            stream,
+            CoreArgumentNames{g_name, state_name},
+            linear_gate);
         return nb::make_tuple(out[0], out[1]);
       },
-      "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a.none(), "scale"_a.none(),
-      "head_mapping"_a, "mask"_a.none(), "normalize_qk"_a, "algorithm"_a,
-      "stream"_a.none(), "g_name"_a = "g", "state_name"_a = "state",
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a.none(),
+      "scale"_a.none(),
+      "head_mapping"_a,
+      "mask"_a.none(),
+      "normalize_qk"_a,
+      "algorithm"_a,
+      "stream"_a.none(),
+      "g_name"_a = "g",
+      "state_name"_a = "state",
       "linear_gate"_a.none() = nb::none());
 
   m.def(
       "supports_simd_delta",
-      [](int key_heads, int value_heads, int key_dim, int value_dim, int simd_width) {
+      [](int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         int simd_width) {
         return supports_simd_delta(
             shape_params(1, 1, key_heads, value_heads, key_dim, value_dim),
             simd_width);
       },
-      "key_heads"_a, "value_heads"_a, "key_dim"_a, "value_dim"_a, "simd_width"_a);
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      "simd_width"_a);
   m.def(
       "uses_chunk_k_gram_k128",
       [](int key_heads, int value_heads, int key_dim, int value_dim) {
         return uses_chunk_k_gram_k128(
             shape_params(1, 1, key_heads, value_heads, key_dim, value_dim));
       },
-      "key_heads"_a, "value_heads"_a, "key_dim"_a, "value_dim"_a);
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a);
   m.def(
       "validate_launch_extents",
-      [](int batch, int tokens, int key_heads, int value_heads, int key_dim,
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
          int value_dim) {
-        validate_launch_extents(
-            shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim));
+        validate_launch_extents(shape_params(
+            batch, tokens, key_heads, value_heads, key_dim, value_dim));
       },
-      "batch"_a, "tokens"_a, "key_heads"_a, "value_heads"_a, "key_dim"_a,
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
       "value_dim"_a);
   m.def(
       "resolve_cpu_algorithm",
-      [](int batch, int tokens, int key_heads, int value_heads, int key_dim,
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
          int value_dim) {
-        return std::string(to_string(resolve_cpu_algorithm(
-            shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim))));
+        return std::string(to_string(resolve_cpu_algorithm(shape_params(
+            batch, tokens, key_heads, value_heads, key_dim, value_dim))));
       },
-      "batch"_a, "tokens"_a, "key_heads"_a, "value_heads"_a, "key_dim"_a,
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
       "value_dim"_a);
 
   // The Metal library's test hook and failure message (metal/library.h),
   // bound so that tests check them on machines without an Apple GPU.
   m.def(
       "metal_library_source",
-      [](const std::string& embedded) { return metal::library_source(embedded.c_str()); },
+      [](const std::string& embedded) {
+        return metal::library_source(embedded.c_str());
+      },
       "embedded"_a);
-  m.def("metal_library_failure_message", &metal::library_failure_message,
-        "compiler_output"_a);
+  m.def(
+      "metal_library_failure_message",
+      &metal::library_failure_message,
+      "compiler_output"_a);
 
   m.def(
       "run_core_guarded",
-      [](const mx::array& q, const mx::array& k, const mx::array& v,
-         const mx::array& g, const mx::array& beta, const mx::array& state,
-         const std::optional<mx::array>& mask, float scale,
-         const std::string& head_mapping, bool normalize_qk,
-         const std::string& algorithm, float sentinel) {
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const std::optional<mx::array>& mask,
+         float scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         const std::string& algorithm,
+         float sentinel) {
         GatedDeltaParams p = shape_params(
-            q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
+            q.shape(0),
+            q.shape(1),
+            q.shape(2),
+            v.shape(2),
+            q.shape(3),
+            v.shape(3));
         p.scale = scale;
         p.head_mapping = parse_head_mapping(head_mapping);
         p.normalize_qk = normalize_qk;
@@ -160,7 +248,9 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
           return mx::contiguous(x, false, mx::Device::cpu);
         };
         std::vector<mx::array> in = {
-            contiguous(q), contiguous(k), contiguous(v),
+            contiguous(q),
+            contiguous(k),
+            contiguous(v),
             contiguous(mx::astype(g, mx::float32, mx::Device::cpu)),
             contiguous(mx::astype(beta, mx::float32, mx::Device::cpu)),
             contiguous(state)};
@@ -179,8 +269,17 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
             throw std::domain_error("v must be float32, float16 or bfloat16");
         }
       },
-      "q"_a, "k"_a, "v"_a, "g"_a, "beta"_a, "state"_a, "mask"_a.none(),
-      "scale"_a, "head_mapping"_a, "normalize_qk"_a, "algorithm"_a,
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a.none(),
+      "scale"_a,
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "algorithm"_a,
       "sentinel"_a,
       "Testing only: runs the CPU kernel with sentinel words past each output "
       "and returns (y, state, y_tail, state_tail).");

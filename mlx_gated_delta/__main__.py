@@ -6,7 +6,6 @@ import argparse
 import importlib.util
 import os
 import sys
-from typing import Optional
 
 # The package's property modules that selftest runs, each with the name its verdict gives it.
 PROPERTY_MODULES = {
@@ -89,19 +88,23 @@ class _Outcomes:
         return ", ".join(f"{count} {outcome}" for outcome, count in counts.items()) or "0 ran"
 
 
-def run_selftest(examples: Optional[int]) -> int:
+def run_selftest(examples: int | None) -> int:
     # Looked up, not imported: pytest must import Hypothesis itself to load its plugin.
     if any(importlib.util.find_spec(name) is None for name in ("pytest", "hypothesis")):
-        print('selftest needs pytest and hypothesis: pip install "mlx-gated-delta[test]"',
-              file=sys.stderr)
+        print(
+            'selftest needs pytest and hypothesis: pip install "mlx-gated-delta[test]"',
+            file=sys.stderr,
+        )
         return 2
     import mlx.core as mx
     import pytest
 
     from . import __version__
 
-    print(f"mlx-gated-delta {__version__}, MLX {mx.__version__}, "
-          f"default device: {mx.default_device()}")
+    print(
+        f"mlx-gated-delta {__version__}, MLX {mx.__version__}, "
+        f"default device: {mx.default_device()}"
+    )
     os.environ["MLX_GATED_DELTA_HYPOTHESIS_PROFILE"] = "selftest"
     examples_plugin = None if examples is None else _ExamplesPerProperty(examples)
     # One pytest run per module: each module's count is then the count of its run (node
@@ -112,17 +115,21 @@ def run_selftest(examples: Optional[int]) -> int:
     for module, name in PROPERTY_MODULES.items():
         outcomes = _Outcomes()
         plugins = [outcomes] if examples_plugin is None else [outcomes, examples_plugin]
-        code = pytest.main(["--pyargs", module, "-q", "-rs", "-p", "no:cacheprovider"],
-                           plugins=plugins)
-        skipped_as_a_whole = (code == pytest.ExitCode.NO_TESTS_COLLECTED
-                              and outcomes.module_skip_reason is not None)
+        code = pytest.main(
+            ["--pyargs", module, "-q", "-rs", "-p", "no:cacheprovider"], plugins=plugins
+        )
+        skipped_as_a_whole = (
+            code == pytest.ExitCode.NO_TESTS_COLLECTED and outcomes.module_skip_reason is not None
+        )
         passed = passed and (code == pytest.ExitCode.OK or skipped_as_a_whole)
         summaries.append(f"{name}: {outcomes.summary()}")
         codes.append(str(int(code)))
     if examples_plugin is not None:
         print(f"{len(examples_plugin.tests)} Hypothesis tests ran with {examples} examples each")
-    print(f"selftest {'PASS' if passed else 'FAIL'} on {mx.default_device()}: "
-          f"{'; '.join(summaries)} (pytest exit codes {', '.join(codes)})")
+    print(
+        f"selftest {'PASS' if passed else 'FAIL'} on {mx.default_device()}: "
+        f"{'; '.join(summaries)} (pytest exit codes {', '.join(codes)})"
+    )
     return 0 if passed else 1
 
 
@@ -131,45 +138,62 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python -m mlx_gated_delta",
-        description="Gated DeltaNet linear attention for MLX: demo, benchmark and self-test.")
+        description="Gated DeltaNet linear attention for MLX: demo, benchmark and self-test.",
+    )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
-        "demo", add_help=False,
+        "demo",
+        add_help=False,
         help="end-to-end mlx-lm generation with and without our layer (no download); "
-             "arguments after 'demo' go to the demo")
+        "arguments after 'demo' go to the demo",
+    )
     bench = commands.add_parser(
-        "bench", help="time the op against MLX core and mlx-lm, with rooflines",
+        "bench",
+        help="time the op against MLX core and mlx-lm, with rooflines",
         description="Time the gated delta rule against mx.fast.gated_delta_update and "
-                    "mlx-lm's gated_delta_ops, with copy-bandwidth and GEMM rooflines measured "
-                    "in the same run. Writes a table, a JSON record and a plot.")
+        "mlx-lm's gated_delta_ops, with copy-bandwidth and GEMM rooflines measured "
+        "in the same run. Writes a table, a JSON record and a plot.",
+    )
     add_bench_arguments(bench)
     selftest = commands.add_parser(
-        "selftest", help="run the property tests on this machine's default device",
+        "selftest",
+        help="run the property tests on this machine's default device",
         description="Run the Hypothesis property tests of the core op, the fused segment and "
-                    "the drop-in layer (with mlx-lm) on MLX's default device (the Metal GPU "
-                    "on a Mac) with a small budget, and print PASS or FAIL with the count of "
-                    "tests of each.")
-    selftest.add_argument("--examples", type=int, metavar="N",
-                          help="examples per property test (default: the selftest profile's "
-                               "small budget)")
+        "the drop-in layer (with mlx-lm) on MLX's default device (the Metal GPU "
+        "on a Mac) with a small budget, and print PASS or FAIL with the count of "
+        "tests of each.",
+    )
+    selftest.add_argument(
+        "--examples",
+        type=int,
+        metavar="N",
+        help="examples per property test (default: the selftest profile's small budget)",
+    )
     fuzz = commands.add_parser(
-        "fuzz", help="call every public function with drawn shapes, dtypes and values",
+        "fuzz",
+        help="call every public function with drawn shapes, dtypes and values",
         description="Call gated_delta_rule, gated_delta_update and gated_delta_segment with "
-                    "drawn shapes (zero sizes included), dtypes, options and values (NaN and "
-                    "Inf included), some with one argument broken. Counts the outcomes per "
-                    "function; fails on a crash, a rejection that names no argument, a "
-                    "result of the wrong shape, NaN reaching an unrelated batch row or head, "
-                    "or a write past an output.")
-    fuzz.add_argument("--calls", type=int, default=1000, metavar="N",
-                      help="number of calls (default 1000)")
+        "drawn shapes (zero sizes included), dtypes, options and values (NaN and "
+        "Inf included), some with one argument broken. Counts the outcomes per "
+        "function; fails on a crash, a rejection that names no argument, a "
+        "result of the wrong shape, NaN reaching an unrelated batch row or head, "
+        "or a write past an output.",
+    )
+    fuzz.add_argument(
+        "--calls", type=int, default=1000, metavar="N", help="number of calls (default 1000)"
+    )
     fuzz.add_argument("--seed", type=int, default=0, help="seed of the draws (default 0)")
-    fuzz.add_argument("--call-timeout", type=float, default=60.0, metavar="S",
-                      help="seconds one call may take before the run is stopped as hung "
-                           "(default 60)")
+    fuzz.add_argument(
+        "--call-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds one call may take before the run is stopped as hung (default 60)",
+    )
     return parser
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":

@@ -31,9 +31,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -192,7 +192,7 @@ def best_rooflines(before: dict, after: dict) -> dict:
     }
 
 
-def last_level_cache_bytes() -> Optional[int]:
+def last_level_cache_bytes() -> int | None:
     """Size of the largest data/unified cache of CPU 0 from sysfs, or None if unreadable."""
     best = None
     for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
@@ -212,7 +212,7 @@ def last_level_cache_bytes() -> Optional[int]:
 FALLBACK_STATE_POOL_BYTES = 512 * MiB
 
 
-def state_pool_bytes(llc: Optional[int]) -> int:
+def state_pool_bytes(llc: int | None) -> int:
     """Total size of the rotated decode states: twice the LLC, since adaptive replacement
     policies keep part of a cyclic working set only slightly larger than the cache."""
     return 2 * llc if llc else FALLBACK_STATE_POOL_BYTES
@@ -274,8 +274,16 @@ def make_inputs(s: Shape, state_count: int, seed: int = 0) -> Inputs:
         gamma=mx.array(gamma),
         states=states,
     )
-    mx.eval(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, inputs.q_prescaled,
-            inputs.gamma, *states)
+    mx.eval(
+        inputs.q,
+        inputs.k,
+        inputs.v,
+        inputs.g,
+        inputs.beta,
+        inputs.q_prescaled,
+        inputs.gamma,
+        *states,
+    )
     return inputs
 
 
@@ -298,9 +306,7 @@ def implementation_call(name: str) -> Callable[[Inputs, mx.array], tuple]:
         return lambda x, state: ops(x.q_prescaled, x.k, x.v, x.gamma, x.beta, state)
     from . import gated_delta_rule
 
-    return lambda x, state: gated_delta_rule(
-        x.q, x.k, x.v, x.g, x.beta, state, algorithm=name
-    )
+    return lambda x, state: gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, state, algorithm=name)
 
 
 def peer_memory_bytes(s: Shape) -> int:
@@ -309,7 +315,7 @@ def peer_memory_bytes(s: Shape) -> int:
     return s.T * state_bytes(s)
 
 
-def available_memory_bytes() -> Optional[int]:
+def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo, or None where it cannot be read."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -320,20 +326,24 @@ def available_memory_bytes() -> Optional[int]:
     return None
 
 
-def skip_reason(name: str, s: Shape, full: bool, available: Optional[int]) -> Optional[str]:
+def skip_reason(name: str, s: Shape, full: bool, available: int | None) -> str | None:
     """Why an implementation is not run on a shape, or None to run it."""
     if name == "mlx_lm" and _mlx_lm_ops() is None:
         return "mlx-lm not installed"
     if name not in PEERS:
         return None
     if s.T > PEERS_MAX_T_UNLESS_FULL and not full:
-        return (f"MLX core and mlx-lm are not run at T > {PEERS_MAX_T_UNLESS_FULL} unless --full: "
-                "their op-graph loops take about 2 s per 1000 tokens and hold one state per "
-                "token in memory")
+        return (
+            f"MLX core and mlx-lm are not run at T > {PEERS_MAX_T_UNLESS_FULL} unless --full: "
+            "their op-graph loops take about 2 s per 1000 tokens and hold one state per "
+            "token in memory"
+        )
     needed = peer_memory_bytes(s)
     if available is not None and needed > available // 2:
-        return (f"{name} not run at {s.short_label}: it holds one state per token, about "
-                f"{needed / 2**30:.1f} GiB, over half the {available / 2**30:.1f} GiB available")
+        return (
+            f"{name} not run at {s.short_label}: it holds one state per token, about "
+            f"{needed / 2**30:.1f} GiB, over half the {available / 2**30:.1f} GiB available"
+        )
     return None
 
 
@@ -438,8 +448,9 @@ class Progress:
 # ---------------------------------------------------------------------------------------
 
 
-def benchmark_row(s: Shape, pool_bytes: int, full: bool, budget: Budget,
-                  progress: Progress) -> dict:
+def benchmark_row(
+    s: Shape, pool_bytes: int, full: bool, budget: Budget, progress: Progress
+) -> dict:
     state_count = 1
     if s.is_decode:
         state_count = max(2, math.ceil(pool_bytes / state_bytes(s)))
@@ -466,8 +477,10 @@ def benchmark_row(s: Shape, pool_bytes: int, full: bool, budget: Budget,
                 first = warm_up(calls[name], x)
             except Exception as error:  # a failing peer is a result, never the end of the run
                 calls.pop(name, None)
-                row["results"][name] = {"status": "error",
-                                        "error": f"{type(error).__name__}: {error}"}
+                row["results"][name] = {
+                    "status": "error",
+                    "error": f"{type(error).__name__}: {error}",
+                }
             else:
                 outputs[name] = first.pop("y")
                 repeats[name] = repeats_within(budget, first["warm_up_s"])
@@ -486,8 +499,10 @@ def benchmark_row(s: Shape, pool_bytes: int, full: bool, budget: Budget,
             try:
                 result["times_s"].append(timed_call(call, x))
             except Exception as error:
-                row["results"][name] = {"status": "error",
-                                        "error": f"{type(error).__name__}: {error}"}
+                row["results"][name] = {
+                    "status": "error",
+                    "error": f"{type(error).__name__}: {error}",
+                }
     for result in row["results"].values():
         if result["status"] == "ok":
             result["median_s"] = statistics.median(result["times_s"])
@@ -505,7 +520,7 @@ def benchmark_row(s: Shape, pool_bytes: int, full: bool, budget: Budget,
     return row
 
 
-def _median(row: dict, name: str) -> Optional[float]:
+def _median(row: dict, name: str) -> float | None:
     result = row["results"].get(name, {})
     return result.get("median_s") if result.get("status") == "ok" else None
 
@@ -541,8 +556,9 @@ def add_derived_figures(row: dict, s: Shape, roofline: dict) -> None:
 
 def format_table(headers: list[str], rows: list[list[str]]) -> str:
     """Columns padded to their widest cell: the first left-aligned, the rest right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
-              for i, h in enumerate(headers)]
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)
+    ]
 
     def line(cells):
         first = cells[0].ljust(widths[0])
@@ -553,7 +569,7 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(headers), rule, *(line(r) for r in rows)])
 
 
-def _milliseconds_text(ms: Optional[float]) -> str:
+def _milliseconds_text(ms: float | None) -> str:
     if ms is None:
         return "-"
     return f"{ms:.3g}" if ms < 1000 else f"{ms:.0f}"
@@ -566,18 +582,27 @@ def _ms_cell(row: dict, name: str) -> str:
     return {"skipped": "skip", "error": "err"}[result["status"]]
 
 
-def _ratio_cell(value: Optional[float], fmt: str) -> str:
+def _ratio_cell(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def _percent_cell(fraction: Optional[float]) -> str:
+def _percent_cell(fraction: float | None) -> str:
     return "-" if fraction is None else f"{100 * fraction:.0f}"
 
 
 def results_table(rows: list[dict], decode: bool) -> str:
     """The decode table (state GB/s against copy) or the prefill table (GFLOP/s against GEMM)."""
-    headers = ["shape", "core ms", "mlx-lm ms", "rec ms", "chunk ms", "auto ms", "tok/s",
-               "x core", "x mlx-lm"]
+    headers = [
+        "shape",
+        "core ms",
+        "mlx-lm ms",
+        "rec ms",
+        "chunk ms",
+        "auto ms",
+        "tok/s",
+        "x core",
+        "x mlx-lm",
+    ]
     headers += ["state GB/s", "% copy"] if decode else ["GFLOP/s", "% GEMM"]
     headers += ["auto vs best", "peak/io MiB"]
     body = []
@@ -608,8 +633,13 @@ def results_table(rows: list[dict], decode: bool) -> str:
 def layer_table(rows: list[dict]) -> str:
     headers = ["layer", "shape", "ours ms", "mlx-lm ms", "speed-up"]
     body = [
-        [str(r.get("name", "")), str(r.get("shape", "")), _milliseconds_text(r.get("ours_ms")),
-         _milliseconds_text(r.get("mlx_lm_ms")), _ratio_cell(r.get("speedup"), ".1f")]
+        [
+            str(r.get("name", "")),
+            str(r.get("shape", "")),
+            _milliseconds_text(r.get("ours_ms")),
+            _milliseconds_text(r.get("mlx_lm_ms")),
+            _ratio_cell(r.get("speedup"), ".1f"),
+        ]
         for r in rows
     ]
     return format_table(headers, body)
@@ -633,7 +663,8 @@ def report_text(record: dict) -> str:
     parts = [
         f"{machine['cpu_model']}, {machine['cores']} cores; 1-min load average "
         f"{machine['load_average_1min_before']} before, {machine['load_average_1min_after']} after.",
-        roofline_summary(record["roofline"]), "",
+        roofline_summary(record["roofline"]),
+        "",
     ]
     if any(r["shape"]["T"] == 1 for r in rows):
         llc = record["machine"]["last_level_cache_bytes"]
@@ -641,7 +672,8 @@ def report_text(record: dict) -> str:
         parts += [
             f"Decode (T=1; states rotated over {record['state_pool_bytes'] // MiB} MiB, "
             f"last-level cache {llc_text}):",
-            results_table(rows, decode=True), "",
+            results_table(rows, decode=True),
+            "",
         ]
     if any(r["shape"]["T"] > 1 for r in rows):
         parts += ["Prefill:", results_table(rows, decode=False), ""]
@@ -651,14 +683,23 @@ def report_text(record: dict) -> str:
         "auto vs best: auto's time over the faster of rec and chunk. peak/io: memory auto "
         "allocates per call / inputs + outputs. skip: not run (see notes); err: failed (see JSON)."
     )
-    notes = sorted({res["reason"] for r in rows for res in r["results"].values()
-                    if res["status"] == "skipped"})
+    notes = sorted(
+        {res["reason"] for r in rows for res in r["results"].values() if res["status"] == "skipped"}
+    )
     parts += [f"note: {n}" for n in notes]
-    errors = [f"error: {r['label']} {name}: {res['error']}" for r in rows
-              for name, res in r["results"].items() if res["status"] == "error"]
+    errors = [
+        f"error: {r['label']} {name}: {res['error']}"
+        for r in rows
+        for name, res in r["results"].items()
+        if res["status"] == "error"
+    ]
     parts += errors
     if record.get("layer_rows") is not None:
-        parts += ["", "Whole layer (ours vs mlx-lm's stock layer):", layer_table(record["layer_rows"])]
+        parts += [
+            "",
+            "Whole layer (ours vs mlx-lm's stock layer):",
+            layer_table(record["layer_rows"]),
+        ]
     elif record.get("layer_note"):
         parts += ["", record["layer_note"]]
     return "\n".join(parts)
@@ -677,13 +718,14 @@ def cpu_model() -> str:
     except OSError:
         pass
     try:
-        return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return platform.processor() or "unknown"
 
 
-def load_average() -> Optional[float]:
+def load_average() -> float | None:
     """The 1-minute load average: how many other runnable tasks shared the cores."""
     try:
         return round(os.getloadavg()[0], 2)
@@ -698,8 +740,9 @@ def git_commit() -> str:
     where = script.parent if script.is_file() else Path.cwd()
 
     def git(*args):
-        return subprocess.run(["git", *args], capture_output=True, text=True, cwd=where,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=where, check=True
+        ).stdout.strip()
 
     try:
         commit = git("rev-parse", "HEAD")
@@ -709,7 +752,7 @@ def git_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
-def package_version(name: str) -> Optional[str]:
+def package_version(name: str) -> str | None:
     from importlib import metadata
 
     try:
@@ -718,7 +761,7 @@ def package_version(name: str) -> Optional[str]:
         return None
 
 
-def write_plot(rows: list[dict], path: Path) -> Optional[str]:
+def write_plot(rows: list[dict], path: Path) -> str | None:
     """Tokens/s against T per implementation (Qwen3-Next, B=1), one panel per dtype.
     Returns a note when matplotlib is missing."""
     try:
@@ -731,12 +774,20 @@ def write_plot(rows: list[dict], path: Path) -> Optional[str]:
     dtypes = [d for d in DTYPES if any(r["shape"]["dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes):
-        series = [r for r in rows if r["shape"]["family"] == "qwen3-next"
-                  and r["shape"]["B"] == 1 and r["shape"]["dtype"] == dtype]
+        series = [
+            r
+            for r in rows
+            if r["shape"]["family"] == "qwen3-next"
+            and r["shape"]["B"] == 1
+            and r["shape"]["dtype"] == dtype
+        ]
         series.sort(key=lambda r: r["shape"]["T"])
         for name in IMPLEMENTATIONS:
-            points = [(r["shape"]["T"], r["shape"]["T"] / r["results"][name]["median_s"])
-                      for r in series if r["results"][name]["status"] == "ok"]
+            points = [
+                (r["shape"]["T"], r["shape"]["T"] / r["results"][name]["median_s"])
+                for r in series
+                if r["results"][name]["status"] == "ok"
+            ]
             if points:
                 ax.plot(*zip(*points), marker="o", label=name)
         ax.set_xscale("log", base=2)
@@ -755,7 +806,7 @@ def write_plot(rows: list[dict], path: Path) -> Optional[str]:
 LAYER_BENCHMARK_MODULE = "mlx_gated_delta.bench_layer"
 
 
-def run_layer_rows(quick: bool, progress: Progress) -> tuple[Optional[list], Optional[str]]:
+def run_layer_rows(quick: bool, progress: Progress) -> tuple[list | None, str | None]:
     """Rows of the whole-layer benchmark when ``mlx_gated_delta.bench_layer`` exists."""
     try:
         bench_layer = importlib.import_module(LAYER_BENCHMARK_MODULE)
@@ -782,19 +833,32 @@ def _regex(text: str) -> re.Pattern:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true",
-                        help="Qwen3-Next B=1 at T in {1, 64, 512, 2048}, f32 and bf16, fewer "
-                             "repeats (a few minutes on 2 cores)")
-    parser.add_argument("--full", action="store_true",
-                        help=f"also run MLX core and mlx-lm at T > {PEERS_MAX_T_UNLESS_FULL} "
-                             "(slow: about 2 s per 1000 tokens; and they hold one state per "
-                             "token: 16 GiB at T=8192, skipped when memory is short)")
-    parser.add_argument("--filter", metavar="REGEX", type=_regex,
-                        help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
-                             "(the whole-layer rows are then left out)")
-    parser.add_argument("--out", metavar="DIR", default="benchmarks/out",
-                        help="where results.json, results.txt and the plot go "
-                             "(default: benchmarks/out)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="Qwen3-Next B=1 at T in {1, 64, 512, 2048}, f32 and bf16, fewer "
+        "repeats (a few minutes on 2 cores)",
+    )
+    parser.add_argument(
+        "--full",
+        action="store_true",
+        help=f"also run MLX core and mlx-lm at T > {PEERS_MAX_T_UNLESS_FULL} "
+        "(slow: about 2 s per 1000 tokens; and they hold one state per "
+        "token: 16 GiB at T=8192, skipped when memory is short)",
+    )
+    parser.add_argument(
+        "--filter",
+        metavar="REGEX",
+        type=_regex,
+        help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
+        "(the whole-layer rows are then left out)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default="benchmarks/out",
+        help="where results.json, results.txt and the plot go (default: benchmarks/out)",
+    )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -803,8 +867,12 @@ def run(args: argparse.Namespace) -> dict:
         shapes = [s for s in shapes if args.filter.search(s.label)]
         if not shapes:
             raise SystemExit(f"no benchmark row matches --filter {args.filter.pattern!r}")
-    budget = Budget(seconds=1.0, max_repeats=15) if args.quick else Budget(seconds=3.0, max_repeats=30)
-    decode_budget = Budget(seconds=1.0, max_repeats=50) if args.quick else Budget(seconds=2.0, max_repeats=200)
+    budget = (
+        Budget(seconds=1.0, max_repeats=15) if args.quick else Budget(seconds=3.0, max_repeats=30)
+    )
+    decode_budget = (
+        Budget(seconds=1.0, max_repeats=50) if args.quick else Budget(seconds=2.0, max_repeats=200)
+    )
 
     llc = last_level_cache_bytes()
     pool = state_pool_bytes(llc)
@@ -816,8 +884,9 @@ def run(args: argparse.Namespace) -> dict:
 
     rows = []
     for s in shapes:
-        rows.append(benchmark_row(s, pool, args.full,
-                                  decode_budget if s.is_decode else budget, progress))
+        rows.append(
+            benchmark_row(s, pool, args.full, decode_budget if s.is_decode else budget, progress)
+        )
     progress("rooflines (after the rows)")
     roofline = best_rooflines(before, measure_rooflines())
     progress.advance()
@@ -864,16 +933,19 @@ def run(args: argparse.Namespace) -> dict:
     (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "results.txt").write_text(text + "\n")
     print(text)
-    print(f"\nwrote {out / 'results.json'}, {out / 'results.txt'}"
-          + (f"; {plot_note}" if plot_note else f", {out / 'tokens_per_s.png'}"))
+    print(
+        f"\nwrote {out / 'results.json'}, {out / 'results.txt'}"
+        + (f"; {plot_note}" if plot_note else f", {out / 'tokens_per_s.png'}")
+    )
     return record
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m mlx_gated_delta bench",
         description="Time the gated delta rule against MLX core and mlx-lm, with rooflines "
-                    "measured in the same run.")
+        "measured in the same run.",
+    )
     add_arguments(parser)
     run(parser.parse_args(argv))
     return 0

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable, Optional
 
 import mlx.core as mx
 
@@ -100,7 +100,7 @@ def _time_call(layer, x, fresh_cache) -> float:
     return time.perf_counter() - start
 
 
-def run_layer_benchmark(quick: bool, progress: Optional[Callable] = None) -> list[dict]:
+def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[dict]:
     """One row per shape: name, shape, ours_ms, mlx_lm_ms, speedup (and the
     dtype, B, T and repeats)."""
     rows = []
@@ -146,9 +146,10 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="bfloat16 rows only, fewer repeats")
     args = parser.parse_args(argv)
 

@@ -89,7 +89,10 @@ def main(argv=None) -> int:
         mx.eval(inputs)
         for name, op in (("mlx_gated_delta", ours), ("mx.fast (op-loop vjp)", mlx_fast)):
             seconds, peak = measure(op, inputs, args.repeats)
-            print(f"{tokens:<6} {name:<23} {seconds * 1e3:>12.1f}          {peak / MiB:>9.1f}", flush=True)
+            print(
+                f"{tokens:<6} {name:<23} {seconds * 1e3:>12.1f}          {peak / MiB:>9.1f}",
+                flush=True,
+            )
     return 0
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional
 
 import mlx.core as mx
 
@@ -117,13 +116,20 @@ class _Bar:
             sys.stderr.write("\n")
 
 
-def main(argv: Optional[list] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_gated_delta demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mlx_gated_delta demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--new-tokens", type=int, default=48)
-    parser.add_argument("--layers", type=int, default=4,
-                        help="decoder layers; every fourth is full attention (default 4)")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="decoder layers; every fourth is full attention (default 4)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
@@ -134,8 +140,9 @@ def main(argv: Optional[list] = None) -> int:
         return 2
     from mlx_gated_delta import patch_mlx_lm
 
-    prompt = mx.random.randint(0, demo_config().vocab_size, (args.prompt_tokens,),
-                               key=mx.random.key(args.seed))
+    prompt = mx.random.randint(
+        0, demo_config().vocab_size, (args.prompt_tokens,), key=mx.random.key(args.seed)
+    )
     warmup_prompt = prompt[:16]
     runs = [("mlx-lm", False), ("mlx-lm + mlx_gated_delta", True)]
     bar = _Bar(total=len(runs) * (args.new_tokens + 2))
@@ -153,17 +160,21 @@ def main(argv: Optional[list] = None) -> int:
     stock, ours = (results[name] for name, _ in runs)
     same = stock["tokens"] == ours["tokens"]
     config = demo_config(args.layers)
-    print(f"Qwen3-Next-shaped mlx-lm model, random weights: {args.layers} layers "
-          f"(hidden {config.hidden_size}, linear attention Hk={config.linear_num_key_heads} "
-          f"Hv={config.linear_num_value_heads} D={config.linear_key_head_dim}), "
-          f"{mx.default_device()}; patch_mlx_lm replaced {ours['replaced']} layers")
+    print(
+        f"Qwen3-Next-shaped mlx-lm model, random weights: {args.layers} layers "
+        f"(hidden {config.hidden_size}, linear attention Hk={config.linear_num_key_heads} "
+        f"Hv={config.linear_num_value_heads} D={config.linear_key_head_dim}), "
+        f"{mx.default_device()}; patch_mlx_lm replaced {ours['replaced']} layers"
+    )
     print(f"prompt {args.prompt_tokens} tokens, {args.new_tokens} new tokens, greedy")
     print(f"{'':28}{'prefill tok/s':>15}{'decode tok/s':>15}")
     for name, _ in runs:
         r = results[name]
         print(f"{name:28}{r['prefill_tokens_per_s']:15.1f}{r['decode_tokens_per_s']:15.1f}")
-    print(f"{'speed-up':28}{ours['prefill_tokens_per_s'] / stock['prefill_tokens_per_s']:14.2f}x"
-          f"{ours['decode_tokens_per_s'] / stock['decode_tokens_per_s']:14.2f}x")
+    print(
+        f"{'speed-up':28}{ours['prefill_tokens_per_s'] / stock['prefill_tokens_per_s']:14.2f}x"
+        f"{ours['decode_tokens_per_s'] / stock['decode_tokens_per_s']:14.2f}x"
+    )
     print(f"first tokens: {ours['tokens'][:12]}")
     if same:
         print(f"tokens identical: yes (all {len(ours['tokens'])})")

@@ -30,7 +30,7 @@ CPU (`mx.set_default_device(mx.cpu)`); on the GPU it raises.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,10 +55,15 @@ def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
     """`x @ weight.T` (nn.Linear's product, weight `[out, in]`): on the CPU
     through our blocked kernel (MLX's CPU matmul is 10-100x slower on the
     machines measured), elsewhere MLX's matmul."""
-    if mx.default_device() == mx.cpu and x.dtype == weight.dtype and x.dtype in (
-        mx.float32,
-        mx.float16,
-        mx.bfloat16,
+    if (
+        mx.default_device() == mx.cpu
+        and x.dtype == weight.dtype
+        and x.dtype
+        in (
+            mx.float32,
+            mx.float16,
+            mx.bfloat16,
+        )
     ):
         return _ext.linear_projection(x, weight, None)
     return x @ weight.T
@@ -107,11 +112,11 @@ class _GatedDeltaNetBase(nn.Module):
         self.norm = GatedRMSNormWeight(self.head_v_dim, eps=self.layer_norm_epsilon)
         self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
 
-    def _projection_modules(self) -> List[nn.Module]:
+    def _projection_modules(self) -> list[nn.Module]:
         """The projections whose outputs make the packed layout, in order."""
         raise NotImplementedError
 
-    def _packed_columns(self) -> Optional[mx.array]:
+    def _packed_columns(self) -> mx.array | None:
         """The columns of the concatenated projection outputs in packed
         order, or None where they are in packed order already."""
         raise NotImplementedError
@@ -127,8 +132,8 @@ class _GatedDeltaNetBase(nn.Module):
     def __call__(
         self,
         inputs: mx.array,
-        mask: Optional[mx.array] = None,
-        cache: Optional[Any] = None,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
     ) -> mx.array:
         B, S, _ = inputs.shape
         sharding_group = getattr(self, "sharding_group", None)
@@ -284,10 +289,14 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         self.b_proj = nn.Linear(hidden, self.num_v_heads, bias=False)
         self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
         self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
-        for name, dims in (("q_conv1d", self.key_dim), ("k_conv1d", self.key_dim),
-                           ("v_conv1d", self.value_dim)):
-            self[name] = nn.Conv1d(dims, dims, self.conv_kernel_size, bias=False,
-                                   groups=dims, padding=0)
+        for name, dims in (
+            ("q_conv1d", self.key_dim),
+            ("k_conv1d", self.key_dim),
+            ("v_conv1d", self.value_dim),
+        ):
+            self[name] = nn.Conv1d(
+                dims, dims, self.conv_kernel_size, bias=False, groups=dims, padding=0
+            )
         self.A_log = mx.zeros(self.num_v_heads)
         self.dt_bias = mx.zeros(self.num_v_heads)
         self.o_norm = GatedRMSNormWeight(self.head_v_dim, eps=config.layer_norm_epsilon)
@@ -307,8 +316,8 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        mask: Optional[mx.array] = None,
-        cache: Optional[Any] = None,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
     ) -> mx.array:
         B, S, _ = x.shape
         q = self._conv(self.q_proj(x), self.q_conv1d, cache, 0)
@@ -329,7 +338,14 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         if state is not None and state.dtype != mx.float32:
             state = state.astype(mx.float32)
         out, state = gated_delta_rule(
-            q, k, v, g, beta, state, scale=self.head_k_dim**-0.5, mask=mask,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            scale=self.head_k_dim**-0.5,
+            mask=mask,
             normalize_qk=True,
         )
         if cache is not None:
@@ -351,8 +367,9 @@ class KimiShortConv(nn.Module):
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
         self.kernel_size = kernel_size
-        self.conv = nn.Conv1d(channels, channels, kernel_size, bias=False, groups=channels,
-                              padding=0)
+        self.conv = nn.Conv1d(
+            channels, channels, kernel_size, bias=False, groups=channels, padding=0
+        )
 
     def __call__(self, x, state, mask, lengths):
         if mask is not None:
@@ -411,8 +428,8 @@ class KimiDeltaAttention(nn.Module):
     def __call__(
         self,
         x: mx.array,
-        mask: Optional[mx.array] = None,
-        cache: Optional[Any] = None,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
@@ -435,8 +452,15 @@ class KimiDeltaAttention(nn.Module):
         if state is not None and state.dtype != mx.float32:
             state = state.astype(mx.float32)
         out, state = gated_delta_rule(
-            q.reshape(B, T, H, D), k.reshape(B, T, H, D), v.reshape(B, T, H, D), g, beta,
-            state, scale=self.scale, mask=mask, normalize_qk=True,
+            q.reshape(B, T, H, D),
+            k.reshape(B, T, H, D),
+            v.reshape(B, T, H, D),
+            g,
+            beta,
+            state,
+            scale=self.scale,
+            mask=mask,
+            normalize_qk=True,
         )
         if cache is not None:
             cache[3] = state

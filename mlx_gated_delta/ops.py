@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+from typing import Union
 
 import mlx.core as mx
 
@@ -29,15 +29,15 @@ def gated_delta_rule(
     v: mx.array,
     g: mx.array,
     beta: mx.array,
-    state: Optional[mx.array] = None,
+    state: mx.array | None = None,
     *,
-    scale: Optional[float] = None,
+    scale: float | None = None,
     head_mapping: str = "grouped",
-    mask: Optional[mx.array] = None,
+    mask: mx.array | None = None,
     normalize_qk: bool = False,
     algorithm: str = "auto",
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array]:
+) -> tuple[mx.array, mx.array]:
     """Gated delta rule over ``T`` tokens; returns ``(y, state)``.
 
     Per batch row, value head ``h`` and token ``t`` (key head ``kh``)::
@@ -79,8 +79,18 @@ def gated_delta_rule(
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     return _ext.gated_delta_rule(
-        q, k, v, g, beta, state, scale, head_mapping, mask, bool(normalize_qk),
-        algorithm, stream,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        scale,
+        head_mapping,
+        mask,
+        bool(normalize_qk),
+        algorithm,
+        stream,
     )
 
 
@@ -90,10 +100,10 @@ def gated_delta_update(
     v: mx.array,
     gamma: mx.array,
     beta: mx.array,
-    initial_state: Optional[mx.array] = None,
-    mask: Optional[mx.array] = None,
+    initial_state: mx.array | None = None,
+    mask: mx.array | None = None,
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array]:
+) -> tuple[mx.array, mx.array]:
     """Drop-in for ``mx.fast.gated_delta_update`` (MLX 0.32): same arguments.
 
     ``gamma`` is the linear decay ``[B, T, Hv]``; no scale is applied and the
@@ -111,10 +121,21 @@ def gated_delta_update(
     # log(0) = -inf is a decay of exactly 0: the kernels treat it as a wipe.
     # The gradient does not go through log (0 / 0 at a wipe): gamma is passed
     # as well and receives the gradient of the linear decay directly.
-    g = mx.log(
-        mx.stop_gradient(gamma).astype(mx.float32, stream=stream), stream=stream
-    )
+    g = mx.log(mx.stop_gradient(gamma).astype(mx.float32, stream=stream), stream=stream)
     return _ext.gated_delta_rule(
-        q, k, v, g, beta, initial_state, 1.0, "grouped", mask, False, "auto", stream,
-        g_name="gamma", state_name="initial_state", linear_gate=gamma,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        initial_state,
+        1.0,
+        "grouped",
+        mask,
+        False,
+        "auto",
+        stream,
+        g_name="gamma",
+        state_name="initial_state",
+        linear_gate=gamma,
     )

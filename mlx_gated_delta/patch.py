@@ -37,7 +37,8 @@ def _layer_config(layer: nn.Module) -> SimpleNamespace:
         return SimpleNamespace(
             hidden_size=layer.o_proj.weight.shape[0],
             linear_attn_config=dict(
-                num_heads=layer.num_heads, head_dim=layer.head_dim,
+                num_heads=layer.num_heads,
+                head_dim=layer.head_dim,
                 short_conv_kernel_size=layer.conv_kernel,
             ),
             rms_norm_eps=layer.o_norm.eps,
@@ -97,9 +98,7 @@ def patch_mlx_lm(model: nn.Module) -> int:
     for parent in model.modules():
         items = parent.items() if isinstance(parent, dict) else []
         for key, child in items:
-            children = (
-                [(i, c) for i, c in enumerate(child)] if isinstance(child, list) else []
-            )
+            children = [(i, c) for i, c in enumerate(child)] if isinstance(child, list) else []
             for index, layer in [(None, child)] + children:
                 if isinstance(layer, _OURS):
                     already_ours += 1

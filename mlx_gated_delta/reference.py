@@ -49,14 +49,10 @@ def gated_delta_rule_reference(
         k = qk_norm(k)
     if scale is None:
         scale = key_dim**-0.5
-    return _delta_rule_recurrence(
-        q, k, v, np.exp(g), beta, state, scale, head_mapping, mask
-    )
+    return _delta_rule_recurrence(q, k, v, np.exp(g), beta, state, scale, head_mapping, mask)
 
 
-def gated_delta_update_reference(
-    q, k, v, gamma, beta, initial_state=None, mask=None
-):
+def gated_delta_update_reference(q, k, v, gamma, beta, initial_state=None, mask=None):
     """`mx.fast.gated_delta_update`'s meaning (docs/contract.md).
 
     `gamma` is the linear decay and is applied as it is, never through
@@ -64,9 +60,7 @@ def gated_delta_update_reference(
     mapping, no normalisation.
     """
     q, k, v, gamma, beta = (to_float64(x) for x in (q, k, v, gamma, beta))
-    return _delta_rule_recurrence(
-        q, k, v, gamma, beta, initial_state, 1.0, "grouped", mask
-    )
+    return _delta_rule_recurrence(q, k, v, gamma, beta, initial_state, 1.0, "grouped", mask)
 
 
 def key_head_of(value_heads, key_heads, head_mapping):
@@ -76,14 +70,10 @@ def key_head_of(value_heads, key_heads, head_mapping):
         return value_head // (value_heads // key_heads)
     if head_mapping == "interleaved":
         return value_head % key_heads
-    raise ValueError(
-        f"head_mapping must be 'grouped' or 'interleaved', got {head_mapping!r}"
-    )
+    raise ValueError(f"head_mapping must be 'grouped' or 'interleaved', got {head_mapping!r}")
 
 
-def _delta_rule_recurrence(
-    q, k, v, decay, beta, state, scale, head_mapping, mask
-):
+def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mask):
     """`decay` is the linear decay, `[B, T, Hv]` or, per key channel,
     `[B, T, Hv, Dk]` (column `c` of the state decays by `decay[..., c]`)."""
     batch, tokens, key_heads, key_dim = q.shape
@@ -98,19 +88,13 @@ def _delta_rule_recurrence(
         S = np.zeros((batch, value_heads, value_dim, key_dim))
     else:
         S = to_float64(state).copy()
-    active = (
-        np.ones((batch, tokens), dtype=bool)
-        if mask is None
-        else np.asarray(mask, dtype=bool)
-    )
+    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
 
     y = np.zeros((batch, tokens, value_heads, value_dim))
     for t in range(tokens):
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
         decayed = _column_decay(decay[:, t]) * S
-        delta = beta[:, t, :, None] * (
-            v_t - np.einsum("bhvk,bhk->bhv", decayed, k_t)
-        )
+        delta = beta[:, t, :, None] * (v_t - np.einsum("bhvk,bhk->bhv", decayed, k_t))
         updated = decayed + delta[..., :, None] * k_t[..., None, :]
         # A masked token is skipped: its state is the previous one, its y is 0.
         step = active[:, t, None, None, None]
@@ -164,8 +148,17 @@ def gated_delta_rule_reference_vjp(
     if normalize_qk:
         q, k = qk_norm(q), qk_norm(k)
     grads = _delta_rule_recurrence_vjp(
-        q, k, v, np.exp(g), beta, state, y_cotangent, state_cotangent, scale,
-        head_mapping, mask,
+        q,
+        k,
+        v,
+        np.exp(g),
+        beta,
+        state,
+        y_cotangent,
+        state_cotangent,
+        scale,
+        head_mapping,
+        mask,
     )
     if normalize_qk:
         grads["q"] = qk_norm_backward(raw_q, grads["q"])
@@ -176,8 +169,16 @@ def gated_delta_rule_reference_vjp(
 
 
 def gated_delta_update_reference_vjp(
-    q, k, v, gamma, beta, initial_state=None, mask=None, *,
-    y_cotangent=None, state_cotangent=None,
+    q,
+    k,
+    v,
+    gamma,
+    beta,
+    initial_state=None,
+    mask=None,
+    *,
+    y_cotangent=None,
+    state_cotangent=None,
 ):
     """Reverse-mode gradient of `gated_delta_update_reference`, in float64.
 
@@ -187,16 +188,34 @@ def gated_delta_update_reference_vjp(
     """
     q, k, v, gamma, beta = (to_float64(x) for x in (q, k, v, gamma, beta))
     grads = _delta_rule_recurrence_vjp(
-        q, k, v, gamma, beta, initial_state, y_cotangent, state_cotangent, 1.0,
-        "grouped", mask,
+        q,
+        k,
+        v,
+        gamma,
+        beta,
+        initial_state,
+        y_cotangent,
+        state_cotangent,
+        1.0,
+        "grouped",
+        mask,
     )
     grads["gamma"] = grads.pop("decay")
     return grads
 
 
 def _delta_rule_recurrence_vjp(
-    q, k, v, decay, beta, state, y_cotangent, state_cotangent, scale,
-    head_mapping, mask,
+    q,
+    k,
+    v,
+    decay,
+    beta,
+    state,
+    y_cotangent,
+    state_cotangent,
+    scale,
+    head_mapping,
+    mask,
 ):
     """The recurrence backward: the forward again, keeping every state, then
     the tokens in reverse order carrying dS, the cotangent of the state.
@@ -214,11 +233,7 @@ def _delta_rule_recurrence_vjp(
     key_head = key_head_of(value_heads, key_heads, head_mapping)
     q_h = q[:, :, key_head]  # [B, T, Hv, Dk]
     k_h = k[:, :, key_head]
-    active = (
-        np.ones((batch, tokens), dtype=bool)
-        if mask is None
-        else np.asarray(mask, dtype=bool)
-    )
+    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
     dy = (
         np.zeros((batch, tokens, value_heads, value_dim))
         if y_cotangent is None
@@ -231,9 +246,7 @@ def _delta_rule_recurrence_vjp(
         states[0] = to_float64(state)
     for t in range(tokens):
         decayed = _column_decay(decay[:, t]) * states[t]
-        delta = beta[:, t, :, None] * (
-            v[:, t] - np.einsum("bhvk,bhk->bhv", decayed, k_h[:, t])
-        )
+        delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhvk,bhk->bhv", decayed, k_h[:, t]))
         updated = decayed + delta[..., :, None] * k_h[:, t, :, None, :]
         states[t + 1] = np.where(active[:, t, None, None, None], updated, states[t])
 
@@ -268,7 +281,8 @@ def _delta_rule_recurrence_vjp(
             # Per key channel: the sum over the state's rows only.
             "a": np.einsum(
                 "bhvk,bhvk->bhk" if decay.ndim == 4 else "bhvk,bhvk->bh",
-                dSd, previous,
+                dSd,
+                previous,
             ),
             "beta": np.einsum("bhv,bhv->bh", dd, v_t - predicted),
         }
@@ -284,7 +298,12 @@ def _delta_rule_recurrence_vjp(
     np.add.at(dq_key, (slice(None), slice(None), key_head), dq)
     np.add.at(dk_key, (slice(None), slice(None), key_head), dk)
     return {
-        "q": dq_key, "k": dk_key, "v": dv, "decay": da, "beta": dbeta, "state": dS,
+        "q": dq_key,
+        "k": dk_key,
+        "v": dv,
+        "decay": da,
+        "beta": dbeta,
+        "state": dS,
     }
 
 
@@ -364,11 +383,7 @@ def chunked_stages(
         scale = key_dim**-0.5
     if normalize_qk:
         q, k = qk_norm(q), qk_norm(k)
-    active = (
-        np.ones((batch, tokens), dtype=bool)
-        if mask is None
-        else np.asarray(mask, dtype=bool)
-    )
+    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
     if state is None:
         state = np.zeros((batch, value_heads, value_dim, key_dim))
     out = {"q": q, "k": k}
@@ -383,16 +398,31 @@ def chunked_stages(
         out["k_gram"][:, key_head], log_cumsum, last_wipe, beta_effective
     )
     out["w"], out["u"] = recompute_w_u(
-        out["kkt_inverse"], k_rows[:, key_head], chunk_rows(v, chunk_size),
-        log_cumsum, last_wipe, beta_effective,
+        out["kkt_inverse"],
+        k_rows[:, key_head],
+        chunk_rows(v, chunk_size),
+        log_cumsum,
+        last_wipe,
+        beta_effective,
     )
     out["corrected"], out["output_inter"], out["entry_states"], out["state"] = chunk_carry(
-        out["w"], out["u"], q_rows[:, key_head], k_rows[:, key_head],
-        log_cumsum, last_wipe, to_float64(state), scale,
+        out["w"],
+        out["u"],
+        q_rows[:, key_head],
+        k_rows[:, key_head],
+        log_cumsum,
+        last_wipe,
+        to_float64(state),
+        scale,
     )
     out["y"] = chunk_output(
-        out["qk"][:, key_head], out["corrected"], out["output_inter"],
-        log_cumsum, last_wipe, active, scale,
+        out["qk"][:, key_head],
+        out["corrected"],
+        out["output_inter"],
+        log_cumsum,
+        last_wipe,
+        active,
+        scale,
     )
     return out
 
@@ -482,8 +512,8 @@ def chunk_carry(w, u, q_rows, k_rows, log_cumsum, last_wipe, state, scale):
     for c in range(chunks):
         entry_states[:, :, c] = S
         corrected[:, :, c] = u[:, :, c] - np.einsum("bhik,bhvk->bhiv", w[:, :, c], S)
-        output_inter[:, :, c] = scale * from_start[:, :, c, :, None] * np.einsum(
-            "bhvk,bhik->bhiv", S, q_rows[:, :, c]
+        output_inter[:, :, c] = (
+            scale * from_start[:, :, c, :, None] * np.einsum("bhvk,bhik->bhiv", S, q_rows[:, :, c])
         )
         S = from_start[:, :, c, -1, None, None] * S + np.einsum(
             "bhj,bhjv,bhjk->bhvk", to_end[:, :, c], corrected[:, :, c], k_rows[:, :, c]
@@ -557,21 +587,13 @@ def gated_delta_segment_reference(
         if conv_state is None
         else to_float64(conv_state)
     )
-    active = (
-        np.ones((batch, tokens), dtype=bool)
-        if mask is None
-        else np.asarray(mask, dtype=bool)
-    )
+    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
 
     qkv = prepare_conv(x, weight, window, active, layout)
     new_window = collect_conv_state(x, window, active, layout)
-    g, beta = prepare_gates(
-        x, decay_parameter, dt_bias, layout, decay_parameterization
-    )
+    g, beta = prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization)
     q = qkv[..., : layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
-    k = qkv[..., layout.qk_width : 2 * layout.qk_width].reshape(
-        batch, tokens, key_heads, key_dim
-    )
+    k = qkv[..., layout.qk_width : 2 * layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
     v = qkv[..., 2 * layout.qk_width :].reshape(batch, tokens, value_heads, value_dim)
     y, state = gated_delta_rule_reference(
         q,
@@ -664,8 +686,7 @@ def _conv_history(x, window, active, layout):
     """Per batch row, the pre-conv rows the conv sees, oldest first: the
     carried conv state, then every unmasked token's q|k|v."""
     return [
-        np.concatenate([window[b], x[b, active[b], : layout.channels]])
-        for b in range(x.shape[0])
+        np.concatenate([window[b], x[b, active[b], : layout.channels]]) for b in range(x.shape[0])
     ]
 
 

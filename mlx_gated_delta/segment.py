@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 import mlx.core as mx
 
 from . import _ext
@@ -16,8 +14,8 @@ def gated_delta_segment(
     decay_parameter: mx.array,
     dt_bias: mx.array,
     norm_weight: mx.array,
-    conv_state: Optional[mx.array] = None,
-    state: Optional[mx.array] = None,
+    conv_state: mx.array | None = None,
+    state: mx.array | None = None,
     *,
     key_heads: int,
     value_heads: int,
@@ -26,10 +24,10 @@ def gated_delta_segment(
     decay_parameterization: str = "log_rate",
     head_mapping: str = "grouped",
     norm_eps: float = 1e-6,
-    mask: Optional[mx.array] = None,
+    mask: mx.array | None = None,
     algorithm: str = "auto",
     stream: StreamOrDevice = None,
-) -> Tuple[mx.array, mx.array, mx.array]:
+) -> tuple[mx.array, mx.array, mx.array]:
     """A Gated DeltaNet token mixer from its packed input projection to the
     gated norm, in one op; returns ``(out, conv_state, state)``.
 
@@ -89,8 +87,21 @@ def gated_delta_segment(
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
     return _ext.gated_delta_segment(
-        mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
-        conv_state, state, int(key_heads), int(value_heads), int(key_dim),
-        int(value_dim), decay_parameterization, head_mapping, float(norm_eps),
-        mask, algorithm, stream,
+        mixed_qkvzba,
+        conv_weight,
+        decay_parameter,
+        dt_bias,
+        norm_weight,
+        conv_state,
+        state,
+        int(key_heads),
+        int(value_heads),
+        int(key_dim),
+        int(value_dim),
+        decay_parameterization,
+        head_mapping,
+        float(norm_eps),
+        mask,
+        algorithm,
+        stream,
     )

@@ -33,7 +33,8 @@ def test_io_bytes_count_activations_at_their_dtype_and_gates_and_state_in_float3
 def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
     shapes = bench.benchmark_shapes(quick=True)
     assert sorted((s.dtype, s.T) for s in shapes) == sorted(
-        (d, T) for d in ("bfloat16", "float32") for T in (1, 64, 512, 2048))
+        (d, T) for d in ("bfloat16", "float32") for T in (1, 64, 512, 2048)
+    )
     assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 16, 32, 128, 128)}
 
 
@@ -89,15 +90,21 @@ def _row(shape, seconds):
             results[name] = {"status": "skipped", "reason": "not run"}
         else:
             results[name] = {"status": "ok", "median_s": value, "peak_allocated_bytes": 3 << 20}
-    row = {"label": shape.label, "shape": bench.dataclasses.asdict(shape),
-           "io_bytes": bench.io_bytes(shape), "results": results}
+    row = {
+        "label": shape.label,
+        "shape": bench.dataclasses.asdict(shape),
+        "io_bytes": bench.io_bytes(shape),
+        "results": results,
+    }
     bench.add_derived_figures(row, shape, ROOFLINE)
     return row
 
 
 def test_derived_figures_and_prefill_table_cells():
-    row = _row(QWEN_PREFILL_BF16, {"mlx_core": 3.0, "mlx_lm": "error", "recurrent": 0.2,
-                                   "chunked": 0.1, "auto": 0.11})
+    row = _row(
+        QWEN_PREFILL_BF16,
+        {"mlx_core": 3.0, "mlx_lm": "error", "recurrent": 0.2, "chunked": 0.1, "auto": 0.11},
+    )
     d = row["derived"]
     assert d["speedup_vs_mlx_core"] == pytest.approx(3.0 / 0.11)
     assert "speedup_vs_mlx_lm" not in d
@@ -113,10 +120,20 @@ def test_derived_figures_and_prefill_table_cells():
 
 
 def test_decode_table_reports_state_bandwidth_and_skips():
-    row = _row(QWEN_DECODE, {"mlx_core": "skipped", "mlx_lm": 0.004, "recurrent": 0.002,
-                             "chunked": 0.003, "auto": 0.002})
+    row = _row(
+        QWEN_DECODE,
+        {
+            "mlx_core": "skipped",
+            "mlx_lm": 0.004,
+            "recurrent": 0.002,
+            "chunked": 0.003,
+            "auto": 0.002,
+        },
+    )
     d = row["derived"]
-    assert d["state_gb_per_s"] == pytest.approx(bench.state_traffic_bytes(QWEN_DECODE) / 0.002 / 1e9)
+    assert d["state_gb_per_s"] == pytest.approx(
+        bench.state_traffic_bytes(QWEN_DECODE) / 0.002 / 1e9
+    )
     assert d["fraction_of_copy"] == pytest.approx(d["state_gb_per_s"] * 1e9 / 20e9)
     table = bench.results_table([row], decode=True)
     assert "state GB/s" in table and "skip" in table
@@ -128,20 +145,29 @@ def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkey
 
     def failing_chunked(name):
         if name == "chunked":
+
             def fail(x, state):
                 raise RuntimeError("chunked exploded")
+
             return fail
         return real(name)
 
     monkeypatch.setattr(bench, "implementation_call", failing_chunked)
     tiny = bench.Shape("tiny", B=1, T=5, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
     progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
-    row = bench.benchmark_row(tiny, pool_bytes=0, full=False,
-                              budget=bench.Budget(seconds=0.0, max_repeats=1), progress=progress)
+    row = bench.benchmark_row(
+        tiny,
+        pool_bytes=0,
+        full=False,
+        budget=bench.Budget(seconds=0.0, max_repeats=1),
+        progress=progress,
+    )
     progress.close()
     bench.add_derived_figures(row, tiny, ROOFLINE)
-    assert row["results"]["chunked"] == {"status": "error",
-                                         "error": "RuntimeError: chunked exploded"}
+    assert row["results"]["chunked"] == {
+        "status": "error",
+        "error": "RuntimeError: chunked exploded",
+    }
     assert row["results"]["auto"]["status"] == "ok"
     assert "err" in bench.results_table([row], decode=False)
     # Every implementation that ran computed the same outputs on the same inputs.
@@ -154,8 +180,13 @@ def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotat
     tiny_decode = bench.Shape("tiny", B=2, T=1, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
     pool = 6 * bench.state_bytes(tiny_decode)
     progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
-    row = bench.benchmark_row(tiny_decode, pool_bytes=pool, full=False,
-                              budget=bench.Budget(seconds=0.0, max_repeats=1), progress=progress)
+    row = bench.benchmark_row(
+        tiny_decode,
+        pool_bytes=pool,
+        full=False,
+        budget=bench.Budget(seconds=0.0, max_repeats=1),
+        progress=progress,
+    )
     progress.close()
     assert row["rotated_states"] == 6
     for name, result in row["results"].items():
@@ -169,10 +200,22 @@ def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
     def run_layer_benchmark(quick, progress=None):
         seen["quick"] = quick
         progress("layer decode B=1")
-        return [{"name": "decode", "shape": "B=1 T=1", "ours_ms": 1.5, "mlx_lm_ms": 6.0,
-                 "speedup": 4.0},
-                {"name": "prefill", "shape": "B=1 T=2048", "ours_ms": 1410.4,
-                 "mlx_lm_ms": 47512.0, "speedup": 33.7}]
+        return [
+            {
+                "name": "decode",
+                "shape": "B=1 T=1",
+                "ours_ms": 1.5,
+                "mlx_lm_ms": 6.0,
+                "speedup": 4.0,
+            },
+            {
+                "name": "prefill",
+                "shape": "B=1 T=2048",
+                "ours_ms": 1410.4,
+                "mlx_lm_ms": 47512.0,
+                "speedup": 33.7,
+            },
+        ]
 
     fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
     fake.run_layer_benchmark = run_layer_benchmark
@@ -213,15 +256,22 @@ def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
     # Run outside the checkout: `python -m` puts the working directory first on the path,
     # and the checkout's package has no compiled extension.
-    done = subprocess.run([sys.executable, "-m", "mlx_gated_delta", "--help"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "mlx_gated_delta", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0, done.stderr
     for command in ("demo", "bench", "selftest"):
         assert command in done.stdout
 
 
-@pytest.mark.parametrize("argv", [["bench", "--no-such-option"], ["bench", "--filter", "T=("],
-                                  ["selftest", "--examples", "0"]])
+@pytest.mark.parametrize(
+    "argv",
+    [["bench", "--no-such-option"], ["bench", "--filter", "T=("], ["selftest", "--examples", "0"]],
+)
 def test_cli_rejects_bad_arguments_with_a_usage_error(argv):
     with pytest.raises(SystemExit) as exited:
         cli.main(argv)
@@ -247,7 +297,7 @@ FAKE_PROPERTY_MODULES = {
     "passing": "def test_one():\n    pass\n\ndef test_two():\n    pass\n",
     "failing": "def test_passes():\n    pass\n\ndef test_fails():\n    assert False\n",
     "skipped": "import pytest\n"
-               "pytest.importorskip('selftest_no_such_dependency', reason='no dependency here')\n",
+    "pytest.importorskip('selftest_no_such_dependency', reason='no dependency here')\n",
 }
 
 
@@ -270,8 +320,9 @@ def test_selftest_verdict_counts_the_tests_of_each_module(tmp_path, monkeypatch,
     assert cli.run_selftest(examples=None) == 1
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
     assert verdict.startswith("selftest FAIL on ")
-    assert ("passing: 2 passed; failing: 1 passed, 1 failed; "
-            "skipped: skipped (no dependency here)") in verdict
+    assert (
+        "passing: 2 passed; failing: 1 passed, 1 failed; skipped: skipped (no dependency here)"
+    ) in verdict
 
 
 def test_selftest_passes_with_a_module_skipped_as_a_whole(tmp_path, monkeypatch, capsys):
@@ -284,7 +335,8 @@ def test_selftest_passes_with_a_module_skipped_as_a_whole(tmp_path, monkeypatch,
 
 
 def test_examples_count_reaches_tests_already_decorated_by_given():
-    from hypothesis import given, settings, strategies as st
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
 
     calls = []
 

@@ -42,8 +42,10 @@ def test_rejections_are_classified_by_the_argument_they_name():
     unnamed = ValueError("shapes do not match")
     assert fuzzer.rejection("gated_delta_rule", unnamed, "state")[0] == "unnamed_rejection"
     # A word that merely contains an argument's name is not the name.
-    assert fuzzer.rejection("gated_delta_rule", ValueError("kv mismatch"), "k")[0] == \
-        "unnamed_rejection"
+    assert (
+        fuzzer.rejection("gated_delta_rule", ValueError("kv mismatch"), "k")[0]
+        == "unnamed_rejection"
+    )
     # Valid arguments rejected: a crash, however clear the message.
     assert fuzzer.rejection("gated_delta_rule", named, None)[0] == "crash"
 
@@ -53,6 +55,9 @@ def test_the_command_prints_the_counts_table(capsys):
     out = capsys.readouterr().out
     assert "fuzz: 30 calls, seed 7" in out and "fuzz PASS: 0 failures" in out
     rows = [line.split() for line in out.splitlines() if line.startswith("gated_delta_")]
-    assert [row[0] for row in rows] == ["gated_delta_rule", "gated_delta_update",
-                                        "gated_delta_segment"]
+    assert [row[0] for row in rows] == [
+        "gated_delta_rule",
+        "gated_delta_update",
+        "gated_delta_segment",
+    ]
     assert sum(int(row[1]) + int(row[2]) for row in rows) == 30

@@ -52,8 +52,15 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
     )
     packed = mx.concatenate([t.reshape(2, 11, -1) for t in (q, k, v, z, b, a)], axis=-1)
     out, _, _ = gated_delta_segment_reference(
-        packed, stock.conv1d.weight, stock.A_log, stock.dt_bias, stock.norm.weight,
-        key_heads=2, value_heads=4, key_dim=16, value_dim=8,
+        packed,
+        stock.conv1d.weight,
+        stock.A_log,
+        stock.dt_bias,
+        stock.norm.weight,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
     )
     # mlx-lm's layer is a float32 computation of the same math: within the
     # float32 contract of the exact result.
@@ -82,10 +89,16 @@ def test_batched_with_left_padding_equals_unbatched(kind):
     width = max(lengths)
     prompts = [tokens(10 + i, (n,)) for i, n in enumerate(lengths)]
     padding = [width - n for n in lengths]
-    padded = mx.stack([mx.concatenate([mx.zeros((p,), mx.int32), t.astype(mx.int32)])
-                       for p, t in zip(padding, prompts)])
-    cache = [ArraysCache(2, left_padding=padding) if l.is_linear else BatchKVCache(padding)
-             for l in model.layers]
+    padded = mx.stack(
+        [
+            mx.concatenate([mx.zeros((p,), mx.int32), t.astype(mx.int32)])
+            for p, t in zip(padding, prompts)
+        ]
+    )
+    cache = [
+        ArraysCache(2, left_padding=padding) if l.is_linear else BatchKVCache(padding)
+        for l in model.layers
+    ]
     batched = model(padded, cache=cache)
     step = tokens(20, (3, 1))
     batched_next = model(step, cache=cache)
@@ -93,16 +106,25 @@ def test_batched_with_left_padding_equals_unbatched(kind):
         single_cache = model.make_cache()
         single = model(prompt[None], cache=single_cache)
         single_next = model(step[row : row + 1], cache=single_cache)
-        check(f"row {row} prompt", batched[row : row + 1, p:], single,
-              "layer.self_consistency.v2.float32.logits")
-        check(f"row {row} next", batched_next[row : row + 1], single_next,
-              "layer.self_consistency.v2.float32.logits")
+        check(
+            f"row {row} prompt",
+            batched[row : row + 1, p:],
+            single,
+            "layer.self_consistency.v2.float32.logits",
+        )
+        check(
+            f"row {row} next",
+            batched_next[row : row + 1],
+            single_next,
+            "layer.self_consistency.v2.float32.logits",
+        )
 
 
 def greedy_batch(model, prompts, max_tokens):
     """mlx-lm's continuous batching (left padding, lengths) on token lists."""
-    generator = BatchGenerator(model, max_tokens=max_tokens, prefill_batch_size=4,
-                               completion_batch_size=4)
+    generator = BatchGenerator(
+        model, max_tokens=max_tokens, prefill_batch_size=4, completion_batch_size=4
+    )
     uids = generator.insert(prompts)
     generated = {uid: [] for uid in uids}
     while responses := generator.next_generated():
@@ -113,9 +135,16 @@ def greedy_batch(model, prompts, max_tokens):
 
 
 def greedy(model, prompt, max_tokens, prompt_cache=None):
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens,
-                                             sampler=lambda x: mx.argmax(x, -1),
-                                             prompt_cache=prompt_cache)]
+    return [
+        int(t)
+        for t, _ in generate_step(
+            mx.array(prompt),
+            model,
+            max_tokens=max_tokens,
+            sampler=lambda x: mx.argmax(x, -1),
+            prompt_cache=prompt_cache,
+        )
+    ]
 
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
@@ -162,8 +191,12 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     check("conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v2.float32.logits")
     check("state", our_cache[1], stock_cache[1], "segment.oracle.v2.float32.state")
     valid = np.asarray(mask)
-    check("out", to_float64(our_out)[valid][None], to_float64(stock_out)[valid][None],
-          "layer.mlx_lm_parity.v2.float32.logits")
+    check(
+        "out",
+        to_float64(our_out)[valid][None],
+        to_float64(stock_out)[valid][None],
+        "layer.mlx_lm_parity.v2.float32.logits",
+    )
 
 
 @pytest.mark.parametrize("first", ["ours", "mlx-lm"])

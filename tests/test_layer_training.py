@@ -16,6 +16,7 @@ pytest.importorskip("mlx_lm")
 from functools import partial  # noqa: E402
 
 from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm.models import qwen3_next  # noqa: E402
 from mlx_lm.tuner.lora import LoRALinear  # noqa: E402
 from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
@@ -24,7 +25,6 @@ from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
-from mlx_lm.models import qwen3_next  # noqa: E402
 
 FINGERPRINTS = {
     "layer_grad.mlx_lm_parity.v1.float32.parameter_grad": "0b64f106516a2c97657ca76a5bf64683d05eb5921187e5a11e605d328a000069",

@@ -82,8 +82,9 @@ def test_gpu_call_with_a_broken_library_raises_twice_and_does_not_crash(tmp_path
     if source == "invalid":
         path.write_text("#include <metal_stdlib>\nkernel void broken(\n")
     env = dict(os.environ, **{HOOK: str(path)})
-    run = subprocess.run([sys.executable, "-c", GPU_CALL], env=env, capture_output=True,
-                         text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", GPU_CALL], env=env, capture_output=True, text=True, timeout=300
+    )
     assert run.returncode == 0, run.stderr
     lines = run.stdout.strip().splitlines()
     assert len(lines) == 2 and all(line.startswith("RAISED") for line in lines), run.stdout

@@ -13,17 +13,38 @@ from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import make_core_case
 
 UPDATE_ORACLE_OUTPUT = {
-    "float32": ("compat.update_oracle.v2.float32.output", "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91"),
-    "bfloat16": ("compat.update_oracle.v2.bfloat16.output", "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961"),
+    "float32": (
+        "compat.update_oracle.v2.float32.output",
+        "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91",
+    ),
+    "bfloat16": (
+        "compat.update_oracle.v2.bfloat16.output",
+        "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961",
+    ),
 }
-UPDATE_ORACLE_STATE = ("compat.update_oracle.v2.float32.state", "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2")
+UPDATE_ORACLE_STATE = (
+    "compat.update_oracle.v2.float32.state",
+    "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2",
+)
 CORE_BFLOAT16_OUTPUT = {
-    "recurrent": ("core.recurrent.v2.bfloat16.output", "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2"),
-    "chunked": ("core.chunked.v2.bfloat16.output", "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885"),
+    "recurrent": (
+        "core.recurrent.v2.bfloat16.output",
+        "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2",
+    ),
+    "chunked": (
+        "core.chunked.v2.bfloat16.output",
+        "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885",
+    ),
 }
 CORE_STATE = {
-    "recurrent": ("core.recurrent.v2.float32.state", "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260"),
-    "chunked": ("core.chunked.v2.float32.state", "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59"),
+    "recurrent": (
+        "core.recurrent.v2.float32.state",
+        "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260",
+    ),
+    "chunked": (
+        "core.chunked.v2.float32.state",
+        "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59",
+    ),
 }
 
 
@@ -42,9 +63,15 @@ def test_matches_mlx_fast_gated_delta_update_in_float32(
     seed, batch, tokens, key_heads, ratio, key_dim, value_dim, with_state, mask_kind
 ):
     case = make_core_case(
-        seed, batch=batch, tokens=tokens, key_heads=key_heads,
-        value_heads=key_heads * ratio, key_dim=key_dim, value_dim=value_dim,
-        with_state=with_state, mask_kind=mask_kind,
+        seed,
+        batch=batch,
+        tokens=tokens,
+        key_heads=key_heads,
+        value_heads=key_heads * ratio,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        with_state=with_state,
+        mask_kind=mask_kind,
     )
     gamma = mx.exp(case.g)
     arguments = (case.q, case.k, case.v, gamma, case.beta, case.state, case.options["mask"])
@@ -52,12 +79,16 @@ def test_matches_mlx_fast_gated_delta_update_in_float32(
     mlx_y, mlx_state = mx.fast.gated_delta_update(*arguments)
     assert y.dtype == mlx_y.dtype and state.dtype == mlx_state.dtype == mx.float32
     assert_matches(
-        "y", y, mlx_y,
+        "y",
+        y,
+        mlx_y,
         "compat.gated_delta_update.v2.float32.output",
         "a3aa4f6e3823786eac8b8c727745543c536f0aa117f8152ca43d4d7e6493f513",
     )
     assert_matches(
-        "state", state, mlx_state,
+        "state",
+        state,
+        mlx_state,
         "compat.gated_delta_update.v2.float32.state",
         "5b6e431f23c2ee92891fa4c524ca3f0ce86e45621759f81acf043deb6acaa8b4",
     )
@@ -103,9 +134,7 @@ def test_slow_decay_with_bfloat16_activations_is_not_rounded_away():
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
 def test_slow_decay_with_bfloat16_activations_for_each_algorithm(algorithm):
     q, k, v, gamma, beta, state = slow_decay_in_bfloat16()
-    y, final = gated_delta_rule(
-        q, k, v, mx.log(gamma), beta, state, scale=1.0, algorithm=algorithm
-    )
+    y, final = gated_delta_rule(q, k, v, mx.log(gamma), beta, state, scale=1.0, algorithm=algorithm)
     expected_y, expected_state = gated_delta_update_reference(q, k, v, gamma, beta, state)
     assert_matches("y", y, expected_y, *CORE_BFLOAT16_OUTPUT[algorithm])
     assert_matches("state", final, expected_state, *CORE_STATE[algorithm])
@@ -115,8 +144,15 @@ def test_slow_decay_with_bfloat16_activations_for_each_algorithm(algorithm):
 @pytest.mark.parametrize("wipe_at", (0, 37, 63, 64, 100, 149))
 def test_zero_gamma_wipes_the_state_exactly(algorithm, wipe_at):
     case = make_core_case(
-        wipe_at, batch=2, tokens=150, key_heads=1, value_heads=2, key_dim=32, value_dim=16,
-        mask_kind="random", decay="mild",  # mild: without a wipe the state survives 150 tokens
+        wipe_at,
+        batch=2,
+        tokens=150,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=16,
+        mask_kind="random",
+        decay="mild",  # mild: without a wipe the state survives 150 tokens
     )
     gamma = np.exp(to_float64(case.g))
     gamma[:, wipe_at] = 0.0
@@ -128,8 +164,15 @@ def test_zero_gamma_wipes_the_state_exactly(algorithm, wipe_at):
             return gated_delta_update(case.q, case.k, case.v, gamma, case.beta, initial_state, mask)
         # gated_delta_update's log(0) = -inf reaches the kernels as it is.
         return gated_delta_rule(
-            case.q, case.k, case.v, mx.log(gamma), case.beta, initial_state,
-            scale=1.0, mask=mask, algorithm=algorithm,
+            case.q,
+            case.k,
+            case.v,
+            mx.log(gamma),
+            case.beta,
+            initial_state,
+            scale=1.0,
+            mask=mask,
+            algorithm=algorithm,
         )
 
     y, state = run(case.state)

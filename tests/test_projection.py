@@ -31,9 +31,7 @@ def test_linear_projection_matches_float64(seed, leading, in_features, out_featu
     rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((*leading, in_features)).astype(np.float32))
     weight = mx.array(
-        (rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(
-            np.float32
-        )
+        (rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32)
     )
     x, weight = x.astype(DTYPES[dtype]), weight.astype(DTYPES[dtype])
     y = _ext.linear_projection(x, weight, None)
@@ -48,8 +46,9 @@ def test_linear_projection_reads_strided_inputs():
     weight = mx.random.normal((20, 30)).T  # a transposed view, [30, 20]
     expected = to_float64(x) @ to_float64(weight).T
     contract = "projection.linear.v2.float32.output"
-    assert_matches("y", _ext.linear_projection(x, weight, None), expected, contract,
-                   FINGERPRINTS[contract])
+    assert_matches(
+        "y", _ext.linear_projection(x, weight, None), expected, contract, FINGERPRINTS[contract]
+    )
 
 
 @pytest.mark.parametrize(

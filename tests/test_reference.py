@@ -65,12 +65,16 @@ def test_oracle_matches_a_key_major_transcription(case):
     y, state = case.reference()
     expected_y, expected_state = key_major_transcription(case)
     assert_matches(
-        "y", y, expected_y,
+        "y",
+        y,
+        expected_y,
         "reference.transcription.v2.float64.output",
         "852ce64b90967920b5713f6e5d7603ede12302516e96ffd6b243014d42d3b675",
     )
     assert_matches(
-        "state", state, expected_state,
+        "state",
+        state,
+        expected_state,
         "reference.transcription.v2.float64.state",
         "34a8c9b61d8289b1fb9b22395e4b3a69c730b13987da02071370c489c8140270",
     )
@@ -90,9 +94,15 @@ def test_update_oracle_matches_mlx_fast_in_float32(
     seed, tokens, key_heads, ratio, key_dim, value_dim, with_state, mask_kind
 ):
     case = make_core_case(
-        seed, batch=2, tokens=tokens, key_heads=key_heads,
-        value_heads=key_heads * ratio, key_dim=key_dim, value_dim=value_dim,
-        with_state=with_state, mask_kind=mask_kind,
+        seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=key_heads,
+        value_heads=key_heads * ratio,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        with_state=with_state,
+        mask_kind=mask_kind,
     )
     gamma = mx.exp(case.g)
     mask = case.options["mask"]
@@ -103,12 +113,16 @@ def test_update_oracle_matches_mlx_fast_in_float32(
         case.q, case.k, case.v, gamma, case.beta, initial_state=case.state, mask=mask
     )
     assert_matches(
-        "y", mlx_y, y,
+        "y",
+        mlx_y,
+        y,
         "reference.mlx_fast.v2.float32.output",
         "7423d2d44029b6533043470dd8f6a3bca4f42dbc72da0d37a3fe49fd17eb4427",
     )
     assert_matches(
-        "state", mlx_state, state,
+        "state",
+        mlx_state,
+        state,
         "reference.mlx_fast.v2.float32.state",
         "48225bf78ec41f254ef8e6854815581782100375dbaf77b6467f1d2fc0143428",
     )
@@ -116,13 +130,25 @@ def test_update_oracle_matches_mlx_fast_in_float32(
 
 def test_rule_oracle_is_the_update_oracle_with_log_decay_and_scale():
     case = make_core_case(
-        7, batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=16, value_dim=32,
-        scale=1.0, mask_kind="random",
+        7,
+        batch=2,
+        tokens=9,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=32,
+        scale=1.0,
+        mask_kind="random",
     )
     y, state = case.reference()
     update_y, update_state = gated_delta_update_reference(
-        case.q, case.k, case.v, np.exp(to_float64(case.g)), case.beta,
-        case.state, case.options["mask"],
+        case.q,
+        case.k,
+        case.v,
+        np.exp(to_float64(case.g)),
+        case.beta,
+        case.state,
+        case.options["mask"],
     )
     np.testing.assert_array_equal(y, update_y)
     np.testing.assert_array_equal(state, update_state)

@@ -23,8 +23,13 @@ from mlx_gated_delta.testing.grad_properties import FINGERPRINTS
 FD_STEP = 1e-6
 FD_PREFIX = "reference.finite_difference.v1.float64"
 TENSOR_KIND = {
-    "q": "activation_grad", "k": "activation_grad", "v": "activation_grad",
-    "g": "gate_grad", "gamma": "gate_grad", "beta": "gate_grad", "state": "state_grad",
+    "q": "activation_grad",
+    "k": "activation_grad",
+    "v": "activation_grad",
+    "g": "gate_grad",
+    "gamma": "gate_grad",
+    "beta": "gate_grad",
+    "state": "state_grad",
 }
 
 
@@ -99,12 +104,25 @@ def assert_gradients_match(grads, expected):
     cotangents=st.sampled_from(("both", "y", "state")),
 )
 def test_reference_vjp_matches_finite_differences(
-    seed, tokens, key_heads, ratio, head_mapping, normalize_qk, mask_kind, scale,
+    seed,
+    tokens,
+    key_heads,
+    ratio,
+    head_mapping,
+    normalize_qk,
+    mask_kind,
+    scale,
     cotangents,
 ):
     inputs, mask, weights = make_inputs(
-        seed, batch=2, tokens=tokens, key_heads=key_heads, ratio=ratio, key_dim=3,
-        value_dim=2, mask_kind=mask_kind,
+        seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=key_heads,
+        ratio=ratio,
+        key_dim=3,
+        value_dim=2,
+        mask_kind=mask_kind,
     )
     options = dict(scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk)
     use_y, use_state = cotangents in ("both", "y"), cotangents in ("both", "state")
@@ -130,13 +148,13 @@ def test_the_check_sees_a_missing_cotangent_and_a_wrong_head_mapping():
     )
     options = dict(scale=None, head_mapping="grouped", mask=None, normalize_qk=False)
     expected = finite_differences(rule_loss(weights, options), inputs)
-    without_state = gated_delta_rule_reference_vjp(
-        **inputs, y_cotangent=weights["y"], **options
-    )
+    without_state = gated_delta_rule_reference_vjp(**inputs, y_cotangent=weights["y"], **options)
     with pytest.raises(AssertionError, match="violated"):
         assert_gradients_match(without_state, expected)
     wrong_mapping = gated_delta_rule_reference_vjp(
-        **inputs, y_cotangent=weights["y"], state_cotangent=weights["state"],
+        **inputs,
+        y_cotangent=weights["y"],
+        state_cotangent=weights["state"],
         **{**options, "head_mapping": "interleaved"},
     )
     with pytest.raises(AssertionError, match="violated"):
@@ -154,8 +172,12 @@ def test_a_wipe_has_finite_exact_gradients():
     gamma[:, 2, 0] = 0.0
     gamma[1, 4, :] = 0.0
     update_inputs = {
-        "q": inputs["q"], "k": inputs["k"], "v": inputs["v"], "gamma": gamma,
-        "beta": inputs["beta"], "initial_state": inputs["state"],
+        "q": inputs["q"],
+        "k": inputs["k"],
+        "v": inputs["v"],
+        "gamma": gamma,
+        "beta": inputs["beta"],
+        "initial_state": inputs["state"],
     }
 
     def update_loss(values):
@@ -174,8 +196,15 @@ def test_a_wipe_has_finite_exact_gradients():
     with np.errstate(divide="ignore"):
         g = np.log(gamma)
     rule_grads = gated_delta_rule_reference_vjp(
-        inputs["q"], inputs["k"], inputs["v"], g, inputs["beta"], inputs["state"],
-        y_cotangent=weights["y"], state_cotangent=weights["state"], scale=1.0,
+        inputs["q"],
+        inputs["k"],
+        inputs["v"],
+        g,
+        inputs["beta"],
+        inputs["state"],
+        y_cotangent=weights["y"],
+        state_cotangent=weights["state"],
+        scale=1.0,
     )
     for name, value in rule_grads.items():
         assert np.all(np.isfinite(value)), name
@@ -192,12 +221,21 @@ def test_a_wipe_has_finite_exact_gradients():
     mask_kind=st.sampled_from(("none", "random")),
 )
 def test_reference_vjp_matches_finite_differences_with_per_key_gates(
-    seed, tokens, head_mapping, mask_kind,
+    seed,
+    tokens,
+    head_mapping,
+    mask_kind,
 ):
     # g [B, T, Hv, Dk]: one gradient per key channel, each the sum over the
     # state's rows of its column's share.
     inputs, mask, weights = make_inputs(
-        seed, batch=2, tokens=tokens, key_heads=1, ratio=2, key_dim=3, value_dim=2,
+        seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=1,
+        ratio=2,
+        key_dim=3,
+        value_dim=2,
         mask_kind=mask_kind,
     )
     rng = np.random.default_rng(seed + 1)

@@ -42,17 +42,37 @@ def test_good_arguments_pass():
     "change, error, words",
     [
         (dict(mixed_qkvzba=mx.zeros((3, 104))), ValueError, ["mixed_qkvzba", "rank 3"]),
-        (dict(mixed_qkvzba=mx.zeros((1, 3, 100))), ValueError, ["mixed_qkvzba", "104", "(1, 3, 100)"]),
-        (dict(mixed_qkvzba=mx.zeros((1, 3, 104), dtype=mx.int32)), TypeError, ["mixed_qkvzba", "int32"]),
+        (
+            dict(mixed_qkvzba=mx.zeros((1, 3, 100))),
+            ValueError,
+            ["mixed_qkvzba", "104", "(1, 3, 100)"],
+        ),
+        (
+            dict(mixed_qkvzba=mx.zeros((1, 3, 104), dtype=mx.int32)),
+            TypeError,
+            ["mixed_qkvzba", "int32"],
+        ),
         (dict(conv_weight=mx.zeros((63, 4))), ValueError, ["conv_weight", "(63, 4)"]),
         (dict(conv_weight=mx.zeros((64, 4, 2))), ValueError, ["conv_weight", "(64, 4, 2)"]),
         (dict(decay_parameter=mx.zeros((3,))), ValueError, ["decay_parameter", "(3,)"]),
         (dict(dt_bias=mx.zeros((4, 1))), ValueError, ["dt_bias", "(4, 1)"]),
         (dict(norm_weight=mx.zeros((4,))), ValueError, ["norm_weight", "(8,)"]),
-        (dict(conv_state=mx.zeros((1, 2, 64))), ValueError, ["conv_state", "(1, 3, 64)", "(1, 2, 64)"]),
-        (dict(conv_state=mx.zeros((1, 3, 64), dtype=mx.float16)), TypeError, ["conv_state", "float16"]),
+        (
+            dict(conv_state=mx.zeros((1, 2, 64))),
+            ValueError,
+            ["conv_state", "(1, 3, 64)", "(1, 2, 64)"],
+        ),
+        (
+            dict(conv_state=mx.zeros((1, 3, 64), dtype=mx.float16)),
+            TypeError,
+            ["conv_state", "float16"],
+        ),
         (dict(state=mx.zeros((1, 4, 8, 4))), ValueError, ["state", "(1, 4, 8, 8)"]),
-        (dict(state=mx.zeros((1, 4, 8, 8), dtype=mx.bfloat16)), TypeError, ["state", "float32", "bfloat16"]),
+        (
+            dict(state=mx.zeros((1, 4, 8, 8), dtype=mx.bfloat16)),
+            TypeError,
+            ["state", "float32", "bfloat16"],
+        ),
         (dict(mask=mx.ones((1, 4), dtype=mx.bool_)), ValueError, ["mask", "(1, 3)"]),
         (dict(mask=mx.ones((1, 3))), TypeError, ["mask", "bool"]),
         (dict(head_mapping="tiled"), ValueError, ["head_mapping", "tiled"]),
@@ -97,7 +117,13 @@ def test_contract_ids_exist():
 
 def test_segment_under_compile_and_on_another_stream_gives_the_same_result():
     case = make_segment_case(
-        5, batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=8, value_dim=8,
+        5,
+        batch=2,
+        tokens=9,
+        key_heads=2,
+        value_heads=4,
+        key_dim=8,
+        value_dim=8,
         mask_kind="random",
     )
     expected = run(case)

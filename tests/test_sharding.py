@@ -52,5 +52,6 @@ def test_sharded_patched_qwen35_matches_the_unsharded_model(tmp_path):
     for rank in range(2):
         result = np.load(tmp_path / f"rank{rank}.npz")
         assert int(result["local_value_heads"]) == 2  # 4 value heads over 2 ranks
-        assert_matches(f"rank {rank} logits", result["got"], result["expected"], PARITY,
-                       PARITY_FINGERPRINT)
+        assert_matches(
+            f"rank {rank} logits", result["got"], result["expected"], PARITY, PARITY_FINGERPRINT
+        )

@@ -42,7 +42,8 @@ def test_the_chunked_reference_is_the_recurrence(head_mapping, masked, tokens):
     options = dict(head_mapping=head_mapping, mask=mask if masked else None, normalize_qk=True)
     y, final = reference.gated_delta_rule_chunked_reference(q, k, v, g, beta, state, **options)
     expected_y, expected_state = reference.gated_delta_rule_reference(
-        q, k, v, g, beta, state, **options)
+        q, k, v, g, beta, state, **options
+    )
     check("y", y, expected_y, "reference.chunked.v1.float64.output")
     check("state", final, expected_state, "reference.chunked.v1.float64.state")
 
@@ -50,9 +51,11 @@ def test_the_chunked_reference_is_the_recurrence(head_mapping, masked, tokens):
 def test_a_chunk_size_of_one_is_the_recurrence_too():
     q, k, v, g, beta, state, mask = core_inputs(7, tokens=20)
     y, final = reference.gated_delta_rule_chunked_reference(
-        q, k, v, g, beta, state, mask=mask, chunk_size=1)
+        q, k, v, g, beta, state, mask=mask, chunk_size=1
+    )
     expected_y, expected_state = reference.gated_delta_rule_reference(
-        q, k, v, g, beta, state, mask=mask)
+        q, k, v, g, beta, state, mask=mask
+    )
     check("y", y, expected_y, "reference.chunked.v1.float64.output")
     check("state", final, expected_state, "reference.chunked.v1.float64.state")
 
@@ -62,10 +65,20 @@ def test_the_entry_states_are_the_recurrence_at_chunk_boundaries():
     stages = reference.chunked_stages(q, k, v, g, beta, state, mask=mask)
     for chunk, start in enumerate((0, 64, 128)):
         _, expected = reference.gated_delta_rule_reference(
-            q[:, :start], k[:, :start], v[:, :start], g[:, :start], beta[:, :start], state,
-            mask=mask[:, :start])
-        check(f"entry state {chunk}", stages["entry_states"][:, :, chunk], expected,
-              "reference.chunked.v1.float64.state")
+            q[:, :start],
+            k[:, :start],
+            v[:, :start],
+            g[:, :start],
+            beta[:, :start],
+            state,
+            mask=mask[:, :start],
+        )
+        check(
+            f"entry state {chunk}",
+            stages["entry_states"][:, :, chunk],
+            expected,
+            "reference.chunked.v1.float64.state",
+        )
 
 
 def test_kkt_inverse_inverts():
@@ -84,8 +97,14 @@ def test_a_wrong_stage_breaks_the_chunked_reference():
     stages = reference.chunked_stages(q, k, v, g, beta, state, mask=mask)
     # Skip the W S^T correction: v' = U.
     y = reference.chunk_output(
-        stages["qk"][:, reference.key_head_of(4, 2, "grouped")], stages["u"],
-        stages["output_inter"], stages["log_cumsum"], stages["last_wipe"], mask, 16**-0.5)
+        stages["qk"][:, reference.key_head_of(4, 2, "grouped")],
+        stages["u"],
+        stages["output_inter"],
+        stages["log_cumsum"],
+        stages["last_wipe"],
+        mask,
+        16**-0.5,
+    )
     expected_y, _ = reference.gated_delta_rule_reference(q, k, v, g, beta, state, mask=mask)
     with pytest.raises(AssertionError, match="reference.chunked"):
         check("y", y, expected_y, "reference.chunked.v1.float64.output")
@@ -107,7 +126,9 @@ def test_the_segment_oracle_is_its_stages():
     np.testing.assert_allclose(qkv[1, 6], conv / (1 + np.exp(-conv)), rtol=1e-14)
     assert not qkv[1, :6].any() and not qkv[0, [1, 4]].any()
     state = reference.collect_conv_state(x, window, mask, layout)
-    np.testing.assert_array_equal(state[1], np.concatenate([window[1, 1:], x[1, 6:, : layout.channels]]))
+    np.testing.assert_array_equal(
+        state[1], np.concatenate([window[1, 1:], x[1, 6:, : layout.channels]])
+    )
     np.testing.assert_array_equal(state[0], x[0, [5, 6], : layout.channels])
 
 

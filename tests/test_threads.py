@@ -24,31 +24,51 @@ def workloads(index):
     """Three jobs per thread index, on inputs of their own: a prefill (both
     algorithms), a prefill then 6 decode steps, a segment call."""
     case = make_core_case(
-        index, batch=2, tokens=70 + index, key_heads=2, value_heads=4, key_dim=32,
-        value_dim=16, decay="mixed", wipes="runs", mask_kind="random",
+        index,
+        batch=2,
+        tokens=70 + index,
+        key_heads=2,
+        value_heads=4,
+        key_dim=32,
+        value_dim=16,
+        decay="mixed",
+        wipes="runs",
+        mask_kind="random",
     )
     segment = make_segment_case(
-        100 + index, batch=2, tokens=65, key_heads=1, value_heads=2, key_dim=16,
-        value_dim=8, wipes="chunk_edges", mask_kind="left_padding",
+        100 + index,
+        batch=2,
+        tokens=65,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        wipes="chunk_edges",
+        mask_kind="left_padding",
     )
 
     def prefill(stream):
         results = []
         for algorithm in ("recurrent", "chunked"):
-            results += gated_delta_rule(*case.args(), algorithm=algorithm, stream=stream,
-                                        **case.options)
+            results += gated_delta_rule(
+                *case.args(), algorithm=algorithm, stream=stream, **case.options
+            )
         return results
 
     def decode(stream):
         tokens = case.q.shape[1]
         y, state = gated_delta_rule(
-            *(x[:, : tokens - 6] for x in case.args()[:5]), case.state, stream=stream,
+            *(x[:, : tokens - 6] for x in case.args()[:5]),
+            case.state,
+            stream=stream,
             **{**case.options, "mask": case.options["mask"][:, : tokens - 6]},
         )
         results = [y]
         for t in range(tokens - 6, tokens):
             y, state = gated_delta_rule(
-                *(x[:, t : t + 1] for x in case.args()[:5]), state, stream=stream,
+                *(x[:, t : t + 1] for x in case.args()[:5]),
+                state,
+                stream=stream,
                 **{**case.options, "mask": case.options["mask"][:, t : t + 1]},
             )
             results.append(y)
@@ -62,14 +82,17 @@ def workloads(index):
 
 def evaluated(results):
     mx.eval(results)
-    return [np.array(r.astype(mx.float32)) if r.dtype == mx.bfloat16 else np.array(r)
-            for r in results]
+    return [
+        np.array(r.astype(mx.float32)) if r.dtype == mx.bfloat16 else np.array(r) for r in results
+    ]
 
 
 def test_eight_threads_on_their_own_streams_give_the_serial_results():
     jobs = [workloads(i) for i in range(THREADS)]
-    serial = [[evaluated(job(mx.default_stream(mx.default_device()))) for job in per_thread]
-              for per_thread in jobs]
+    serial = [
+        [evaluated(job(mx.default_stream(mx.default_device()))) for job in per_thread]
+        for per_thread in jobs
+    ]
     mismatches, errors, jobs_done = [], [], []
 
     def worker(index):

@@ -18,8 +18,10 @@ enum Input { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
 enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
 
 template <typename T>
-void run_cpu(const GatedDeltaParams& p, const std::vector<mx::array>& in,
-             std::vector<mx::array>& out) {
+void run_cpu(
+    const GatedDeltaParams& p,
+    const std::vector<mx::array>& in,
+    std::vector<mx::array>& out) {
   const size_t cotangents = p.has_mask ? kMask + 1 : kMask;
   cpu::BackwardBuffers<T> buffers{
       in[kQ].data<T>(),
@@ -44,14 +46,25 @@ void run_cpu(const GatedDeltaParams& p, const std::vector<mx::array>& in,
 // Gradients in their inputs' dtypes: q, k and v in the activation dtype; the
 // gates and the state are float32 inputs of the primitive.
 std::vector<mx::Dtype> output_dtypes(const std::vector<mx::array>& inputs) {
-  return {inputs[kQ].dtype(), inputs[kK].dtype(), inputs[kV].dtype(), mx::float32,
-          mx::float32, mx::float32, mx::float32};
+  return {
+      inputs[kQ].dtype(),
+      inputs[kK].dtype(),
+      inputs[kV].dtype(),
+      mx::float32,
+      mx::float32,
+      mx::float32,
+      mx::float32};
 }
 
 std::vector<mx::Shape> gradient_shapes(const std::vector<mx::array>& inputs) {
-  return {inputs[kQ].shape(), inputs[kK].shape(), inputs[kV].shape(),
-          inputs[kG].shape(), inputs[kG].shape(), inputs[kBeta].shape(),
-          inputs[kState].shape()};
+  return {
+      inputs[kQ].shape(),
+      inputs[kK].shape(),
+      inputs[kV].shape(),
+      inputs[kG].shape(),
+      inputs[kG].shape(),
+      inputs[kBeta].shape(),
+      inputs[kState].shape()};
 }
 
 }  // namespace
@@ -74,8 +87,7 @@ GatedDeltaParams GatedDeltaRuleVJP::params_for(
 }
 
 void GatedDeltaRuleVJP::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& input : inputs) {
@@ -103,14 +115,14 @@ void GatedDeltaRuleVJP::eval_cpu(
         run_cpu<mx::bfloat16_t>(p, in, out);
         break;
       default:
-        throw std::runtime_error("GatedDeltaRuleVJP: unsupported activation dtype");
+        throw std::runtime_error(
+            "GatedDeltaRuleVJP: unsupported activation dtype");
     }
   });
 }
 
 void GatedDeltaRuleVJP::eval_gpu(
-    const std::vector<mx::array>&,
-    std::vector<mx::array>&) {
+    const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
       "mlx_gated_delta: the gradient of gated_delta_rule / gated_delta_update "
       "has no GPU (Metal) kernels yet; run the op and its gradient on the CPU "
@@ -120,8 +132,7 @@ void GatedDeltaRuleVJP::eval_gpu(
 // Folds the vmapped axis into the batch axis, as GatedDeltaRule::vmap does:
 // every input and output has the batch as its leading axis.
 std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRuleVJP::vmap(
-    const std::vector<mx::array>& inputs,
-    const std::vector<int>& axes) {
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
   int vmap_size = -1;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (axes[i] >= 0) {
@@ -141,10 +152,12 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRuleVJP::vmap(
     }
     mx::Shape shape(x.shape().begin() + 1, x.shape().end());
     shape[0] *= vmap_size;
-    folded.push_back(mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
+    folded.push_back(
+        mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
   }
   auto outputs = mx::array::make_arrays(
-      output_shapes(folded), output_dtypes(folded),
+      output_shapes(folded),
+      output_dtypes(folded),
       std::make_shared<GatedDeltaRuleVJP>(
           stream(), scale_, head_mapping_, normalize_qk_, has_mask_),
       folded);
@@ -179,12 +192,15 @@ std::vector<mx::array> gated_delta_rule_vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums) {
   const mx::Dtype activation = primals[kV].dtype();
-  std::vector<mx::array> inputs(primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));
-  inputs.push_back(mx::contiguous(mx::astype(cotangents[0], activation, stream), false, stream));
-  inputs.push_back(
-      mx::contiguous(mx::astype(cotangents[1], mx::float32, stream), false, stream));
+  std::vector<mx::array> inputs(
+      primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));
+  inputs.push_back(mx::contiguous(
+      mx::astype(cotangents[0], activation, stream), false, stream));
+  inputs.push_back(mx::contiguous(
+      mx::astype(cotangents[1], mx::float32, stream), false, stream));
   auto grads = mx::array::make_arrays(
-      gradient_shapes(inputs), output_dtypes(inputs),
+      gradient_shapes(inputs),
+      output_dtypes(inputs),
       std::make_shared<GatedDeltaRuleVJP>(
           stream, scale, head_mapping, normalize_qk, has_mask),
       inputs);
@@ -192,12 +208,24 @@ std::vector<mx::array> gated_delta_rule_vjp(
   std::vector<mx::array> result;
   for (int argnum : argnums) {
     switch (argnum) {
-      case kQ: result.push_back(grads[kDq]); break;
-      case kK: result.push_back(grads[kDk]); break;
-      case kV: result.push_back(grads[kDv]); break;
-      case kG: result.push_back(grads[kDg]); break;
-      case kBeta: result.push_back(grads[kDbeta]); break;
-      case kState: result.push_back(grads[kDstate]); break;
+      case kQ:
+        result.push_back(grads[kDq]);
+        break;
+      case kK:
+        result.push_back(grads[kDk]);
+        break;
+      case kV:
+        result.push_back(grads[kDv]);
+        break;
+      case kG:
+        result.push_back(grads[kDg]);
+        break;
+      case kBeta:
+        result.push_back(grads[kDbeta]);
+        break;
+      case kState:
+        result.push_back(grads[kDstate]);
+        break;
       default:
         if (argnum == linear_gate) {
           result.push_back(grads[kDDecay]);

@@ -44,7 +44,8 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs) override;
 
  private:
-  GatedDeltaParams params_for(const std::vector<mlx::core::array>& inputs) const;
+  GatedDeltaParams params_for(
+      const std::vector<mlx::core::array>& inputs) const;
 
   float scale_;
   HeadMapping head_mapping_;

@@ -1,9 +1,9 @@
 #include "core/core_op.h"
 
 #include "core/core_params.h"
+#include "core/core_primitive.h"
 #include "core/dispatch.h"
 #include "mlx/ops.h"
-#include "core/core_primitive.h"
 #include "validation/arguments.h"
 
 namespace mx = mlx::core;
@@ -32,7 +32,8 @@ std::vector<mx::array> gated_delta_rule(
   p.has_mask = mask.has_value();
 
   check_core_arguments(p, {q, k, v, g, beta, state, mask}, scale, names);
-  const mx::Shape state_shape = {p.batch, p.value_heads, p.value_dim, p.key_dim};
+  const mx::Shape state_shape = {
+      p.batch, p.value_heads, p.value_dim, p.key_dim};
 
   auto stream = mx::to_stream(s);
   mx::array initial_state =
@@ -40,8 +41,8 @@ std::vector<mx::array> gated_delta_rule(
   if (p.tokens == 0) {
     return {mx::zeros(v.shape(), v.dtype(), stream), initial_state};
   }
-  const Algorithm resolved = (requested == Algorithm::Auto &&
-                              stream.device == mx::Device::cpu)
+  const Algorithm resolved =
+      (requested == Algorithm::Auto && stream.device == mx::Device::cpu)
       ? resolve_cpu_algorithm(p)
       : requested;
 
@@ -64,7 +65,12 @@ std::vector<mx::array> gated_delta_rule(
       {v.shape(), state_shape},
       {v.dtype(), mx::float32},
       std::make_shared<GatedDeltaRule>(
-          stream, p.scale, p.head_mapping, p.normalize_qk, p.has_mask, resolved,
+          stream,
+          p.scale,
+          p.head_mapping,
+          p.normalize_qk,
+          p.has_mask,
+          resolved,
           linear_gate.has_value()),
       inputs);
 }

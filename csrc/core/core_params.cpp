@@ -20,8 +20,8 @@ Enum parse_enum(
     expected << (i ? ", " : "") << '"' << choices[i].first << '"';
   }
   throw std::invalid_argument(
-      std::string(argument) + " must be one of " + expected.str() +
-      ", got \"" + name + "\"");
+      std::string(argument) + " must be one of " + expected.str() + ", got \"" +
+      name + "\"");
 }
 
 constexpr std::pair<const char*, HeadMapping> kHeadMappings[] = {
@@ -58,8 +58,13 @@ const char* to_string(DecayParameterization parameterization) {
   return kDecayParameterizations[static_cast<int>(parameterization)].first;
 }
 
-GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
-                              int value_heads, int key_dim, int value_dim) {
+GatedDeltaParams shape_params(
+    int batch,
+    int tokens,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim) {
   GatedDeltaParams p;
   p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
   return p;

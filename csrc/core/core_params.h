@@ -17,7 +17,7 @@ namespace mlx_gated_delta {
 
 // Which key head a value head reads (docs/contract.md).
 enum class HeadMapping : int {
-  Grouped = 0,      // kh = h / (Hv / Hk)
+  Grouped = 0,  // kh = h / (Hv / Hk)
   Interleaved = 1,  // kh = h % Hk
 };
 
@@ -28,7 +28,7 @@ enum class Algorithm : int {
 };
 
 enum class DecayParameterization : int {
-  LogRate = 0,       // decay_parameter is A_log: rate = -exp(A_log)
+  LogRate = 0,  // decay_parameter is A_log: rate = -exp(A_log)
   NegativeRate = 1,  // decay_parameter is the (negative) rate itself
 };
 
@@ -87,7 +87,12 @@ struct GatedDeltaParams : ProblemShape {
 
 // The params of a shape, with the default options (scale 1, grouped, no
 // normalisation, no mask).
-GatedDeltaParams shape_params(int batch, int tokens, int key_heads,
-                              int value_heads, int key_dim, int value_dim);
+GatedDeltaParams shape_params(
+    int batch,
+    int tokens,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim);
 
 }  // namespace mlx_gated_delta

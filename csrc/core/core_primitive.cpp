@@ -3,12 +3,12 @@
 #include <stdexcept>
 
 #include "core/backward_primitive.h"
+#include "core/dispatch.h"
+#include "core/vmap_fold.h"
 #include "cpu/core.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
-#include "core/dispatch.h"
-#include "core/vmap_fold.h"
 
 #ifdef _METAL_
 #include "metal/executor.h"
@@ -36,11 +36,19 @@ void run_cpu(
     mx::array& y,
     mx::array& state_out) {
   cpu::gated_delta_forward<T>(
-      p, algorithm,
+      p,
+      algorithm,
       cpu::contiguous_buffers<T>(
-          p, q.data<T>(), k.data<T>(), v.data<T>(), g.data<float>(),
-          beta.data<float>(), mask ? mask->data<bool>() : nullptr,
-          state.data<float>(), y.data<T>(), state_out.data<float>()));
+          p,
+          q.data<T>(),
+          k.data<T>(),
+          v.data<T>(),
+          g.data<float>(),
+          beta.data<float>(),
+          mask ? mask->data<bool>() : nullptr,
+          state.data<float>(),
+          y.data<T>(),
+          state_out.data<float>()));
 }
 
 }  // namespace
@@ -50,7 +58,8 @@ GatedDeltaParams GatedDeltaRule::params_for(
   GatedDeltaParams p;
   const auto& q = inputs[kQ];
   const auto& v = inputs[kV];
-  p.set_shape({q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
+  p.set_shape(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
   p.scale = scale_;
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
@@ -60,8 +69,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
 }
 
 void GatedDeltaRule::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
   auto& y = outputs[0];
   auto& state_out = outputs[1];
@@ -76,36 +84,39 @@ void GatedDeltaRule::eval_cpu(
   encoder.set_output_array(state_out);
   const Algorithm algorithm =
       algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(p) : algorithm_;
-  encoder.dispatch([p,
-                    algorithm,
-                    q = mx::array::unsafe_weak_copy(inputs[kQ]),
-                    k = mx::array::unsafe_weak_copy(inputs[kK]),
-                    v = mx::array::unsafe_weak_copy(inputs[kV]),
-                    g = mx::array::unsafe_weak_copy(inputs[kG]),
-                    beta = mx::array::unsafe_weak_copy(inputs[kBeta]),
-                    state = mx::array::unsafe_weak_copy(inputs[kState]),
-                    mask = p.has_mask
-                        ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
-                        : std::nullopt,
-                    y = mx::array::unsafe_weak_copy(y),
-                    state_out = mx::array::unsafe_weak_copy(state_out)]() mutable {
-    const mx::array* mask_ptr = mask ? &*mask : nullptr;
-    switch (v.dtype()) {
-      case mx::float32:
-        run_cpu<float>(p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
-        break;
-      case mx::float16:
-        run_cpu<mx::float16_t>(
-            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
-        break;
-      case mx::bfloat16:
-        run_cpu<mx::bfloat16_t>(
-            p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
-        break;
-      default:
-        throw std::runtime_error("GatedDeltaRule: unsupported activation dtype");
-    }
-  });
+  encoder.dispatch(
+      [p,
+       algorithm,
+       q = mx::array::unsafe_weak_copy(inputs[kQ]),
+       k = mx::array::unsafe_weak_copy(inputs[kK]),
+       v = mx::array::unsafe_weak_copy(inputs[kV]),
+       g = mx::array::unsafe_weak_copy(inputs[kG]),
+       beta = mx::array::unsafe_weak_copy(inputs[kBeta]),
+       state = mx::array::unsafe_weak_copy(inputs[kState]),
+       mask = p.has_mask
+           ? std::optional(mx::array::unsafe_weak_copy(inputs[kMask]))
+           : std::nullopt,
+       y = mx::array::unsafe_weak_copy(y),
+       state_out = mx::array::unsafe_weak_copy(state_out)]() mutable {
+        const mx::array* mask_ptr = mask ? &*mask : nullptr;
+        switch (v.dtype()) {
+          case mx::float32:
+            run_cpu<float>(
+                p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+            break;
+          case mx::float16:
+            run_cpu<mx::float16_t>(
+                p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+            break;
+          case mx::bfloat16:
+            run_cpu<mx::bfloat16_t>(
+                p, algorithm, q, k, v, g, beta, state, mask_ptr, y, state_out);
+            break;
+          default:
+            throw std::runtime_error(
+                "GatedDeltaRule: unsupported activation dtype");
+        }
+      });
 }
 
 void GatedDeltaRule::eval_gpu(
@@ -115,7 +126,8 @@ void GatedDeltaRule::eval_gpu(
   // The linear gate, when present, is for the vjp only.
   const std::vector<mx::array> kernel_inputs(
       inputs.begin(), inputs.begin() + (has_mask_ ? kMask + 1 : kMask));
-  metal::eval_core_gpu(params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
+  metal::eval_core_gpu(
+      params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
@@ -130,8 +142,15 @@ std::vector<mx::array> GatedDeltaRule::vjp(
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
   return gated_delta_rule_vjp(
-      stream(), scale_, head_mapping_, normalize_qk_, has_mask_, has_linear_gate_,
-      primals, cotangents, argnums);
+      stream(),
+      scale_,
+      head_mapping_,
+      normalize_qk_,
+      has_mask_,
+      has_linear_gate_,
+      primals,
+      cotangents,
+      argnums);
 }
 
 std::vector<mx::array> GatedDeltaRule::jvp(
@@ -146,8 +165,7 @@ std::vector<mx::array> GatedDeltaRule::jvp(
 // Every input of the core op carries the batch: each mapped axis folds into
 // it (core/vmap_fold.h).
 std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
-    const std::vector<mx::array>& inputs,
-    const std::vector<int>& axes) {
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
   const int size = vmap_size(inputs, axes);
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
@@ -157,7 +175,12 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
       output_shapes(folded),
       {folded[kV].dtype(), mx::float32},
       std::make_shared<GatedDeltaRule>(
-          stream(), scale_, head_mapping_, normalize_qk_, has_mask_, algorithm_,
+          stream(),
+          scale_,
+          head_mapping_,
+          normalize_qk_,
+          has_mask_,
+          algorithm_,
           has_linear_gate_),
       folded);
   for (auto& out : outputs) {

@@ -7,14 +7,14 @@
 namespace mlx_gated_delta {
 
 // The core recurrence of docs/contract.md.
-// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask (bool)],
-// all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk].
-// Carries only what changes the result: the shape-free options and the
-// algorithm (already resolved for the CPU; Auto on the GPU, where the Metal
-// plan chooses). With `has_linear_gate`, one more input follows: the linear
-// decay gamma of which g = log(gamma) was taken; the forward does not read it,
-// the vjp gives it the gradient of the linear decay (exact where gamma == 0,
-// where the chain rule through log would be 0 / 0).
+// Inputs: q, k, v, g (float32), beta (float32), state (float32) [, mask
+// (bool)], all row-contiguous. Outputs: y [B, T, Hv, Dv] in v's dtype, state
+// [B, Hv, Dv, Dk]. Carries only what changes the result: the shape-free options
+// and the algorithm (already resolved for the CPU; Auto on the GPU, where the
+// Metal plan chooses). With `has_linear_gate`, one more input follows: the
+// linear decay gamma of which g = log(gamma) was taken; the forward does not
+// read it, the vjp gives it the gradient of the linear decay (exact where gamma
+// == 0, where the chain rule through log would be 0 / 0).
 class GatedDeltaRule : public mlx::core::Primitive {
  public:
   GatedDeltaRule(
@@ -61,7 +61,8 @@ class GatedDeltaRule : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs) override;
 
   // The params of one call, read off the input shapes.
-  GatedDeltaParams params_for(const std::vector<mlx::core::array>& inputs) const;
+  GatedDeltaParams params_for(
+      const std::vector<mlx::core::array>& inputs) const;
 
  private:
   float scale_;

@@ -17,16 +17,16 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
   // Per-key gates: the recurrent kernel alone has them (docs/metal.md).
-  if (params.per_key_gates ||
-      params.tokens <= int(kChunkSize) || params.key_dim > int(kMaxChunkedKeyDim)) {
+  if (params.per_key_gates || params.tokens <= int(kChunkSize) ||
+      params.key_dim > int(kMaxChunkedKeyDim)) {
     return Algorithm::Recurrent;
   }
   return Algorithm::Chunked;
 }
 
 bool supports_simd_delta(const GatedDeltaParams& params, int simd_width) {
-  return simd_width == 32 && params.key_dim % 32 == 0 &&
-      params.key_dim > 0 && params.key_dim <= 128;
+  return simd_width == 32 && params.key_dim % 32 == 0 && params.key_dim > 0 &&
+      params.key_dim <= 128;
 }
 
 bool uses_chunk_k_gram_k128(const GatedDeltaParams& params) {
@@ -35,7 +35,8 @@ bool uses_chunk_k_gram_k128(const GatedDeltaParams& params) {
 
 int cpu_value_heads_per_task(const GatedDeltaParams& params, int threads) {
   const int ratio = params.value_heads / params.key_heads;
-  const bool group_heads = ratio > 1 && params.batch * params.key_heads >= threads;
+  const bool group_heads =
+      ratio > 1 && params.batch * params.key_heads >= threads;
   return group_heads ? ratio : 1;
 }
 

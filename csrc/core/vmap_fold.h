@@ -12,8 +12,8 @@
 namespace mlx_gated_delta {
 
 // The size of the mapped axis: that of the first input with one.
-inline int vmap_size(const std::vector<mlx::core::array>& inputs,
-                     const std::vector<int>& axes) {
+inline int vmap_size(
+    const std::vector<mlx::core::array>& inputs, const std::vector<int>& axes) {
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (axes[i] >= 0) {
       return inputs[i].shape(axes[i]);
@@ -24,8 +24,8 @@ inline int vmap_size(const std::vector<mlx::core::array>& inputs,
 
 // `x` with its mapped axis (or, for an unmapped input, `size` broadcast
 // copies) folded into its leading batch axis, contiguous.
-inline mlx::core::array fold_into_batch(const mlx::core::array& x, int axis,
-                                        int size, mlx::core::Stream s) {
+inline mlx::core::array fold_into_batch(
+    const mlx::core::array& x, int axis, int size, mlx::core::Stream s) {
   namespace mx = mlx::core;
   mx::Shape copies = x.shape();
   copies.insert(copies.begin(), size);
@@ -38,8 +38,8 @@ inline mlx::core::array fold_into_batch(const mlx::core::array& x, int axis,
 }
 
 // An output of the folded call, [size * B, ...], back to [size, B, ...].
-inline mlx::core::array unfold_from_batch(const mlx::core::array& out, int size,
-                                          mlx::core::Stream s) {
+inline mlx::core::array unfold_from_batch(
+    const mlx::core::array& out, int size, mlx::core::Stream s) {
   mlx::core::Shape shape = out.shape();
   shape[0] /= size;
   shape.insert(shape.begin(), size);

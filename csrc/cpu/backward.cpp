@@ -88,13 +88,18 @@ struct TokenInputs {
 };
 
 template <typename T>
-void load_token(const GatedDeltaParams& p, const ProblemView<T>& h, int t,
-                bool with_readout, TokenInputs& x) {
+void load_token(
+    const GatedDeltaParams& p,
+    const ProblemView<T>& h,
+    int t,
+    bool with_readout,
+    TokenInputs& x) {
   x.active = !h.mask || h.mask[t];
   if (!x.active) {
     return;
   }
-  load_qk_vector(h.k + t * h.qk_token_stride, x.k.data(), p.key_dim, p.normalize_qk);
+  load_qk_vector(
+      h.k + t * h.qk_token_stride, x.k.data(), p.key_dim, p.normalize_qk);
   load_vector(h.v + t * h.v_token_stride, x.v.data(), p.value_dim);
   const float* g = h.g + t * h.g_token_stride;
   if (p.per_key_gates) {
@@ -106,14 +111,18 @@ void load_token(const GatedDeltaParams& p, const ProblemView<T>& h, int t,
   }
   x.beta = h.beta[t * h.gate_token_stride];
   if (with_readout) {
-    load_qk_vector(h.q + t * h.qk_token_stride, x.q.data(), p.key_dim, p.normalize_qk);
+    load_qk_vector(
+        h.q + t * h.qk_token_stride, x.q.data(), p.key_dim, p.normalize_qk);
     load_vector(h.dy + t * h.v_token_stride, x.dy.data(), p.value_dim);
   }
 }
 
 // One token of the forward, from `previous` into `next` (may be the same).
-void forward_step(const GatedDeltaParams& p, const TokenInputs& x,
-                  const float* previous, float* next) {
+void forward_step(
+    const GatedDeltaParams& p,
+    const TokenInputs& x,
+    const float* previous,
+    float* next) {
   const int dk = p.key_dim;
   for (int r = 0; r < p.value_dim; ++r) {
     const float* old_row = previous + int64_t(r) * dk;
@@ -140,8 +149,11 @@ void forward_step(const GatedDeltaParams& p, const TokenInputs& x,
 
 // boundary_states: boundaries[c] = the state entering chunk c.
 template <typename T>
-void boundary_states(const GatedDeltaParams& p, const ProblemView<T>& h,
-                     TokenInputs& x, float* boundaries) {
+void boundary_states(
+    const GatedDeltaParams& p,
+    const ProblemView<T>& h,
+    TokenInputs& x,
+    float* boundaries) {
   const int64_t size = int64_t(p.value_dim) * p.key_dim;
   std::vector<float> state(h.state_in, h.state_in + size);
   for (int c = 0; c < p.num_chunks(); ++c) {
@@ -159,15 +171,21 @@ void boundary_states(const GatedDeltaParams& p, const ProblemView<T>& h,
 // chunk_states: states[i] = the state before token start + i, for i in
 // [0, length]; states[0] is the chunk's boundary state.
 template <typename T>
-void chunk_states(const GatedDeltaParams& p, const ProblemView<T>& h, int start,
-                  int length, TokenInputs& x, float* states) {
+void chunk_states(
+    const GatedDeltaParams& p,
+    const ProblemView<T>& h,
+    int start,
+    int length,
+    TokenInputs& x,
+    float* states) {
   const int64_t size = int64_t(p.value_dim) * p.key_dim;
   for (int i = 0; i < length; ++i) {
     load_token(p, h, start + i, false, x);
     if (x.active) {
       forward_step(p, x, states + i * size, states + (i + 1) * size);
     } else {
-      std::memcpy(states + (i + 1) * size, states + i * size, sizeof(float) * size);
+      std::memcpy(
+          states + (i + 1) * size, states + i * size, sizeof(float) * size);
     }
   }
 }
@@ -177,8 +195,14 @@ void chunk_states(const GatedDeltaParams& p, const ProblemView<T>& h, int start,
 // it on return. The reverse of one token works row by row of the state, in
 // two passes over the row (see the top of this file for the formulas).
 template <typename T>
-void chunk_backward(const GatedDeltaParams& p, const ProblemView<T>& h, int start,
-                    int length, TokenInputs& x, const float* states, float* ds) {
+void chunk_backward(
+    const GatedDeltaParams& p,
+    const ProblemView<T>& h,
+    int start,
+    int length,
+    TokenInputs& x,
+    const float* states,
+    float* ds) {
   const int dk = p.key_dim, dv = p.value_dim;
   const int64_t size = int64_t(dv) * dk;
   std::vector<float> dq(dk), dk_acc(dk);
@@ -293,8 +317,10 @@ void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
   for (int c = p.num_chunks() - 1; c >= 0; --c) {
     const int start = c * kChunkSize;
     const int length = std::min(int(kChunkSize), p.tokens - start);
-    std::copy(boundaries.begin() + c * size, boundaries.begin() + (c + 1) * size,
-              states.begin());
+    std::copy(
+        boundaries.begin() + c * size,
+        boundaries.begin() + (c + 1) * size,
+        states.begin());
     chunk_states(p, h, start, length, x, states.data());
     chunk_backward(p, h, start, length, x, states.data(), h.dstate);
   }
@@ -307,8 +333,14 @@ void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
 // (one element, Dk = 1, is all along x) would lose that difference to float32
 // rounding, so these two dot products and the difference are in float64.
 template <typename T>
-void qk_grad_reduce(const GatedDeltaParams& p, const float* head_grads,
-                    const T* raw, int key_head, float* sum, float* x, T* out) {
+void qk_grad_reduce(
+    const GatedDeltaParams& p,
+    const float* head_grads,
+    const T* raw,
+    int key_head,
+    float* sum,
+    float* x,
+    T* out) {
   const int dk = p.key_dim;
   const int ratio = p.value_heads / p.key_heads;
   std::fill(sum, sum + dk, 0.0f);
@@ -328,7 +360,8 @@ void qk_grad_reduce(const GatedDeltaParams& p, const float* head_grads,
     const double norm_squared = squares + double(1e-6f);  // the forward's eps
     const double inverse_cube = 1.0 / (norm_squared * std::sqrt(norm_squared));
     for (int c = 0; c < dk; ++c) {
-      sum[c] = float((sum[c] * norm_squared - x[c] * projection) * inverse_cube);
+      sum[c] =
+          float((sum[c] * norm_squared - x[c] * projection) * inverse_cube);
     }
   }
   for (int c = 0; c < dk; ++c) {
@@ -339,10 +372,12 @@ void qk_grad_reduce(const GatedDeltaParams& p, const float* head_grads,
 }  // namespace
 
 template <typename T>
-void gated_delta_backward(const GatedDeltaParams& p, const BackwardBuffers<T>& b) {
+void gated_delta_backward(
+    const GatedDeltaParams& p, const BackwardBuffers<T>& b) {
   const int dk = p.key_dim, dv = p.value_dim;
   // The per-value-head gradients of the normalised q and k, float32.
-  const int64_t head_grad_size = int64_t(p.batch) * p.tokens * p.value_heads * dk;
+  const int64_t head_grad_size =
+      int64_t(p.batch) * p.tokens * p.value_heads * dk;
   std::vector<float> dq_heads(head_grad_size), dk_heads(head_grad_size);
 
   parallel_for(p.batch * p.value_heads, [&](int problem) {
@@ -353,10 +388,12 @@ void gated_delta_backward(const GatedDeltaParams& p, const BackwardBuffers<T>& b
         int64_t(batch) * p.tokens * p.key_heads * dk + int64_t(key_head) * dk;
     const int64_t v_offset =
         (int64_t(batch) * p.tokens * p.value_heads + head) * dv;
-    const int64_t gate_offset = int64_t(batch) * p.tokens * p.value_heads + head;
+    const int64_t gate_offset =
+        int64_t(batch) * p.tokens * p.value_heads + head;
     const int64_t head_grad_offset =
         (int64_t(batch) * p.tokens * p.value_heads + head) * dk;
-    const int64_t state_offset = (int64_t(batch) * p.value_heads + head) * dv * dk;
+    const int64_t state_offset =
+        (int64_t(batch) * p.value_heads + head) * dv * dk;
     const ProblemView<T> view{
         b.q + qk_offset,
         b.k + qk_offset,
@@ -396,8 +433,10 @@ void gated_delta_backward(const GatedDeltaParams& p, const BackwardBuffers<T>& b
       const float* dk_row = dk_heads.data() + row * p.value_heads * dk;
       for (int kh = 0; kh < p.key_heads; ++kh) {
         const int64_t qk = (row * p.key_heads + kh) * dk;
-        qk_grad_reduce(p, dq_row, b.q + qk, kh, sum.data(), x.data(), b.dq + qk);
-        qk_grad_reduce(p, dk_row, b.k + qk, kh, sum.data(), x.data(), b.dk + qk);
+        qk_grad_reduce(
+            p, dq_row, b.q + qk, kh, sum.data(), x.data(), b.dq + qk);
+        qk_grad_reduce(
+            p, dk_row, b.k + qk, kh, sum.data(), x.data(), b.dk + qk);
       }
     }
   });

@@ -13,25 +13,26 @@ struct BackwardBuffers {
   const T* q;
   const T* k;
   const T* v;
-  const float* g;         // [B, T, Hv] or [B, T, Hv, Dk] log-space decay
-  const float* beta;      // [B, T, Hv]
-  const bool* mask;       // [B, T] or nullptr
+  const float* g;  // [B, T, Hv] or [B, T, Hv, Dk] log-space decay
+  const float* beta;  // [B, T, Hv]
+  const bool* mask;  // [B, T] or nullptr
   const float* state_in;  // [B, Hv, Dv, Dk] initial state
-  const T* y_cotangent;   // [B, T, Hv, Dv]
+  const T* y_cotangent;  // [B, T, Hv, Dv]
   const float* state_cotangent;  // [B, Hv, Dv, Dk], of the final state
-  T* dq;                  // [B, T, Hk, Dk], summed over the value heads
+  T* dq;  // [B, T, Hk, Dk], summed over the value heads
   T* dk;
-  T* dv;                  // [B, T, Hv, Dv]
-  float* dg;              // the shape of g
-  float* d_decay;         // the shape of g, wrt the linear decay exp(g)
-  float* dbeta;           // [B, T, Hv]
-  float* dstate;          // [B, Hv, Dv, Dk], of the initial state
+  T* dv;  // [B, T, Hv, Dv]
+  float* dg;  // the shape of g
+  float* d_decay;  // the shape of g, wrt the linear decay exp(g)
+  float* dbeta;  // [B, T, Hv]
+  float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };
 
 // The gradients of every input for the cotangents of y and of the final
 // state. Keeps one state per chunk of kChunkSize tokens per (batch row, value
 // head) in flight, never one per token: see backward.cpp.
 template <typename T>
-void gated_delta_backward(const GatedDeltaParams& params, const BackwardBuffers<T>& buffers);
+void gated_delta_backward(
+    const GatedDeltaParams& params, const BackwardBuffers<T>& buffers);
 
 }  // namespace mlx_gated_delta::cpu

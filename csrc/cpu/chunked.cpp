@@ -15,11 +15,10 @@ namespace {
 // (mlx_gated_delta/reference.py) name the same way (docs/numerics.md has the
 // math and the stage table):
 //   qk_norm        q, k rows loaded as float32 (and L2-normalised)
-//   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: chunk start)
-//   k_gram         K K^T (lower triangle)
-//   chunk_qk       Q K^T (lower triangle)
-//   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i);  T = (I + A)^-1
-//   recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
+//   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: chunk
+//   start) k_gram         K K^T (lower triangle) chunk_qk       Q K^T (lower
+//   triangle) kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i);  T = (I
+//   + A)^-1 recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
 //   chunk_carry    V' = U - W S0^T (the true deltas), the inter-chunk output
 //                  decay(i,-1) S0 q_i, and (chunk_carry_state, after
 //                  chunk_output) S_end = decay(L-1,-1) S0
@@ -88,8 +87,12 @@ class ChunkDecays {
 // overflows however strong the decay (docs/numerics.md).
 class KeyChunkDecays {
  public:
-  void compute(const float* g, int64_t token_stride, const bool* active,
-               int length, int dk) {
+  void compute(
+      const float* g,
+      int64_t token_stride,
+      const bool* active,
+      int length,
+      int dk) {
     length_ = length;
     dk_ = dk;
     log_sum_.resize(size_t(kChunkSize) * dk);
@@ -111,15 +114,16 @@ class KeyChunkDecays {
     if (last_wipe_[e] > j) {
       return 0.0f;
     }
-    return std::exp(log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
+    return std::exp(
+        log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
   }
   // The decayed grams of the chunk, for j <= i (0 above the diagonal):
   //   k_gram[i, j] = sum_c k_ic k_jc decay(i, j, c)   (j < i; the diagonal 0)
   //   qk[i, j]     = sum_c q_ic k_jc decay(i, j, c)
   // The decay cannot be applied after the products as with one decay per
   // head, so each pair's factors are formed once and shared by both grams.
-  void decayed_grams(const float* q, const float* k, float* k_gram,
-                     float* qk) const {
+  void decayed_grams(
+      const float* q, const float* k, float* k_gram, float* qk) const {
     constexpr int C = kChunkSize;
     std::vector<float> factor(dk_);
     for (int i = 0; i < length_; ++i) {
@@ -194,8 +198,13 @@ void fill_zero(std::vector<float>& values) {
   std::fill(values.begin(), values.end(), 0.0f);
 }
 
-void transpose(const float* in, int rows, int cols, int64_t ld_in, float* out,
-               int64_t ld_out) {
+void transpose(
+    const float* in,
+    int rows,
+    int cols,
+    int64_t ld_in,
+    float* out,
+    int64_t ld_out) {
   for (int r = 0; r < rows; ++r) {
     for (int c = 0; c < cols; ++c) {
       out[c * ld_out + r] = in[r * ld_in + c];
@@ -207,8 +216,12 @@ void transpose(const float* in, int rows, int cols, int64_t ld_in, float* out,
 // The rows are copied first and normalised after: a copy loop keeps many
 // rows' loads in flight, where a per-row norm would wait on each row.
 template <typename T>
-void qk_norm(const GatedDeltaParams& p, const HeadView<T>& h, int start, int L,
-             ChunkScratch& s) {
+void qk_norm(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   const int dk = p.key_dim;
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
@@ -230,33 +243,59 @@ void k_gram(int dk, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
   fill_zero(s.k_gram);
-  gemm(L, L, dk, 1.0f, {s.k.data(), dk, 1}, s.k_transposed.data(), C,
-       s.k_gram.data(), C, Triangle::LowerC);
+  gemm(
+      L,
+      L,
+      dk,
+      1.0f,
+      {s.k.data(), dk, 1},
+      s.k_transposed.data(),
+      C,
+      s.k_gram.data(),
+      C,
+      Triangle::LowerC);
 }
 
 // chunk_qk: the undecayed Q K^T (lower triangle), once per key head.
 void chunk_qk(int dk, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   fill_zero(s.qk);
-  gemm(L, L, dk, 1.0f, {s.q.data(), dk, 1}, s.k_transposed.data(), C,
-       s.qk.data(), C, Triangle::LowerC);
+  gemm(
+      L,
+      L,
+      dk,
+      1.0f,
+      {s.q.data(), dk, 1},
+      s.k_transposed.data(),
+      C,
+      s.qk.data(),
+      C,
+      Triangle::LowerC);
 }
 
 // gate_cumsum: one value head's gates and betas for the chunk, and its decay
 // matrix. A masked token is a step that changes nothing: decay 1 and beta 0
 // make its delta vanish.
 template <typename T>
-void gate_cumsum(const GatedDeltaParams& p, const HeadView<T>& h, int start,
-                 int L, ChunkScratch& s) {
+void gate_cumsum(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
     s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
   }
   if (p.per_key_gates) {
-    s.key_decays.compute(h.g + start * h.g_token_stride, h.g_token_stride,
-                         s.active, L, p.key_dim);
-    s.key_decays.decayed_grams(s.q.data(), s.k.data(), s.k_gram.data(),
-                               s.qk_decayed.data());
+    s.key_decays.compute(
+        h.g + start * h.g_token_stride,
+        h.g_token_stride,
+        s.active,
+        L,
+        p.key_dim);
+    s.key_decays.decayed_grams(
+        s.q.data(), s.k.data(), s.k_gram.data(), s.qk_decayed.data());
     return;
   }
   for (int i = 0; i < L; ++i) {
@@ -292,8 +331,12 @@ void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s) {
 
 // recompute_w_u: U = T diag(beta) V, W = T diag(beta decay(i,-1)) K.
 template <typename T>
-void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
-                   int L, ChunkScratch& s) {
+void recompute_w_u(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   const int dk = p.key_dim, dv = p.value_dim;
   for (int i = 0; i < L; ++i) {
     load_vector(h.v + (start + i) * h.v_token_stride, &s.scaled_v[i * dv], dv);
@@ -306,7 +349,8 @@ void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
   for (int i = 0; i < L; ++i) {
     if (p.per_key_gates) {
       for (int c = 0; c < dk; ++c) {
-        s.scaled_k[i * dk + c] = s.beta[i] * s.key_decays(i, -1, c) * s.k[i * dk + c];
+        s.scaled_k[i * dk + c] =
+            s.beta[i] * s.key_decays(i, -1, c) * s.k[i * dk + c];
       }
       continue;
     }
@@ -317,18 +361,36 @@ void recompute_w_u(const GatedDeltaParams& p, const HeadView<T>& h, int start,
   }
   const MatrixA t_rows{s.inverse.data(), kChunkSize, 1};
   fill_zero(s.u);
-  gemm(L, dv, L, 1.0f, t_rows, s.scaled_v.data(), dv, s.u.data(), dv,
-       Triangle::LowerA);
+  gemm(
+      L,
+      dv,
+      L,
+      1.0f,
+      t_rows,
+      s.scaled_v.data(),
+      dv,
+      s.u.data(),
+      dv,
+      Triangle::LowerA);
   fill_zero(s.w);
-  gemm(L, dk, L, 1.0f, t_rows, s.scaled_k.data(), dk, s.w.data(), dk,
-       Triangle::LowerA);
+  gemm(
+      L,
+      dk,
+      L,
+      1.0f,
+      t_rows,
+      s.scaled_k.data(),
+      dk,
+      s.w.data(),
+      dk,
+      Triangle::LowerA);
 }
 
 // chunk_carry, in two steps around chunk_output. The first: V' = U - W S0^T
 // (the deltas, now that the entry state is known) and the inter-chunk output
 // decay(i,-1) S0 q_i.
-void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
-                 const float* state_t) {
+void chunk_carry(
+    const GatedDeltaParams& p, int L, ChunkScratch& s, const float* state_t) {
   const int dk = p.key_dim, dv = p.value_dim;
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
@@ -341,7 +403,16 @@ void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
         s.scaled_k[i * dk + c] = s.key_decays(i, -1, c) * s.q[i * dk + c];
       }
     }
-    gemm(L, dv, dk, 1.0f, {s.scaled_k.data(), dk, 1}, state_t, dv, s.y.data(), dv);
+    gemm(
+        L,
+        dv,
+        dk,
+        1.0f,
+        {s.scaled_k.data(), dk, 1},
+        state_t,
+        dv,
+        s.y.data(),
+        dv);
     return;
   }
   gemm(L, dv, dk, 1.0f, {s.q.data(), dk, 1}, state_t, dv, s.y.data(), dv);
@@ -356,8 +427,8 @@ void chunk_carry(const GatedDeltaParams& p, int L, ChunkScratch& s,
 // The second: the exit state S_end^T = decay(L-1,-1) S0^T
 // + (diag(decay(L-1, j)) K)^T V'. It runs after chunk_output, which reads the
 // output rows chunk_carry just wrote while they are still in cache.
-void chunk_carry_state(const GatedDeltaParams& p, int L, ChunkScratch& s,
-                       float* state_t) {
+void chunk_carry_state(
+    const GatedDeltaParams& p, int L, ChunkScratch& s, float* state_t) {
   const int dk = p.key_dim, dv = p.value_dim;
   if (p.per_key_gates) {
     // Row c of the transposed state is the state's column c.
@@ -384,15 +455,19 @@ void chunk_carry_state(const GatedDeltaParams& p, int L, ChunkScratch& s,
       }
     }
   }
-  gemm(dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t,
-       dv);
+  gemm(
+      dk, dv, L, 1.0f, {s.scaled_k.data(), 1, dk}, s.u.data(), dv, state_t, dv);
 }
 
 // chunk_output: y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j);
 // a masked token's output row is written as 0.
 template <typename T>
-void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
-                  int L, ChunkScratch& s) {
+void chunk_output(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   const int dv = p.value_dim;
   constexpr int C = kChunkSize;
   // Per-key gates: gate_cumsum built qk_decayed already.
@@ -402,8 +477,17 @@ void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
       s.qk_decayed[i * C + j] = s.decay[i * C + j] * s.qk[i * C + j];
     }
   }
-  gemm(L, dv, L, 1.0f, {s.qk_decayed.data(), C, 1}, s.u.data(), dv,
-       s.y.data(), dv, Triangle::LowerA);
+  gemm(
+      L,
+      dv,
+      L,
+      1.0f,
+      {s.qk_decayed.data(), C, 1},
+      s.u.data(),
+      dv,
+      s.y.data(),
+      dv,
+      Triangle::LowerA);
   for (int i = 0; i < L; ++i) {
     T* y = h.y + (start + i) * h.y_token_stride;
     if (!s.active[i]) {
@@ -420,9 +504,7 @@ void chunk_output(const GatedDeltaParams& p, const HeadView<T>& h, int start,
 
 template <typename T>
 void chunked_heads(
-    const GatedDeltaParams& p,
-    const HeadView<T>* heads,
-    int head_count) {
+    const GatedDeltaParams& p, const HeadView<T>* heads, int head_count) {
   ChunkScratch s(p.key_dim, p.value_dim);
   const int dk = p.key_dim, dv = p.value_dim;
   constexpr int C = kChunkSize;
@@ -432,7 +514,8 @@ void chunked_heads(
   std::vector<float> states(size_t(head_count) * dk * dv, 0.0f);
   for (int n = 0; n < head_count; ++n) {
     if (heads[n].state_in) {
-      transpose(heads[n].state_in, dv, dk, dk, &states[size_t(n) * dk * dv], dv);
+      transpose(
+          heads[n].state_in, dv, dk, dk, &states[size_t(n) * dk * dv], dv);
     }
   }
 

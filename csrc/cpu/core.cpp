@@ -39,7 +39,7 @@ void gated_delta_forward(
     for (int n = 0; n < heads_per_task; ++n) {
       // Group g holds the value heads of key head g: consecutive ones in the
       // grouped mapping, every Hk-th one in the interleaved mapping.
-      const int head = !group_heads ? group
+      const int head = !group_heads                ? group
           : p.head_mapping == HeadMapping::Grouped ? group * ratio + n
                                                    : group + n * p.key_heads;
       heads.push_back(head_view(p, buffers, batch, head));

@@ -20,27 +20,41 @@ struct CoreBuffers {
   int64_t qk_token_stride;  // between tokens of q and of k
   int64_t v_batch_stride;
   int64_t v_token_stride;
-  const float* g;      // [B, T, Hv] or [B, T, Hv, Dk], log-space decay
-  const float* beta;   // [B, T, Hv]
-  const bool* mask;    // [B, T] or nullptr
+  const float* g;  // [B, T, Hv] or [B, T, Hv, Dk], log-space decay
+  const float* beta;  // [B, T, Hv]
+  const bool* mask;  // [B, T] or nullptr
   const float* state_in;  // [B, Hv, Dv, Dk] or nullptr for zeros
-  T* y;                   // [B, T, Hv, Dv], contiguous
-  float* state_out;       // [B, Hv, Dv, Dk]; may alias nothing it reads
+  T* y;  // [B, T, Hv, Dv], contiguous
+  float* state_out;  // [B, Hv, Dv, Dk]; may alias nothing it reads
 };
 
 // The buffers of one core call in the op's own contiguous layouts.
 template <typename T>
 CoreBuffers<T> contiguous_buffers(
-    const GatedDeltaParams& p, const T* q, const T* k, const T* v,
-    const float* g, const float* beta, const bool* mask, const float* state_in,
-    T* y, float* state_out) {
+    const GatedDeltaParams& p,
+    const T* q,
+    const T* k,
+    const T* v,
+    const float* g,
+    const float* beta,
+    const bool* mask,
+    const float* state_in,
+    T* y,
+    float* state_out) {
   return CoreBuffers<T>{
-      q, k, v,
+      q,
+      k,
+      v,
       int64_t(p.tokens) * p.key_heads * p.key_dim,
       int64_t(p.key_heads) * p.key_dim,
       int64_t(p.tokens) * p.value_heads * p.value_dim,
       int64_t(p.value_heads) * p.value_dim,
-      g, beta, mask, state_in, y, state_out};
+      g,
+      beta,
+      mask,
+      state_in,
+      y,
+      state_out};
 }
 
 // Runs the whole recurrence for every (batch row, value head), threaded over

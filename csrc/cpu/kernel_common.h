@@ -44,7 +44,8 @@ inline void normalize(float* x, int n) {
 }
 
 template <typename T>
-inline void load_qk_vector(const T* source, float* out, int n, bool normalize_qk) {
+inline void load_qk_vector(
+    const T* source, float* out, int n, bool normalize_qk) {
   load_vector(source, out, n);
   if (normalize_qk) {
     normalize(out, n);
@@ -67,15 +68,12 @@ struct HeadView {
   T* y;  // token 0; token stride = value_heads * value_dim
   int64_t y_token_stride;
   const float* state_in;  // [Dv, Dk] initial state, or nullptr for zeros
-  float* state;           // [Dv, Dk] final state
+  float* state;  // [Dv, Dk] final state
 };
 
 template <typename T>
 inline HeadView<T> head_view(
-    const GatedDeltaParams& p,
-    const CoreBuffers<T>& b,
-    int batch,
-    int head) {
+    const GatedDeltaParams& p, const CoreBuffers<T>& b, int batch, int head) {
   const int key_head = p.key_head_of(head);
   const int64_t gate_offset = int64_t(batch) * p.tokens * p.value_heads + head;
   return HeadView<T>{
@@ -91,8 +89,8 @@ inline HeadView<T> head_view(
       p.value_heads,
       b.y + (int64_t(batch) * p.tokens * p.value_heads + head) * p.value_dim,
       int64_t(p.value_heads) * p.value_dim,
-      b.state_in ? b.state_in + (int64_t(batch) * p.value_heads + head) *
-              p.value_dim * p.key_dim
+      b.state_in ? b.state_in +
+              (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim
                  : nullptr,
       b.state_out +
           (int64_t(batch) * p.value_heads + head) * p.value_dim * p.key_dim,
@@ -108,8 +106,8 @@ inline void zero_output_row(T* y, int n) {
 
 // Copies the initial state (or zeros) into the final-state buffer: for the
 // paths that update the state in place.
-inline void copy_initial_state(const GatedDeltaParams& p, const float* state_in,
-                               float* state) {
+inline void copy_initial_state(
+    const GatedDeltaParams& p, const float* state_in, float* state) {
   const size_t bytes = sizeof(float) * p.value_dim * p.key_dim;
   if (state_in) {
     std::memcpy(state, state_in, bytes);
@@ -125,7 +123,7 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h);
 // that their shared work (loading and normalising q and k, the grams K K^T and
 // Q K^T) is done once; `heads` all read the same key head and batch row.
 template <typename T>
-void chunked_heads(const GatedDeltaParams& p, const HeadView<T>* heads,
-                   int head_count);
+void chunked_heads(
+    const GatedDeltaParams& p, const HeadView<T>* heads, int head_count);
 
 }  // namespace mlx_gated_delta::cpu

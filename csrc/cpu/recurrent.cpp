@@ -73,7 +73,8 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
   }
 }
 
-template void recurrent_head<float>(const GatedDeltaParams&, const HeadView<float>&);
+template void recurrent_head<float>(
+    const GatedDeltaParams&, const HeadView<float>&);
 template void recurrent_head<mlx::core::float16_t>(
     const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&);
 template void recurrent_head<mlx::core::bfloat16_t>(

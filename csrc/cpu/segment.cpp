@@ -80,7 +80,8 @@ void prepare_conv(
     }
   }
   parallel_for(p.batch, [&](int b) {
-    const std::vector<const T*> rows = conv_history(p, b, mixed, conv_state, mask);
+    const std::vector<const T*> rows =
+        conv_history(p, b, mixed, conv_state, mask);
     int kept = 0;  // unmasked tokens seen so far in this row
     for (int t = 0; t < p.tokens; ++t) {
       float* dst = qkv + (int64_t(b) * p.tokens + t) * C;
@@ -190,9 +191,7 @@ void gated_norm(
 
 template <typename T>
 void gated_delta_segment_forward(
-    const SegmentParams& p,
-    Algorithm algorithm,
-    const SegmentBuffers<T>& io) {
+    const SegmentParams& p, Algorithm algorithm, const SegmentBuffers<T>& io) {
   const int64_t rows = int64_t(p.batch) * p.tokens;
   const int C = p.conv_channels();
   // The conv output stays float32 (never rounded to T) and feeds the core in
@@ -202,11 +201,11 @@ void gated_delta_segment_forward(
   std::vector<float> beta(rows * p.value_heads);
   std::vector<float> y(rows * p.v_width());
 
-  prepare_conv(p, io.mixed, io.conv_weight, io.conv_state_in, io.mask,
-                    qkv.data());
+  prepare_conv(
+      p, io.mixed, io.conv_weight, io.conv_state_in, io.mask, qkv.data());
   collect_conv_state(p, io.mixed, io.conv_state_in, io.mask, io.conv_state_out);
-  prepare_gates(p, io.mixed, io.decay_parameter, io.dt_bias, g.data(),
-                beta.data());
+  prepare_gates(
+      p, io.mixed, io.decay_parameter, io.dt_bias, g.data(), beta.data());
 
   CoreBuffers<float> core;
   core.q = qkv.data();
@@ -227,8 +226,8 @@ void gated_delta_segment_forward(
   gated_norm(p, y.data(), io.mixed, io.norm_weight, io.mask, io.out);
 }
 
-#define INSTANTIATE_SEGMENT(T)                                       \
-  template void gated_delta_segment_forward<T>(                      \
+#define INSTANTIATE_SEGMENT(T)                  \
+  template void gated_delta_segment_forward<T>( \
       const SegmentParams&, Algorithm, const SegmentBuffers<T>&);
 
 INSTANTIATE_SEGMENT(float)

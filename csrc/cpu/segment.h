@@ -17,42 +17,42 @@ namespace mlx_gated_delta::cpu {
 template <typename T>
 void prepare_conv(
     const SegmentParams& params,
-    const T* mixed,           // [B, T, F]
-    const float* conv_weight, // [C, K]
-    const T* conv_state,      // [B, K-1, C]
-    const bool* mask,         // [B, T] or nullptr
-    float* qkv);              // [B, T, C]
+    const T* mixed,  // [B, T, F]
+    const float* conv_weight,  // [C, K]
+    const T* conv_state,  // [B, K-1, C]
+    const bool* mask,  // [B, T] or nullptr
+    float* qkv);  // [B, T, C]
 
 // The new conv state: the last K-1 unmasked pre-conv inputs of each row,
 // reaching back into the carried conv state when the call has fewer.
 template <typename T>
 void collect_conv_state(
     const SegmentParams& params,
-    const T* mixed,            // [B, T, F]
-    const T* conv_state_in,    // [B, K-1, C]
-    const bool* mask,          // [B, T] or nullptr
-    T* conv_state_out);        // [B, K-1, C]
+    const T* mixed,  // [B, T, F]
+    const T* conv_state_in,  // [B, K-1, C]
+    const bool* mask,  // [B, T] or nullptr
+    T* conv_state_out);  // [B, K-1, C]
 
 // g = rate * softplus(a + dt_bias) (log-space decay), beta = sigmoid(b).
 template <typename T>
 void prepare_gates(
     const SegmentParams& params,
-    const T* mixed,               // [B, T, F]
-    const float* decay_parameter, // [Hv]
-    const float* dt_bias,         // [Hv]
-    float* g,                     // [B, T, Hv]
-    float* beta);                 // [B, T, Hv]
+    const T* mixed,  // [B, T, F]
+    const float* decay_parameter,  // [Hv]
+    const float* dt_bias,  // [Hv]
+    float* g,  // [B, T, Hv]
+    float* beta);  // [B, T, Hv]
 
 // out = rms_norm(y, eps) * norm_weight * silu(z), per (token, value head);
 // masked tokens get 0.
 template <typename T>
 void gated_norm(
     const SegmentParams& params,
-    const float* y,            // [B, T, Hv, Dv]
-    const T* mixed,            // [B, T, F] (z is read from here)
+    const float* y,  // [B, T, Hv, Dv]
+    const T* mixed,  // [B, T, F] (z is read from here)
     const float* norm_weight,  // [Dv]
-    const bool* mask,          // [B, T] or nullptr
-    T* out);                   // [B, T, Hv, Dv]
+    const bool* mask,  // [B, T] or nullptr
+    T* out);  // [B, T, Hv, Dv]
 
 // The whole segment: the stages above around cpu::gated_delta_forward.
 // `algorithm` must be Recurrent or Chunked (resolve Auto first).

@@ -32,7 +32,7 @@ enum class Triangle { None, LowerA, LowerC };
 struct MatrixA {
   const float* data;
   int64_t row_stride;  // between rows of A (the M index)
-  int64_t k_stride;    // between columns of A (the K index)
+  int64_t k_stride;  // between columns of A (the K index)
 };
 
 template <int MR, int NR>
@@ -69,11 +69,20 @@ inline void gemm_tile(
 
 template <int MR>
 inline void gemm_rows(
-    int n_size, int k_size, float alpha, const float* a, int64_t a_row,
-    int64_t a_k, const float* b, int64_t ldb, float* c, int64_t ldc) {
+    int n_size,
+    int k_size,
+    float alpha,
+    const float* a,
+    int64_t a_row,
+    int64_t a_k,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc) {
   int n = 0;
   for (; n + kTileCols <= n_size; n += kTileCols) {
-    gemm_tile<MR, kTileCols>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+    gemm_tile<MR, kTileCols>(
+        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
   }
   for (; n + kVectorFloats <= n_size; n += kVectorFloats) {
     gemm_tile<MR, kVectorFloats>(
@@ -86,8 +95,15 @@ inline void gemm_rows(
 
 // C[m_size, n_size] += alpha * A[m_size, k_size] B[k_size, n_size]
 inline void gemm(
-    int m_size, int n_size, int k_size, float alpha, MatrixA a,
-    const float* b, int64_t ldb, float* c, int64_t ldc,
+    int m_size,
+    int n_size,
+    int k_size,
+    float alpha,
+    MatrixA a,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
     Triangle triangle = Triangle::None) {
   // A row block [m, m + rows) reaches column / key index m + rows - 1 at most.
   auto rows_limit = [&](int m, int rows, int size, Triangle skip) {
@@ -97,16 +113,28 @@ inline void gemm(
   for (; m + kTileRows <= m_size; m += kTileRows) {
     gemm_rows<kTileRows>(
         rows_limit(m, kTileRows, n_size, Triangle::LowerC),
-        rows_limit(m, kTileRows, k_size, Triangle::LowerA), alpha,
-        a.data + m * a.row_stride, a.row_stride, a.k_stride, b, ldb,
-        c + m * ldc, ldc);
+        rows_limit(m, kTileRows, k_size, Triangle::LowerA),
+        alpha,
+        a.data + m * a.row_stride,
+        a.row_stride,
+        a.k_stride,
+        b,
+        ldb,
+        c + m * ldc,
+        ldc);
   }
   for (; m < m_size; ++m) {
     gemm_rows<1>(
         rows_limit(m, 1, n_size, Triangle::LowerC),
-        rows_limit(m, 1, k_size, Triangle::LowerA), alpha,
-        a.data + m * a.row_stride, a.row_stride, a.k_stride, b, ldb,
-        c + m * ldc, ldc);
+        rows_limit(m, 1, k_size, Triangle::LowerA),
+        alpha,
+        a.data + m * a.row_stride,
+        a.row_stride,
+        a.k_stride,
+        b,
+        ldb,
+        c + m * ldc,
+        ldc);
   }
 }
 

@@ -18,8 +18,8 @@ namespace {
 // microseconds; waking a sleeping thread costs tens of microseconds on the
 // machines measured, so a short spin keeps the workers ready for the next call.
 template <typename Ready>
-void wait_until(std::mutex& mutex, std::condition_variable& condition,
-                Ready ready) {
+void wait_until(
+    std::mutex& mutex, std::condition_variable& condition, Ready ready) {
   constexpr auto kSpin = std::chrono::microseconds(200);
   const auto spin_end = std::chrono::steady_clock::now() + kSpin;
   while (!ready()) {

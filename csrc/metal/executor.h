@@ -6,9 +6,9 @@
 #include <vector>
 
 #include "core/core_params.h"
-#include "segment/segment_params.h"
 #include "mlx/array.h"
 #include "mlx/stream.h"
+#include "segment/segment_params.h"
 
 namespace mlx_gated_delta::metal {
 

@@ -28,14 +28,19 @@ namespace {
 constexpr const char* kLibraryName = "mlx_gated_delta";
 
 ActivationDtype activation_dtype(mx::Dtype dtype) {
-  if (dtype == mx::float32) return ActivationDtype::Float32;
-  if (dtype == mx::float16) return ActivationDtype::Float16;
-  if (dtype == mx::bfloat16) return ActivationDtype::BFloat16;
-  throw std::invalid_argument("gated_delta Metal kernels take float32, float16 or bfloat16");
+  if (dtype == mx::float32)
+    return ActivationDtype::Float32;
+  if (dtype == mx::float16)
+    return ActivationDtype::Float16;
+  if (dtype == mx::bfloat16)
+    return ActivationDtype::BFloat16;
+  throw std::invalid_argument(
+      "gated_delta Metal kernels take float32, float16 or bfloat16");
 }
 
 void require(bool condition, const char* message) {
-  if (!condition) throw std::invalid_argument(message);
+  if (!condition)
+    throw std::invalid_argument(message);
 }
 
 // The kernel library, built on first use and then cached by MLX. A failed
@@ -45,12 +50,14 @@ MTL::Library* kernel_library(mx::metal::Device& device) {
   static std::mutex mutex;
   static std::string failure;
   std::lock_guard<std::mutex> lock(mutex);
-  if (!failure.empty()) throw std::runtime_error(failure);
+  if (!failure.empty())
+    throw std::runtime_error(failure);
   try {
     // Safe math (MLX's default): the kernels rely on exp(-inf) == 0 and on
     // isinf() for the wipes that gamma == 0 produces.
-    return device.get_library(kLibraryName, mx::CompileOptions{},
-                              [] { return library_source(kMetalLibrarySource); });
+    return device.get_library(kLibraryName, mx::CompileOptions{}, [] {
+      return library_source(kMetalLibrarySource);
+    });
   } catch (const std::exception& error) {
     failure = library_failure_message(error.what());
     throw std::runtime_error(failure);
@@ -61,14 +68,18 @@ MTL::Library* kernel_library(mx::metal::Device& device) {
 // inputs and outputs (outputs already allocated); its scratch is allocated
 // here, float32 (4-byte elements), and lives until the command buffer
 // completes.
-void encode_plan(const Plan& plan, std::map<PlanBuffer, mx::array>& arrays,
-                 const mx::Stream& stream) {
+void encode_plan(
+    const Plan& plan,
+    std::map<PlanBuffer, mx::array>& arrays,
+    const mx::Stream& stream) {
   std::vector<mx::array> scratch;
   for (const BufferSpec& spec : plan.buffers) {
-    if (spec.role != BufferRole::Scratch) continue;
+    if (spec.role != BufferRole::Scratch)
+      continue;
     const uint64_t elements = spec.bytes / sizeof(float);
-    require(elements <= uint64_t(std::numeric_limits<int32_t>::max()),
-            "gated_delta Metal executor: a scratch buffer exceeds MLX's 32-bit shape");
+    require(
+        elements <= uint64_t(std::numeric_limits<int32_t>::max()),
+        "gated_delta Metal executor: a scratch buffer exceeds MLX's 32-bit shape");
     mx::array buffer(mx::Shape{int32_t(elements)}, mx::float32, nullptr, {});
     buffer.set_data(mx::allocator::malloc(spec.bytes));
     arrays.emplace(spec.buffer, buffer);
@@ -80,7 +91,8 @@ void encode_plan(const Plan& plan, std::map<PlanBuffer, mx::array>& arrays,
   auto& encoder = mx::metal::get_command_encoder(stream);
   for (const Dispatch& dispatch : plan.dispatches) {
     // Pipelines are cached per host name, i.e. per specialization.
-    encoder.set_compute_pipeline_state(device.get_kernel(dispatch.kernel, library));
+    encoder.set_compute_pipeline_state(
+        device.get_kernel(dispatch.kernel, library));
     for (const Binding& binding : dispatch.buffers) {
       mx::array& array = arrays.at(binding.buffer);
       // Marking what a dispatch writes lets the encoder order later reads.
@@ -97,8 +109,9 @@ void encode_plan(const Plan& plan, std::map<PlanBuffer, mx::array>& arrays,
     }
     const Grid3 groups = dispatch.threadgroups;
     const Grid3 threads = dispatch.threads_per_threadgroup;
-    encoder.dispatch_threadgroups(MTL::Size(groups.x, groups.y, groups.z),
-                                  MTL::Size(threads.x, threads.y, threads.z));
+    encoder.dispatch_threadgroups(
+        MTL::Size(groups.x, groups.y, groups.z),
+        MTL::Size(threads.x, threads.y, threads.z));
   }
   encoder.add_temporaries(std::move(scratch));
 }
@@ -117,23 +130,35 @@ void eval_core_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
-  require(inputs.size() == (params.has_mask ? 7u : 6u) && outputs.size() == 2,
-          "eval_core_gpu: expected q, k, v, g, beta, state [, mask] and y, state_out");
+  require(
+      inputs.size() == (params.has_mask ? 7u : 6u) && outputs.size() == 2,
+      "eval_core_gpu: expected q, k, v, g, beta, state [, mask] and y, state_out");
   for (const mx::array& input : inputs) {
-    require(input.flags().row_contiguous, "eval_core_gpu: inputs must be row-contiguous");
+    require(
+        input.flags().row_contiguous,
+        "eval_core_gpu: inputs must be row-contiguous");
   }
-  require(inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
-              inputs[5].dtype() == mx::float32,
-          "eval_core_gpu: g, beta and state must be float32");
-  const Plan plan = make_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
+  require(
+      inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
+          inputs[5].dtype() == mx::float32,
+      "eval_core_gpu: g, beta and state must be float32");
+  const Plan plan =
+      make_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
   allocate(outputs);
 
   // Plan buffers -> arrays (handles sharing the data).
   std::map<PlanBuffer, mx::array> arrays;
-  const PlanBuffer io[] = {PlanBuffer::Query, PlanBuffer::Key, PlanBuffer::Value,
-                           PlanBuffer::Gate, PlanBuffer::Beta, PlanBuffer::StateIn};
-  for (size_t i = 0; i < 6; ++i) arrays.emplace(io[i], inputs[i]);
-  if (params.has_mask) arrays.emplace(PlanBuffer::Mask, inputs[6]);
+  const PlanBuffer io[] = {
+      PlanBuffer::Query,
+      PlanBuffer::Key,
+      PlanBuffer::Value,
+      PlanBuffer::Gate,
+      PlanBuffer::Beta,
+      PlanBuffer::StateIn};
+  for (size_t i = 0; i < 6; ++i)
+    arrays.emplace(io[i], inputs[i]);
+  if (params.has_mask)
+    arrays.emplace(PlanBuffer::Mask, inputs[6]);
   arrays.emplace(PlanBuffer::Output, outputs[0]);
   arrays.emplace(PlanBuffer::StateOut, outputs[1]);
   encode_plan(plan, arrays, stream);
@@ -145,29 +170,41 @@ void eval_segment_gpu(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
-  require(inputs.size() == (params.has_mask ? 8u : 7u) && outputs.size() == 3,
-          "eval_segment_gpu: expected mixed, conv_weight, decay_parameter, dt_bias, "
-          "norm_weight, conv_state, state [, mask] and out, conv_state_out, state_out");
+  require(
+      inputs.size() == (params.has_mask ? 8u : 7u) && outputs.size() == 3,
+      "eval_segment_gpu: expected mixed, conv_weight, decay_parameter, dt_bias, "
+      "norm_weight, conv_state, state [, mask] and out, conv_state_out, state_out");
   for (const mx::array& input : inputs) {
-    require(input.flags().row_contiguous, "eval_segment_gpu: inputs must be row-contiguous");
+    require(
+        input.flags().row_contiguous,
+        "eval_segment_gpu: inputs must be row-contiguous");
   }
   for (size_t i : {1, 2, 3, 4, 6}) {
-    require(inputs[i].dtype() == mx::float32,
-            "eval_segment_gpu: conv_weight, decay_parameter, dt_bias, norm_weight and state "
-            "must be float32");
+    require(
+        inputs[i].dtype() == mx::float32,
+        "eval_segment_gpu: conv_weight, decay_parameter, dt_bias, norm_weight and state "
+        "must be float32");
   }
-  require(inputs[5].dtype() == inputs[0].dtype(),
-          "eval_segment_gpu: conv_state must have the activation dtype");
-  const Plan plan = make_segment_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
+  require(
+      inputs[5].dtype() == inputs[0].dtype(),
+      "eval_segment_gpu: conv_state must have the activation dtype");
+  const Plan plan =
+      make_segment_plan(params, algorithm, activation_dtype(inputs[0].dtype()));
   allocate(outputs);
 
   std::map<PlanBuffer, mx::array> arrays;
-  const PlanBuffer io[] = {PlanBuffer::Mixed,      PlanBuffer::ConvWeight,
-                           PlanBuffer::DecayParameter, PlanBuffer::DtBias,
-                           PlanBuffer::NormWeight, PlanBuffer::ConvStateIn,
-                           PlanBuffer::StateIn};
-  for (size_t i = 0; i < 7; ++i) arrays.emplace(io[i], inputs[i]);
-  if (params.has_mask) arrays.emplace(PlanBuffer::Mask, inputs[7]);
+  const PlanBuffer io[] = {
+      PlanBuffer::Mixed,
+      PlanBuffer::ConvWeight,
+      PlanBuffer::DecayParameter,
+      PlanBuffer::DtBias,
+      PlanBuffer::NormWeight,
+      PlanBuffer::ConvStateIn,
+      PlanBuffer::StateIn};
+  for (size_t i = 0; i < 7; ++i)
+    arrays.emplace(io[i], inputs[i]);
+  if (params.has_mask)
+    arrays.emplace(PlanBuffer::Mask, inputs[7]);
   arrays.emplace(PlanBuffer::SegmentOutput, outputs[0]);
   arrays.emplace(PlanBuffer::ConvStateOut, outputs[1]);
   arrays.emplace(PlanBuffer::StateOut, outputs[2]);

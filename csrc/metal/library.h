@@ -11,7 +11,8 @@ namespace mlx_gated_delta::metal {
 // Names a file whose text replaces the embedded library source: a test hook
 // that makes the source invalid (or, if the file is missing, unavailable) so
 // that the failure path can be exercised on a Mac. Not for normal use.
-inline constexpr const char* kTestSourceVariable = "MLX_GATED_DELTA_TEST_METAL_SOURCE";
+inline constexpr const char* kTestSourceVariable =
+    "MLX_GATED_DELTA_TEST_METAL_SOURCE";
 
 // `embedded` unless the test hook is set; throws std::runtime_error when the
 // hook names a file that cannot be read.

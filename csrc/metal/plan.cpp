@@ -21,14 +21,19 @@ constexpr unsigned kMaxBufferIndex = 30;
 constexpr size_t kFloat = sizeof(float);
 constexpr size_t kChunkTileBytes = kChunkSize * kChunkSize * kFloat;
 constexpr size_t kRecurrentGenericBytes = 2 * kMaxGenericKeyDim * kFloat;
-constexpr size_t kChunkDotBytes = 2 * kChunkSize * kDotTileWidth * kFloat + kChunkTileBytes;
+constexpr size_t kChunkDotBytes =
+    2 * kChunkSize * kDotTileWidth * kFloat + kChunkTileBytes;
 // chunk_dot_products: one SIMD-group per 8-row block of a 64 x 64 tile.
 static_assert(kChunkThreads / 32 == kChunkSize / 8);
-constexpr size_t kKktInverseBytes = kChunkTileBytes + 2 * kChunkSize * kDotTileWidth * kFloat;
-static_assert(kDotTileWidth % 8 == 0, "simdgroup matrices step through the tiles 8 columns at a time");
+constexpr size_t kKktInverseBytes =
+    kChunkTileBytes + 2 * kChunkSize * kDotTileWidth * kFloat;
+static_assert(
+    kDotTileWidth % 8 == 0,
+    "simdgroup matrices step through the tiles 8 columns at a time");
 constexpr size_t kRecomputeWuBytes = kChunkTileBytes + 2 * kChunkSize * kFloat;
-constexpr size_t kChunkCarryBytes =
-    (kCarryRows * kMaxChunkedKeyDim + kCarryRows * kChunkSize + 2 * kChunkSize) * kFloat;
+constexpr size_t kChunkCarryBytes = (kCarryRows * kMaxChunkedKeyDim +
+                                     kCarryRows * kChunkSize + 2 * kChunkSize) *
+    kFloat;
 constexpr size_t kChunkOutputBytes = kChunkTileBytes;
 
 unsigned ceil_div(uint64_t a, uint64_t b) {
@@ -54,9 +59,12 @@ void set_kernel_shape(KernelParams& k, const ProblemShape& shape) {
 
 const char* to_string(ActivationDtype dtype) {
   switch (dtype) {
-    case ActivationDtype::Float32: return "float32";
-    case ActivationDtype::Float16: return "float16";
-    case ActivationDtype::BFloat16: return "bfloat16";
+    case ActivationDtype::Float32:
+      return "float32";
+    case ActivationDtype::Float16:
+      return "float16";
+    case ActivationDtype::BFloat16:
+      return "bfloat16";
   }
   return "?";
 }
@@ -67,18 +75,42 @@ size_t element_bytes(ActivationDtype dtype) {
 
 const char* to_string(PlanBuffer buffer) {
   static const char* const names[] = {
-      "q", "k", "v", "g", "beta", "mask", "state_in", "y", "state_out",
-      "query_inverse_norm", "key_inverse_norm", "gate_cumsum", "last_wipe",
-      "beta_effective", "k_gram", "kkt_inverse", "w", "u", "qk", "output_inter",
-      "mixed", "conv_weight", "decay_parameter", "dt_bias", "norm_weight", "conv_state_in",
-      "out", "conv_state_out"};
+      "q",
+      "k",
+      "v",
+      "g",
+      "beta",
+      "mask",
+      "state_in",
+      "y",
+      "state_out",
+      "query_inverse_norm",
+      "key_inverse_norm",
+      "gate_cumsum",
+      "last_wipe",
+      "beta_effective",
+      "k_gram",
+      "kkt_inverse",
+      "w",
+      "u",
+      "qk",
+      "output_inter",
+      "mixed",
+      "conv_weight",
+      "decay_parameter",
+      "dt_bias",
+      "norm_weight",
+      "conv_state_in",
+      "out",
+      "conv_state_out"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }
 
 const BufferSpec* Plan::find_buffer(PlanBuffer buffer) const {
   for (const BufferSpec& spec : buffers) {
-    if (spec.buffer == buffer) return &spec;
+    if (spec.buffer == buffer)
+      return &spec;
   }
   return nullptr;
 }
@@ -90,13 +122,14 @@ uint64_t Plan::buffer_bytes(PlanBuffer buffer) const {
 
 const void* Plan::params_data(const Dispatch& dispatch) const {
   return dispatch.params_block == KernelParamsBlock::Core
-             ? static_cast<const void*>(&kernel_params)
-             : static_cast<const void*>(&segment_params);
+      ? static_cast<const void*>(&kernel_params)
+      : static_cast<const void*>(&segment_params);
 }
 
 size_t Plan::params_size(const Dispatch& dispatch) const {
-  return dispatch.params_block == KernelParamsBlock::Core ? sizeof(kernel_params)
-                                                          : sizeof(segment_params);
+  return dispatch.params_block == KernelParamsBlock::Core
+      ? sizeof(kernel_params)
+      : sizeof(segment_params);
 }
 
 namespace {
@@ -111,7 +144,10 @@ struct PlanBuilder {
   ActivationDtype core_dtype;  // of q, k, v, y: float32 inside a segment
   uint64_t B, T, Hk, Hv, Dk, Dv, C, padded_tokens, e;
 
-  PlanBuilder(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype)
+  PlanBuilder(
+      const GatedDeltaParams& params,
+      Algorithm algorithm,
+      ActivationDtype dtype)
       : p(params), core_dtype(dtype) {
     // Per-key gates run the recurrent kernel at any T, whatever was asked:
     // the chunked stages have one decay per head (docs/metal.md).
@@ -142,9 +178,11 @@ struct PlanBuilder {
     add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e, Input);
     add_buffer(PlanBuffer::Key, B * T * Hk * Dk * e, Input);
     add_buffer(PlanBuffer::Value, B * T * Hv * Dv * e, Input);
-    add_buffer(PlanBuffer::Gate, B * T * Hv * uint64_t(p.gate_width()) * 4, Input);
+    add_buffer(
+        PlanBuffer::Gate, B * T * Hv * uint64_t(p.gate_width()) * 4, Input);
     add_buffer(PlanBuffer::Beta, B * T * Hv * 4, Input);
-    if (p.has_mask) add_buffer(PlanBuffer::Mask, B * T, Input);
+    if (p.has_mask)
+      add_buffer(PlanBuffer::Mask, B * T, Input);
     add_buffer(PlanBuffer::StateIn, B * Hv * Dv * Dk * 4, Input);
     add_buffer(PlanBuffer::Output, B * T * Hv * Dv * e, Output);
     add_buffer(PlanBuffer::StateOut, B * Hv * Dv * Dk * 4, Output);
@@ -154,17 +192,26 @@ struct PlanBuilder {
     plan.buffers.push_back({buffer, bytes, role});
   }
   // Scratch is indexed by the kernels with 32-bit integers too.
-  void add_scratch(PlanBuffer buffer, const char* what, uint64_t elements, uint64_t bytes_each) {
+  void add_scratch(
+      PlanBuffer buffer,
+      const char* what,
+      uint64_t elements,
+      uint64_t bytes_each) {
     check_launch_extent(what, elements);
     add_buffer(buffer, elements * bytes_each, BufferRole::Scratch);
   }
 
   // A buffer the call does not have (no mask, no tokens) stays unbound: the
   // kernel reads it only under the flag or the extent that says it exists.
-  Dispatch& add(const char* stage, std::string kernel, Grid3 groups, unsigned threads,
-                size_t threadgroup_bytes,
-                const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
-                unsigned params_index, const std::vector<PlanBuffer>& writes) {
+  Dispatch& add(
+      const char* stage,
+      std::string kernel,
+      Grid3 groups,
+      unsigned threads,
+      size_t threadgroup_bytes,
+      const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
+      unsigned params_index,
+      const std::vector<PlanBuffer>& writes) {
     Dispatch d;
     d.stage = stage;
     d.kernel = std::move(kernel);
@@ -172,8 +219,10 @@ struct PlanBuilder {
     d.threads_per_threadgroup = {threads, 1, 1};
     d.threadgroup_memory_bytes = threadgroup_bytes;
     for (auto [index, buffer] : bindings) {
-      bool written = std::find(writes.begin(), writes.end(), buffer) != writes.end();
-      if (plan.buffer_bytes(buffer) > 0) d.buffers.push_back({index, buffer, written});
+      bool written =
+          std::find(writes.begin(), writes.end(), buffer) != writes.end();
+      if (plan.buffer_bytes(buffer) > 0)
+        d.buffers.push_back({index, buffer, written});
     }
     d.params_index = params_index;
     plan.dispatches.push_back(std::move(d));
@@ -199,9 +248,11 @@ struct PlanBuilder {
       recurrent();
       return;
     }
-    if (p.normalize_qk) qk_norm();
+    if (p.normalize_qk)
+      qk_norm();
     gate_cumsum();
-    if (uses_k_gram()) k_gram();
+    if (uses_k_gram())
+      k_gram();
     kkt_inverse();
     recompute_w_u();
     chunk_qk();
@@ -218,23 +269,36 @@ struct PlanBuilder {
           std::to_string(kMaxGenericKeyDim) + ", got " + std::to_string(Dk));
     }
     const unsigned rows = simd ? kRecurrentSimdRows : kRecurrentGenericRows;
-    Dispatch& d = add(
-        "recurrent", core_kernel(simd ? "recurrent_simd" : "recurrent_generic"),
-        {ceil_div(Dv, rows), unsigned(Hv), unsigned(B)}, simd ? rows * 32 : rows,
-        simd ? 0 : kRecurrentGenericBytes,
-        {{0, Query}, {1, Key}, {2, Value}, {3, Gate}, {4, Beta}, {5, Mask}, {6, StateIn},
-         {7, StateOut}, {8, Output}},
-        9, {StateOut, Output});
-    // Per value head: q, k (read once per head), v, g, beta, y; the state once each way.
-    d.bytes_moved = double(B * T * Hv * (2 * Dk * e + 2 * Dv * e + 4 + 4 * p.gate_width()) +
-                           2 * B * Hv * Dv * Dk * 4);
+    Dispatch& d =
+        add("recurrent",
+            core_kernel(simd ? "recurrent_simd" : "recurrent_generic"),
+            {ceil_div(Dv, rows), unsigned(Hv), unsigned(B)},
+            simd ? rows * 32 : rows,
+            simd ? 0 : kRecurrentGenericBytes,
+            {{0, Query},
+             {1, Key},
+             {2, Value},
+             {3, Gate},
+             {4, Beta},
+             {5, Mask},
+             {6, StateIn},
+             {7, StateOut},
+             {8, Output}},
+            9,
+            {StateOut, Output});
+    // Per value head: q, k (read once per head), v, g, beta, y; the state once
+    // each way.
+    d.bytes_moved = double(
+        B * T * Hv * (2 * Dk * e + 2 * Dv * e + 4 + 4 * p.gate_width()) +
+        2 * B * Hv * Dv * Dk * 4);
     d.flops = 8.0 * B * T * Hv * Dk * Dv;
   }
 
   // The scratch the chunked stages pass each other (nothing for recurrent).
   void chunked_scratch() {
     using enum PlanBuffer;
-    if (plan.algorithm != Algorithm::Chunked) return;
+    if (plan.algorithm != Algorithm::Chunked)
+      return;
     if (Dk > kMaxChunkedKeyDim) {
       throw std::invalid_argument(
           "the Metal chunked kernels support key_dim up to " +
@@ -247,42 +311,67 @@ struct PlanBuilder {
     add_scratch(GateCumsum, "gate cumsum elements", B * Hv * padded_tokens, 4);
     add_scratch(LastWipe, "last wipe elements", B * Hv * padded_tokens, 4);
     add_scratch(BetaEffective, "beta elements", B * Hv * padded_tokens, 4);
-    if (uses_k_gram()) add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles(), 4);
+    if (uses_k_gram())
+      add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles(), 4);
     add_scratch(KktInverse, "kkt inverse elements", B * Hv * chunk_tiles(), 4);
     add_scratch(W, "W elements", B * Hv * padded_tokens * Dk, 4);
     add_scratch(U, "U elements", B * Hv * padded_tokens * Dv, 4);
     add_scratch(QK, "QK elements", B * Hk * chunk_tiles(), 4);
-    add_scratch(OutputInter, "inter-chunk output elements", B * Hv * padded_tokens * Dv, 4);
+    add_scratch(
+        OutputInter,
+        "inter-chunk output elements",
+        B * Hv * padded_tokens * Dv,
+        4);
   }
 
   void qk_norm() {
     using enum PlanBuffer;
-    Dispatch& d = add("qk_norm", core_kernel("qk_norm"),
-                      {ceil_div(B * T * Hk, kNormRowsPerThreadgroup), 1, 1},
-                      kNormRowsPerThreadgroup * 32, 0,
-                      {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}}, 4,
-                      {QueryInverseNorm, KeyInverseNorm});
+    Dispatch& d =
+        add("qk_norm",
+            core_kernel("qk_norm"),
+            {ceil_div(B * T * Hk, kNormRowsPerThreadgroup), 1, 1},
+            kNormRowsPerThreadgroup * 32,
+            0,
+            {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}},
+            4,
+            {QueryInverseNorm, KeyInverseNorm});
     d.bytes_moved = double(B * T * Hk * (2 * Dk * e + 8));
     d.flops = 4.0 * B * T * Hk * Dk;
   }
 
   void gate_cumsum() {
     using enum PlanBuffer;
-    Dispatch& d = add("gate_cumsum", "gated_delta_gate_cumsum",
-                      {ceil_div(B * Hv * C, kCumsumThreads), 1, 1}, kCumsumThreads, 0,
-                      {{0, Gate}, {1, Beta}, {2, Mask}, {3, GateCumsum}, {4, LastWipe},
-                       {5, BetaEffective}},
-                      6, {GateCumsum, LastWipe, BetaEffective});
-    d.bytes_moved = double(B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
-                           3 * B * Hv * padded_tokens * 4);
+    Dispatch& d =
+        add("gate_cumsum",
+            "gated_delta_gate_cumsum",
+            {ceil_div(B * Hv * C, kCumsumThreads), 1, 1},
+            kCumsumThreads,
+            0,
+            {{0, Gate},
+             {1, Beta},
+             {2, Mask},
+             {3, GateCumsum},
+             {4, LastWipe},
+             {5, BetaEffective}},
+            6,
+            {GateCumsum, LastWipe, BetaEffective});
+    d.bytes_moved = double(
+        B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
+        3 * B * Hv * padded_tokens * 4);
     d.flops = double(B * T * Hv);
   }
 
   void k_gram() {
     using enum PlanBuffer;
-    Dispatch& d = add("k_gram", core_kernel("k_gram"), {unsigned(C), unsigned(Hk), unsigned(B)},
-                      kChunkThreads, kChunkDotBytes,
-                      {{0, Key}, {1, KeyInverseNorm}, {2, KGram}}, 3, {KGram});
+    Dispatch& d =
+        add("k_gram",
+            core_kernel("k_gram"),
+            {unsigned(C), unsigned(Hk), unsigned(B)},
+            kChunkThreads,
+            kChunkDotBytes,
+            {{0, Key}, {1, KeyInverseNorm}, {2, KGram}},
+            3,
+            {KGram});
     d.bytes_moved = double(B * T * Hk * Dk * e + B * Hk * chunk_tiles() * 4);
     d.flops = 2.0 * B * Hk * C * tile() * Dk;
   }
@@ -290,57 +379,104 @@ struct PlanBuilder {
   void kkt_inverse() {
     using enum PlanBuffer;
     const bool k_gram = uses_k_gram();
-    Dispatch& d = add(
-        "kkt_inverse", core_kernel(k_gram ? "kkt_inverse_from_k_gram" : "kkt_inverse"),
-        {unsigned(C), unsigned(Hv), unsigned(B)}, kChunkThreads, kKktInverseBytes,
-        {{0, Key}, {1, KeyInverseNorm}, {2, KGram}, {3, GateCumsum}, {4, LastWipe},
-         {5, BetaEffective}, {6, KktInverse}},
-        7, {KktInverse});
+    Dispatch& d =
+        add("kkt_inverse",
+            core_kernel(k_gram ? "kkt_inverse_from_k_gram" : "kkt_inverse"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            kKktInverseBytes,
+            {{0, Key},
+             {1, KeyInverseNorm},
+             {2, KGram},
+             {3, GateCumsum},
+             {4, LastWipe},
+             {5, BetaEffective},
+             {6, KktInverse}},
+            7,
+            {KktInverse});
     // Gram (read, or built from K), the decays and beta, then the
     // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
-    double gram_bytes = k_gram ? B * Hv * chunk_tiles() * 4.0 : B * Hv * T * Dk * double(e);
-    d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 + B * Hv * chunk_tiles() * 4.0;
-    d.flops = B * Hv * C * ((k_gram ? 0.0 : 2.0 * tile() * Dk) + 3 * tile() +
-                            tile() * kChunkSize / 3);
+    double gram_bytes =
+        k_gram ? B * Hv * chunk_tiles() * 4.0 : B * Hv * T * Dk * double(e);
+    d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 +
+        B * Hv * chunk_tiles() * 4.0;
+    d.flops = B * Hv * C *
+        ((k_gram ? 0.0 : 2.0 * tile() * Dk) + 3 * tile() +
+         tile() * kChunkSize / 3);
   }
 
   void recompute_w_u() {
     using enum PlanBuffer;
-    Dispatch& d = add("recompute_w_u", core_kernel("recompute_w_u"),
-                      {unsigned(C), unsigned(Hv), unsigned(B)}, kChunkThreads, kRecomputeWuBytes,
-                      {{0, Key}, {1, Value}, {2, KeyInverseNorm}, {3, GateCumsum},
-                       {4, LastWipe}, {5, BetaEffective}, {6, KktInverse}, {7, W}, {8, U}},
-                      9, {W, U});
-    d.bytes_moved = B * Hv * (T * (Dk + Dv) * double(e) + chunk_tiles() * 4.0 +
-                              padded_tokens * (Dk + Dv) * 4.0);
+    Dispatch& d =
+        add("recompute_w_u",
+            core_kernel("recompute_w_u"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            kRecomputeWuBytes,
+            {{0, Key},
+             {1, Value},
+             {2, KeyInverseNorm},
+             {3, GateCumsum},
+             {4, LastWipe},
+             {5, BetaEffective},
+             {6, KktInverse},
+             {7, W},
+             {8, U}},
+            9,
+            {W, U});
+    d.bytes_moved = B * Hv *
+        (T * (Dk + Dv) * double(e) + chunk_tiles() * 4.0 +
+         padded_tokens * (Dk + Dv) * 4.0);
     d.flops = 2.0 * B * Hv * C * (tile() / 2) * (Dk + Dv);
   }
 
   void chunk_qk() {
     using enum PlanBuffer;
-    Dispatch& d = add("chunk_qk", core_kernel("chunk_qk"),
-                      {unsigned(C), unsigned(Hk), unsigned(B)}, kChunkThreads, kChunkDotBytes,
-                      {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
-                       {4, QK}},
-                      5, {QK});
-    d.bytes_moved = double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles() * 4);
+    Dispatch& d =
+        add("chunk_qk",
+            core_kernel("chunk_qk"),
+            {unsigned(C), unsigned(Hk), unsigned(B)},
+            kChunkThreads,
+            kChunkDotBytes,
+            {{0, Query},
+             {1, Key},
+             {2, QueryInverseNorm},
+             {3, KeyInverseNorm},
+             {4, QK}},
+            5,
+            {QK});
+    d.bytes_moved =
+        double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles() * 4);
     d.flops = 2.0 * B * Hk * C * tile() * Dk;
   }
 
   void chunk_carry() {
     using enum PlanBuffer;
-    Dispatch& d = add("chunk_carry", core_kernel("chunk_carry"),
-                      {ceil_div(Dv, kCarryRows), unsigned(Hv), unsigned(B)},
-                      kCarryRows * kChunkSize, kChunkCarryBytes,
-                      {{0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm},
-                       {4, GateCumsum}, {5, LastWipe}, {6, W}, {7, U}, {8, StateIn},
-                       {9, StateOut}, {10, OutputInter}},
-                      11, {U, StateOut, OutputInter});
+    Dispatch& d =
+        add("chunk_carry",
+            core_kernel("chunk_carry"),
+            {ceil_div(Dv, kCarryRows), unsigned(Hv), unsigned(B)},
+            kCarryRows * kChunkSize,
+            kChunkCarryBytes,
+            {{0, Query},
+             {1, Key},
+             {2, QueryInverseNorm},
+             {3, KeyInverseNorm},
+             {4, GateCumsum},
+             {5, LastWipe},
+             {6, W},
+             {7, U},
+             {8, StateIn},
+             {9, StateOut},
+             {10, OutputInter}},
+            11,
+            {U, StateOut, OutputInter});
     // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
     // W, q and k rows (caches serve the repeats; counted once per head),
     // U and writes v' and the inter-chunk output; the state once each way.
-    d.bytes_moved = B * Hv * (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
-                              2 * Dv * Dk * 4.0);
+    d.bytes_moved = B * Hv *
+        (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
+         2 * Dv * Dk * 4.0);
     // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
     // and the state update (sum_j v'_j k_j^T): three Dk-long dot products.
     d.flops = 6.0 * B * Hv * T * Dk * Dv;
@@ -348,20 +484,33 @@ struct PlanBuilder {
 
   void chunk_output() {
     using enum PlanBuffer;
-    Dispatch& d = add("chunk_output", core_kernel("chunk_output"),
-                      {unsigned(C), unsigned(Hv), unsigned(B)}, kChunkThreads, kChunkOutputBytes,
-                      {{0, QK}, {1, GateCumsum}, {2, LastWipe}, {3, Mask}, {4, U},
-                       {5, OutputInter}, {6, Output}},
-                      7, {Output});
-    d.bytes_moved = B * Hv * (chunk_tiles() * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
-                              T * Dv * double(e));
+    Dispatch& d =
+        add("chunk_output",
+            core_kernel("chunk_output"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            kChunkOutputBytes,
+            {{0, QK},
+             {1, GateCumsum},
+             {2, LastWipe},
+             {3, Mask},
+             {4, U},
+             {5, OutputInter},
+             {6, Output}},
+            7,
+            {Output});
+    d.bytes_moved = B * Hv *
+        (chunk_tiles() * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
+         T * Dv * double(e));
     d.flops = 2.0 * B * Hv * C * (tile() / 2) * Dv;
   }
 
   // No tokens (T == 0, chunked): the per-chunk stages have empty grids and
   // are left out; the carry still copies the state.
   Plan finish() {
-    std::erase_if(plan.dispatches, [](const Dispatch& d) { return d.threadgroups.count() == 0; });
+    std::erase_if(plan.dispatches, [](const Dispatch& d) {
+      return d.threadgroups.count() == 0;
+    });
     validate_plan(plan);
     return std::move(plan);
   }
@@ -374,9 +523,13 @@ struct SegmentPlanBuilder : PlanBuilder {
   uint64_t channels, packed, taps, conv_rows, segment_e;
   unsigned channel_threads, channel_groups;
 
-  SegmentPlanBuilder(const SegmentParams& params, const GatedDeltaParams& core_params,
-                     Algorithm algorithm, ActivationDtype dtype)
-      : PlanBuilder(core_params, algorithm, ActivationDtype::Float32), sp(params) {
+  SegmentPlanBuilder(
+      const SegmentParams& params,
+      const GatedDeltaParams& core_params,
+      Algorithm algorithm,
+      ActivationDtype dtype)
+      : PlanBuilder(core_params, algorithm, ActivationDtype::Float32),
+        sp(params) {
     using enum PlanBuffer;
     plan.dtype = dtype;
     channels = sp.conv_channels();
@@ -384,8 +537,10 @@ struct SegmentPlanBuilder : PlanBuilder {
     taps = sp.conv_kernel;
     conv_rows = sp.conv_state_rows();
     segment_e = element_bytes(dtype);
-    // One thread per channel: a threadgroup spans up to kSegmentThreads channels.
-    channel_threads = unsigned(std::min<uint64_t>(kSegmentThreads, (channels + 31) / 32 * 32));
+    // One thread per channel: a threadgroup spans up to kSegmentThreads
+    // channels.
+    channel_threads = unsigned(
+        std::min<uint64_t>(kSegmentThreads, (channels + 31) / 32 * 32));
     channel_groups = ceil_div(channels, channel_threads);
 
     chunked_scratch();
@@ -395,7 +550,8 @@ struct SegmentPlanBuilder : PlanBuilder {
         spec.role = BufferRole::Scratch;
       }
     }
-    const uint64_t Fe = B * T * packed * segment_e, state_bytes = B * conv_rows * channels * segment_e;
+    const uint64_t Fe = B * T * packed * segment_e,
+                   state_bytes = B * conv_rows * channels * segment_e;
     add_buffer(Mixed, Fe, BufferRole::Input);
     add_buffer(ConvWeight, channels * taps * 4, BufferRole::Input);
     add_buffer(DecayParameter, Hv * 4, BufferRole::Input);
@@ -413,16 +569,28 @@ struct SegmentPlanBuilder : PlanBuilder {
     k.z_offset = sp.z_offset();
     k.b_offset = sp.b_offset();
     k.a_offset = sp.a_offset();
-    k.log_rate = sp.decay_parameterization == DecayParameterization::LogRate ? 1 : 0;
+    k.log_rate =
+        sp.decay_parameterization == DecayParameterization::LogRate ? 1 : 0;
     k.has_mask = sp.has_mask ? 1 : 0;
     k.norm_eps = sp.norm_eps;
   }
 
-  Dispatch& add_segment(const char* stage, Grid3 groups, unsigned threads,
-                        const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
-                        unsigned params_index, const std::vector<PlanBuffer>& writes) {
-    Dispatch& d = add(stage, kernel_name((std::string("segment_") + stage).c_str(), plan.dtype),
-                      groups, threads, 0, bindings, params_index, writes);
+  Dispatch& add_segment(
+      const char* stage,
+      Grid3 groups,
+      unsigned threads,
+      const std::vector<std::pair<unsigned, PlanBuffer>>& bindings,
+      unsigned params_index,
+      const std::vector<PlanBuffer>& writes) {
+    Dispatch& d =
+        add(stage,
+            kernel_name((std::string("segment_") + stage).c_str(), plan.dtype),
+            groups,
+            threads,
+            0,
+            bindings,
+            params_index,
+            writes);
     d.params_block = KernelParamsBlock::Segment;
     return d;
   }
@@ -430,42 +598,62 @@ struct SegmentPlanBuilder : PlanBuilder {
   void prepare_conv() {
     using enum PlanBuffer;
     Dispatch& d = add_segment(
-        "prepare_conv", {channel_groups, unsigned(T), unsigned(B)}, channel_threads,
-        {{0, Mixed}, {1, ConvWeight}, {2, ConvStateIn}, {3, Mask}, {4, Query}, {5, Key},
+        "prepare_conv",
+        {channel_groups, unsigned(T), unsigned(B)},
+        channel_threads,
+        {{0, Mixed},
+         {1, ConvWeight},
+         {2, ConvStateIn},
+         {3, Mask},
+         {4, Query},
+         {5, Key},
          {6, Value}},
-        7, {Query, Key, Value});
+        7,
+        {Query, Key, Value});
     // Each input read once (the windows' repeats come from caches), q|k|v
     // written float32; K multiply-adds and a SiLU per output.
-    d.bytes_moved = double(B * T * channels * (segment_e + 4) + channels * taps * 4);
+    d.bytes_moved =
+        double(B * T * channels * (segment_e + 4) + channels * taps * 4);
     d.flops = double(B * T * channels * (2 * taps + 4));
   }
 
   void prepare_gates() {
     using enum PlanBuffer;
-    Dispatch& d = add_segment("prepare_gates", {ceil_div(B * T * Hv, kSegmentThreads), 1, 1},
-                              kSegmentThreads,
-                              {{0, Mixed}, {1, DecayParameter}, {2, DtBias}, {3, Gate},
-                               {4, Beta}},
-                              5, {Gate, Beta});
+    Dispatch& d = add_segment(
+        "prepare_gates",
+        {ceil_div(B * T * Hv, kSegmentThreads), 1, 1},
+        kSegmentThreads,
+        {{0, Mixed}, {1, DecayParameter}, {2, DtBias}, {3, Gate}, {4, Beta}},
+        5,
+        {Gate, Beta});
     d.bytes_moved = double(B * T * Hv * (2 * segment_e + 8));
     d.flops = double(B * T * Hv * 12);
   }
 
   void collect_conv_state() {
     using enum PlanBuffer;
-    Dispatch& d = add_segment("collect_conv_state",
-                              {channel_groups, unsigned(conv_rows), unsigned(B)}, channel_threads,
-                              {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}}, 4,
-                              {ConvStateOut});
+    Dispatch& d = add_segment(
+        "collect_conv_state",
+        {channel_groups, unsigned(conv_rows), unsigned(B)},
+        channel_threads,
+        {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}},
+        4,
+        {ConvStateOut});
     d.bytes_moved = double(2 * B * conv_rows * channels * segment_e);
   }
 
   void gated_norm() {
     using enum PlanBuffer;
     Dispatch& d = add_segment(
-        "gated_norm", {ceil_div(B * T * Hv, kGatedNormRowsPerThreadgroup), 1, 1},
+        "gated_norm",
+        {ceil_div(B * T * Hv, kGatedNormRowsPerThreadgroup), 1, 1},
         kGatedNormRowsPerThreadgroup * 32,
-        {{0, Output}, {1, Mixed}, {2, NormWeight}, {3, Mask}, {4, SegmentOutput}}, 5,
+        {{0, Output},
+         {1, Mixed},
+         {2, NormWeight},
+         {3, Mask},
+         {4, SegmentOutput}},
+        5,
         {SegmentOutput});
     d.bytes_moved = double(B * T * Hv * Dv * (4 + 2 * segment_e));
     d.flops = double(B * T * Hv * Dv * 10);
@@ -474,7 +662,10 @@ struct SegmentPlanBuilder : PlanBuilder {
 
 }  // namespace
 
-Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype) {
+Plan make_plan(
+    const GatedDeltaParams& params,
+    Algorithm algorithm,
+    ActivationDtype dtype) {
   validate_plan_shape(params);
   PlanBuilder builder(params, algorithm, dtype);
   builder.chunked_scratch();
@@ -482,7 +673,8 @@ Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDt
   return builder.finish();
 }
 
-Plan make_segment_plan(const SegmentParams& sp, Algorithm algorithm, ActivationDtype dtype) {
+Plan make_segment_plan(
+    const SegmentParams& sp, Algorithm algorithm, ActivationDtype dtype) {
   validate_segment_plan_shape(sp);
   // The core reads float32 q, k, v, g and beta that the segment's stages
   // write, and its float32 y feeds gated_norm.
@@ -501,25 +693,30 @@ void validate_plan(const Plan& plan) {
   for (const Dispatch& d : plan.dispatches) {
     uint64_t threads = d.threads_per_threadgroup.count();
     if (threads == 0 || threads > kMaxThreadsPerThreadgroup) {
-      throw std::invalid_argument(d.kernel + ": " + std::to_string(threads) +
-                                  " threads per threadgroup (Metal allows 1 to 1024)");
+      throw std::invalid_argument(
+          d.kernel + ": " + std::to_string(threads) +
+          " threads per threadgroup (Metal allows 1 to 1024)");
     }
     if (d.threadgroup_memory_bytes > kMaxThreadgroupMemoryBytes) {
-      throw std::invalid_argument(d.kernel + ": " + std::to_string(d.threadgroup_memory_bytes) +
-                                  " bytes of threadgroup memory (Metal allows 32768)");
+      throw std::invalid_argument(
+          d.kernel + ": " + std::to_string(d.threadgroup_memory_bytes) +
+          " bytes of threadgroup memory (Metal allows 32768)");
     }
     for (const auto& [index, buffer, written] : d.buffers) {
       const BufferSpec* spec = plan.find_buffer(buffer);
       if (spec == nullptr) {
-        throw std::invalid_argument(d.kernel + " binds " + to_string(buffer) +
-                                    ", which the plan does not have");
+        throw std::invalid_argument(
+            d.kernel + " binds " + to_string(buffer) +
+            ", which the plan does not have");
       }
       if (written && spec->role == BufferRole::Input) {
-        throw std::invalid_argument(d.kernel + " would write its input " + to_string(buffer));
+        throw std::invalid_argument(
+            d.kernel + " would write its input " + to_string(buffer));
       }
       if (index > kMaxBufferIndex || index == d.params_index) {
-        throw std::invalid_argument(d.kernel + ": buffer index " + std::to_string(index) +
-                                    " for " + to_string(buffer) + " is out of range or taken");
+        throw std::invalid_argument(
+            d.kernel + ": buffer index " + std::to_string(index) + " for " +
+            to_string(buffer) + " is out of range or taken");
       }
     }
     if (d.params_index > kMaxBufferIndex) {
@@ -532,8 +729,10 @@ Roofline assumed_m_series_roofline() {
   // Apple M3 Max (40-core GPU), the figures assumed on paper: 400 GB/s of
   // unified-memory bandwidth and about 14 TFLOP/s float32 (40 cores x 128 ALUs
   // x 2 flops x ~1.4 GHz). Not measured here: there is no Apple GPU.
-  return {"Apple M3 Max (40-core GPU), assumed: 400 GB/s, 14.3 TFLOP/s float32", 400e9,
-          14.3e12};
+  return {
+      "Apple M3 Max (40-core GPU), assumed: 400 GB/s, 14.3 TFLOP/s float32",
+      400e9,
+      14.3e12};
 }
 
 std::string describe_plan(const Plan& plan, const Roofline& roofline) {
@@ -541,28 +740,55 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
   std::ostringstream out;
   char line[512];
   out << "plan: " << to_string(plan.algorithm) << ", " << to_string(plan.dtype)
-      << " activations, B=" << k.batch << " T=" << k.tokens << " Hk=" << k.key_heads
-      << " Hv=" << k.value_heads << " Dk=" << k.key_dim << " Dv=" << k.value_dim
+      << " activations, B=" << k.batch << " T=" << k.tokens
+      << " Hk=" << k.key_heads << " Hv=" << k.value_heads << " Dk=" << k.key_dim
+      << " Dv=" << k.value_dim
       << (k.head_mapping == 0 ? " grouped" : " interleaved")
-      << (k.normalize_qk ? " normalize_qk" : "") << (k.has_mask ? " mask" : "") << "\n";
+      << (k.normalize_qk ? " normalize_qk" : "") << (k.has_mask ? " mask" : "")
+      << "\n";
   out << "roofline: " << roofline.chip << "\n";
   out << "dispatches: " << plan.dispatches.size() << "\n";
-  std::snprintf(line, sizeof(line), "%-18s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
-                "stage", "kernel", "threadgroups", "threads", "tg bytes", "MB moved",
-                "GFLOP", "t_mem us", "t_flop us", "bound");
+  std::snprintf(
+      line,
+      sizeof(line),
+      "%-18s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
+      "stage",
+      "kernel",
+      "threadgroups",
+      "threads",
+      "tg bytes",
+      "MB moved",
+      "GFLOP",
+      "t_mem us",
+      "t_flop us",
+      "bound");
   out << line;
   double total_bytes = 0, total_flops = 0, total_time = 0;
   for (const Dispatch& d : plan.dispatches) {
     double t_mem = d.bytes_moved / roofline.bytes_per_second * 1e6;
     double t_flop = d.flops / roofline.flops_per_second * 1e6;
     char groups[64];
-    std::snprintf(groups, sizeof(groups), "%ux%ux%u", d.threadgroups.x, d.threadgroups.y,
-                  d.threadgroups.z);
-    std::snprintf(line, sizeof(line), "%-18s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
-                  d.stage.c_str(), d.kernel.c_str(), groups,
-                  (unsigned long long)d.threads_per_threadgroup.count(),
-                  d.threadgroup_memory_bytes, d.bytes_moved / 1e6, d.flops / 1e9, t_mem, t_flop,
-                  t_mem > t_flop ? "memory" : "flops");
+    std::snprintf(
+        groups,
+        sizeof(groups),
+        "%ux%ux%u",
+        d.threadgroups.x,
+        d.threadgroups.y,
+        d.threadgroups.z);
+    std::snprintf(
+        line,
+        sizeof(line),
+        "%-18s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
+        d.stage.c_str(),
+        d.kernel.c_str(),
+        groups,
+        (unsigned long long)d.threads_per_threadgroup.count(),
+        d.threadgroup_memory_bytes,
+        d.bytes_moved / 1e6,
+        d.flops / 1e9,
+        t_mem,
+        t_flop,
+        t_mem > t_flop ? "memory" : "flops");
     out << line;
     total_bytes += d.bytes_moved;
     total_flops += d.flops;
@@ -570,12 +796,18 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
   }
   uint64_t scratch = 0;
   for (const BufferSpec& spec : plan.buffers) {
-    if (spec.role == BufferRole::Scratch) scratch += spec.bytes;
+    if (spec.role == BufferRole::Scratch)
+      scratch += spec.bytes;
   }
-  std::snprintf(line, sizeof(line),
-                "total: %.2f MB moved, %.3f GFLOP; roofline time (sum over stages of "
-                "max(memory, flops)) %.1f us; scratch %.1f MiB\n",
-                total_bytes / 1e6, total_flops / 1e9, total_time, scratch / 1048576.0);
+  std::snprintf(
+      line,
+      sizeof(line),
+      "total: %.2f MB moved, %.3f GFLOP; roofline time (sum over stages of "
+      "max(memory, flops)) %.1f us; scratch %.1f MiB\n",
+      total_bytes / 1e6,
+      total_flops / 1e9,
+      total_time,
+      scratch / 1048576.0);
   out << line;
   return out.str();
 }

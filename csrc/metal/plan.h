@@ -39,24 +39,24 @@ enum class PlanBuffer : int {
   Output,
   StateOut,
   QueryInverseNorm,  // [B, T, Hk]   1 / |q| when normalize_qk
-  KeyInverseNorm,    // [B, T, Hk]
-  GateCumsum,        // [B, Hv, C*64] inclusive cumsum of finite g in a chunk
-  LastWipe,          // [B, Hv, C*64] int32: last index <= i with g = -inf, or -1
-  BetaEffective,     // [B, Hv, C*64] beta, 0 on masked tokens
-  KGram,             // [B, Hk, C, 64, 64] k_i . k_j
-  KktInverse,        // [B, Hv, C, 64, 64] (I + A)^-1
-  W,                 // [B, Hv, C*64, Dk]
-  U,                 // [B, Hv, C*64, Dv] U, then v' = U - W S^T (chunk_carry)
-  QK,                // [B, Hk, C, 64, 64] q_i . k_j
-  OutputInter,       // [B, Hv, C*64, Dv] scale * decay * S_chunk_entry q_i
-  Mixed,             // [B, T, F] packed [q | k | v | z | b | a], activation dtype
-  ConvWeight,        // [C, K]
-  DecayParameter,    // [Hv]
-  DtBias,            // [Hv]
-  NormWeight,        // [Dv]
-  ConvStateIn,       // [B, K-1, C] activation dtype
-  SegmentOutput,     // [B, T, Hv, Dv] activation dtype
-  ConvStateOut,      // [B, K-1, C] activation dtype
+  KeyInverseNorm,  // [B, T, Hk]
+  GateCumsum,  // [B, Hv, C*64] inclusive cumsum of finite g in a chunk
+  LastWipe,  // [B, Hv, C*64] int32: last index <= i with g = -inf, or -1
+  BetaEffective,  // [B, Hv, C*64] beta, 0 on masked tokens
+  KGram,  // [B, Hk, C, 64, 64] k_i . k_j
+  KktInverse,  // [B, Hv, C, 64, 64] (I + A)^-1
+  W,  // [B, Hv, C*64, Dk]
+  U,  // [B, Hv, C*64, Dv] U, then v' = U - W S^T (chunk_carry)
+  QK,  // [B, Hk, C, 64, 64] q_i . k_j
+  OutputInter,  // [B, Hv, C*64, Dv] scale * decay * S_chunk_entry q_i
+  Mixed,  // [B, T, F] packed [q | k | v | z | b | a], activation dtype
+  ConvWeight,  // [C, K]
+  DecayParameter,  // [Hv]
+  DtBias,  // [Hv]
+  NormWeight,  // [Dv]
+  ConvStateIn,  // [B, K-1, C] activation dtype
+  SegmentOutput,  // [B, T, Hv, Dv] activation dtype
+  ConvStateOut,  // [B, K-1, C] activation dtype
   Count,
 };
 const char* to_string(PlanBuffer buffer);
@@ -82,13 +82,14 @@ struct Grid3 {
 };
 
 struct Binding {
-  unsigned index;     // [[buffer(index)]]
+  unsigned index;  // [[buffer(index)]]
   PlanBuffer buffer;
-  bool written;       // the kernel writes it (an executor orders later reads after it)
+  bool written;  // the kernel writes it (an executor orders later reads after
+                 // it)
 };
 
 struct Dispatch {
-  std::string stage;   // the math's name: recurrent, k_gram, kkt_inverse, ...
+  std::string stage;  // the math's name: recurrent, k_gram, kkt_inverse, ...
   std::string kernel;  // host name of the kernel instantiation
   std::vector<Binding> buffers;
   unsigned params_index = 0;  // [[buffer(n)]] of the scalar params' bytes
@@ -96,7 +97,7 @@ struct Dispatch {
   Grid3 threadgroups;
   Grid3 threads_per_threadgroup;
   size_t threadgroup_memory_bytes = 0;  // what the kernel declares, statically
-  double bytes_moved = 0;               // device memory read + written
+  double bytes_moved = 0;  // device memory read + written
   double flops = 0;
 };
 
@@ -118,14 +119,16 @@ struct Plan {
 // Throws std::invalid_argument for shapes no plan covers (and, through
 // validate_plan_shape, for 32-bit index overflow). "auto" resolves through
 // resolve_metal_algorithm (core/dispatch.h).
-Plan make_plan(const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype);
+Plan make_plan(
+    const GatedDeltaParams& params, Algorithm algorithm, ActivationDtype dtype);
 
 // The fused layer segment (docs/contract.md): prepare_conv (conv + SiLU into
 // float32 q, k, v), prepare_gates, collect_conv_state, then the core plan of
 // SegmentParams::core_params() (normalize_qk on) over those float32
 // buffers, then gated_norm. `dtype` is the activation dtype of mixed, the
 // conv state and out.
-Plan make_segment_plan(const SegmentParams& params, Algorithm algorithm, ActivationDtype dtype);
+Plan make_segment_plan(
+    const SegmentParams& params, Algorithm algorithm, ActivationDtype dtype);
 
 // Metal's limits (threads per threadgroup, threadgroup memory, buffer
 // indices); make_plan calls it, and so does every executor.

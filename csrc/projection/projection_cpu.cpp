@@ -47,8 +47,12 @@ inline void widen(const T* src, int n, float* dst) {
 
 template <typename T>
 void linear_by_dots(
-    int64_t rows, int in_features, int out_features, const float* x,
-    const T* weight, T* y) {
+    int64_t rows,
+    int in_features,
+    int out_features,
+    const float* x,
+    const T* weight,
+    T* y) {
   constexpr int kRowsPerTask = 64;
   const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
   parallel_for(tasks, [&](int task) {
@@ -95,12 +99,17 @@ void linear_by_dots(
 
 template <typename T>
 void linear_forward(
-    int64_t rows, int in_features, int out_features, const T* x,
-    const T* weight, T* y) {
+    int64_t rows,
+    int in_features,
+    int out_features,
+    const T* x,
+    const T* weight,
+    T* y) {
   // x in float32 once (it is read by every block of W).
   std::vector<float> x_f32(rows * in_features);
-  std::transform(x, x + rows * in_features, x_f32.begin(),
-                 [](T v) { return static_cast<float>(v); });
+  std::transform(x, x + rows * in_features, x_f32.begin(), [](T v) {
+    return static_cast<float>(v);
+  });
   if (rows < kGemmMinRows) {
     linear_by_dots(rows, in_features, out_features, x_f32.data(), weight, y);
     return;
@@ -122,9 +131,16 @@ void linear_forward(
           packed[int64_t(i) * out_size + o] = static_cast<float>(w_row[i]);
         }
       }
-      gemm(int(rows), out_size, in_size, 1.0f,
-           MatrixA{x_f32.data() + in_start, in_features, 1}, packed.data(),
-           out_size, acc.data(), out_size);
+      gemm(
+          int(rows),
+          out_size,
+          in_size,
+          1.0f,
+          MatrixA{x_f32.data() + in_start, in_features, 1},
+          packed.data(),
+          out_size,
+          acc.data(),
+          out_size);
     }
     for (int64_t r = 0; r < rows; ++r) {
       T* y_row = y + r * out_features + out_start;

@@ -14,7 +14,11 @@ namespace mlx_gated_delta::cpu {
 // y[rows, out] = x[rows, in] * weight[out, in]^T; all row-major, contiguous.
 template <typename T>
 void linear_forward(
-    int64_t rows, int in_features, int out_features, const T* x,
-    const T* weight, T* y);
+    int64_t rows,
+    int in_features,
+    int out_features,
+    const T* x,
+    const T* weight,
+    T* y);
 
 }  // namespace mlx_gated_delta::cpu

@@ -37,8 +37,8 @@ void dispatch_linear(
   encoder.set_input_array(weight);
   encoder.set_output_array(out);
   encoder.dispatch([=]() {
-    cpu::linear_forward<T>(rows, in_features, out_features, x_data, w_data,
-                           y_data);
+    cpu::linear_forward<T>(
+        rows, in_features, out_features, x_data, w_data, y_data);
   });
 }
 
@@ -86,7 +86,8 @@ std::vector<mx::array> LinearProjection::vjp(
     } else {
       // dW = dy^T x over all rows: a [out, N] times (x^T [in, N])^T.
       const int rows = static_cast<int>(x.size() / x.shape(-1));
-      mx::array dy_t = mx::transpose(mx::reshape(dy, {rows, weight.shape(0)}, s), s);
+      mx::array dy_t =
+          mx::transpose(mx::reshape(dy, {rows, weight.shape(0)}, s), s);
       mx::array x_t = mx::transpose(mx::reshape(x, {rows, x.shape(-1)}, s), s);
       grads.push_back(linear_projection(dy_t, x_t, s));
     }
@@ -124,8 +125,11 @@ mx::array linear_projection(
   mx::Shape shape = x.shape();
   shape.back() = weight.shape(0);
   return mx::array(
-      shape, dtype, std::make_shared<LinearProjection>(stream),
-      {mx::contiguous(x, false, stream), mx::contiguous(weight, false, stream)});
+      shape,
+      dtype,
+      std::make_shared<LinearProjection>(stream),
+      {mx::contiguous(x, false, stream),
+       mx::contiguous(weight, false, stream)});
 }
 
 }  // namespace mlx_gated_delta

@@ -35,21 +35,52 @@ void bind_segment(nb::module_& m) {
          const std::string& algorithm,
          mlx::core::StreamOrDevice s) {
         auto outputs = gated_delta_segment(
-            mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
-            conv_state, state, key_heads, value_heads, key_dim, value_dim,
-            decay_parameterization, head_mapping, norm_eps, mask, algorithm, s);
+            mixed_qkvzba,
+            conv_weight,
+            decay_parameter,
+            dt_bias,
+            norm_weight,
+            conv_state,
+            state,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            decay_parameterization,
+            head_mapping,
+            norm_eps,
+            mask,
+            algorithm,
+            s);
         return nb::make_tuple(outputs[0], outputs[1], outputs[2]);
       },
-      "mixed_qkvzba"_a, "conv_weight"_a, "decay_parameter"_a, "dt_bias"_a,
-      "norm_weight"_a, "conv_state"_a.none(), "state"_a.none(), "key_heads"_a,
-      "value_heads"_a, "key_dim"_a, "value_dim"_a, "decay_parameterization"_a,
-      "head_mapping"_a, "norm_eps"_a, "mask"_a.none(), "algorithm"_a,
+      "mixed_qkvzba"_a,
+      "conv_weight"_a,
+      "decay_parameter"_a,
+      "dt_bias"_a,
+      "norm_weight"_a,
+      "conv_state"_a.none(),
+      "state"_a.none(),
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      "decay_parameterization"_a,
+      "head_mapping"_a,
+      "norm_eps"_a,
+      "mask"_a.none(),
+      "algorithm"_a,
       "stream"_a.none());
   m.def(
       "linear_projection",
-      [](const mlx::core::array& x, const mlx::core::array& weight,
-         mlx::core::StreamOrDevice s) { return linear_projection(x, weight, s); },
-      "x"_a, "weight"_a, "stream"_a.none(),
+      [](const mlx::core::array& x,
+         const mlx::core::array& weight,
+         mlx::core::StreamOrDevice s) {
+        return linear_projection(x, weight, s);
+      },
+      "x"_a,
+      "weight"_a,
+      "stream"_a.none(),
       "x @ weight.T on the CPU (the layer's dense projections).");
 }
 

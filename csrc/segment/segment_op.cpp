@@ -1,7 +1,7 @@
 #include "segment/segment_op.h"
 
-#include "mlx/ops.h"
 #include "core/dispatch.h"
+#include "mlx/ops.h"
 #include "segment/segment_params.h"
 #include "segment/segment_primitive.h"
 #include "validation/arguments.h"
@@ -29,16 +29,24 @@ std::vector<mx::array> gated_delta_segment(
     const std::string& algorithm,
     mx::StreamOrDevice s) {
   SegmentParams p;
-  p.decay_parameterization = parse_decay_parameterization(decay_parameterization);
+  p.decay_parameterization =
+      parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
   const Algorithm requested = parse_algorithm(algorithm);
   p.has_mask = mask.has_value();
 
   check_segment_arguments(
       p,
-      {mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
-       conv_state, state, mask},
-      {0, 0, key_heads, value_heads, key_dim, value_dim}, norm_eps);
+      {mixed_qkvzba,
+       conv_weight,
+       decay_parameter,
+       dt_bias,
+       norm_weight,
+       conv_state,
+       state,
+       mask},
+      {0, 0, key_heads, value_heads, key_dim, value_dim},
+      norm_eps);
   const mx::Dtype dtype = mixed_qkvzba.dtype();
   const int C = p.conv_channels();
   const mx::Shape conv_state_shape = {p.batch, p.conv_state_rows(), C};
@@ -50,8 +58,10 @@ std::vector<mx::array> gated_delta_segment(
   mx::array state_in =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
   if (p.tokens == 0) {
-    return {mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream),
-            conv_state_in, state_in};
+    return {
+        mx::zeros({p.batch, 0, value_heads, value_dim}, dtype, stream),
+        conv_state_in,
+        state_in};
   }
   // On the GPU the Metal plan resolves "auto" itself.
   const Algorithm resolved =
@@ -75,11 +85,20 @@ std::vector<mx::array> gated_delta_segment(
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
   return mx::array::make_arrays(
-      {{p.batch, p.tokens, value_heads, value_dim}, conv_state_shape, state_shape},
+      {{p.batch, p.tokens, value_heads, value_dim},
+       conv_state_shape,
+       state_shape},
       {dtype, dtype, mx::float32},
       std::make_shared<GatedDeltaSegment>(
-          stream, key_heads, value_heads, key_dim, value_dim,
-          p.decay_parameterization, p.head_mapping, p.norm_eps, p.has_mask,
+          stream,
+          key_heads,
+          value_heads,
+          key_dim,
+          value_dim,
+          p.decay_parameterization,
+          p.head_mapping,
+          p.norm_eps,
+          p.has_mask,
           resolved),
       inputs);
 }

@@ -2,10 +2,10 @@
 
 #include <stdexcept>
 
-#include "mlx/allocator.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "core/vmap_fold.h"
 #include "cpu/segment.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
 #ifdef _METAL_
@@ -37,8 +37,13 @@ SegmentParams GatedDeltaSegment::params_for(
   const mx::array& mixed = inputs[kMixed];
   const mx::array& conv_weight = inputs[kConvWeight];
   SegmentParams p;
-  p.set_shape({mixed.shape(0), mixed.shape(1), key_heads_, value_heads_, key_dim_,
-               value_dim_});
+  p.set_shape(
+      {mixed.shape(0),
+       mixed.shape(1),
+       key_heads_,
+       value_heads_,
+       key_dim_,
+       value_dim_});
   p.conv_kernel = conv_weight.shape(1);
   p.decay_parameterization = decay_parameterization_;
   p.head_mapping = head_mapping_;
@@ -102,8 +107,7 @@ void dispatch_segment(
 }  // namespace
 
 void GatedDeltaSegment::eval_cpu(
-    const std::vector<mx::array>& inputs,
-    std::vector<mx::array>& outputs) {
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   for (auto& output : outputs) {
     output.set_data(mx::allocator::malloc(output.nbytes()));
   }
@@ -116,10 +120,12 @@ void GatedDeltaSegment::eval_cpu(
       dispatch_segment<mx::float16_t>(stream(), p, algorithm_, inputs, outputs);
       break;
     case mx::bfloat16:
-      dispatch_segment<mx::bfloat16_t>(stream(), p, algorithm_, inputs, outputs);
+      dispatch_segment<mx::bfloat16_t>(
+          stream(), p, algorithm_, inputs, outputs);
       break;
     default:
-      throw std::runtime_error("GatedDeltaSegment: unsupported activation dtype");
+      throw std::runtime_error(
+          "GatedDeltaSegment: unsupported activation dtype");
   }
 }
 
@@ -127,7 +133,8 @@ void GatedDeltaSegment::eval_gpu(
     [[maybe_unused]] const std::vector<mx::array>& inputs,
     [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
-  metal::eval_segment_gpu(params_for(inputs), algorithm_, inputs, outputs, stream());
+  metal::eval_segment_gpu(
+      params_for(inputs), algorithm_, inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
@@ -149,8 +156,7 @@ std::vector<mx::array> GatedDeltaSegment::jvp(
 // weight, decay parameter, dt_bias, norm weight) have no batch axis, so
 // mapping over them is refused.
 std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegment::vmap(
-    const std::vector<mx::array>& inputs,
-    const std::vector<int>& axes) {
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
   for (int i : {kConvWeight, kDecayParameter, kDtBias, kNormWeight}) {
     if (axes[i] >= 0) {
       throw std::invalid_argument(
@@ -170,8 +176,15 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegment::vmap(
       output_shapes(folded),
       {folded[kMixed].dtype(), folded[kMixed].dtype(), mx::float32},
       std::make_shared<GatedDeltaSegment>(
-          stream(), key_heads_, value_heads_, key_dim_, value_dim_,
-          decay_parameterization_, head_mapping_, norm_eps_, has_mask_,
+          stream(),
+          key_heads_,
+          value_heads_,
+          key_dim_,
+          value_dim_,
+          decay_parameterization_,
+          head_mapping_,
+          norm_eps_,
+          has_mask_,
           algorithm_),
       folded);
   for (auto& out : outputs) {

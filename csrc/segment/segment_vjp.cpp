@@ -18,9 +18,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/core_op.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
-#include "core/core_op.h"
 #include "segment/segment_primitive.h"
 
 namespace mx = mlx::core;
@@ -62,8 +62,10 @@ const char* algorithm_name(Algorithm algorithm) {
 // no compact position, so they enter no conv window.
 class CompactIndex {
  public:
-  CompactIndex(const SegmentParams& p, const std::optional<mx::array>& mask,
-               mx::Stream s)
+  CompactIndex(
+      const SegmentParams& p,
+      const std::optional<mx::array>& mask,
+      mx::Stream s)
       : p_(p), mask_(mask), s_(s) {
     const int T = p.tokens;
     if (mask) {
@@ -94,8 +96,8 @@ class CompactIndex {
     const int history = p_.conv_state_rows();
     mx::array r = mx::maximum(c - history, mx::array(0, mx::int32), s_);
     mx::array token = mx::take_along_axis(token_of_rank_, r, 1, s_);
-    return mx::where(mx::less(c, mx::array(history, mx::int32), s_), c,
-                     token + history, s_);
+    return mx::where(
+        mx::less(c, mx::array(history, mx::int32), s_), c, token + history, s_);
   }
 
   // Compact position of the newest input of token t's window: K-1 + rank.
@@ -118,15 +120,16 @@ class CompactIndex {
 // Rows `rows` ([B, n], indices into each batch row's ext) of ext [B, L, C],
 // as [B, n, C]: one gather over the flattened rows (the index does not
 // depend on the channel).
-mx::array gather_rows(const mx::array& ext, const mx::array& rows, mx::Stream s) {
+mx::array gather_rows(
+    const mx::array& ext, const mx::array& rows, mx::Stream s) {
   const int B = ext.shape(0);
   const int L = ext.shape(1);
   const int C = ext.shape(2);
   const int n = rows.shape(1);
   mx::array base = mx::reshape(mx::arange(0, B * L, L, s), {B, 1}, s);
   mx::array flat = mx::reshape(rows + base, {B * n}, s);
-  return mx::reshape(mx::take(mx::reshape(ext, {B * L, C}, s), flat, 0, s),
-                     {B, n, C}, s);
+  return mx::reshape(
+      mx::take(mx::reshape(ext, {B * L, C}, s), flat, 0, s), {B, n, C}, s);
 }
 
 // The segment's forward as MLX ops (see the top of this file). `primals`
@@ -149,7 +152,8 @@ std::vector<mx::array> segment_composition(
     return mx::slice(x, {0, 0, start}, {B, T, start + width}, s);
   };
   mx::array conv_state = mx::astype(primals[kConvState], mx::float32, s);
-  mx::array ext = mx::concatenate({conv_state, part(0, C)}, 1, s);  // [B, K-1+T, C]
+  mx::array ext =
+      mx::concatenate({conv_state, part(0, C)}, 1, s);  // [B, K-1+T, C]
 
   // The causal depthwise conv over compact positions: tap j of token t
   // reads compact position rank + j (tap K-1 is the token itself).
@@ -165,8 +169,7 @@ std::vector<mx::array> segment_composition(
   // The new conv state: the last K-1 compact positions.
   mx::array conv_state_out = primals[kConvState];
   if (K > 1) {
-    mx::array offsets =
-        mx::reshape(mx::arange(K - 1, s), {1, K - 1}, s);
+    mx::array offsets = mx::reshape(mx::arange(K - 1, s), {1, K - 1}, s);
     conv_state_out = mx::astype(
         gather_rows(ext, index.ext_rows(index.count() + offsets), s), dtype, s);
   }
@@ -175,7 +178,9 @@ std::vector<mx::array> segment_composition(
   mx::array q = mx::reshape(
       mx::slice(qkv, {0, 0, 0}, {B, T, qk_width}, s), {B, T, Hk, Dk}, s);
   mx::array k = mx::reshape(
-      mx::slice(qkv, {0, 0, qk_width}, {B, T, 2 * qk_width}, s), {B, T, Hk, Dk}, s);
+      mx::slice(qkv, {0, 0, qk_width}, {B, T, 2 * qk_width}, s),
+      {B, T, Hk, Dk},
+      s);
   mx::array v = mx::reshape(
       mx::slice(qkv, {0, 0, 2 * qk_width}, {B, T, C}, s), {B, T, Hv, Dv}, s);
 
@@ -188,9 +193,18 @@ std::vector<mx::array> segment_composition(
   mx::array beta = mx::sigmoid(part(p.b_offset(), Hv), s);
 
   auto core = gated_delta_rule(
-      q, k, v, g, beta, primals[kState], 1.0f / std::sqrt(float(Dk)),
-      head_mapping_name(p.head_mapping), mask, /*normalize_qk=*/true,
-      algorithm_name(algorithm), s);
+      q,
+      k,
+      v,
+      g,
+      beta,
+      primals[kState],
+      1.0f / std::sqrt(float(Dk)),
+      head_mapping_name(p.head_mapping),
+      mask,
+      /*normalize_qk=*/true,
+      algorithm_name(algorithm),
+      s);
   const mx::array& y = core[0];  // float32: q, k and v are
 
   mx::array z = mx::reshape(part(p.z_offset(), p.v_width()), {B, T, Hv, Dv}, s);
@@ -198,7 +212,8 @@ std::vector<mx::array> segment_composition(
       mx::mean(mx::square(y, s), -1, true, s) + mx::array(p.norm_eps), s);
   mx::array out = y * inv_rms * primals[kNormWeight] * (z * mx::sigmoid(z, s));
   if (mask) {
-    out = mx::where(mx::reshape(*mask, {B, T, 1, 1}, s), out, mx::array(0.0f), s);
+    out =
+        mx::where(mx::reshape(*mask, {B, T, 1, 1}, s), out, mx::array(0.0f), s);
   }
   return {mx::astype(out, dtype, s), conv_state_out, core[1]};
 }
@@ -218,11 +233,13 @@ std::vector<mx::array> GatedDeltaSegment::vjp(
   auto composition = [p, algorithm, mask, s](const std::vector<mx::array>& in) {
     return segment_composition(p, algorithm, mask, in, s);
   };
-  const std::vector<mx::array> differentiable(primals.begin(), primals.begin() + kMask);
+  const std::vector<mx::array> differentiable(
+      primals.begin(), primals.begin() + kMask);
   auto [_, grads] = mx::vjp(composition, differentiable, cotangents);
   std::vector<mx::array> result;
   for (int arg : argnums) {
-    result.push_back(arg < kMask ? grads[arg] : mx::zeros_like(primals[arg], s));
+    result.push_back(
+        arg < kMask ? grads[arg] : mx::zeros_like(primals[arg], s));
   }
   return result;
 }

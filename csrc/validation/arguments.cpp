@@ -27,8 +27,8 @@ std::string dtype_string(mx::Dtype dtype) {
   return out.str();
 }
 
-void check_rank(const std::string& name, const mx::array& a, int rank,
-                const char* layout) {
+void check_rank(
+    const std::string& name, const mx::array& a, int rank, const char* layout) {
   if (static_cast<int>(a.ndim()) != rank) {
     std::ostringstream out;
     out << name << " must have rank " << rank << " " << layout << ", got shape "
@@ -37,12 +37,15 @@ void check_rank(const std::string& name, const mx::array& a, int rank,
   }
 }
 
-void check_shape(const std::string& name, const mx::array& a,
-                 const mx::Shape& expected, const char* layout) {
+void check_shape(
+    const std::string& name,
+    const mx::array& a,
+    const mx::Shape& expected,
+    const char* layout) {
   if (a.shape() != expected) {
     std::ostringstream out;
-    out << name << " must have shape " << shape_string(expected) << " " << layout
-        << ", got " << shape_string(a.shape());
+    out << name << " must have shape " << shape_string(expected) << " "
+        << layout << ", got " << shape_string(a.shape());
     throw std::invalid_argument(out.str());
   }
 }
@@ -50,7 +53,8 @@ void check_shape(const std::string& name, const mx::array& a,
 void check_floating(const std::string& name, const mx::array& a) {
   if (!mx::issubdtype(a.dtype(), mx::floating)) {
     throw std::domain_error(
-        name + " must be a floating-point array, got " + dtype_string(a.dtype()));
+        name + " must be a floating-point array, got " +
+        dtype_string(a.dtype()));
   }
 }
 
@@ -66,12 +70,13 @@ void check_activation_dtype(const std::string& name, const mx::array& a) {
   }
 }
 
-void check_state(const std::string& name, const mx::array& state,
-                 const mx::Shape& shape) {
+void check_state(
+    const std::string& name, const mx::array& state, const mx::Shape& shape) {
   check_shape(name, state, shape, "[B, Hv, Dv, Dk]");
   if (state.dtype() != mx::float32) {
     throw std::domain_error(
-        name + " must be float32 (the recurrent state is kept in float32), got " +
+        name +
+        " must be float32 (the recurrent state is kept in float32), got " +
         dtype_string(state.dtype()));
   }
 }
@@ -79,29 +84,36 @@ void check_state(const std::string& name, const mx::array& state,
 void check_mask(const mx::array& mask, int batch, int tokens) {
   check_shape("mask", mask, {batch, tokens}, "[B, T]");
   if (mask.dtype() != mx::bool_) {
-    throw std::domain_error("mask must be a bool array, got " +
-                            dtype_string(mask.dtype()));
+    throw std::domain_error(
+        "mask must be a bool array, got " + dtype_string(mask.dtype()));
   }
 }
 
-void check_core_arguments(GatedDeltaParams& p, const CoreArrays& arrays,
-                          std::optional<float> scale,
-                          const CoreArgumentNames& names) {
+void check_core_arguments(
+    GatedDeltaParams& p,
+    const CoreArrays& arrays,
+    std::optional<float> scale,
+    const CoreArgumentNames& names) {
   const auto& [q, k, v, g, beta, state, mask] = arrays;
   check_rank("q", q, 4, "[B, T, Hk, Dk]");
   check_rank("k", k, 4, "[B, T, Hk, Dk]");
   check_rank("v", v, 4, "[B, T, Hv, Dv]");
-  p.set_shape({q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
+  p.set_shape(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
   check_shape("k", k, q.shape(), "[B, T, Hk, Dk] (the shape of q)");
-  check_shape("v", v, {p.batch, p.tokens, p.value_heads, p.value_dim},
-              "[B, T, Hv, Dv] (B and T of q)");
+  check_shape(
+      "v",
+      v,
+      {p.batch, p.tokens, p.value_heads, p.value_dim},
+      "[B, T, Hv, Dv] (B and T of q)");
   // Zero-size B, T, Hv or Dv leave nothing to compute (empty results); a
   // key head and a key dim are needed to define the heads' mapping and the
   // default scale Dk ** -0.5.
   if (p.key_heads == 0 || p.key_dim == 0) {
     throw std::invalid_argument(
-        std::string("q must have at least one key head and a key dim of at least 1 "
-                    "[B, T, Hk, Dk] (Hk >= 1, Dk >= 1), got shape ") +
+        std::string(
+            "q must have at least one key head and a key dim of at least 1 "
+            "[B, T, Hk, Dk] (Hk >= 1, Dk >= 1), got shape ") +
         shape_string(q.shape()));
   }
   if (p.value_heads % p.key_heads != 0) {
@@ -114,17 +126,23 @@ void check_core_arguments(GatedDeltaParams& p, const CoreArrays& arrays,
   // g holds one decay per value head, or one per key channel of each value
   // head (per-key gates, docs/contract.md).
   if (g.ndim() == 4) {
-    check_shape(names.g, g, {p.batch, p.tokens, p.value_heads, p.key_dim},
-                "[B, T, Hv] or [B, T, Hv, Dk] (per-key-channel gates)");
+    check_shape(
+        names.g,
+        g,
+        {p.batch, p.tokens, p.value_heads, p.key_dim},
+        "[B, T, Hv] or [B, T, Hv, Dk] (per-key-channel gates)");
     p.per_key_gates = true;
   } else {
-    check_shape(names.g, g, {p.batch, p.tokens, p.value_heads},
-                "[B, T, Hv] or [B, T, Hv, Dk] (per-key-channel gates)");
+    check_shape(
+        names.g,
+        g,
+        {p.batch, p.tokens, p.value_heads},
+        "[B, T, Hv] or [B, T, Hv, Dk] (per-key-channel gates)");
   }
   check_shape("beta", beta, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
   if (state) {
-    check_state(names.state, *state,
-                {p.batch, p.value_heads, p.value_dim, p.key_dim});
+    check_state(
+        names.state, *state, {p.batch, p.value_heads, p.value_dim, p.key_dim});
   }
   if (mask) {
     check_mask(*mask, p.batch, p.tokens);
@@ -134,17 +152,21 @@ void check_core_arguments(GatedDeltaParams& p, const CoreArrays& arrays,
   check_activation_dtype("v", v);
   if (k.dtype() != q.dtype() || v.dtype() != q.dtype()) {
     // The message opens with the one whose dtype differs from the other two.
-    const char* odd = k.dtype() == q.dtype() ? "v" : v.dtype() == q.dtype() ? "k" : "q";
+    const char* odd = k.dtype() == q.dtype() ? "v"
+        : v.dtype() == q.dtype()             ? "k"
+                                             : "q";
     throw std::domain_error(
-        std::string(odd) + " must have the dtype of the others: q, k and v share one " +
-        "dtype, got q " + dtype_string(q.dtype()) + ", k " + dtype_string(k.dtype()) +
-        ", v " + dtype_string(v.dtype()));
+        std::string(odd) +
+        " must have the dtype of the others: q, k and v share one " +
+        "dtype, got q " + dtype_string(q.dtype()) + ", k " +
+        dtype_string(k.dtype()) + ", v " + dtype_string(v.dtype()));
   }
   check_floating(names.g, g);
   check_floating("beta", beta);
   p.scale = scale.value_or(1.0f / std::sqrt(static_cast<float>(p.key_dim)));
   if (!std::isfinite(p.scale)) {
-    throw std::invalid_argument("scale must be finite, got " + std::to_string(p.scale));
+    throw std::invalid_argument(
+        "scale must be finite, got " + std::to_string(p.scale));
   }
   validate_launch_extents(p);
 }
@@ -153,17 +175,20 @@ namespace {
 
 void check_positive(const char* name, int value) {
   if (value <= 0) {
-    throw std::invalid_argument(std::string(name) + " must be positive, got " +
-                                std::to_string(value));
+    throw std::invalid_argument(
+        std::string(name) + " must be positive, got " + std::to_string(value));
   }
 }
 
 }  // namespace
 
-void check_segment_arguments(SegmentParams& p, const SegmentArrays& arrays,
-                             const ProblemShape& heads, float norm_eps) {
-  const auto& [mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
-               conv_state, state, mask] = arrays;
+void check_segment_arguments(
+    SegmentParams& p,
+    const SegmentArrays& arrays,
+    const ProblemShape& heads,
+    float norm_eps) {
+  const auto& [mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight, conv_state, state, mask] =
+      arrays;
   const int key_heads = heads.key_heads, value_heads = heads.value_heads;
   const int key_dim = heads.key_dim, value_dim = heads.value_dim;
   check_positive("key_heads", key_heads);
@@ -173,11 +198,12 @@ void check_segment_arguments(SegmentParams& p, const SegmentArrays& arrays,
   if (value_heads % key_heads != 0) {
     throw std::invalid_argument(
         "value_heads (" + std::to_string(value_heads) +
-        ") must be a multiple of key_heads (" + std::to_string(key_heads) + ")");
+        ") must be a multiple of key_heads (" + std::to_string(key_heads) +
+        ")");
   }
   if (!std::isfinite(norm_eps) || norm_eps < 0.0f) {
-    throw std::invalid_argument("norm_eps must be finite and >= 0, got " +
-                                std::to_string(norm_eps));
+    throw std::invalid_argument(
+        "norm_eps must be finite and >= 0, got " + std::to_string(norm_eps));
   }
   p.norm_eps = norm_eps;
 
@@ -188,23 +214,29 @@ void check_segment_arguments(SegmentParams& p, const SegmentArrays& arrays,
         "mixed_qkvzba must have rank 3 [B, T, F], got shape " +
         shape_string(mixed_qkvzba.shape()));
   }
-  p.set_shape({mixed_qkvzba.shape(0), mixed_qkvzba.shape(1), key_heads, value_heads,
-               key_dim, value_dim});
+  p.set_shape(
+      {mixed_qkvzba.shape(0),
+       mixed_qkvzba.shape(1),
+       key_heads,
+       value_heads,
+       key_dim,
+       value_dim});
   if (mixed_qkvzba.shape(2) != p.packed_width()) {
     std::ostringstream out;
     out << "mixed_qkvzba must have last dimension F = 2*Hk*Dk + 2*Hv*Dv + 2*Hv = "
-        << p.packed_width() << " (packed [q | k | v | z | b | a] for Hk="
-        << key_heads << ", Hv=" << value_heads << ", Dk=" << key_dim
-        << ", Dv=" << value_dim << "), got shape "
-        << shape_string(mixed_qkvzba.shape());
+        << p.packed_width()
+        << " (packed [q | k | v | z | b | a] for Hk=" << key_heads
+        << ", Hv=" << value_heads << ", Dk=" << key_dim << ", Dv=" << value_dim
+        << "), got shape " << shape_string(mixed_qkvzba.shape());
     throw std::invalid_argument(out.str());
   }
 
   // conv_weight: [C, K] or mlx's Conv1d layout [C, K, 1].
   const int C = p.conv_channels();
-  const bool conv1d_layout = conv_weight.ndim() == 3 && conv_weight.shape(2) == 1;
-  if (!(conv_weight.ndim() == 2 || conv1d_layout) || conv_weight.shape(0) != C ||
-      conv_weight.shape(1) < 1) {
+  const bool conv1d_layout =
+      conv_weight.ndim() == 3 && conv_weight.shape(2) == 1;
+  if (!(conv_weight.ndim() == 2 || conv1d_layout) ||
+      conv_weight.shape(0) != C || conv_weight.shape(1) < 1) {
     std::ostringstream out;
     out << "conv_weight must have shape (" << C << ", K) or (" << C
         << ", K, 1) (C = 2*Hk*Dk + Hv*Dv channels q|k|v, K >= 1), got "
@@ -222,8 +254,11 @@ void check_segment_arguments(SegmentParams& p, const SegmentArrays& arrays,
   check_floating("norm_weight", norm_weight);
 
   if (conv_state) {
-    check_shape("conv_state", *conv_state, {p.batch, p.conv_state_rows(), C},
-                "[B, K-1, C]");
+    check_shape(
+        "conv_state",
+        *conv_state,
+        {p.batch, p.conv_state_rows(), C},
+        "[B, K-1, C]");
     if (conv_state->dtype() != dtype) {
       throw std::domain_error(
           "conv_state must have the activation dtype of mixed_qkvzba (" +

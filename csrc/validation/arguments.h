@@ -18,10 +18,16 @@ namespace mlx_gated_delta {
 std::string shape_string(const mlx::core::Shape& shape);
 std::string dtype_string(mlx::core::Dtype dtype);
 
-void check_rank(const std::string& name, const mlx::core::array& a, int rank,
-                const char* layout);
-void check_shape(const std::string& name, const mlx::core::array& a,
-                 const mlx::core::Shape& expected, const char* layout);
+void check_rank(
+    const std::string& name,
+    const mlx::core::array& a,
+    int rank,
+    const char* layout);
+void check_shape(
+    const std::string& name,
+    const mlx::core::array& a,
+    const mlx::core::Shape& expected,
+    const char* layout);
 void check_floating(const std::string& name, const mlx::core::array& a);
 
 // float32, float16 or bfloat16: the activation dtypes the kernels read.
@@ -29,8 +35,10 @@ bool is_activation_dtype(mlx::core::Dtype dtype);
 void check_activation_dtype(const std::string& name, const mlx::core::array& a);
 
 // A recurrent state: the given shape, float32.
-void check_state(const std::string& name, const mlx::core::array& state,
-                 const mlx::core::Shape& shape);
+void check_state(
+    const std::string& name,
+    const mlx::core::array& state,
+    const mlx::core::Shape& shape);
 // A mask: [B, T], bool.
 void check_mask(const mlx::core::array& mask, int batch, int tokens);
 
@@ -49,9 +57,11 @@ struct CoreArrays {
 
 // Every check of the core op's arguments; fills the shape and the scale of
 // `params` (the default scale is Dk ** -0.5).
-void check_core_arguments(GatedDeltaParams& params, const CoreArrays& arrays,
-                          std::optional<float> scale,
-                          const CoreArgumentNames& names);
+void check_core_arguments(
+    GatedDeltaParams& params,
+    const CoreArrays& arrays,
+    std::optional<float> scale,
+    const CoreArgumentNames& names);
 
 // The arrays of one segment op call, as the op received them.
 struct SegmentArrays {
@@ -62,7 +72,10 @@ struct SegmentArrays {
 
 // Every check of the segment op's arguments; fills the shape (from the
 // packed input and `heads`), conv_kernel and norm_eps of `params`.
-void check_segment_arguments(SegmentParams& params, const SegmentArrays& arrays,
-                             const ProblemShape& heads, float norm_eps);
+void check_segment_arguments(
+    SegmentParams& params,
+    const SegmentArrays& arrays,
+    const ProblemShape& heads,
+    float norm_eps);
 
 }  // namespace mlx_gated_delta

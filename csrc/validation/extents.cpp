@@ -35,10 +35,10 @@ void validate_segment_extents(const SegmentParams& p) {
   // The conv's channels (q|k|v), then the packed row, then the conv state.
   const uint64_t b = p.batch, t = p.tokens, channels = p.conv_channels();
   check_launch_extent("QKV activation elements", b * t * channels);
-  check_launch_extent("QKVZBA activation elements",
-                      b * t * uint64_t(p.packed_width()));
-  check_launch_extent("conv state elements",
-                      b * uint64_t(p.conv_state_rows()) * channels);
+  check_launch_extent(
+      "QKVZBA activation elements", b * t * uint64_t(p.packed_width()));
+  check_launch_extent(
+      "conv state elements", b * uint64_t(p.conv_state_rows()) * channels);
 }
 
 void validate_plan_shape(const GatedDeltaParams& params) {
@@ -50,8 +50,9 @@ void validate_plan_shape(const GatedDeltaParams& params) {
 
 void validate_segment_plan_shape(const SegmentParams& params) {
   if (params.conv_kernel < 1) {
-    throw std::invalid_argument("the conv kernel needs at least one tap, got " +
-                                std::to_string(params.conv_kernel));
+    throw std::invalid_argument(
+        "the conv kernel needs at least one tap, got " +
+        std::to_string(params.conv_kernel));
   }
   validate_segment_extents(params);
 }

@@ -54,10 +54,7 @@ class Contract:
 
     @property
     def canonical_text(self):
-        return (
-            f"{self.id}|{self.metric}|{self.threshold!r}|{self.layout}"
-            f"|{self.magnitude_floor!r}"
-        )
+        return f"{self.id}|{self.metric}|{self.threshold!r}|{self.layout}|{self.magnitude_floor!r}"
 
     @property
     def fingerprint(self):
@@ -189,19 +186,43 @@ _SEGMENT_CONTRACTS = (
     # mlx-lm's: each layer output is two float32 computations of the same
     # math (each within 1e-4 of exact), and the rest of the model is the same
     # code on both sides. Seen on tiny random models: 2.9e-6.
-    Contract("layer.mlx_lm_parity.v2.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+    Contract(
+        "layer.mlx_lm_parity.v2.float32.logits",
+        "norm_ratio",
+        _TWO_FLOAT32_RELATIVE,
+        _LOGITS,
+        _DATA_SCALE_FLOOR,
+    ),
     # Our layer against itself run another way (token by token, batched with
     # padding, split prompt): float32 sums in another order (the chunked and
     # recurrent cores), each within the float32 contract of exact.
-    Contract("layer.self_consistency.v2.float32.logits", "norm_ratio", _TWO_FLOAT32_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+    Contract(
+        "layer.self_consistency.v2.float32.logits",
+        "norm_ratio",
+        _TWO_FLOAT32_RELATIVE,
+        _LOGITS,
+        _DATA_SCALE_FLOOR,
+    ),
     # The layer's dense projection (x W^T) against float64 on the same
     # rounded inputs: float32 dot products of length K err by about
     # sqrt(K) 2^-24 relative (3e-6 at K = 2048; 3.3e-7 seen), then the output
     # is rounded to its dtype (norm ratio at most half an ulp: 2^-11, 2^-8;
     # seen 2.3e-4 and 1.9e-3).
     Contract("projection.linear.v2.float32.output", "norm_ratio", 1e-5, _LOGITS, _DATA_SCALE_FLOOR),
-    Contract("projection.linear.v2.float16.output", "norm_ratio", _FLOAT16_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
-    Contract("projection.linear.v2.bfloat16.output", "norm_ratio", _BFLOAT16_RELATIVE, _LOGITS, _DATA_SCALE_FLOOR),
+    Contract(
+        "projection.linear.v2.float16.output",
+        "norm_ratio",
+        _FLOAT16_RELATIVE,
+        _LOGITS,
+        _DATA_SCALE_FLOOR,
+    ),
+    Contract(
+        "projection.linear.v2.bfloat16.output",
+        "norm_ratio",
+        _BFLOAT16_RELATIVE,
+        _LOGITS,
+        _DATA_SCALE_FLOOR,
+    ),
 )
 
 # Each stage of the pipelines against its namesake in the float64 reference
@@ -294,7 +315,9 @@ LAYOUTS += ("[B,T,F]", "[P]")
 # (conv weight, decay parameter, dt_bias, norm weight: `parameter_grad`) and
 # the initial state's (`state_grad`, float32).
 _SEGMENT_GRADIENT_TENSORS = (
-    ("input_grad", "[B,T,F]"), ("parameter_grad", "[P]"), ("state_grad", _STATE)
+    ("input_grad", "[B,T,F]"),
+    ("parameter_grad", "[P]"),
+    ("state_grad", _STATE),
 )
 
 
@@ -336,7 +359,13 @@ _SEGMENT_GRADIENT_CONTRACTS = (
     # model's (mlx-lm's own layers, differentiated through its op loop): two
     # float32 computations of the same gradient, each within the 1e-3
     # contract of exact.
-    Contract("layer_grad.mlx_lm_parity.v1.float32.parameter_grad", "norm_ratio", 2e-3, "[P]", _DATA_SCALE_FLOOR),
+    Contract(
+        "layer_grad.mlx_lm_parity.v1.float32.parameter_grad",
+        "norm_ratio",
+        2e-3,
+        "[P]",
+        _DATA_SCALE_FLOOR,
+    ),
     # The loss curve of a short LoRA run (Adam) on a patched model against
     # the same run on the stock model: each step's loss, relative to the
     # curve's norm. The curves start from the same loss within float32 and
@@ -346,13 +375,19 @@ _SEGMENT_GRADIENT_CONTRACTS = (
     # 20 steps at lr 1e-4 (1.4e-2 at lr 1e-3, where neither side is
     # reproducible to this contract). Runs of smooth models (no top-k expert
     # routing, whose choice a float32 difference can flip) at lr 1e-4.
-    Contract("layer_train.lora_curve.v1.float32.loss", "norm_ratio", 2e-3, "[P]", _DATA_SCALE_FLOOR),
+    Contract(
+        "layer_train.lora_curve.v1.float32.loss", "norm_ratio", 2e-3, "[P]", _DATA_SCALE_FLOOR
+    ),
 )
 
 CONTRACTS = {
     contract.id: contract
-    for contract in _CONTRACTS + _REFERENCE_CONTRACTS + _SEGMENT_CONTRACTS + _STAGE_CONTRACTS
-    + _GRADIENT_CONTRACTS + _SEGMENT_GRADIENT_CONTRACTS
+    for contract in _CONTRACTS
+    + _REFERENCE_CONTRACTS
+    + _SEGMENT_CONTRACTS
+    + _STAGE_CONTRACTS
+    + _GRADIENT_CONTRACTS
+    + _SEGMENT_GRADIENT_CONTRACTS
 }
 
 
@@ -375,9 +410,7 @@ def assert_matches(name, actual, expected, contract_id, fingerprint):
     actual = to_float64(actual)
     expected = to_float64(expected)
     if actual.shape != expected.shape:
-        raise AssertionError(
-            f"{name}: shape {actual.shape}, expected {expected.shape}"
-        )
+        raise AssertionError(f"{name}: shape {actual.shape}, expected {expected.shape}")
     if actual.size == 0:
         return 0.0
 

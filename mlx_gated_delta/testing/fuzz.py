@@ -43,14 +43,37 @@ OUTCOMES = ("ok", "rejected", *FAILURES)
 FUNCTIONS = ("gated_delta_rule", "gated_delta_update", "gated_delta_segment")
 
 ARGUMENT_NAMES = {
-    "gated_delta_rule": ("q", "k", "v", "g", "beta", "state", "scale", "head_mapping",
-                         "mask", "algorithm"),
+    "gated_delta_rule": (
+        "q",
+        "k",
+        "v",
+        "g",
+        "beta",
+        "state",
+        "scale",
+        "head_mapping",
+        "mask",
+        "algorithm",
+    ),
     "gated_delta_update": ("q", "k", "v", "gamma", "beta", "initial_state", "mask"),
-    "gated_delta_segment": ("mixed_qkvzba", "conv_weight", "decay_parameter", "dt_bias",
-                            "norm_weight", "conv_state", "state", "key_heads",
-                            "value_heads", "key_dim", "value_dim",
-                            "decay_parameterization", "head_mapping", "norm_eps", "mask",
-                            "algorithm"),
+    "gated_delta_segment": (
+        "mixed_qkvzba",
+        "conv_weight",
+        "decay_parameter",
+        "dt_bias",
+        "norm_weight",
+        "conv_state",
+        "state",
+        "key_heads",
+        "value_heads",
+        "key_dim",
+        "value_dim",
+        "decay_parameterization",
+        "head_mapping",
+        "norm_eps",
+        "mask",
+        "algorithm",
+    ),
 }
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SENTINEL = 73.25
@@ -136,8 +159,9 @@ class Fuzzer:
         k = self.values((B, T, Hk, Dk), mx.float32)
         k = (k / mx.maximum(mx.linalg.norm(k, axis=-1, keepdims=True), 1.0)).astype(dtype)
         gate_dtype = mx.float32 if rng.integers(0, 2) else dtype
-        decays = mx.array(-rng.exponential(rng.choice([0.01, 1.0, 50.0]), (B, T, Hv))
-                          .astype(np.float32))
+        decays = mx.array(
+            -rng.exponential(rng.choice([0.01, 1.0, 50.0]), (B, T, Hv)).astype(np.float32)
+        )
         if rng.integers(0, 3) == 0:
             decays = mx.where(mx.array(rng.uniform(size=(B, T, Hv)) < 0.1), -mx.inf, decays)
         arguments = {
@@ -150,8 +174,9 @@ class Fuzzer:
         arguments[gate_name] = (decays if gate_name == "g" else mx.exp(decays)).astype(gate_dtype)
         state_name = "state" if function == "gated_delta_rule" else "initial_state"
         if rng.integers(0, 2):
-            arguments[state_name] = self.values((B, Hv, Dv, Dk), mx.float32,
-                                                rng.choice([1e-30, 1.0, 1e6]))
+            arguments[state_name] = self.values(
+                (B, Hv, Dv, Dk), mx.float32, rng.choice([1e-30, 1.0, 1e6])
+            )
         if rng.integers(0, 2):
             arguments["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.7)
         options = {}
@@ -198,10 +223,15 @@ class Fuzzer:
         # result's shape with it: the shapes follow the arguments passed.
         B, T, Hv, Dv = arguments["v"].shape
         Dk = arguments["q"].shape[3]
-        if y.shape != (B, T, Hv, Dv) or y.dtype != arguments["v"].dtype \
-                or state.shape != (B, Hv, Dv, Dk) or state.dtype != mx.float32:
-            return self.record(function, "bad_result",
-                               f"{y.shape} {y.dtype} {state.shape}, broken: {broke}")
+        if (
+            y.shape != (B, T, Hv, Dv)
+            or y.dtype != arguments["v"].dtype
+            or state.shape != (B, Hv, Dv, Dk)
+            or state.dtype != mx.float32
+        ):
+            return self.record(
+                function, "bad_result", f"{y.shape} {y.dtype} {state.shape}, broken: {broke}"
+            )
         if 0 in y.shape or 0 in state.shape:
             self.checks["zero-size result"] += 1
         if poisoned is not None:
@@ -223,17 +253,21 @@ class Fuzzer:
         mapping = options.get("head_mapping", "grouped")
         if key_input:
             group = Hv // Hk
-            reached = [h for h in range(Hv)
-                       if (h // group if mapping == "grouped" else h % Hk) == head]
+            reached = [
+                h for h in range(Hv) if (h // group if mapping == "grouped" else h % Hk) == head
+            ]
         else:
             reached = [head]
         clean = dict(arguments)
-        clean[name] = mx.nan_to_num(arguments[name], nan=0.0, posinf=0.0, neginf=0.0) \
-            if name not in ("g", "gamma") else mx.where(mx.isnan(arguments[name]),
-                                                         0.0, arguments[name])
+        clean[name] = (
+            mx.nan_to_num(arguments[name], nan=0.0, posinf=0.0, neginf=0.0)
+            if name not in ("g", "gamma")
+            else mx.where(mx.isnan(arguments[name]), 0.0, arguments[name])
+        )
         clean_y, clean_state = op(**clean, **options)
-        return self.leak_between(y, clean_y, b, reached, head_axis=2) or \
-            self.leak_between(state, clean_state, b, reached, head_axis=1)
+        return self.leak_between(y, clean_y, b, reached, head_axis=2) or self.leak_between(
+            state, clean_state, b, reached, head_axis=1
+        )
 
     @staticmethod
     def leak_between(result, clean, row, reached_heads, head_axis):
@@ -256,10 +290,18 @@ class Fuzzer:
         if state is None:
             state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]))
         _, _, y_tail, state_tail = run_core_guarded(
-            q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state,
-            scale=options["scale"], head_mapping=options["head_mapping"],
-            mask=arguments.get("mask"), normalize_qk=options["normalize_qk"],
-            algorithm=options["algorithm"], sentinel=SENTINEL,
+            q,
+            k,
+            v,
+            g.astype(mx.float32),
+            beta.astype(mx.float32),
+            state,
+            scale=options["scale"],
+            head_mapping=options["head_mapping"],
+            mask=arguments.get("mask"),
+            normalize_qk=options["normalize_qk"],
+            algorithm=options["algorithm"],
+            sentinel=SENTINEL,
         )
         y_sentinel = mx.array(SENTINEL, dtype=v.dtype).astype(mx.float32).item()
         if not (np.all(y_tail == y_sentinel) and np.all(state_tail == SENTINEL)):
@@ -288,12 +330,16 @@ class Fuzzer:
         if rng.integers(0, 2):
             arguments["conv_state"] = self.values((B, K - 1, C), dtype)
         if rng.integers(0, 2):
-            arguments["state"] = self.values((B, Hv, Dv, Dk), mx.float32,
-                                             rng.choice([1e-30, 1.0, 1e6]))
+            arguments["state"] = self.values(
+                (B, Hv, Dv, Dk), mx.float32, rng.choice([1e-30, 1.0, 1e6])
+            )
         if rng.integers(0, 2):
             arguments["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.7)
         options = {
-            "key_heads": Hk, "value_heads": Hv, "key_dim": Dk, "value_dim": Dv,
+            "key_heads": Hk,
+            "value_heads": Hv,
+            "key_dim": Dk,
+            "value_dim": Dv,
             "decay_parameterization": str(rng.choice(["log_rate", "negative_rate"])),
             "head_mapping": str(rng.choice(["grouped", "interleaved"])),
             "algorithm": str(rng.choice(["auto", "recurrent", "chunked"])),
@@ -317,27 +363,40 @@ class Fuzzer:
             out, conv_state, state = gated_delta_segment(**arguments, **options)
             mx.eval(out, conv_state, state)
         except (ValueError, TypeError) as error:
-            return self.record("gated_delta_segment",
-                               *self.rejection("gated_delta_segment", error, broke))
+            return self.record(
+                "gated_delta_segment", *self.rejection("gated_delta_segment", error, broke)
+            )
         except Exception as error:  # noqa: BLE001
             return self.record("gated_delta_segment", "crash", f"{type(error).__name__}: {error}")
         # A changed size that was still valid (more tokens, a longer conv
         # kernel) changes the result's shape with it.
         B, T = arguments["mixed_qkvzba"].shape[:2]
         K = arguments["conv_weight"].shape[1]
-        if out.shape != (B, T, Hv, Dv) or out.dtype != arguments["mixed_qkvzba"].dtype or \
-                conv_state.shape != (B, K - 1, C) or state.shape != (B, Hv, Dv, Dk):
-            return self.record("gated_delta_segment", "bad_result",
-                               f"{out.shape} {conv_state.shape} {state.shape}, broken: {broke}")
+        if (
+            out.shape != (B, T, Hv, Dv)
+            or out.dtype != arguments["mixed_qkvzba"].dtype
+            or conv_state.shape != (B, K - 1, C)
+            or state.shape != (B, Hv, Dv, Dk)
+        ):
+            return self.record(
+                "gated_delta_segment",
+                "bad_result",
+                f"{out.shape} {conv_state.shape} {state.shape}, broken: {broke}",
+            )
         if 0 in out.shape or 0 in state.shape:
             self.checks["zero-size result"] += 1
         if poisoned_row is not None:
             self.checks["NaN/Inf isolation"] += 1
-            clean = dict(arguments, mixed_qkvzba=mx.nan_to_num(
-                arguments["mixed_qkvzba"], nan=0.0, posinf=0.0, neginf=0.0))
+            clean = dict(
+                arguments,
+                mixed_qkvzba=mx.nan_to_num(
+                    arguments["mixed_qkvzba"], nan=0.0, posinf=0.0, neginf=0.0
+                ),
+            )
             clean_out, _, clean_state = gated_delta_segment(**clean, **options)
-            leak = self.leak_between(out, clean_out, poisoned_row, None, 2) or \
-                self.leak_between(state, clean_state, poisoned_row, None, 1)
+            leak = self.leak_between(out, clean_out, poisoned_row, None, 2) or self.leak_between(
+                state, clean_state, poisoned_row, None, 1
+            )
             if leak:
                 return self.record("gated_delta_segment", "nan_leak", leak)
         self.record("gated_delta_segment", "ok")
@@ -356,8 +415,12 @@ class Fuzzer:
                 faulthandler.cancel_dump_traceback_later()
             if progress is not None and ((i + 1) % every == 0 or i + 1 == calls):
                 total = sum(self.totals()[o] for o in FAILURES)
-                print(f"fuzz: {i + 1}/{calls} calls, {total} failures, "
-                      f"{time.monotonic() - start:.0f} s", file=progress, flush=True)
+                print(
+                    f"fuzz: {i + 1}/{calls} calls, {total} failures, "
+                    f"{time.monotonic() - start:.0f} s",
+                    file=progress,
+                    flush=True,
+                )
         return self.totals()
 
     def totals(self):
@@ -374,9 +437,13 @@ class Fuzzer:
             lines.append(f"{function:<{width}}  " + "  ".join(f"{counts[o]:>10}" for o in OUTCOMES))
         totals = self.totals()
         lines.append(f"{'all':<{width}}  " + "  ".join(f"{totals[o]:>10}" for o in OUTCOMES))
-        lines.append("calls checked: " + ", ".join(
-            f"{name} {self.checks[name]}"
-            for name in ("NaN/Inf isolation", "sentinel guard", "zero-size result")))
+        lines.append(
+            "calls checked: "
+            + ", ".join(
+                f"{name} {self.checks[name]}"
+                for name in ("NaN/Inf isolation", "sentinel guard", "zero-size result")
+            )
+        )
         return "\n".join(lines)
 
 

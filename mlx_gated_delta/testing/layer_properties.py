@@ -113,16 +113,25 @@ def test_patched_model_matches_mlx_lm_logits_and_greedy_tokens(kind):
     model = build(kind, 1)
     prompt = tokens(2, (1, 37))
     expected_logits = model(prompt)
-    expected_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                         sampler=lambda x: mx.argmax(x, -1))]
+    expected_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert patch_mlx_lm(model) == 3
     assert all(
         isinstance(l.linear_attn, (GatedDeltaNet, Qwen35GatedDeltaNet))
-        for l in model.layers if l.is_linear
+        for l in model.layers
+        if l.is_linear
     )
     check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
-    got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                    sampler=lambda x: mx.argmax(x, -1))]
+    got_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert got_tokens == expected_tokens
 
 
@@ -136,8 +145,9 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(kind):
     pieces = [model(sequence[:, :17], cache=cache)]
     for t in range(17, 24):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
-    check("logits", mx.concatenate(pieces, axis=1), full,
-          "layer.self_consistency.v2.float32.logits")
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
 
 
 @pytest.mark.parametrize("length", (63, 64, 65, 127, 128))
@@ -196,14 +206,25 @@ def test_patched_olmo_hybrid_matches_mlx_lm_logits_and_greedy_tokens(allow_neg_e
     model = olmo_hybrid_model(allow_neg_eigval, 3)
     prompt = tokens(6, (1, 70))
     expected_logits = model(prompt)
-    expected_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                         sampler=lambda x: mx.argmax(x, -1))]
+    expected_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert patch_mlx_lm(model) == 3
-    assert all(isinstance(l.linear_attn, OlmoHybridGatedDeltaNet)
-               for l in model.model.layers if hasattr(l, "linear_attn"))
+    assert all(
+        isinstance(l.linear_attn, OlmoHybridGatedDeltaNet)
+        for l in model.model.layers
+        if hasattr(l, "linear_attn")
+    )
     check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
-    got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                    sampler=lambda x: mx.argmax(x, -1))]
+    got_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert got_tokens == expected_tokens
 
 
@@ -216,8 +237,9 @@ def test_patched_olmo_hybrid_prefill_then_decode_equals_full_forward():
     pieces = [model(sequence[:, :17], cache=cache)]
     for t in range(17, 24):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
-    check("logits", mx.concatenate(pieces, axis=1), full,
-          "layer.self_consistency.v2.float32.logits")
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
 
 
 def test_the_olmo_hybrid_check_sees_beta_in_zero_one_where_two_is_allowed():
@@ -240,13 +262,29 @@ def kimi_linear_model(seed):
     and channel dt_bias drawn."""
     mx.random.seed(seed)
     args = kimi_linear.ModelArgs(
-        model_type="kimi_linear", vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, head_dim=16,
-        rope_theta=10000.0, rms_norm_eps=1e-6, model_max_length=512, num_experts=0,
-        moe_intermediate_size=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        model_type="kimi_linear",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        model_max_length=512,
+        num_experts=0,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
         v_head_dim=16,
-        linear_attn_config={"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
-                            "kda_layers": [1, 2, 4]},
+        linear_attn_config={
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 4],
+        },
     )
     model = kimi_linear.Model(args)
     for layer in model.layers:
@@ -263,13 +301,21 @@ def test_patched_kimi_linear_matches_mlx_lm_logits_and_greedy_tokens():
     model = kimi_linear_model(12)
     prompt = tokens(13, (1, 70))
     expected_logits = model(prompt)
-    expected_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                         sampler=lambda x: mx.argmax(x, -1))]
+    expected_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert patch_mlx_lm(model) == 3
     assert all(isinstance(l.self_attn, KimiDeltaAttention) for l in model.layers if l.is_linear)
     check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
-    got_tokens = [int(t) for t, _ in generate_step(prompt[0], model, max_tokens=8,
-                                                    sampler=lambda x: mx.argmax(x, -1))]
+    got_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
     assert got_tokens == expected_tokens
 
 
@@ -282,8 +328,9 @@ def test_patched_kimi_linear_prefill_then_decode_equals_full_forward():
     pieces = [model(sequence[:, :17], cache=cache)]
     for t in range(17, 24):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
-    check("logits", mx.concatenate(pieces, axis=1), full,
-          "layer.self_consistency.v2.float32.logits")
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
 
 
 def test_the_kimi_check_sees_dt_bias_read_once_per_head():

@@ -40,13 +40,39 @@ def gated_delta_rule(
     `[B, T, Hv, Dv]` as float16 for float16 and as float32 otherwise (bfloat16
     values widened exactly), state `[B, Hv, Dv, Dk]` float32.
     """
-    y, state, _ = run(q, k, v, g, beta, state, scale=scale, head_mapping=head_mapping,
-                      mask=mask, normalize_qk=normalize_qk, algorithm=algorithm, dtype=dtype)
+    y, state, _ = run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        scale=scale,
+        head_mapping=head_mapping,
+        mask=mask,
+        normalize_qk=normalize_qk,
+        algorithm=algorithm,
+        dtype=dtype,
+    )
     return y, state
 
 
-def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mask=None,
-        normalize_qk=False, algorithm="auto", dtype=None, through_stage=None):
+def run(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+    algorithm="auto",
+    dtype=None,
+    through_stage=None,
+):
     """`gated_delta_rule`, plus a dict with the algorithm run, the kernels the
     plan dispatched, in order, and `buffers`: every output buffer's raw bytes
     by plan name. With `through_stage`, only the dispatches through the first
@@ -58,17 +84,24 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
     q, k, v = (_to_float32(x) for x in (q, k, v))
     g, beta = _to_float32(g), _to_float32(beta)
     if q.ndim != 4 or k.shape != q.shape or v.ndim != 4 or v.shape[:2] != q.shape[:2]:
-        raise ValueError(f"q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv]; got "
-                         f"q {q.shape}, k {k.shape}, v {v.shape}")
+        raise ValueError(
+            f"q, k must be [B, T, Hk, Dk] and v [B, T, Hv, Dv]; got "
+            f"q {q.shape}, k {k.shape}, v {v.shape}"
+        )
     batch, tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
     # g may be per key channel: [B, T, Hv, Dk].
     per_key_gates = g.shape == (batch, tokens, value_heads, key_dim)
-    if g.shape[:3] != (batch, tokens, value_heads) or not (per_key_gates or g.ndim == 3) \
-            or beta.shape != (batch, tokens, value_heads):
-        raise ValueError(f"g must be {(batch, tokens, value_heads)} or "
-                         f"{(batch, tokens, value_heads, key_dim)} and beta "
-                         f"{(batch, tokens, value_heads)}; got {g.shape}, {beta.shape}")
+    if (
+        g.shape[:3] != (batch, tokens, value_heads)
+        or not (per_key_gates or g.ndim == 3)
+        or beta.shape != (batch, tokens, value_heads)
+    ):
+        raise ValueError(
+            f"g must be {(batch, tokens, value_heads)} or "
+            f"{(batch, tokens, value_heads, key_dim)} and beta "
+            f"{(batch, tokens, value_heads)}; got {g.shape}, {beta.shape}"
+        )
     state_shape = (batch, value_heads, value_dim, key_dim)
     state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
     if state.shape != state_shape:
@@ -83,11 +116,28 @@ def run(q, k, v, g, beta, state=None, *, scale=None, head_mapping="grouped", mas
         scale = key_dim**-0.5
 
     y, state_out, algorithm_run, kernels, buffers = _metal_emulator.run_core(
-        _activation_bytes(q, dtype), _activation_bytes(k, dtype), _activation_bytes(v, dtype),
-        g.tobytes(), beta.tobytes(), state.tobytes(), mask_bytes,
-        batch, tokens, key_heads, value_heads, key_dim, value_dim, float(scale),
-        head_mapping, bool(normalize_qk), algorithm, dtype, BARRIER_TIMEOUT_MS,
-        through_stage or "", per_key_gates)
+        _activation_bytes(q, dtype),
+        _activation_bytes(k, dtype),
+        _activation_bytes(v, dtype),
+        g.tobytes(),
+        beta.tobytes(),
+        state.tobytes(),
+        mask_bytes,
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        float(scale),
+        head_mapping,
+        bool(normalize_qk),
+        algorithm,
+        dtype,
+        BARRIER_TIMEOUT_MS,
+        through_stage or "",
+        per_key_gates,
+    )
     y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
     return y, state_out, {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
@@ -122,17 +172,48 @@ def gated_delta_segment(
     (bfloat16 values widened exactly), state `[B, Hv, Dv, Dk]` float32.
     """
     out, conv_state, state, _ = run_segment(
-        mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight, conv_state, state,
-        key_heads=key_heads, value_heads=value_heads, key_dim=key_dim, value_dim=value_dim,
-        decay_parameterization=decay_parameterization, head_mapping=head_mapping,
-        norm_eps=norm_eps, mask=mask, algorithm=algorithm, dtype=dtype)
+        mixed_qkvzba,
+        conv_weight,
+        decay_parameter,
+        dt_bias,
+        norm_weight,
+        conv_state,
+        state,
+        key_heads=key_heads,
+        value_heads=value_heads,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        decay_parameterization=decay_parameterization,
+        head_mapping=head_mapping,
+        norm_eps=norm_eps,
+        mask=mask,
+        algorithm=algorithm,
+        dtype=dtype,
+    )
     return out, conv_state, state
 
 
-def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight,
-                conv_state=None, state=None, *, key_heads, value_heads, key_dim, value_dim,
-                decay_parameterization="log_rate", head_mapping="grouped", norm_eps=1e-6,
-                mask=None, algorithm="auto", dtype=None, through_stage=None):
+def run_segment(
+    mixed_qkvzba,
+    conv_weight,
+    decay_parameter,
+    dt_bias,
+    norm_weight,
+    conv_state=None,
+    state=None,
+    *,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    decay_parameterization="log_rate",
+    head_mapping="grouped",
+    norm_eps=1e-6,
+    mask=None,
+    algorithm="auto",
+    dtype=None,
+    through_stage=None,
+):
     """`gated_delta_segment`, plus the dict `run` returns (`through_stage`
     as there)."""
     dtype = dtype or _dtype_name(mixed_qkvzba)
@@ -148,21 +229,28 @@ def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight
     if conv_weight.ndim == 3 and conv_weight.shape[2] == 1:
         conv_weight = conv_weight[:, :, 0]
     if conv_weight.ndim != 2 or conv_weight.shape[0] != channels:
-        raise ValueError(f"conv_weight must be [{channels}, K] or [{channels}, K, 1], "
-                         f"got {conv_weight.shape}")
+        raise ValueError(
+            f"conv_weight must be [{channels}, K] or [{channels}, K, 1], got {conv_weight.shape}"
+        )
     conv_kernel = conv_weight.shape[1]
     conv_state_shape = (batch, conv_kernel - 1, channels)
-    conv_state = (np.zeros(conv_state_shape, np.float32) if conv_state is None
-                  else _to_float32(conv_state))
+    conv_state = (
+        np.zeros(conv_state_shape, np.float32) if conv_state is None else _to_float32(conv_state)
+    )
     state_shape = (batch, value_heads, value_dim, key_dim)
     state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
-    vectors = {"decay_parameter": (decay_parameter, value_heads),
-               "dt_bias": (dt_bias, value_heads), "norm_weight": (norm_weight, value_dim)}
+    vectors = {
+        "decay_parameter": (decay_parameter, value_heads),
+        "dt_bias": (dt_bias, value_heads),
+        "norm_weight": (norm_weight, value_dim),
+    }
     for name, (value, length) in vectors.items():
         if _to_float32(value).shape != (length,):
             raise ValueError(f"{name} must be [{length}], got {_to_float32(value).shape}")
-    for name, value, shape in (("conv_state", conv_state, conv_state_shape),
-                               ("state", state, state_shape)):
+    for name, value, shape in (
+        ("conv_state", conv_state, conv_state_shape),
+        ("state", state, state_shape),
+    ):
         if value.shape != shape:
             raise ValueError(f"{name} must be {shape}, got {value.shape}")
     mask_bytes = None
@@ -173,46 +261,138 @@ def run_segment(mixed_qkvzba, conv_weight, decay_parameter, dt_bias, norm_weight
         mask_bytes = mask.astype(np.uint8).tobytes()
 
     out, conv_state_out, state_out, algorithm_run, kernels, buffers = _metal_emulator.run_segment(
-        _activation_bytes(mixed, dtype), conv_weight.tobytes(),
-        _to_float32(decay_parameter).tobytes(), _to_float32(dt_bias).tobytes(),
-        _to_float32(norm_weight).tobytes(), _activation_bytes(conv_state, dtype),
-        state.tobytes(), mask_bytes, batch, tokens, key_heads, value_heads, key_dim, value_dim,
-        conv_kernel, decay_parameterization, head_mapping, float(norm_eps), algorithm, dtype,
-        BARRIER_TIMEOUT_MS, through_stage or "")
+        _activation_bytes(mixed, dtype),
+        conv_weight.tobytes(),
+        _to_float32(decay_parameter).tobytes(),
+        _to_float32(dt_bias).tobytes(),
+        _to_float32(norm_weight).tobytes(),
+        _activation_bytes(conv_state, dtype),
+        state.tobytes(),
+        mask_bytes,
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        conv_kernel,
+        decay_parameterization,
+        head_mapping,
+        float(norm_eps),
+        algorithm,
+        dtype,
+        BARRIER_TIMEOUT_MS,
+        through_stage or "",
+    )
     out = _activation_values(out, dtype).reshape(batch, tokens, value_heads, value_dim)
     conv_state_out = _activation_values(conv_state_out, dtype).reshape(conv_state_shape)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    return out, conv_state_out, state_out, {"algorithm": algorithm_run, "kernels": kernels,
-                                            "buffers": buffers}
+    return (
+        out,
+        conv_state_out,
+        state_out,
+        {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers},
+    )
 
 
-def segment_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel=4, *,
-                 dtype="float32", algorithm="auto", decay_parameterization="log_rate",
-                 head_mapping="grouped", mask=False, describe=False):
+def segment_plan(
+    batch,
+    tokens,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    conv_kernel=4,
+    *,
+    dtype="float32",
+    algorithm="auto",
+    decay_parameterization="log_rate",
+    head_mapping="grouped",
+    mask=False,
+    describe=False,
+):
     """The fused segment's plan: a dict like `plan`'s, or with `describe=True`
     the table against the assumed M-series roofline."""
-    return _metal_emulator.segment_plan(batch, tokens, key_heads, value_heads, key_dim,
-                                        value_dim, conv_kernel, dtype, algorithm,
-                                        decay_parameterization, head_mapping, mask, describe)
+    return _metal_emulator.segment_plan(
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        conv_kernel,
+        dtype,
+        algorithm,
+        decay_parameterization,
+        head_mapping,
+        mask,
+        describe,
+    )
 
 
-def describe_plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *,
-                  dtype="float32", algorithm="auto", head_mapping="grouped",
-                  normalize_qk=False, mask=False):
+def describe_plan(
+    batch,
+    tokens,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    *,
+    dtype="float32",
+    algorithm="auto",
+    head_mapping="grouped",
+    normalize_qk=False,
+    mask=False,
+):
     """The plan as a table: dispatches, threadgroup memory, bytes and FLOPs
     per stage against an assumed Apple M-series roofline (stated in it)."""
-    return _metal_emulator.describe_plan(batch, tokens, key_heads, value_heads, key_dim,
-                                         value_dim, dtype, algorithm, head_mapping,
-                                         normalize_qk, mask)
+    return _metal_emulator.describe_plan(
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        dtype,
+        algorithm,
+        head_mapping,
+        normalize_qk,
+        mask,
+    )
 
 
-def plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, *, dtype="float32",
-         algorithm="auto", head_mapping="grouped", normalize_qk=False, mask=False, scale=None):
+def plan(
+    batch,
+    tokens,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    *,
+    dtype="float32",
+    algorithm="auto",
+    head_mapping="grouped",
+    normalize_qk=False,
+    mask=False,
+    scale=None,
+):
     """The whole plan as a dict: resolved algorithm, the kernel params as bytes,
     every buffer's size, and the dispatches."""
     scale = key_dim**-0.5 if scale is None else scale
-    return _metal_emulator.plan(batch, tokens, key_heads, value_heads, key_dim, value_dim, dtype,
-                                algorithm, head_mapping, normalize_qk, mask, float(scale))
+    return _metal_emulator.plan(
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        dtype,
+        algorithm,
+        head_mapping,
+        normalize_qk,
+        mask,
+        float(scale),
+    )
 
 
 def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options):
@@ -248,8 +428,9 @@ def stage_buffers(buffers, batch, tokens, key_heads, value_heads, key_dim, value
         "output_inter": rows + (value_dim,),
     }
     return {
-        name: np.frombuffer(buffers[name], np.int32 if name == "last_wipe" else np.float32)
-        .reshape(shape)
+        name: np.frombuffer(buffers[name], np.int32 if name == "last_wipe" else np.float32).reshape(
+            shape
+        )
         for name, shape in shapes.items()
         if name in buffers
     }
@@ -305,17 +486,33 @@ def main(argv=None):
     parser.add_argument("--dtype", default="bfloat16", choices=ACTIVATION_DTYPES)
     parser.add_argument("--algorithm", default="auto")
     parser.add_argument("--normalize-qk", action="store_true")
-    parser.add_argument("--segment", type=int, metavar="K",
-                        help="the fused segment's plan with a conv of K taps")
+    parser.add_argument(
+        "--segment", type=int, metavar="K", help="the fused segment's plan with a conv of K taps"
+    )
     options = parser.parse_args(argv)
     if len(options.shape) != 6:
         parser.error("the shape is six integers: B T Hk Hv Dk Dv")
     if options.segment is not None:
-        print(segment_plan(*options.shape, options.segment, dtype=options.dtype,
-                           algorithm=options.algorithm, describe=True), end="")
+        print(
+            segment_plan(
+                *options.shape,
+                options.segment,
+                dtype=options.dtype,
+                algorithm=options.algorithm,
+                describe=True,
+            ),
+            end="",
+        )
         return
-    print(describe_plan(*options.shape, dtype=options.dtype, algorithm=options.algorithm,
-                        normalize_qk=options.normalize_qk), end="")
+    print(
+        describe_plan(
+            *options.shape,
+            dtype=options.dtype,
+            algorithm=options.algorithm,
+            normalize_qk=options.normalize_qk,
+        ),
+        end="",
+    )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,14 @@ from mlx_gated_delta.testing.properties import (
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
 
 PER_KEY_VS_SCALAR = {
-    "output": ("core.per_key_vs_scalar.v1.float32.output", "182ca8d09e1e9c25b84ce3814eac7871c017c492b7fca9f4a902a15b12547735"),
-    "state": ("core.per_key_vs_scalar.v1.float32.state", "95919ffc1232cdd61dcaceea0e846b114db147e83af3e89824ceda8ce175a8cd"),
+    "output": (
+        "core.per_key_vs_scalar.v1.float32.output",
+        "182ca8d09e1e9c25b84ce3814eac7871c017c492b7fca9f4a902a15b12547735",
+    ),
+    "state": (
+        "core.per_key_vs_scalar.v1.float32.state",
+        "95919ffc1232cdd61dcaceea0e846b114db147e83af3e89824ceda8ce175a8cd",
+    ),
 }
 
 
@@ -69,12 +75,16 @@ def test_per_key_chunked_matches_recurrent(case):
     recurrent_y, recurrent_state = run(case, "recurrent")
     chunked_y, chunked_state = run(case, "chunked")
     assert_matches(
-        "y", chunked_y, recurrent_y,
+        "y",
+        chunked_y,
+        recurrent_y,
         "core.chunked_vs_recurrent.v2.float32.output",
         "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
     )
     assert_matches(
-        "state", chunked_state, recurrent_state,
+        "state",
+        chunked_state,
+        recurrent_state,
         "core.chunked_vs_recurrent.v2.float32.state",
         "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
     )
@@ -146,8 +156,14 @@ def test_per_key_gamma_through_gated_delta_update(wipes, data):
         case.q, case.k, case.v, gamma, case.beta, case.state, mask=case.options["mask"]
     )
     expected_y, expected_state = gated_delta_rule_reference(
-        case.q, case.k, case.v, mx.log(gamma), case.beta, case.state,
-        scale=1.0, mask=case.options["mask"],
+        case.q,
+        case.k,
+        case.v,
+        mx.log(gamma),
+        case.beta,
+        case.state,
+        scale=1.0,
+        mask=case.options["mask"],
     )
     assert_matches("y", y, expected_y, *UPDATE_ORACLE_CONTRACTS[dtype_name(y)])
     assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE_CONTRACT)
@@ -163,8 +179,14 @@ def test_equal_channels_give_the_scalar_gate_result(algorithm, case):
     per_key_g = mx.repeat(case.g[..., None], case.q.shape[3], axis=-1)
     scalar_y, scalar_state = run(case, algorithm)
     per_key_y, per_key_state = gated_delta_rule(
-        case.q, case.k, case.v, per_key_g, case.beta, case.state,
-        algorithm=algorithm, **case.options,
+        case.q,
+        case.k,
+        case.v,
+        per_key_g,
+        case.beta,
+        case.state,
+        algorithm=algorithm,
+        **case.options,
     )
     assert_matches("y", per_key_y, scalar_y, *PER_KEY_VS_SCALAR["output"])
     assert_matches("state", per_key_state, scalar_state, *PER_KEY_VS_SCALAR["state"])
@@ -180,8 +202,15 @@ def test_the_oracle_check_sees_a_kernel_that_ignores_the_channels():
     # oracle comparison would fail: the oracle on that wrong g is outside the
     # contract around the kernel's result.
     case = make_core_case(
-        7, batch=1, tokens=100, key_heads=1, value_heads=2, key_dim=16, value_dim=8,
-        decay="model", per_key_gates=True,
+        7,
+        batch=1,
+        tokens=100,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        decay="model",
+        per_key_gates=True,
     )
     for algorithm in ALGORITHMS:
         y, _ = run(case, algorithm)
@@ -200,14 +229,27 @@ def test_strong_channel_decays_next_to_weak_ones_stay_exact(algorithm):
     # a chunked form that factored each decay as exp(G_i) / exp(G_j) from the
     # chunk's start would form exp(+12800) = inf and NaN. Held to the oracle.
     case = make_core_case(
-        3, batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=16,
-        decay="mild", per_key_gates=True,
+        3,
+        batch=1,
+        tokens=130,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=16,
+        decay="mild",
+        per_key_gates=True,
     )
-    strong = (np.arange(32) % 2 == 0)
+    strong = np.arange(32) % 2 == 0
     g = np.where(strong, -200.0, to_float64(case.g)).astype(np.float32)
     y, state = gated_delta_rule(
-        case.q, case.k, case.v, mx.array(g), case.beta, case.state,
-        algorithm=algorithm, **case.options,
+        case.q,
+        case.k,
+        case.v,
+        mx.array(g),
+        case.beta,
+        case.state,
+        algorithm=algorithm,
+        **case.options,
     )
     expected_y, expected_state = gated_delta_rule_reference(
         case.q, case.k, case.v, g, case.beta, case.state, **case.options
@@ -217,17 +259,29 @@ def test_strong_channel_decays_next_to_weak_ones_stay_exact(algorithm):
     assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known gap: the chunked form with per-key gates carries a huge entry state "
-    "through T = (I + A)^-1, whose entries mix strong and weak channels' decays; "
-    "the cancellation leaves an error above 1e-4 of the (much smaller) final state"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known gap: the chunked form with per-key gates carries a huge entry state "
+        "through T = (I + A)^-1, whose entries mix strong and weak channels' decays; "
+        "the cancellation leaves an error above 1e-4 of the (much smaller) final state"
+    ),
+)
 def test_chunked_per_key_known_gap_on_a_huge_entry_state():
     # Found by the channel-wipe property; kept as a strict xfail so that a fix
     # shows (this test then passes, and strict turns that into a failure to
     # remove the mark and widen CHANNEL_WIPE_STATE_SCALES).
     case = make_core_case(
-        1346239734, batch=1, tokens=127, key_heads=1, value_heads=1, key_dim=32,
-        value_dim=16, decay="mixed", wipes="chunk_edges", state_scale="huge",
+        1346239734,
+        batch=1,
+        tokens=127,
+        key_heads=1,
+        value_heads=1,
+        key_dim=32,
+        value_dim=16,
+        decay="mixed",
+        wipes="chunk_edges",
+        state_scale="huge",
         per_key_gates=True,
     )
     y, state = run(case, "chunked")
@@ -241,7 +295,10 @@ GRAD_BUDGET = settings(max_examples=min(30, settings.default.max_examples))
 
 
 @GRAD_BUDGET
-@given(case=core_cases(tokens=SHORT_TOKENS, per_key_gates=True), which=st.sampled_from(("both", "y", "state")))
+@given(
+    case=core_cases(tokens=SHORT_TOKENS, per_key_gates=True),
+    which=st.sampled_from(("both", "y", "state")),
+)
 def test_per_key_gradients_match_the_float64_reference(case, which):
     wy, ws = cotangents(case)
     use_y, use_state = which in ("both", "y"), which in ("both", "state")
@@ -279,9 +336,7 @@ def test_per_key_gamma_gradient_is_finite_and_exact_at_channel_wipes(data):
     names = ("q", "k", "v", "gamma", "beta", "state")
     arrays = (case.q, case.k, case.v, gamma, case.beta, case.state)
     grads = dict(zip(names, mx.grad(loss, argnums=tuple(range(6)))(*arrays)))
-    expected = gated_delta_update_reference_vjp(
-        *arrays, mask, y_cotangent=wy, state_cotangent=ws
-    )
+    expected = gated_delta_update_reference_vjp(*arrays, mask, y_cotangent=wy, state_cotangent=ws)
     assert np.isfinite(to_float64(grads["gamma"])).all()
     assert_gradients_match("core_grad.oracle.v1", grads, expected)
 
@@ -291,8 +346,17 @@ def test_per_key_gradients_of_both_algorithms_are_the_recurrent_backward(algorit
     # The backward is one recurrent-form kernel whichever algorithm ran the
     # forward: the gradients agree with the reference either way.
     case = make_core_case(
-        11, batch=2, tokens=70, key_heads=2, value_heads=4, key_dim=16, value_dim=8,
-        mask_kind="random", normalize_qk=True, head_mapping="interleaved", per_key_gates=True,
+        11,
+        batch=2,
+        tokens=70,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
+        mask_kind="random",
+        normalize_qk=True,
+        head_mapping="interleaved",
+        per_key_gates=True,
     )
     wy, ws = cotangents(case)
     grads = case_gradients(case, wy, ws, algorithm=algorithm)

@@ -24,25 +24,61 @@ ALGORITHMS = ("recurrent", "chunked")
 
 # (id, fingerprint) of the reviewed contracts these properties hold.
 ORACLE_OUTPUT_CONTRACTS = {
-    ("recurrent", "float32"): ("core.recurrent.v2.float32.output", "b8d4bf432be51cb8c0a7c6234e15d988487624b77195f1609b8ffe9e2319189d"),
-    ("recurrent", "float16"): ("core.recurrent.v2.float16.output", "c83257c6f905974de3d558c8cb383e015b58203d5df4a8862493f0780bfa6d51"),
-    ("recurrent", "bfloat16"): ("core.recurrent.v2.bfloat16.output", "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2"),
-    ("chunked", "float32"): ("core.chunked.v2.float32.output", "fd01329b8fb2b881021888bcb45f60e5789010ed37856b0762bf7719480b9aa3"),
-    ("chunked", "float16"): ("core.chunked.v2.float16.output", "d2c0f5a87659fb5f97b11e974fafff7da9c7c7485a9903e418f34b8745056beb"),
-    ("chunked", "bfloat16"): ("core.chunked.v2.bfloat16.output", "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885"),
+    ("recurrent", "float32"): (
+        "core.recurrent.v2.float32.output",
+        "b8d4bf432be51cb8c0a7c6234e15d988487624b77195f1609b8ffe9e2319189d",
+    ),
+    ("recurrent", "float16"): (
+        "core.recurrent.v2.float16.output",
+        "c83257c6f905974de3d558c8cb383e015b58203d5df4a8862493f0780bfa6d51",
+    ),
+    ("recurrent", "bfloat16"): (
+        "core.recurrent.v2.bfloat16.output",
+        "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2",
+    ),
+    ("chunked", "float32"): (
+        "core.chunked.v2.float32.output",
+        "fd01329b8fb2b881021888bcb45f60e5789010ed37856b0762bf7719480b9aa3",
+    ),
+    ("chunked", "float16"): (
+        "core.chunked.v2.float16.output",
+        "d2c0f5a87659fb5f97b11e974fafff7da9c7c7485a9903e418f34b8745056beb",
+    ),
+    ("chunked", "bfloat16"): (
+        "core.chunked.v2.bfloat16.output",
+        "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885",
+    ),
 }
 ORACLE_STATE_CONTRACTS = {
-    "recurrent": ("core.recurrent.v2.float32.state", "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260"),
-    "chunked": ("core.chunked.v2.float32.state", "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59"),
+    "recurrent": (
+        "core.recurrent.v2.float32.state",
+        "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260",
+    ),
+    "chunked": (
+        "core.chunked.v2.float32.state",
+        "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59",
+    ),
 }
 SPLIT_CONTRACTS = {
     "recurrent": (
-        ("core.recurrent_split.v1.any.output", "4cf875775e02dff5175d7c732bb0461b33a607385c2485c83beb5525dcfe7aee"),
-        ("core.recurrent_split.v1.float32.state", "4179beb6fe2113b6e77fc6672d9ceb7165507db362fcad2efd4353dee87af897"),
+        (
+            "core.recurrent_split.v1.any.output",
+            "4cf875775e02dff5175d7c732bb0461b33a607385c2485c83beb5525dcfe7aee",
+        ),
+        (
+            "core.recurrent_split.v1.float32.state",
+            "4179beb6fe2113b6e77fc6672d9ceb7165507db362fcad2efd4353dee87af897",
+        ),
     ),
     "chunked": (
-        ("core.chunked_split.v2.float32.output", "2a6719e9a8b2909ae74c69ce12a83a3409f1052ef4f214994bc2849975e363ca"),
-        ("core.chunked_split.v2.float32.state", "1dc46942c551d2524c903f860445b2b7da7264bf32447a321168e95b623e46b1"),
+        (
+            "core.chunked_split.v2.float32.output",
+            "2a6719e9a8b2909ae74c69ce12a83a3409f1052ef4f214994bc2849975e363ca",
+        ),
+        (
+            "core.chunked_split.v2.float32.state",
+            "1dc46942c551d2524c903f860445b2b7da7264bf32447a321168e95b623e46b1",
+        ),
     ),
 }
 # The chunked split contract is a float32 one: in float16/bfloat16 a moved
@@ -90,8 +126,16 @@ def test_chunked_matches_the_oracle_at_every_chunk_boundary(tokens, dtype):
     # Fixed cases at and around multiples of the chunk (64), whatever the
     # Hypothesis budget draws: full chunks, ragged last chunks, one token.
     case = make_core_case(
-        tokens, batch=2, tokens=tokens, key_heads=2, value_heads=4, key_dim=32,
-        value_dim=16, dtype=dtype, mask_kind="random", head_mapping="interleaved",
+        tokens,
+        batch=2,
+        tokens=tokens,
+        key_heads=2,
+        value_heads=4,
+        key_dim=32,
+        value_dim=16,
+        dtype=dtype,
+        mask_kind="random",
+        head_mapping="interleaved",
     )
     y, state = run(case, "chunked")
     expected_y, expected_state = case.reference()
@@ -104,12 +148,16 @@ def test_chunked_matches_recurrent(case):
     recurrent_y, recurrent_state = run(case, "recurrent")
     chunked_y, chunked_state = run(case, "chunked")
     assert_matches(
-        "y", chunked_y, recurrent_y,
+        "y",
+        chunked_y,
+        recurrent_y,
         "core.chunked_vs_recurrent.v2.float32.output",
         "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
     )
     assert_matches(
-        "state", chunked_state, recurrent_state,
+        "state",
+        chunked_state,
+        recurrent_state,
         "core.chunked_vs_recurrent.v2.float32.state",
         "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
     )
@@ -141,11 +189,14 @@ def run_in_calls(case, bounds, algorithm):
     state = case.state
     pieces = []
     for start, stop in zip(bounds[:-1], bounds[1:]):
+
         def part(x):
             return None if x is None else x[:, start:stop]
 
         y, state = gated_delta_rule(
-            *(part(x) for x in case.args()[:5]), state, algorithm=algorithm,
+            *(part(x) for x in case.args()[:5]),
+            state,
+            algorithm=algorithm,
             **{**case.options, "mask": part(case.options["mask"])},
         )
         pieces.append(y)
@@ -174,12 +225,16 @@ def test_prefill_then_token_by_token_decode_matches_one_call(case, data):
     full_y, full_state = run(case, "auto")
     decoded_y, decoded_state = run_in_calls(case, [0, *range(prompt, tokens + 1)], "auto")
     assert_matches(
-        "y", decoded_y, full_y,
+        "y",
+        decoded_y,
+        full_y,
         "core.chunked_vs_recurrent.v2.float32.output",
         "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
     )
     assert_matches(
-        "state", decoded_state, full_state,
+        "state",
+        decoded_state,
+        full_state,
         "core.chunked_vs_recurrent.v2.float32.state",
         "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
     )
@@ -250,8 +305,14 @@ def test_works_under_compile(algorithm, case):
     def step(*arrays):
         q, k, v, g, beta, *state = arrays
         return gated_delta_rule(
-            q, k, v, g, beta, state[0] if state else None,
-            algorithm=algorithm, **case.options,
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state[0] if state else None,
+            algorithm=algorithm,
+            **case.options,
         )
 
     eager_y, eager_state = run(case, algorithm)
@@ -305,9 +366,14 @@ def test_strided_inputs_give_the_result_of_their_contiguous_copies(algorithm, ca
     contiguous_y, contiguous_state = run(case, algorithm)
     q, k, v, g, beta, state = case.args()
     y, final = gated_delta_rule(
-        every_other(q), every_other(k), every_other(v),
-        transposed_view(g, 1, 2), transposed_view(beta, 0, 1),
-        transposed_view(state, 2, 3), algorithm=algorithm, **case.options,
+        every_other(q),
+        every_other(k),
+        every_other(v),
+        transposed_view(g, 1, 2),
+        transposed_view(beta, 0, 1),
+        transposed_view(state, 2, 3),
+        algorithm=algorithm,
+        **case.options,
     )
     assert_bitwise_equal("y", y, contiguous_y)
     assert_bitwise_equal("state", final, contiguous_state)
@@ -359,10 +425,19 @@ def test_state_guard_no_write_past_the_outputs(algorithm, case):
 # them, at the token counts around chunk boundaries.
 EDGE_TOKENS = (63, 64, 65, 127, 128)
 UPDATE_ORACLE_CONTRACTS = {
-    "float32": ("compat.update_oracle.v2.float32.output", "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91"),
-    "bfloat16": ("compat.update_oracle.v2.bfloat16.output", "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961"),
+    "float32": (
+        "compat.update_oracle.v2.float32.output",
+        "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91",
+    ),
+    "bfloat16": (
+        "compat.update_oracle.v2.bfloat16.output",
+        "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961",
+    ),
 }
-UPDATE_ORACLE_STATE_CONTRACT = ("compat.update_oracle.v2.float32.state", "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2")
+UPDATE_ORACLE_STATE_CONTRACT = (
+    "compat.update_oracle.v2.float32.state",
+    "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2",
+)
 
 
 @st.composite
@@ -407,8 +482,14 @@ def test_gamma_zero_wipes_through_gated_delta_update(wipes, data):
         case.q, case.k, case.v, gamma, case.beta, case.state, mask=case.options["mask"]
     )
     expected_y, expected_state = gated_delta_rule_reference(
-        case.q, case.k, case.v, mx.log(gamma), case.beta, case.state,
-        scale=1.0, mask=case.options["mask"],
+        case.q,
+        case.k,
+        case.v,
+        mx.log(gamma),
+        case.beta,
+        case.state,
+        scale=1.0,
+        mask=case.options["mask"],
     )
     assert_matches("y", y, expected_y, *UPDATE_ORACLE_CONTRACTS[dtype_name(y)])
     assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE_CONTRACT)

@@ -120,8 +120,11 @@ def make_segment_case(
         # above 1e-30 (a decay of exactly 1 would need a = -inf).
         target = np.maximum(make_decays(rng, decay, gate.shape) / rate, 1e-30)
         large = np.maximum(target, 1.0)
-        inverse = np.where(target > 1.0, large + np.log1p(-np.exp(-large)),
-                           np.log(np.expm1(np.minimum(target, 1.0))))
+        inverse = np.where(
+            target > 1.0,
+            large + np.log1p(-np.exp(-large)),
+            np.log(np.expm1(np.minimum(target, 1.0))),
+        )
         gate[...] = inverse - dt_bias
     gate[wipe_positions(rng, wipes, gate.shape)] = np.inf
 

@@ -20,29 +20,39 @@ from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 
 INPUTS = (
-    "mixed", "conv_weight", "decay_parameter", "dt_bias", "norm_weight", "conv_state", "state",
+    "mixed",
+    "conv_weight",
+    "decay_parameter",
+    "dt_bias",
+    "norm_weight",
+    "conv_state",
+    "state",
 )
 KIND = {
-    "mixed": "input_grad", "conv_state": "input_grad", "conv_weight": "parameter_grad",
-    "decay_parameter": "parameter_grad", "dt_bias": "parameter_grad",
-    "norm_weight": "parameter_grad", "state": "state_grad",
+    "mixed": "input_grad",
+    "conv_state": "input_grad",
+    "conv_weight": "parameter_grad",
+    "decay_parameter": "parameter_grad",
+    "dt_bias": "parameter_grad",
+    "norm_weight": "parameter_grad",
+    "state": "state_grad",
 }
 # (contract id -> fingerprint) of the reviewed contracts these properties hold.
 FINGERPRINTS = {
-    'segment_grad.oracle.v1.float32.input_grad': "49e0f5ec49237f5d111646418704069256c95bee2713be9e09148c6df88a491c",
-    'segment_grad.oracle.v1.float32.parameter_grad': "7fedabee586dbbad12e72ff676fe9fd181336ae163d6e66cdc85072dd71c8ae1",
-    'segment_grad.oracle.v1.float32.state_grad': "4e25d1afa3199f1020db8cdb410bd49c6248170c687d08aca7ba3f4baddda9ea",
-    'segment_grad.oracle.v1.float16.input_grad': "2b1c317cad525d2b60b46e8144a2175bf297b1e5a5acb3374ded48d3239f6813",
-    'segment_grad.oracle.v1.bfloat16.input_grad': "a80239b0a4b86313ae682c1f04039ffdb63ca7cc195897877d798289455b0302",
-    'segment_grad.split.v1.float32.input_grad': "c4158c0bf22e53ecf1ffc5afb1b12c8bbd11f43dd04f68f842f4f703b7c6baea",
-    'segment_grad.split.v1.float32.parameter_grad': "238133a6885b0aa37a0ef447bed1123aa78a6df0fe8cb880a0f5515d088a8ff5",
-    'segment_grad.split.v1.float32.state_grad': "95acc7c3efaef13885579b119b91f22f6071331df200b467f4a9cc4ce8e2c8b3",
-    'segment_grad.algorithms.v1.float32.input_grad': "be7544e257fc565427d1fbde3ec38f4937b84623fab702bbed28bb14e2d44b44",
-    'segment_grad.algorithms.v1.float32.parameter_grad': "4f90a25cbe1702ae66bf780a9bbb02a78006b776484c0f0ef83711f79ee7bb43",
-    'segment_grad.algorithms.v1.float32.state_grad': "7790bc16ec394c525466fbda0e25ffaa07810072315116fd4241f8f01731b0f9",
-    'segment_grad.transforms.v1.float32.input_grad': "92ba0c56b6402f67b7143132ca1ed268498a19842a8e519d7f540112fa2d24bd",
-    'segment_grad.transforms.v1.float32.parameter_grad': "c79fb7b802841543f14117ffcb3d9a91bb8dbb14f34689a333a965aabe2d52a1",
-    'segment_grad.transforms.v1.float32.state_grad': "acfc9bfd87e73f29680de52abce6e529a6a447cd08dc0020a87d28639a658935",
+    "segment_grad.oracle.v1.float32.input_grad": "49e0f5ec49237f5d111646418704069256c95bee2713be9e09148c6df88a491c",
+    "segment_grad.oracle.v1.float32.parameter_grad": "7fedabee586dbbad12e72ff676fe9fd181336ae163d6e66cdc85072dd71c8ae1",
+    "segment_grad.oracle.v1.float32.state_grad": "4e25d1afa3199f1020db8cdb410bd49c6248170c687d08aca7ba3f4baddda9ea",
+    "segment_grad.oracle.v1.float16.input_grad": "2b1c317cad525d2b60b46e8144a2175bf297b1e5a5acb3374ded48d3239f6813",
+    "segment_grad.oracle.v1.bfloat16.input_grad": "a80239b0a4b86313ae682c1f04039ffdb63ca7cc195897877d798289455b0302",
+    "segment_grad.split.v1.float32.input_grad": "c4158c0bf22e53ecf1ffc5afb1b12c8bbd11f43dd04f68f842f4f703b7c6baea",
+    "segment_grad.split.v1.float32.parameter_grad": "238133a6885b0aa37a0ef447bed1123aa78a6df0fe8cb880a0f5515d088a8ff5",
+    "segment_grad.split.v1.float32.state_grad": "95acc7c3efaef13885579b119b91f22f6071331df200b467f4a9cc4ce8e2c8b3",
+    "segment_grad.algorithms.v1.float32.input_grad": "be7544e257fc565427d1fbde3ec38f4937b84623fab702bbed28bb14e2d44b44",
+    "segment_grad.algorithms.v1.float32.parameter_grad": "4f90a25cbe1702ae66bf780a9bbb02a78006b776484c0f0ef83711f79ee7bb43",
+    "segment_grad.algorithms.v1.float32.state_grad": "7790bc16ec394c525466fbda0e25ffaa07810072315116fd4241f8f01731b0f9",
+    "segment_grad.transforms.v1.float32.input_grad": "92ba0c56b6402f67b7143132ca1ed268498a19842a8e519d7f540112fa2d24bd",
+    "segment_grad.transforms.v1.float32.parameter_grad": "c79fb7b802841543f14117ffcb3d9a91bb8dbb14f34689a333a965aabe2d52a1",
+    "segment_grad.transforms.v1.float32.state_grad": "acfc9bfd87e73f29680de52abce6e529a6a447cd08dc0020a87d28639a658935",
 }
 
 # Each finite-difference example runs the Python-loop oracle twice per input
@@ -156,8 +166,12 @@ def small_segment_cases(draw, dtypes=("float32", "float16", "bfloat16")):
     )
 
 
-USES = {"all": (True, True, True), "out": (True, False, False),
-        "conv_state": (False, True, False), "state": (False, False, True)}
+USES = {
+    "all": (True, True, True),
+    "out": (True, False, False),
+    "conv_state": (False, True, False),
+    "state": (False, False, True),
+}
 
 
 @FD_BUDGET
@@ -169,7 +183,9 @@ def test_segment_gradients_match_finite_differences_of_the_oracle(case, which):
     for name, grad in grads.items():
         assert grad.dtype == getattr(case, name).dtype, name
         assert grad.shape == getattr(case, name).shape, name
-        assert_matches(f"d{name}", grad, expected[name], *contract("segment_grad.oracle.v1", name, grad))
+        assert_matches(
+            f"d{name}", grad, expected[name], *contract("segment_grad.oracle.v1", name, grad)
+        )
 
     # Skip semantics: a masked token's packed input gets exactly zero gradient.
     mask = case.options["mask"]
@@ -184,8 +200,15 @@ def test_the_finite_difference_check_sees_a_wrong_mask_semantics():
     window) differs from the skip semantics in the gradients too, by far more
     than the contract: the check above would catch a vjp that had it."""
     case = make_segment_case(
-        7, batch=1, tokens=6, key_heads=1, value_heads=1, key_dim=4, value_dim=2,
-        conv_kernel=4, mask_kind="none",
+        7,
+        batch=1,
+        tokens=6,
+        key_heads=1,
+        value_heads=1,
+        key_dim=4,
+        value_dim=2,
+        conv_kernel=4,
+        mask_kind="none",
     )
     case.options["mask"] = mx.array([[True, True, False, True, True, True]])
     weights = cotangents(case)
@@ -196,17 +219,29 @@ def test_the_finite_difference_check_sees_a_wrong_mask_semantics():
     case.options = zeroed
     windowed = finite_difference_gradients(case, weights)
     with pytest.raises(AssertionError, match="violated"):
-        assert_matches("dconv_weight", windowed["conv_weight"], skip["conv_weight"],
-                       *contract("segment_grad.oracle.v1", "conv_weight", case.conv_weight))
+        assert_matches(
+            "dconv_weight",
+            windowed["conv_weight"],
+            skip["conv_weight"],
+            *contract("segment_grad.oracle.v1", "conv_weight", case.conv_weight),
+        )
 
 
 @SMALL_BUDGET
 @given(case_seed=st.integers(0, 2**32 - 1), tokens=st.integers(2, 140), data=st.data())
 def test_split_gradients_equal_the_gradient_of_one_call(case_seed, tokens, data):
     case = make_segment_case(
-        case_seed, batch=2, tokens=tokens, key_heads=1, value_heads=2, key_dim=16,
-        value_dim=8, mask_kind=data.draw(st.sampled_from(("none", "random")), label="mask"),
-        decay_parameterization=data.draw(st.sampled_from(("log_rate", "negative_rate")), label="decay"),
+        case_seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        mask_kind=data.draw(st.sampled_from(("none", "random")), label="mask"),
+        decay_parameterization=data.draw(
+            st.sampled_from(("log_rate", "negative_rate")), label="decay"
+        ),
     )
     cut = data.draw(st.integers(0, tokens), label="cut")
     weights = cotangents(case)
@@ -218,8 +253,15 @@ def test_split_gradients_equal_the_gradient_of_one_call(case_seed, tokens, data)
         outs = []
         for start, end in ((0, cut), (cut, tokens)):
             out, conv_state, state = gated_delta_segment(
-                mixed[:, start:end], conv_weight, decay_parameter, dt_bias, norm_weight,
-                conv_state, state, **options, stream=mx.cpu,
+                mixed[:, start:end],
+                conv_weight,
+                decay_parameter,
+                dt_bias,
+                norm_weight,
+                conv_state,
+                state,
+                **options,
+                stream=mx.cpu,
                 mask=None if mask is None else mask[:, start:end],
             )
             outs.append(out)
@@ -227,22 +269,32 @@ def test_split_gradients_equal_the_gradient_of_one_call(case_seed, tokens, data)
 
     split = mx.grad(loss, argnums=tuple(range(7)))(*case.args())
     for name, grad in zip(INPUTS, split):
-        assert_matches(f"d{name}", grad, whole[name], *contract("segment_grad.split.v1", name, grad))
+        assert_matches(
+            f"d{name}", grad, whole[name], *contract("segment_grad.split.v1", name, grad)
+        )
 
 
 @SMALL_BUDGET
 @given(case_seed=st.integers(0, 2**32 - 1), tokens=st.integers(1, 140))
 def test_gradients_agree_between_the_algorithms(case_seed, tokens):
     case = make_segment_case(
-        case_seed, batch=2, tokens=tokens, key_heads=2, value_heads=4, key_dim=16,
-        value_dim=8, mask_kind="random", head_mapping="interleaved",
+        case_seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
+        mask_kind="random",
+        head_mapping="interleaved",
     )
     weights = cotangents(case)
     recurrent = segment_gradients(case, weights, algorithm="recurrent")
     chunked = segment_gradients(case, weights, algorithm="chunked")
     for name, grad in chunked.items():
-        assert_matches(f"d{name}", grad, recurrent[name],
-                       *contract("segment_grad.algorithms.v1", name, grad))
+        assert_matches(
+            f"d{name}", grad, recurrent[name], *contract("segment_grad.algorithms.v1", name, grad)
+        )
 
 
 def _stacked_case(cases):
@@ -256,8 +308,16 @@ def _stacked_case(cases):
 
 @pytest.mark.parametrize("transform", ("compile", "vmap_of_grad", "grad_of_vmap"))
 def test_gradients_under_compile_and_vmap(transform):
-    recipe = dict(batch=2, tokens=70, key_heads=2, value_heads=4, key_dim=16, value_dim=8,
-                  mask_kind="random", decay_parameterization="negative_rate")
+    recipe = dict(
+        batch=2,
+        tokens=70,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
+        mask_kind="random",
+        decay_parameterization="negative_rate",
+    )
     first = make_segment_case(1, **recipe)
     second = make_segment_case(2, **recipe)
     # Shared parameters, so per-problem gradients are comparable.
@@ -273,18 +333,41 @@ def test_gradients_under_compile_and_vmap(transform):
         options = {key: value for key, value in stacked.options.items() if key != "mask"}
         batched = ("mixed", "conv_state", "state")
 
-        def per_problem_loss(mixed, conv_state, state, mask, conv_weight, decay, dt_bias, norm_weight):
+        def per_problem_loss(
+            mixed, conv_state, state, mask, conv_weight, decay, dt_bias, norm_weight
+        ):
             outputs = gated_delta_segment(
-                mixed, conv_weight, decay, dt_bias, norm_weight, conv_state, state,
-                **options, mask=mask, stream=mx.cpu,
+                mixed,
+                conv_weight,
+                decay,
+                dt_bias,
+                norm_weight,
+                conv_state,
+                state,
+                **options,
+                mask=mask,
+                stream=mx.cpu,
             )
             return _weighted(outputs, weights, (True,) * 3)
 
-        arrays = [getattr(stacked, name) for name in batched] + [mask] + [
-            getattr(stacked, name) for name in ("conv_weight", "decay_parameter", "dt_bias", "norm_weight")
-        ]
+        arrays = (
+            [getattr(stacked, name) for name in batched]
+            + [mask]
+            + [
+                getattr(stacked, name)
+                for name in ("conv_weight", "decay_parameter", "dt_bias", "norm_weight")
+            ]
+        )
         argnums = (0, 1, 2, 4, 5, 6, 7)
-        names = ("mixed", "conv_state", "state", "conv_weight", "decay_parameter", "dt_bias", "norm_weight")
+        names = (
+            "mixed",
+            "conv_state",
+            "state",
+            "conv_weight",
+            "decay_parameter",
+            "dt_bias",
+            "norm_weight",
+        )
         in_axes = (0, 0, 0, 0, None, None, None, None)
         if transform == "vmap_of_grad":
             # Per-problem gradients, the parameters' included.
@@ -292,6 +375,7 @@ def test_gradients_under_compile_and_vmap(transform):
             result = grad(*arrays)
             got = [{n: r[i] for n, r in zip(names, result)} for i in range(2)]
         else:
+
             def total(*arrays):
                 return mx.vmap(per_problem_loss, in_axes=in_axes)(*arrays).sum()
 
@@ -300,17 +384,31 @@ def test_gradients_under_compile_and_vmap(transform):
             # The shared parameters get the sum of the per-problem gradients.
             summed = {n: expected[0][n] + expected[1][n] for n in names if n not in batched}
             for name, grad in summed.items():
-                assert_matches(f"d{name}", result[name], grad,
-                               *contract("segment_grad.transforms.v1", name, grad))
+                assert_matches(
+                    f"d{name}",
+                    result[name],
+                    grad,
+                    *contract("segment_grad.transforms.v1", name, grad),
+                )
     for want, have in zip(expected, got):
         for name, grad in have.items():
-            assert_matches(f"d{name}", grad, want[name],
-                           *contract("segment_grad.transforms.v1", name, grad))
+            assert_matches(
+                f"d{name}", grad, want[name], *contract("segment_grad.transforms.v1", name, grad)
+            )
 
 
 def test_gradients_come_back_in_each_parameters_dtype():
-    case = make_segment_case(3, batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=4,
-                             value_dim=4, dtype="bfloat16", conv1d_layout=True)
+    case = make_segment_case(
+        3,
+        batch=1,
+        tokens=5,
+        key_heads=1,
+        value_heads=2,
+        key_dim=4,
+        value_dim=4,
+        dtype="bfloat16",
+        conv1d_layout=True,
+    )
     case.conv_weight = case.conv_weight.astype(mx.bfloat16)
     case.decay_parameter = case.decay_parameter.astype(mx.float16)
     grads = segment_gradients(case, cotangents(case))
@@ -321,7 +419,9 @@ def test_gradients_come_back_in_each_parameters_dtype():
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="no Metal GPU")
 def test_the_segment_gradient_on_the_gpu_asks_for_the_cpu():
-    case = make_segment_case(0, batch=1, tokens=4, key_heads=1, value_heads=1, key_dim=16, value_dim=8)
+    case = make_segment_case(
+        0, batch=1, tokens=4, key_heads=1, value_heads=1, key_dim=16, value_dim=8
+    )
 
     def loss(mixed):
         args = (mixed,) + case.args()[1:]

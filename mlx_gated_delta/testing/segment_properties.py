@@ -174,7 +174,13 @@ def test_masked_token_is_an_omitted_token(case):
 
 def test_conv_state_comes_from_the_carried_state_when_few_tokens_are_kept():
     case = make_segment_case(
-        3, batch=1, tokens=2, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        3,
+        batch=1,
+        tokens=2,
+        key_heads=1,
+        value_heads=2,
+        key_dim=8,
+        value_dim=8,
         conv_kernel=4,
     )
     _, conv_state, _ = run(case)
@@ -197,11 +203,24 @@ def test_zero_tokens_return_empty_out_and_unchanged_states():
 
 def test_default_states_are_zeros():
     case = make_segment_case(
-        2, batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
-        with_conv_state=False, with_state=False,
+        2,
+        batch=1,
+        tokens=5,
+        key_heads=1,
+        value_heads=2,
+        key_dim=8,
+        value_dim=8,
+        with_conv_state=False,
+        with_state=False,
     )
     zeros = make_segment_case(
-        2, batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        2,
+        batch=1,
+        tokens=5,
+        key_heads=1,
+        value_heads=2,
+        key_dim=8,
+        value_dim=8,
     )
     zeros.conv_state = mx.zeros_like(zeros.conv_state)
     zeros.state = mx.zeros_like(zeros.state)
@@ -211,12 +230,20 @@ def test_default_states_are_zeros():
 
 def test_inputs_are_not_written():
     case = make_segment_case(
-        4, batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=8, value_dim=8,
+        4,
+        batch=2,
+        tokens=9,
+        key_heads=2,
+        value_heads=4,
+        key_dim=8,
+        value_dim=8,
         mask_kind="random",
     )
     before = [to_float64(a) for a in case.args()]
     mx.eval(run(case))
-    for name, a, b in zip(["mixed", "w", "decay", "dt", "norm", "conv", "state"], before, case.args()):
+    for name, a, b in zip(
+        ["mixed", "w", "decay", "dt", "norm", "conv", "state"], before, case.args()
+    ):
         assert np.array_equal(a, to_float64(b)), name
 
 
@@ -227,8 +254,12 @@ def test_segment_wipes_match_oracle(wipes, data, algorithm):
     # = -inf); drawn on purpose at chunk edges and in runs.
     case = make_segment_case(
         data.draw(st.integers(0, 2**32 - 1), label="seed"),
-        batch=2, tokens=data.draw(st.sampled_from((63, 64, 65, 127, 128)), label="tokens"),
-        key_heads=1, value_heads=2, key_dim=16, value_dim=8,
+        batch=2,
+        tokens=data.draw(st.sampled_from((63, 64, 65, 127, 128)), label="tokens"),
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
         dtype=data.draw(st.sampled_from(("float32", "bfloat16")), label="dtype"),
         decay=data.draw(st.sampled_from(("model", "severe", "mixed")), label="decay"),
         mask_kind=data.draw(
@@ -248,7 +279,13 @@ def test_vmap_is_one_call_per_mapped_slice(algorithm):
     # Three slices of the activations and states (scaled copies), the weights
     # shared: the mapped call folds the slices into the batch.
     case = make_segment_case(
-        5, batch=2, tokens=7, key_heads=1, value_heads=2, key_dim=8, value_dim=8,
+        5,
+        batch=2,
+        tokens=7,
+        key_heads=1,
+        value_heads=2,
+        key_dim=8,
+        value_dim=8,
         mask_kind="random",
     )
     mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
@@ -258,24 +295,37 @@ def test_vmap_is_one_call_per_mapped_slice(algorithm):
     stacked.append(mx.stack([mask, ~mask, mask]))
 
     def call(mixed, conv_state, state, mask):
-        return gated_delta_segment(mixed, weight, decay, dt_bias, norm, conv_state, state,
-                                   mask=mask, algorithm=algorithm, **options)
+        return gated_delta_segment(
+            mixed,
+            weight,
+            decay,
+            dt_bias,
+            norm,
+            conv_state,
+            state,
+            mask=mask,
+            algorithm=algorithm,
+            **options,
+        )
 
     mapped = mx.vmap(call)(*stacked)
     for i in range(3):
-        for name, got, expected in zip(("out", "conv_state", "state"), mapped,
-                                       call(*(x[i] for x in stacked))):
+        for name, got, expected in zip(
+            ("out", "conv_state", "state"), mapped, call(*(x[i] for x in stacked))
+        ):
             assert np.array_equal(to_float64(got[i]), to_float64(expected)), (name, i)
 
 
 def test_vmap_over_the_weights_is_refused_clearly():
-    case = make_segment_case(6, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
-                             value_dim=8)
+    case = make_segment_case(
+        6, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
     mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
 
     def call(weight):
-        return gated_delta_segment(mixed, weight, decay, dt_bias, norm, conv_state, state,
-                                   **case.options)
+        return gated_delta_segment(
+            mixed, weight, decay, dt_bias, norm, conv_state, state, **case.options
+        )
 
     with pytest.raises(Exception) as failure:
         mx.eval(mx.vmap(call)(mx.stack([weight, weight])))
@@ -285,8 +335,9 @@ def test_vmap_over_the_weights_is_refused_clearly():
 def test_jvp_through_the_segment_raises_a_clear_error():
     # No forward mode yet: refused, never silently wrong (or zero). The
     # gradient (reverse mode) is tested in segment_grad_properties.
-    case = make_segment_case(7, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
-                             value_dim=8)
+    case = make_segment_case(
+        7, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
     mixed, *rest = case.args()
 
     def out(mixed):

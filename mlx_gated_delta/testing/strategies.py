@@ -177,8 +177,9 @@ def make_core_case(
         magnitude = HUGE_FLOAT16_STATE
     state = (
         mx.array(
-            (rng.standard_normal((B, value_heads, value_dim, key_dim)) * magnitude)
-            .astype(np.float32)
+            (rng.standard_normal((B, value_heads, value_dim, key_dim)) * magnitude).astype(
+                np.float32
+            )
         )
         if with_state
         else None
@@ -191,8 +192,14 @@ def make_core_case(
         return mx.array(x.astype(np.float32)).astype(dtype)
 
     gate = DTYPES[gate_dtype]
-    arrays = [to_mx(q, activation), to_mx(k, activation), to_mx(v, activation),
-              to_mx(g, gate), to_mx(beta, gate), state]
+    arrays = [
+        to_mx(q, activation),
+        to_mx(k, activation),
+        to_mx(v, activation),
+        to_mx(g, gate),
+        to_mx(beta, gate),
+        state,
+    ]
     if strided:
         arrays = strided_views(*arrays)
     return CoreCase(*arrays, options=options, recipe=recipe)
@@ -202,8 +209,11 @@ def make_decays(rng, kind, shape):
     """Log decays of one of DECAY_KINDS, in float64."""
     if kind == "mixed":
         severe = rng.uniform(size=shape) < MIXED_SEVERE_FRACTION
-        return np.where(severe, rng.uniform(DECAY_RANGES["severe"][0], -8.0, size=shape),
-                        rng.uniform(-1e-3, 0.0, size=shape))
+        return np.where(
+            severe,
+            rng.uniform(DECAY_RANGES["severe"][0], -8.0, size=shape),
+            rng.uniform(-1e-3, 0.0, size=shape),
+        )
     low, high = DECAY_RANGES[kind]
     return rng.uniform(low, high, size=shape)
 
@@ -249,8 +259,14 @@ def strided_views(q, k, v, g, beta, state):
         stored_transposed = mx.contiguous(mx.swapaxes(x, axis1, axis2))
         return mx.swapaxes(stored_transposed, axis1, axis2)
 
-    views = [every_other(q), every_other(k), every_other(v), transposed_view(g, 1, 2),
-             transposed_view(beta, 0, 1), transposed_view(state, 2, 3)]
+    views = [
+        every_other(q),
+        every_other(k),
+        every_other(v),
+        transposed_view(g, 1, 2),
+        transposed_view(beta, 0, 1),
+        transposed_view(state, 2, 3),
+    ]
     mx.eval([x for x in views if x is not None])
     return views
 

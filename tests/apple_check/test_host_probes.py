@@ -38,11 +38,13 @@ def includes():
         pytest.skip(missing)
     check_host.generate_library_header()
     return check_host.include_flags(
-        fetch_mlx_headers.include_dir(fetch_mlx_headers.pinned_mlx_version()))
+        fetch_mlx_headers.include_dir(fetch_mlx_headers.pinned_mlx_version())
+    )
 
 
 @pytest.mark.parametrize(
-    "path", check_host.probe_files(), ids=lambda path: os.path.basename(path).removesuffix(".probe"))
+    "path", check_host.probe_files(), ids=lambda path: os.path.basename(path).removesuffix(".probe")
+)
 @pytest.mark.parametrize("mode", list(check_host.MODES))
 def test_probe_is_rejected_with_its_error(path, mode, includes):
     name = os.path.basename(path).removesuffix(".probe")
@@ -50,5 +52,7 @@ def test_probe_is_rejected_with_its_error(path, mode, includes):
     ok, _, diagnostics = check_host.compile_probe(probe, name, mode, includes)
     assert not ok, f"probe {name} compiled [{mode}]"
     rejected, error = check_host.probe_verdict(probe, ok, diagnostics)
-    assert rejected, (f"probe {name} [{mode}]: expected '{probe['error']}' in "
-                      f"{probe['source']}, first error was: {error}")
+    assert rejected, (
+        f"probe {name} [{mode}]: expected '{probe['error']}' in "
+        f"{probe['source']}, first error was: {error}"
+    )

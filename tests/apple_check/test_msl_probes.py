@@ -27,8 +27,10 @@ check_library = load_check()
 
 if shutil.which(check_library.CLANG) is None:
     if os.environ.get("MLX_GATED_DELTA_REQUIRE_APPLE_CHECK") == "1":
-        pytest.fail(f"{check_library.CLANG} is required (MLX_GATED_DELTA_REQUIRE_APPLE_CHECK=1)",
-                    pytrace=False)
+        pytest.fail(
+            f"{check_library.CLANG} is required (MLX_GATED_DELTA_REQUIRE_APPLE_CHECK=1)",
+            pytrace=False,
+        )
     pytest.skip(f"{check_library.CLANG} not installed", allow_module_level=True)
 
 
@@ -44,8 +46,8 @@ def test_library_is_what_get_library_receives():
     # Every kernel file and local header is inlined once, and nothing of the
     # C++ wrapper (raw-string delimiter, namespace) leaks into the string.
     for name in check_library.kernel_names():
-        assert text.count(f"#line 1 \"{name}.metal\"\n") == 1
-    assert text.count("#line 1 \"gated_delta_common.h\"\n") == 1
+        assert text.count(f'#line 1 "{name}.metal"\n') == 1
+    assert text.count('#line 1 "gated_delta_common.h"\n') == 1
     assert "metal_source" not in text and "kMetalLibrarySource" not in text
     assert text.count("#include <metal_stdlib>") == 1
 
@@ -64,7 +66,9 @@ def test_old_host_name_macro_fails_on_every_instantiation():
     probe = next(p for p in PROBES if p["name"] == "old_host_name_macro")
     errors = check_library.run_probe(probe)
     instantiation_lines = sum(
-        1 for name in check_library.kernel_names()
+        1
+        for name in check_library.kernel_names()
         for line in open(os.path.join(check_library.KERNEL_DIR, f"{name}.metal"))
-        if line.startswith("instantiate_kernel("))
+        if line.startswith("instantiate_kernel(")
+    )
     assert sum("expected ']'" in error for error in errors) >= instantiation_lines

@@ -1,8 +1,9 @@
 // Runs a few small shapes through every Metal kernel (the core's and the fused
 // segment's) in the emulator, for the ThreadSanitizer and AddressSanitizer
-// builds of run_sanitizers.sh. Fails on a sanitizer report (the sanitizer's exit code), on any emulator error
-// (sentinel guards, divergence, deadlock, limits) and on a non-finite output;
-// agreement with the oracle is the pytest suite's job.
+// builds of run_sanitizers.sh. Fails on a sanitizer report (the sanitizer's
+// exit code), on any emulator error (sentinel guards, divergence, deadlock,
+// limits) and on a non-finite output; agreement with the oracle is the pytest
+// suite's job.
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -39,7 +40,8 @@ uint16_t to_bfloat_bits(float value) {
   std::memcpy(&word, &value, 4);
   return uint16_t((word + 0x7fffu + ((word >> 16) & 1u)) >> 16);
 }
-float from_activation(const std::byte* data, size_t index, ActivationDtype dtype) {
+float from_activation(
+    const std::byte* data, size_t index, ActivationDtype dtype) {
   if (dtype == ActivationDtype::Float32) {
     float value;
     std::memcpy(&value, data + 4 * index, 4);
@@ -58,8 +60,8 @@ float from_activation(const std::byte* data, size_t index, ActivationDtype dtype
   return value;
 }
 
-std::vector<std::byte> activations(std::mt19937& rng, size_t count, ActivationDtype dtype,
-                                   float amplitude) {
+std::vector<std::byte> activations(
+    std::mt19937& rng, size_t count, ActivationDtype dtype, float amplitude) {
   std::uniform_real_distribution<float> uniform(-amplitude, amplitude);
   std::vector<std::byte> out(count * element_bytes(dtype));
   for (size_t i = 0; i < count; ++i) {
@@ -67,14 +69,16 @@ std::vector<std::byte> activations(std::mt19937& rng, size_t count, ActivationDt
     if (dtype == ActivationDtype::Float32) {
       std::memcpy(out.data() + 4 * i, &value, 4);
     } else {
-      uint16_t bits = dtype == ActivationDtype::Float16 ? to_half_bits(value) : to_bfloat_bits(value);
+      uint16_t bits = dtype == ActivationDtype::Float16 ? to_half_bits(value)
+                                                        : to_bfloat_bits(value);
       std::memcpy(out.data() + 2 * i, &bits, 2);
     }
   }
   return out;
 }
 
-std::vector<std::byte> floats(std::mt19937& rng, size_t count, float low, float high) {
+std::vector<std::byte> floats(
+    std::mt19937& rng, size_t count, float low, float high) {
   std::uniform_real_distribution<float> uniform(low, high);
   std::vector<std::byte> out(count * 4);
   for (size_t i = 0; i < count; ++i) {
@@ -84,26 +88,38 @@ std::vector<std::byte> floats(std::mt19937& rng, size_t count, float low, float 
   return out;
 }
 
-void check_finite(const char* shape, const char* what, const std::vector<std::byte>& data,
-                  size_t count, ActivationDtype dtype) {
+void check_finite(
+    const char* shape,
+    const char* what,
+    const std::vector<std::byte>& data,
+    size_t count,
+    ActivationDtype dtype) {
   for (size_t i = 0; i < count; ++i) {
     if (!std::isfinite(from_activation(data.data(), i, dtype))) {
-      throw std::runtime_error(std::string(shape) + ": " + what + "[" + std::to_string(i) +
-                               "] is not finite");
+      throw std::runtime_error(
+          std::string(shape) + ": " + what + "[" + std::to_string(i) +
+          "] is not finite");
     }
   }
 }
 
-void report(const char* name, const Plan& plan, std::set<std::string>& kernels_run) {
-  for (const Dispatch& d : plan.dispatches) kernels_run.insert(d.stage + ": " + d.kernel);
+void report(
+    const char* name, const Plan& plan, std::set<std::string>& kernels_run) {
+  for (const Dispatch& d : plan.dispatches)
+    kernels_run.insert(d.stage + ": " + d.kernel);
   std::printf("ok  %-52s %zu dispatches\n", name, plan.dispatches.size());
   std::fflush(stdout);
 }
 
 void run(const Shape& shape, std::set<std::string>& kernels_run) {
   GatedDeltaParams p;
-  p.set_shape({1, shape.tokens, shape.key_heads, shape.value_heads, shape.key_dim,
-               shape.value_dim});
+  p.set_shape(
+      {1,
+       shape.tokens,
+       shape.key_heads,
+       shape.value_heads,
+       shape.key_dim,
+       shape.value_dim});
   p.scale = 1.0f / std::sqrt(float(shape.key_dim));
   p.normalize_qk = shape.normalize_qk;
   p.has_mask = shape.mask;
@@ -122,16 +138,27 @@ void run(const Shape& shape, std::set<std::string>& kernels_run) {
   auto state_in = floats(rng, state, -1.0f, 1.0f);
   std::vector<std::byte> mask;
   if (shape.mask) {
-    for (int t = 0; t < p.tokens; ++t) mask.push_back(std::byte(t % 5 != 2));
+    for (int t = 0; t < p.tokens; ++t)
+      mask.push_back(std::byte(t % 5 != 2));
   }
-  emulator::BufferInputs inputs{{PlanBuffer::Query, q},     {PlanBuffer::Key, k},
-                                {PlanBuffer::Value, values}, {PlanBuffer::Gate, g},
-                                {PlanBuffer::Beta, beta},    {PlanBuffer::StateIn, state_in}};
-  if (shape.mask) inputs[PlanBuffer::Mask] = mask;
-  emulator::BufferOutputs outputs = emulator::run_plan(plan, inputs, std::chrono::seconds(120));
+  emulator::BufferInputs inputs{
+      {PlanBuffer::Query, q},
+      {PlanBuffer::Key, k},
+      {PlanBuffer::Value, values},
+      {PlanBuffer::Gate, g},
+      {PlanBuffer::Beta, beta},
+      {PlanBuffer::StateIn, state_in}};
+  if (shape.mask)
+    inputs[PlanBuffer::Mask] = mask;
+  emulator::BufferOutputs outputs =
+      emulator::run_plan(plan, inputs, std::chrono::seconds(120));
   check_finite(shape.name, "y", outputs.at(PlanBuffer::Output), v, shape.dtype);
-  check_finite(shape.name, "state", outputs.at(PlanBuffer::StateOut), state,
-               ActivationDtype::Float32);
+  check_finite(
+      shape.name,
+      "state",
+      outputs.at(PlanBuffer::StateOut),
+      state,
+      ActivationDtype::Float32);
   report(shape.name, plan, kernels_run);
 }
 
@@ -144,10 +171,16 @@ struct SegmentShape {
   bool mask;
 };
 
-void run_segment(const SegmentShape& shape, std::set<std::string>& kernels_run) {
+void run_segment(
+    const SegmentShape& shape, std::set<std::string>& kernels_run) {
   SegmentParams p;
-  p.set_shape({shape.batch, shape.tokens, shape.key_heads, shape.value_heads, shape.key_dim,
-               shape.value_dim});
+  p.set_shape(
+      {shape.batch,
+       shape.tokens,
+       shape.key_heads,
+       shape.value_heads,
+       shape.key_dim,
+       shape.value_dim});
   p.conv_kernel = shape.conv_kernel;
   p.decay_parameterization = shape.decay;
   p.has_mask = shape.mask;
@@ -155,34 +188,56 @@ void run_segment(const SegmentShape& shape, std::set<std::string>& kernels_run) 
 
   std::mt19937 rng(4321);
   const size_t tokens = size_t(p.batch) * p.tokens;
-  const size_t conv_state = size_t(p.batch) * p.conv_state_rows() * p.conv_channels();
+  const size_t conv_state =
+      size_t(p.batch) * p.conv_state_rows() * p.conv_channels();
   const size_t out = tokens * p.v_width();
-  const size_t state = size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
+  const size_t state =
+      size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
   auto mixed = activations(rng, tokens * p.packed_width(), shape.dtype, 1.0f);
-  auto conv_weight = floats(rng, size_t(p.conv_channels()) * p.conv_kernel, -0.5f, 0.5f);
+  auto conv_weight =
+      floats(rng, size_t(p.conv_channels()) * p.conv_kernel, -0.5f, 0.5f);
   auto decay_parameter = shape.decay == DecayParameterization::LogRate
-                             ? floats(rng, p.value_heads, -2.0f, 1.0f)
-                             : floats(rng, p.value_heads, -4.0f, -0.05f);
+      ? floats(rng, p.value_heads, -2.0f, 1.0f)
+      : floats(rng, p.value_heads, -4.0f, -0.05f);
   auto dt_bias = floats(rng, p.value_heads, -1.0f, 1.0f);
   auto norm_weight = floats(rng, p.value_dim, 0.5f, 1.5f);
   auto conv_state_in = activations(rng, conv_state, shape.dtype, 1.0f);
   auto state_in = floats(rng, state, -1.0f, 1.0f);
   std::vector<std::byte> mask;
   if (shape.mask) {
-    for (size_t t = 0; t < tokens; ++t) mask.push_back(std::byte(t % 4 != 1));
+    for (size_t t = 0; t < tokens; ++t)
+      mask.push_back(std::byte(t % 4 != 1));
   }
   emulator::BufferInputs inputs{
-      {PlanBuffer::Mixed, mixed},       {PlanBuffer::ConvWeight, conv_weight},
-      {PlanBuffer::DecayParameter, decay_parameter}, {PlanBuffer::DtBias, dt_bias},
-      {PlanBuffer::NormWeight, norm_weight}, {PlanBuffer::ConvStateIn, conv_state_in},
+      {PlanBuffer::Mixed, mixed},
+      {PlanBuffer::ConvWeight, conv_weight},
+      {PlanBuffer::DecayParameter, decay_parameter},
+      {PlanBuffer::DtBias, dt_bias},
+      {PlanBuffer::NormWeight, norm_weight},
+      {PlanBuffer::ConvStateIn, conv_state_in},
       {PlanBuffer::StateIn, state_in}};
-  if (shape.mask) inputs[PlanBuffer::Mask] = mask;
-  emulator::BufferOutputs outputs = emulator::run_plan(plan, inputs, std::chrono::seconds(120));
-  check_finite(shape.name, "out", outputs.at(PlanBuffer::SegmentOutput), out, shape.dtype);
-  check_finite(shape.name, "conv_state", outputs.at(PlanBuffer::ConvStateOut), conv_state,
-               shape.dtype);
-  check_finite(shape.name, "state", outputs.at(PlanBuffer::StateOut), state,
-               ActivationDtype::Float32);
+  if (shape.mask)
+    inputs[PlanBuffer::Mask] = mask;
+  emulator::BufferOutputs outputs =
+      emulator::run_plan(plan, inputs, std::chrono::seconds(120));
+  check_finite(
+      shape.name,
+      "out",
+      outputs.at(PlanBuffer::SegmentOutput),
+      out,
+      shape.dtype);
+  check_finite(
+      shape.name,
+      "conv_state",
+      outputs.at(PlanBuffer::ConvStateOut),
+      conv_state,
+      shape.dtype);
+  check_finite(
+      shape.name,
+      "state",
+      outputs.at(PlanBuffer::StateOut),
+      state,
+      ActivationDtype::Float32);
   report(shape.name, plan, kernels_run);
 }
 
@@ -192,28 +247,87 @@ int main() {
   using enum Algorithm;
   using enum ActivationDtype;
   const Shape shapes[] = {
-      {"recurrent simd, float32, mask", Recurrent, Float32, 5, 1, 2, 32, 8, false, true},
-      {"recurrent generic, bfloat16, normalize_qk", Recurrent, BFloat16, 4, 1, 2, 16, 8, true, false},
-      {"chunked, float16, normalize_qk, mask", Chunked, Float16, 70, 1, 2, 32, 8, true, true},
-      {"chunked k_gram (Dk 128, repeated heads), float32", Chunked, Float32, 65, 1, 2, 128, 4, false, false},
+      {"recurrent simd, float32, mask",
+       Recurrent,
+       Float32,
+       5,
+       1,
+       2,
+       32,
+       8,
+       false,
+       true},
+      {"recurrent generic, bfloat16, normalize_qk",
+       Recurrent,
+       BFloat16,
+       4,
+       1,
+       2,
+       16,
+       8,
+       true,
+       false},
+      {"chunked, float16, normalize_qk, mask",
+       Chunked,
+       Float16,
+       70,
+       1,
+       2,
+       32,
+       8,
+       true,
+       true},
+      {"chunked k_gram (Dk 128, repeated heads), float32",
+       Chunked,
+       Float32,
+       65,
+       1,
+       2,
+       128,
+       4,
+       false,
+       false},
   };
   // Segment shapes: C = 48 conv channels (threadgroups of 64 threads, so the
   // kernels' channel bounds are exercised); every fourth token masked.
   const SegmentShape segment_shapes[] = {
-      {"segment recurrent, float16, log_rate, mask", Recurrent, Float16, 2, 6, 1, 2, 16, 8, 4,
-       DecayParameterization::LogRate, true},
-      {"segment chunked, bfloat16, negative_rate", Chunked, BFloat16, 1, 67, 1, 2, 16, 8, 3,
-       DecayParameterization::NegativeRate, false},
+      {"segment recurrent, float16, log_rate, mask",
+       Recurrent,
+       Float16,
+       2,
+       6,
+       1,
+       2,
+       16,
+       8,
+       4,
+       DecayParameterization::LogRate,
+       true},
+      {"segment chunked, bfloat16, negative_rate",
+       Chunked,
+       BFloat16,
+       1,
+       67,
+       1,
+       2,
+       16,
+       8,
+       3,
+       DecayParameterization::NegativeRate,
+       false},
   };
   std::set<std::string> kernels_run;
   try {
-    for (const Shape& shape : shapes) run(shape, kernels_run);
-    for (const SegmentShape& shape : segment_shapes) run_segment(shape, kernels_run);
+    for (const Shape& shape : shapes)
+      run(shape, kernels_run);
+    for (const SegmentShape& shape : segment_shapes)
+      run_segment(shape, kernels_run);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "FAILED: %s\n", error.what());
     return 1;
   }
   std::printf("%zu distinct kernels ran:\n", kernels_run.size());
-  for (const std::string& name : kernels_run) std::printf("  %s\n", name.c_str());
+  for (const std::string& name : kernels_run)
+    std::printf("  %s\n", name.c_str());
   return 0;
 }

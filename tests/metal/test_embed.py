@@ -17,13 +17,17 @@ LINE_MARKER = re.compile(r'^#line (\d+) "([^"]+)"$')
 
 def embed(tmp_path, kernels):
     header = tmp_path / "library.h"
-    subprocess.run([sys.executable, str(EMBED), str(header), *map(str, kernels)], check=True,
-                   capture_output=True, text=True)
+    subprocess.run(
+        [sys.executable, str(EMBED), str(header), *map(str, kernels)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     text = header.read_text()
     # The writer puts the source between a newline after the opening
     # delimiter and one before the closing delimiter.
     start = text.index('R"metal_source(\n') + len('R"metal_source(\n')
-    return text[start: text.index('\n)metal_source"')]
+    return text[start : text.index('\n)metal_source"')]
 
 
 def test_every_line_maps_back_to_its_source(tmp_path):

@@ -3,7 +3,6 @@ Metal would refuse or what would be undefined on a GPU (divergent barriers,
 limits, writes past a buffer). The probe kernels are in
 csrc/metal/emulator/probes.metal."""
 
-
 import numpy as np
 import pytest
 
@@ -12,10 +11,17 @@ from mlx_gated_delta import _metal_emulator
 TIMEOUT_MS = 10_000
 
 
-def run_probe(kernel, threads, data, *, groups=(1, 1, 1), threadgroup_bytes=32768,
-              timeout_ms=TIMEOUT_MS):
-    result = _metal_emulator.run_kernel(kernel, groups, (threads, 1, 1), threadgroup_bytes,
-                                        np.asarray(data, np.float32).tobytes(), timeout_ms)
+def run_probe(
+    kernel, threads, data, *, groups=(1, 1, 1), threadgroup_bytes=32768, timeout_ms=TIMEOUT_MS
+):
+    result = _metal_emulator.run_kernel(
+        kernel,
+        groups,
+        (threads, 1, 1),
+        threadgroup_bytes,
+        np.asarray(data, np.float32).tobytes(),
+        timeout_ms,
+    )
     return np.frombuffer(result, np.float32)
 
 
@@ -33,7 +39,10 @@ def test_simd_collectives_exchange_among_the_32_lanes():
 
 
 def test_barriers_reached_from_two_lines_are_divergence():
-    with pytest.raises(RuntimeError, match=r"divergent threadgroup_barrier: reached from .*probes\.metal:\d+ and from .*probes\.metal:\d+"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"divergent threadgroup_barrier: reached from .*probes\.metal:\d+ and from .*probes\.metal:\d+",
+    ):
         run_probe("probe_divergent_barrier", 64, np.zeros(64))
 
 
@@ -53,12 +62,16 @@ def test_a_deadlock_times_out_with_an_error():
 
 
 def test_a_launch_over_32_kib_of_threadgroup_memory_is_refused():
-    with pytest.raises(ValueError, match=r"40960 bytes of threadgroup memory \(Metal allows 32768\)"):
+    with pytest.raises(
+        ValueError, match=r"40960 bytes of threadgroup memory \(Metal allows 32768\)"
+    ):
         run_probe("probe_oversized_threadgroup_memory", 64, np.zeros(64), threadgroup_bytes=40960)
 
 
 def test_threadgroup_memory_beyond_what_the_plan_declares_is_an_error():
-    with pytest.raises(RuntimeError, match=r"used 40960 bytes of threadgroup memory but its plan declares 32768"):
+    with pytest.raises(
+        RuntimeError, match=r"used 40960 bytes of threadgroup memory but its plan declares 32768"
+    ):
         run_probe("probe_oversized_threadgroup_memory", 64, np.zeros(64))
 
 
@@ -76,7 +89,9 @@ def test_unwritten_threadgroup_memory_reads_as_nan():
 
 
 def test_a_write_past_the_end_of_a_buffer_hits_the_sentinel_guard():
-    with pytest.raises(RuntimeError, match=r"probe_write_past_end wrote past its end of buffer data"):
+    with pytest.raises(
+        RuntimeError, match=r"probe_write_past_end wrote past its end of buffer data"
+    ):
         run_probe("probe_write_past_end", 64, np.zeros(64))
 
 
@@ -98,7 +113,10 @@ def test_simdgroup_matrix_multiply_accumulate(transpose):
 
 
 def test_a_simdgroup_store_of_lane_dependent_matrices_is_divergence():
-    with pytest.raises(RuntimeError, match=r"simdgroup_store at .*probes\.metal:\d+: the lanes hold different matrices"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"simdgroup_store at .*probes\.metal:\d+: the lanes hold different matrices",
+    ):
         run_probe("probe_simdgroup_matrix_divergent_load", 32, np.arange(200))
 
 

@@ -18,8 +18,9 @@ KERNELS = ROOT / "csrc" / "metal" / "kernels"
 PREP_METAL = ROOT / "csrc" / "metal" / "emulator" / "prep_metal.py"
 PREP_CUDA = ROOT / "tools" / "cuda_check" / "prep_cuda.py"
 INTACT = "#define instantiate_kernel(name, function, ...) \\\n  template [[host_name(name)]]"
-BROKEN = ("#define instantiate_kernel(host_name, function, ...) \\\n"
-          "  template [[host_name(host_name)]]")
+BROKEN = (
+    "#define instantiate_kernel(host_name, function, ...) \\\n  template [[host_name(host_name)]]"
+)
 
 
 def kernels_copy(tmp_path, macro):
@@ -33,22 +34,34 @@ def kernels_copy(tmp_path, macro):
 
 
 def prep_metal(kernel, tmp_path):
-    return subprocess.run([sys.executable, str(PREP_METAL), str(kernel), str(tmp_path / "out.cpp")],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [sys.executable, str(PREP_METAL), str(kernel), str(tmp_path / "out.cpp")],
+        capture_output=True,
+        text=True,
+    )
 
 
 def prep_cuda(kernels, tmp_path):
-    return subprocess.run([sys.executable, str(PREP_CUDA), str(tmp_path / "k.cu"),
-                           str(tmp_path / "k.json"), *map(str, sorted(kernels.glob("*.metal")))],
-                          capture_output=True, text=True)
+    return subprocess.run(
+        [
+            sys.executable,
+            str(PREP_CUDA),
+            str(tmp_path / "k.cu"),
+            str(tmp_path / "k.json"),
+            *map(str, sorted(kernels.glob("*.metal"))),
+        ],
+        capture_output=True,
+        text=True,
+    )
 
 
 def test_emulator_registers_the_host_names_the_macro_expands_to(tmp_path):
     result = prep_metal(KERNELS / "recurrent.metal", tmp_path)
     assert result.returncode == 0, result.stderr
     registered = re.findall(r'KernelRegistration \w+\("(\w+)"', (tmp_path / "out.cpp").read_text())
-    calls = re.findall(r'^instantiate_kernel\("(\w+)"', (KERNELS / "recurrent.metal").read_text(),
-                       re.MULTILINE)
+    calls = re.findall(
+        r'^instantiate_kernel\("(\w+)"', (KERNELS / "recurrent.metal").read_text(), re.MULTILINE
+    )
     assert len(calls) == 6 and registered == calls
 
 
@@ -56,8 +69,11 @@ def test_cuda_check_wraps_the_host_names_the_macro_expands_to(tmp_path):
     result = prep_cuda(KERNELS, tmp_path)
     assert result.returncode == 0, result.stderr
     wrapped = set(json.loads((tmp_path / "k.json").read_text()))
-    calls = {name for path in KERNELS.glob("*.metal")
-             for name in re.findall(r'^instantiate_kernel\("(\w+)"', path.read_text(), re.MULTILINE)}
+    calls = {
+        name
+        for path in KERNELS.glob("*.metal")
+        for name in re.findall(r'^instantiate_kernel\("(\w+)"', path.read_text(), re.MULTILINE)
+    }
     assert len(calls) == 42 and calls <= wrapped
 
 
@@ -69,6 +85,8 @@ def test_broken_macro_stops_the_build(tmp_path, tool):
     else:
         result = prep_cuda(kernels, tmp_path)
     assert result.returncode != 0
-    assert 'expands to template [["gated_delta_chunk_carry_float32"("gated_delta_chunk_carry_float32")]]' \
+    assert (
+        'expands to template [["gated_delta_chunk_carry_float32"("gated_delta_chunk_carry_float32")]]'
         in result.stderr
+    )
     assert "which is not a host-named [[kernel]] instantiation" in result.stderr

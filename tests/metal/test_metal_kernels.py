@@ -25,39 +25,204 @@ OUTPUT_CONTRACTS = properties.ORACLE_OUTPUT_CONTRACTS
 STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
 SPLIT_CONTRACTS = properties.SPLIT_CONTRACTS
 CHUNKED_VS_RECURRENT = (
-    ("core.chunked_vs_recurrent.v2.float32.output", "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701"),
-    ("core.chunked_vs_recurrent.v2.float32.state", "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb"),
+    (
+        "core.chunked_vs_recurrent.v2.float32.output",
+        "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
+    ),
+    (
+        "core.chunked_vs_recurrent.v2.float32.state",
+        "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
+    ),
 )
 
 # (algorithm, the kernel the case must reach, make_core_case arguments).
 ORACLE_CASES = [
-    ("recurrent", "recurrent_simd", dict(batch=1, tokens=7, key_heads=1, value_heads=2, key_dim=32, value_dim=16)),
-    ("recurrent", "recurrent_simd", dict(batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=64, value_dim=32,
-                                         dtype="float16", mask_kind="random", normalize_qk=True, head_mapping="interleaved")),
-    ("recurrent", "recurrent_simd", dict(batch=2, tokens=5, key_heads=1, value_heads=2, key_dim=96, value_dim=16,
-                                         dtype="bfloat16", mask_kind="left_padding")),
-    ("recurrent", "recurrent_simd", dict(batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=128, value_dim=8,
-                                         decay="strong", scale=0.5)),
-    ("recurrent", "recurrent_generic", dict(batch=2, tokens=6, key_heads=1, value_heads=2, key_dim=80, value_dim=16,
-                                            normalize_qk=True, mask_kind="random")),
-    ("recurrent", "recurrent_generic", dict(batch=1, tokens=4, key_heads=2, value_heads=4, key_dim=16, value_dim=80,
-                                            dtype="bfloat16", head_mapping="interleaved", with_state=False)),
-    ("chunked", "chunk_carry", dict(batch=1, tokens=65, key_heads=2, value_heads=4, key_dim=32, value_dim=16,
-                                    mask_kind="random")),
-    ("chunked", "qk_norm", dict(batch=2, tokens=130, key_heads=1, value_heads=2, key_dim=64, value_dim=16,
-                                dtype="bfloat16", normalize_qk=True, head_mapping="interleaved")),
-    ("chunked", "chunk_output", dict(batch=1, tokens=64, key_heads=1, value_heads=1, key_dim=96, value_dim=32,
-                                     dtype="float16", mask_kind="left_padding")),
-    ("chunked", "chunk_output", dict(batch=1, tokens=1, key_heads=1, value_heads=2, key_dim=80, value_dim=16)),
-    ("chunked", "k_gram", dict(batch=1, tokens=129, key_heads=1, value_heads=2, key_dim=128, value_dim=16,
-                               normalize_qk=True, head_mapping="interleaved")),
-    ("chunked", "k_gram", dict(batch=1, tokens=70, key_heads=1, value_heads=2, key_dim=128, value_dim=8,
-                               dtype="bfloat16", mask_kind="random")),
-    ("chunked", "kkt_inverse_float32", dict(batch=1, tokens=70, key_heads=2, value_heads=2, key_dim=128, value_dim=8)),
-    ("chunked", "chunk_qk", dict(batch=1, tokens=127, key_heads=1, value_heads=1, key_dim=16, value_dim=80,
-                                 decay="strong")),
-    ("chunked", "recompute_w_u", dict(batch=1, tokens=63, key_heads=1, value_heads=4, key_dim=32, value_dim=16,
-                                      decay="none", scale=0.5, normalize_qk=True)),
+    (
+        "recurrent",
+        "recurrent_simd",
+        dict(batch=1, tokens=7, key_heads=1, value_heads=2, key_dim=32, value_dim=16),
+    ),
+    (
+        "recurrent",
+        "recurrent_simd",
+        dict(
+            batch=2,
+            tokens=9,
+            key_heads=2,
+            value_heads=4,
+            key_dim=64,
+            value_dim=32,
+            dtype="float16",
+            mask_kind="random",
+            normalize_qk=True,
+            head_mapping="interleaved",
+        ),
+    ),
+    (
+        "recurrent",
+        "recurrent_simd",
+        dict(
+            batch=2,
+            tokens=5,
+            key_heads=1,
+            value_heads=2,
+            key_dim=96,
+            value_dim=16,
+            dtype="bfloat16",
+            mask_kind="left_padding",
+        ),
+    ),
+    (
+        "recurrent",
+        "recurrent_simd",
+        dict(
+            batch=1,
+            tokens=3,
+            key_heads=1,
+            value_heads=2,
+            key_dim=128,
+            value_dim=8,
+            decay="strong",
+            scale=0.5,
+        ),
+    ),
+    (
+        "recurrent",
+        "recurrent_generic",
+        dict(
+            batch=2,
+            tokens=6,
+            key_heads=1,
+            value_heads=2,
+            key_dim=80,
+            value_dim=16,
+            normalize_qk=True,
+            mask_kind="random",
+        ),
+    ),
+    (
+        "recurrent",
+        "recurrent_generic",
+        dict(
+            batch=1,
+            tokens=4,
+            key_heads=2,
+            value_heads=4,
+            key_dim=16,
+            value_dim=80,
+            dtype="bfloat16",
+            head_mapping="interleaved",
+            with_state=False,
+        ),
+    ),
+    (
+        "chunked",
+        "chunk_carry",
+        dict(
+            batch=1,
+            tokens=65,
+            key_heads=2,
+            value_heads=4,
+            key_dim=32,
+            value_dim=16,
+            mask_kind="random",
+        ),
+    ),
+    (
+        "chunked",
+        "qk_norm",
+        dict(
+            batch=2,
+            tokens=130,
+            key_heads=1,
+            value_heads=2,
+            key_dim=64,
+            value_dim=16,
+            dtype="bfloat16",
+            normalize_qk=True,
+            head_mapping="interleaved",
+        ),
+    ),
+    (
+        "chunked",
+        "chunk_output",
+        dict(
+            batch=1,
+            tokens=64,
+            key_heads=1,
+            value_heads=1,
+            key_dim=96,
+            value_dim=32,
+            dtype="float16",
+            mask_kind="left_padding",
+        ),
+    ),
+    (
+        "chunked",
+        "chunk_output",
+        dict(batch=1, tokens=1, key_heads=1, value_heads=2, key_dim=80, value_dim=16),
+    ),
+    (
+        "chunked",
+        "k_gram",
+        dict(
+            batch=1,
+            tokens=129,
+            key_heads=1,
+            value_heads=2,
+            key_dim=128,
+            value_dim=16,
+            normalize_qk=True,
+            head_mapping="interleaved",
+        ),
+    ),
+    (
+        "chunked",
+        "k_gram",
+        dict(
+            batch=1,
+            tokens=70,
+            key_heads=1,
+            value_heads=2,
+            key_dim=128,
+            value_dim=8,
+            dtype="bfloat16",
+            mask_kind="random",
+        ),
+    ),
+    (
+        "chunked",
+        "kkt_inverse_float32",
+        dict(batch=1, tokens=70, key_heads=2, value_heads=2, key_dim=128, value_dim=8),
+    ),
+    (
+        "chunked",
+        "chunk_qk",
+        dict(
+            batch=1,
+            tokens=127,
+            key_heads=1,
+            value_heads=1,
+            key_dim=16,
+            value_dim=80,
+            decay="strong",
+        ),
+    ),
+    (
+        "chunked",
+        "recompute_w_u",
+        dict(
+            batch=1,
+            tokens=63,
+            key_heads=1,
+            value_heads=4,
+            key_dim=32,
+            value_dim=16,
+            decay="none",
+            scale=0.5,
+            normalize_qk=True,
+        ),
+    ),
 ]
 
 
@@ -71,8 +236,10 @@ def emulate(case, algorithm, **overrides):
 
 
 @pytest.mark.parametrize(
-    "algorithm, kernel, recipe", ORACLE_CASES,
-    ids=[f"{a}-{k}-{i}" for i, (a, k, _) in enumerate(ORACLE_CASES)])
+    "algorithm, kernel, recipe",
+    ORACLE_CASES,
+    ids=[f"{a}-{k}-{i}" for i, (a, k, _) in enumerate(ORACLE_CASES)],
+)
 def test_every_kernel_path_matches_the_float64_oracle(algorithm, kernel, recipe):
     case = make_core_case(len(recipe) * 7 + recipe["tokens"], **recipe)
     y, state, info = emulate(case, algorithm)
@@ -87,23 +254,35 @@ def test_every_kernel_path_matches_the_float64_oracle(algorithm, kernel, recipe)
 def test_a_zero_decay_wipes_the_state_exactly(algorithm):
     # gamma == 0 arrives as g = -inf: the state before it is gone, no NaN, and
     # the chunked form never subtracts two infinite cumsums.
-    case = make_core_case(5, batch=1, tokens=100, key_heads=1, value_heads=2, key_dim=32,
-                          value_dim=16)
+    case = make_core_case(
+        5, batch=1, tokens=100, key_heads=1, value_heads=2, key_dim=32, value_dim=16
+    )
     g = np.array(case.g)
     g[0, [0, 10, 11, 64, 99], 0] = -np.inf
     g[0, 40, 1] = -np.inf
-    y, state, _ = metal_emulated.run(case.q, case.k, case.v, g, case.beta, case.state,
-                                     algorithm=algorithm)
+    y, state, _ = metal_emulated.run(
+        case.q, case.k, case.v, g, case.beta, case.state, algorithm=algorithm
+    )
     expected_y, expected_state = gated_delta_rule_reference(
-        case.q, case.k, case.v, g, case.beta, case.state)
+        case.q, case.k, case.v, g, case.beta, case.state
+    )
     assert np.isfinite(y).all() and np.isfinite(state).all()
     assert_matches("y", y, expected_y, *OUTPUT_CONTRACTS[algorithm, "float32"])
     assert_matches("state", state, expected_state, *STATE_CONTRACTS[algorithm])
 
 
 def test_chunked_matches_recurrent():
-    case = make_core_case(11, batch=1, tokens=100, key_heads=2, value_heads=4, key_dim=32,
-                          value_dim=16, mask_kind="random", head_mapping="interleaved")
+    case = make_core_case(
+        11,
+        batch=1,
+        tokens=100,
+        key_heads=2,
+        value_heads=4,
+        key_dim=32,
+        value_dim=16,
+        mask_kind="random",
+        head_mapping="interleaved",
+    )
     recurrent_y, recurrent_state, _ = emulate(case, "recurrent")
     chunked_y, chunked_state, _ = emulate(case, "chunked")
     (output_id, output_print), (state_id, state_print) = CHUNKED_VS_RECURRENT
@@ -111,19 +290,29 @@ def test_chunked_matches_recurrent():
     assert_matches("state", chunked_state, recurrent_state, state_id, state_print)
 
 
-@pytest.mark.parametrize("algorithm, points, tokens",
-                         [("recurrent", (0, 3, 3, 20), 40), ("chunked", (50, 64, 129), 140)])
+@pytest.mark.parametrize(
+    "algorithm, points, tokens", [("recurrent", (0, 3, 3, 20), 40), ("chunked", (50, 64, 129), 140)]
+)
 def test_split_continuity_any_split_points(algorithm, points, tokens):
-    case = make_core_case(13, batch=1, tokens=tokens, key_heads=1, value_heads=2, key_dim=32,
-                          value_dim=16, mask_kind="random")
+    case = make_core_case(
+        13,
+        batch=1,
+        tokens=tokens,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=16,
+        mask_kind="random",
+    )
     whole_y, whole_state, _ = emulate(case, algorithm)
     mask = np.array(case.options["mask"])
     pieces, state = [], case.state
     bounds = (0, *points, tokens)
     for start, stop in zip(bounds[:-1], bounds[1:]):
         part = [x[:, start:stop] for x in (case.q, case.k, case.v, case.g, case.beta)]
-        y, state, _ = metal_emulated.run(*part, state, scale=case.options["scale"],
-                                         mask=mask[:, start:stop], algorithm=algorithm)
+        y, state, _ = metal_emulated.run(
+            *part, state, scale=case.options["scale"], mask=mask[:, start:stop], algorithm=algorithm
+        )
         pieces.append(y)
     (output_id, output_print), (state_id, state_print) = SPLIT_CONTRACTS[algorithm]
     assert_matches("y", np.concatenate(pieces, axis=1), whole_y, output_id, output_print)
@@ -132,8 +321,9 @@ def test_split_continuity_any_split_points(algorithm, points, tokens):
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
 def test_zero_tokens_return_empty_output_and_the_state_unchanged(algorithm):
-    case = make_core_case(17, batch=2, tokens=0, key_heads=1, value_heads=2, key_dim=32,
-                          value_dim=16)
+    case = make_core_case(
+        17, batch=2, tokens=0, key_heads=1, value_heads=2, key_dim=32, value_dim=16
+    )
     y, state, _ = emulate(case, algorithm)
     assert y.shape == (2, 0, 2, 16)
     assert np.array_equal(state, np.array(case.state))

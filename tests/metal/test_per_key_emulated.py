@@ -19,19 +19,84 @@ STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
 # (the kernel the case must reach, make_core_case arguments); T past one chunk
 # too, where scalar gates would run the chunked stages.
 CASES = [
-    ("recurrent_simd", dict(batch=1, tokens=7, key_heads=1, value_heads=2, key_dim=32, value_dim=16)),
-    ("recurrent_simd", dict(batch=2, tokens=70, key_heads=2, value_heads=4, key_dim=64, value_dim=8,
-                            dtype="float16", mask_kind="random", normalize_qk=True,
-                            head_mapping="interleaved", decay="mixed", wipes="random")),
-    ("recurrent_simd", dict(batch=1, tokens=9, key_heads=1, value_heads=2, key_dim=96, value_dim=8,
-                            dtype="bfloat16", mask_kind="left_padding", wipes="runs")),
-    ("recurrent_simd", dict(batch=1, tokens=66, key_heads=1, value_heads=2, key_dim=128, value_dim=8,
-                            decay="severe", state_scale="huge", wipes="chunk_edges")),
-    ("recurrent_generic", dict(batch=2, tokens=6, key_heads=1, value_heads=2, key_dim=80, value_dim=16,
-                               normalize_qk=True, mask_kind="random", wipes="random")),
-    ("recurrent_generic", dict(batch=1, tokens=65, key_heads=2, value_heads=4, key_dim=16, value_dim=8,
-                               dtype="bfloat16", head_mapping="interleaved", with_state=False,
-                               decay="strong")),
+    (
+        "recurrent_simd",
+        dict(batch=1, tokens=7, key_heads=1, value_heads=2, key_dim=32, value_dim=16),
+    ),
+    (
+        "recurrent_simd",
+        dict(
+            batch=2,
+            tokens=70,
+            key_heads=2,
+            value_heads=4,
+            key_dim=64,
+            value_dim=8,
+            dtype="float16",
+            mask_kind="random",
+            normalize_qk=True,
+            head_mapping="interleaved",
+            decay="mixed",
+            wipes="random",
+        ),
+    ),
+    (
+        "recurrent_simd",
+        dict(
+            batch=1,
+            tokens=9,
+            key_heads=1,
+            value_heads=2,
+            key_dim=96,
+            value_dim=8,
+            dtype="bfloat16",
+            mask_kind="left_padding",
+            wipes="runs",
+        ),
+    ),
+    (
+        "recurrent_simd",
+        dict(
+            batch=1,
+            tokens=66,
+            key_heads=1,
+            value_heads=2,
+            key_dim=128,
+            value_dim=8,
+            decay="severe",
+            state_scale="huge",
+            wipes="chunk_edges",
+        ),
+    ),
+    (
+        "recurrent_generic",
+        dict(
+            batch=2,
+            tokens=6,
+            key_heads=1,
+            value_heads=2,
+            key_dim=80,
+            value_dim=16,
+            normalize_qk=True,
+            mask_kind="random",
+            wipes="random",
+        ),
+    ),
+    (
+        "recurrent_generic",
+        dict(
+            batch=1,
+            tokens=65,
+            key_heads=2,
+            value_heads=4,
+            key_dim=16,
+            value_dim=8,
+            dtype="bfloat16",
+            head_mapping="interleaved",
+            with_state=False,
+            decay="strong",
+        ),
+    ),
 ]
 
 
@@ -40,7 +105,9 @@ def dtype_of(case):
 
 
 @pytest.mark.parametrize("requested", ("auto", "recurrent", "chunked"))
-@pytest.mark.parametrize("kernel, recipe", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "kernel, recipe", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)]
+)
 def test_per_key_gates_on_the_recurrent_kernels_match_the_oracle(kernel, recipe, requested):
     case = make_core_case(len(recipe) * 11 + recipe["tokens"], per_key_gates=True, **recipe)
     y, state, info = metal_emulated.run(*case.args(), algorithm=requested, **case.options)
@@ -65,26 +132,49 @@ def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():
     # Probe: the emulated per-key result differs, beyond the contract, from
     # the oracle of the same call whose gate is channel 0's for every column:
     # a kernel reading g once per head (mlx-lm#1792's bug) would fail here.
-    case = make_core_case(3, batch=1, tokens=20, key_heads=1, value_heads=2, key_dim=32,
-                          value_dim=8, per_key_gates=True)
+    case = make_core_case(
+        3,
+        batch=1,
+        tokens=20,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=8,
+        per_key_gates=True,
+    )
     y, _, _ = metal_emulated.run(*case.args(), **case.options)
     g = to_float64(case.g)
     wrong, _ = gated_delta_rule_reference(
-        case.q, case.k, case.v, np.repeat(g[..., :1], g.shape[-1], axis=-1), case.beta,
-        case.state, **case.options)
+        case.q,
+        case.k,
+        case.v,
+        np.repeat(g[..., :1], g.shape[-1], axis=-1),
+        case.beta,
+        case.state,
+        **case.options,
+    )
     with pytest.raises(AssertionError, match="violated"):
         assert_matches("y", y, wrong, *OUTPUT_CONTRACTS["recurrent", "float32"])
 
 
 def test_scalar_gates_still_take_the_chunked_stages():
-    case = make_core_case(1, batch=1, tokens=70, key_heads=1, value_heads=1, key_dim=32,
-                          value_dim=8)
+    case = make_core_case(
+        1, batch=1, tokens=70, key_heads=1, value_heads=1, key_dim=32, value_dim=8
+    )
     _, _, info = metal_emulated.run(*case.args(), algorithm="auto", **case.options)
     assert info["algorithm"] == "chunked"
 
 
 def test_per_key_gates_of_the_wrong_width_are_refused():
-    case = make_core_case(1, batch=1, tokens=4, key_heads=1, value_heads=1, key_dim=32,
-                          value_dim=8, per_key_gates=True)
+    case = make_core_case(
+        1,
+        batch=1,
+        tokens=4,
+        key_heads=1,
+        value_heads=1,
+        key_dim=32,
+        value_dim=8,
+        per_key_gates=True,
+    )
     with pytest.raises(ValueError, match="g must be"):
         metal_emulated.run(case.q, case.k, case.v, case.g[..., :5], case.beta, case.state)

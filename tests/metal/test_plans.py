@@ -7,8 +7,15 @@ import pytest
 from mlx_gated_delta.testing import metal_emulated
 
 QWEN3_NEXT = dict(batch=1, tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128)
-CHUNKED_STAGES = ["gate_cumsum", "k_gram", "kkt_inverse", "recompute_w_u", "chunk_qk",
-                  "chunk_carry", "chunk_output"]
+CHUNKED_STAGES = [
+    "gate_cumsum",
+    "k_gram",
+    "kkt_inverse",
+    "recompute_w_u",
+    "chunk_qk",
+    "chunk_carry",
+    "chunk_output",
+]
 
 
 def stages(**shape):
@@ -19,21 +26,41 @@ def kernels(**shape):
     return [d["kernel"] for d in metal_emulated.plan_dispatches(**shape)]
 
 
-@pytest.mark.parametrize("key_dim, simd", [(32, True), (64, True), (96, True), (128, True),
-                                          (16, False), (80, False), (160, False)])
+@pytest.mark.parametrize(
+    "key_dim, simd",
+    [(32, True), (64, True), (96, True), (128, True), (16, False), (80, False), (160, False)],
+)
 def test_the_simd_recurrent_kernel_needs_a_multiple_of_32_up_to_128(key_dim, simd):
-    names = kernels(batch=1, tokens=4, key_heads=1, value_heads=2, key_dim=key_dim,
-                    value_dim=16, algorithm="recurrent")
-    assert names == ["gated_delta_recurrent_simd_float32" if simd
-                     else "gated_delta_recurrent_generic_float32"]
+    names = kernels(
+        batch=1,
+        tokens=4,
+        key_heads=1,
+        value_heads=2,
+        key_dim=key_dim,
+        value_dim=16,
+        algorithm="recurrent",
+    )
+    assert names == [
+        "gated_delta_recurrent_simd_float32" if simd else "gated_delta_recurrent_generic_float32"
+    ]
 
 
-@pytest.mark.parametrize("key_dim, key_heads, value_heads, shared",
-                         [(128, 1, 2, True), (128, 2, 2, False), (64, 1, 2, False)])
-def test_the_k_gram_stage_runs_for_dk_128_with_repeated_heads(key_dim, key_heads, value_heads,
-                                                             shared):
-    names = kernels(batch=1, tokens=100, key_heads=key_heads, value_heads=value_heads,
-                    key_dim=key_dim, value_dim=16, algorithm="chunked")
+@pytest.mark.parametrize(
+    "key_dim, key_heads, value_heads, shared",
+    [(128, 1, 2, True), (128, 2, 2, False), (64, 1, 2, False)],
+)
+def test_the_k_gram_stage_runs_for_dk_128_with_repeated_heads(
+    key_dim, key_heads, value_heads, shared
+):
+    names = kernels(
+        batch=1,
+        tokens=100,
+        key_heads=key_heads,
+        value_heads=value_heads,
+        key_dim=key_dim,
+        value_dim=16,
+        algorithm="chunked",
+    )
     assert ("gated_delta_k_gram_float32" in names) == shared
     assert ("gated_delta_kkt_inverse_from_k_gram_float32" in names) == shared
 
@@ -71,23 +98,28 @@ def test_the_qwen3_next_prefill_plan_fits_metal():
 
 def test_activations_past_32_bit_indices_are_rejected_before_launch():
     with pytest.raises(ValueError, match="QK activation elements"):
-        metal_emulated.plan_dispatches(batch=1, tokens=2**22, key_heads=16, value_heads=32,
-                                       key_dim=128, value_dim=128)
+        metal_emulated.plan_dispatches(
+            batch=1, tokens=2**22, key_heads=16, value_heads=32, key_dim=128, value_dim=128
+        )
 
 
-@pytest.mark.parametrize("shape", [
-    dict(tokens=5, key_dim=32, algorithm="recurrent", mask=True),
-    dict(tokens=5, key_dim=80, algorithm="recurrent"),
-    dict(tokens=130, key_dim=64, algorithm="chunked", normalize_qk=True, mask=True),
-    dict(tokens=130, key_dim=128, algorithm="chunked"),
-    dict(tokens=0, key_dim=32, algorithm="chunked"),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(tokens=5, key_dim=32, algorithm="recurrent", mask=True),
+        dict(tokens=5, key_dim=80, algorithm="recurrent"),
+        dict(tokens=130, key_dim=64, algorithm="chunked", normalize_qk=True, mask=True),
+        dict(tokens=130, key_dim=128, algorithm="chunked"),
+        dict(tokens=0, key_dim=32, algorithm="chunked"),
+    ],
+)
 def test_every_buffer_a_dispatch_reads_was_written_before(shape):
     # The order an executor must keep: a scratch buffer is written by an
     # earlier dispatch before any dispatch reads it; inputs are never written;
     # both outputs are written.
-    dispatches = metal_emulated.plan_dispatches(batch=1, key_heads=1, value_heads=2,
-                                                value_dim=16, **shape)
+    dispatches = metal_emulated.plan_dispatches(
+        batch=1, key_heads=1, value_heads=2, value_dim=16, **shape
+    )
     inputs = {"q", "k", "v", "g", "beta", "mask", "state_in"}
     written = set()
     for d in dispatches:

@@ -15,6 +15,7 @@ from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
+
 # The same reviewed (id, fingerprint) pairs as the CPU op is held to.
 from mlx_gated_delta.testing.segment_properties import FINGERPRINTS
 
@@ -41,14 +42,52 @@ def check_against_oracle(case, out, conv_state, state):
 # make_segment_case arguments; each runs through both core algorithms.
 ORACLE_CASES = [
     dict(batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=32, value_dim=16),
-    dict(batch=2, tokens=9, key_heads=2, value_heads=4, key_dim=16, value_dim=8, dtype="bfloat16",
-         mask_kind="random", head_mapping="interleaved", decay_parameterization="negative_rate"),
-    dict(batch=2, tokens=70, key_heads=1, value_heads=2, key_dim=32, value_dim=8, dtype="float16",
-         mask_kind="left_padding", conv1d_layout=True, with_conv_state=False),
-    dict(batch=1, tokens=66, key_heads=1, value_heads=2, key_dim=16, value_dim=24, conv_kernel=2,
-         mask_kind="random", decay_parameterization="negative_rate", with_state=False),
-    dict(batch=1, tokens=3, key_heads=1, value_heads=1, key_dim=8, value_dim=8, conv_kernel=1,
-         head_mapping="interleaved"),
+    dict(
+        batch=2,
+        tokens=9,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
+        dtype="bfloat16",
+        mask_kind="random",
+        head_mapping="interleaved",
+        decay_parameterization="negative_rate",
+    ),
+    dict(
+        batch=2,
+        tokens=70,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=8,
+        dtype="float16",
+        mask_kind="left_padding",
+        conv1d_layout=True,
+        with_conv_state=False,
+    ),
+    dict(
+        batch=1,
+        tokens=66,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=24,
+        conv_kernel=2,
+        mask_kind="random",
+        decay_parameterization="negative_rate",
+        with_state=False,
+    ),
+    dict(
+        batch=1,
+        tokens=3,
+        key_heads=1,
+        value_heads=1,
+        key_dim=8,
+        value_dim=8,
+        conv_kernel=1,
+        head_mapping="interleaved",
+    ),
 ]
 
 
@@ -60,8 +99,9 @@ def test_segment_matches_the_float64_oracle(recipe, algorithm):
     assert info["algorithm"] == algorithm
     stages_run = [kernel for kernel in info["kernels"] if "segment_" in kernel]
     # collect_conv_state has nothing to do (no rows) with a one-tap conv.
-    expected_stages = [s for s in SEGMENT_STAGES
-                       if s != "collect_conv_state" or recipe.get("conv_kernel", 4) > 1]
+    expected_stages = [
+        s for s in SEGMENT_STAGES if s != "collect_conv_state" or recipe.get("conv_kernel", 4) > 1
+    ]
     assert [k.split("segment_")[1].rsplit("_", 1)[0] for k in stages_run] == expected_stages
     assert all(k.endswith(recipe.get("dtype", "float32")) for k in stages_run)
     # The core runs on the conv's float32 output with q, k normalized.
@@ -73,8 +113,10 @@ def test_segment_matches_the_float64_oracle(recipe, algorithm):
 # The CPU op's Hypothesis strategy over the emulated kernels, on a small
 # budget: every emulated call runs one OS thread per GPU thread.
 @settings(max_examples=4)
-@given(case=segment_cases(tokens=st.sampled_from((0, 1, 3, 64, 65))),
-       algorithm=st.sampled_from(("recurrent", "chunked")))
+@given(
+    case=segment_cases(tokens=st.sampled_from((0, 1, 3, 64, 65))),
+    algorithm=st.sampled_from(("recurrent", "chunked")),
+)
 def test_drawn_cases_match_the_float64_oracle(case, algorithm):
     out, conv_state, state, _ = emulate(case, algorithm)
     check_against_oracle(case, out, conv_state, state)
@@ -89,8 +131,16 @@ def split_runs(case, points, algorithm):
     for start, stop in zip(bounds[:-1], bounds[1:]):
         options = dict(case.options, mask=None if mask is None else np.array(mask)[:, start:stop])
         out, conv_state, state = metal_emulated.gated_delta_segment(
-            case.mixed[:, start:stop], case.conv_weight, case.decay_parameter, case.dt_bias,
-            case.norm_weight, conv_state, state, algorithm=algorithm, **options)
+            case.mixed[:, start:stop],
+            case.conv_weight,
+            case.decay_parameter,
+            case.dt_bias,
+            case.norm_weight,
+            conv_state,
+            state,
+            algorithm=algorithm,
+            **options,
+        )
         outs.append(out)
     return np.concatenate(outs, axis=1), conv_state, state
 
@@ -100,10 +150,20 @@ def test_recurrent_split_continuity_is_exact(dtype):
     # The split at 3 of 4 tokens, and more split points over
     # a masked sequence: every token sees the same numbers in the same order.
     for tokens, points, mask_kind in ((4, (3,), "none"), (12, (0, 2, 2, 7), "random")):
-        case = make_segment_case(7, batch=2, tokens=tokens, key_heads=2, value_heads=4,
-                                 key_dim=32, value_dim=16, dtype=dtype, mask_kind=mask_kind)
-        whole = metal_emulated.gated_delta_segment(*case.args(), algorithm="recurrent",
-                                                   dtype=dtype, **case.options)
+        case = make_segment_case(
+            7,
+            batch=2,
+            tokens=tokens,
+            key_heads=2,
+            value_heads=4,
+            key_dim=32,
+            value_dim=16,
+            dtype=dtype,
+            mask_kind=mask_kind,
+        )
+        whole = metal_emulated.gated_delta_segment(
+            *case.args(), algorithm="recurrent", dtype=dtype, **case.options
+        )
         parts = split_runs(case, points, "recurrent")
         check("out", parts[0], whole[0], "segment.recurrent_split.v1.any.output")
         check("conv_state", parts[1], whole[1], "segment.recurrent_split.v1.any.conv_state")
@@ -111,8 +171,17 @@ def test_recurrent_split_continuity_is_exact(dtype):
 
 
 def test_chunked_split_continuity():
-    case = make_segment_case(9, batch=1, tokens=100, key_heads=1, value_heads=2, key_dim=32,
-                             value_dim=16, mask_kind="random", head_mapping="interleaved")
+    case = make_segment_case(
+        9,
+        batch=1,
+        tokens=100,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=16,
+        mask_kind="random",
+        head_mapping="interleaved",
+    )
     whole = metal_emulated.gated_delta_segment(*case.args(), algorithm="chunked", **case.options)
     parts = split_runs(case, (30, 64), "chunked")
     check("out", parts[0], whole[0], "segment.chunked_split.v2.float32.output")
@@ -124,29 +193,38 @@ def test_a_masked_token_is_an_omitted_token():
     # Skip semantics, checked without the oracle's own mask handling: the
     # oracle on the sequence with the masked tokens removed, including a hole
     # in the middle right after the carried conv state.
-    case = make_segment_case(21, batch=2, tokens=10, key_heads=1, value_heads=2, key_dim=16,
-                             value_dim=8)
+    case = make_segment_case(
+        21, batch=2, tokens=10, key_heads=1, value_heads=2, key_dim=16, value_dim=8
+    )
     mask = np.ones((2, 10), bool)
     mask[0, [0, 1, 5]] = False
     mask[1, 3:9] = False
     out, conv_state, state = metal_emulated.gated_delta_segment(
-        *case.args(), algorithm="recurrent", **dict(case.options, mask=mask))
+        *case.args(), algorithm="recurrent", **dict(case.options, mask=mask)
+    )
     assert np.all(out[~mask] == 0.0)
     for b in range(2):
         kept = mask[b]
-        row = lambda a: to_float64(a)[b:b + 1]  # noqa: E731
+        row = lambda a: to_float64(a)[b : b + 1]  # noqa: E731
         expected = gated_delta_segment_reference(
-            row(case.mixed)[:, kept], case.conv_weight, case.decay_parameter, case.dt_bias,
-            case.norm_weight, row(case.conv_state), row(case.state),
-            **dict(case.options, mask=None))
-        check("kept out", out[b:b + 1, kept], expected[0], "segment.oracle.v2.float32.output")
-        check("conv_state", conv_state[b:b + 1], expected[1], "segment.oracle.v1.any.conv_state")
-        check("state", state[b:b + 1], expected[2], "segment.oracle.v2.float32.state")
+            row(case.mixed)[:, kept],
+            case.conv_weight,
+            case.decay_parameter,
+            case.dt_bias,
+            case.norm_weight,
+            row(case.conv_state),
+            row(case.state),
+            **dict(case.options, mask=None),
+        )
+        check("kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v2.float32.output")
+        check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
+        check("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
 
 
 def test_zero_tokens_return_empty_out_and_unchanged_states():
-    case = make_segment_case(1, batch=2, tokens=0, key_heads=1, value_heads=2, key_dim=8,
-                             value_dim=8)
+    case = make_segment_case(
+        1, batch=2, tokens=0, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
     for algorithm in ("recurrent", "chunked"):
         out, conv_state, state, info = emulate(case, algorithm)
         assert out.shape == (2, 0, 2, 8)
@@ -155,14 +233,17 @@ def test_zero_tokens_return_empty_out_and_unchanged_states():
         assert "gated_delta_segment_collect_conv_state_float32" in info["kernels"]
 
 
-@pytest.mark.parametrize("algorithm, mask, conv_kernel",
-                         [("recurrent", False, 4), ("chunked", True, 4), ("chunked", False, 1)])
+@pytest.mark.parametrize(
+    "algorithm, mask, conv_kernel",
+    [("recurrent", False, 4), ("chunked", True, 4), ("chunked", False, 1)],
+)
 def test_every_buffer_is_written_before_it_is_read(algorithm, mask, conv_kernel):
     # The segment plan's data flow: each dispatch reads only the call's inputs
     # or what an earlier dispatch wrote, writes no input, and the outputs are
     # all written.
-    plan = metal_emulated.segment_plan(1, 70, 2, 4, 32, 16, conv_kernel, algorithm=algorithm,
-                                       mask=mask)
+    plan = metal_emulated.segment_plan(
+        1, 70, 2, 4, 32, 16, conv_kernel, algorithm=algorithm, mask=mask
+    )
     roles = plan["buffer_roles"]
     ready = {name for name, role in roles.items() if role == "input"}
     for dispatch in plan["dispatches"]:
@@ -179,8 +260,9 @@ def test_every_buffer_is_written_before_it_is_read(algorithm, mask, conv_kernel)
     assert plan["dispatches"][-1]["stage"] == "gated_norm"
 
 
-@pytest.mark.parametrize("tokens, tensor", [(1 << 20, "QKV activation elements"),
-                                            (524287, "QKVZBA activation elements")])
+@pytest.mark.parametrize(
+    "tokens, tensor", [(1 << 20, "QKV activation elements"), (524287, "QKVZBA activation elements")]
+)
 def test_32_bit_extents_are_refused_before_any_launch(tokens, tensor):
     # Qwen3-Next's heads: C = 8192 conv channels, F = 12352 packed columns.
     # 524287 * 8192 fits 32 bits, 524287 * 12352 does not.
@@ -189,9 +271,15 @@ def test_32_bit_extents_are_refused_before_any_launch(tokens, tensor):
 
 
 def test_the_emulator_rejects_inputs_of_the_wrong_size():
-    case = make_segment_case(2, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8,
-                             value_dim=8)
+    case = make_segment_case(
+        2, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
     with pytest.raises(ValueError, match="norm_weight"):
         metal_emulated.gated_delta_segment(
-            case.mixed, case.conv_weight, case.decay_parameter, case.dt_bias,
-            np.ones(7, np.float32), **case.options)
+            case.mixed,
+            case.conv_weight,
+            case.decay_parameter,
+            case.dt_bias,
+            np.ones(7, np.float32),
+            **case.options,
+        )

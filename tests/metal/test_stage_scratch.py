@@ -43,8 +43,7 @@ FINGERPRINTS = {
 SHAPE = dict(batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=128, value_dim=16)
 
 
-def core_inputs(seed=0, batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=128,
-                value_dim=16):
+def core_inputs(seed=0, batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=128, value_dim=16):
     rng = np.random.default_rng(seed)
     f32 = np.float32
     q = rng.standard_normal((batch, tokens, key_heads, key_dim)).astype(f32)
@@ -68,9 +67,18 @@ def case():
 
 def run_through(stage, inputs):
     q, k, v, g, beta, state, mask = inputs
-    y, state_out, info = metal_emulated.run(q, k, v, g, beta, state, mask=mask,
-                                            normalize_qk=True, algorithm="chunked",
-                                            through_stage=stage)
+    y, state_out, info = metal_emulated.run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        mask=mask,
+        normalize_qk=True,
+        algorithm="chunked",
+        through_stage=stage,
+    )
     assert info["kernels"], stage
     buffers = metal_emulated.stage_buffers(info["buffers"], **SHAPE)
     return y, state_out, buffers
@@ -84,7 +92,9 @@ def valid_rows(shape_prefix_ndim, array, tokens=SHAPE["tokens"]):
     """True where a [.., C, L, ..] row is a real token (not padding)."""
     chunks, length = array.shape[shape_prefix_ndim : shape_prefix_ndim + 2]
     valid = (np.arange(chunks * length) < tokens).reshape(chunks, length)
-    return valid.reshape((1,) * shape_prefix_ndim + valid.shape + (1,) * (array.ndim - shape_prefix_ndim - 2))
+    return valid.reshape(
+        (1,) * shape_prefix_ndim + valid.shape + (1,) * (array.ndim - shape_prefix_ndim - 2)
+    )
 
 
 def padded_as_expected(actual, expected, tile=False):
@@ -98,10 +108,20 @@ def padded_as_expected(actual, expected, tile=False):
 
 
 def test_the_stage_list_is_the_plans():
-    stages = [d["stage"] for d in metal_emulated.plan_dispatches(**SHAPE, normalize_qk=True,
-                                                                 algorithm="chunked")]
-    assert stages == ["qk_norm", "gate_cumsum", "k_gram", "kkt_inverse", "recompute_w_u",
-                      "chunk_qk", "chunk_carry", "chunk_output"]
+    stages = [
+        d["stage"]
+        for d in metal_emulated.plan_dispatches(**SHAPE, normalize_qk=True, algorithm="chunked")
+    ]
+    assert stages == [
+        "qk_norm",
+        "gate_cumsum",
+        "k_gram",
+        "kkt_inverse",
+        "recompute_w_u",
+        "chunk_qk",
+        "chunk_carry",
+        "chunk_output",
+    ]
 
 
 def test_qk_norm(case):
@@ -117,52 +137,87 @@ def test_qk_norm(case):
 def test_gate_cumsum(case):
     inputs, expected = case
     _, _, buffers = run_through("gate_cumsum", inputs)
-    check("gate_cumsum", buffers["gate_cumsum"], expected["log_cumsum"],
-          "stage.gate_cumsum.v1.float32.log_cumsum")
-    check("last_wipe", buffers["last_wipe"], expected["last_wipe"],
-          "stage.gate_cumsum.v1.int32.last_wipe")
-    check("beta_effective", buffers["beta_effective"], expected["beta_effective"],
-          "stage.gate_cumsum.v1.float32.beta")
+    check(
+        "gate_cumsum",
+        buffers["gate_cumsum"],
+        expected["log_cumsum"],
+        "stage.gate_cumsum.v1.float32.log_cumsum",
+    )
+    check(
+        "last_wipe",
+        buffers["last_wipe"],
+        expected["last_wipe"],
+        "stage.gate_cumsum.v1.int32.last_wipe",
+    )
+    check(
+        "beta_effective",
+        buffers["beta_effective"],
+        expected["beta_effective"],
+        "stage.gate_cumsum.v1.float32.beta",
+    )
 
 
 def test_k_gram(case):
     inputs, expected = case
     _, _, buffers = run_through("k_gram", inputs)
-    check("k_gram", padded_as_expected(buffers["k_gram"], expected["k_gram"], tile=True),
-          expected["k_gram"], "stage.k_gram.v1.float32.tile")
+    check(
+        "k_gram",
+        padded_as_expected(buffers["k_gram"], expected["k_gram"], tile=True),
+        expected["k_gram"],
+        "stage.k_gram.v1.float32.tile",
+    )
 
 
 def test_kkt_inverse(case):
     inputs, expected = case
     _, _, buffers = run_through("kkt_inverse", inputs)
-    check("kkt_inverse",
-          padded_as_expected(buffers["kkt_inverse"], expected["kkt_inverse"], tile=True),
-          expected["kkt_inverse"], "stage.kkt_inverse.v1.float32.tile")
+    check(
+        "kkt_inverse",
+        padded_as_expected(buffers["kkt_inverse"], expected["kkt_inverse"], tile=True),
+        expected["kkt_inverse"],
+        "stage.kkt_inverse.v1.float32.tile",
+    )
 
 
 def test_recompute_w_u(case):
     inputs, expected = case
     _, _, buffers = run_through("recompute_w_u", inputs)
     for name in ("w", "u"):
-        check(name, padded_as_expected(buffers[name], expected[name]), expected[name],
-              f"stage.recompute_w_u.v1.float32.{name}")
+        check(
+            name,
+            padded_as_expected(buffers[name], expected[name]),
+            expected[name],
+            f"stage.recompute_w_u.v1.float32.{name}",
+        )
 
 
 def test_chunk_qk(case):
     inputs, expected = case
     _, _, buffers = run_through("chunk_qk", inputs)
-    check("qk", padded_as_expected(buffers["qk"], expected["qk"], tile=True), expected["qk"],
-          "stage.chunk_qk.v1.float32.tile")
+    check(
+        "qk",
+        padded_as_expected(buffers["qk"], expected["qk"], tile=True),
+        expected["qk"],
+        "stage.chunk_qk.v1.float32.tile",
+    )
 
 
 def test_chunk_carry(case):
     inputs, expected = case
     _, state_out, buffers = run_through("chunk_carry", inputs)
     # chunk_carry overwrites U with the corrected values v'.
-    check("corrected", padded_as_expected(buffers["u"], expected["corrected"]),
-          expected["corrected"], "stage.chunk_carry.v1.float32.corrected")
-    check("output_inter", padded_as_expected(buffers["output_inter"], expected["output_inter"]),
-          expected["output_inter"], "stage.chunk_carry.v1.float32.output_inter")
+    check(
+        "corrected",
+        padded_as_expected(buffers["u"], expected["corrected"]),
+        expected["corrected"],
+        "stage.chunk_carry.v1.float32.corrected",
+    )
+    check(
+        "output_inter",
+        padded_as_expected(buffers["output_inter"], expected["output_inter"]),
+        expected["output_inter"],
+        "stage.chunk_carry.v1.float32.output_inter",
+    )
     check("state", state_out, expected["state"], "stage.chunk_carry.v1.float32.state")
 
 
@@ -180,8 +235,12 @@ def test_a_wrong_stage_fails_its_own_test(case):
     w = buffers["w"].copy()
     w[0, 1, 1, 5] *= 1.01
     with pytest.raises(AssertionError, match="stage.recompute_w_u"):
-        check("w", padded_as_expected(w, expected["w"]), expected["w"],
-              "stage.recompute_w_u.v1.float32.w")
+        check(
+            "w",
+            padded_as_expected(w, expected["w"]),
+            expected["w"],
+            "stage.recompute_w_u.v1.float32.w",
+        )
 
 
 def test_the_fingerprints_are_the_registry_s():
@@ -214,24 +273,37 @@ def segment_case():
 
 def run_segment_through(stage, segment_case):
     args, mask, _ = segment_case
-    out, conv_state, _, info = metal_emulated.run_segment(*args, **SEGMENT, mask=mask,
-                                                          through_stage=stage)
+    out, conv_state, _, info = metal_emulated.run_segment(
+        *args, **SEGMENT, mask=mask, through_stage=stage
+    )
     return out, conv_state, info["buffers"]
 
 
 def test_prepare_conv(segment_case):
     (mixed, conv_weight, _, _, _, conv_state, _), mask, layout = segment_case
     _, _, buffers = run_segment_through("prepare_conv", segment_case)
-    qkv = reference.prepare_conv(mixed.astype(np.float64), conv_weight.astype(np.float64),
-                                 conv_state.astype(np.float64), mask, layout)
+    qkv = reference.prepare_conv(
+        mixed.astype(np.float64),
+        conv_weight.astype(np.float64),
+        conv_state.astype(np.float64),
+        mask,
+        layout,
+    )
     batch, tokens = mask.shape
     qk, hk, dk = layout.qk_width, SEGMENT["key_heads"], SEGMENT["key_dim"]
-    parts = {"q": (qkv[..., :qk], hk, dk), "k": (qkv[..., qk : 2 * qk], hk, dk),
-             "v": (qkv[..., 2 * qk :], SEGMENT["value_heads"], SEGMENT["value_dim"])}
+    parts = {
+        "q": (qkv[..., :qk], hk, dk),
+        "k": (qkv[..., qk : 2 * qk], hk, dk),
+        "v": (qkv[..., 2 * qk :], SEGMENT["value_heads"], SEGMENT["value_dim"]),
+    }
     for name, (expected, heads, dim) in parts.items():
         actual = np.frombuffer(buffers[name], np.float32).reshape(batch, tokens, heads, dim)
-        check(name, actual, expected.reshape(batch, tokens, heads, dim),
-              "stage.prepare_conv.v1.float32.qkv")
+        check(
+            name,
+            actual,
+            expected.reshape(batch, tokens, heads, dim),
+            "stage.prepare_conv.v1.float32.qkv",
+        )
 
 
 def test_prepare_gates(segment_case):
@@ -246,8 +318,9 @@ def test_prepare_gates(segment_case):
 def test_collect_conv_state(segment_case):
     (mixed, _, _, _, _, conv_state, _), mask, layout = segment_case
     _, conv_state_out, _ = run_segment_through("collect_conv_state", segment_case)
-    expected = reference.collect_conv_state(mixed.astype(np.float64),
-                                            conv_state.astype(np.float64), mask, layout)
+    expected = reference.collect_conv_state(
+        mixed.astype(np.float64), conv_state.astype(np.float64), mask, layout
+    )
     check("conv_state", conv_state_out, expected, "stage.collect_conv_state.v1.any.conv_state")
 
 

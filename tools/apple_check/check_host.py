@@ -49,8 +49,14 @@ CLANG = "clang-19"
 # *_PRIVATE_IMPLEMENTATION sections, which these files do not compile.
 # -fblocks: metal-cpp declares Objective-C block types (`void (^)(...)`).
 COMMON_FLAGS = [
-    "-fsyntax-only", "-std=c++20", "-fblocks", "-D_METAL_", "-Wall", "-Werror",
-    "--target=aarch64-linux-gnu", "-D__arm64__=1",
+    "-fsyntax-only",
+    "-std=c++20",
+    "-fblocks",
+    "-D_METAL_",
+    "-Wall",
+    "-Werror",
+    "--target=aarch64-linux-gnu",
+    "-D__arm64__=1",
 ]
 MODES = {
     # libstdc++ 12's std::bind names the deprecated std::result_of, and clang
@@ -78,8 +84,10 @@ def metal_translation_units():
                     if METAL_CONDITIONAL.search(handle.read()):
                         units.append(os.path.relpath(path, REPO))
     if not units:
-        raise SystemExit("check_host: no translation unit under csrc/ tests _METAL_; "
-                         "the check would check nothing")
+        raise SystemExit(
+            "check_host: no translation unit under csrc/ tests _METAL_; "
+            "the check would check nothing"
+        )
     return sorted(units)
 
 
@@ -97,16 +105,28 @@ def generate_library_header():
     output = os.path.join(GENERATED, "metal", "metal_library_source.h")
     os.makedirs(os.path.dirname(output), exist_ok=True)
     kernels = [os.path.join(CSRC, "metal", "kernels", f"{name}.metal") for name in metal_kernels()]
-    subprocess.run([sys.executable, os.path.join(CSRC, "metal", "embed_metal.py"), output, *kernels],
-                   check=True)
+    subprocess.run(
+        [sys.executable, os.path.join(CSRC, "metal", "embed_metal.py"), output, *kernels],
+        check=True,
+    )
 
 
 def include_flags(mlx_include):
     # MLX's headers are system headers, as in the real build (CMake marks an
     # imported target's include directories SYSTEM), so -Werror applies to our
     # code and not to theirs. Same order as MLX's CMake package: metal_cpp first.
-    return ["-I", CSRC, "-I", GENERATED, "-isystem", STUBS,
-            "-isystem", os.path.join(mlx_include, "metal_cpp"), "-isystem", mlx_include]
+    return [
+        "-I",
+        CSRC,
+        "-I",
+        GENERATED,
+        "-isystem",
+        STUBS,
+        "-isystem",
+        os.path.join(mlx_include, "metal_cpp"),
+        "-isystem",
+        mlx_include,
+    ]
 
 
 def compile_unit(source, mode, includes, extra=()):
@@ -147,8 +167,10 @@ def make_probe_source(probe, name):
         text = handle.read()
     count = text.count(probe["replace"])
     if count != 1:
-        raise SystemExit(f"check_host: probe {name}: the text to replace occurs {count} times in "
-                         f"{probe['source']} (it must occur once; update the probe)")
+        raise SystemExit(
+            f"check_host: probe {name}: the text to replace occurs {count} times in "
+            f"{probe['source']} (it must occur once; update the probe)"
+        )
     patched = os.path.join(BUILD, "probes", f"{name}.cpp")
     os.makedirs(os.path.dirname(patched), exist_ok=True)
     with open(patched, "w") as handle:
@@ -169,14 +191,21 @@ def probe_verdict(probe, ok, diagnostics):
     """(rejected, first error line): rejected for the expected reason means the
     first error is in the probe's real source file and carries its message."""
     error = next((line for line in diagnostics.splitlines() if ": error: " in line), None)
-    rejected = (not ok and error is not None and error.startswith(probe["source"] + ":")
-                and probe["error"] in error)
+    rejected = (
+        not ok
+        and error is not None
+        and error.startswith(probe["source"] + ":")
+        and probe["error"] in error
+    )
     return rejected, error
 
 
 def run_units(includes, pool):
-    jobs = {(unit, mode): pool.submit(compile_unit, unit, mode, includes)
-            for unit in metal_translation_units() for mode in MODES}
+    jobs = {
+        (unit, mode): pool.submit(compile_unit, unit, mode, includes)
+        for unit in metal_translation_units()
+        for mode in MODES
+    }
     failures = 0
     for (unit, mode), job in jobs.items():
         ok, seconds, diagnostics = job.result()
@@ -198,7 +227,9 @@ def run_probes(includes, pool):
     for (name, mode), (probe, job) in jobs.items():
         ok, seconds, diagnostics = job.result()
         rejected, error = probe_verdict(probe, ok, diagnostics)
-        print(f"{'PASS' if rejected else 'FAIL'}  probe {name}  [{mode}]  {seconds:.1f} s", flush=True)
+        print(
+            f"{'PASS' if rejected else 'FAIL'}  probe {name}  [{mode}]  {seconds:.1f} s", flush=True
+        )
         if rejected:
             print(f"      rejected: {error}", flush=True)
         else:
@@ -212,20 +243,28 @@ def run_probes(includes, pool):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--probes", action="store_true",
-                        help="compile the probes, which must each fail with their error")
+    parser.add_argument(
+        "--probes",
+        action="store_true",
+        help="compile the probes, which must each fail with their error",
+    )
     args = parser.parse_args()
 
     if shutil.which(CLANG) is None:
-        raise SystemExit(f"check_host: {CLANG} not found (Debian: apt-get install clang-19 "
-                         "libc++-19-dev libc6-dev-arm64-cross libstdc++-12-dev-arm64-cross)")
+        raise SystemExit(
+            f"check_host: {CLANG} not found (Debian: apt-get install clang-19 "
+            "libc++-19-dev libc6-dev-arm64-cross libstdc++-12-dev-arm64-cross)"
+        )
     start = time.monotonic()
     includes = include_flags(fetch_mlx_headers.fetch(fetch_mlx_headers.pinned_mlx_version()))
     generate_library_header()
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
         failures = run_probes(includes, pool) if args.probes else run_units(includes, pool)
-    print(f"{'FAILED' if failures else 'OK'}: {failures} failure(s), "
-          f"{time.monotonic() - start:.1f} s in all", flush=True)
+    print(
+        f"{'FAILED' if failures else 'OK'}: {failures} failure(s), "
+        f"{time.monotonic() - start:.1f} s in all",
+        flush=True,
+    )
     return 1 if failures else 0
 
 

@@ -44,21 +44,31 @@ METAL_VERSION = 310
 FLOAT_TYPES = {"float", "half", "bfloat"}
 
 FRONT_END_FLAGS = [
-    "-x", "c++", "-std=c++14", "-fsyntax-only",
+    "-x",
+    "c++",
+    "-std=c++14",
+    "-fsyntax-only",
     # Metal has no C or C++ standard library: nothing but <metal_stdlib> resolves.
-    "-nostdinc", "-nostdinc++",
+    "-nostdinc",
+    "-nostdinc++",
     f"-D__METAL_VERSION__={METAL_VERSION}",
-    "-Wall", "-Wextra", "-Werror",
+    "-Wall",
+    "-Wextra",
+    "-Werror",
     # MSL's own attributes ([[kernel]], [[buffer(n)]], [[host_name("...")]],
     # [[thread_position_in_grid]] ...) are unknown to C++ clang. They stay in the
     # source and are parsed (a malformed one is still a syntax error); only the
     # "unknown attribute ignored" warning is off.
     "-Wno-unknown-attributes",
     # Every error is reported (clang stops after 20 by default).
-    "-ferror-limit=0", "-fno-caret-diagnostics", "-fno-color-diagnostics",
+    "-ferror-limit=0",
+    "-fno-caret-diagnostics",
+    "-fno-color-diagnostics",
 ]
 
-DIAGNOSTIC = re.compile(r"^(?P<file>.*?):(?P<line>\d+):(?P<column>\d+): (?P<kind>error|warning|note|fatal error): (?P<message>.*)$")
+DIAGNOSTIC = re.compile(
+    r"^(?P<file>.*?):(?P<line>\d+):(?P<column>\d+): (?P<kind>error|warning|note|fatal error): (?P<message>.*)$"
+)
 
 
 def run(command, **kwargs):
@@ -76,13 +86,24 @@ def library_text(kernel_dir, work_dir):
     os.makedirs(work_dir, exist_ok=True)
     header = os.path.join(work_dir, "metal_library_source.h")
     kernels = [os.path.join(kernel_dir, f"{name}.metal") for name in kernel_names()]
-    embed = run([sys.executable, os.path.join(REPO, "csrc", "metal", "embed_metal.py"), header]
-                + kernels)
+    embed = run(
+        [sys.executable, os.path.join(REPO, "csrc", "metal", "embed_metal.py"), header] + kernels
+    )
     if embed.returncode != 0:
         raise RuntimeError(f"embed_metal.py failed:\n{embed.stdout}{embed.stderr}")
     printer = os.path.join(work_dir, "print_library")
-    build = run([CLANG, "-x", "c++", "-std=c++17", f'-DMETAL_LIBRARY_HEADER="{header}"',
-                 os.path.join(HERE, "print_library.cpp"), "-o", printer])
+    build = run(
+        [
+            CLANG,
+            "-x",
+            "c++",
+            "-std=c++17",
+            f'-DMETAL_LIBRARY_HEADER="{header}"',
+            os.path.join(HERE, "print_library.cpp"),
+            "-o",
+            printer,
+        ]
+    )
     if build.returncode != 0:
         raise RuntimeError(f"the library printer does not build:\n{build.stderr}")
     library = os.path.join(work_dir, "metal_library.metal")
@@ -112,15 +133,18 @@ def diagnostics(output):
         if match["kind"] == "note" and result:
             result[-1][4].append((match["file"], int(match["line"]), match["message"]))
         elif match["kind"] != "note":
-            result.append((match["kind"], match["file"], int(match["line"]),
-                           match["message"], []))
+            result.append((match["kind"], match["file"], int(match["line"]), match["message"], []))
     return result
 
 
 def source_line(path, line, kernel_dir, library):
     """A line of the compiled text, following #line markers to their files."""
-    candidates = (path, os.path.join(REPO, path), os.path.join(kernel_dir, os.path.basename(path)),
-                  library)
+    candidates = (
+        path,
+        os.path.join(REPO, path),
+        os.path.join(kernel_dir, os.path.basename(path)),
+        library,
+    )
     for candidate in candidates:
         if os.path.isfile(candidate):
             with open(candidate) as handle:
@@ -144,10 +168,13 @@ def accepted_divergence(diagnostic, kernel_dir, library):
         return False
     if message == "an attribute list cannot appear here":
         # The line itself, or the macro it expands, reads `template [[`.
-        where = [(path, line)] + [(p, n) for p, n, note in notes
-                                  if note.startswith("expanded from macro")]
-        return any(source_line(p, n, kernel_dir, library).strip().startswith("template [[")
-                   for p, n in where)
+        where = [(path, line)] + [
+            (p, n) for p, n, note in notes if note.startswith("expanded from macro")
+        ]
+        return any(
+            source_line(p, n, kernel_dir, library).strip().startswith("template [[")
+            for p, n in where
+        )
     if message == "invalid storage class specifier in function declarator":
         return any(note == "expanded from macro 'threadgroup'" for _, _, note in notes)
     return False
@@ -165,15 +192,29 @@ def front_end(kernel_dir, library):
 
 INSTANTIATION = re.compile(
     r'template\s*\[\[\s*host_name\(\s*"(?P<host>[^"]*)"\s*\)\s*\]\]\s*\[\[\s*kernel\s*\]\]\s*'
-    r"decltype\(\s*(?P<function>\w+)\s*<(?P<arguments>[^>]*)>\s*\)")
-KERNEL_TEMPLATE = re.compile(r"template\s*<[^{;]*?>\s*\[\[\s*kernel\s*\]\]\s*void\s+(?P<name>\w+)\s*\(")
+    r"decltype\(\s*(?P<function>\w+)\s*<(?P<arguments>[^>]*)>\s*\)"
+)
+KERNEL_TEMPLATE = re.compile(
+    r"template\s*<[^{;]*?>\s*\[\[\s*kernel\s*\]\]\s*void\s+(?P<name>\w+)\s*\("
+)
 
 
 def instantiations(library):
     """Every kernel template has float, half and bfloat instantiations; host names are unique."""
-    expanded = run([CLANG, "-E", "-P", *FRONT_END_FLAGS[:2], "-nostdinc", "-nostdinc++",
-                    f"-D__METAL_VERSION__={METAL_VERSION}", "-I", os.path.join(HERE, "msl"),
-                    library])
+    expanded = run(
+        [
+            CLANG,
+            "-E",
+            "-P",
+            *FRONT_END_FLAGS[:2],
+            "-nostdinc",
+            "-nostdinc++",
+            f"-D__METAL_VERSION__={METAL_VERSION}",
+            "-I",
+            os.path.join(HERE, "msl"),
+            library,
+        ]
+    )
     if expanded.returncode != 0:
         return [f"preprocessing failed:\n{expanded.stderr}"]
     text = expanded.stdout
@@ -196,17 +237,24 @@ def instantiations(library):
             missing = FLOAT_TYPES - found
             if missing:
                 others = f" (with {', '.join(rest)})" if rest else ""
-                errors.append(f"kernel template '{name}'{others} is instantiated for "
-                              f"{', '.join(sorted(found))} but not {', '.join(sorted(missing))}")
+                errors.append(
+                    f"kernel template '{name}'{others} is instantiated for "
+                    f"{', '.join(sorted(found))} but not {', '.join(sorted(missing))}"
+                )
     return errors
 
 
 def check(kernel_dir, work_dir):
     """All the errors of the library built from kernel_dir (paths relative to the repository)."""
     library, kernels = library_text(kernel_dir, work_dir)
-    headers = [os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir)) if f.endswith(".h")]
-    errors = (front_end(kernel_dir, library) + instantiations(library)
-              + lint_kernels.lint_files(kernels + headers))
+    headers = [
+        os.path.join(kernel_dir, f) for f in sorted(os.listdir(kernel_dir)) if f.endswith(".h")
+    ]
+    errors = (
+        front_end(kernel_dir, library)
+        + instantiations(library)
+        + lint_kernels.lint_files(kernels + headers)
+    )
     return [error.replace(REPO + os.sep, "") for error in errors]
 
 
@@ -221,8 +269,10 @@ def run_probe(probe):
         with open(path) as handle:
             text = handle.read()
         if text.count(edit["old"]) != 1:
-            raise RuntimeError(f"probe {probe['name']}: {edit['old']!r} is not exactly once "
-                               f"in {edit['file']}: the probe no longer matches the kernels")
+            raise RuntimeError(
+                f"probe {probe['name']}: {edit['old']!r} is not exactly once "
+                f"in {edit['file']}: the probe no longer matches the kernels"
+            )
         with open(path, "w") as handle:
             handle.write(text.replace(edit["old"], edit["new"]))
     return check(kernel_dir, os.path.join(work_dir, "out"))
@@ -235,8 +285,11 @@ def load_probes():
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--probes", action="store_true",
-                        help="check that every probe is rejected with its expected error")
+    parser.add_argument(
+        "--probes",
+        action="store_true",
+        help="check that every probe is rejected with its expected error",
+    )
     args = parser.parse_args(argv)
     start = time.monotonic()
     if not args.probes:
@@ -244,9 +297,11 @@ def main(argv):
         for error in errors:
             print(error)
         verdict = "FAILED" if errors else "passed"
-        print(f"check_library: the embedded Metal library {verdict} "
-              f"(MSL {METAL_VERSION // 100}.{METAL_VERSION // 10 % 10}, "
-              f"{len(kernel_names())} kernel files, {time.monotonic() - start:.1f} s)")
+        print(
+            f"check_library: the embedded Metal library {verdict} "
+            f"(MSL {METAL_VERSION // 100}.{METAL_VERSION // 10 % 10}, "
+            f"{len(kernel_names())} kernel files, {time.monotonic() - start:.1f} s)"
+        )
         return 1 if errors else 0
     failed = 0
     for probe in load_probes():
@@ -258,8 +313,10 @@ def main(argv):
             failed += 1
             got = "\n    ".join(errors) if errors else "(no error: the check passed it)"
             print(f"probe {probe['name']}: NOT rejected with {probe['expect']!r}; got:\n    {got}")
-    print(f"check_library --probes: {len(load_probes()) - failed} of {len(load_probes())} "
-          f"probes rejected as expected ({time.monotonic() - start:.1f} s)")
+    print(
+        f"check_library --probes: {len(load_probes()) - failed} of {len(load_probes())} "
+        f"probes rejected as expected ({time.monotonic() - start:.1f} s)"
+    )
     return 1 if failed else 0
 
 

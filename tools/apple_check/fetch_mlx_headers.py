@@ -14,8 +14,9 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 import zipfile
+
+import tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BUILD = os.path.join(REPO, "build", "apple_check")
@@ -36,7 +37,8 @@ def pinned_mlx_version():
     if len(pins) != 1:
         raise SystemExit(
             f"fetch_mlx_headers: expected one 'mlx==VERSION; sys_platform == \"darwin\"' "
-            f"dependency in pyproject.toml, found {sorted(pins)}")
+            f"dependency in pyproject.toml, found {sorted(pins)}"
+        )
     return pins.pop()
 
 
@@ -63,13 +65,27 @@ def fetch(version):
     wheel = downloaded_wheel(wheels, version)
     if wheel is None:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", f"mlx-metal=={version}",
-             "--platform", "macosx_14_0_arm64", "--only-binary=:all:", "--no-deps",
-             "--quiet", "--dest", wheels],
-            check=True)
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                f"mlx-metal=={version}",
+                "--platform",
+                "macosx_14_0_arm64",
+                "--only-binary=:all:",
+                "--no-deps",
+                "--quiet",
+                "--dest",
+                wheels,
+            ],
+            check=True,
+        )
         wheel = downloaded_wheel(wheels, version)
         if wheel is None:
-            raise SystemExit(f"fetch_mlx_headers: pip left no mlx-metal {version} wheel in {wheels}")
+            raise SystemExit(
+                f"fetch_mlx_headers: pip left no mlx-metal {version} wheel in {wheels}"
+            )
     wheel_name = os.path.basename(wheel)
 
     with zipfile.ZipFile(wheel) as archive:

@@ -46,7 +46,8 @@ BUILT_INS = {
 }
 # A threadgroup variable (not a pointer or reference to threadgroup memory).
 THREADGROUP_VARIABLE = re.compile(
-    r"\bthreadgroup\s+(?:const\s+)?\w+(?:\s*<[^;>]*>)?\s+(?P<name>\w+)\s*(?:\[[^\];]*\]\s*)*;")
+    r"\bthreadgroup\s+(?:const\s+)?\w+(?:\s*<[^;>]*>)?\s+(?P<name>\w+)\s*(?:\[[^\];]*\]\s*)*;"
+)
 BUILT_IN_TYPES = {"uint", "ushort", "uint2", "uint3", "ushort2", "ushort3"}
 
 
@@ -122,44 +123,52 @@ def lint_text(path, text):
                 if not spaces:
                     errors.append(
                         f"{where}: pointer or reference parameter '{parameter_name}' has no "
-                        "address space (device, constant or threadgroup)")
+                        "address space (device, constant or threadgroup)"
+                    )
                     continue
                 if spaces != ["device"] and spaces != ["constant"] and spaces != ["threadgroup"]:
                     errors.append(
                         f"{where}: parameter '{parameter_name}' must be in exactly one of "
-                        f"device, constant or threadgroup memory, not {' '.join(spaces)}")
+                        f"device, constant or threadgroup memory, not {' '.join(spaces)}"
+                    )
                     continue
                 binding = "threadgroup" if spaces == ["threadgroup"] else "buffer"
                 index = attributes.get(binding)
                 if index is None or not index.strip().isdigit():
                     errors.append(
                         f"{where}: {spaces[0]} parameter '{parameter_name}' needs a "
-                        f"[[{binding}(n)]] attribute")
+                        f"[[{binding}(n)]] attribute"
+                    )
                     continue
                 key = (binding, int(index))
                 if key in bound:
                     errors.append(
                         f"{where}: parameter '{parameter_name}' binds {binding}({index}), "
-                        f"already bound on line {bound[key]}")
+                        f"already bound on line {bound[key]}"
+                    )
                 bound[key] = line
             elif built_ins:
                 if len(built_ins) > 1:
                     errors.append(
-                        f"{where}: parameter '{parameter_name}' has several built-in attributes")
+                        f"{where}: parameter '{parameter_name}' has several built-in attributes"
+                    )
                 type_words = [w for w in words[:-1] if w != "const"]
                 if len(type_words) != 1 or type_words[0] not in BUILT_IN_TYPES:
                     errors.append(
                         f"{where}: built-in parameter '{parameter_name}' "
-                        f"[[{built_ins[0]}]] must be one of {', '.join(sorted(BUILT_IN_TYPES))}")
+                        f"[[{built_ins[0]}]] must be one of {', '.join(sorted(BUILT_IN_TYPES))}"
+                    )
             else:
                 errors.append(
                     f"{where}: parameter '{parameter_name}' is neither a pointer or reference "
-                    "with an address space nor a built-in with its attribute")
+                    "with an address space nor a built-in with its attribute"
+                )
     for variable in THREADGROUP_VARIABLE.finditer(text):
         if not any(begin < variable.start() < end for begin, end in bodies):
             errors.append(
                 f"{path}:{line_of(variable.start())}: threadgroup variable '{variable['name']}' "
-                "outside a kernel function (MSL declares threadgroup memory in kernels only)")
+                "outside a kernel function (MSL declares threadgroup memory in kernels only)"
+            )
     return errors
 
 

@@ -26,9 +26,11 @@ def compare_segment(name, results):
     _, case = make_case(name)
     dtype = case.recipe["dtype"]
     expected = dict(zip(("out", "conv_state_out", "state_out"), case.reference()))
-    contracts = {"out": f"segment.oracle.v2.{dtype}.output",
-                 "conv_state_out": "segment.oracle.v1.any.conv_state",
-                 "state_out": "segment.oracle.v2.float32.state"}
+    contracts = {
+        "out": f"segment.oracle.v2.{dtype}.output",
+        "conv_state_out": "segment.oracle.v1.any.conv_state",
+        "state_out": "segment.oracle.v2.float32.state",
+    }
     errors = []
     for buffer, contract_id in contracts.items():
         raw = results[f"{name}/{buffer}"].tobytes()
@@ -37,8 +39,9 @@ def compare_segment(name, results):
         else:
             actual = metal_emulated._activation_values(raw, dtype)
         actual = actual.reshape(expected[buffer].shape)
-        error = assert_matches(buffer, actual, expected[buffer], contract_id,
-                               CONTRACTS[contract_id].fingerprint)
+        error = assert_matches(
+            buffer, actual, expected[buffer], contract_id, CONTRACTS[contract_id].fingerprint
+        )
         errors.append(f"{buffer} {error:.2e} (<= {CONTRACTS[contract_id].threshold:g})")
     return f"{name:36s} " + ", ".join(errors)
 
@@ -73,8 +76,10 @@ def main(path):
         try:
             error_y = assert_matches("y", y, expected_y, output_id, output_print)
             error_state = assert_matches("state", state, expected_state, state_id, state_print)
-            print(f"{name:32s} y max_rel {error_y:.2e} (<= {CONTRACTS[output_id].threshold:g}), "
-                  f"state max_rel {error_state:.2e} (<= {CONTRACTS[state_id].threshold:g})")
+            print(
+                f"{name:32s} y max_rel {error_y:.2e} (<= {CONTRACTS[output_id].threshold:g}), "
+                f"state max_rel {error_state:.2e} (<= {CONTRACTS[state_id].threshold:g})"
+            )
         except AssertionError as error:
             print(f"{name}: FAILED {error}")
             failures += 1

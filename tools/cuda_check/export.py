@@ -20,18 +20,38 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from cases import CASES, SEGMENT_CASES, make_case  # noqa: E402
 
-KERNELS = ["recurrent", "qk_norm", "gate_cumsum", "k_gram", "kkt_inverse", "recompute_w_u",
-           "chunk_qk", "chunk_carry", "chunk_output", "prepare_conv", "prepare_gates",
-           "collect_conv_state", "gated_norm"]
-BROKEN_BARRIER = ("staged before any output reads it.\n"
-                  "  threadgroup_barrier(mem_flags::mem_threadgroup);")
+KERNELS = [
+    "recurrent",
+    "qk_norm",
+    "gate_cumsum",
+    "k_gram",
+    "kkt_inverse",
+    "recompute_w_u",
+    "chunk_qk",
+    "chunk_carry",
+    "chunk_output",
+    "prepare_conv",
+    "prepare_gates",
+    "collect_conv_state",
+    "gated_norm",
+]
+BROKEN_BARRIER = (
+    "staged before any output reads it.\n  threadgroup_barrier(mem_flags::mem_threadgroup);"
+)
 
 
 def prep(kernel_dir, out_dir, stem):
     paths = [os.path.join(kernel_dir, f"{name}.metal") for name in KERNELS]
-    subprocess.run([sys.executable, os.path.join(HERE, "prep_cuda.py"),
-                    os.path.join(out_dir, f"{stem}.cu"), os.path.join(out_dir, f"{stem}.json"),
-                    *paths], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "prep_cuda.py"),
+            os.path.join(out_dir, f"{stem}.cu"),
+            os.path.join(out_dir, f"{stem}.json"),
+            *paths,
+        ],
+        check=True,
+    )
 
 
 def json_ready(plan, dtype):
@@ -50,17 +70,36 @@ def export_segment_case(name, algorithm, case, arrays):
     dtype = recipe["dtype"]
     mask = case.options["mask"]
     plan = metal_emulated.segment_plan(
-        recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
-        recipe["key_dim"], recipe["value_dim"], recipe["conv_kernel"], dtype=dtype,
-        algorithm=algorithm, decay_parameterization=recipe["decay_parameterization"],
-        head_mapping=recipe["head_mapping"], mask=mask is not None)
+        recipe["batch"],
+        recipe["tokens"],
+        recipe["key_heads"],
+        recipe["value_heads"],
+        recipe["key_dim"],
+        recipe["value_dim"],
+        recipe["conv_kernel"],
+        dtype=dtype,
+        algorithm=algorithm,
+        decay_parameterization=recipe["decay_parameterization"],
+        head_mapping=recipe["head_mapping"],
+        mask=mask is not None,
+    )
     f32 = metal_emulated._to_float32
-    channels = 2 * recipe["key_heads"] * recipe["key_dim"] + recipe["value_heads"] * recipe["value_dim"]
-    conv_state = (np.zeros((recipe["batch"], recipe["conv_kernel"] - 1, channels), np.float32)
-                  if case.conv_state is None else f32(case.conv_state))
-    state = (np.zeros((recipe["batch"], recipe["value_heads"], recipe["value_dim"],
-                       recipe["key_dim"]), np.float32)
-             if case.state is None else f32(case.state))
+    channels = (
+        2 * recipe["key_heads"] * recipe["key_dim"] + recipe["value_heads"] * recipe["value_dim"]
+    )
+    conv_state = (
+        np.zeros((recipe["batch"], recipe["conv_kernel"] - 1, channels), np.float32)
+        if case.conv_state is None
+        else f32(case.conv_state)
+    )
+    state = (
+        np.zeros(
+            (recipe["batch"], recipe["value_heads"], recipe["value_dim"], recipe["key_dim"]),
+            np.float32,
+        )
+        if case.state is None
+        else f32(case.state)
+    )
     raw = {
         "mixed": metal_emulated._activation_bytes(f32(case.mixed), dtype),
         "conv_weight": f32(case.conv_weight).reshape(channels, -1).tobytes(),
@@ -105,18 +144,40 @@ def main(out_dir):
         q, k, v, g, beta, state = case.args()
         mask = case.options["mask"]
         plan = metal_emulated.plan(
-            recipe["batch"], recipe["tokens"], recipe["key_heads"], recipe["value_heads"],
-            recipe["key_dim"], recipe["value_dim"], dtype=dtype, algorithm=algorithm,
-            head_mapping=recipe["head_mapping"], normalize_qk=recipe["normalize_qk"],
-            mask=mask is not None, scale=case.options["scale"])
+            recipe["batch"],
+            recipe["tokens"],
+            recipe["key_heads"],
+            recipe["value_heads"],
+            recipe["key_dim"],
+            recipe["value_dim"],
+            dtype=dtype,
+            algorithm=algorithm,
+            head_mapping=recipe["head_mapping"],
+            normalize_qk=recipe["normalize_qk"],
+            mask=mask is not None,
+            scale=case.options["scale"],
+        )
         plans[name] = json_ready(plan, dtype)
         inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_in": state}
         for buffer, value in inputs.items():
-            value = metal_emulated._to_float32(value) if value is not None else \
-                np.zeros((recipe["batch"], recipe["value_heads"], recipe["value_dim"],
-                          recipe["key_dim"]), np.float32)
-            raw = (metal_emulated._activation_bytes(value, dtype) if buffer in ("q", "k", "v")
-                   else value.tobytes())
+            value = (
+                metal_emulated._to_float32(value)
+                if value is not None
+                else np.zeros(
+                    (
+                        recipe["batch"],
+                        recipe["value_heads"],
+                        recipe["value_dim"],
+                        recipe["key_dim"],
+                    ),
+                    np.float32,
+                )
+            )
+            raw = (
+                metal_emulated._activation_bytes(value, dtype)
+                if buffer in ("q", "k", "v")
+                else value.tobytes()
+            )
             arrays[f"{name}/{buffer}"] = np.frombuffer(raw, np.uint8)
         if mask is not None:
             arrays[f"{name}/mask"] = np.array(mask).astype(np.uint8).reshape(-1)

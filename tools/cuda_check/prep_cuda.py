@@ -26,8 +26,8 @@ ANY_ATTRIBUTE = re.compile(r"\[\[[^\]]*\]\]")
 BUILTINS = {
     "threadgroup_position_in_grid": "make_uint3(blockIdx.x, blockIdx.y, blockIdx.z)",
     "thread_position_in_grid": "make_uint3(blockIdx.x * blockDim.x + threadIdx.x, "
-                               "blockIdx.y * blockDim.y + threadIdx.y, "
-                               "blockIdx.z * blockDim.z + threadIdx.z)",
+    "blockIdx.y * blockDim.y + threadIdx.y, "
+    "blockIdx.z * blockDim.z + threadIdx.z)",
     "thread_position_in_threadgroup": "make_uint3(threadIdx.x, threadIdx.y, threadIdx.z)",
     "threads_per_threadgroup": "make_uint3(blockDim.x, blockDim.y, blockDim.z)",
     "threadgroups_per_grid": "make_uint3(gridDim.x, gridDim.y, gridDim.z)",
@@ -93,11 +93,14 @@ def main(out_source, out_map, kernel_paths):
         body.append(ANY_ATTRIBUTE.sub("", line))
     source = "\n".join(lines)
     kernels = prep_metal.find_kernels(source)
-    entries = [(name, name, params) for name, (params, is_template) in kernels.items()
-               if not is_template]
+    entries = [
+        (name, name, params) for name, (params, is_template) in kernels.items() if not is_template
+    ]
     instantiations = prep_metal.expand_instantiations("the CUDA source", calls, [source])
-    entries += [(host, f"{function}<{args}>", kernels[function][0])
-                for host, function, args in instantiations]
+    entries += [
+        (host, f"{function}<{args}>", kernels[function][0])
+        for host, function, args in instantiations
+    ]
 
     wrappers, argument_map = [], {}
     for host, callee, parameters in entries:
@@ -109,7 +112,8 @@ def main(out_source, out_map, kernel_paths):
             f'extern "C" __global__ void {host}({signature}) {{\n'
             "  [[maybe_unused]] const uint linear =\n"
             "      threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);\n"
-            f"  {callee}(\n      {arguments});\n}}\n")
+            f"  {callee}(\n      {arguments});\n}}\n"
+        )
         argument_map[host] = indices
     with open(out_source, "w") as handle:
         handle.write('#include "metal_cuda.h"\n')

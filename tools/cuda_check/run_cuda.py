@@ -48,35 +48,44 @@ def main():
         for buffer, size in plan["buffer_bytes"].items():
             storage = cp.full(size + 2 * GUARD, UNWRITTEN, dtype=cp.uint8)
             storage[:GUARD] = SENTINEL
-            storage[GUARD + size:] = SENTINEL
+            storage[GUARD + size :] = SENTINEL
             key = f"{name}/{buffer}"
             if key in arrays.files:
                 assert arrays[key].size == size, (key, arrays[key].size, size)
-                storage[GUARD:GUARD + size] = cp.asarray(arrays[key])
+                storage[GUARD : GUARD + size] = cp.asarray(arrays[key])
             buffers[buffer] = storage
         for dispatch in plan["dispatches"]:
             bound = {index: buffers[buffer][GUARD:] for index, buffer, _ in dispatch["buffers"]}
             # The dispatch's scalar block (the core's or the segment's).
             bound[dispatch["params_index"]] = cp.asarray(
-                np.frombuffer(bytes.fromhex(dispatch["params"]), np.uint8))
-            arguments = tuple(bound.get(index, np.uint64(0))
-                              for index in argument_order[dispatch["kernel"]])
+                np.frombuffer(bytes.fromhex(dispatch["params"]), np.uint8)
+            )
+            arguments = tuple(
+                bound.get(index, np.uint64(0)) for index in argument_order[dispatch["kernel"]]
+            )
             kernel = module.get_function(dispatch["kernel"])
-            kernel(tuple(dispatch["threadgroups"]), (dispatch["threads_per_threadgroup"], 1, 1),
-                   arguments)
+            kernel(
+                tuple(dispatch["threadgroups"]),
+                (dispatch["threads_per_threadgroup"], 1, 1),
+                arguments,
+            )
             cp.cuda.runtime.deviceSynchronize()
             for buffer, storage in buffers.items():
                 guards = cp.concatenate([storage[:GUARD], storage[-GUARD:]])
                 if not bool((guards == SENTINEL).all()):
-                    raise SystemExit(f"{name}: {dispatch['stage']} ({dispatch['kernel']}) wrote "
-                                     f"outside buffer {buffer}")
+                    raise SystemExit(
+                        f"{name}: {dispatch['stage']} ({dispatch['kernel']}) wrote "
+                        f"outside buffer {buffer}"
+                    )
         outputs = [buffer for buffer, role in plan["buffer_roles"].items() if role == "output"]
         for buffer in outputs:
             size = plan["buffer_bytes"][buffer]
-            results[f"{name}/{buffer}"] = cp.asnumpy(buffers[buffer][GUARD:GUARD + size])
+            results[f"{name}/{buffer}"] = cp.asnumpy(buffers[buffer][GUARD : GUARD + size])
         kernels = sorted({d["kernel"] for d in plan["dispatches"]})
-        print(f"ran {name}: {len(plan['dispatches'])} dispatches, kernels {', '.join(kernels)}",
-              flush=True)
+        print(
+            f"ran {name}: {len(plan['dispatches'])} dispatches, kernels {', '.join(kernels)}",
+            flush=True,
+        )
     if options.out:
         np.savez(options.out, **results)
 

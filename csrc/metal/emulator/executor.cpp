@@ -10,16 +10,21 @@
 
 namespace mlx_gated_delta::metal::emulator {
 
-BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
-                       std::chrono::milliseconds barrier_timeout,
-                       const std::string& through_stage) {
+BufferOutputs run_plan(
+    const Plan& plan,
+    const BufferInputs& inputs,
+    std::chrono::milliseconds barrier_timeout,
+    const std::string& through_stage) {
   validate_plan(plan);
   size_t dispatch_count = plan.dispatches.size();
   if (!through_stage.empty()) {
-    auto last = std::find_if(plan.dispatches.begin(), plan.dispatches.end(),
-                             [&](const Dispatch& d) { return d.stage == through_stage; });
+    auto last = std::find_if(
+        plan.dispatches.begin(), plan.dispatches.end(), [&](const Dispatch& d) {
+          return d.stage == through_stage;
+        });
     if (last == plan.dispatches.end()) {
-      throw std::invalid_argument("metal emulator: the plan has no stage " + through_stage);
+      throw std::invalid_argument(
+          "metal emulator: the plan has no stage " + through_stage);
     }
     dispatch_count = size_t(last - plan.dispatches.begin()) + 1;
   }
@@ -27,20 +32,27 @@ BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
   size_t inputs_used = 0;
   for (const BufferSpec& spec : plan.buffers) {
     metal_emulator::GuardedBuffer& buffer =
-        buffers.try_emplace(spec.buffer, to_string(spec.buffer), spec.bytes).first->second;
-    if (spec.role != BufferRole::Input) continue;
+        buffers.try_emplace(spec.buffer, to_string(spec.buffer), spec.bytes)
+            .first->second;
+    if (spec.role != BufferRole::Input)
+      continue;
     auto source = inputs.find(spec.buffer);
     if (source == inputs.end() || source->second.size() != spec.bytes) {
       throw std::invalid_argument(
-          std::string("metal emulator: input ") + to_string(spec.buffer) + " has " +
-          (source == inputs.end() ? std::string("no data") : std::to_string(source->second.size()) + " bytes") +
+          std::string("metal emulator: input ") + to_string(spec.buffer) +
+          " has " +
+          (source == inputs.end()
+               ? std::string("no data")
+               : std::to_string(source->second.size()) + " bytes") +
           ", the plan expects " + std::to_string(spec.bytes));
     }
-    if (spec.bytes > 0) std::memcpy(buffer.data(), source->second.data(), spec.bytes);
+    if (spec.bytes > 0)
+      std::memcpy(buffer.data(), source->second.data(), spec.bytes);
     ++inputs_used;
   }
   if (inputs_used != inputs.size()) {
-    throw std::invalid_argument("metal emulator: an input was passed that the plan does not read");
+    throw std::invalid_argument(
+        "metal emulator: an input was passed that the plan does not read");
   }
   // The kernels take their scalars by constant reference: one copy each.
   GatedDeltaKernelParams core_params = plan.kernel_params;
@@ -53,13 +65,17 @@ BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
       launch.buffers[index] = buffers.at(id).data();
     }
     launch.buffers[dispatch.params_index] =
-        dispatch.params_block == KernelParamsBlock::Core ? static_cast<void*>(&core_params)
-                                                         : static_cast<void*>(&segment_params);
-    launch.threadgroups = {dispatch.threadgroups.x, dispatch.threadgroups.y,
-                           dispatch.threadgroups.z};
-    launch.threads_per_threadgroup = {dispatch.threads_per_threadgroup.x,
-                                      dispatch.threads_per_threadgroup.y,
-                                      dispatch.threads_per_threadgroup.z};
+        dispatch.params_block == KernelParamsBlock::Core
+        ? static_cast<void*>(&core_params)
+        : static_cast<void*>(&segment_params);
+    launch.threadgroups = {
+        dispatch.threadgroups.x,
+        dispatch.threadgroups.y,
+        dispatch.threadgroups.z};
+    launch.threads_per_threadgroup = {
+        dispatch.threads_per_threadgroup.x,
+        dispatch.threads_per_threadgroup.y,
+        dispatch.threads_per_threadgroup.z};
     launch.threadgroup_memory_bytes = dispatch.threadgroup_memory_bytes;
     metal_emulator::run_launch(launch, barrier_timeout);
     for (const auto& [id, buffer] : buffers) {
@@ -72,9 +88,11 @@ BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
     if (spec.role == BufferRole::Input) {
       // A pure function: no dispatch may have written an input.
       if (spec.bytes > 0 &&
-          std::memcmp(buffer.data(), inputs.at(spec.buffer).data(), spec.bytes) != 0) {
-        throw std::runtime_error(std::string("metal emulator: the plan wrote its input ") +
-                                 to_string(spec.buffer));
+          std::memcmp(
+              buffer.data(), inputs.at(spec.buffer).data(), spec.bytes) != 0) {
+        throw std::runtime_error(
+            std::string("metal emulator: the plan wrote its input ") +
+            to_string(spec.buffer));
       }
     } else if (spec.role == BufferRole::Output || !through_stage.empty()) {
       outputs[spec.buffer].assign(buffer.data(), buffer.data() + buffer.size());

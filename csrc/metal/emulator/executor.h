@@ -31,8 +31,10 @@ using BufferOutputs = std::map<PlanBuffer, std::vector<std::byte>>;
 // that stage run, and the result holds the scratch buffers besides the
 // outputs: what the stages so far wrote, for the per-stage tests. Throws
 // std::invalid_argument when no dispatch has that stage.
-BufferOutputs run_plan(const Plan& plan, const BufferInputs& inputs,
-                       std::chrono::milliseconds barrier_timeout,
-                       const std::string& through_stage = {});
+BufferOutputs run_plan(
+    const Plan& plan,
+    const BufferInputs& inputs,
+    std::chrono::milliseconds barrier_timeout,
+    const std::string& through_stage = {});
 
 }  // namespace mlx_gated_delta::metal::emulator

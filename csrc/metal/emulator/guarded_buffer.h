@@ -19,9 +19,12 @@ constexpr std::byte kUnwritten{0xff};  // NaN in every float format
 class GuardedBuffer {
  public:
   GuardedBuffer(std::string name, size_t bytes)
-      : name_(std::move(name)), bytes_(bytes), storage_(bytes + 2 * kGuardBytes, kUnwritten) {
+      : name_(std::move(name)),
+        bytes_(bytes),
+        storage_(bytes + 2 * kGuardBytes, kUnwritten) {
     std::memset(storage_.data(), int(kSentinel), kGuardBytes);
-    std::memset(storage_.data() + kGuardBytes + bytes, int(kSentinel), kGuardBytes);
+    std::memset(
+        storage_.data() + kGuardBytes + bytes, int(kSentinel), kGuardBytes);
   }
   std::byte* data() {
     return storage_.data() + kGuardBytes;
@@ -44,10 +47,12 @@ class GuardedBuffer {
   }
 
  private:
-  [[noreturn]] void fail(const std::string& after, const char* where, size_t offset) const {
-    throw std::runtime_error("metal emulator: " + after + " wrote " + where + " of buffer " +
-                             name_ + " (" + std::to_string(bytes_) +
-                             " bytes; guard byte " + std::to_string(offset) + ")");
+  [[noreturn]] void fail(
+      const std::string& after, const char* where, size_t offset) const {
+    throw std::runtime_error(
+        "metal emulator: " + after + " wrote " + where + " of buffer " + name_ +
+        " (" + std::to_string(bytes_) + " bytes; guard byte " +
+        std::to_string(offset) + ")");
   }
   std::string name_;
   size_t bytes_;

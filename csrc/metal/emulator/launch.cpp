@@ -14,39 +14,47 @@ namespace {
 void check_limits(const Launch& launch) {
   uint64_t threads = launch.threads_per_threadgroup.count();
   if (threads == 0 || threads > kMaxThreadsPerThreadgroup) {
-    throw std::invalid_argument("metal emulator: " + launch.kernel + " asks for " +
-                                std::to_string(threads) +
-                                " threads per threadgroup (Metal allows 1 to 1024)");
+    throw std::invalid_argument(
+        "metal emulator: " + launch.kernel + " asks for " +
+        std::to_string(threads) +
+        " threads per threadgroup (Metal allows 1 to 1024)");
   }
   if (launch.threadgroup_memory_bytes > kMaxThreadgroupMemoryBytes) {
-    throw std::invalid_argument("metal emulator: " + launch.kernel + " declares " +
-                                std::to_string(launch.threadgroup_memory_bytes) +
-                                " bytes of threadgroup memory (Metal allows 32768)");
+    throw std::invalid_argument(
+        "metal emulator: " + launch.kernel + " declares " +
+        std::to_string(launch.threadgroup_memory_bytes) +
+        " bytes of threadgroup memory (Metal allows 32768)");
   }
 }
 
 // Runs one threadgroup to completion; returns the first error or "".
-std::string run_threadgroup(const Launch& launch, KernelEntry entry, Extent3 group,
-                            std::chrono::milliseconds timeout) {
+std::string run_threadgroup(
+    const Launch& launch,
+    KernelEntry entry,
+    Extent3 group,
+    std::chrono::milliseconds timeout) {
   const Extent3 size = launch.threads_per_threadgroup;
   const unsigned threads = unsigned(size.count());
   DispatchStatus status;
   Barrier barrier("threadgroup_barrier", threads, status, timeout);
   std::vector<std::unique_ptr<SimdGroup>> simdgroups;
   for (unsigned first = 0; first < threads; first += kSimdWidth) {
-    simdgroups.push_back(
-        std::make_unique<SimdGroup>(std::min(kSimdWidth, threads - first), status, timeout));
+    simdgroups.push_back(std::make_unique<SimdGroup>(
+        std::min(kSimdWidth, threads - first), status, timeout));
   }
   std::vector<ThreadContext> contexts(threads);
   for (unsigned index = 0; index < threads; ++index) {
     ThreadContext& context = contexts[index];
-    Extent3 local{index % size.x, (index / size.x) % size.y, index / (size.x * size.y)};
+    Extent3 local{
+        index % size.x, (index / size.x) % size.y, index / (size.x * size.y)};
     context.thread_position_in_threadgroup = local;
     context.threadgroup_position_in_grid = group;
     context.threads_per_threadgroup = size;
     context.threadgroups_per_grid = launch.threadgroups;
-    context.thread_position_in_grid = {group.x * size.x + local.x, group.y * size.y + local.y,
-                                       group.z * size.z + local.z};
+    context.thread_position_in_grid = {
+        group.x * size.x + local.x,
+        group.y * size.y + local.y,
+        group.z * size.z + local.z};
     context.thread_index_in_threadgroup = index;
     context.thread_index_in_simdgroup = index % kSimdWidth;
     context.simdgroup_index_in_threadgroup = index / kSimdWidth;
@@ -72,13 +80,15 @@ std::string run_threadgroup(const Launch& launch, KernelEntry entry, Extent3 gro
       set_current_thread(nullptr);
     });
   }
-  for (auto& worker : workers) worker.join();
+  for (auto& worker : workers)
+    worker.join();
   return status.failed() ? status.message() : std::string();
 }
 
 }  // namespace
 
-void run_launch(const Launch& launch, std::chrono::milliseconds barrier_timeout) {
+void run_launch(
+    const Launch& launch, std::chrono::milliseconds barrier_timeout) {
   check_limits(launch);
   KernelEntry entry = find_kernel(launch.kernel);
   // Threadgroup arrays are process-wide statics: one threadgroup at a time in
@@ -91,19 +101,21 @@ void run_launch(const Launch& launch, std::chrono::milliseconds barrier_timeout)
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         poison_threadgroup_memory();
-        std::string error = run_threadgroup(launch, entry, {x, y, z}, barrier_timeout);
+        std::string error =
+            run_threadgroup(launch, entry, {x, y, z}, barrier_timeout);
         if (!error.empty()) {
           std::ostringstream text;
-          text << "metal emulator: " << launch.kernel << " threadgroup (" << x << ", " << y
-               << ", " << z << "): " << error;
+          text << "metal emulator: " << launch.kernel << " threadgroup (" << x
+               << ", " << y << ", " << z << "): " << error;
           throw std::runtime_error(text.str());
         }
         size_t used = threadgroup_bytes_used();
         if (used > launch.threadgroup_memory_bytes) {
-          throw std::runtime_error("metal emulator: " + launch.kernel + " used " +
-                                   std::to_string(used) +
-                                   " bytes of threadgroup memory but its plan declares " +
-                                   std::to_string(launch.threadgroup_memory_bytes));
+          throw std::runtime_error(
+              "metal emulator: " + launch.kernel + " used " +
+              std::to_string(used) +
+              " bytes of threadgroup memory but its plan declares " +
+              std::to_string(launch.threadgroup_memory_bytes));
         }
       }
     }

@@ -27,7 +27,8 @@ struct Launch {
 // Throws std::invalid_argument for a launch over Metal's limits and
 // std::runtime_error for what went wrong inside the kernel (divergence,
 // deadlock, threadgroup memory over the declared amount, an exception).
-void run_launch(const Launch& launch, std::chrono::milliseconds barrier_timeout);
+void run_launch(
+    const Launch& launch, std::chrono::milliseconds barrier_timeout);
 
 // Used by runtime.cpp and run_launch: threadgroup-array accounting.
 void begin_threadgroup_accounting();

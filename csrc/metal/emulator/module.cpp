@@ -26,15 +26,28 @@ using namespace mlx_gated_delta::metal;
 namespace {
 
 metal::ActivationDtype parse_dtype(const std::string& name) {
-  if (name == "float32") return ActivationDtype::Float32;
-  if (name == "float16") return ActivationDtype::Float16;
-  if (name == "bfloat16") return ActivationDtype::BFloat16;
-  throw std::invalid_argument("dtype must be float32, float16 or bfloat16, got " + name);
+  if (name == "float32")
+    return ActivationDtype::Float32;
+  if (name == "float16")
+    return ActivationDtype::Float16;
+  if (name == "bfloat16")
+    return ActivationDtype::BFloat16;
+  throw std::invalid_argument(
+      "dtype must be float32, float16 or bfloat16, got " + name);
 }
 
-GatedDeltaParams make_params(int batch, int tokens, int key_heads, int value_heads, int key_dim,
-                             int value_dim, float scale, const std::string& head_mapping,
-                             bool normalize_qk, bool has_mask, bool per_key_gates = false) {
+GatedDeltaParams make_params(
+    int batch,
+    int tokens,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim,
+    float scale,
+    const std::string& head_mapping,
+    bool normalize_qk,
+    bool has_mask,
+    bool per_key_gates = false) {
   GatedDeltaParams p =
       shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim);
   p.scale = scale;
@@ -55,19 +68,28 @@ nb::bytes to_bytes(const std::vector<std::byte>& data) {
 
 std::vector<std::string> kernels_of(const Plan& plan) {
   std::vector<std::string> kernels;
-  for (const Dispatch& d : plan.dispatches) kernels.push_back(d.kernel);
+  for (const Dispatch& d : plan.dispatches)
+    kernels.push_back(d.kernel);
   return kernels;
 }
 
-SegmentParams make_segment_params(int batch, int tokens, int key_heads, int value_heads,
-                                  int key_dim, int value_dim, int conv_kernel,
-                                  const std::string& decay_parameterization,
-                                  const std::string& head_mapping, float norm_eps,
-                                  bool has_mask) {
+SegmentParams make_segment_params(
+    int batch,
+    int tokens,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim,
+    int conv_kernel,
+    const std::string& decay_parameterization,
+    const std::string& head_mapping,
+    float norm_eps,
+    bool has_mask) {
   SegmentParams p;
   p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
   p.conv_kernel = conv_kernel;
-  p.decay_parameterization = parse_decay_parameterization(decay_parameterization);
+  p.decay_parameterization =
+      parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
   p.norm_eps = norm_eps;
   p.has_mask = has_mask;
@@ -77,15 +99,19 @@ SegmentParams make_segment_params(int batch, int tokens, int key_heads, int valu
 // Every buffer run_plan returned, by its plan name.
 nb::dict buffers_as_dict(const emulator::BufferOutputs& outputs) {
   nb::dict buffers;
-  for (const auto& [buffer, bytes] : outputs) buffers[to_string(buffer)] = to_bytes(bytes);
+  for (const auto& [buffer, bytes] : outputs)
+    buffers[to_string(buffer)] = to_bytes(bytes);
   return buffers;
 }
 
 const char* to_string(BufferRole role) {
   switch (role) {
-    case BufferRole::Input: return "input";
-    case BufferRole::Output: return "output";
-    case BufferRole::Scratch: return "scratch";
+    case BufferRole::Input:
+      return "input";
+    case BufferRole::Output:
+      return "output";
+    case BufferRole::Scratch:
+      return "scratch";
   }
   return "?";
 }
@@ -96,18 +122,21 @@ nb::dict plan_as_dict(const Plan& plan) {
     nb::dict entry;
     entry["stage"] = d.stage;
     entry["kernel"] = d.kernel;
-    entry["threadgroups"] = nb::make_tuple(d.threadgroups.x, d.threadgroups.y, d.threadgroups.z);
+    entry["threadgroups"] =
+        nb::make_tuple(d.threadgroups.x, d.threadgroups.y, d.threadgroups.z);
     entry["threads_per_threadgroup"] = d.threads_per_threadgroup.count();
     entry["threadgroup_memory_bytes"] = d.threadgroup_memory_bytes;
     entry["bytes_moved"] = d.bytes_moved;
     entry["flops"] = d.flops;
     nb::list buffers;
     for (const Binding& binding : d.buffers) {
-      buffers.append(nb::make_tuple(binding.index, to_string(binding.buffer), binding.written));
+      buffers.append(nb::make_tuple(
+          binding.index, to_string(binding.buffer), binding.written));
     }
     entry["buffers"] = buffers;
     entry["params_index"] = d.params_index;
-    entry["params"] = nb::bytes(static_cast<const char*>(plan.params_data(d)), plan.params_size(d));
+    entry["params"] = nb::bytes(
+        static_cast<const char*>(plan.params_data(d)), plan.params_size(d));
     dispatches.append(entry);
   }
   nb::dict sizes, roles;
@@ -117,8 +146,9 @@ nb::dict plan_as_dict(const Plan& plan) {
   }
   nb::dict result;
   result["algorithm"] = to_string(plan.algorithm);
-  result["kernel_params"] = nb::bytes(reinterpret_cast<const char*>(&plan.kernel_params),
-                                      sizeof(plan.kernel_params));
+  result["kernel_params"] = nb::bytes(
+      reinterpret_cast<const char*>(&plan.kernel_params),
+      sizeof(plan.kernel_params));
   result["buffer_bytes"] = sizes;
   result["buffer_roles"] = roles;
   result["dispatches"] = dispatches;
@@ -128,41 +158,91 @@ nb::dict plan_as_dict(const Plan& plan) {
 }  // namespace
 
 NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
-  m.doc() = "The Metal kernels and dispatch plans of mlx_gated_delta, run on the CPU.";
+  m.doc() =
+      "The Metal kernels and dispatch plans of mlx_gated_delta, run on the CPU.";
 
   m.def(
       "run_core",
-      [](nb::bytes q, nb::bytes k, nb::bytes v, nb::bytes g, nb::bytes beta, nb::bytes state,
-         std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
-         int key_dim, int value_dim, float scale, const std::string& head_mapping,
-         bool normalize_qk, const std::string& algorithm, const std::string& dtype,
-         int barrier_timeout_ms, const std::string& through_stage, bool per_key_gates) {
-        GatedDeltaParams params = make_params(batch, tokens, key_heads, value_heads, key_dim,
-                                              value_dim, scale, head_mapping, normalize_qk,
-                                              mask.has_value(), per_key_gates);
-        Plan plan = make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
+      [](nb::bytes q,
+         nb::bytes k,
+         nb::bytes v,
+         nb::bytes g,
+         nb::bytes beta,
+         nb::bytes state,
+         std::optional<nb::bytes> mask,
+         int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         float scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         const std::string& algorithm,
+         const std::string& dtype,
+         int barrier_timeout_ms,
+         const std::string& through_stage,
+         bool per_key_gates) {
+        GatedDeltaParams params = make_params(
+            batch,
+            tokens,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            scale,
+            head_mapping,
+            normalize_qk,
+            mask.has_value(),
+            per_key_gates);
+        Plan plan =
+            make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
         emulator::BufferInputs inputs{
-            {PlanBuffer::Query, view(q)}, {PlanBuffer::Key, view(k)},
-            {PlanBuffer::Value, view(v)}, {PlanBuffer::Gate, view(g)},
-            {PlanBuffer::Beta, view(beta)}, {PlanBuffer::StateIn, view(state)}};
-        if (mask) inputs[PlanBuffer::Mask] = view(*mask);
+            {PlanBuffer::Query, view(q)},
+            {PlanBuffer::Key, view(k)},
+            {PlanBuffer::Value, view(v)},
+            {PlanBuffer::Gate, view(g)},
+            {PlanBuffer::Beta, view(beta)},
+            {PlanBuffer::StateIn, view(state)}};
+        if (mask)
+          inputs[PlanBuffer::Mask] = view(*mask);
         emulator::BufferOutputs outputs;
         {
           nb::gil_scoped_release release;
-          outputs = emulator::run_plan(plan, inputs,
-                                       std::chrono::milliseconds(barrier_timeout_ms),
-                                       through_stage);
+          outputs = emulator::run_plan(
+              plan,
+              inputs,
+              std::chrono::milliseconds(barrier_timeout_ms),
+              through_stage);
         }
-        return std::make_tuple(to_bytes(outputs.at(PlanBuffer::Output)),
-                               to_bytes(outputs.at(PlanBuffer::StateOut)),
-                               std::string(to_string(plan.algorithm)), kernels_of(plan),
-                               buffers_as_dict(outputs));
+        return std::make_tuple(
+            to_bytes(outputs.at(PlanBuffer::Output)),
+            to_bytes(outputs.at(PlanBuffer::StateOut)),
+            std::string(to_string(plan.algorithm)),
+            kernels_of(plan),
+            buffers_as_dict(outputs));
       },
-      nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("g"), nb::arg("beta"), nb::arg("state"),
-      nb::arg("mask").none(), nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"),
-      nb::arg("value_heads"), nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("scale"),
-      nb::arg("head_mapping"), nb::arg("normalize_qk"), nb::arg("algorithm"), nb::arg("dtype"),
-      nb::arg("barrier_timeout_ms"), nb::arg("through_stage") = "",
+      nb::arg("q"),
+      nb::arg("k"),
+      nb::arg("v"),
+      nb::arg("g"),
+      nb::arg("beta"),
+      nb::arg("state"),
+      nb::arg("mask").none(),
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("scale"),
+      nb::arg("head_mapping"),
+      nb::arg("normalize_qk"),
+      nb::arg("algorithm"),
+      nb::arg("dtype"),
+      nb::arg("barrier_timeout_ms"),
+      nb::arg("through_stage") = "",
       nb::arg("per_key_gates") = false,
       "Runs the Metal plan of one core call (g [B, T, Hv, Dk] with per_key_gates); returns (y bytes, state bytes, algorithm, kernels, "
       "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
@@ -170,74 +250,176 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
 
   m.def(
       "plan",
-      [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
-         const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
-         bool normalize_qk, bool has_mask, float scale) {
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         const std::string& dtype,
+         const std::string& algorithm,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         bool has_mask,
+         float scale) {
         return plan_as_dict(make_plan(
-            make_params(batch, tokens, key_heads, value_heads, key_dim, value_dim, scale,
-                        head_mapping, normalize_qk, has_mask),
-            parse_algorithm(algorithm), parse_dtype(dtype)));
+            make_params(
+                batch,
+                tokens,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+                scale,
+                head_mapping,
+                normalize_qk,
+                has_mask),
+            parse_algorithm(algorithm),
+            parse_dtype(dtype)));
       },
-      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
-      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
-      nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
-      nb::arg("normalize_qk") = false, nb::arg("has_mask") = false, nb::arg("scale") = 1.0f,
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("dtype") = "float32",
+      nb::arg("algorithm") = "auto",
+      nb::arg("head_mapping") = "grouped",
+      nb::arg("normalize_qk") = false,
+      nb::arg("has_mask") = false,
+      nb::arg("scale") = 1.0f,
       "The plan: resolved algorithm, the kernel params' bytes, every buffer's size and the "
       "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
 
   m.def(
       "describe_plan",
-      [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
-         const std::string& dtype, const std::string& algorithm, const std::string& head_mapping,
-         bool normalize_qk, bool has_mask) {
-        Plan plan = make_plan(make_params(batch, tokens, key_heads, value_heads, key_dim,
-                                          value_dim, 1.0f, head_mapping, normalize_qk, has_mask),
-                              parse_algorithm(algorithm), parse_dtype(dtype));
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         const std::string& dtype,
+         const std::string& algorithm,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         bool has_mask) {
+        Plan plan = make_plan(
+            make_params(
+                batch,
+                tokens,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+                1.0f,
+                head_mapping,
+                normalize_qk,
+                has_mask),
+            parse_algorithm(algorithm),
+            parse_dtype(dtype));
         return describe_plan(plan, assumed_m_series_roofline());
       },
-      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
-      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("dtype") = "float32",
-      nb::arg("algorithm") = "auto", nb::arg("head_mapping") = "grouped",
-      nb::arg("normalize_qk") = false, nb::arg("has_mask") = false,
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("dtype") = "float32",
+      nb::arg("algorithm") = "auto",
+      nb::arg("head_mapping") = "grouped",
+      nb::arg("normalize_qk") = false,
+      nb::arg("has_mask") = false,
       "A readable table of the plan against an assumed M-series roofline.");
 
   m.def(
       "run_segment",
-      [](nb::bytes mixed, nb::bytes conv_weight, nb::bytes decay_parameter, nb::bytes dt_bias,
-         nb::bytes norm_weight, nb::bytes conv_state, nb::bytes state,
-         std::optional<nb::bytes> mask, int batch, int tokens, int key_heads, int value_heads,
-         int key_dim, int value_dim, int conv_kernel, const std::string& decay_parameterization,
-         const std::string& head_mapping, float norm_eps, const std::string& algorithm,
-         const std::string& dtype, int barrier_timeout_ms, const std::string& through_stage) {
+      [](nb::bytes mixed,
+         nb::bytes conv_weight,
+         nb::bytes decay_parameter,
+         nb::bytes dt_bias,
+         nb::bytes norm_weight,
+         nb::bytes conv_state,
+         nb::bytes state,
+         std::optional<nb::bytes> mask,
+         int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         int conv_kernel,
+         const std::string& decay_parameterization,
+         const std::string& head_mapping,
+         float norm_eps,
+         const std::string& algorithm,
+         const std::string& dtype,
+         int barrier_timeout_ms,
+         const std::string& through_stage) {
         SegmentParams params = make_segment_params(
-            batch, tokens, key_heads, value_heads, key_dim, value_dim, conv_kernel,
-            decay_parameterization, head_mapping, norm_eps, mask.has_value());
-        Plan plan = make_segment_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
+            batch,
+            tokens,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            conv_kernel,
+            decay_parameterization,
+            head_mapping,
+            norm_eps,
+            mask.has_value());
+        Plan plan = make_segment_plan(
+            params, parse_algorithm(algorithm), parse_dtype(dtype));
         emulator::BufferInputs inputs{
-            {PlanBuffer::Mixed, view(mixed)}, {PlanBuffer::ConvWeight, view(conv_weight)},
+            {PlanBuffer::Mixed, view(mixed)},
+            {PlanBuffer::ConvWeight, view(conv_weight)},
             {PlanBuffer::DecayParameter, view(decay_parameter)},
-            {PlanBuffer::DtBias, view(dt_bias)}, {PlanBuffer::NormWeight, view(norm_weight)},
-            {PlanBuffer::ConvStateIn, view(conv_state)}, {PlanBuffer::StateIn, view(state)}};
-        if (mask) inputs[PlanBuffer::Mask] = view(*mask);
+            {PlanBuffer::DtBias, view(dt_bias)},
+            {PlanBuffer::NormWeight, view(norm_weight)},
+            {PlanBuffer::ConvStateIn, view(conv_state)},
+            {PlanBuffer::StateIn, view(state)}};
+        if (mask)
+          inputs[PlanBuffer::Mask] = view(*mask);
         emulator::BufferOutputs outputs;
         {
           nb::gil_scoped_release release;
-          outputs = emulator::run_plan(plan, inputs,
-                                       std::chrono::milliseconds(barrier_timeout_ms),
-                                       through_stage);
+          outputs = emulator::run_plan(
+              plan,
+              inputs,
+              std::chrono::milliseconds(barrier_timeout_ms),
+              through_stage);
         }
-        return std::make_tuple(to_bytes(outputs.at(PlanBuffer::SegmentOutput)),
-                               to_bytes(outputs.at(PlanBuffer::ConvStateOut)),
-                               to_bytes(outputs.at(PlanBuffer::StateOut)),
-                               std::string(to_string(plan.algorithm)), kernels_of(plan),
-                               buffers_as_dict(outputs));
+        return std::make_tuple(
+            to_bytes(outputs.at(PlanBuffer::SegmentOutput)),
+            to_bytes(outputs.at(PlanBuffer::ConvStateOut)),
+            to_bytes(outputs.at(PlanBuffer::StateOut)),
+            std::string(to_string(plan.algorithm)),
+            kernels_of(plan),
+            buffers_as_dict(outputs));
       },
-      nb::arg("mixed"), nb::arg("conv_weight"), nb::arg("decay_parameter"), nb::arg("dt_bias"),
-      nb::arg("norm_weight"), nb::arg("conv_state"), nb::arg("state"), nb::arg("mask").none(),
-      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
-      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
-      nb::arg("decay_parameterization"), nb::arg("head_mapping"), nb::arg("norm_eps"),
-      nb::arg("algorithm"), nb::arg("dtype"), nb::arg("barrier_timeout_ms"),
+      nb::arg("mixed"),
+      nb::arg("conv_weight"),
+      nb::arg("decay_parameter"),
+      nb::arg("dt_bias"),
+      nb::arg("norm_weight"),
+      nb::arg("conv_state"),
+      nb::arg("state"),
+      nb::arg("mask").none(),
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("conv_kernel"),
+      nb::arg("decay_parameterization"),
+      nb::arg("head_mapping"),
+      nb::arg("norm_eps"),
+      nb::arg("algorithm"),
+      nb::arg("dtype"),
+      nb::arg("barrier_timeout_ms"),
       nb::arg("through_stage") = "",
       "Runs the Metal plan of one fused segment call; returns (out bytes, conv_state bytes, "
       "state bytes, algorithm, kernels, {buffer name: bytes}); with through_stage, only the "
@@ -245,48 +427,88 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
 
   m.def(
       "segment_plan",
-      [](int batch, int tokens, int key_heads, int value_heads, int key_dim, int value_dim,
-         int conv_kernel, const std::string& dtype, const std::string& algorithm,
-         const std::string& decay_parameterization, const std::string& head_mapping,
-         bool has_mask, bool describe) -> nb::object {
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         int conv_kernel,
+         const std::string& dtype,
+         const std::string& algorithm,
+         const std::string& decay_parameterization,
+         const std::string& head_mapping,
+         bool has_mask,
+         bool describe) -> nb::object {
         Plan plan = make_segment_plan(
-            make_segment_params(batch, tokens, key_heads, value_heads, key_dim, value_dim,
-                                conv_kernel, decay_parameterization, head_mapping, 1e-6f,
-                                has_mask),
-            parse_algorithm(algorithm), parse_dtype(dtype));
-        if (describe) return nb::str(describe_plan(plan, assumed_m_series_roofline()).c_str());
+            make_segment_params(
+                batch,
+                tokens,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+                conv_kernel,
+                decay_parameterization,
+                head_mapping,
+                1e-6f,
+                has_mask),
+            parse_algorithm(algorithm),
+            parse_dtype(dtype));
+        if (describe)
+          return nb::str(
+              describe_plan(plan, assumed_m_series_roofline()).c_str());
         return plan_as_dict(plan);
       },
-      nb::arg("batch"), nb::arg("tokens"), nb::arg("key_heads"), nb::arg("value_heads"),
-      nb::arg("key_dim"), nb::arg("value_dim"), nb::arg("conv_kernel"),
-      nb::arg("dtype") = "float32", nb::arg("algorithm") = "auto",
-      nb::arg("decay_parameterization") = "log_rate", nb::arg("head_mapping") = "grouped",
-      nb::arg("has_mask") = false, nb::arg("describe") = false,
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("conv_kernel"),
+      nb::arg("dtype") = "float32",
+      nb::arg("algorithm") = "auto",
+      nb::arg("decay_parameterization") = "log_rate",
+      nb::arg("head_mapping") = "grouped",
+      nb::arg("has_mask") = false,
+      nb::arg("describe") = false,
       "The fused segment's plan as a dict like plan()'s, or with describe=True as a table.");
 
   m.def(
       "run_kernel",
-      [](const std::string& kernel, std::tuple<unsigned, unsigned, unsigned> threadgroups,
-         std::tuple<unsigned, unsigned, unsigned> threads, size_t threadgroup_memory_bytes,
-         nb::bytes data, int barrier_timeout_ms) {
+      [](const std::string& kernel,
+         std::tuple<unsigned, unsigned, unsigned> threadgroups,
+         std::tuple<unsigned, unsigned, unsigned> threads,
+         size_t threadgroup_memory_bytes,
+         nb::bytes data,
+         int barrier_timeout_ms) {
         metal_emulator::GuardedBuffer buffer("data", data.size());
         std::memcpy(buffer.data(), data.c_str(), data.size());
         metal_emulator::Launch launch;
         launch.kernel = kernel;
         launch.buffers[0] = buffer.data();
-        launch.threadgroups = {std::get<0>(threadgroups), std::get<1>(threadgroups),
-                               std::get<2>(threadgroups)};
-        launch.threads_per_threadgroup = {std::get<0>(threads), std::get<1>(threads),
-                                          std::get<2>(threads)};
+        launch.threadgroups = {
+            std::get<0>(threadgroups),
+            std::get<1>(threadgroups),
+            std::get<2>(threadgroups)};
+        launch.threads_per_threadgroup = {
+            std::get<0>(threads), std::get<1>(threads), std::get<2>(threads)};
         launch.threadgroup_memory_bytes = threadgroup_memory_bytes;
         {
           nb::gil_scoped_release release;
-          metal_emulator::run_launch(launch, std::chrono::milliseconds(barrier_timeout_ms));
+          metal_emulator::run_launch(
+              launch, std::chrono::milliseconds(barrier_timeout_ms));
         }
         buffer.check_guards(kernel);
-        return nb::bytes(reinterpret_cast<const char*>(buffer.data()), buffer.size());
+        return nb::bytes(
+            reinterpret_cast<const char*>(buffer.data()), buffer.size());
       },
-      nb::arg("kernel"), nb::arg("threadgroups"), nb::arg("threads"),
-      nb::arg("threadgroup_memory_bytes"), nb::arg("data"), nb::arg("barrier_timeout_ms"),
+      nb::arg("kernel"),
+      nb::arg("threadgroups"),
+      nb::arg("threads"),
+      nb::arg("threadgroup_memory_bytes"),
+      nb::arg("data"),
+      nb::arg("barrier_timeout_ms"),
       "Runs one kernel with a guarded copy of `data` bound at buffer(0); returns it afterwards.");
 }

@@ -27,7 +27,8 @@ import subprocess
 import sys
 
 THREADGROUP_ARRAY = re.compile(
-    r"^(?P<indent>\s*)threadgroup\s+(?P<decl>[^;]*?\b(?P<name>\w+)\s*\[[^;]*\])\s*;(?P<rest>.*)$")
+    r"^(?P<indent>\s*)threadgroup\s+(?P<decl>[^;]*?\b(?P<name>\w+)\s*\[[^;]*\])\s*;(?P<rest>.*)$"
+)
 THREADGROUP_WORD = re.compile(r"\bthreadgroup\b(?!_)\s*")
 INSTANTIATION = re.compile(r"^\s*instantiate_kernel\(.*\)\s*$")
 MACRO_DEFINITION = re.compile(r"^\s*#\s*define\s+instantiate_kernel\b")
@@ -35,18 +36,24 @@ MACRO_DEFINITION = re.compile(r"^\s*#\s*define\s+instantiate_kernel\b")
 # its host name.
 EXPANSION = re.compile(
     r'^template \[\[host_name\("(?P<host>\w+)"\)\]\] \[\[kernel\]\] '
-    r"decltype\((?P<function>\w+)<(?P<args>[^<>]*)>\) (?P=function)<(?P=args)>;$")
+    r"decltype\((?P<function>\w+)<(?P<args>[^<>]*)>\) (?P=function)<(?P=args)>;$"
+)
 KERNEL_HEAD = re.compile(r"(?:\[\[kernel\]\]|\bkernel)\s+void\s+(?P<name>\w+)\s*\(")
 ATTRIBUTE = re.compile(r"\[\[\s*(?P<attr>\w+)\s*(?:\((?P<arg>[^)]*)\))?\s*\]\]")
 
 # Built-ins the emulator's ThreadContext holds, by MSL attribute.
 EXTENT_BUILTINS = {
-    "thread_position_in_grid", "thread_position_in_threadgroup",
-    "threadgroup_position_in_grid", "threads_per_threadgroup", "threadgroups_per_grid",
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
 }
 SCALAR_BUILTINS = {
-    "thread_index_in_threadgroup", "thread_index_in_simdgroup",
-    "simdgroup_index_in_threadgroup", "threads_per_simdgroup",
+    "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup",
+    "threads_per_simdgroup",
 }
 
 
@@ -97,7 +104,7 @@ def find_kernels(source):
         while depth:
             depth += {"(": 1, ")": -1}.get(source[position], 0)
             position += 1
-        parameters = split_parameters(source[head.end(): position - 1])
+        parameters = split_parameters(source[head.end() : position - 1])
         before = source[: head.start()].rstrip()
         is_template = before.endswith(">") and "template" in before.rsplit("\n", 2)[-1]
         kernels[head.group("name")] = (parameters, is_template)
@@ -120,8 +127,10 @@ def check_headers(source, directory, seen):
             text = handle.read()
         for number, line in enumerate(text.split("\n"), 1):
             if THREADGROUP_ARRAY.match(line):
-                raise SystemExit(f"{path}:{number}: threadgroup arrays belong in the kernel's "
-                                 ".metal file, where the emulator's rewrite can see them")
+                raise SystemExit(
+                    f"{path}:{number}: threadgroup arrays belong in the kernel's "
+                    ".metal file, where the emulator's rewrite can see them"
+                )
         texts.append(text)
         texts += check_headers(text, os.path.dirname(path), seen)
     return texts
@@ -136,7 +145,7 @@ def macro_definition(texts):
                 end = number
                 while lines[end].rstrip().endswith("\\"):
                     end += 1
-                return "\n".join(lines[number: end + 1])
+                return "\n".join(lines[number : end + 1])
     raise SystemExit("prep_metal: no #define instantiate_kernel in the kernel or its headers")
 
 
@@ -149,21 +158,26 @@ def expand_instantiations(path, calls, texts):
         return []
     preprocessor = os.environ.get("CXX", "c++")
     source = macro_definition(texts) + "\n" + "\n".join(calls) + "\n"
-    result = subprocess.run([preprocessor, "-E", "-P", "-x", "c++", "-"], input=source,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [preprocessor, "-E", "-P", "-x", "c++", "-"], input=source, capture_output=True, text=True
+    )
     if result.returncode != 0:
-        raise SystemExit(f"prep_metal: {path}: preprocessing the instantiations failed:\n"
-                         + result.stderr)
+        raise SystemExit(
+            f"prep_metal: {path}: preprocessing the instantiations failed:\n" + result.stderr
+        )
     expansions = [line.strip() for line in result.stdout.split("\n") if line.strip()]
     if len(expansions) != len(calls):
-        raise SystemExit(f"prep_metal: {path}: {len(calls)} instantiations expanded to "
-                         f"{len(expansions)} lines")
+        raise SystemExit(
+            f"prep_metal: {path}: {len(calls)} instantiations expanded to {len(expansions)} lines"
+        )
     instantiations = []
     for call, expansion in zip(calls, expansions):
         found = EXPANSION.match(expansion)
         if not found:
-            raise SystemExit(f"prep_metal: {path}: {call.strip()}\n  expands to {expansion}\n"
-                             "  which is not a host-named [[kernel]] instantiation")
+            raise SystemExit(
+                f"prep_metal: {path}: {call.strip()}\n  expands to {expansion}\n"
+                "  which is not a host-named [[kernel]] instantiation"
+            )
         instantiations.append((found["host"], found["function"], found["args"].strip()))
     return instantiations
 
@@ -183,9 +197,11 @@ def main(input_path, output_path):
         array = THREADGROUP_ARRAY.match(line)
         if array:
             name = array["name"]
-            line = (f"{array['indent']}static {array['decl']}; "
-                    f"::metal_emulator::register_threadgroup_array({name}, sizeof({name}));"
-                    f"{array['rest']}")
+            line = (
+                f"{array['indent']}static {array['decl']}; "
+                f"::metal_emulator::register_threadgroup_array({name}, sizeof({name}));"
+                f"{array['rest']}"
+            )
         out.append(THREADGROUP_WORD.sub("", line))
 
     instantiations = expand_instantiations(input_path, calls, [text, *headers])
@@ -207,8 +223,10 @@ def main(input_path, output_path):
         out.append("  [[maybe_unused]] auto& self = ::metal_emulator::current_thread();")
         out.append(f"  {callee}(\n      {arguments});")
         out.append("}")
-        out.append(f"const ::metal_emulator::KernelRegistration metal_emulator_registration_{host}"
-                   f'("{host}", &metal_emulator_entry_{host});')
+        out.append(
+            f"const ::metal_emulator::KernelRegistration metal_emulator_registration_{host}"
+            f'("{host}", &metal_emulator_entry_{host});'
+        )
     out.append("}  // namespace")
     with open(output_path, "w") as handle:
         handle.write("\n".join(out) + "\n")

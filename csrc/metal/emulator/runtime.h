@@ -60,8 +60,11 @@ class DispatchStatus {
 // kernel while others wait is reported too.
 class Barrier {
  public:
-  Barrier(const char* what, unsigned participants, DispatchStatus& status,
-          std::chrono::milliseconds timeout);
+  Barrier(
+      const char* what,
+      unsigned participants,
+      DispatchStatus& status,
+      std::chrono::milliseconds timeout);
 
   // `phase` is the caller's own parity bit for this barrier (0 or 1).
   void arrive_and_wait(unsigned& phase, const std::source_location& where);
@@ -89,11 +92,13 @@ class Barrier {
 // The lanes of one SIMD-group: a barrier plus one exchange slot per lane.
 class SimdGroup {
  public:
-  static constexpr size_t kSlotBytes = 16;  // the widest value exchanged: float4
+  static constexpr size_t kSlotBytes =
+      16;  // the widest value exchanged: float4
 
-  SimdGroup(unsigned width, DispatchStatus& status,
-            std::chrono::milliseconds timeout)
-      : width_(width), barrier_("SIMD-group collective", width, status, timeout) {}
+  SimdGroup(
+      unsigned width, DispatchStatus& status, std::chrono::milliseconds timeout)
+      : width_(width),
+        barrier_("SIMD-group collective", width, status, timeout) {}
 
   unsigned width() const {
     return width_;
@@ -101,8 +106,12 @@ class SimdGroup {
   // Publishes `value` from `lane`, waits for every lane, then calls
   // read(slots) and waits again so no lane overwrites a slot still being read.
   template <typename T, typename Read>
-  auto exchange(unsigned lane, unsigned& phase, const T& value,
-                const std::source_location& where, Read read) {
+  auto exchange(
+      unsigned lane,
+      unsigned& phase,
+      const T& value,
+      const std::source_location& where,
+      Read read) {
     static_assert(sizeof(T) <= kSlotBytes);
     std::memcpy(slots_[lane].data(), &value, sizeof(T));
     barrier_.arrive_and_wait(phase, where);
