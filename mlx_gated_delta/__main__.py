@@ -10,6 +10,7 @@ import sys
 # The package's property modules that selftest runs, each with the name its verdict gives it.
 PROPERTY_MODULES = {
     "mlx_gated_delta.testing.properties": "core op",
+    "mlx_gated_delta.testing.per_key_properties": "per-key gates",
     "mlx_gated_delta.testing.segment_properties": "segment",
     "mlx_gated_delta.testing.layer_properties": "layer",
     "mlx_gated_delta.testing.grad_properties": "gradients",

@@ -1,4 +1,6 @@
-"""Drop-in Gated DeltaNet layers for mlx-lm's Qwen3-Next and Qwen3.5 models.
+"""Drop-in Gated DeltaNet layers for mlx-lm's Qwen3-Next, Qwen3.5,
+OLMo-Hybrid and Kimi-Linear models (the last two: `OlmoHybridGatedDeltaNet`
+and `KimiDeltaAttention`, at the end, described there).
 
 Both layers keep mlx-lm's parameter names, shapes and row orders, so mlx-lm
 checkpoints (and `model.load_weights`, `nn.quantize`, mlx-lm's `shard`) see the
@@ -35,6 +37,7 @@ import mlx.nn as nn
 import numpy as np
 
 from . import _ext
+from .ops import gated_delta_rule
 from .segment import gated_delta_segment
 
 
@@ -262,3 +265,217 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
 
     def _packed_columns(self):
         return None
+
+
+class OlmoHybridGatedDeltaNet(nn.Module):
+    """mlx-lm's `olmo_hybrid.GatedDeltaNet`, with the same parameters
+    (`q_proj`, `k_proj`, `v_proj`, `a_proj`, `b_proj`, `g_proj`, `o_proj`,
+    `q_conv1d`, `k_conv1d`, `v_conv1d`, `A_log`, `dt_bias`, `o_norm`) and
+    cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
+
+    The projections, the three convolutions and the gated norm are the MLX
+    ops of mlx-lm's layer; the recurrence is the core op `gated_delta_rule`
+    (normalize_qk, scale `Dk ** -0.5`), with `beta = 2 sigmoid(b)` in
+    `[0, 2]` where the model allows negative eigenvalues
+    (`linear_allow_neg_eigval`). (The fused segment has one convolution over
+    packed q|k|v and beta in `[0, 1]`: not this layout.)
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.num_v_heads = config.linear_num_value_heads
+        self.num_k_heads = config.linear_num_key_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.allow_neg_eigval = config.linear_allow_neg_eigval
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        for name, dims in (
+            ("q_conv1d", self.key_dim),
+            ("k_conv1d", self.key_dim),
+            ("v_conv1d", self.value_dim),
+        ):
+            self[name] = nn.Conv1d(
+                dims, dims, self.conv_kernel_size, bias=False, groups=dims, padding=0
+            )
+        self.A_log = mx.zeros(self.num_v_heads)
+        self.dt_bias = mx.zeros(self.num_v_heads)
+        self.o_norm = GatedRMSNormWeight(self.head_v_dim, eps=config.layer_norm_epsilon)
+
+    def _conv(self, x, conv, cache, slot):
+        """Causal depthwise conv and SiLU, the last K - 1 inputs kept in the
+        cache's slot (mlx-lm's layout)."""
+        keep = self.conv_kernel_size - 1
+        state = cache[slot] if cache is not None else None
+        if state is None:
+            state = mx.zeros((x.shape[0], keep, x.shape[-1]), dtype=x.dtype)
+        padded = mx.concatenate([state.astype(x.dtype), x], axis=1)
+        if cache is not None:
+            cache[slot] = mx.contiguous(padded[:, padded.shape[1] - keep :, :])
+        return nn.silu(conv(padded))
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, S, _ = x.shape
+        q = self._conv(self.q_proj(x), self.q_conv1d, cache, 0)
+        k = self._conv(self.k_proj(x), self.k_conv1d, cache, 1)
+        v = self._conv(self.v_proj(x), self.v_conv1d, cache, 2)
+        q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
+
+        # The gates in float32: g = -exp(A_log) softplus(a + dt_bias) is the
+        # log of mlx-lm's linear decay; beta in [0, 1], or [0, 2].
+        a = self.a_proj(x).astype(mx.float32)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
+        state = cache[3] if cache is not None else None
+        if state is not None and state.dtype != mx.float32:
+            state = state.astype(mx.float32)
+        out, state = gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            scale=self.head_k_dim**-0.5,
+            mask=mask,
+            normalize_qk=True,
+        )
+        if cache is not None:
+            cache[3] = state
+            cache.advance(S)
+
+        # o_norm: rms_norm(out) weight, times silu(gate), in float32.
+        gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
+        out = (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+class KimiShortConv(nn.Module):
+    """mlx-lm's `kimi_linear.ShortConv1d` (child `conv`): a causal depthwise
+    conv and SiLU over one projection, masked inputs zeroed first, the conv
+    state the last K - 1 inputs before each row's end (`lengths`)."""
+
+    def __init__(self, channels: int, kernel_size: int):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.conv = nn.Conv1d(
+            channels, channels, kernel_size, bias=False, groups=channels, padding=0
+        )
+
+    def __call__(self, x, state, mask, lengths):
+        if mask is not None:
+            x = mx.where(mask[..., None], x, 0)
+        keep = self.kernel_size - 1
+        if state is None:
+            state = mx.zeros((x.shape[0], keep, x.shape[-1]), dtype=x.dtype)
+        padded = mx.concatenate([state, x], axis=1)
+        out = nn.silu(self.conv(padded))
+        if lengths is not None:
+            ends = mx.clip(lengths, 0, x.shape[1])
+            positions = (ends[:, None] + mx.arange(keep))[..., None]
+            return out, mx.take_along_axis(padded, positions, axis=1)
+        return out, mx.contiguous(padded[:, padded.shape[1] - keep :, :])
+
+
+class KimiDeltaAttention(nn.Module):
+    """mlx-lm's `kimi_linear.KimiDeltaAttention` (Kimi Delta Attention), with
+    the same parameters (`q_proj`, `k_proj`, `v_proj`, `q_conv`, `k_conv`,
+    `v_conv`, `f_a_proj`, `f_b_proj`, `b_proj`, `g_a_proj`, `g_b_proj`,
+    `A_log` `[1, 1, H, 1]`, `dt_bias` `[H * Dk]`, `o_norm`, `o_proj`) and
+    cache (`[q, k, v conv states, state]`).
+
+    Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
+    softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
+    channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
+    the core op's per-key gates. Projections, convolutions and the output
+    norm are mlx-lm's MLX ops.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        linear = config.linear_attn_config
+        self.num_heads = linear["num_heads"]
+        self.head_dim = linear["head_dim"]
+        self.conv_kernel = linear.get("short_conv_kernel_size", 4)
+        self.projection_dim = self.num_heads * self.head_dim
+        self.scale = float(self.head_dim) ** -0.5
+        hidden, dims = config.hidden_size, self.projection_dim
+        self.q_proj = nn.Linear(hidden, dims, bias=False)
+        self.k_proj = nn.Linear(hidden, dims, bias=False)
+        self.v_proj = nn.Linear(hidden, dims, bias=False)
+        self.q_conv = KimiShortConv(dims, self.conv_kernel)
+        self.k_conv = KimiShortConv(dims, self.conv_kernel)
+        self.v_conv = KimiShortConv(dims, self.conv_kernel)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.A_log = mx.zeros((1, 1, self.num_heads, 1))
+        self.dt_bias = mx.zeros((dims,))
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dims, hidden, bias=False)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        if cache is not None:
+            q_state, k_state, v_state, state = cache
+            lengths = cache.lengths
+        else:
+            q_state = k_state = v_state = state = lengths = None
+        q, q_state = self.q_conv(self.q_proj(x), q_state, mask, lengths)
+        k, k_state = self.k_conv(self.k_proj(x), k_state, mask, lengths)
+        v, v_state = self.v_conv(self.v_proj(x), v_state, mask, lengths)
+        if cache is not None:
+            cache[0], cache[1], cache[2] = q_state, k_state, v_state
+
+        # Per-key gates in float32: [B, T, H, Dk].
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D).astype(mx.float32)
+        rate = -mx.exp(self.A_log.reshape(H, 1).astype(mx.float32))
+        g = rate * nn.softplus(f + self.dt_bias.reshape(H, D))
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        if state is not None and state.dtype != mx.float32:
+            state = state.astype(mx.float32)
+        out, state = gated_delta_rule(
+            q.reshape(B, T, H, D),
+            k.reshape(B, T, H, D),
+            v.reshape(B, T, H, D),
+            g,
+            beta,
+            state,
+            scale=self.scale,
+            mask=mask,
+            normalize_qk=True,
+        )
+        if cache is not None:
+            cache[3] = state
+            cache.advance(T)
+
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
+        out = (self.o_norm(out) * mx.sigmoid(gate)).reshape(B, T, -1)
+        return self.o_proj(out)

@@ -152,11 +152,6 @@ def gated_delta_update(
     """
     _check_core_arguments(q, k, v, beta, mask)
     _require_array("gamma", gamma)
-    if gamma.ndim == 4:
-        raise ValueError(
-            "gamma of shape [B, T, Hv, Dk] (per-key-dim gates) is not supported yet; "
-            f"expected [B, T, Hv], got {tuple(gamma.shape)}"
-        )
     if initial_state is not None:
         _require_array("initial_state", initial_state)
     # log(0) = -inf is a decay of exactly 0: the kernels treat it as a wipe.

@@ -74,6 +74,8 @@ def key_head_of(value_heads, key_heads, head_mapping):
 
 
 def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mask):
+    """`decay` is the linear decay, `[B, T, Hv]` or, per key channel,
+    `[B, T, Hv, Dk]` (column `c` of the state decays by `decay[..., c]`)."""
     batch, tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
 
@@ -91,7 +93,7 @@ def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mas
     y = np.zeros((batch, tokens, value_heads, value_dim))
     for t in range(tokens):
         q_t, k_t, v_t = q[:, t], k[:, t], v[:, t]
-        decayed = decay[:, t, :, None, None] * S
+        decayed = _column_decay(decay[:, t]) * S
         delta = beta[:, t, :, None] * (v_t - np.einsum("bhvk,bhk->bhv", decayed, k_t))
         updated = decayed + delta[..., :, None] * k_t[..., None, :]
         # A masked token is skipped: its state is the previous one, its y is 0.
@@ -103,6 +105,14 @@ def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mas
             0.0,
         )
     return y, S
+
+
+def _column_decay(decay_t):
+    """One token's linear decay `[B, Hv]` or `[B, Hv, Dk]` shaped to scale
+    states `[B, Hv, Dv, Dk]`: per head, or per key channel (a column)."""
+    if decay_t.ndim == 3:
+        return decay_t[:, :, None, :]
+    return decay_t[:, :, None, None]
 
 
 def gated_delta_rule_reference_vjp(
@@ -235,7 +245,7 @@ def _delta_rule_recurrence_vjp(
     if state is not None:
         states[0] = to_float64(state)
     for t in range(tokens):
-        decayed = decay[:, t, :, None, None] * states[t]
+        decayed = _column_decay(decay[:, t]) * states[t]
         delta = beta[:, t, :, None] * (v[:, t] - np.einsum("bhvk,bhk->bhv", decayed, k_h[:, t]))
         updated = decayed + delta[..., :, None] * k_h[:, t, :, None, :]
         states[t + 1] = np.where(active[:, t, None, None, None], updated, states[t])
@@ -248,14 +258,14 @@ def _delta_rule_recurrence_vjp(
     dq = np.zeros((batch, tokens, value_heads, key_dim))
     dk = np.zeros((batch, tokens, value_heads, key_dim))
     dv = np.zeros((batch, tokens, value_heads, value_dim))
-    da = np.zeros((batch, tokens, value_heads))
+    da = np.zeros(decay.shape)
     dbeta = np.zeros((batch, tokens, value_heads))
     for t in reversed(range(tokens)):
         step = active[:, t]
         q_t, k_t, v_t = q_h[:, t], k_h[:, t], v[:, t]
-        a_t, beta_t = decay[:, t, :, None], beta[:, t, :, None]
+        a_t, beta_t = _column_decay(decay[:, t]), beta[:, t, :, None]
         previous, updated = states[t], states[t + 1]
-        decayed = a_t[..., None] * previous
+        decayed = a_t * previous
         predicted = np.einsum("bhvk,bhk->bhv", decayed, k_t)
         delta = beta_t * (v_t - predicted)
 
@@ -268,14 +278,19 @@ def _delta_rule_recurrence_vjp(
             "k": np.einsum("bhvk,bhv->bhk", dS_step, delta)
             + np.einsum("bhvk,bhv->bhk", decayed, dp),
             "v": beta_t * dd,
-            "a": np.einsum("bhvk,bhvk->bh", dSd, previous),
+            # Per key channel: the sum over the state's rows only.
+            "a": np.einsum(
+                "bhvk,bhvk->bhk" if decay.ndim == 4 else "bhvk,bhvk->bh",
+                dSd,
+                previous,
+            ),
             "beta": np.einsum("bhv,bhv->bh", dd, v_t - predicted),
         }
         for name, out in (("q", dq), ("k", dk), ("v", dv), ("a", da), ("beta", dbeta)):
             value = grads_t[name]
             where = step.reshape(step.shape + (1,) * (value.ndim - 1))
             out[:, t] = np.where(where, value, 0.0)
-        dS = np.where(step[:, None, None, None], a_t[..., None] * dSd, dS)
+        dS = np.where(step[:, None, None, None], a_t * dSd, dS)
 
     # Key-head gradients: the sum over the value heads that read each key head.
     dq_key = np.zeros((batch, tokens, key_heads, key_dim))
@@ -357,6 +372,11 @@ def chunked_stages(
     `state` (chunk_carry), `y` ([B, T, Hv, Dv], chunk_output).
     """
     q, k, v, g, beta = (to_float64(x) for x in (q, k, v, g, beta))
+    if g.ndim == 4:
+        raise ValueError(
+            "chunked_stages has scalar gates only; per-key-channel gates "
+            "(g of shape [B, T, Hv, Dk]) are in gated_delta_rule_reference"
+        )
     batch, tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
     if scale is None:

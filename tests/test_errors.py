@@ -181,11 +181,25 @@ BAD_INPUTS = [
         TypeError,
         [word("head_mapping"), "str", "int"],
     ),
+    # Per-key-channel gates are [B, T, Hv, Dk]: a last axis other than Dk is
+    # named with both accepted layouts.
     (
-        "per-key-dim gamma",
-        call_update(g=mx.ones((B, T, HV, DK))),
+        "per-key g with the wrong key dim",
+        call_rule(g=mx.zeros((B, T, HV, DK + 1))),
         ValueError,
-        [word("gamma"), re.escape("[B, T, Hv]"), shape(B, T, HV, DK)],
+        [word("g"), re.escape("[B, T, Hv, Dk]"), shape(B, T, HV, DK), shape(B, T, HV, DK + 1)],
+    ),
+    (
+        "per-key gamma with the wrong key dim",
+        call_update(g=mx.ones((B, T, HV, 1))),
+        ValueError,
+        [word("gamma"), re.escape("[B, T, Hv, Dk]"), shape(B, T, HV, DK), shape(B, T, HV, 1)],
+    ),
+    (
+        "g of rank 5",
+        call_rule(g=mx.zeros((B, T, HV, DK, 1))),
+        ValueError,
+        [word("g"), re.escape("[B, T, Hv]"), re.escape("[B, T, Hv, Dk]"), shape(B, T, HV, DK, 1)],
     ),
     (
         "update: initial_state of the wrong shape",

@@ -211,3 +211,57 @@ def test_a_wipe_has_finite_exact_gradients():
     assert np.all(rule_grads["g"][gamma == 0.0] == 0.0)
     # exp(log(gamma)) rounds, so the decay's gradient is held to the same check.
     assert_gradients_match({"gamma": rule_grads["decay"]}, {"gamma": expected["gamma"]})
+
+
+@settings(max_examples=15)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 5),
+    head_mapping=st.sampled_from(("grouped", "interleaved")),
+    mask_kind=st.sampled_from(("none", "random")),
+)
+def test_reference_vjp_matches_finite_differences_with_per_key_gates(
+    seed,
+    tokens,
+    head_mapping,
+    mask_kind,
+):
+    # g [B, T, Hv, Dk]: one gradient per key channel, each the sum over the
+    # state's rows of its column's share.
+    inputs, mask, weights = make_inputs(
+        seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=1,
+        ratio=2,
+        key_dim=3,
+        value_dim=2,
+        mask_kind=mask_kind,
+    )
+    rng = np.random.default_rng(seed + 1)
+    inputs["g"] = rng.uniform(-1.0, 0.0, inputs["g"].shape + (3,))
+    options = dict(head_mapping=head_mapping, mask=mask)
+    expected = finite_differences(rule_loss(weights, options), inputs)
+    grads = gated_delta_rule_reference_vjp(
+        **inputs, y_cotangent=weights["y"], state_cotangent=weights["state"], **options
+    )
+    assert grads["g"].shape == inputs["g"].shape
+    assert_gradients_match(grads, expected)
+    if mask is not None:
+        assert np.all(grads["g"][~mask] == 0.0)
+
+
+def test_the_per_key_check_sees_a_gate_gradient_summed_over_the_channels():
+    # Probe: a gate gradient that lumps the channels together (what a scalar
+    # backward would give) fails against the finite differences.
+    inputs, mask, weights = make_inputs(
+        5, batch=1, tokens=3, key_heads=1, ratio=1, key_dim=3, value_dim=2, mask_kind="none"
+    )
+    inputs["g"] = np.random.default_rng(6).uniform(-1.0, 0.0, inputs["g"].shape + (3,))
+    expected = finite_differences(rule_loss(weights, {}), inputs)
+    grads = gated_delta_rule_reference_vjp(
+        **inputs, y_cotangent=weights["y"], state_cotangent=weights["state"]
+    )
+    lumped = np.broadcast_to(grads["g"].mean(axis=-1, keepdims=True), grads["g"].shape)
+    with pytest.raises(AssertionError, match="violated"):
+        assert_matches("dg", lumped, expected["g"], *fd_contract("g"))

@@ -82,6 +82,7 @@ GatedDeltaParams GatedDeltaRuleVJP::params_for(
   p.head_mapping = head_mapping_;
   p.normalize_qk = normalize_qk_;
   p.has_mask = has_mask_;
+  p.per_key_gates = inputs[kG].ndim() == 4;
   return p;
 }
 

@@ -58,7 +58,8 @@ struct ProblemShape {
 // Everything that fixes the result of one core gated-delta call, except the
 // data. Layouts (all row-major, contiguous):
 //   q, k  [B, T, Hk, Dk]     v, y  [B, T, Hv, Dv]
-//   g, beta [B, T, Hv] (float32)   mask [B, T]
+//   g [B, T, Hv], or [B, T, Hv, Dk] with per_key_gates (float32)
+//   beta [B, T, Hv] (float32)   mask [B, T]
 //   state [B, Hv, Dv, Dk] (float32)
 //   checkpoints [N] (int32, strictly increasing token counts in [1, T])
 //   checkpoint_states [N, B, Hv, Dv, Dk] (float32): the state after each
@@ -72,6 +73,14 @@ struct GatedDeltaParams : ProblemShape {
   // Tree verification: parents [T] (int32), token t's state follows from
   // token parents[t]'s (-1: the call's initial state); the recurrent form only.
   bool has_tree = false;
+  // g holds one decay per key channel (Kimi Delta Attention): the state's
+  // column c decays by exp(g[t, h, c]) (docs/contract.md).
+  bool per_key_gates = false;
+
+  // g's elements per value head of one token: 1, or Dk with per-key gates.
+  int gate_width() const {
+    return per_key_gates ? key_dim : 1;
+  }
 
   int key_head_of(int value_head) const {
     return head_mapping == HeadMapping::Grouped

@@ -82,6 +82,7 @@ GatedDeltaParams GatedDeltaRule::params_for(
   p.checkpoint_count =
       has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
   p.has_tree = has_tree_;
+  p.per_key_gates = inputs[kG].ndim() == 4;
   return p;
 }
 

@@ -3,6 +3,13 @@
 namespace mlx_gated_delta {
 
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
+  // Per-key gates: the chunked form builds its grams pair by pair (a decay
+  // per channel cannot be applied after the product), and its entry-state
+  // share is less accurate than the recurrence's when strong and weak
+  // channels meet a large state (docs/numerics.md).
+  if (params.per_key_gates) {
+    return Algorithm::Recurrent;
+  }
   constexpr int kChunkedMinTokens = 48;
   if (params.has_tree) {
     return Algorithm::Recurrent;  // a tree has no chunks
@@ -12,7 +19,10 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
 }
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
-  if (params.has_tree || params.tokens <= int(kChunkSize) ||
+  // Trees and per-key gates: the recurrent kernels alone have them
+  // (docs/metal.md).
+  if (params.has_tree || params.per_key_gates ||
+      params.tokens <= int(kChunkSize) ||
       params.key_dim > int(kMaxChunkedKeyDim)) {
     return Algorithm::Recurrent;
   }

@@ -12,6 +12,9 @@
 //   dS_prev = a dSd.
 // dg = a da is exactly 0 at a wipe (a = 0, g = -inf) and da, the gradient of
 // the linear decay (gated_delta_update's gamma), stays finite there.
+// Per-key gates (a decay a_c per state column c): Sd = S_prev diag(a), and
+// column by column dk_c gains a_c dp S_prev[:, c], da_c = <dSd[:, c],
+// S_prev[:, c]>, dS_prev[:, c] = a_c dSd[:, c].
 //
 // The reverse needs the state before and after every token. Keeping them all
 // would be T states per head (16 GiB for the Qwen3-Next shape at T = 8192),
@@ -51,10 +54,11 @@ struct ProblemView {
   const T* dy;
   int64_t qk_token_stride;
   int64_t v_token_stride;
-  const float* g;
+  const float* g;  // and dg, d_decay: [T, Hv] or, per key, [T, Hv, Dk]-strided
+  int64_t g_token_stride;
   const float* beta;
   const bool* mask;
-  int64_t gate_token_stride;
+  int64_t gate_token_stride;  // of beta and dbeta
   const float* state_in;
   const float* state_cotangent;
   float* dq_head;  // float32 scratch [T, Hv, Dk]-strided, like v
@@ -69,11 +73,18 @@ struct ProblemView {
 
 // The vectors of one token, in float32, q and k normalised as the forward
 // normalises them.
+// With per-key gates `decays` holds the decay of each state column and
+// `decay` is unused; otherwise `decays` is empty.
 struct TokenInputs {
-  std::vector<float> q, k, v, dy;
+  std::vector<float> q, k, v, dy, decays;
   float decay = 0.0f, beta = 0.0f;
   bool active = false;
-  TokenInputs(int dk, int dv) : q(dk), k(dk), v(dv), dy(dv) {}
+  TokenInputs(int dk, int dv, bool per_key)
+      : q(dk), k(dk), v(dv), dy(dv), decays(per_key ? dk : 0) {}
+  // The decay of state column c.
+  float column_decay(int c) const {
+    return decays.empty() ? decay : decays[c];
+  }
 };
 
 template <typename T>
@@ -90,7 +101,14 @@ void load_token(
   load_qk_vector(
       h.k + t * h.qk_token_stride, x.k.data(), p.key_dim, p.normalize_qk);
   load_vector(h.v + t * h.v_token_stride, x.v.data(), p.value_dim);
-  x.decay = std::exp(h.g[t * h.gate_token_stride]);
+  const float* g = h.g + t * h.g_token_stride;
+  if (p.per_key_gates) {
+    for (int c = 0; c < p.key_dim; ++c) {
+      x.decays[c] = std::exp(g[c]);
+    }
+  } else {
+    x.decay = std::exp(g[0]);
+  }
   x.beta = h.beta[t * h.gate_token_stride];
   if (with_readout) {
     load_qk_vector(
@@ -109,6 +127,17 @@ void forward_step(
   for (int r = 0; r < p.value_dim; ++r) {
     const float* old_row = previous + int64_t(r) * dk;
     float* row = next + int64_t(r) * dk;
+    if (p.per_key_gates) {
+      float predicted = 0.0f;
+      for (int c = 0; c < dk; ++c) {
+        predicted += x.decays[c] * old_row[c] * x.k[c];
+      }
+      const float delta = x.beta * (x.v[r] - predicted);
+      for (int c = 0; c < dk; ++c) {
+        row[c] = x.decays[c] * old_row[c] + delta * x.k[c];
+      }
+      continue;
+    }
     const float predicted = x.decay * dot(old_row, x.k.data(), dk);
     const float delta = x.beta * (x.v[r] - predicted);
 #pragma omp simd
@@ -177,24 +206,32 @@ void chunk_backward(
   const int dk = p.key_dim, dv = p.value_dim;
   const int64_t size = int64_t(dv) * dk;
   std::vector<float> dq(dk), dk_acc(dk);
+  // Per-key gates: the gradient of each column's decay, summed over the rows.
+  std::vector<float> d_decays(p.per_key_gates ? dk : 0);
   for (int i = length - 1; i >= 0; --i) {
     const int t = start + i;
     float* dq_out = h.dq_head + t * h.head_grad_token_stride;
     float* dk_out = h.dk_head + t * h.head_grad_token_stride;
     T* dv_out = h.dv + t * h.v_token_stride;
     const int64_t gate = t * h.gate_token_stride;
+    float* dg_out = h.dg + t * h.g_token_stride;
+    float* d_decay_out = h.d_decay + t * h.g_token_stride;
+    const int gate_width = p.gate_width();
     load_token(p, h, t, true, x);
     if (!x.active) {  // a skipped token: dS passes through, no gradients
       std::fill(dq_out, dq_out + dk, 0.0f);
       std::fill(dk_out, dk_out + dk, 0.0f);
       zero_output_row(dv_out, dv);
-      h.dg[gate] = h.d_decay[gate] = h.dbeta[gate] = 0.0f;
+      std::fill(dg_out, dg_out + gate_width, 0.0f);
+      std::fill(d_decay_out, d_decay_out + gate_width, 0.0f);
+      h.dbeta[gate] = 0.0f;
       continue;
     }
     const float* previous = states + i * size;
     const float* updated = states + (i + 1) * size;
     std::fill(dq.begin(), dq.end(), 0.0f);
     std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
+    std::fill(d_decays.begin(), d_decays.end(), 0.0f);
     float d_decay = 0.0f, dbeta = 0.0f;
     for (int r = 0; r < dv; ++r) {
       const float* old_row = previous + int64_t(r) * dk;
@@ -203,20 +240,44 @@ void chunk_backward(
       const float dy_scaled = p.scale * x.dy[r];
       // Pass 1: dS += scale dy q^T; dq += scale dy_r S_r; dd = dS k; S_prev k.
       float dd = 0.0f, old_k = 0.0f;
+      if (p.per_key_gates) {
+        // old_k is the prediction itself: sum_c a_c S_prev[r, c] k_c.
+        for (int c = 0; c < dk; ++c) {
+          const float ds_c = ds_row[c] + dy_scaled * x.q[c];
+          ds_row[c] = ds_c;
+          dq[c] += dy_scaled * new_row[c];
+          dd += ds_c * x.k[c];
+          old_k += x.decays[c] * old_row[c] * x.k[c];
+        }
+      } else {
 #pragma omp simd reduction(+ : dd, old_k)
-      for (int c = 0; c < dk; ++c) {
-        const float ds_c = ds_row[c] + dy_scaled * x.q[c];
-        ds_row[c] = ds_c;
-        dq[c] += dy_scaled * new_row[c];
-        dd += ds_c * x.k[c];
-        old_k += old_row[c] * x.k[c];
+        for (int c = 0; c < dk; ++c) {
+          const float ds_c = ds_row[c] + dy_scaled * x.q[c];
+          ds_row[c] = ds_c;
+          dq[c] += dy_scaled * new_row[c];
+          dd += ds_c * x.k[c];
+          old_k += old_row[c] * x.k[c];
+        }
       }
-      const float residual = x.v[r] - x.decay * old_k;  // v - p
+      const float residual =
+          x.v[r] - (p.per_key_gates ? old_k : x.decay * old_k);  // v - p
       const float delta = x.beta * residual;
       const float dp = -x.beta * dd;
       dv_out[r] = T(x.beta * dd);
       dbeta += dd * residual;
       // Pass 2: dk += d dS + a dp S_prev; dSd = dS + dp k; da; dS_prev.
+      if (p.per_key_gates) {
+        // Column c: dk_c += d dS_c + a_c dp S_prev_c; da_c += dSd_c S_prev_c;
+        // dS_prev_c = a_c dSd_c.
+        for (int c = 0; c < dk; ++c) {
+          const float ds_c = ds_row[c];
+          dk_acc[c] += delta * ds_c + x.decays[c] * dp * old_row[c];
+          const float dsd = ds_c + dp * x.k[c];
+          d_decays[c] += dsd * old_row[c];
+          ds_row[c] = x.decays[c] * dsd;
+        }
+        continue;
+      }
       const float decayed_dp = x.decay * dp;
       float da = 0.0f;
 #pragma omp simd reduction(+ : da)
@@ -231,8 +292,15 @@ void chunk_backward(
     }
     std::copy(dq.begin(), dq.end(), dq_out);
     std::copy(dk_acc.begin(), dk_acc.end(), dk_out);
-    h.d_decay[gate] = d_decay;
-    h.dg[gate] = x.decay * d_decay;  // exactly 0 at a wipe
+    if (p.per_key_gates) {
+      for (int c = 0; c < dk; ++c) {
+        d_decay_out[c] = d_decays[c];
+        dg_out[c] = x.decays[c] * d_decays[c];  // exactly 0 at a channel's wipe
+      }
+    } else {
+      d_decay_out[0] = d_decay;
+      dg_out[0] = x.decay * d_decay;  // exactly 0 at a wipe
+    }
     h.dbeta[gate] = dbeta;
   }
 }
@@ -240,7 +308,7 @@ void chunk_backward(
 template <typename T>
 void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
   const int64_t size = int64_t(p.value_dim) * p.key_dim;
-  TokenInputs x(p.key_dim, p.value_dim);
+  TokenInputs x(p.key_dim, p.value_dim, p.per_key_gates);
   std::vector<float> boundaries(p.num_chunks() * size);
   boundary_states(p, h, x, boundaries.data());
 
@@ -333,7 +401,8 @@ void gated_delta_backward(
         b.y_cotangent + v_offset,
         int64_t(p.key_heads) * dk,
         int64_t(p.value_heads) * dv,
-        b.g + gate_offset,
+        b.g + gate_offset * p.gate_width(),
+        int64_t(p.value_heads) * p.gate_width(),
         b.beta + gate_offset,
         b.mask ? b.mask + int64_t(batch) * p.tokens : nullptr,
         p.value_heads,
@@ -343,8 +412,8 @@ void gated_delta_backward(
         dk_heads.data() + head_grad_offset,
         int64_t(p.value_heads) * dk,
         b.dv + v_offset,
-        b.dg + gate_offset,
-        b.d_decay + gate_offset,
+        b.dg + gate_offset * p.gate_width(),
+        b.d_decay + gate_offset * p.gate_width(),
         b.dbeta + gate_offset,
         b.dstate + state_offset,
     };

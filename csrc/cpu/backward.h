@@ -13,7 +13,7 @@ struct BackwardBuffers {
   const T* q;
   const T* k;
   const T* v;
-  const float* g;  // [B, T, Hv] log-space decay
+  const float* g;  // [B, T, Hv] or [B, T, Hv, Dk] log-space decay
   const float* beta;  // [B, T, Hv]
   const bool* mask;  // [B, T] or nullptr
   const float* state_in;  // [B, Hv, Dv, Dk] initial state
@@ -22,8 +22,8 @@ struct BackwardBuffers {
   T* dq;  // [B, T, Hk, Dk], summed over the value heads
   T* dk;
   T* dv;  // [B, T, Hv, Dv]
-  float* dg;  // [B, T, Hv]
-  float* d_decay;  // [B, T, Hv], wrt the linear decay exp(g)
+  float* dg;  // the shape of g
+  float* d_decay;  // the shape of g, wrt the linear decay exp(g)
   float* dbeta;  // [B, T, Hv]
   float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };

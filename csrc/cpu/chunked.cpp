@@ -83,6 +83,85 @@ class ChunkDecays {
   int last_wipe_[kChunkSize];
 };
 
+// Per-key gates: the same decays per key channel c, decay(i, j, c) =
+// exp(G_ic - G_jc) over the channel's finite g, 0 if a wipe of channel c lies
+// in (j, i]. Every factor is formed for one pair (j, i] directly, never as a
+// ratio exp(G_i) / exp(G_j) of two factors from the chunk's start, so its
+// exponent is the sum of the g in (j, i], at most 0 for decays: no factor
+// overflows however strong the decay (docs/numerics.md).
+class KeyChunkDecays {
+ public:
+  void compute(
+      const float* g,
+      int64_t token_stride,
+      const bool* active,
+      int length,
+      int dk) {
+    length_ = length;
+    dk_ = dk;
+    log_sum_.resize(size_t(kChunkSize) * dk);
+    last_wipe_.resize(size_t(kChunkSize) * dk);
+    for (int i = 0; i < length; ++i) {
+      for (int c = 0; c < dk; ++c) {
+        const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
+        const bool wipe = std::exp(gi) == 0.0f;
+        const size_t e = size_t(i) * dk + c;
+        const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
+        log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
+        last_wipe_[e] = wipe ? i : (i ? last_wipe_[e - dk] : -1);
+      }
+    }
+  }
+  // decay(i, j, c) for -1 <= j <= i.
+  float operator()(int i, int j, int c) const {
+    const size_t e = size_t(i) * dk_ + c;
+    if (last_wipe_[e] > j) {
+      return 0.0f;
+    }
+    return std::exp(
+        log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
+  }
+  // The decayed grams of the chunk, for j <= i (0 above the diagonal):
+  //   k_gram[i, j] = sum_c k_ic k_jc decay(i, j, c)   (j < i; the diagonal 0)
+  //   qk[i, j]     = sum_c q_ic k_jc decay(i, j, c)
+  // The decay cannot be applied after the products as with one decay per
+  // head, so each pair's factors are formed once and shared by both grams.
+  void decayed_grams(
+      const float* q, const float* k, float* k_gram, float* qk) const {
+    constexpr int C = kChunkSize;
+    std::vector<float> factor(dk_);
+    for (int i = 0; i < length_; ++i) {
+      const float* q_i = q + size_t(i) * dk_;
+      const float* k_i = k + size_t(i) * dk_;
+      for (int j = 0; j <= i; ++j) {
+        for (int c = 0; c < dk_; ++c) {
+          factor[c] = (*this)(i, j, c);
+        }
+        const float* k_j = k + size_t(j) * dk_;
+        float kk = 0.0f, qk_sum = 0.0f;
+#pragma omp simd reduction(+ : kk, qk_sum)
+        for (int c = 0; c < dk_; ++c) {
+          const float decayed_k = factor[c] * k_j[c];
+          kk += k_i[c] * decayed_k;
+          qk_sum += q_i[c] * decayed_k;
+        }
+        k_gram[i * C + j] = j < i ? kk : 0.0f;
+        qk[i * C + j] = qk_sum;
+      }
+      for (int j = i + 1; j < length_; ++j) {
+        k_gram[i * C + j] = 0.0f;
+        qk[i * C + j] = 0.0f;
+      }
+    }
+  }
+
+ private:
+  int length_ = 0;
+  int dk_ = 0;
+  std::vector<float> log_sum_;  // [L, Dk]
+  std::vector<int> last_wipe_;  // [L, Dk]
+};
+
 // Scratch of one task. Row strides: Dk for [L, Dk], Dv for [L, Dv],
 // kChunkSize for [L, L] and for the transposed keys [Dk, L]. The first group
 // depends only on the key head and is shared by the value heads that read it;
@@ -114,6 +193,9 @@ struct ChunkScratch {
   float beta[kChunkSize];
   float g[kChunkSize];
   ChunkDecays decays;
+  // Per-key gates only: the channel decays, and in k_gram and qk_decayed the
+  // decayed grams of one value head (k_gram and qk stay unused).
+  KeyChunkDecays key_decays;
 };
 
 void fill_zero(std::vector<float>& values) {
@@ -199,11 +281,29 @@ void chunk_qk(int dk, int L, ChunkScratch& s) {
 // matrix. A masked token is a step that changes nothing: decay 1 and beta 0
 // make its delta vanish.
 template <typename T>
-void gate_cumsum(const HeadView<T>& h, int start, int L, ChunkScratch& s) {
+void gate_cumsum(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s) {
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
-    s.g[i] = h.g[t * h.gate_token_stride];
     s.beta[i] = s.active[i] ? h.beta[t * h.gate_token_stride] : 0.0f;
+  }
+  if (p.per_key_gates) {
+    s.key_decays.compute(
+        h.g + start * h.g_token_stride,
+        h.g_token_stride,
+        s.active,
+        L,
+        p.key_dim);
+    s.key_decays.decayed_grams(
+        s.q.data(), s.k.data(), s.k_gram.data(), s.qk_decayed.data());
+    return;
+  }
+  for (int i = 0; i < L; ++i) {
+    s.g[i] = h.g[(start + i) * h.g_token_stride];
   }
   s.decays.compute(s.g, s.active, L);
   s.decays.lower_matrix(s.decay.data());
@@ -212,12 +312,15 @@ void gate_cumsum(const HeadView<T>& h, int start, int L, ChunkScratch& s) {
 // kkt_inverse: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal, then
 // T = (I + A)^-1 row by row: T_i = e_i - sum_{m<i} A_im T_m. Entries above
 // the diagonal stay 0.
-void kkt_inverse(int L, ChunkScratch& s) {
+void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   for (int i = 0; i < L; ++i) {
     for (int j = 0; j < L; ++j) {
-      s.a[i * C + j] =
-          j < i ? s.beta[i] * s.decay[i * C + j] * s.k_gram[i * C + j] : 0.0f;
+      // Per-key gates: k_gram already holds the decayed gram.
+      const float decayed_gram = p.per_key_gates
+          ? s.k_gram[i * C + j]
+          : s.decay[i * C + j] * s.k_gram[i * C + j];
+      s.a[i * C + j] = j < i ? s.beta[i] * decayed_gram : 0.0f;
     }
   }
   for (int i = 0; i < L; ++i) {
@@ -248,6 +351,13 @@ void recompute_w_u(
     }
   }
   for (int i = 0; i < L; ++i) {
+    if (p.per_key_gates) {
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[i * dk + c] =
+            s.beta[i] * s.key_decays(i, -1, c) * s.k[i * dk + c];
+      }
+      continue;
+    }
     const float w_scale = s.beta[i] * s.decays.from_start(i);
     for (int c = 0; c < dk; ++c) {
       s.scaled_k[i * dk + c] = w_scale * s.k[i * dk + c];
@@ -289,6 +399,26 @@ void chunk_carry(
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
   fill_zero(s.y);
+  if (p.per_key_gates) {
+    // inter_i = S0 (decay(i, -1, :) * q_i): the decay scales q's channels.
+    // scaled_k is free until chunk_carry_state.
+    for (int i = 0; i < L; ++i) {
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[i * dk + c] = s.key_decays(i, -1, c) * s.q[i * dk + c];
+      }
+    }
+    gemm(
+        L,
+        dv,
+        dk,
+        1.0f,
+        {s.scaled_k.data(), dk, 1},
+        state_t,
+        dv,
+        s.y.data(),
+        dv);
+    return;
+  }
   gemm(L, dv, dk, 1.0f, {s.q.data(), dk, 1}, state_t, dv, s.y.data(), dv);
   for (int i = 0; i < L; ++i) {
     const float d = s.decays.from_start(i);
@@ -304,14 +434,29 @@ void chunk_carry(
 void chunk_carry_state(
     const GatedDeltaParams& p, int L, ChunkScratch& s, float* state_t) {
   const int dk = p.key_dim, dv = p.value_dim;
-  const float chunk_decay = s.decays.from_start(L - 1);
-  for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
-    state_t[e] *= chunk_decay;
-  }
-  for (int j = 0; j < L; ++j) {
-    const float d = s.decays.to_end(j);
+  if (p.per_key_gates) {
+    // Row c of the transposed state is the state's column c.
     for (int c = 0; c < dk; ++c) {
-      s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+      const float chunk_decay = s.key_decays(L - 1, -1, c);
+      for (int e = 0; e < dv; ++e) {
+        state_t[int64_t(c) * dv + e] *= chunk_decay;
+      }
+    }
+    for (int j = 0; j < L; ++j) {
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[j * dk + c] = s.key_decays(L - 1, j, c) * s.k[j * dk + c];
+      }
+    }
+  } else {
+    const float chunk_decay = s.decays.from_start(L - 1);
+    for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
+      state_t[e] *= chunk_decay;
+    }
+    for (int j = 0; j < L; ++j) {
+      const float d = s.decays.to_end(j);
+      for (int c = 0; c < dk; ++c) {
+        s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+      }
     }
   }
   gemm(
@@ -329,7 +474,8 @@ void chunk_output(
     ChunkScratch& s) {
   const int dv = p.value_dim;
   constexpr int C = kChunkSize;
-  for (int i = 0; i < L; ++i) {
+  // Per-key gates: gate_cumsum built qk_decayed already.
+  for (int i = 0; !p.per_key_gates && i < L; ++i) {
     for (int j = 0; j < L; ++j) {
       // The decay matrix is 0 above the diagonal.
       s.qk_decayed[i * C + j] = s.decay[i * C + j] * s.qk[i * C + j];
@@ -378,14 +524,31 @@ int chunk_checkpoint(
        ++next) {
     const int i =
         h.checkpoints[next] - start;  // tokens of the chunk before the cut
-    const float entry_decay = s.decays.from_start(i - 1);
-    for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
-      cut_t[e] = entry_decay * entry_t[e];
-    }
-    for (int j = 0; j < i; ++j) {
-      const float d = s.decays(i - 1, j);
+    if (p.per_key_gates) {
+      // As chunk_carry_state, cut after i tokens: row c of the transposed
+      // state decays by its own channel's decay.
       for (int c = 0; c < dk; ++c) {
-        s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+        const float entry_decay = s.key_decays(i - 1, -1, c);
+        for (int e = 0; e < dv; ++e) {
+          cut_t[int64_t(c) * dv + e] =
+              entry_decay * entry_t[int64_t(c) * dv + e];
+        }
+      }
+      for (int j = 0; j < i; ++j) {
+        for (int c = 0; c < dk; ++c) {
+          s.scaled_k[j * dk + c] = s.key_decays(i - 1, j, c) * s.k[j * dk + c];
+        }
+      }
+    } else {
+      const float entry_decay = s.decays.from_start(i - 1);
+      for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
+        cut_t[e] = entry_decay * entry_t[e];
+      }
+      for (int j = 0; j < i; ++j) {
+        const float d = s.decays(i - 1, j);
+        for (int c = 0; c < dk; ++c) {
+          s.scaled_k[j * dk + c] = d * s.k[j * dk + c];
+        }
       }
     }
     gemm(
@@ -437,13 +600,17 @@ void chunked_heads(
 
     // Once per key head, shared by its value heads.
     qk_norm(p, first, start, L, s);
-    k_gram(dk, L, s);
-    chunk_qk(dk, L, s);
+    // With per-key gates the grams depend on each value head's decays:
+    // gate_cumsum builds them decayed, per value head.
+    if (!p.per_key_gates) {
+      k_gram(dk, L, s);
+      chunk_qk(dk, L, s);
+    }
     for (int n = 0; n < head_count; ++n) {
       const HeadView<T>& h = heads[n];
       float* state_t = &states[size_t(n) * dk * dv];
-      gate_cumsum(h, start, L, s);
-      kkt_inverse(L, s);
+      gate_cumsum(p, h, start, L, s);
+      kkt_inverse(p, L, s);
       recompute_w_u(p, h, start, L, s);
       const bool checkpoint_in_chunk =
           next_checkpoint[n] < h.checkpoint_count &&

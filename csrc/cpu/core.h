@@ -20,7 +20,7 @@ struct CoreBuffers {
   int64_t qk_token_stride;  // between tokens of q and of k
   int64_t v_batch_stride;
   int64_t v_token_stride;
-  const float* g;  // [B, T, Hv], log-space decay
+  const float* g;  // [B, T, Hv] or [B, T, Hv, Dk], log-space decay
   const float* beta;  // [B, T, Hv]
   const bool* mask;  // [B, T] or nullptr
   const float* state_in;  // [B, Hv, Dv, Dk] or nullptr for zeros

@@ -60,10 +60,11 @@ struct HeadView {
   const T* v;
   int64_t qk_token_stride;
   int64_t v_token_stride;
-  const float* g;  // token 0; token stride = value_heads
+  const float* g;  // token 0 (and channel 0 with per-key gates)
+  int64_t g_token_stride;  // value_heads * gate_width()
   const float* beta;
   const bool* mask;  // token 0 of the batch row, or nullptr
-  int64_t gate_token_stride;
+  int64_t gate_token_stride;  // of beta: value_heads
   T* y;  // token 0; token stride = value_heads * value_dim
   int64_t y_token_stride;
   const float* state_in;  // [Dv, Dk] initial state, or nullptr for zeros
@@ -88,7 +89,8 @@ inline HeadView<T> head_view(
       b.v + batch * b.v_batch_stride + int64_t(head) * p.value_dim,
       b.qk_token_stride,
       b.v_token_stride,
-      b.g + gate_offset,
+      b.g + gate_offset * p.gate_width(),
+      int64_t(p.value_heads) * p.gate_width(),
       b.beta + gate_offset,
       b.mask ? b.mask + int64_t(batch) * p.tokens : nullptr,
       p.value_heads,

@@ -154,8 +154,11 @@ struct PlanBuilder {
       Algorithm algorithm,
       ActivationDtype dtype)
       : p(params), core_dtype(dtype) {
-    plan.algorithm =
-        algorithm == Algorithm::Auto ? resolve_metal_algorithm(p) : algorithm;
+    // Per-key gates run the recurrent kernel at any T, whatever was asked:
+    // the chunked stages have one decay per head (docs/metal.md).
+    plan.algorithm = algorithm == Algorithm::Auto || p.per_key_gates
+        ? resolve_metal_algorithm(p)
+        : algorithm;
     plan.dtype = dtype;
     B = p.batch;
     T = p.tokens;
@@ -180,12 +183,14 @@ struct PlanBuilder {
       throw std::invalid_argument(
           "tree verification (parents) runs the recurrent plan only");
     }
+    k.per_key_gates = p.per_key_gates ? 1 : 0;
 
     using enum BufferRole;
     add_buffer(PlanBuffer::Query, B * T * Hk * Dk * e, Input);
     add_buffer(PlanBuffer::Key, B * T * Hk * Dk * e, Input);
     add_buffer(PlanBuffer::Value, B * T * Hv * Dv * e, Input);
-    add_buffer(PlanBuffer::Gate, B * T * Hv * 4, Input);
+    add_buffer(
+        PlanBuffer::Gate, B * T * Hv * uint64_t(p.gate_width()) * 4, Input);
     add_buffer(PlanBuffer::Beta, B * T * Hv * 4, Input);
     if (p.has_mask)
       add_buffer(PlanBuffer::Mask, B * T, Input);
@@ -311,10 +316,10 @@ struct PlanBuilder {
              {13, TreeStates}},
             9,
             {StateOut, Output, CheckpointStates, TreeStates});
-    // Per value head: q, k (read once per head), v, g, beta, y; the state once
-    // each way.
+    // Per value head: q, k (read once per head), v, g (one or Dk floats),
+    // beta, y; the state once each way.
     d.bytes_moved = double(
-        B * T * Hv * (2 * Dk * e + 2 * Dv * e + 8) +
+        B * T * Hv * (2 * Dk * e + 2 * Dv * e + 4 + 4 * p.gate_width()) +
         (2 + p.checkpoint_count) * B * Hv * Dv * Dk * 4 +
         (p.has_tree ? 2 * B * Hv * T * Dv * Dk * 4 : 0));
     d.flops = 8.0 * B * T * Hv * Dk * Dv;

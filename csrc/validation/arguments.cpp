@@ -125,7 +125,22 @@ void check_core_arguments(
         << ")";
     throw std::invalid_argument(out.str());
   }
-  check_shape(names.g, g, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
+  // g holds one decay per value head, or one per key channel of each value
+  // head (per-key gates, docs/contract.md).
+  if (g.ndim() == 4) {
+    check_shape(
+        names.g,
+        g,
+        {p.batch, p.tokens, p.value_heads, p.key_dim},
+        "[B, T, Hv] or [B, T, Hv, Dk] (per-key-channel gates)");
+    p.per_key_gates = true;
+  } else {
+    check_shape(
+        names.g,
+        g,
+        {p.batch, p.tokens, p.value_heads},
+        "[B, T, Hv] or [B, T, Hv, Dk] (per-key-channel gates)");
+  }
   check_shape("beta", beta, {p.batch, p.tokens, p.value_heads}, "[B, T, Hv]");
   if (state) {
     check_state(

@@ -24,7 +24,8 @@ void validate_launch_extents(const GatedDeltaParams& p) {
       "QK activation elements", b * t * uint64_t(p.key_heads) * p.key_dim);
   check_launch_extent(
       "V activation elements", b * t * uint64_t(p.value_heads) * p.value_dim);
-  check_launch_extent("gate elements", b * t * uint64_t(p.value_heads));
+  check_launch_extent(
+      "gate elements", b * t * uint64_t(p.value_heads) * p.gate_width());
   check_launch_extent(
       "state elements",
       b * uint64_t(p.value_heads) * p.value_dim * uint64_t(p.key_dim));

@@ -49,6 +49,21 @@ def assert_state_matches(algorithm, name, actual, expected):
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @given(case=core_cases(dtypes=("float32",), tokens=st.integers(1, 140)), data=st.data())
 def test_checkpoint_states_equal_prefix_final_states(algorithm, case, data):
+    check_checkpoints_against_prefixes(algorithm, case, data)
+
+
+# Per-key-channel gates: the recurrent form copies its state as with one gate
+# per head, the chunked form cuts each channel's decays at the checkpoint.
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(
+    case=core_cases(dtypes=("float32",), tokens=st.integers(1, 140), per_key_gates=True),
+    data=st.data(),
+)
+def test_per_key_checkpoint_states_equal_prefix_final_states(algorithm, case, data):
+    check_checkpoints_against_prefixes(algorithm, case, data)
+
+
+def check_checkpoints_against_prefixes(algorithm, case, data):
     tokens = case.q.shape[1]
     positions = data.draw(checkpoint_positions(tokens), label="checkpoints")
     y, state, checkpoint_states = gated_delta_rule(
@@ -111,6 +126,16 @@ def path_to(parents, token):
 
 @given(case=core_cases(tokens=st.integers(1, 24)), data=st.data())
 def test_a_tree_equals_its_paths(case, data):
+    check_tree_against_paths(case, data)
+
+
+# Per-key-channel gates step each token recurrently as well.
+@given(case=core_cases(tokens=st.integers(1, 24), per_key_gates=True), data=st.data())
+def test_a_per_key_tree_equals_its_paths(case, data):
+    check_tree_against_paths(case, data)
+
+
+def check_tree_against_paths(case, data):
     tokens = case.q.shape[1]
     parents = data.draw(trees(tokens), label="parents")
     positions = list(range(1, tokens + 1))

@@ -111,6 +111,14 @@ _CONTRACTS = (
     # The two algorithms against each other, float32.
     _relative("core.chunked_vs_recurrent.v2.float32.output", _TWO_FLOAT32_RELATIVE, _OUTPUT),
     _relative("core.chunked_vs_recurrent.v2.float32.state", _TWO_FLOAT32_RELATIVE, _STATE),
+    # Per-key gates whose channels are all equal against the scalar gate, float32:
+    # the two paths round differently (the recurrent form decays k's channels
+    # before the prediction's dot product instead of the product after it;
+    # the chunked form decays each term of the grams instead of the gram), so
+    # the results are two float32 results each within 1e-4 of the same exact
+    # value, not bitwise equal.
+    _relative("core.per_key_vs_scalar.v1.float32.output", _TWO_FLOAT32_RELATIVE, _OUTPUT),
+    _relative("core.per_key_vs_scalar.v1.float32.state", _TWO_FLOAT32_RELATIVE, _STATE),
     # Split continuity, recurrent: each token is the same float32 arithmetic
     # on the same float32 state whether the state was carried inside one call
     # or passed between calls, so the results are bitwise identical (any dtype

@@ -1,5 +1,5 @@
 """Property tests of the drop-in layer (docs/contract.md) on tiny random
-mlx-lm models (Qwen3-Next and Qwen3.5): patched and unpatched give the same
+mlx-lm models (Qwen3-Next, Qwen3.5, OLMo-Hybrid and Kimi-Linear): patched and unpatched give the same
 logits, within the layer contract, and the same greedy tokens; prefill then
 token-by-token decode through the cache gives the full forward's logits.
 
@@ -17,10 +17,15 @@ pytest.importorskip(
 )
 
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models import qwen3_5, qwen3_next  # noqa: E402
+from mlx_lm.models import kimi_linear, olmo_hybrid, qwen3_5, qwen3_next  # noqa: E402
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
-from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
+from mlx_gated_delta.nn import (  # noqa: E402
+    GatedDeltaNet,
+    KimiDeltaAttention,
+    OlmoHybridGatedDeltaNet,
+    Qwen35GatedDeltaNet,
+)
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 
 # The reviewed (id, fingerprint) pairs of the contracts these properties hold.
@@ -162,3 +167,186 @@ def test_extreme_decays_at_chunk_boundaries_match_mlx_lm(length):
     expected = model(prompt)
     patch_mlx_lm(model)
     check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+def olmo_hybrid_model(allow_neg_eigval, seed, layers=4):
+    """A tiny random OLMo-Hybrid model (layer 3 full attention, the others
+    Gated DeltaNet), with its gate parameters drawn."""
+    mx.random.seed(seed)
+    args = olmo_hybrid.ModelArgs(
+        model_type="olmo_hybrid",
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=VOCAB,
+        max_position_embeddings=512,
+        linear_allow_neg_eigval=allow_neg_eigval,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        **LINEAR_HEADS,
+    )
+    model = olmo_hybrid.Model(args)
+    for layer in model.model.layers:
+        if hasattr(layer, "linear_attn"):
+            attn = layer.linear_attn
+            attn.A_log = mx.random.normal(attn.A_log.shape)
+            attn.dt_bias = mx.random.normal(attn.dt_bias.shape)
+            attn.o_norm.weight = mx.random.uniform(0.5, 1.5, attn.o_norm.weight.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.mark.parametrize("allow_neg_eigval", (False, True))
+def test_patched_olmo_hybrid_matches_mlx_lm_logits_and_greedy_tokens(allow_neg_eigval):
+    # beta in [0, 2] with allow_neg_eigval: a layer that dropped the factor 2
+    # (or applied it always) fails one of the two cases.
+    model = olmo_hybrid_model(allow_neg_eigval, 3)
+    prompt = tokens(6, (1, 70))
+    expected_logits = model(prompt)
+    expected_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
+    assert patch_mlx_lm(model) == 3
+    assert all(
+        isinstance(layer.linear_attn, OlmoHybridGatedDeltaNet)
+        for layer in model.model.layers
+        if hasattr(layer, "linear_attn")
+    )
+    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
+    got_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
+    assert got_tokens == expected_tokens
+
+
+def test_patched_olmo_hybrid_prefill_then_decode_equals_full_forward():
+    model = olmo_hybrid_model(True, 7)
+    patch_mlx_lm(model)
+    sequence = tokens(8, (1, 24))
+    full = model(sequence)
+    cache = model.make_cache()
+    pieces = [model(sequence[:, :17], cache=cache)]
+    for t in range(17, 24):
+        pieces.append(model(sequence[:, t : t + 1], cache=cache))
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
+
+
+def test_the_olmo_hybrid_check_sees_beta_in_zero_one_where_two_is_allowed():
+    # Probe: with allow_neg_eigval the stock model's logits differ, beyond
+    # the contract, from the same model whose layers keep beta in [0, 1].
+    model = olmo_hybrid_model(True, 9)
+    prompt = tokens(10, (1, 40))
+    expected = model(prompt)
+    patch_mlx_lm(model)
+    for layer in model.model.layers:
+        if hasattr(layer, "linear_attn"):
+            layer.linear_attn.allow_neg_eigval = False
+    with pytest.raises(AssertionError, match="violated"):
+        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+def kimi_linear_model(seed):
+    """A tiny random Kimi-Linear model: layers 1, 2 and 4 Kimi Delta
+    Attention (per-key-channel gates), layer 3 MLA; A_log and the per head
+    and channel dt_bias drawn."""
+    mx.random.seed(seed)
+    args = kimi_linear.ModelArgs(
+        model_type="kimi_linear",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        head_dim=16,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        model_max_length=512,
+        num_experts=0,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        linear_attn_config={
+            "num_heads": 4,
+            "head_dim": 16,
+            "short_conv_kernel_size": 4,
+            "kda_layers": [1, 2, 4],
+        },
+    )
+    model = kimi_linear.Model(args)
+    for layer in model.layers:
+        if layer.is_linear:
+            attn = layer.self_attn
+            attn.A_log = mx.random.normal(attn.A_log.shape)
+            attn.dt_bias = 2.0 * mx.random.normal(attn.dt_bias.shape)
+            attn.o_norm.weight = mx.random.uniform(0.5, 1.5, attn.o_norm.weight.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_patched_kimi_linear_matches_mlx_lm_logits_and_greedy_tokens():
+    model = kimi_linear_model(12)
+    prompt = tokens(13, (1, 70))
+    expected_logits = model(prompt)
+    expected_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
+    assert patch_mlx_lm(model) == 3
+    assert all(
+        isinstance(layer.self_attn, KimiDeltaAttention) for layer in model.layers if layer.is_linear
+    )
+    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
+    got_tokens = [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=8, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
+    assert got_tokens == expected_tokens
+
+
+def test_patched_kimi_linear_prefill_then_decode_equals_full_forward():
+    model = kimi_linear_model(14)
+    patch_mlx_lm(model)
+    sequence = tokens(15, (1, 24))
+    full = model(sequence)
+    cache = model.make_cache()
+    pieces = [model(sequence[:, :17], cache=cache)]
+    for t in range(17, 24):
+        pieces.append(model(sequence[:, t : t + 1], cache=cache))
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
+
+
+def test_the_kimi_check_sees_dt_bias_read_once_per_head():
+    # Probe for mlx-lm#1792's bug: dt_bias [H, Dk] read once per head (its
+    # channel 0 for every channel) gives logits outside the contract around
+    # the stock model's, so the parity test above would catch it.
+    model = kimi_linear_model(16)
+    prompt = tokens(17, (1, 40))
+    expected = model(prompt)
+    patch_mlx_lm(model)
+    for layer in model.layers:
+        if layer.is_linear:
+            attn = layer.self_attn
+            per_head = attn.dt_bias.reshape(attn.num_heads, attn.head_dim)[:, :1]
+            attn.dt_bias = mx.repeat(per_head, attn.head_dim, axis=1).reshape(-1)
+    with pytest.raises(AssertionError, match="violated"):
+        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")

@@ -95,9 +95,17 @@ def run(
         )
     batch, tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2:]
-    if g.shape != (batch, tokens, value_heads) or beta.shape != g.shape:
+    # g may be per key channel: [B, T, Hv, Dk].
+    per_key_gates = g.shape == (batch, tokens, value_heads, key_dim)
+    if (
+        g.shape[:3] != (batch, tokens, value_heads)
+        or not (per_key_gates or g.ndim == 3)
+        or beta.shape != (batch, tokens, value_heads)
+    ):
         raise ValueError(
-            f"g and beta must be {(batch, tokens, value_heads)}; got {g.shape}, {beta.shape}"
+            f"g must be {(batch, tokens, value_heads)} or "
+            f"{(batch, tokens, value_heads, key_dim)} and beta "
+            f"{(batch, tokens, value_heads)}; got {g.shape}, {beta.shape}"
         )
     state_shape = (batch, value_heads, value_dim, key_dim)
     state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
@@ -135,6 +143,7 @@ def run(
         through_stage or "",
         _checkpoint_bytes(checkpoints),
         _checkpoint_bytes(parents),
+        per_key_gates,
     )
     y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
     state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()

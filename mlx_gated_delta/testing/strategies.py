@@ -143,6 +143,7 @@ def make_core_case(
     wipes="none",
     state_scale="unit",
     strided=False,
+    per_key_gates=False,
 ):
     recipe = dict(locals())
     rng = np.random.default_rng(seed)
@@ -160,8 +161,16 @@ def make_core_case(
         k /= np.linalg.norm(k, axis=-1, keepdims=True)
         k *= rng.uniform(0.25, 0.99, size=(B, T, key_heads, 1))
     v = rng.standard_normal((B, T, value_heads, value_dim))
-    g = make_decays(rng, decay, (B, T, value_heads))
-    g[wipe_positions(rng, wipes, (B, T, value_heads))] = -np.inf
+    if per_key_gates:
+        # One decay per key channel, drawn independently (a "mixed" draw puts
+        # severe and near-1 decays on neighbouring channels), wipes on
+        # single channels.
+        g = make_decays(rng, decay, (B, T, value_heads, key_dim))
+        wiped = wipe_positions(rng, wipes, (B, T, value_heads * key_dim))
+        g[wiped.reshape(g.shape)] = -np.inf
+    else:
+        g = make_decays(rng, decay, (B, T, value_heads))
+        g[wipe_positions(rng, wipes, (B, T, value_heads))] = -np.inf
     beta = rng.uniform(0.0, beta_max, size=(B, T, value_heads))
     magnitude = STATE_SCALES[state_scale]
     if state_scale == "huge" and dtype == "float16":
@@ -292,8 +301,10 @@ def core_cases(
     max_batch=2,
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(1, 200)),
     with_state=st.booleans(),
+    per_key_gates=False,
 ):
-    """A core op call over the shapes and options of docs/contract.md."""
+    """A core op call over the shapes and options of docs/contract.md; with
+    `per_key_gates`, g has one decay per key channel ([B, T, Hv, Dk])."""
     head_dims = st.one_of(st.sampled_from(HEAD_DIMS), st.sampled_from(ODD_HEAD_DIMS))
     key_heads = draw(st.integers(1, 2))
     dtype = draw(st.sampled_from(dtypes))
@@ -317,6 +328,7 @@ def core_cases(
         wipes=draw(st.sampled_from(WIPE_KINDS)),
         state_scale=draw(st.sampled_from(tuple(STATE_SCALES))),
         strided=draw(st.booleans()),
+        per_key_gates=per_key_gates,
     )
 
 

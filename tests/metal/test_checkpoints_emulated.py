@@ -167,3 +167,53 @@ def test_tree_verification_matches_the_cpu_op(key_dim, mask_kind):
     assert_close("y", y, np.array(expected_y))
     assert_close("state", state, np.array(expected_state))
     assert_close("node states", info["checkpoint_states"], np.array(expected_nodes))
+
+
+@pytest.mark.parametrize("key_dim", [32, 24])  # the SIMD and the generic kernel
+@pytest.mark.parametrize("tree", [False, True])
+def test_per_key_gates_with_checkpoints_match_the_cpu_op(key_dim, tree):
+    # Per-key gates run the recurrent kernels, which keep their checkpoint
+    # copies and tree states with a decay per state column as with one per
+    # head; asked for chunked, the plan still runs them recurrently.
+    case = make_core_case(
+        13,
+        batch=2,
+        tokens=9,
+        key_heads=1,
+        value_heads=2,
+        key_dim=key_dim,
+        value_dim=8,
+        dtype="float32",
+        gate_dtype="float32",
+        decay="model",
+        beta_max=1.0,
+        with_state=True,
+        mask_kind="random",
+        normalize_qk=True,
+        per_key_gates=True,
+    )
+    assert case.g.shape == (2, 9, 2, key_dim)
+    parents = [-1, 0, 0, 1, -1, 4, 2, 6, 3] if tree else None
+    positions = [1, 4, 5, 9]
+    y, state, info = metal_emulated.run(
+        *[np.array(x) for x in case.args()],
+        scale=case.options["scale"],
+        head_mapping=case.options["head_mapping"],
+        normalize_qk=True,
+        algorithm="chunked" if not tree else "recurrent",
+        mask=np.array(case.options["mask"]),
+        parents=parents,
+        checkpoints=positions,
+    )
+    assert info["algorithm"] == "recurrent"
+    expected_y, expected_state, expected_checkpoints = gated_delta_rule(
+        *case.args(),
+        parents=parents,
+        checkpoints=positions,
+        algorithm="recurrent",
+        stream=mx.cpu,
+        **case.options,
+    )
+    assert_close("y", y, np.array(expected_y))
+    assert_close("state", state, np.array(expected_state))
+    assert_close("checkpoint_states", info["checkpoint_states"], np.array(expected_checkpoints))

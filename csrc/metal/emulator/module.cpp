@@ -46,13 +46,15 @@ GatedDeltaParams make_params(
     float scale,
     const std::string& head_mapping,
     bool normalize_qk,
-    bool has_mask) {
+    bool has_mask,
+    bool per_key_gates = false) {
   GatedDeltaParams p =
       shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim);
   p.scale = scale;
   p.head_mapping = parse_head_mapping(head_mapping);
   p.normalize_qk = normalize_qk;
   p.has_mask = has_mask;
+  p.per_key_gates = per_key_gates;
   return p;
 }
 
@@ -187,7 +189,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          int barrier_timeout_ms,
          const std::string& through_stage,
          std::optional<nb::bytes> checkpoints,
-         std::optional<nb::bytes> parents) {
+         std::optional<nb::bytes> parents,
+         bool per_key_gates) {
         GatedDeltaParams params = make_params(
             batch,
             tokens,
@@ -198,7 +201,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
             scale,
             head_mapping,
             normalize_qk,
-            mask.has_value());
+            mask.has_value(),
+            per_key_gates);
         params.checkpoint_count = checkpoint_count(checkpoints);
         params.has_tree = parents.has_value();
         Plan plan =
@@ -254,7 +258,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("through_stage") = "",
       nb::arg("checkpoints").none() = nb::none(),
       nb::arg("parents").none() = nb::none(),
-      "Runs the Metal plan of one core call; returns (y bytes, state bytes, algorithm, kernels, "
+      nb::arg("per_key_gates") = false,
+      "Runs the Metal plan of one core call (g [B, T, Hv, Dk] with per_key_gates); returns (y bytes, state bytes, algorithm, kernels, "
       "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
       "and the dict holds the scratch buffers too. checkpoints: int32 bytes; the dict then "
       "holds checkpoint_states. parents: int32 bytes (tree verification).");

@@ -38,6 +38,10 @@ inline uint v_offset(constant GatedDeltaKernelParams& p, uint b, uint t, uint h)
 inline uint gate_offset(constant GatedDeltaKernelParams& p, uint b, uint t, uint h) {
   return (b * p.tokens + t) * p.value_heads + h;
 }
+// Per-key gates: g[b, t, h, c] of g [B, T, Hv, Dk], from gate_offset's value.
+inline uint key_gate_offset(constant GatedDeltaKernelParams& p, uint gate, uint c) {
+  return gate * p.key_dim + c;
+}
 inline bool token_is_masked(constant GatedDeltaKernelParams& p,
                             const device bool* mask, uint b, uint t) {
   return p.has_mask != 0 && !mask[b * p.tokens + t];

@@ -25,6 +25,7 @@ struct GatedDeltaKernelParams {
   float scale;
   unsigned int num_checkpoints;  // N: the states after checkpoints[n] tokens are kept
   unsigned int has_tree;  // 1: token t steps from token parents[t]'s state (recurrent only)
+  unsigned int per_key_gates;  // 1: g is [B, T, Hv, Dk], a decay per key channel
 };
 
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;

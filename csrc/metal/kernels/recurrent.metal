@@ -3,6 +3,8 @@
 //
 //   S <- exp(g) S;  d = beta (v - S k);  S += d k^T;  y = scale S q
 //
+// With per-key gates (p.per_key_gates) column c of S decays by exp(g[c]).
+//
 // Rows of S (value dims) evolve independently, so each threadgroup owns a
 // slice of rows of one (batch, value head) and walks all tokens. With
 // checkpoints, its rows of S are copied out after each checkpoint's token
@@ -81,10 +83,14 @@ template <typename T>
       const float q_scale = p.normalize_qk != 0 ? 1.0f / sqrt(q_squares + 1e-6f) : 1.0f;
 
       const uint gate = gate_offset(p, b, t, h);
-      const float decay = exp(g[gate]);
+      const bool per_key = p.per_key_gates != 0;
+      const float decay = per_key ? 1.0f : exp(g[gate]);
       float prediction = 0.0f;
       for (uint m = 0; m < kSimdStatePerLane; ++m) {
-        s[m] *= decay;
+        // Per-key gates: this lane's column lane + 32 m has its own decay.
+        const bool column = m < per_lane;
+        s[m] *= per_key ? (column ? exp(g[key_gate_offset(p, gate, lane + 32 * m)]) : 0.0f)
+                        : decay;
         prediction += s[m] * k_lane[m];
       }
       prediction = simd_sum(prediction) * k_scale;
@@ -192,10 +198,12 @@ template <typename T>
           q_scale = 1.0f / sqrt(q_squares + 1e-6f);
         }
         const uint gate = gate_offset(p, b, t, h);
-        const float decay = exp(g[gate]);
+        const bool per_key = p.per_key_gates != 0;
+        const float decay = per_key ? 1.0f : exp(g[gate]);
         float prediction = 0.0f;
         for (uint c = 0; c < p.key_dim; ++c) {
-          float decayed = state_out[state_row + c] * decay;
+          const float column_decay = per_key ? exp(g[key_gate_offset(p, gate, c)]) : decay;
+          float decayed = state_out[state_row + c] * column_decay;
           state_out[state_row + c] = decayed;
           prediction += decayed * k_token[c];
         }

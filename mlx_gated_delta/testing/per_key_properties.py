@@ -1,0 +1,366 @@
+"""Property tests of per-key-channel gates: `g` (and `gamma`) of shape
+`[B, T, Hv, Dk]`, column c of the state decaying by `exp(g[t, h, c])`
+(docs/contract.md). The scalar gates' contracts hold unchanged.
+
+Run by the repository's suite (`tests/test_per_key.py`) and by
+`python -m mlx_gated_delta selftest`, on the default device.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mlx_gated_delta import gated_delta_rule, gated_delta_update
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference,
+    gated_delta_rule_reference_vjp,
+    gated_delta_update_reference_vjp,
+    to_float64,
+)
+from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.grad_properties import (
+    SHORT_TOKENS,
+    assert_gradients_match,
+    case_gradients,
+    cotangents,
+)
+from mlx_gated_delta.testing.properties import (
+    ALGORITHMS,
+    EDGE_TOKENS,
+    ORACLE_OUTPUT_CONTRACTS,
+    ORACLE_STATE_CONTRACTS,
+    SPLIT_CONTRACTS,
+    SPLIT_DTYPES,
+    UPDATE_ORACLE_CONTRACTS,
+    UPDATE_ORACLE_STATE_CONTRACT,
+    dtype_name,
+    run,
+    run_in_calls,
+)
+from mlx_gated_delta.testing.strategies import core_cases, make_core_case
+
+PER_KEY_VS_SCALAR = {
+    "output": (
+        "core.per_key_vs_scalar.v1.float32.output",
+        "182ca8d09e1e9c25b84ce3814eac7871c017c492b7fca9f4a902a15b12547735",
+    ),
+    "state": (
+        "core.per_key_vs_scalar.v1.float32.state",
+        "95919ffc1232cdd61dcaceea0e846b114db147e83af3e89824ceda8ce175a8cd",
+    ),
+}
+
+
+def assert_matches_oracle(case, y, state, algorithm):
+    expected_y, expected_state = case.reference()
+    assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, dtype_name(y)])
+    assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(per_key_gates=True))
+def test_per_key_gates_match_the_float64_oracle(algorithm, case):
+    # Every shape, dtype, mask kind, mapping, decay strength and wipe kind of
+    # the scalar property, with one decay per key channel.
+    assert case.g.shape == (*case.v.shape[:3], case.q.shape[3])
+    y, state = run(case, algorithm)
+    assert y.dtype == case.v.dtype and state.dtype == mx.float32
+    assert_matches_oracle(case, y, state, algorithm)
+
+
+@given(case=core_cases(dtypes=("float32",), per_key_gates=True))
+def test_per_key_chunked_matches_recurrent(case):
+    recurrent_y, recurrent_state = run(case, "recurrent")
+    chunked_y, chunked_state = run(case, "chunked")
+    assert_matches(
+        "y",
+        chunked_y,
+        recurrent_y,
+        "core.chunked_vs_recurrent.v2.float32.output",
+        "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
+    )
+    assert_matches(
+        "state",
+        chunked_state,
+        recurrent_state,
+        "core.chunked_vs_recurrent.v2.float32.state",
+        "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
+    )
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_per_key_split_continuity(algorithm, data):
+    # Recurrent: bitwise, as with scalar gates (each token is the same float32
+    # arithmetic); chunked: within the chunked split contract.
+    case = data.draw(core_cases(dtypes=SPLIT_DTYPES[algorithm], per_key_gates=True))
+    tokens = case.q.shape[1]
+    points = sorted(data.draw(st.lists(st.integers(0, tokens), min_size=1, max_size=3)))
+    full_y, full_state = run(case, algorithm)
+    split_y, split_state = run_in_calls(case, [0, *points, tokens], algorithm)
+    output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
+    assert_matches("y", split_y, full_y, *output_contract)
+    assert_matches("state", split_state, full_state, *state_contract)
+
+
+# The chunked form meets the contract on these edges from unit-sized entry
+# states; from a huge one (1e18) with severe decays beside weak ones it does
+# not (test_chunked_per_key_known_gap_on_a_huge_entry_state below), so there
+# the recurrent form alone is held to it, and `auto` runs per-key gates
+# recurrently (docs/numerics.md).
+CHANNEL_WIPE_STATE_SCALES = {"recurrent": ("unit", "huge"), "chunked": ("unit",)}
+
+
+@st.composite
+def channel_wipe_cases(draw, wipes, state_scales=("unit", "huge")):
+    return make_core_case(
+        draw(st.integers(0, 2**32 - 1)),
+        batch=draw(st.integers(1, 2)),
+        tokens=draw(st.sampled_from(EDGE_TOKENS)),
+        key_heads=1,
+        value_heads=draw(st.sampled_from((1, 2))),
+        key_dim=draw(st.sampled_from((16, 32))),
+        value_dim=draw(st.sampled_from((8, 16))),
+        dtype=draw(st.sampled_from(("float32", "bfloat16"))),
+        decay=draw(st.sampled_from(("model", "severe", "mixed", "none"))),
+        mask_kind=draw(st.sampled_from(("none", "random", "left_padding", "right_padding"))),
+        head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
+        wipes=wipes,
+        state_scale=draw(st.sampled_from(state_scales)),
+        per_key_gates=True,
+    )
+
+
+@pytest.mark.parametrize("wipes", ("random", "chunk_edges", "runs"))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_channel_wipes_match_the_float64_oracle(algorithm, wipes, data):
+    # g = -inf on single channels: that column of the state is wiped exactly,
+    # the others decay on; no NaN reaches any output.
+    case = data.draw(channel_wipe_cases(wipes, CHANNEL_WIPE_STATE_SCALES[algorithm]))
+    y, state = run(case, algorithm)
+    assert not np.isnan(to_float64(y)).any() and not np.isnan(to_float64(state)).any()
+    assert_matches_oracle(case, y, state, algorithm)
+
+
+@pytest.mark.parametrize("wipes", ("random", "runs"))
+@given(data=st.data())
+def test_per_key_gamma_through_gated_delta_update(wipes, data):
+    # The MLX-compatible entry point takes gamma [B, T, Hv, Dk] too; gamma == 0
+    # on a channel wipes that column.
+    case = data.draw(channel_wipe_cases(wipes))
+    gamma = mx.exp(case.g.astype(mx.float32))
+    y, state = gated_delta_update(
+        case.q, case.k, case.v, gamma, case.beta, case.state, mask=case.options["mask"]
+    )
+    expected_y, expected_state = gated_delta_rule_reference(
+        case.q,
+        case.k,
+        case.v,
+        mx.log(gamma),
+        case.beta,
+        case.state,
+        scale=1.0,
+        mask=case.options["mask"],
+    )
+    assert_matches("y", y, expected_y, *UPDATE_ORACLE_CONTRACTS[dtype_name(y)])
+    assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE_CONTRACT)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(case=core_cases(dtypes=("float32",)))
+def test_equal_channels_give_the_scalar_gate_result(algorithm, case):
+    # A g whose Dk channels all equal the scalar g is the same recurrence:
+    # the float64 oracles agree exactly, and the kernels agree within two
+    # float32 errors, not bitwise (contracts.py says why: the two paths
+    # round their products differently).
+    per_key_g = mx.repeat(case.g[..., None], case.q.shape[3], axis=-1)
+    scalar_y, scalar_state = run(case, algorithm)
+    per_key_y, per_key_state = gated_delta_rule(
+        case.q,
+        case.k,
+        case.v,
+        per_key_g,
+        case.beta,
+        case.state,
+        algorithm=algorithm,
+        **case.options,
+    )
+    assert_matches("y", per_key_y, scalar_y, *PER_KEY_VS_SCALAR["output"])
+    assert_matches("state", per_key_state, scalar_state, *PER_KEY_VS_SCALAR["state"])
+    oracle_y, oracle_state = gated_delta_rule_reference(
+        case.q, case.k, case.v, per_key_g, case.beta, case.state, **case.options
+    )
+    expected_y, expected_state = case.reference()
+    assert np.array_equal(oracle_y, expected_y) and np.array_equal(oracle_state, expected_state)
+
+
+def test_the_oracle_check_sees_a_kernel_that_ignores_the_channels():
+    # Probe: had the kernel applied channel 0's decay to every column, the
+    # oracle comparison would fail: the oracle on that wrong g is outside the
+    # contract around the kernel's result.
+    case = make_core_case(
+        7,
+        batch=1,
+        tokens=100,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        decay="model",
+        per_key_gates=True,
+    )
+    for algorithm in ALGORITHMS:
+        y, _ = run(case, algorithm)
+        channel_0 = mx.repeat(case.g[..., :1], case.g.shape[-1], axis=-1)
+        wrong_y, _ = gated_delta_rule_reference(
+            case.q, case.k, case.v, channel_0, case.beta, case.state, **case.options
+        )
+        with pytest.raises(AssertionError, match="violated"):
+            assert_matches("y", y, wrong_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, "float32"])
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_strong_channel_decays_next_to_weak_ones_stay_exact(algorithm):
+    # Half the channels decay by exp(-200) per token, the others barely: over
+    # a chunk the cumulative log decay of a strong channel reaches -12800, so
+    # a chunked form that factored each decay as exp(G_i) / exp(G_j) from the
+    # chunk's start would form exp(+12800) = inf and NaN. Held to the oracle.
+    case = make_core_case(
+        3,
+        batch=1,
+        tokens=130,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=16,
+        decay="mild",
+        per_key_gates=True,
+    )
+    strong = np.arange(32) % 2 == 0
+    g = np.where(strong, -200.0, to_float64(case.g)).astype(np.float32)
+    y, state = gated_delta_rule(
+        case.q,
+        case.k,
+        case.v,
+        mx.array(g),
+        case.beta,
+        case.state,
+        algorithm=algorithm,
+        **case.options,
+    )
+    expected_y, expected_state = gated_delta_rule_reference(
+        case.q, case.k, case.v, g, case.beta, case.state, **case.options
+    )
+    assert np.isfinite(to_float64(y)).all() and np.isfinite(to_float64(state)).all()
+    assert_matches("y", y, expected_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, "float32"])
+    assert_matches("state", state, expected_state, *ORACLE_STATE_CONTRACTS[algorithm])
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "known gap: the chunked form with per-key gates carries a huge entry state "
+        "through T = (I + A)^-1, whose entries mix strong and weak channels' decays; "
+        "the cancellation leaves an error above 1e-4 of the (much smaller) final state"
+    ),
+)
+def test_chunked_per_key_known_gap_on_a_huge_entry_state():
+    # Found by the channel-wipe property; kept as a strict xfail so that a fix
+    # shows (this test then passes, and strict turns that into a failure to
+    # remove the mark and widen CHANNEL_WIPE_STATE_SCALES).
+    case = make_core_case(
+        1346239734,
+        batch=1,
+        tokens=127,
+        key_heads=1,
+        value_heads=1,
+        key_dim=32,
+        value_dim=16,
+        decay="mixed",
+        wipes="chunk_edges",
+        state_scale="huge",
+        per_key_gates=True,
+    )
+    y, state = run(case, "chunked")
+    assert_matches_oracle(case, y, state, "chunked")
+
+
+# Gradients (CPU, like every gradient so far): against the float64 reverse
+# mode of the recurrence, one gradient per key channel, under the core_grad
+# contracts of the scalar gates.
+GRAD_BUDGET = settings(max_examples=min(30, settings.default.max_examples))
+
+
+@GRAD_BUDGET
+@given(
+    case=core_cases(tokens=SHORT_TOKENS, per_key_gates=True),
+    which=st.sampled_from(("both", "y", "state")),
+)
+def test_per_key_gradients_match_the_float64_reference(case, which):
+    wy, ws = cotangents(case)
+    use_y, use_state = which in ("both", "y"), which in ("both", "state")
+    grads = case_gradients(case, wy, ws, use_y=use_y, use_state=use_state)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(),
+        y_cotangent=wy if use_y else None,
+        state_cotangent=ws if use_state else None,
+        **case.options,
+    )
+    assert grads["g"].shape == case.g.shape
+    for name, grad in grads.items():
+        assert grad.dtype == getattr(case, name).dtype, name
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+    # A channel's wipe (g = -inf) gets exactly 0; masked steps get 0.
+    g_grad = np.asarray(grads["g"].astype(mx.float32))
+    assert np.all(g_grad[np.isneginf(to_float64(case.g))] == 0.0)
+    mask = case.options["mask"]
+    if mask is not None:
+        assert np.all(g_grad[~np.asarray(mask)] == 0.0)
+
+
+@GRAD_BUDGET
+@given(data=st.data())
+def test_per_key_gamma_gradient_is_finite_and_exact_at_channel_wipes(data):
+    case = data.draw(channel_wipe_cases("random", ("unit",)))
+    gamma = mx.exp(case.g.astype(mx.float32))
+    wy, ws = cotangents(case)
+    mask = case.options["mask"]
+
+    def loss(q, k, v, gamma, beta, state):
+        y, s = gated_delta_update(q, k, v, gamma, beta, state, mask=mask, stream=mx.cpu)
+        return (y * wy).astype(mx.float32).sum() + (s * ws).sum()
+
+    names = ("q", "k", "v", "gamma", "beta", "state")
+    arrays = (case.q, case.k, case.v, gamma, case.beta, case.state)
+    grads = dict(zip(names, mx.grad(loss, argnums=tuple(range(6)))(*arrays)))
+    expected = gated_delta_update_reference_vjp(*arrays, mask, y_cotangent=wy, state_cotangent=ws)
+    assert np.isfinite(to_float64(grads["gamma"])).all()
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_per_key_gradients_of_both_algorithms_are_the_recurrent_backward(algorithm):
+    # The backward is one recurrent-form kernel whichever algorithm ran the
+    # forward: the gradients agree with the reference either way.
+    case = make_core_case(
+        11,
+        batch=2,
+        tokens=70,
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
+        mask_kind="random",
+        normalize_qk=True,
+        head_mapping="interleaved",
+        per_key_gates=True,
+    )
+    wy, ws = cotangents(case)
+    grads = case_gradients(case, wy, ws, algorithm=algorithm)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(), y_cotangent=wy, state_cotangent=ws, **case.options
+    )
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
