@@ -74,6 +74,67 @@ nb::tuple run_guarded(
   return nb::make_tuple(y_out, state_out, y_tail, state_tail);
 }
 
+// Runs the float32 chunked form on problem (batch, head) alone and returns
+// every stage's output by name (cpu::ChunkedTrace), with its y rows [T, Dv]
+// and final state [Dv, Dk].
+nb::dict trace_chunked(
+    const GatedDeltaParams& p,
+    const std::vector<mx::array>& in,
+    int batch,
+    int head) {
+  if (batch < 0 || batch >= p.batch || head < 0 || head >= p.value_heads) {
+    throw std::invalid_argument("no such batch row or value head");
+  }
+  std::vector<float> y(
+      size_t(p.batch) * p.tokens * p.value_heads * p.value_dim);
+  std::vector<float> state(
+      size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim);
+  const cpu::CoreBuffers<float> buffers = cpu::contiguous_buffers<float>(
+      p,
+      in[0].data<float>(),
+      in[1].data<float>(),
+      in[2].data<float>(),
+      in[3].data<float>(),
+      in[4].data<float>(),
+      p.has_mask ? in[6].data<bool>() : nullptr,
+      in[5].data<float>(),
+      y.data(),
+      state.data());
+  const cpu::ChunkedTrace t =
+      cpu::trace_chunked_stages(p, buffers, batch, head);
+  const int chunks = t.chunks, L = int(kChunkSize), dk = p.key_dim,
+            dv = p.value_dim;
+  auto f32 = [](const std::vector<float>& values, mx::Shape shape) {
+    return mx::array(values.begin(), std::move(shape), mx::float32);
+  };
+  nb::dict out;
+  out["q"] = f32(t.q, {chunks, L, dk});
+  out["k"] = f32(t.k, {chunks, L, dk});
+  out["log_cumsum"] = f32(t.log_cumsum, {chunks, L});
+  out["last_wipe"] = mx::array(t.last_wipe.begin(), {chunks, L}, mx::int32);
+  out["beta_effective"] = f32(t.beta, {chunks, L});
+  out["k_gram"] = f32(t.k_gram, {chunks, L, L});
+  out["qk"] = f32(t.qk, {chunks, L, L});
+  out["kkt_inverse"] = f32(t.inverse, {chunks, L, L});
+  out["w"] = f32(t.w, {chunks, L, dk});
+  out["u"] = f32(t.u, {chunks, L, dv});
+  out["corrected"] = f32(t.corrected, {chunks, L, dv});
+  out["output_inter"] = f32(t.output_inter, {chunks, L, dv});
+  out["exit_states"] = f32(t.state, {chunks, dv, dk});
+  // The problem's own rows of y and its final state.
+  std::vector<float> y_head(size_t(p.tokens) * dv);
+  for (int token = 0; token < p.tokens; ++token) {
+    const float* row = y.data() +
+        ((size_t(batch) * p.tokens + token) * p.value_heads + head) * dv;
+    std::copy(row, row + dv, y_head.begin() + size_t(token) * dv);
+  }
+  out["y"] = f32(y_head, {p.tokens, dv});
+  const float* final_state =
+      state.data() + (size_t(batch) * p.value_heads + head) * dv * dk;
+  out["state"] = mx::array(final_state, {dv, dk}, mx::float32);
+  return out;
+}
+
 }  // namespace
 
 NB_MODULE(_mlx_gated_delta_ext, m) {
@@ -290,4 +351,66 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "sentinel"_a,
       "Testing only: runs the CPU kernel with sentinel words past each output "
       "and returns (y, state, y_tail, state_tail).");
+
+  m.def(
+      "trace_cpu_chunked_stages",
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const std::optional<mx::array>& mask,
+         float scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         int batch,
+         int head) {
+        GatedDeltaParams p = shape_params(
+            q.shape(0),
+            q.shape(1),
+            q.shape(2),
+            v.shape(2),
+            q.shape(3),
+            v.shape(3));
+        p.scale = scale;
+        p.head_mapping = parse_head_mapping(head_mapping);
+        p.normalize_qk = normalize_qk;
+        p.has_mask = mask.has_value();
+        auto contiguous_f32 = [](const mx::array& x) {
+          return mx::contiguous(
+              mx::astype(x, mx::float32, mx::Device::cpu),
+              false,
+              mx::Device::cpu);
+        };
+        std::vector<mx::array> in = {
+            contiguous_f32(q),
+            contiguous_f32(k),
+            contiguous_f32(v),
+            contiguous_f32(g),
+            contiguous_f32(beta),
+            contiguous_f32(state)};
+        if (mask) {
+          in.push_back(mx::contiguous(
+              mx::astype(*mask, mx::bool_, mx::Device::cpu),
+              false,
+              mx::Device::cpu));
+        }
+        mx::eval(in);
+        return trace_chunked(p, in, batch, head);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a.none(),
+      "scale"_a,
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "batch"_a,
+      "head"_a,
+      "Testing only: runs the float32 CPU chunked form on one (batch, value "
+      "head) and returns every stage's output by name, chunk by chunk.");
 }

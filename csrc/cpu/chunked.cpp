@@ -1,5 +1,6 @@
 // The chunked WY/UT form of the gated delta rule on the CPU.
 #include <algorithm>
+#include <stdexcept>
 #include <vector>
 
 #include "cpu/kernel_common.h"
@@ -59,6 +60,12 @@ class ChunkDecays {
   }
   float to_end(int j) const {
     return (*this)(length_ - 1, j);
+  }
+  float log_sum(int i) const {
+    return log_sum_[i];
+  }
+  int last_wipe(int i) const {
+    return last_wipe_[i];
   }
   // matrix[i * kChunkSize + j] = decay(i, j) for j <= i, 0 above the diagonal.
   void lower_matrix(float* matrix) const {
@@ -566,11 +573,107 @@ int chunk_checkpoint(
   return next;
 }
 
+// The stages a trace records, in pipeline order.
+enum class Stage {
+  QkNorm,
+  GateCumsum,
+  KGram,
+  ChunkQk,
+  KktInverse,
+  RecomputeWU,
+  ChunkCarry,
+  ChunkCarryState
+};
+
+// Copies `rows` rows of `cols` values (row stride `ld`) into chunk `chunk`'s
+// slot of `rows_per_chunk` x `cols` in `out`, growing it to hold the chunk.
+template <typename V>
+void record_rows(
+    std::vector<V>& out,
+    int chunk,
+    int rows_per_chunk,
+    int cols,
+    const V* in,
+    int rows,
+    int64_t ld) {
+  const size_t slot = size_t(rows_per_chunk) * cols;
+  out.resize(std::max(out.size(), (chunk + 1) * slot), V(0));
+  V* dst = out.data() + chunk * slot;
+  for (int r = 0; r < rows; ++r) {
+    std::copy(in + r * ld, in + r * ld + cols, dst + size_t(r) * cols);
+  }
+}
+
+// Records what `stage` just left in the scratch (and, for the state, in the
+// transposed state `state_t`).
+void record_stage(
+    Stage stage,
+    const GatedDeltaParams& p,
+    int chunk,
+    int L,
+    const ChunkScratch& s,
+    const float* state_t,
+    ChunkedTrace& t) {
+  constexpr int C = kChunkSize;
+  const int dk = p.key_dim, dv = p.value_dim;
+  t.chunks = std::max(t.chunks, chunk + 1);
+  switch (stage) {
+    case Stage::QkNorm:
+      record_rows(t.q, chunk, C, dk, s.q.data(), L, dk);
+      record_rows(t.k, chunk, C, dk, s.k.data(), L, dk);
+      return;
+    case Stage::GateCumsum: {
+      // Only the first L entries are the chunk's; the rest stay 0.
+      float log_sum[C] = {}, beta[C] = {};
+      int last_wipe[C] = {};
+      for (int i = 0; i < L; ++i) {
+        log_sum[i] = s.decays.log_sum(i);
+        last_wipe[i] = s.decays.last_wipe(i);
+        beta[i] = s.beta[i];
+      }
+      record_rows(t.log_cumsum, chunk, 1, C, log_sum, 1, C);
+      record_rows(t.last_wipe, chunk, 1, C, last_wipe, 1, C);
+      record_rows(t.beta, chunk, 1, C, beta, 1, C);
+      return;
+    }
+    case Stage::KGram:
+      record_rows(t.k_gram, chunk, C, C, s.k_gram.data(), L, C);
+      return;
+    case Stage::ChunkQk:
+      record_rows(t.qk, chunk, C, C, s.qk.data(), L, C);
+      return;
+    case Stage::KktInverse:
+      record_rows(t.inverse, chunk, C, C, s.inverse.data(), L, C);
+      return;
+    case Stage::RecomputeWU:
+      record_rows(t.w, chunk, C, dk, s.w.data(), L, dk);
+      record_rows(t.u, chunk, C, dv, s.u.data(), L, dv);
+      return;
+    case Stage::ChunkCarry:
+      record_rows(t.corrected, chunk, C, dv, s.u.data(), L, dv);
+      record_rows(t.output_inter, chunk, C, dv, s.y.data(), L, dv);
+      return;
+    case Stage::ChunkCarryState: {
+      std::vector<float> state(size_t(dv) * dk);
+      transpose(state_t, dk, dv, dv, state.data(), dk);
+      record_rows(t.state, chunk, dv, dk, state.data(), dv, dk);
+      return;
+    }
+  }
+}
+
 }  // namespace
 
 template <typename T>
 void chunked_heads(
-    const GatedDeltaParams& p, const HeadView<T>* heads, int head_count) {
+    const GatedDeltaParams& p,
+    const HeadView<T>* heads,
+    int head_count,
+    ChunkedTrace* trace) {
+  if (trace && (head_count != 1 || p.per_key_gates)) {
+    throw std::invalid_argument(
+        "a chunked trace runs one head with scalar gates");
+  }
   ChunkScratch s(p.key_dim, p.value_dim);
   const int dk = p.key_dim, dv = p.value_dim;
   constexpr int C = kChunkSize;
@@ -597,21 +700,33 @@ void chunked_heads(
 
   for (int start = 0; start < p.tokens; start += C) {
     const int L = std::min(C, p.tokens - start);
+    // Records a stage's output when traced; nothing otherwise.
+    auto traced = [&](Stage stage, const float* state_t) {
+      if (trace) {
+        record_stage(stage, p, start / C, L, s, state_t, *trace);
+      }
+    };
 
     // Once per key head, shared by its value heads.
     qk_norm(p, first, start, L, s);
+    traced(Stage::QkNorm, nullptr);
     // With per-key gates the grams depend on each value head's decays:
     // gate_cumsum builds them decayed, per value head.
     if (!p.per_key_gates) {
       k_gram(dk, L, s);
+      traced(Stage::KGram, nullptr);
       chunk_qk(dk, L, s);
+      traced(Stage::ChunkQk, nullptr);
     }
     for (int n = 0; n < head_count; ++n) {
       const HeadView<T>& h = heads[n];
       float* state_t = &states[size_t(n) * dk * dv];
       gate_cumsum(p, h, start, L, s);
+      traced(Stage::GateCumsum, nullptr);
       kkt_inverse(p, L, s);
+      traced(Stage::KktInverse, nullptr);
       recompute_w_u(p, h, start, L, s);
+      traced(Stage::RecomputeWU, nullptr);
       const bool checkpoint_in_chunk =
           next_checkpoint[n] < h.checkpoint_count &&
           h.checkpoints[next_checkpoint[n]] <= start + L;
@@ -619,12 +734,14 @@ void chunked_heads(
         std::copy(state_t, state_t + size_t(dk) * dv, entry_t.begin());
       }
       chunk_carry(p, L, s, state_t);
+      traced(Stage::ChunkCarry, nullptr);
       if (checkpoint_in_chunk) {
         next_checkpoint[n] = chunk_checkpoint(
             p, h, start, L, next_checkpoint[n], entry_t.data(), s, cut_t);
       }
       chunk_output(p, h, start, L, s);
       chunk_carry_state(p, L, s, state_t);
+      traced(Stage::ChunkCarryState, state_t);
     }
   }
   for (int n = 0; n < head_count; ++n) {
@@ -633,10 +750,27 @@ void chunked_heads(
 }
 
 template void chunked_heads<float>(
-    const GatedDeltaParams&, const HeadView<float>*, int);
+    const GatedDeltaParams&, const HeadView<float>*, int, ChunkedTrace*);
 template void chunked_heads<mlx::core::float16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>*, int);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::float16_t>*,
+    int,
+    ChunkedTrace*);
 template void chunked_heads<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>*, int);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::bfloat16_t>*,
+    int,
+    ChunkedTrace*);
+
+ChunkedTrace trace_chunked_stages(
+    const GatedDeltaParams& p,
+    const CoreBuffers<float>& buffers,
+    int batch,
+    int head) {
+  const HeadView<float> h = head_view(p, buffers, batch, head);
+  ChunkedTrace trace;
+  chunked_heads(p, &h, 1, &trace);
+  return trace;
+}
 
 }  // namespace mlx_gated_delta::cpu

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "core/core_params.h"
 
@@ -77,5 +78,33 @@ void gated_delta_forward(
     const GatedDeltaParams& params,
     Algorithm algorithm,
     const CoreBuffers<T>& buffers);
+
+// Testing only: every stage's output of the chunked form for one problem,
+// chunk by chunk, as the pipeline leaves it in its scratch, so that a test
+// compares each stage with its namesake in the float64 reference
+// (docs/stages.md) and a wrong stage fails under its own name. Each chunk's
+// slot is kChunkSize rows (tiles kChunkSize x kChunkSize); rows past a short
+// last chunk are 0, and so is what a stage leaves undefined above a tile's
+// diagonal.
+struct ChunkedTrace {
+  int chunks = 0;
+  std::vector<float> q, k;  // qk_norm: [C, L, Dk]
+  std::vector<float> log_cumsum, beta;  // gate_cumsum: [C, L]
+  std::vector<int> last_wipe;  // gate_cumsum: [C, L]
+  std::vector<float> k_gram, qk;  // k_gram, chunk_qk: [C, L, L]
+  std::vector<float> inverse;  // kkt_inverse: [C, L, L]
+  std::vector<float> w, u;  // recompute_w_u: [C, L, Dk], [C, L, Dv]
+  std::vector<float> corrected, output_inter;  // chunk_carry: [C, L, Dv]
+  std::vector<float> state;  // chunk_carry_state: exit states, [C, Dv, Dk]
+};
+
+// Testing only: runs the float32 chunked form (scalar gates, no checkpoints)
+// on problem (batch, head) of `buffers` alone, writing its y rows and final
+// state there as the kernel does, and returns the trace of its stages.
+ChunkedTrace trace_chunked_stages(
+    const GatedDeltaParams& params,
+    const CoreBuffers<float>& buffers,
+    int batch,
+    int head);
 
 }  // namespace mlx_gated_delta::cpu

@@ -143,8 +143,12 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h);
 // The chunked form runs the value heads that read one key head together, so
 // that their shared work (loading and normalising q and k, the grams K K^T and
 // Q K^T) is done once; `heads` all read the same key head and batch row.
+// A non-null `trace` (testing only; one head) records every stage's output.
 template <typename T>
 void chunked_heads(
-    const GatedDeltaParams& p, const HeadView<T>* heads, int head_count);
+    const GatedDeltaParams& p,
+    const HeadView<T>* heads,
+    int head_count,
+    ChunkedTrace* trace = nullptr);
 
 }  // namespace mlx_gated_delta::cpu
