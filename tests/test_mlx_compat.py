@@ -124,8 +124,9 @@ def test_slow_decay_with_bfloat16_activations_is_not_rounded_away():
     decay = float(np.float32(0.9995)) ** 100  # the float32 gate, exactly
     np.testing.assert_allclose(expected_state, decay * initial, rtol=1e-12)
 
-    # Documents the defect we must not share (docs/contract.md: gates are never rounded): MLX 0.32.4 rounds
-    # gamma to bf16, where 0.9995 is 1.0, so its state does not decay at all.
+    # Documents the defect we must not share (docs/contract.md: gates are
+    # never rounded): MLX 0.32.4 rounds gamma to bf16, where 0.9995 is 1.0,
+    # so its state does not decay at all.
     # If a later MLX fixes it, drop this assertion, not the one above.
     _, mlx_state = mx.fast.gated_delta_update(*arguments)
     np.testing.assert_array_equal(to_float64(mlx_state), initial)
