@@ -54,10 +54,23 @@ def test_the_command_prints_the_counts_table(capsys):
     assert main(["fuzz", "--calls", "30", "--seed", "7"]) == 0
     out = capsys.readouterr().out
     assert "fuzz: 30 calls, seed 7" in out and "fuzz PASS: 0 failures" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith("gated_delta_")]
+    rows = [line.split() for line in out.splitlines() if line.startswith(("gated_", "vjp("))]
     assert [row[0] for row in rows] == [
         "gated_delta_rule",
         "gated_delta_update",
         "gated_delta_segment",
+        "vjp(gated_delta_rule)",
+        "vjp(gated_delta_update)",
+        "vjp(gated_delta_segment)",
     ]
     assert sum(int(row[1]) + int(row[2]) for row in rows) == 30
+
+
+def test_a_gradient_of_the_wrong_shape_or_dtype_is_a_bad_result():
+    arguments = {"q": mx.zeros((1, 2, 3, 4)), "v": mx.zeros((1, 2, 3, 5), dtype=mx.bfloat16)}
+    right = [mx.zeros((1, 2, 3, 4)), mx.zeros((1, 2, 3, 5), dtype=mx.bfloat16)]
+    assert Fuzzer.gradient_failure(["q", "v"], right, arguments) == ""
+    wrong_dtype = [right[0], right[1].astype(mx.float32)]
+    assert "gradient of v" in Fuzzer.gradient_failure(["q", "v"], wrong_dtype, arguments)
+    wrong_shape = [mx.zeros((1, 2, 3, 1)), right[1]]
+    assert "gradient of q" in Fuzzer.gradient_failure(["q", "v"], wrong_shape, arguments)

@@ -220,6 +220,16 @@ std::vector<mx::array> GatedDeltaSegment::vjp(
         "checkpoints (serving calls); differentiate a call without them.");
   }
   const SegmentParams p = params_for(primals);
+  if (p.batch == 0) {
+    // No batch row: every gradient is zero (the weights saw no data). The
+    // composition's row gather would differentiate into a scatter over an
+    // empty array, which MLX rejects.
+    std::vector<mx::array> zeros;
+    for (int arg : argnums) {
+      zeros.push_back(mx::zeros_like(primals[arg], stream()));
+    }
+    return zeros;
+  }
   const std::optional<mx::array> mask =
       has_mask_ ? std::optional(primals[kMask]) : std::nullopt;
   const Algorithm algorithm = algorithm_;

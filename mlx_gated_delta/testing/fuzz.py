@@ -1,12 +1,17 @@
 """A fuzz of the public functions: `python -m mlx_gated_delta fuzz --calls N`.
 
 Each call draws a function (`gated_delta_rule`, `gated_delta_update`,
-`gated_delta_segment`), shapes (zero sizes included), dtypes, options and
-values (NaN and Inf included), and sometimes breaks one argument (a wrong
-rank, size, dtype or type, an unknown option). Every call must end in one of:
+`gated_delta_segment`, or `vjp(f)`: the gradient of one of them through
+`mx.vjp`),
+shapes (zero sizes included), dtypes, options (per-key-channel gates
+included) and values (NaN and Inf included), and sometimes breaks one
+argument (a wrong rank, size, dtype or type, an unknown option). Every call
+must end in one of:
 
 - `ok`: a result of the documented shapes and dtypes (valid arguments, or a
-  changed argument that is still valid, such as a float64 gate);
+  changed argument that is still valid, such as a float64 gate), and for a
+  gradient, one gradient per differentiated input, of that input's shape and
+  dtype;
 - `rejected`: a ValueError or TypeError whose message names one of the
   function's arguments;
 
@@ -15,8 +20,9 @@ and never in a failure:
 - `crash`: any other exception, or a rejection of valid arguments;
 - `unnamed_rejection`: a ValueError or TypeError naming no argument;
 - `bad_result`: a result of the wrong shape or dtype;
-- `nan_leak`: NaN or Inf put into one batch row (one head, for the core)
-  turned a finite output of another batch row or head non-finite;
+- `nan_leak`: NaN or Inf put into one batch row (one head, for the core's
+  outputs) turned a finite output of another batch row or head non-finite;
+  for a gradient, a finite gradient of another batch row's inputs;
 - `sentinel_overwrite`: the CPU kernel wrote past the end of an output (the
   core's guarded run, `testing.guarded`, on every valid core call).
 
@@ -40,7 +46,10 @@ from mlx_gated_delta.testing.guarded import run_core_guarded
 
 FAILURES = ("crash", "unnamed_rejection", "bad_result", "nan_leak", "sentinel_overwrite")
 OUTCOMES = ("ok", "rejected", *FAILURES)
-FUNCTIONS = ("gated_delta_rule", "gated_delta_update", "gated_delta_segment")
+OPERATIONS = ("gated_delta_rule", "gated_delta_update", "gated_delta_segment")
+# "vjp(f)": the forward call of f, then mx.vjp of f with respect to every
+# floating-point array argument, with random cotangents of all outputs.
+FUNCTIONS = (*OPERATIONS, *(f"vjp({f})" for f in OPERATIONS))
 
 ARGUMENT_NAMES = {
     "gated_delta_rule": (
@@ -75,11 +84,25 @@ ARGUMENT_NAMES = {
         "algorithm",
     ),
 }
+ARGUMENT_NAMES.update({f"vjp({f})": names for f, names in ARGUMENT_NAMES.items()})
+# The arguments with a batch axis (axis 0): their gradients belong to one batch
+# row. The segment's weights are shared by every row, so a NaN in one row may
+# reach their gradients.
+BATCHED = {
+    "gated_delta_rule": ("q", "k", "v", "g", "beta", "state"),
+    "gated_delta_update": ("q", "k", "v", "gamma", "beta", "initial_state"),
+    "gated_delta_segment": ("mixed_qkvzba", "conv_state", "state"),
+}
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 SENTINEL = 73.25
 # Words a rejection may name in place of an argument: the element counts of the
 # 32-bit index limits name the tensors they count.
 TENSOR_WORDS = ("activation elements", "state elements")
+
+
+def operation_of(function):
+    """The public function a fuzzed function calls: f for f and vjp(f)."""
+    return function.removeprefix("vjp(").removesuffix(")")
 
 
 class Fuzzer:
@@ -133,10 +156,56 @@ class Fuzzer:
             self.examples.append((function, outcome, detail))
 
     def call(self, function):
-        if function == "gated_delta_segment":
-            self.segment_call()
+        if operation_of(function) == "gated_delta_segment":
+            self.segment_call(function)
         else:
             self.core_call(function)
+
+    def vjp(self, op, arguments, options, outputs):
+        """(names, gradients) of `op` at `arguments`, by mx.vjp with respect to
+        every floating-point mlx array argument, with cotangents drawn for
+        `outputs` (the same draw for the same outputs, so that a clean rerun
+        uses the same cotangents)."""
+        names = [
+            n
+            for n, a in arguments.items()
+            if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
+        ]
+        rng = np.random.default_rng([int(np.prod(o.shape)) for o in outputs])
+        cotangents = [
+            mx.array(rng.standard_normal(o.shape).astype(np.float32)).astype(o.dtype)
+            for o in outputs
+        ]
+
+        def forward(*primals):
+            return op(**{**arguments, **dict(zip(names, primals))}, **options)
+
+        _, gradients = mx.vjp(forward, [arguments[n] for n in names], cotangents)
+        mx.eval(gradients)
+        return names, gradients
+
+    @staticmethod
+    def gradient_failure(names, gradients, arguments):
+        """'' or what is wrong with the gradients' shapes and dtypes."""
+        for name, gradient in zip(names, gradients):
+            x = arguments[name]
+            if gradient.shape != x.shape or gradient.dtype != x.dtype:
+                return f"gradient of {name}: {gradient.shape} {gradient.dtype}, input {x.shape} {x.dtype}"
+        return ""
+
+    def gradient_leak(self, op, function, clean, options, outputs, names, gradients, row):
+        """Gradients of the batched inputs of rows other than the poisoned
+        `row` stay finite wherever the same call without the poison gives
+        finite gradients."""
+        self.checks["gradient NaN/Inf isolation"] += 1
+        clean_names, clean_gradients = self.vjp(op, clean, options, outputs)
+        assert clean_names == names
+        for name, gradient, clean_gradient in zip(names, gradients, clean_gradients):
+            if name in BATCHED[operation_of(function)]:
+                leak = self.leak_between(gradient, clean_gradient, row, None, 1)
+                if leak:
+                    return f"gradient of {name}: {leak}"
+        return ""
 
     def rejection(self, function, error, broke):
         message = str(error)
@@ -148,6 +217,7 @@ class Fuzzer:
         return ("rejected", "") if named else ("unnamed_rejection", message)
 
     def core_call(self, function):
+        operation = operation_of(function)
         rng = self.rng
         B = self.size([0, 1, 1, 2, 3])
         T = self.size([0, 1, 2, 5, 63, 64, 65, 70])
@@ -159,20 +229,22 @@ class Fuzzer:
         k = self.values((B, T, Hk, Dk), mx.float32)
         k = (k / mx.maximum(mx.linalg.norm(k, axis=-1, keepdims=True), 1.0)).astype(dtype)
         gate_dtype = mx.float32 if rng.integers(0, 2) else dtype
+        # One decay per value head, or per value head and key channel.
+        gate_shape = (B, T, Hv, Dk) if rng.integers(0, 4) == 0 else (B, T, Hv)
         decays = mx.array(
-            -rng.exponential(rng.choice([0.01, 1.0, 50.0]), (B, T, Hv)).astype(np.float32)
+            -rng.exponential(rng.choice([0.01, 1.0, 50.0]), gate_shape).astype(np.float32)
         )
         if rng.integers(0, 3) == 0:
-            decays = mx.where(mx.array(rng.uniform(size=(B, T, Hv)) < 0.1), -mx.inf, decays)
+            decays = mx.where(mx.array(rng.uniform(size=gate_shape) < 0.1), -mx.inf, decays)
         arguments = {
             "q": self.values((B, T, Hk, Dk), dtype),
             "k": k,
             "v": self.values((B, T, Hv, Dv), dtype),
             "beta": mx.array(rng.uniform(0, 1, (B, T, Hv)).astype(np.float32)).astype(gate_dtype),
         }
-        gate_name = "g" if function == "gated_delta_rule" else "gamma"
+        gate_name = "g" if operation == "gated_delta_rule" else "gamma"
         arguments[gate_name] = (decays if gate_name == "g" else mx.exp(decays)).astype(gate_dtype)
-        state_name = "state" if function == "gated_delta_rule" else "initial_state"
+        state_name = "state" if operation == "gated_delta_rule" else "initial_state"
         if rng.integers(0, 2):
             arguments[state_name] = self.values(
                 (B, Hv, Dv, Dk), mx.float32, rng.choice([1e-30, 1.0, 1e6])
@@ -180,7 +252,7 @@ class Fuzzer:
         if rng.integers(0, 2):
             arguments["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.7)
         options = {}
-        if function == "gated_delta_rule":
+        if operation == "gated_delta_rule":
             options = {
                 "algorithm": str(rng.choice(["auto", "recurrent", "chunked"])),
                 "head_mapping": str(rng.choice(["grouped", "interleaved"])),
@@ -201,16 +273,18 @@ class Fuzzer:
         broke = "q" if Hk == 0 or Dk == 0 else None
         if broke is None and rng.integers(0, 4) == 0:
             breakable = {n: a for n, a in arguments.items() if isinstance(a, mx.array)}
-            if rng.integers(0, 4) == 0 and function == "gated_delta_rule":
+            if rng.integers(0, 4) == 0 and operation == "gated_delta_rule":
                 broke = str(rng.choice(["head_mapping", "algorithm"]))
                 options[broke] = "nonsense"
             else:
                 broke = self.broken(arguments, breakable)
             poisoned = None
-        op = gated_delta_rule if function == "gated_delta_rule" else gated_delta_update
+        op = gated_delta_rule if operation == "gated_delta_rule" else gated_delta_update
         try:
             y, state = op(**arguments, **options)
             mx.eval(y, state)
+            if operation != function:
+                names, gradients = self.vjp(op, arguments, options, (y, state))
         except (ValueError, TypeError) as error:
             return self.record(function, *self.rejection(function, error, broke))
         except Exception as error:  # noqa: BLE001 - any other exception is the finding
@@ -234,9 +308,18 @@ class Fuzzer:
             )
         if 0 in y.shape or 0 in state.shape:
             self.checks["zero-size result"] += 1
+        if operation != function:
+            failure = self.gradient_failure(names, gradients, arguments)
+            if failure:
+                return self.record(function, "bad_result", failure)
         if poisoned is not None:
             self.checks["NaN/Inf isolation"] += 1
-            leak = self.core_leak(function, op, arguments, options, y, state, poisoned, Hk, Hv)
+            leak = self.core_leak(op, arguments, options, y, state, poisoned, Hk, Hv)
+            if not leak and operation != function:
+                clean = self.without_poison(arguments, poisoned[0])
+                leak = self.gradient_leak(
+                    op, function, clean, options, (y, state), names, gradients, poisoned[1]
+                )
             if leak:
                 return self.record(function, "nan_leak", leak)
         if function == "gated_delta_rule" and B and T and broke is None:
@@ -246,7 +329,18 @@ class Fuzzer:
                 return self.record(function, "sentinel_overwrite", overwrite)
         self.record(function, "ok")
 
-    def core_leak(self, function, op, arguments, options, y, state, poisoned, Hk, Hv):
+    @staticmethod
+    def without_poison(arguments, name):
+        """`arguments` with NaN and Inf of `name` made finite (a gate keeps its
+        -inf: that is a wipe, not poison)."""
+        x = arguments[name]
+        if name in ("g", "gamma"):
+            clean = mx.where(mx.isnan(x), 0.0, x)
+        else:
+            clean = mx.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+        return {**arguments, name: clean}
+
+    def core_leak(self, op, arguments, options, y, state, poisoned, Hk, Hv):
         """Which (row, head) slices the poison may reach; the others must stay
         finite wherever the same call without the poison is finite."""
         name, b, head, key_input = poisoned
@@ -258,13 +352,7 @@ class Fuzzer:
             ]
         else:
             reached = [head]
-        clean = dict(arguments)
-        clean[name] = (
-            mx.nan_to_num(arguments[name], nan=0.0, posinf=0.0, neginf=0.0)
-            if name not in ("g", "gamma")
-            else mx.where(mx.isnan(arguments[name]), 0.0, arguments[name])
-        )
-        clean_y, clean_state = op(**clean, **options)
+        clean_y, clean_state = op(**self.without_poison(arguments, name), **options)
         return self.leak_between(y, clean_y, b, reached, head_axis=2) or self.leak_between(
             state, clean_state, b, reached, head_axis=1
         )
@@ -308,7 +396,7 @@ class Fuzzer:
             return f"y tail {y_tail[:4]}, state tail {state_tail[:4]}"
         return ""
 
-    def segment_call(self):
+    def segment_call(self, function):
         rng = self.rng
         B = self.size([0, 1, 1, 2, 3])
         T = self.size([0, 1, 2, 5, 63, 64, 65])
@@ -360,14 +448,15 @@ class Fuzzer:
             else:
                 broke = self.broken(arguments, dict(arguments))
         try:
-            out, conv_state, state = gated_delta_segment(**arguments, **options)
-            mx.eval(out, conv_state, state)
+            outputs = gated_delta_segment(**arguments, **options)
+            mx.eval(outputs)
+            out, conv_state, state = outputs
+            if function != "gated_delta_segment":
+                names, gradients = self.vjp(gated_delta_segment, arguments, options, outputs)
         except (ValueError, TypeError) as error:
-            return self.record(
-                "gated_delta_segment", *self.rejection("gated_delta_segment", error, broke)
-            )
+            return self.record(function, *self.rejection(function, error, broke))
         except Exception as error:  # noqa: BLE001
-            return self.record("gated_delta_segment", "crash", f"{type(error).__name__}: {error}")
+            return self.record(function, "crash", f"{type(error).__name__}: {error}")
         # A changed size that was still valid (more tokens, a longer conv
         # kernel) changes the result's shape with it.
         B, T = arguments["mixed_qkvzba"].shape[:2]
@@ -379,27 +468,37 @@ class Fuzzer:
             or state.shape != (B, Hv, Dv, Dk)
         ):
             return self.record(
-                "gated_delta_segment",
+                function,
                 "bad_result",
                 f"{out.shape} {conv_state.shape} {state.shape}, broken: {broke}",
             )
+        if function != "gated_delta_segment":
+            failure = self.gradient_failure(names, gradients, arguments)
+            if failure:
+                return self.record(function, "bad_result", failure)
         if 0 in out.shape or 0 in state.shape:
             self.checks["zero-size result"] += 1
         if poisoned_row is not None:
             self.checks["NaN/Inf isolation"] += 1
-            clean = dict(
-                arguments,
-                mixed_qkvzba=mx.nan_to_num(
-                    arguments["mixed_qkvzba"], nan=0.0, posinf=0.0, neginf=0.0
-                ),
-            )
+            clean = self.without_poison(arguments, "mixed_qkvzba")
             clean_out, _, clean_state = gated_delta_segment(**clean, **options)
             leak = self.leak_between(out, clean_out, poisoned_row, None, 2) or self.leak_between(
                 state, clean_state, poisoned_row, None, 1
             )
+            if not leak and function != "gated_delta_segment":
+                leak = self.gradient_leak(
+                    gated_delta_segment,
+                    function,
+                    clean,
+                    options,
+                    outputs,
+                    names,
+                    gradients,
+                    poisoned_row,
+                )
             if leak:
-                return self.record("gated_delta_segment", "nan_leak", leak)
-        self.record("gated_delta_segment", "ok")
+                return self.record(function, "nan_leak", leak)
+        self.record(function, "ok")
 
     # -- the run -------------------------------------------------------------
 
@@ -441,7 +540,12 @@ class Fuzzer:
             "calls checked: "
             + ", ".join(
                 f"{name} {self.checks[name]}"
-                for name in ("NaN/Inf isolation", "sentinel guard", "zero-size result")
+                for name in (
+                    "NaN/Inf isolation",
+                    "gradient NaN/Inf isolation",
+                    "sentinel guard",
+                    "zero-size result",
+                )
             )
         )
         return "\n".join(lines)

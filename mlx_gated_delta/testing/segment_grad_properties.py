@@ -417,6 +417,34 @@ def test_gradients_come_back_in_each_parameters_dtype():
         assert (grad.dtype, grad.shape) == (value.dtype, value.shape), name
 
 
+@pytest.mark.parametrize("batch, tokens", ((0, 5), (0, 0), (2, 0)))
+@pytest.mark.parametrize("mask_kind", ("none", "random"))
+def test_gradients_of_an_empty_call_are_zeros_of_each_input(batch, tokens, mask_kind):
+    # Found by the fuzz: with no batch row the gradient failed inside MLX
+    # (a scatter into an empty array) instead of returning zeros.
+    case = make_segment_case(
+        5,
+        batch=batch,
+        tokens=tokens,
+        key_heads=1,
+        value_heads=2,
+        key_dim=4,
+        value_dim=4,
+        mask_kind=mask_kind,
+    )
+    weights = cotangents(case)
+    grads = segment_gradients(case, weights)
+    assert set(grads) == {name for name in INPUTS if getattr(case, name) is not None}
+    # No token: the conv state and the state pass through unchanged, so their
+    # gradients are their outputs' cotangents; nothing else gets a gradient.
+    passed_through = {"conv_state": weights[1], "state": weights[2]}
+    for name, grad in grads.items():
+        value = getattr(case, name)
+        assert (grad.dtype, grad.shape) == (value.dtype, value.shape), name
+        expected = passed_through.get(name, mx.zeros_like(grad)).astype(grad.dtype)
+        assert mx.array_equal(grad, expected).item(), name
+
+
 @pytest.mark.skipif(not mx.metal.is_available(), reason="no Metal GPU")
 def test_the_segment_gradient_on_the_gpu_asks_for_the_cpu():
     case = make_segment_case(
