@@ -157,6 +157,22 @@ def test_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(kind):
     assert [greedy(model, p, 6) for p in prompts] == expected
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3", "bailing_moe_v3"])
+def test_kda_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(family):
+    # Continuous batching runs the KDA layers with mlx-lm's masks (left
+    # padding) and lengths-aware conv states.
+    model = {
+        "kimi_linear": layer_properties.kimi_linear_model,
+        "kimi_k3": layer_properties.kimi_k3_model,
+        "bailing_moe_v3": layer_properties.bailing_moe_v3_model,
+    }[family](40)
+    prompts = [[int(t) for t in tokens(41 + i, (n,))] for i, n in enumerate([9, 3, 17])]
+    expected = greedy_batch(model, prompts, 6)
+    assert patch_mlx_lm(model) == 3
+    assert greedy_batch(model, prompts, 6) == expected
+    assert [greedy(model, p, 6) for p in prompts] == expected
+
+
 def test_prompt_cache_across_turns_gives_mlx_lm_tokens():
     model = build("qwen3_next", 22)
     turns = [[int(t) for t in tokens(40 + i, (n,))] for i, n in enumerate([11, 5])]
@@ -255,6 +271,89 @@ def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
 def test_patch_errors_for_a_model_without_gated_delta_layers():
     with pytest.raises(ValueError, match="no Gated DeltaNet layer"):
         patch_mlx_lm(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_the_gated_delta_rule_finds_exactly_mlx_lm_s_six_layer_classes():
+    # patch_mlx_lm tells a gated-delta layer by its methods calling mlx-lm's
+    # recurrence: over every module class of every mlx-lm model file, that
+    # rule picks exactly the six layer classes it replaces, no other.
+    import importlib
+    import inspect
+    import pkgutil
+
+    import mlx_lm.models
+
+    from mlx_gated_delta.patch import _calls_a_recurrence, _replacements
+
+    found = set()
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{info.name}")
+        except (ImportError, SystemExit):  # an optional dependency is missing
+            continue  # (mlx-lm's olmo.py exits without ai2-olmo)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and issubclass(cls, nn.Module):
+                if _calls_a_recurrence(cls):
+                    found.add(cls)
+    assert found == set(_replacements())
+
+
+class _Subclassed(qwen3_next.Qwen3NextGatedDeltaNet):
+    """A user's subclass of a stock layer: it may compute something else."""
+
+    def __call__(self, inputs, mask=None, cache=None):
+        return 2 * super().__call__(inputs, mask, cache)
+
+
+class _OwnRecurrence(nn.Module):
+    """A gated-delta layer patch_mlx_lm does not know: it calls mlx-lm's
+    recurrence itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def __call__(self, x, mask=None, cache=None):
+        from mlx_lm.models.gated_delta import gated_delta_update
+
+        q = self.proj(x).reshape(*x.shape[:2], 2, 32)
+        out, _ = gated_delta_update(
+            q, q, q, q[..., 0], q[..., 0], mx.zeros(2), mx.zeros(2), mask=mask
+        )
+        return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize(
+    "unknown, reason",
+    [
+        (lambda: _Subclassed(next_args()), "a subclass of mlx-lm's"),
+        (_OwnRecurrence, "calls mlx-lm's gated-delta recurrence"),
+    ],
+)
+def test_patch_refuses_a_gated_delta_layer_it_does_not_know_naming_it(unknown, reason):
+    # Layer 2 of a Qwen3-Next model becomes a gated-delta layer of a class
+    # patch_mlx_lm does not know: it raises, naming that layer, its class and
+    # why, and replaces none of the model's layers (no half-patched model).
+    model = build("qwen3_next", 17)
+    model.model.layers[2].linear_attn = unknown()
+    name = type(model.model.layers[2].linear_attn).__qualname__
+    with pytest.raises(ValueError, match="does not know") as raised:
+        patch_mlx_lm(model)
+    message = str(raised.value)
+    assert "model.layers.2.linear_attn" in message
+    assert name in message and reason in message
+    assert "nothing was replaced" in message
+    assert all(
+        type(layer.linear_attn) is not GatedDeltaNet for layer in model.layers if layer.is_linear
+    )
+
+
+def test_the_unknown_layer_check_leaves_other_modules_alone():
+    # Probe for the check above: the same model with a plain module (no
+    # recurrence) in that place patches the other layers without complaint.
+    model = build("qwen3_next", 17)
+    model.model.layers[2].linear_attn = nn.Linear(64, 64, bias=False)
+    assert patch_mlx_lm(model) == 2
 
 
 def test_patching_twice_replaces_nothing_more():
