@@ -9,8 +9,9 @@ Peers (all computing the same thing on the same inputs):
 - ours: ``gated_delta_rule`` with ``algorithm`` = ``"recurrent"``, ``"chunked"`` and ``"auto"``.
 
 ``--kda`` runs Kimi Delta Attention instead: Kimi-Linear's shape with a decay per key channel
-(``g`` of shape ``[B, T, Hv, Dk]``) for every implementation, where mlx-lm's ``kimi_linear``
-runs ``gated_delta_ops`` with the vector gate off-Metal.
+(``g`` of shape ``[B, T, Hv, Dk]``) for every implementation (mlx-lm's ``kimi_linear`` runs
+``gated_delta_ops`` with that vector gate off-Metal), each row next to the same shape with
+scalar gates, measured in the same run.
 
 Machines are shared and noisy, so every figure is a median of repeats after a warm-up, and
 the rooflines (copy bandwidth, float32 GEMM FLOP/s through NumPy's BLAS) are measured in the
@@ -111,15 +112,19 @@ def qwen3_next(B: int, T: int, dtype: str) -> Shape:
     return Shape("qwen3-next", B, T, Hk=16, Hv=32, Dk=128, Dv=128, dtype=dtype)
 
 
-def kimi_linear_kda(B: int, T: int, dtype: str) -> Shape:
-    return Shape("kimi-linear-kda", B, T, Hk=32, Hv=32, Dk=128, Dv=128, dtype=dtype, per_key=True)
+def kimi_linear(B: int, T: int, dtype: str, per_key: bool) -> Shape:
+    family = "kimi-linear-kda" if per_key else "kimi-linear-scalar"
+    return Shape(family, B, T, Hk=32, Hv=32, Dk=128, Dv=128, dtype=dtype, per_key=per_key)
 
 
 def kda_shapes(quick: bool) -> list[Shape]:
-    """The KDA rows (``--kda``): decode at B=1 and prefill, f32 and bf16; ``quick`` keeps
-    T in {1, 512}."""
+    """The KDA rows (``--kda``): decode at B=1 and prefill, f32 and bf16, each with per-key
+    gates and, measured in the same run, with scalar gates on the same shape (what the
+    per-key decay costs); ``quick`` keeps T in {1, 512}."""
     lengths = (1, 512) if quick else (1, 64, 512, 2048)
-    return [kimi_linear_kda(1, T, d) for d in DTYPES for T in lengths]
+    return [
+        kimi_linear(1, T, d, per_key) for d in DTYPES for T in lengths for per_key in (True, False)
+    ]
 
 
 def benchmark_shapes(quick: bool) -> list[Shape]:
@@ -877,8 +882,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kda",
         action="store_true",
         help="the Kimi Delta Attention rows instead: Kimi-Linear's shape (Hk=Hv=32, "
-        "Dk=Dv=128) with per-key-channel gates, decode and prefill (with --quick: "
-        "T in {1, 512}); the whole-layer rows are left out",
+        "Dk=Dv=128) with per-key-channel gates and with scalar gates, decode and "
+        "prefill (with --quick: T in {1, 512}); the whole-layer rows are left out",
     )
     parser.add_argument(
         "--out",

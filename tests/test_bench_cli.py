@@ -40,14 +40,13 @@ def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
 
 def test_kda_rows_are_kimi_linear_shapes_with_per_key_gates_counted_in_io():
     shapes = bench.kda_shapes(quick=True)
-    assert sorted((s.dtype, s.T) for s in shapes) == sorted(
-        (d, T) for d in ("bfloat16", "float32") for T in (1, 512)
+    assert sorted((s.dtype, s.T, s.per_key) for s in shapes) == sorted(
+        (d, T, per_key) for d in ("bfloat16", "float32") for T in (1, 512) for per_key in (0, 1)
     )
-    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv, s.per_key) for s in shapes} == {
-        (1, 32, 32, 128, 128, True)
-    }
-    s = bench.kimi_linear_kda(B=1, T=512, dtype="float32")
-    scalar = bench.dataclasses.replace(s, per_key=False)
+    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 32, 32, 128, 128)}
+    assert {s.family for s in shapes if s.per_key} == {"kimi-linear-kda"}
+    s = bench.kimi_linear(B=1, T=512, dtype="float32", per_key=True)
+    scalar = bench.kimi_linear(B=1, T=512, dtype="float32", per_key=False)
     # g is read per key channel: Dk - 1 more float32 values per token and head.
     assert bench.io_bytes(s) - bench.io_bytes(scalar) == 512 * 32 * 127 * 4
 
