@@ -69,9 +69,14 @@ def _calls_a_recurrence(cls) -> bool:
         if klass is nn.Module or not issubclass(klass, nn.Module):
             continue
         for value in vars(klass).values():
-            code = getattr(value, "__code__", None)
-            if code is not None and _code_names(code) & _RECURRENCE_NAMES:
-                return True
+            # Methods, static and class methods, properties' accessors, and
+            # functions under a functools.wraps decorator.
+            functions = [value, getattr(value, "__func__", None), getattr(value, "fget", None)]
+            functions.append(getattr(value, "__wrapped__", None))
+            for function in functions:
+                code = getattr(function, "__code__", None)
+                if code is not None and _code_names(code) & _RECURRENCE_NAMES:
+                    return True
     return False
 
 

@@ -323,11 +323,31 @@ class _OwnRecurrence(nn.Module):
         return out.reshape(x.shape)
 
 
+class _StaticRecurrence(nn.Module):
+    """A gated-delta layer whose only call of a recurrence (MLX's) is in a
+    static method: found there too."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def __call__(self, x, mask=None, cache=None):
+        return self._step(self.proj(x), mask)
+
+    @staticmethod
+    def _step(x, mask):
+        out, _ = mx.fast.gated_delta_update(
+            x[..., None, :], x[..., None, :], x[..., None, :], x[..., :1], x[..., :1]
+        )
+        return out[..., 0, :]
+
+
 @pytest.mark.parametrize(
     "unknown, reason",
     [
         (lambda: _Subclassed(next_args()), "a subclass of mlx-lm's"),
         (_OwnRecurrence, "calls mlx-lm's gated-delta recurrence"),
+        (_StaticRecurrence, "calls mlx-lm's gated-delta recurrence"),
     ],
 )
 def test_patch_refuses_a_gated_delta_layer_it_does_not_know_naming_it(unknown, reason):
