@@ -235,6 +235,55 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
 
 
+@pytest.mark.parametrize("family", sorted(layer_properties.FAMILIES))
+def test_every_family_keeps_mlx_lm_s_parameter_tree_fresh_and_patched(family):
+    # Our layer built from the stock layer's settings has mlx-lm's parameter
+    # names and shapes (checkpoints load into it), and patching keeps the
+    # model's tree and its very arrays.
+    from mlx_gated_delta.patch import _CONFIGS, _replacements
+
+    model, _ = layer_properties.FAMILIES[family]()
+    replacements = _replacements()
+    stock = [m for _, m in model.named_modules() if type(m) in replacements]
+    assert stock
+    for layer in stock:
+        ours_class = replacements[type(layer)]
+        fresh = ours_class(_CONFIGS[ours_class](layer))
+        shapes = {name: a.shape for name, a in tree_flatten(layer.parameters())}
+        assert {name: a.shape for name, a in tree_flatten(fresh.parameters())} == shapes
+    before = dict(tree_flatten(model.parameters()))
+    patch_mlx_lm(model)
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys()
+    assert all(before[name] is after[name] for name in before)
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
+def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
+    def quantized():
+        model, _ = layer_properties.FAMILIES[family]()
+        # Every module whose input dim fits the group size (f_b_proj and
+        # g_b_proj read 16 dims: left in float32).
+        nn.quantize(
+            model,
+            group_size=32,
+            bits=8,
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+            ),
+        )
+        return model
+
+    prompt = tokens(12, (1, 20))
+    expected = quantized()(prompt)
+    patched = quantized()
+    assert patch_mlx_lm(patched) == 3
+    attention = [m for _, m in patched.named_modules() if hasattr(m, "lower_bound")]
+    assert len(attention) == 3
+    assert all(isinstance(a.o_proj, nn.QuantizedLinear) for a in attention)
+    check("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
 def test_load_weights_after_patching_reaches_the_patched_layers():
     source = build("qwen3_next", 8)
     prompt = tokens(9, (1, 12))
