@@ -8,6 +8,11 @@ Peers (all computing the same thing on the same inputs):
   same pre-scaled ``q`` and linear ``gamma``.
 - ours: ``gated_delta_rule`` with ``algorithm`` = ``"recurrent"``, ``"chunked"`` and ``"auto"``.
 
+``--kda`` runs Kimi Delta Attention instead: Kimi-Linear's shape with a decay per key channel
+(``g`` of shape ``[B, T, Hv, Dk]``) for every implementation (mlx-lm's ``kimi_linear`` runs
+``gated_delta_ops`` with that vector gate off-Metal), each row next to the same shape with
+scalar gates, measured in the same run.
+
 Machines are shared and noisy, so every figure is a median of repeats after a warm-up, and
 the rooflines (copy bandwidth, float32 GEMM FLOP/s through NumPy's BLAS) are measured in the
 same run so that ratios stay meaningful. Work per call is ``8 * B * T * Hv * Dk * Dv`` FLOP;
@@ -63,6 +68,7 @@ class Shape:
     Dk: int
     Dv: int
     dtype: str  # a key of DTYPES; the state is float32 whatever this is
+    per_key: bool = False  # a decay per key channel (Kimi Delta Attention), g [B, T, Hv, Dk]
 
     @property
     def is_decode(self) -> bool:
@@ -97,12 +103,28 @@ def io_bytes(s: Shape) -> int:
     act = DTYPES[s.dtype].size
     qk = 2 * s.B * s.T * s.Hk * s.Dk * act
     v_and_y = 2 * s.B * s.T * s.Hv * s.Dv * act
-    g_and_beta = 2 * s.B * s.T * s.Hv * 4  # read in float32
+    gate_values = s.Dk if s.per_key else 1
+    g_and_beta = s.B * s.T * s.Hv * (gate_values + 1) * 4  # read in float32
     return qk + v_and_y + g_and_beta + state_traffic_bytes(s)
 
 
 def qwen3_next(B: int, T: int, dtype: str) -> Shape:
     return Shape("qwen3-next", B, T, Hk=16, Hv=32, Dk=128, Dv=128, dtype=dtype)
+
+
+def kimi_linear(B: int, T: int, dtype: str, per_key: bool) -> Shape:
+    family = "kimi-linear-kda" if per_key else "kimi-linear-scalar"
+    return Shape(family, B, T, Hk=32, Hv=32, Dk=128, Dv=128, dtype=dtype, per_key=per_key)
+
+
+def kda_shapes(quick: bool) -> list[Shape]:
+    """The KDA rows (``--kda``): decode at B=1 and prefill, f32 and bf16, each with per-key
+    gates and, measured in the same run, with scalar gates on the same shape (what the
+    per-key decay costs); ``quick`` keeps T in {1, 512}."""
+    lengths = (1, 512) if quick else (1, 64, 512, 2048)
+    return [
+        kimi_linear(1, T, d, per_key) for d in DTYPES for T in lengths for per_key in (True, False)
+    ]
 
 
 def benchmark_shapes(quick: bool) -> list[Shape]:
@@ -230,7 +252,7 @@ class Inputs:
     q: mx.array
     k: mx.array
     v: mx.array
-    g: mx.array  # log-space decay, float32
+    g: mx.array  # log-space decay, float32 ([B, T, Hv] or, per key, [B, T, Hv, Dk])
     beta: mx.array  # float32
     q_prescaled: mx.array  # q * Dk**-0.5, for the peers that apply no scale
     gamma: mx.array  # exp(g), the peers' linear decay
@@ -258,7 +280,8 @@ def make_inputs(s: Shape, state_count: int, seed: int = 0) -> Inputs:
     q = unit_rows((s.B, s.T, s.Hk, s.Dk))
     k = unit_rows((s.B, s.T, s.Hk, s.Dk))
     v = rng.standard_normal((s.B, s.T, s.Hv, s.Dv), dtype=np.float32)
-    gamma = rng.uniform(0.9, 1.0, (s.B, s.T, s.Hv)).astype(np.float32)
+    gate_shape = (s.B, s.T, s.Hv, s.Dk) if s.per_key else (s.B, s.T, s.Hv)
+    gamma = rng.uniform(0.9, 1.0, gate_shape).astype(np.float32)
     beta = rng.uniform(0.0, 1.0, (s.B, s.T, s.Hv)).astype(np.float32)
     states = [
         mx.array(rng.uniform(-0.1, 0.1, (s.B, s.Hv, s.Dv, s.Dk)).astype(np.float32))
@@ -771,6 +794,8 @@ def write_plot(rows: list[dict], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "plot skipped: matplotlib is not installed"
+    if not any(r["shape"]["family"] == "qwen3-next" for r in rows):
+        return "plot skipped: no Qwen3-Next rows"
     dtypes = [d for d in DTYPES if any(r["shape"]["dtype"] == d for r in rows)]
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes):
@@ -854,6 +879,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the whole-layer rows are then left out)",
     )
     parser.add_argument(
+        "--kda",
+        action="store_true",
+        help="the Kimi Delta Attention rows instead: Kimi-Linear's shape (Hk=Hv=32, "
+        "Dk=Dv=128) with per-key-channel gates and with scalar gates, decode and "
+        "prefill (with --quick: T in {1, 512}); the whole-layer rows are left out",
+    )
+    parser.add_argument(
         "--out",
         metavar="DIR",
         default="benchmarks/out",
@@ -862,7 +894,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
-    shapes = benchmark_shapes(args.quick)
+    shapes = kda_shapes(args.quick) if args.kda else benchmark_shapes(args.quick)
     if args.filter:
         shapes = [s for s in shapes if args.filter.search(s.label)]
         if not shapes:
@@ -892,8 +924,9 @@ def run(args: argparse.Namespace) -> dict:
     progress.advance()
     for s, row in zip(shapes, rows):
         add_derived_figures(row, s, roofline)
-    if args.filter:
-        layer_rows, layer_note = None, "whole-layer benchmark: not run with --filter"
+    if args.filter or args.kda:
+        flag = "--filter" if args.filter else "--kda"
+        layer_rows, layer_note = None, f"whole-layer benchmark: not run with {flag}"
     else:
         layer_rows, layer_note = run_layer_rows(args.quick, progress)
     progress.close()
@@ -902,6 +935,7 @@ def run(args: argparse.Namespace) -> dict:
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "mode": "quick" if args.quick else ("full" if args.full else "default"),
+        "kda": args.kda,
         "machine": {
             "platform": platform.platform(),
             "cpu_model": cpu_model(),

@@ -1,8 +1,11 @@
-"""Drop-in Gated DeltaNet layers for mlx-lm's Qwen3-Next, Qwen3.5,
-OLMo-Hybrid and Kimi-Linear models (the last two: `OlmoHybridGatedDeltaNet`
-and `KimiDeltaAttention`, at the end, described there).
+"""Drop-in gated-delta layers for mlx-lm's six gated-delta families:
+Qwen3-Next and Qwen3.5 (`GatedDeltaNet`, `Qwen35GatedDeltaNet`, on the fused
+segment), OLMo-Hybrid, Kimi-Linear, Kimi-K3 and Bailing-MoE-V3
+(`OlmoHybridGatedDeltaNet`, `KimiDeltaAttention`, `KimiK3DeltaAttention`,
+`BailingKDA`, at the end, described there: the core op between mlx-lm's own
+projections and convolutions).
 
-Both layers keep mlx-lm's parameter names, shapes and row orders, so mlx-lm
+The Qwen layers keep mlx-lm's parameter names, shapes and row orders, so mlx-lm
 checkpoints (and `model.load_weights`, `nn.quantize`, mlx-lm's `shard`) see the
 same module tree as mlx-lm's own layer. The forward pass is one projection
 into the packed `[q | k | v | z | b | a]` layout, one `gated_delta_segment`
@@ -382,18 +385,51 @@ class KimiShortConv(nn.Module):
         )
 
     def __call__(self, x, state, mask, lengths):
-        if mask is not None:
-            x = mx.where(mask[..., None], x, 0)
-        keep = self.kernel_size - 1
-        if state is None:
-            state = mx.zeros((x.shape[0], keep, x.shape[-1]), dtype=x.dtype)
-        padded = mx.concatenate([state, x], axis=1)
-        out = nn.silu(self.conv(padded))
-        if lengths is not None:
-            ends = mx.clip(lengths, 0, x.shape[1])
-            positions = (ends[:, None] + mx.arange(keep))[..., None]
-            return out, mx.take_along_axis(padded, positions, axis=1)
-        return out, mx.contiguous(padded[:, padded.shape[1] - keep :, :])
+        return short_conv(self.conv, self.kernel_size, x, state, mask, lengths)
+
+
+def short_conv(conv, kernel_size, x, state, mask, lengths):
+    """The short convolution of mlx-lm's Kimi Delta Attention layers
+    (Kimi-Linear, Kimi-K3, Bailing-MoE-V3): masked inputs zeroed, a causal
+    depthwise conv and SiLU; returns it with the new conv state, the last
+    K - 1 inputs before each row's end (`lengths`, mlx-lm's cache) or
+    before the call's end."""
+    if mask is not None:
+        x = mx.where(mask[..., None], x, 0)
+    keep = kernel_size - 1
+    if state is None:
+        state = mx.zeros((x.shape[0], keep, x.shape[-1]), dtype=x.dtype)
+    padded = mx.concatenate([state, x], axis=1)
+    out = nn.silu(conv(padded))
+    if lengths is not None:
+        ends = mx.clip(lengths, 0, x.shape[1])
+        positions = (ends[:, None] + mx.arange(keep))[..., None]
+        return out, mx.take_along_axis(padded, positions, axis=1)
+    return out, mx.contiguous(padded[:, padded.shape[1] - keep :, :])
+
+
+def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
+    """The per-key-channel log decays `g` `[B, T, H, Dk]` (float32) of Kimi
+    Delta Attention, from the gate logits `f` `[B, T, H, Dk]`, `A_log` (H
+    values, any shape) and `dt_bias` (`H * Dk` values, read per head and key
+    channel):
+
+    - `lower_bound=None` (Kimi-Linear, Kimi-K3 without it):
+      `g = -exp(A_log[h]) softplus(f + dt_bias[h, c])`, in `(-inf, 0]`.
+    - a `lower_bound` (Bailing-MoE-V3, Kimi-K3 with `gate_lower_bound`):
+      `g = lower_bound sigmoid(exp(A_log[h]) (f + dt_bias[h, c]))`, in
+      `[lower_bound, 0]`: each token keeps at least `exp(lower_bound)` of
+      every state column.
+
+    The log of mlx-lm's linear decays (`compute_g`, `compute_lower_bound_g`)
+    for the core op's per-key gates; the activations are read as float32.
+    """
+    H, D = f.shape[-2], f.shape[-1]
+    rate = mx.exp(A_log.reshape(H, 1).astype(mx.float32))
+    logits = f.astype(mx.float32) + dt_bias.reshape(H, D).astype(mx.float32)
+    if lower_bound is None:
+        return -rate * nn.softplus(logits)
+    return lower_bound * mx.sigmoid(rate * logits)
 
 
 class KimiDeltaAttention(nn.Module):
@@ -455,9 +491,8 @@ class KimiDeltaAttention(nn.Module):
             cache[0], cache[1], cache[2] = q_state, k_state, v_state
 
         # Per-key gates in float32: [B, T, H, Dk].
-        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D).astype(mx.float32)
-        rate = -mx.exp(self.A_log.reshape(H, 1).astype(mx.float32))
-        g = rate * nn.softplus(f + self.dt_bias.reshape(H, D))
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        g = kda_log_decay(f, self.A_log, self.dt_bias)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
         if state is not None and state.dtype != mx.float32:
             state = state.astype(mx.float32)
@@ -479,3 +514,182 @@ class KimiDeltaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
         out = (self.o_norm(out) * mx.sigmoid(gate)).reshape(B, T, -1)
         return self.o_proj(out)
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """mlx-lm's `kimi_k3.KimiK3DeltaAttention`, with the same parameters
+    (`qkv_proj`, `qkv_conv` (child `conv`), `f_a_proj`, `f_b_proj`, `b_proj`,
+    `g_a_proj` and `g_b_proj`, or `g_proj` with `use_full_rank_gate`, `A_log`
+    `[H]`, `dt_bias` `[H * Dk]`, `o_norm`, `o_proj`) and cache (`ArraysCache`:
+    `[conv state, state]`, the conv state over the packed `q | k | v`).
+
+    Kimi-Linear's layer with one projection and one convolution for q, k and
+    v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
+    gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
+    sets `gate_lower_bound`, Kimi-Linear's otherwise. The recurrence is the
+    core op; the rest are mlx-lm's MLX ops. (mlx-lm's compiled one-token
+    step on Metal computes the same thing.)
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        linear = config.linear_attn_config
+        self.num_heads = linear["num_heads"]
+        self.head_dim = linear["head_dim"]
+        self.conv_kernel = linear["short_conv_kernel_size"]
+        self.projection_dim = self.num_heads * self.head_dim
+        self.scale = float(self.head_dim) ** -0.5
+        self.lower_bound = linear.get("gate_lower_bound", None)
+        self.use_full_rank_gate = linear.get("use_full_rank_gate", False)
+        hidden, dims = config.hidden_size, self.projection_dim
+        self.qkv_proj = nn.Linear(hidden, 3 * dims, bias=False)
+        self.qkv_conv = KimiShortConv(3 * dims, self.conv_kernel)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, dims, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.A_log = mx.zeros((self.num_heads,))
+        self.dt_bias = mx.zeros((dims,))
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dims, hidden, bias=False)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        if cache is not None:
+            conv_state, state = cache[0], cache[1]
+            lengths = cache.lengths
+        else:
+            conv_state = state = lengths = None
+        qkv, conv_state = self.qkv_conv(self.qkv_proj(x), conv_state, mask, lengths)
+        if cache is not None:
+            cache[0] = conv_state
+        q, k, v = mx.split(qkv.reshape(B, T, 3, H, D), 3, axis=2)
+
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        if state is not None and state.dtype != mx.float32:
+            state = state.astype(mx.float32)
+        out, state = gated_delta_rule(
+            q.squeeze(2),
+            k.squeeze(2),
+            v.squeeze(2),
+            g,
+            beta,
+            state,
+            scale=self.scale,
+            mask=mask,
+            normalize_qk=True,
+        )
+        if cache is not None:
+            cache[1] = state
+            cache.advance(T)
+
+        if self.use_full_rank_gate:
+            gate = self.g_proj(x)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x))
+        out = self.o_norm(out) * mx.sigmoid(gate.reshape(B, T, H, D))
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class BailingKDA(nn.Module):
+    """mlx-lm's `bailing_moe_v3.BailingKDA` (Bailing-MoE-V3's Kimi Delta
+    Attention), with the same parameters (`q_proj`, `k_proj`, `v_proj`,
+    `q_conv1d`, `k_conv1d`, `v_conv1d`, `f_proj`, `b_proj`, `g_proj`,
+    `A_log` `[H]`, `dt_bias` `[H * Dk]`, `o_norm`, `o_proj`) and cache
+    (`ArraysCache`: `[q, k, v conv states, state]`).
+
+    Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
+    `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
+    into the core op. Convolutions, projections and the output norm are
+    mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and
+    `kda_safe_gate` (the lower-bounded gate); other settings are refused
+    as there.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        if not getattr(config, "no_kda_lora", True):
+            raise ValueError("BailingKDA requires no_kda_lora=true, as mlx-lm's layer")
+        if not getattr(config, "kda_safe_gate", True):
+            raise ValueError("BailingKDA requires kda_safe_gate=true, as mlx-lm's layer")
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.projection_size = self.num_heads * self.head_dim
+        self.conv_kernel_size = config.short_conv_kernel_size
+        self.lower_bound = config.kda_lower_bound
+        self.rms_norm_eps = config.rms_norm_eps
+        hidden, dims = config.hidden_size, self.projection_size
+        self.q_proj = nn.Linear(hidden, dims, bias=False)
+        self.k_proj = nn.Linear(hidden, dims, bias=False)
+        self.v_proj = nn.Linear(hidden, dims, bias=False)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            self[name] = nn.Conv1d(
+                dims, dims, self.conv_kernel_size, bias=False, groups=dims, padding=0
+            )
+        self.A_log = mx.zeros((self.num_heads,))
+        self.f_proj = nn.Linear(hidden, dims, bias=False)
+        self.dt_bias = mx.zeros((dims,))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, dims, bias=False)
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dims, hidden, bias=False)
+
+    def _conv(self, x, conv, cache, slot, mask):
+        """One short convolution, its conv state in the cache's slot."""
+        state = cache[slot] if cache is not None else None
+        lengths = cache.lengths if cache is not None else None
+        out, state = short_conv(conv, self.conv_kernel_size, x, state, mask, lengths)
+        if cache is not None:
+            cache[slot] = state
+        return out
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        q = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask)
+        k = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask)
+        v = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask)
+        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
+
+        f = self.f_proj(x).reshape(B, T, H, D)
+        g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        state = cache[3] if cache is not None else None
+        if state is not None and state.dtype != mx.float32:
+            state = state.astype(mx.float32)
+        out, state = gated_delta_rule(
+            q,
+            k,
+            v,
+            g,
+            beta,
+            state,
+            scale=self.head_dim**-0.5,
+            mask=mask,
+            normalize_qk=True,
+        )
+        if cache is not None:
+            cache[3] = state
+            cache.advance(T)
+
+        gate = self.g_proj(x).reshape(B, T, H, D)
+        out = self.o_norm(out)
+        out = out * mx.sigmoid(gate.astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out.reshape(B, T, -1))

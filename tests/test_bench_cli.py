@@ -38,6 +38,35 @@ def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
     assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 16, 32, 128, 128)}
 
 
+def test_kda_rows_are_kimi_linear_shapes_with_per_key_gates_counted_in_io():
+    shapes = bench.kda_shapes(quick=True)
+    assert sorted((s.dtype, s.T, s.per_key) for s in shapes) == sorted(
+        (d, T, per_key) for d in ("bfloat16", "float32") for T in (1, 512) for per_key in (0, 1)
+    )
+    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 32, 32, 128, 128)}
+    assert {s.family for s in shapes if s.per_key} == {"kimi-linear-kda"}
+    s = bench.kimi_linear(B=1, T=512, dtype="float32", per_key=True)
+    scalar = bench.kimi_linear(B=1, T=512, dtype="float32", per_key=False)
+    # g is read per key channel: Dk - 1 more float32 values per token and head.
+    assert bench.io_bytes(s) - bench.io_bytes(scalar) == 512 * 32 * 127 * 4
+
+
+def test_kda_inputs_give_every_implementation_the_same_per_key_problem():
+    # A small per-key row run end to end: each implementation that runs
+    # (mlx-lm's ops, ours; MLX core where it takes a vector gate) computes
+    # the same y as the first, so the rows time one problem.
+    s = bench.Shape("kda-small", 1, 9, Hk=2, Hv=2, Dk=32, Dv=16, dtype="float32", per_key=True)
+    x = bench.make_inputs(s, state_count=1)
+    assert x.g.shape == (1, 9, 2, 32) and x.gamma.shape == (1, 9, 2, 32)
+    budget = bench.Budget(seconds=0.01, max_repeats=1)
+    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
+    row = bench.benchmark_row(s, 0, False, budget, progress)
+    ran = {n: r for n, r in row["results"].items() if r["status"] == "ok"}
+    assert {"mlx_lm", "recurrent", "chunked", "auto"} <= set(ran)
+    for result in ran.values():
+        assert result["max_rel_diff_vs_reference"] < 1e-5
+
+
 def test_peers_are_skipped_beyond_2048_tokens_unless_full():
     long = bench.qwen3_next(B=1, T=8192, dtype="float32")
     plenty = 1 << 40

@@ -157,6 +157,22 @@ def test_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(kind):
     assert [greedy(model, p, 6) for p in prompts] == expected
 
 
+@pytest.mark.parametrize("family", ["kimi_linear", "kimi_k3", "bailing_moe_v3"])
+def test_kda_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(family):
+    # Continuous batching runs the KDA layers with mlx-lm's masks (left
+    # padding) and lengths-aware conv states.
+    model = {
+        "kimi_linear": layer_properties.kimi_linear_model,
+        "kimi_k3": layer_properties.kimi_k3_model,
+        "bailing_moe_v3": layer_properties.bailing_moe_v3_model,
+    }[family](40)
+    prompts = [[int(t) for t in tokens(41 + i, (n,))] for i, n in enumerate([9, 3, 17])]
+    expected = greedy_batch(model, prompts, 6)
+    assert patch_mlx_lm(model) == 3
+    assert greedy_batch(model, prompts, 6) == expected
+    assert [greedy(model, p, 6) for p in prompts] == expected
+
+
 def test_prompt_cache_across_turns_gives_mlx_lm_tokens():
     model = build("qwen3_next", 22)
     turns = [[int(t) for t in tokens(40 + i, (n,))] for i, n in enumerate([11, 5])]
@@ -219,6 +235,55 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
 
 
+@pytest.mark.parametrize("family", sorted(layer_properties.FAMILIES))
+def test_every_family_keeps_mlx_lm_s_parameter_tree_fresh_and_patched(family):
+    # Our layer built from the stock layer's settings has mlx-lm's parameter
+    # names and shapes (checkpoints load into it), and patching keeps the
+    # model's tree and its very arrays.
+    from mlx_gated_delta.patch import _CONFIGS, _replacements
+
+    model, _ = layer_properties.FAMILIES[family]()
+    replacements = _replacements()
+    stock = [m for _, m in model.named_modules() if type(m) in replacements]
+    assert stock
+    for layer in stock:
+        ours_class = replacements[type(layer)]
+        fresh = ours_class(_CONFIGS[ours_class](layer))
+        shapes = {name: a.shape for name, a in tree_flatten(layer.parameters())}
+        assert {name: a.shape for name, a in tree_flatten(fresh.parameters())} == shapes
+    before = dict(tree_flatten(model.parameters()))
+    patch_mlx_lm(model)
+    after = dict(tree_flatten(model.parameters()))
+    assert before.keys() == after.keys()
+    assert all(before[name] is after[name] for name in before)
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
+def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
+    def quantized():
+        model, _ = layer_properties.FAMILIES[family]()
+        # Every module whose input dim fits the group size (f_b_proj and
+        # g_b_proj read 16 dims: left in float32).
+        nn.quantize(
+            model,
+            group_size=32,
+            bits=8,
+            class_predicate=lambda _, m: (
+                hasattr(m, "to_quantized") and m.weight.shape[-1] % 32 == 0
+            ),
+        )
+        return model
+
+    prompt = tokens(12, (1, 20))
+    expected = quantized()(prompt)
+    patched = quantized()
+    assert patch_mlx_lm(patched) == 3
+    attention = [m for _, m in patched.named_modules() if hasattr(m, "lower_bound")]
+    assert len(attention) == 3
+    assert all(isinstance(a.o_proj, nn.QuantizedLinear) for a in attention)
+    check("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
 def test_load_weights_after_patching_reaches_the_patched_layers():
     source = build("qwen3_next", 8)
     prompt = tokens(9, (1, 12))
@@ -255,6 +320,109 @@ def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
 def test_patch_errors_for_a_model_without_gated_delta_layers():
     with pytest.raises(ValueError, match="no Gated DeltaNet layer"):
         patch_mlx_lm(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_the_gated_delta_rule_finds_exactly_mlx_lm_s_six_layer_classes():
+    # patch_mlx_lm tells a gated-delta layer by its methods calling mlx-lm's
+    # recurrence: over every module class of every mlx-lm model file, that
+    # rule picks exactly the six layer classes it replaces, no other.
+    import importlib
+    import inspect
+    import pkgutil
+
+    import mlx_lm.models
+
+    from mlx_gated_delta.patch import _calls_a_recurrence, _replacements
+
+    found = set()
+    for info in pkgutil.iter_modules(mlx_lm.models.__path__):
+        try:
+            module = importlib.import_module(f"mlx_lm.models.{info.name}")
+        except (ImportError, SystemExit):  # an optional dependency is missing
+            continue  # (mlx-lm's olmo.py exits without ai2-olmo)
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and issubclass(cls, nn.Module):
+                if _calls_a_recurrence(cls):
+                    found.add(cls)
+    assert found == set(_replacements())
+
+
+class _Subclassed(qwen3_next.Qwen3NextGatedDeltaNet):
+    """A user's subclass of a stock layer: it may compute something else."""
+
+    def __call__(self, inputs, mask=None, cache=None):
+        return 2 * super().__call__(inputs, mask, cache)
+
+
+class _OwnRecurrence(nn.Module):
+    """A gated-delta layer patch_mlx_lm does not know: it calls mlx-lm's
+    recurrence itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def __call__(self, x, mask=None, cache=None):
+        from mlx_lm.models.gated_delta import gated_delta_update
+
+        q = self.proj(x).reshape(*x.shape[:2], 2, 32)
+        out, _ = gated_delta_update(
+            q, q, q, q[..., 0], q[..., 0], mx.zeros(2), mx.zeros(2), mask=mask
+        )
+        return out.reshape(x.shape)
+
+
+class _StaticRecurrence(nn.Module):
+    """A gated-delta layer whose only call of a recurrence (MLX's) is in a
+    static method: found there too."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def __call__(self, x, mask=None, cache=None):
+        return self._step(self.proj(x), mask)
+
+    @staticmethod
+    def _step(x, mask):
+        out, _ = mx.fast.gated_delta_update(
+            x[..., None, :], x[..., None, :], x[..., None, :], x[..., :1], x[..., :1]
+        )
+        return out[..., 0, :]
+
+
+@pytest.mark.parametrize(
+    "unknown, reason",
+    [
+        (lambda: _Subclassed(next_args()), "a subclass of mlx-lm's"),
+        (_OwnRecurrence, "calls mlx-lm's gated-delta recurrence"),
+        (_StaticRecurrence, "calls mlx-lm's gated-delta recurrence"),
+    ],
+)
+def test_patch_refuses_a_gated_delta_layer_it_does_not_know_naming_it(unknown, reason):
+    # Layer 2 of a Qwen3-Next model becomes a gated-delta layer of a class
+    # patch_mlx_lm does not know: it raises, naming that layer, its class and
+    # why, and replaces none of the model's layers (no half-patched model).
+    model = build("qwen3_next", 17)
+    model.model.layers[2].linear_attn = unknown()
+    name = type(model.model.layers[2].linear_attn).__qualname__
+    with pytest.raises(ValueError, match="does not know") as raised:
+        patch_mlx_lm(model)
+    message = str(raised.value)
+    assert "model.layers.2.linear_attn" in message
+    assert name in message and reason in message
+    assert "nothing was replaced" in message
+    assert all(
+        type(layer.linear_attn) is not GatedDeltaNet for layer in model.layers if layer.is_linear
+    )
+
+
+def test_the_unknown_layer_check_leaves_other_modules_alone():
+    # Probe for the check above: the same model with a plain module (no
+    # recurrence) in that place patches the other layers without complaint.
+    model = build("qwen3_next", 17)
+    model.model.layers[2].linear_attn = nn.Linear(64, 64, bias=False)
+    assert patch_mlx_lm(model) == 2
 
 
 def test_patching_twice_replaces_nothing_more():

@@ -23,6 +23,7 @@ from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
+from mlx_gated_delta.testing import layer_properties  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
 
@@ -195,3 +196,36 @@ def test_no_stale_weight_after_a_compiled_step_or_an_in_place_update(kind):
     ours.eval()
     stock.eval()
     check("logits", ours(sequence), stock(sequence), "layer.mlx_lm_parity.v2.float32.logits")
+
+
+# The families whose layers run the core op between mlx-lm's projections and
+# convolutions (per-key gates for the three KDA layers): a builder of a tiny
+# random model and the name of its gated-delta child.
+CORE_OP_FAMILIES = {
+    "olmo_hybrid": (lambda seed: layer_properties.olmo_hybrid_model(True, seed), "linear_attn"),
+    "kimi_linear": (layer_properties.kimi_linear_model, "self_attn"),
+    "kimi_k3": (layer_properties.kimi_k3_model, "self_attn"),
+    "bailing_moe_v3": (layer_properties.bailing_moe_v3_model, "attention"),
+}
+
+
+@pytest.mark.parametrize("family", sorted(CORE_OP_FAMILIES))
+def test_patched_core_op_families_parameter_gradients_equal_the_stock_models(family):
+    builder, child = CORE_OP_FAMILIES[family]
+    stock, ours = builder(5), builder(5)
+    assert patch_mlx_lm(ours) == 3
+    stock.train()
+    ours.train()
+    sequence, lengths = batch(6)
+    stock_loss, stock_grads = gradients(stock, sequence, lengths)
+    our_loss, our_grads = gradients(ours, sequence, lengths)
+    assert stock_grads.keys() == our_grads.keys()
+    layer_grads = [name for name in our_grads if f".{child}." in name]
+    # Every parameter of the gated-delta layers gets a gradient (its
+    # projections, convolutions, A_log, dt_bias, norms), compared below.
+    assert layer_grads
+    for name in layer_grads:
+        assert float(mx.abs(stock_grads[name]).max()) > 0.0, name
+    for name, grad in stock_grads.items():
+        check(name, our_grads[name], grad, "layer_grad.mlx_lm_parity.v1.float32.parameter_grad")
+    assert abs(our_loss - stock_loss) <= 1e-5 * abs(stock_loss)

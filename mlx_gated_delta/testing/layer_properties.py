@@ -1,5 +1,6 @@
 """Property tests of the drop-in layer (docs/contract.md) on tiny random
-mlx-lm models (Qwen3-Next, Qwen3.5, OLMo-Hybrid and Kimi-Linear): patched and unpatched give the same
+mlx-lm models of the six gated-delta families (Qwen3-Next, Qwen3.5,
+OLMo-Hybrid, Kimi-Linear, Kimi-K3, Bailing-MoE-V3): patched and unpatched give the same
 logits, within the layer contract, and the same greedy tokens; prefill then
 token-by-token decode through the cache gives the full forward's logits.
 
@@ -17,12 +18,21 @@ pytest.importorskip(
 )
 
 from mlx_lm.generate import generate_step  # noqa: E402
-from mlx_lm.models import kimi_linear, olmo_hybrid, qwen3_5, qwen3_next  # noqa: E402
+from mlx_lm.models import (  # noqa: E402
+    bailing_moe_v3,
+    kimi_k3,
+    kimi_linear,
+    olmo_hybrid,
+    qwen3_5,
+    qwen3_next,
+)
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.nn import (  # noqa: E402
+    BailingKDA,
     GatedDeltaNet,
     KimiDeltaAttention,
+    KimiK3DeltaAttention,
     OlmoHybridGatedDeltaNet,
     Qwen35GatedDeltaNet,
 )
@@ -350,3 +360,208 @@ def test_the_kimi_check_sees_dt_bias_read_once_per_head():
             attn.dt_bias = mx.repeat(per_head, attn.head_dim, axis=1).reshape(-1)
     with pytest.raises(AssertionError, match="violated"):
         check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+def kimi_k3_model(seed, lower_bound=-5.0, full_rank_gate=False):
+    """A tiny random Kimi-K3 model: layers 1, 2 and 4 Kimi Delta Attention
+    (one q|k|v projection and convolution, per-key-channel gates,
+    lower-bounded unless `lower_bound` is None), layer 3 MLA; A_log and the
+    per head and channel dt_bias drawn."""
+    mx.random.seed(seed)
+    linear = {
+        "num_heads": 4,
+        "head_dim": 16,
+        "short_conv_kernel_size": 4,
+        "kda_layers": [1, 2, 4],
+        "use_full_rank_gate": full_rank_gate,
+    }
+    if lower_bound is not None:
+        linear["gate_lower_bound"] = lower_bound
+    text = dict(
+        model_type="kimi_k3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=96,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=512,
+        linear_attn_config=linear,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=0,
+    )
+    model = kimi_k3.Model(kimi_k3.ModelArgs(model_type="kimi_k3", text_config=text))
+    for layer in model.layers:
+        if layer.is_linear:
+            attn = layer.self_attn
+            attn.A_log = mx.random.normal(attn.A_log.shape)
+            attn.dt_bias = 2.0 * mx.random.normal(attn.dt_bias.shape)
+            attn.o_norm.weight = mx.random.uniform(0.5, 1.5, attn.o_norm.weight.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def bailing_moe_v3_model(seed):
+    """A tiny random Bailing-MoE-V3 model: layers 0 to 2 Kimi Delta Attention
+    (full-rank `f_proj` gates, lower-bounded at -5), layer 3 MLA, layer 0 a
+    dense MLP and the others mixtures of experts; A_log and the per head and
+    channel dt_bias drawn."""
+    mx.random.seed(seed)
+    args = bailing_moe_v3.ModelArgs(
+        model_type="bailing_moe_v3",
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        layer_group_size=4,
+        head_dim=16,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        kda_lower_bound=-5.0,
+        max_position_embeddings=512,
+    )
+    model = bailing_moe_v3.Model(args)
+    for layer in model.layers:
+        if layer.is_linear:
+            attn = layer.attention
+            attn.A_log = mx.random.normal(attn.A_log.shape)
+            attn.dt_bias = 2.0 * mx.random.normal(attn.dt_bias.shape)
+            attn.o_norm.weight = mx.random.uniform(0.5, 1.5, attn.o_norm.weight.shape)
+    mx.eval(model.parameters())
+    return model
+
+
+def _kda_layers(model):
+    """Kimi-K3's and Bailing-MoE-V3's Kimi Delta Attention layers."""
+    return [
+        layer.self_attn if hasattr(layer, "self_attn") else layer.attention
+        for layer in model.layers
+        if layer.is_linear
+    ]
+
+
+def greedy_tokens(model, prompt, count=8):
+    """`count` greedy tokens after `prompt` ([1, T]): mlx-lm's prefill of the
+    prompt through the prompt cache, then one-token decode steps."""
+    return [
+        int(t)
+        for t, _ in generate_step(
+            prompt[0], model, max_tokens=count, sampler=lambda x: mx.argmax(x, -1)
+        )
+    ]
+
+
+KIMI_K3_CASES = {
+    "lower_bound": dict(lower_bound=-5.0),
+    "no_lower_bound": dict(lower_bound=None),
+    "full_rank_gate": dict(lower_bound=-3.0, full_rank_gate=True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KIMI_K3_CASES))
+def test_patched_kimi_k3_matches_mlx_lm_logits_and_greedy_tokens(case):
+    # With and without gate_lower_bound: a layer that ignored it (or always
+    # applied it) fails one of the cases.
+    model = kimi_k3_model(20, **KIMI_K3_CASES[case])
+    prompt = tokens(21, (1, 70))
+    expected_logits = model(prompt)
+    expected_tokens = greedy_tokens(model, prompt)
+    assert patch_mlx_lm(model) == 3
+    assert all(isinstance(attn, KimiK3DeltaAttention) for attn in _kda_layers(model))
+    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
+    assert greedy_tokens(model, prompt) == expected_tokens
+
+
+def test_patched_bailing_moe_v3_matches_mlx_lm_logits_and_greedy_tokens():
+    model = bailing_moe_v3_model(22)
+    prompt = tokens(23, (1, 70))
+    expected_logits = model(prompt)
+    expected_tokens = greedy_tokens(model, prompt)
+    assert patch_mlx_lm(model) == 3
+    assert all(isinstance(attn, BailingKDA) for attn in _kda_layers(model))
+    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
+    assert greedy_tokens(model, prompt) == expected_tokens
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
+def test_patched_kda_prefill_then_decode_equals_full_forward(family):
+    model = kimi_k3_model(24) if family == "kimi_k3" else bailing_moe_v3_model(24)
+    patch_mlx_lm(model)
+    sequence = tokens(25, (1, 24))
+    full = model(sequence)
+    cache = model.make_cache()
+    pieces = [model(sequence[:, :17], cache=cache)]
+    for t in range(17, 24):
+        pieces.append(model(sequence[:, t : t + 1], cache=cache))
+    check(
+        "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
+    )
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
+def test_the_kda_checks_see_the_lower_bound_ignored(family):
+    # Probe: the stock model's logits differ, beyond the contract, from the
+    # same model whose layers drop the lower bound (Kimi-Linear's softplus
+    # gate instead), so the parity tests above would catch it.
+    model = kimi_k3_model(26) if family == "kimi_k3" else bailing_moe_v3_model(26)
+    prompt = tokens(27, (1, 40))
+    expected = model(prompt)
+    patch_mlx_lm(model)
+    for attn in _kda_layers(model):
+        attn.lower_bound = None
+    with pytest.raises(AssertionError, match="violated"):
+        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
+def test_the_kda_checks_see_dt_bias_read_once_per_head(family):
+    # Probe for mlx-lm#1792's bug on these layers: dt_bias [H, Dk] read once
+    # per head (its channel 0 for every channel).
+    model = kimi_k3_model(28) if family == "kimi_k3" else bailing_moe_v3_model(28)
+    prompt = tokens(29, (1, 40))
+    expected = model(prompt)
+    patch_mlx_lm(model)
+    for attn in _kda_layers(model):
+        per_head = attn.dt_bias.reshape(attn.num_heads, attn.head_dim)[:, :1]
+        attn.dt_bias = mx.repeat(per_head, attn.head_dim, axis=1).reshape(-1)
+    with pytest.raises(AssertionError, match="violated"):
+        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+
+
+# Every family mlx-lm runs gated delta in: a tiny random model and its number
+# of gated-delta layers.
+FAMILIES = {
+    "qwen3_next": lambda: (build("qwen3_next", 30), 3),
+    "qwen3_5": lambda: (build("qwen3_5", 30), 3),
+    "olmo_hybrid": lambda: (olmo_hybrid_model(True, 30), 3),
+    "kimi_linear": lambda: (kimi_linear_model(30), 3),
+    "kimi_k3": lambda: (kimi_k3_model(30), 3),
+    "bailing_moe_v3": lambda: (bailing_moe_v3_model(30), 3),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_patched_family_gives_the_stock_greedy_tokens(family):
+    # The six families, patched: every gated-delta layer replaced by ours,
+    # and greedy generation (prefill of a prompt past one chunk, then
+    # one-token decode steps) gives the stock model's tokens.
+    model, layers = FAMILIES[family]()
+    prompt = tokens(31, (1, 67))
+    expected = greedy_tokens(model, prompt, count=12)
+    assert patch_mlx_lm(model) == layers
+    assert patch_mlx_lm(model) == 0  # no stock gated-delta layer is left
+    assert greedy_tokens(model, prompt, count=12) == expected
