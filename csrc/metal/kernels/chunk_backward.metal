@@ -4,14 +4,17 @@
 // active token, with a = exp(g), S_prev the state before the token
 // (chunk_states), Sd = a S_prev, p = Sd k, d = beta (v - p), S = Sd + d k^T:
 //
-//   dS += scale dy q^T;          dq = scale S^T dy = a (scale S_prev^T dy) + k (scale dy . d)
+//   dS += scale dy q^T;          dq = scale S^T dy
 //   dd = dS k;  dp = -beta dd;   dv = beta dd;   dbeta = dd . (v - p)
 //   dk = dS^T d + a (S_prev^T dp)
 //   dSd = dS + dp k^T;  da = <dSd, S_prev>;  dg = a da;  dS_prev = a dSd
 //
 // (per-key gates: a per column, da per column). dg = a da is exactly 0 at a
-// wipe (a = 0). Forming S^T dy from S_prev spares reading the state after the
-// token. A masked token passes dS through and gets zero gradients.
+// wipe (a = 0). The rows of S are formed again from S_prev (a S_prev + d k^T,
+// the forward's own float32 arithmetic), which spares storing and reading the
+// state after each token; dq is never formed as a (S_prev^T dy) + k (dy . d),
+// whose terms cancel where the delta rule overwrites the state (beta near 1).
+// A masked token passes dS through and gets zero gradients.
 //
 // One threadgroup per (batch, value head) over every state row: SIMD-group s
 // takes rows s, s + kBackwardSimdGroups, ...; a row's dot products are
@@ -47,8 +50,8 @@ template <typename T>
   threadgroup float partial_dq[kBackwardSimdGroups * kMaxBackwardKeyDim];
   threadgroup float partial_dk[kBackwardSimdGroups * kMaxBackwardKeyDim];
   threadgroup float partial_da[kBackwardSimdGroups * kMaxBackwardKeyDim];
-  // Per SIMD-group: dbeta, scale dy . d, and da (one decay per head).
-  threadgroup float partial_scalars[3 * kBackwardSimdGroups];
+  // Per SIMD-group: dbeta and da (one decay per head).
+  threadgroup float partial_scalars[2 * kBackwardSimdGroups];
 
   const uint h = group.x;
   const uint b = group.y;
@@ -99,12 +102,11 @@ template <typename T>
       da_acc[m] = 0.0f;
     }
     float dbeta_acc = 0.0f;
-    float dy_delta = 0.0f;
     for (uint r = simd_index; r < p.value_dim; r += kBackwardSimdGroups) {
       const device float* previous = chunk_states + state_stack_row(p, b, h, kChunkSize, i, r);
       device float* ds = dstate + state_row_offset(p, b, h, r);
       const float dy_scaled = p.scale * float(y_cotangent[values + r]);
-      // Pass 1: dS += scale dy q^T; S_prev^T dy; dd = dS k; p = Sd k.
+      // Pass 1: dS += scale dy q^T; dd = dS k; p = Sd k.
       float dd = 0.0f;
       float prediction = 0.0f;
       for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
@@ -112,7 +114,6 @@ template <typename T>
         if (c < p.key_dim) {
           const float ds_c = ds[c] + dy_scaled * q_lanes[m];
           ds[c] = ds_c;
-          dq_acc[m] += dy_scaled * previous[c];
           dd += ds_c * k_lanes[m];
           prediction += decays[m] * previous[c] * k_lanes[m];
         }
@@ -126,13 +127,13 @@ template <typename T>
         dv[values + r] = static_cast<T>(beta_t * dd);
       }
       dbeta_acc += dd * residual;
-      dy_delta += dy_scaled * delta;
-      // Pass 2: dk += d dS + a dp S_prev; dSd = dS + dp k; da += dSd S_prev;
-      // dS_prev = a dSd.
+      // Pass 2: dq += scale dy_r S_r; dk += d dS + a dp S_prev; dSd = dS + dp k;
+      // da += dSd S_prev; dS_prev = a dSd.
       for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
         const uint c = lane + 32 * m;
         if (c < p.key_dim) {
           const float ds_c = ds[c];
+          dq_acc[m] += dy_scaled * (decays[m] * previous[c] + delta * k_lanes[m]);
           dk_acc[m] += delta * ds_c + decays[m] * dp * previous[c];
           const float dsd = ds_c + dp * k_lanes[m];
           da_acc[m] += dsd * previous[c];
@@ -156,15 +157,10 @@ template <typename T>
     }
     if (lane == 0) {
       partial_scalars[simd_index] = dbeta_acc;
-      partial_scalars[kBackwardSimdGroups + simd_index] = dy_delta;
-      partial_scalars[2 * kBackwardSimdGroups + simd_index] = da_head;
+      partial_scalars[kBackwardSimdGroups + simd_index] = da_head;
     }
     // Every SIMD-group's partial sums are written before any thread adds them.
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    float dy_delta_sum = 0.0f;
-    for (uint s = 0; s < kBackwardSimdGroups; ++s) {
-      dy_delta_sum += partial_scalars[kBackwardSimdGroups + s];
-    }
     // Thread tid reduces key column tid (kBackwardThreads == kMaxBackwardKeyDim,
     // checked in plan.cpp): the column its own lane holds at m = simd_index,
     // as tid = 32 simd_index + lane.
@@ -177,12 +173,12 @@ template <typename T>
         dk_sum += partial_dk[s * kMaxBackwardKeyDim + tid];
         da_sum += partial_da[s * kMaxBackwardKeyDim + tid];
       }
-      const float column_decay = decays[simd_index];
-      query_head_grad[head_grad + tid] = column_decay * dq_sum + k_lanes[simd_index] * dy_delta_sum;
+      query_head_grad[head_grad + tid] = dq_sum;
       key_head_grad[head_grad + tid] = dk_sum;
       if (per_key) {
         d_decay[key_gate_offset(p, gate, tid)] = da_sum;
-        dg[key_gate_offset(p, gate, tid)] = column_decay * da_sum;  // exactly 0 at a wipe
+        // Exactly 0 at a wipe.
+        dg[key_gate_offset(p, gate, tid)] = decays[simd_index] * da_sum;
       }
     }
     if (tid == 0) {
@@ -190,7 +186,7 @@ template <typename T>
       float da_sum = 0.0f;
       for (uint s = 0; s < kBackwardSimdGroups; ++s) {
         dbeta_sum += partial_scalars[s];
-        da_sum += partial_scalars[2 * kBackwardSimdGroups + s];
+        da_sum += partial_scalars[kBackwardSimdGroups + s];
       }
       dbeta[gate] = dbeta_sum;
       if (!per_key) {

@@ -3,7 +3,8 @@
 // from its boundary state: states[i] is the state before token
 // chunk * kChunkSize + i (states[0] the boundary state itself), for
 // chunk_backward to read. The state after the chunk's last token is never
-// needed: chunk_backward forms S_new q from S_prev (see chunk_backward.metal).
+// needed: chunk_backward forms each state after a token from the one before
+// it (see chunk_backward.metal).
 //
 // One SIMD-group per state row, as in boundary_states.
 
