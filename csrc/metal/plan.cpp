@@ -773,11 +773,9 @@ struct BackwardPlanBuilder : PlanBuilder {
     add_buffer(GradState, state * 4, output);
     add_scratch(BoundaryStates, "boundary state elements", C * state, 4);
     add_scratch(
-        ChunkStates,
-        "chunk state elements",
-        C > 0 ? kChunkSize * state : 0,
-        4);
-    add_scratch(QueryHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
+        ChunkStates, "chunk state elements", C > 0 ? kChunkSize * state : 0, 4);
+    add_scratch(
+        QueryHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
     add_scratch(KeyHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
     row_groups = ceil_div(Dv, kBackwardRows);
   }
@@ -1003,9 +1001,9 @@ void validate_plan(const Plan& plan) {
     if (d.chunk) {
       const unsigned index = d.chunk->index;
       const bool taken = index == d.params_index ||
-          std::any_of(d.buffers.begin(), d.buffers.end(), [&](const Binding& b) {
-                           return b.index == index;
-                         });
+          std::any_of(d.buffers.begin(),
+                      d.buffers.end(),
+                      [&](const Binding& b) { return b.index == index; });
       if (index > kMaxBufferIndex || taken) {
         throw std::invalid_argument(
             d.kernel + ": chunk index " + std::to_string(index) +

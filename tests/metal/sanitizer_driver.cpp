@@ -249,7 +249,8 @@ struct BackwardShape {
   bool normalize_qk, mask, per_key_gates;
 };
 
-void run_backward(const BackwardShape& shape, std::set<std::string>& kernels_run) {
+void run_backward(
+    const BackwardShape& shape, std::set<std::string>& kernels_run) {
   GatedDeltaParams p;
   p.set_shape(
       {1,
@@ -295,9 +296,12 @@ void run_backward(const BackwardShape& shape, std::set<std::string>& kernels_run
     inputs[PlanBuffer::Mask] = mask;
   emulator::BufferOutputs outputs =
       emulator::run_plan(plan, inputs, std::chrono::seconds(120));
-  check_finite(shape.name, "dq", outputs.at(PlanBuffer::GradQuery), qk, shape.dtype);
-  check_finite(shape.name, "dk", outputs.at(PlanBuffer::GradKey), qk, shape.dtype);
-  check_finite(shape.name, "dv", outputs.at(PlanBuffer::GradValue), v, shape.dtype);
+  check_finite(
+      shape.name, "dq", outputs.at(PlanBuffer::GradQuery), qk, shape.dtype);
+  check_finite(
+      shape.name, "dk", outputs.at(PlanBuffer::GradKey), qk, shape.dtype);
+  check_finite(
+      shape.name, "dv", outputs.at(PlanBuffer::GradValue), v, shape.dtype);
   const std::pair<PlanBuffer, size_t> float_outputs[] = {
       {PlanBuffer::GradGate, gates * p.gate_width()},
       {PlanBuffer::GradDecay, gates * p.gate_width()},
@@ -392,8 +396,26 @@ int main() {
   // Backward shapes: two chunks (the second ragged), a key dim that is not a
   // multiple of 32, fewer state rows than SIMD-groups, per-key gates.
   const BackwardShape backward_shapes[] = {
-      {"backward, float16, normalize_qk, mask", Float16, 70, 1, 2, 40, 5, true, true, false},
-      {"backward, bfloat16, per-key gates", BFloat16, 9, 1, 2, 32, 9, false, false, true},
+      {"backward, float16, normalize_qk, mask",
+       Float16,
+       70,
+       1,
+       2,
+       40,
+       5,
+       true,
+       true,
+       false},
+      {"backward, bfloat16, per-key gates",
+       BFloat16,
+       9,
+       1,
+       2,
+       32,
+       9,
+       false,
+       false,
+       true},
   };
   std::set<std::string> kernels_run;
   try {

@@ -181,7 +181,9 @@ def test_backward_matches_the_cpu_backward(recipe):
     for name, grad in zip(("q", "k", "v", "g", "beta", "state"), cpu):
         kind = KIND[name]
         contract_id = f"core_grad.algorithms.v1.float32.{kind}"
-        assert_matches(f"d{name}", grads[name], np.array(grad), contract_id, FINGERPRINTS[contract_id])
+        assert_matches(
+            f"d{name}", grads[name], np.array(grad), contract_id, FINGERPRINTS[contract_id]
+        )
 
 
 @settings(max_examples=6, deadline=None)
@@ -213,12 +215,22 @@ def test_no_tokens_pass_the_state_cotangent_through():
 
 def test_boundary_states_are_the_states_entering_each_chunk():
     case = make_core_case(
-        5, batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=32, value_dim=4,
-        mask_kind="random", wipes="chunk_edges",
+        5,
+        batch=1,
+        tokens=150,
+        key_heads=1,
+        value_heads=2,
+        key_dim=32,
+        value_dim=4,
+        mask_kind="random",
+        wipes="chunk_edges",
     )
     wy, ws = cotangents(case)
     result = metal_emulated.gated_delta_rule_vjp(
-        *case.args(), y_cotangent=wy, state_cotangent=ws, through_stage="boundary_states",
+        *case.args(),
+        y_cotangent=wy,
+        state_cotangent=ws,
+        through_stage="boundary_states",
         **case.options,
     )
     boundaries = np.frombuffer(result["buffers"]["boundary_states"], np.float32).reshape(
@@ -228,12 +240,18 @@ def test_boundary_states_are_the_states_entering_each_chunk():
         cut = chunk * CHUNK
         mask = case.options["mask"]
         _, expected = gated_delta_rule_reference(
-            case.q[:, :cut], case.k[:, :cut], case.v[:, :cut], case.g[:, :cut],
-            case.beta[:, :cut], case.state,
+            case.q[:, :cut],
+            case.k[:, :cut],
+            case.v[:, :cut],
+            case.g[:, :cut],
+            case.beta[:, :cut],
+            case.state,
             **{**case.options, "mask": None if mask is None else mask[:, :cut]},
         )
         assert_matches(
-            f"boundary state {chunk}", boundaries[:, :, chunk], expected,
+            f"boundary state {chunk}",
+            boundaries[:, :, chunk],
+            expected,
             *properties.ORACLE_STATE_CONTRACTS["recurrent"],
         )
 
@@ -244,7 +262,9 @@ def test_the_check_sees_a_backward_that_drops_the_state_cotangent():
     # the contracts: a backward that lost dS's seed would fail the tests above.
     # (dq does not depend on dS, and 70 tokens of decay leave the initial
     # state's gradient almost untouched by it.)
-    case = make_core_case(2, batch=1, tokens=70, key_heads=1, value_heads=2, key_dim=32, value_dim=8)
+    case = make_core_case(
+        2, batch=1, tokens=70, key_heads=1, value_heads=2, key_dim=32, value_dim=8
+    )
     wy, ws = cotangents(case)
     grads = metal_gradients(case, wy, ws)
     wrong = gated_delta_rule_reference_vjp(*case.args(), y_cotangent=wy, **case.options)
@@ -270,7 +290,13 @@ def test_qk_grad_reduce_keeps_the_norm_gradient_along_x_in_float32():
     # contract; the naive float32 formula does not. Large cotangents keep the
     # gradients above the contracts' absolute floor.
     case = make_core_case(
-        9, batch=1, tokens=40, key_heads=1, value_heads=2, key_dim=1, value_dim=4,
+        9,
+        batch=1,
+        tokens=40,
+        key_heads=1,
+        value_heads=2,
+        key_dim=1,
+        value_dim=4,
         normalize_qk=True,
     )
     q = np.full((1, 40, 1, 1), 0.3, np.float32) * np.where(np.arange(40) % 2, 1, -1)[
@@ -282,11 +308,17 @@ def test_qk_grad_reduce_keeps_the_norm_gradient_along_x_in_float32():
     through = metal_emulated.gated_delta_rule_vjp(
         *args, y_cotangent=wy, state_cotangent=ws, through_stage="qk_grad_reduce", **case.options
     )
-    grads = metal_emulated.gated_delta_rule_vjp(*args, y_cotangent=wy, state_cotangent=ws, **case.options)
-    expected = gated_delta_rule_reference_vjp(*args, y_cotangent=wy, state_cotangent=ws, **case.options)
+    grads = metal_emulated.gated_delta_rule_vjp(
+        *args, y_cotangent=wy, state_cotangent=ws, **case.options
+    )
+    expected = gated_delta_rule_reference_vjp(
+        *args, y_cotangent=wy, state_cotangent=ws, **case.options
+    )
     assert_matches("dq", grads["q"], expected["q"], *contract("q", "float32"))
     # The same per-value-head gradients through the naive formula.
-    head_grads = np.frombuffer(through["buffers"]["query_head_grad"], np.float32).reshape(1, 40, 2, 1)
+    head_grads = np.frombuffer(through["buffers"]["query_head_grad"], np.float32).reshape(
+        1, 40, 2, 1
+    )
     naive = naive_norm_backward(q, head_grads.sum(axis=2, keepdims=True, dtype=np.float32))
     with pytest.raises(AssertionError, match="violated"):
         assert_matches("dq", naive, expected["q"], *contract("q", "float32"))

@@ -142,8 +142,9 @@ nb::dict plan_as_dict(const Plan& plan) {
     entry["params_index"] = d.params_index;
     entry["params"] = nb::bytes(
         static_cast<const char*>(plan.params_data(d)), plan.params_size(d));
-    entry["chunk"] = d.chunk ? nb::object(nb::make_tuple(d.chunk->index, d.chunk->chunk))
-                             : nb::none();
+    entry["chunk"] = d.chunk
+        ? nb::object(nb::make_tuple(d.chunk->index, d.chunk->chunk))
+        : nb::none();
     dispatches.append(entry);
   }
   nb::dict sizes, roles;
