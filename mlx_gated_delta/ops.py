@@ -102,8 +102,8 @@ def gated_delta_rule(
     beta and state for the cotangents of both outputs, each in its input's
     dtype (accumulated in float32); masked steps get zero gradient. The
     backward recomputes the forward from one saved state per 64 tokens, so its
-    memory grows with ``T / 64`` states, not ``T``. It runs on the CPU only for
-    now (``stream=mx.cpu``); on the GPU it raises.
+    memory grows with ``T / 64`` states, not ``T``. On the GPU it runs the
+    Metal kernels of the same stages (key dims up to 256; docs/metal.md).
     """
     _check_core_arguments(q, k, v, beta, mask)
     _require_array("g", g)

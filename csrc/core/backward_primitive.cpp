@@ -8,6 +8,10 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 
+#ifdef _METAL_
+#include "metal/executor.h"
+#endif
+
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
@@ -122,11 +126,15 @@ void GatedDeltaRuleVJP::eval_cpu(
 }
 
 void GatedDeltaRuleVJP::eval_gpu(
-    const std::vector<mx::array>&, std::vector<mx::array>&) {
+    [[maybe_unused]] const std::vector<mx::array>& inputs,
+    [[maybe_unused]] std::vector<mx::array>& outputs) {
+#ifdef _METAL_
+  metal::eval_backward_gpu(params_for(inputs), inputs, outputs, stream());
+#else
   throw std::runtime_error(
-      "mlx_gated_delta: the gradient of gated_delta_rule / gated_delta_update "
-      "has no GPU (Metal) kernels yet; run the op and its gradient on the CPU "
-      "(stream=mx.cpu).");
+      "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
+      "on macOS only); take the gradient on the CPU (stream=mx.cpu).");
+#endif
 }
 
 // Folds the vmapped axis into the batch axis, as GatedDeltaRule::vmap does:

@@ -35,4 +35,15 @@ void eval_segment_gpu(
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);
 
+// The backward of one core call (plan.h, make_backward_plan). inputs: q, k,
+// v, g, beta, state [, mask], y's cotangent (the activation dtype) and the
+// final state's (float32), row-contiguous: GatedDeltaRuleVJP's inputs.
+// outputs: dq, dk, dv (activation dtype), dg, d_decay, dbeta, dstate
+// (float32); allocated here.
+void eval_backward_gpu(
+    const GatedDeltaParams& params,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& stream);
+
 }  // namespace mlx_gated_delta::metal

@@ -107,6 +107,9 @@ void encode_plan(
     } else {
       encoder.set_bytes(plan.segment_params, dispatch.params_index);
     }
+    if (dispatch.chunk) {
+      encoder.set_bytes(dispatch.chunk->chunk, dispatch.chunk->index);
+    }
     const Grid3 groups = dispatch.threadgroups;
     const Grid3 threads = dispatch.threads_per_threadgroup;
     encoder.dispatch_threadgroups(
@@ -236,6 +239,59 @@ void eval_segment_gpu(
     arrays.emplace(PlanBuffer::ConvCheckpointStates, outputs[3]);
     arrays.emplace(PlanBuffer::CheckpointStates, outputs[4]);
   }
+  encode_plan(plan, arrays, stream);
+}
+
+void eval_backward_gpu(
+    const GatedDeltaParams& params,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const mx::Stream& stream) {
+  const size_t cotangents = 6 + params.has_mask;
+  require(
+      inputs.size() == cotangents + 2 && outputs.size() == 7,
+      "eval_backward_gpu: expected q, k, v, g, beta, state [, mask], "
+      "y_cotangent, state_cotangent and dq, dk, dv, dg, d_decay, dbeta, dstate");
+  for (const mx::array& input : inputs) {
+    require(
+        input.flags().row_contiguous,
+        "eval_backward_gpu: inputs must be row-contiguous");
+  }
+  require(
+      inputs[3].dtype() == mx::float32 && inputs[4].dtype() == mx::float32 &&
+          inputs[5].dtype() == mx::float32 &&
+          inputs[cotangents].dtype() == inputs[2].dtype() &&
+          inputs[cotangents + 1].dtype() == mx::float32,
+      "eval_backward_gpu: g, beta, state and the state's cotangent must be "
+      "float32, y's cotangent in the activation dtype");
+  const Plan plan =
+      make_backward_plan(params, activation_dtype(inputs[0].dtype()));
+  allocate(outputs);
+
+  std::map<PlanBuffer, mx::array> arrays;
+  const PlanBuffer in[] = {
+      PlanBuffer::Query,
+      PlanBuffer::Key,
+      PlanBuffer::Value,
+      PlanBuffer::Gate,
+      PlanBuffer::Beta,
+      PlanBuffer::StateIn};
+  for (size_t i = 0; i < 6; ++i)
+    arrays.emplace(in[i], inputs[i]);
+  if (params.has_mask)
+    arrays.emplace(PlanBuffer::Mask, inputs[6]);
+  arrays.emplace(PlanBuffer::YCotangent, inputs[cotangents]);
+  arrays.emplace(PlanBuffer::StateCotangent, inputs[cotangents + 1]);
+  const PlanBuffer out[] = {
+      PlanBuffer::GradQuery,
+      PlanBuffer::GradKey,
+      PlanBuffer::GradValue,
+      PlanBuffer::GradGate,
+      PlanBuffer::GradDecay,
+      PlanBuffer::GradBeta,
+      PlanBuffer::GradState};
+  for (size_t i = 0; i < 7; ++i)
+    arrays.emplace(out[i], outputs[i]);
   encode_plan(plan, arrays, stream);
 }
 

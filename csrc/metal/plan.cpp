@@ -35,6 +35,12 @@ constexpr size_t kChunkCarryBytes = (kCarryRows * kMaxChunkedKeyDim +
                                      kCarryRows * kChunkSize + 2 * kChunkSize) *
     kFloat;
 constexpr size_t kChunkOutputBytes = kChunkTileBytes;
+constexpr size_t kChunkBackwardBytes =
+    (3 * kBackwardSimdGroups * kMaxBackwardKeyDim + 2 * kBackwardSimdGroups) *
+    kFloat;
+// chunk_backward: thread tid adds up the partial sums of key column tid.
+static_assert(kBackwardThreads == kMaxBackwardKeyDim);
+static_assert(kBackwardColumnsPerLane * 32 == kMaxBackwardKeyDim);
 
 unsigned ceil_div(uint64_t a, uint64_t b) {
   return unsigned((a + b - 1) / b);
@@ -107,7 +113,20 @@ const char* to_string(PlanBuffer buffer) {
       "checkpoint_states",
       "conv_checkpoint_states",
       "parents",
-      "tree_states"};
+      "tree_states",
+      "y_cotangent",
+      "state_cotangent",
+      "dq",
+      "dk",
+      "dv",
+      "dg",
+      "d_decay",
+      "dbeta",
+      "dstate",
+      "boundary_states",
+      "chunk_states",
+      "query_head_grad",
+      "key_head_grad"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }
@@ -726,7 +745,197 @@ struct SegmentPlanBuilder : PlanBuilder {
   }
 };
 
+// The backward's stages (docs/metal.md, backward) over the forward's inputs:
+// the forward's outputs are not bound, the cotangents, gradients and the
+// backward's scratch are.
+struct BackwardPlanBuilder : PlanBuilder {
+  unsigned row_groups;
+
+  BackwardPlanBuilder(const GatedDeltaParams& params, ActivationDtype dtype)
+      : PlanBuilder(params, Algorithm::Recurrent, dtype) {
+    using enum PlanBuffer;
+    constexpr BufferRole input = BufferRole::Input, output = BufferRole::Output;
+    plan.algorithm = Algorithm::Recurrent;
+    plan.backward = true;
+    std::erase_if(plan.buffers, [](const BufferSpec& spec) {
+      return spec.buffer == Output || spec.buffer == StateOut;
+    });
+    const uint64_t gates = B * T * Hv * uint64_t(p.gate_width());
+    const uint64_t state = B * Hv * Dv * Dk;
+    add_buffer(YCotangent, B * T * Hv * Dv * e, input);
+    add_buffer(StateCotangent, state * 4, input);
+    add_buffer(GradQuery, B * T * Hk * Dk * e, output);
+    add_buffer(GradKey, B * T * Hk * Dk * e, output);
+    add_buffer(GradValue, B * T * Hv * Dv * e, output);
+    add_buffer(GradGate, gates * 4, output);
+    add_buffer(GradDecay, gates * 4, output);
+    add_buffer(GradBeta, B * T * Hv * 4, output);
+    add_buffer(GradState, state * 4, output);
+    add_scratch(BoundaryStates, "boundary state elements", C * state, 4);
+    add_scratch(
+        ChunkStates, "chunk state elements", C > 0 ? kChunkSize * state : 0, 4);
+    add_scratch(
+        QueryHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
+    add_scratch(KeyHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
+    row_groups = ceil_div(Dv, kBackwardRows);
+  }
+
+  // Bytes of one token's gates: g (one per head or per key channel) and beta.
+  double gate_bytes() const {
+    return (p.gate_width() + 1) * 4.0;
+  }
+
+  void boundary_states() {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("boundary_states",
+            core_kernel("boundary_states"),
+            {row_groups, unsigned(Hv), unsigned(B)},
+            kBackwardRows * 32,
+            0,
+            {{0, Key},
+             {1, Value},
+             {2, Gate},
+             {3, Beta},
+             {4, Mask},
+             {5, StateIn},
+             {6, StateCotangent},
+             {7, BoundaryStates},
+             {8, GradState}},
+            9,
+            {BoundaryStates, GradState});
+    // The tokens before the last chunk (the state leaving it is not needed);
+    // each row-group of a head reads the same k (caches serve the repeats:
+    // counted once per head). The state in, the cotangent copied to dstate,
+    // and every boundary state written.
+    const double tokens = double(C > 0 ? (C - 1) * kChunkSize : 0);
+    d.bytes_moved = B * Hv *
+        (tokens * ((Dk + Dv) * double(e) + gate_bytes()) +
+         (3.0 + C) * Dv * Dk * 4);
+    // Per token and row: decay, prediction and update over Dk columns.
+    d.flops = 5.0 * B * Hv * tokens * Dk * Dv;
+  }
+
+  void chunk_states(uint32_t chunk) {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("chunk_states",
+            core_kernel("chunk_states"),
+            {row_groups, unsigned(Hv), unsigned(B)},
+            kBackwardRows * 32,
+            0,
+            {{0, Key},
+             {1, Value},
+             {2, Gate},
+             {3, Beta},
+             {4, Mask},
+             {5, BoundaryStates},
+             {6, ChunkStates}},
+            7,
+            {ChunkStates});
+    d.chunk = ChunkScalar{8, chunk};
+    const double length = double(
+        std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
+    d.bytes_moved = B * Hv *
+        (length * ((Dk + Dv) * double(e) + gate_bytes()) +
+         (1.0 + length) * Dv * Dk * 4);
+    d.flops = 5.0 * B * Hv * (length - 1) * Dk * Dv;
+  }
+
+  void chunk_backward(uint32_t chunk) {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("chunk_backward",
+            core_kernel("chunk_backward"),
+            {unsigned(Hv), unsigned(B), 1},
+            kBackwardThreads,
+            kChunkBackwardBytes,
+            {{0, Query},
+             {1, Key},
+             {2, Value},
+             {3, Gate},
+             {4, Beta},
+             {5, Mask},
+             {6, YCotangent},
+             {7, ChunkStates},
+             {8, GradState},
+             {9, QueryHeadGrad},
+             {10, KeyHeadGrad},
+             {11, GradValue},
+             {12, GradGate},
+             {13, GradDecay},
+             {14, GradBeta}},
+            15,
+            {GradState,
+             QueryHeadGrad,
+             KeyHeadGrad,
+             GradValue,
+             GradGate,
+             GradDecay,
+             GradBeta});
+    d.chunk = ChunkScalar{16, chunk};
+    const double length = double(
+        std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
+    // Per token: the state before it read once, dS read and written once (a
+    // row's second pass is served by caches), q, k, v, dy and the gates read,
+    // dv, the per-head dq and dk and the gates' gradients written.
+    d.bytes_moved = B * Hv * length *
+        (3.0 * Dv * Dk * 4 + (2 * Dk + 3 * Dv) * double(e) + gate_bytes() +
+         2 * Dk * 4.0 + (2 * p.gate_width() + 1) * 4.0);
+    // Per token, row and column: 7 flops in the first pass, 13 in the second.
+    d.flops = 20.0 * B * Hv * length * Dk * Dv;
+  }
+
+  void qk_grad_reduce() {
+    using enum PlanBuffer;
+    const uint64_t rows = B * T * Hk;
+    Dispatch& d =
+        add("qk_grad_reduce",
+            core_kernel("qk_grad_reduce"),
+            {ceil_div(rows, kGradReduceRowsPerThreadgroup), 1, 1},
+            kGradReduceRowsPerThreadgroup * 32,
+            0,
+            {{0, Query},
+             {1, Key},
+             {2, QueryHeadGrad},
+             {3, KeyHeadGrad},
+             {4, GradQuery},
+             {5, GradKey}},
+            6,
+            {GradQuery, GradKey});
+    // The per-value-head gradients read once, q and k read and dq, dk written.
+    d.bytes_moved = 2.0 * B * T * (Hv * Dk * 4.0 + 2 * Hk * Dk * double(e));
+    d.flops = 2.0 * B * T * (Hv * Dk + (p.normalize_qk ? 8.0 * Hk * Dk : 0.0));
+  }
+
+  void backward() {
+    boundary_states();
+    for (uint64_t chunk = C; chunk-- > 0;) {
+      chunk_states(uint32_t(chunk));
+      chunk_backward(uint32_t(chunk));
+    }
+    qk_grad_reduce();
+  }
+};
+
 }  // namespace
+
+Plan make_backward_plan(const GatedDeltaParams& params, ActivationDtype dtype) {
+  validate_plan_shape(params);
+  if (params.key_dim > int(kMaxBackwardKeyDim)) {
+    throw std::invalid_argument(
+        "the Metal backward supports key_dim up to " +
+        std::to_string(kMaxBackwardKeyDim) + ", got " +
+        std::to_string(params.key_dim) + "; take the gradient on the CPU");
+  }
+  if (params.checkpoint_count > 0 || params.has_tree) {
+    throw std::invalid_argument(
+        "the backward plan takes no checkpoints and no tree (parents)");
+  }
+  BackwardPlanBuilder builder(params, dtype);
+  builder.backward();
+  return builder.finish();
+}
 
 Plan make_plan(
     const GatedDeltaParams& params,
@@ -789,6 +998,18 @@ void validate_plan(const Plan& plan) {
     if (d.params_index > kMaxBufferIndex) {
       throw std::invalid_argument(d.kernel + ": params index over 30");
     }
+    if (d.chunk) {
+      const unsigned index = d.chunk->index;
+      const bool taken = index == d.params_index ||
+          std::any_of(d.buffers.begin(),
+                      d.buffers.end(),
+                      [&](const Binding& b) { return b.index == index; });
+      if (index > kMaxBufferIndex || taken) {
+        throw std::invalid_argument(
+            d.kernel + ": chunk index " + std::to_string(index) +
+            " is out of range or taken");
+      }
+    }
   }
 }
 
@@ -806,7 +1027,8 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
   const GatedDeltaKernelParams& k = plan.kernel_params;
   std::ostringstream out;
   char line[512];
-  out << "plan: " << to_string(plan.algorithm) << ", " << to_string(plan.dtype)
+  out << (plan.backward ? "backward plan: " : "plan: ")
+      << to_string(plan.algorithm) << ", " << to_string(plan.dtype)
       << " activations, B=" << k.batch << " T=" << k.tokens
       << " Hk=" << k.key_heads << " Hv=" << k.value_heads << " Dk=" << k.key_dim
       << " Dv=" << k.value_dim
@@ -815,10 +1037,35 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
       << "\n";
   out << "roofline: " << roofline.chip << "\n";
   out << "dispatches: " << plan.dispatches.size() << "\n";
+  // The dispatches of a per-chunk stage (the backward walks its chunks one
+  // dispatch each) share one row: "stage xN", their sums.
+  struct Row {
+    const Dispatch* first;
+    unsigned count = 0;
+    double bytes = 0, flops = 0, t_mem = 0, t_flop = 0, time = 0;
+  };
+  std::vector<Row> rows;
+  for (const Dispatch& d : plan.dispatches) {
+    auto row = std::find_if(rows.begin(), rows.end(), [&](const Row& r) {
+      return d.chunk && r.first->chunk && r.first->stage == d.stage;
+    });
+    if (row == rows.end()) {
+      rows.push_back({&d});
+      row = rows.end() - 1;
+    }
+    const double t_mem = d.bytes_moved / roofline.bytes_per_second * 1e6;
+    const double t_flop = d.flops / roofline.flops_per_second * 1e6;
+    ++row->count;
+    row->bytes += d.bytes_moved;
+    row->flops += d.flops;
+    row->t_mem += t_mem;
+    row->t_flop += t_flop;
+    row->time += std::max(t_mem, t_flop);
+  }
   std::snprintf(
       line,
       sizeof(line),
-      "%-18s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
+      "%-20s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
       "stage",
       "kernel",
       "threadgroups",
@@ -831,9 +1078,8 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
       "bound");
   out << line;
   double total_bytes = 0, total_flops = 0, total_time = 0;
-  for (const Dispatch& d : plan.dispatches) {
-    double t_mem = d.bytes_moved / roofline.bytes_per_second * 1e6;
-    double t_flop = d.flops / roofline.flops_per_second * 1e6;
+  for (const Row& row : rows) {
+    const Dispatch& d = *row.first;
     char groups[64];
     std::snprintf(
         groups,
@@ -842,24 +1088,27 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
         d.threadgroups.x,
         d.threadgroups.y,
         d.threadgroups.z);
+    std::string stage = d.stage;
+    if (row.count > 1)
+      stage += " x" + std::to_string(row.count);
     std::snprintf(
         line,
         sizeof(line),
-        "%-18s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
-        d.stage.c_str(),
+        "%-20s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
+        stage.c_str(),
         d.kernel.c_str(),
         groups,
         (unsigned long long)d.threads_per_threadgroup.count(),
         d.threadgroup_memory_bytes,
-        d.bytes_moved / 1e6,
-        d.flops / 1e9,
-        t_mem,
-        t_flop,
-        t_mem > t_flop ? "memory" : "flops");
+        row.bytes / 1e6,
+        row.flops / 1e9,
+        row.t_mem,
+        row.t_flop,
+        row.t_mem > row.t_flop ? "memory" : "flops");
     out << line;
-    total_bytes += d.bytes_moved;
-    total_flops += d.flops;
-    total_time += std::max(t_mem, t_flop);
+    total_bytes += row.bytes;
+    total_flops += row.flops;
+    total_time += row.time;
   }
   uint64_t scratch = 0;
   for (const BufferSpec& spec : plan.buffers) {

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -62,6 +63,22 @@ enum class PlanBuffer : int {
   ConvCheckpointStates,  // [N, B, K-1, C] activation dtype (segment)
   Parents,  // [T] int32 (tree verification only)
   TreeStates,  // [B, Hv, T, Dv, Dk] every token's state (tree verification)
+  // The backward plan (make_backward_plan): the cotangents it takes, the
+  // gradients it returns (in the shapes of their inputs; dq, dk, dv in the
+  // activation dtype, the rest float32), and its scratch.
+  YCotangent,  // [B, T, Hv, Dv] activation dtype
+  StateCotangent,  // [B, Hv, Dv, Dk] of the final state
+  GradQuery,  // [B, T, Hk, Dk]
+  GradKey,  // [B, T, Hk, Dk]
+  GradValue,  // [B, T, Hv, Dv]
+  GradGate,  // the shape of g
+  GradDecay,  // the shape of g: wrt the linear decay exp(g)
+  GradBeta,  // [B, T, Hv]
+  GradState,  // [B, Hv, Dv, Dk], also the carried dS while chunks are walked
+  BoundaryStates,  // [B, Hv, C, Dv, Dk] the state entering each chunk
+  ChunkStates,  // [B, Hv, 64, Dv, Dk] the states inside the chunk at hand
+  QueryHeadGrad,  // [B, T, Hv, Dk] dq per value head, before qk_grad_reduce
+  KeyHeadGrad,  // [B, T, Hv, Dk]
   Count,
 };
 const char* to_string(PlanBuffer buffer);
@@ -93,12 +110,21 @@ struct Binding {
                  // it)
 };
 
+// A stage the host runs once per chunk (the backward walks its chunks from
+// the last to the first, one dispatch each) reads which chunk from a second
+// scalar, set with setBytes at `index`.
+struct ChunkScalar {
+  unsigned index;  // [[buffer(n)]]
+  uint32_t chunk;
+};
+
 struct Dispatch {
   std::string stage;  // the math's name: recurrent, k_gram, kkt_inverse, ...
   std::string kernel;  // host name of the kernel instantiation
   std::vector<Binding> buffers;
   unsigned params_index = 0;  // [[buffer(n)]] of the scalar params' bytes
   KernelParamsBlock params_block = KernelParamsBlock::Core;
+  std::optional<ChunkScalar> chunk;  // per-chunk stages only
   Grid3 threadgroups;
   Grid3 threads_per_threadgroup;
   size_t threadgroup_memory_bytes = 0;  // what the kernel declares, statically
@@ -108,6 +134,7 @@ struct Dispatch {
 
 struct Plan {
   Algorithm algorithm = Algorithm::Recurrent;  // resolved, never Auto
+  bool backward = false;  // make_backward_plan's
   ActivationDtype dtype = ActivationDtype::Float32;
   GatedDeltaKernelParams kernel_params{};
   SegmentKernelParams segment_params{};  // segment plans only
@@ -134,6 +161,16 @@ Plan make_plan(
 // conv state and out.
 Plan make_segment_plan(
     const SegmentParams& params, Algorithm algorithm, ActivationDtype dtype);
+
+// The backward (vjp) of one core call (docs/metal.md, backward): the
+// recurrent form inside chunk checkpoints, as the CPU computes it:
+// boundary_states, then for every chunk from the last to the first
+// chunk_states and chunk_backward (one dispatch each, the chunk in the
+// dispatch's ChunkScalar), then qk_grad_reduce. Inputs: q, k, v, g, beta,
+// state_in [, mask], y_cotangent, state_cotangent; outputs dq, dk, dv, dg,
+// d_decay, dbeta, dstate. Key dims up to kMaxBackwardKeyDim; no checkpoints
+// or trees. plan.algorithm is Recurrent: the form the gradient is taken in.
+Plan make_backward_plan(const GatedDeltaParams& params, ActivationDtype dtype);
 
 // Metal's limits (threads per threadgroup, threadgroup memory, buffer
 // indices); make_plan calls it, and so does every executor.

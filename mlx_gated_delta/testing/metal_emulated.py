@@ -157,6 +157,129 @@ def run(
     return y, state_out, info
 
 
+def gated_delta_rule_vjp(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    y_cotangent=None,
+    state_cotangent=None,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+    dtype=None,
+    through_stage=None,
+):
+    """Runs the Metal backward plan of one core call in the emulator.
+
+    The arguments are those of `reference.gated_delta_rule_reference_vjp`
+    (None cotangents are zero); `dtype` is the activation dtype the kernels
+    see, by default q's. Returns the dict of that function: `q`, `k` and `v`
+    (float16 for float16, float32 otherwise, bfloat16 values widened exactly),
+    `g`, `beta`, `state` and `decay` (the gradient of exp(g)), float32, plus
+    `kernels` (the plan's, in order) and `buffers` (every returned buffer's
+    raw bytes by plan name). With `through_stage`, only the dispatches through
+    the first of that stage run, `buffers` holds the scratch too, and the
+    gradients are left out.
+    """
+    dtype = dtype or _dtype_name(q)
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
+    q, k, v = (_to_float32(x) for x in (q, k, v))
+    g, beta = _to_float32(g), _to_float32(beta)
+    batch, tokens, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    state_shape = (batch, value_heads, value_dim, key_dim)
+    state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
+    if y_cotangent is None:
+        y_cotangent = np.zeros(v.shape, np.float32)
+    if state_cotangent is None:
+        state_cotangent = np.zeros(state_shape, np.float32)
+    mask_bytes = None
+    if mask is not None:
+        mask_bytes = np.asarray(mask, dtype=bool).astype(np.uint8).tobytes()
+    if scale is None:
+        scale = key_dim**-0.5
+    kernels, buffers = _metal_emulator.run_backward(
+        _activation_bytes(q, dtype),
+        _activation_bytes(k, dtype),
+        _activation_bytes(v, dtype),
+        g.tobytes(),
+        beta.tobytes(),
+        state.tobytes(),
+        mask_bytes,
+        _activation_bytes(_to_float32(y_cotangent), dtype),
+        _to_float32(state_cotangent).tobytes(),
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        float(scale),
+        head_mapping,
+        bool(normalize_qk),
+        g.ndim == 4,
+        dtype,
+        BARRIER_TIMEOUT_MS,
+        through_stage or "",
+    )
+    grads = {"kernels": kernels, "buffers": buffers}
+    if through_stage is not None:
+        return grads
+    for name, buffer, shape in (("q", "dq", q.shape), ("k", "dk", k.shape), ("v", "dv", v.shape)):
+        grads[name] = _activation_values(buffers[buffer], dtype).reshape(shape)
+    for name, buffer, shape in (
+        ("g", "dg", g.shape),
+        ("decay", "d_decay", g.shape),
+        ("beta", "dbeta", beta.shape),
+        ("state", "dstate", state_shape),
+    ):
+        grads[name] = np.frombuffer(buffers[buffer], np.float32).reshape(shape).copy()
+    return grads
+
+
+def backward_plan(
+    batch,
+    tokens,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    *,
+    dtype="float32",
+    head_mapping="grouped",
+    normalize_qk=False,
+    mask=False,
+    per_key_gates=False,
+    scale=None,
+    describe=False,
+):
+    """The backward plan as a dict like `plan`'s (each dispatch also has
+    `chunk`: (buffer index, chunk) for the per-chunk stages, else None), or
+    with `describe=True` as a table against the assumed roofline."""
+    scale = key_dim**-0.5 if scale is None else scale
+    return _metal_emulator.backward_plan(
+        batch,
+        tokens,
+        key_heads,
+        value_heads,
+        key_dim,
+        value_dim,
+        dtype,
+        head_mapping,
+        normalize_qk,
+        mask,
+        per_key_gates,
+        float(scale),
+        describe,
+    )
+
+
 def _checkpoint_bytes(indices):
     """Checkpoints or parents as the int32 bytes the plan reads, or None."""
     if indices is None:
@@ -512,9 +635,10 @@ def _activation_values(data, dtype):
 
 def main(argv=None):
     """`python -m mlx_gated_delta.testing.metal_emulated [B T Hk Hv Dk Dv] [--dtype D]
-    [--algorithm A] [--normalize-qk] [--segment K]`: prints a plan (default: the
-    Qwen3-Next prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16); with
-    `--segment K` the fused segment's plan with a K-tap conv."""
+    [--algorithm A] [--normalize-qk] [--segment K] [--backward]`: prints a plan
+    (default: the Qwen3-Next prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16);
+    with `--segment K` the fused segment's plan with a K-tap conv, with
+    `--backward` the backward's plan."""
     import argparse
 
     parser = argparse.ArgumentParser(description=main.__doc__)
@@ -525,9 +649,23 @@ def main(argv=None):
     parser.add_argument(
         "--segment", type=int, metavar="K", help="the fused segment's plan with a conv of K taps"
     )
+    parser.add_argument(
+        "--backward", action="store_true", help="the backward's plan (the vjp of the core op)"
+    )
     options = parser.parse_args(argv)
     if len(options.shape) != 6:
         parser.error("the shape is six integers: B T Hk Hv Dk Dv")
+    if options.backward:
+        print(
+            backward_plan(
+                *options.shape,
+                dtype=options.dtype,
+                normalize_qk=options.normalize_qk,
+                describe=True,
+            ),
+            end="",
+        )
+        return
     if options.segment is not None:
         print(
             segment_plan(

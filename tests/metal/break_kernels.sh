@@ -9,6 +9,10 @@
 #   4. collect_conv_state.metal with its channel bound widened -> sentinel guard
 #   5. the instantiation macro's parameter named host_name again -> the build
 #      fails: it expands to [["name"("name")]], as Metal's compiler would see it
+#   6. boundary_states.metal with its row bound widened -> sentinel guard
+#   7. chunk_states.metal with its row bound widened    -> sentinel guard
+#   8. chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
+#   9. qk_grad_reduce.metal with its row bound widened  -> sentinel guard
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -63,4 +67,13 @@ mutate host-name-macro gated_delta_common.h address \
   "#define instantiate_kernel(name, function, ...) \\
   template [[host_name(name)]] ==> #define instantiate_kernel(host_name, function, ...) \\
   template [[host_name(host_name)]]"
+mutate widened-bound-boundary-states boundary_states.metal address \
+  "if (row >= p.value_dim) { ==> if (row > p.value_dim) {"
+mutate widened-bound-chunk-states chunk_states.metal address \
+  "if (row >= p.value_dim) { ==> if (row > p.value_dim) {"
+mutate deleted-barrier-chunk-backward chunk_backward.metal thread \
+  "previous token's partial sums.
+    $BARRIER ==> previous token's partial sums."
+mutate widened-bound-qk-grad-reduce qk_grad_reduce.metal address \
+  "if (row >= p.batch * p.tokens * p.key_heads) { ==> if (row > p.batch * p.tokens * p.key_heads) {"
 exit $status

@@ -16,7 +16,8 @@ SANITIZERS=("$@")
 [ ${#SANITIZERS[@]} -eq 0 ] && SANITIZERS=(thread address)
 
 KERNELS=(recurrent qk_norm gate_cumsum k_gram kkt_inverse recompute_w_u chunk_qk chunk_carry
-         chunk_output prepare_conv prepare_gates collect_conv_state gated_norm)
+         chunk_output prepare_conv prepare_gates collect_conv_state gated_norm boundary_states
+         chunk_states chunk_backward qk_grad_reduce)
 EMULATOR="$ROOT/csrc/metal/emulator"
 
 for sanitizer in "${SANITIZERS[@]}"; do

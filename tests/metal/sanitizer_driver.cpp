@@ -241,6 +241,83 @@ void run_segment(
   report(shape.name, plan, kernels_run);
 }
 
+// The backward plan of a core call: its gradients must all be finite.
+struct BackwardShape {
+  const char* name;
+  ActivationDtype dtype;
+  int tokens, key_heads, value_heads, key_dim, value_dim;
+  bool normalize_qk, mask, per_key_gates;
+};
+
+void run_backward(
+    const BackwardShape& shape, std::set<std::string>& kernels_run) {
+  GatedDeltaParams p;
+  p.set_shape(
+      {1,
+       shape.tokens,
+       shape.key_heads,
+       shape.value_heads,
+       shape.key_dim,
+       shape.value_dim});
+  p.scale = 1.0f / std::sqrt(float(shape.key_dim));
+  p.normalize_qk = shape.normalize_qk;
+  p.has_mask = shape.mask;
+  p.per_key_gates = shape.per_key_gates;
+  Plan plan = make_backward_plan(p, shape.dtype);
+
+  std::mt19937 rng(4321);
+  const size_t qk = size_t(p.tokens) * p.key_heads * p.key_dim;
+  const size_t v = size_t(p.tokens) * p.value_heads * p.value_dim;
+  const size_t gates = size_t(p.tokens) * p.value_heads;
+  const size_t state = size_t(p.value_heads) * p.value_dim * p.key_dim;
+  auto q = activations(rng, qk, shape.dtype, 0.5f);
+  auto k = activations(rng, qk, shape.dtype, shape.normalize_qk ? 2.0f : 0.15f);
+  auto values = activations(rng, v, shape.dtype, 1.0f);
+  auto g = floats(rng, gates * p.gate_width(), -1.0f, 0.0f);
+  auto beta = floats(rng, gates, 0.0f, 1.0f);
+  auto state_in = floats(rng, state, -1.0f, 1.0f);
+  auto y_cotangent = activations(rng, v, shape.dtype, 1.0f);
+  auto state_cotangent = floats(rng, state, -1.0f, 1.0f);
+  std::vector<std::byte> mask;
+  if (shape.mask) {
+    for (int t = 0; t < p.tokens; ++t)
+      mask.push_back(std::byte(t % 5 != 2));
+  }
+  emulator::BufferInputs inputs{
+      {PlanBuffer::Query, q},
+      {PlanBuffer::Key, k},
+      {PlanBuffer::Value, values},
+      {PlanBuffer::Gate, g},
+      {PlanBuffer::Beta, beta},
+      {PlanBuffer::StateIn, state_in},
+      {PlanBuffer::YCotangent, y_cotangent},
+      {PlanBuffer::StateCotangent, state_cotangent}};
+  if (shape.mask)
+    inputs[PlanBuffer::Mask] = mask;
+  emulator::BufferOutputs outputs =
+      emulator::run_plan(plan, inputs, std::chrono::seconds(120));
+  check_finite(
+      shape.name, "dq", outputs.at(PlanBuffer::GradQuery), qk, shape.dtype);
+  check_finite(
+      shape.name, "dk", outputs.at(PlanBuffer::GradKey), qk, shape.dtype);
+  check_finite(
+      shape.name, "dv", outputs.at(PlanBuffer::GradValue), v, shape.dtype);
+  const std::pair<PlanBuffer, size_t> float_outputs[] = {
+      {PlanBuffer::GradGate, gates * p.gate_width()},
+      {PlanBuffer::GradDecay, gates * p.gate_width()},
+      {PlanBuffer::GradBeta, gates},
+      {PlanBuffer::GradState, state}};
+  for (const auto& [buffer, count] : float_outputs) {
+    check_finite(
+        shape.name,
+        to_string(buffer),
+        outputs.at(buffer),
+        count,
+        ActivationDtype::Float32);
+  }
+  report(shape.name, plan, kernels_run);
+}
+
 }  // namespace
 
 int main() {
@@ -316,12 +393,38 @@ int main() {
        DecayParameterization::NegativeRate,
        false},
   };
+  // Backward shapes: two chunks (the second ragged), a key dim that is not a
+  // multiple of 32, fewer state rows than SIMD-groups, per-key gates.
+  const BackwardShape backward_shapes[] = {
+      {"backward, float16, normalize_qk, mask",
+       Float16,
+       70,
+       1,
+       2,
+       40,
+       5,
+       true,
+       true,
+       false},
+      {"backward, bfloat16, per-key gates",
+       BFloat16,
+       9,
+       1,
+       2,
+       32,
+       9,
+       false,
+       false,
+       true},
+  };
   std::set<std::string> kernels_run;
   try {
     for (const Shape& shape : shapes)
       run(shape, kernels_run);
     for (const SegmentShape& shape : segment_shapes)
       run_segment(shape, kernels_run);
+    for (const BackwardShape& shape : backward_shapes)
+      run_backward(shape, kernels_run);
   } catch (const std::exception& error) {
     std::fprintf(stderr, "FAILED: %s\n", error.what());
     return 1;

@@ -132,3 +132,100 @@ def test_every_buffer_a_dispatch_reads_was_written_before(shape):
     assert {"state_out"} <= written
     if shape["tokens"] > 0:
         assert "y" in written
+
+
+# The backward (make_backward_plan): boundary_states, then per chunk from the
+# last chunk_states and chunk_backward, then qk_grad_reduce.
+def backward_stages(**shape):
+    return [d["stage"] for d in metal_emulated.backward_plan(**shape)["dispatches"]]
+
+
+def test_the_backward_walks_the_chunks_from_the_last():
+    shape = dict(batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=16)
+    dispatches = metal_emulated.backward_plan(**shape)["dispatches"]
+    assert [d["stage"] for d in dispatches] == (
+        ["boundary_states"] + ["chunk_states", "chunk_backward"] * 3 + ["qk_grad_reduce"]
+    )
+    # Each per-chunk dispatch reads its chunk from a scalar of its own, bound
+    # past its buffers and its params block.
+    chunks = [(d["stage"], d["chunk"]) for d in dispatches if d["chunk"] is not None]
+    assert [chunk for _, (_, chunk) in chunks] == [2, 2, 1, 1, 0, 0]
+    for d in dispatches:
+        if d["chunk"] is None:
+            continue
+        index = d["chunk"][0]
+        assert index != d["params_index"]
+        assert index not in {binding[0] for binding in d["buffers"]}
+    assert backward_stages(**{**shape, "tokens": 64}) == [
+        "boundary_states",
+        "chunk_states",
+        "chunk_backward",
+        "qk_grad_reduce",
+    ]
+    # No tokens: the state's cotangent still becomes dstate.
+    assert backward_stages(**{**shape, "tokens": 0}) == ["boundary_states"]
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(tokens=130, key_dim=32, mask=True),
+        dict(tokens=5, key_dim=80, normalize_qk=True, per_key_gates=True),
+        dict(tokens=0, key_dim=32),
+    ],
+)
+def test_every_buffer_the_backward_reads_was_written_before(shape):
+    plan = metal_emulated.backward_plan(batch=1, key_heads=1, value_heads=2, value_dim=16, **shape)
+    roles = plan["buffer_roles"]
+    inputs = {name for name, role in roles.items() if role == "input"}
+    assert inputs == {"q", "k", "v", "g", "beta", "state_in", "y_cotangent", "state_cotangent"} | (
+        {"mask"} if shape.get("mask") else set()
+    )
+    outputs = {name for name, role in roles.items() if role == "output"}
+    assert outputs == {"dq", "dk", "dv", "dg", "d_decay", "dbeta", "dstate"}
+    written = set()
+    for d in plan["dispatches"]:
+        for _, name, writes in d["buffers"]:
+            if not writes:
+                assert name in inputs or name in written, (d["stage"], name)
+            else:
+                assert name not in inputs, (d["stage"], name)
+        written |= {name for _, name, writes in d["buffers"] if writes}
+    assert "dstate" in written
+    if shape["tokens"] > 0:
+        assert outputs <= written
+
+
+def test_the_backward_takes_key_dims_up_to_256():
+    shape = dict(batch=1, tokens=10, key_heads=1, value_heads=1, value_dim=8)
+    assert backward_stages(key_dim=256, **shape)[-1] == "qk_grad_reduce"
+    with pytest.raises(ValueError, match="Metal backward supports key_dim up to 256"):
+        backward_stages(key_dim=257, **shape)
+
+
+def test_the_qwen3_next_backward_plan_at_8192_tokens():
+    plan = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", normalize_qk=True)
+    dispatches = plan["dispatches"]
+    assert len(dispatches) == 2 + 2 * 128
+    for d in dispatches:
+        assert 0 < d["threads_per_threadgroup"] <= 1024
+        assert d["threadgroup_memory_bytes"] <= 32768
+    sizes = plan["buffer_bytes"]
+    state = 32 * 128 * 128 * 4
+    # O(T / 64) states: one per chunk, and one chunk's states at a time.
+    assert sizes["boundary_states"] == 128 * state
+    assert sizes["chunk_states"] == 64 * state
+    assert sizes["query_head_grad"] == sizes["key_head_grad"] == 8192 * 32 * 128 * 4
+    grids = {d["stage"]: d["threadgroups"] for d in dispatches}
+    assert grids["boundary_states"] == (16, 32, 1)
+    assert grids["chunk_backward"] == (32, 1, 1)
+    assert grids["qk_grad_reduce"] == (8192 * 16 // 8, 1, 1)
+    # FLOPs: the forward once more (5 per state entry and token, 127 chunks),
+    # the states again (63 tokens of each chunk), and the reverse (20).
+    entries = 32 * 128 * 128
+    flops = sum(d["flops"] for d in dispatches if d["stage"] != "qk_grad_reduce")
+    assert flops == pytest.approx(entries * (5 * 127 * 64 + 5 * 63 * 128 + 20 * 8192))
+    text = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", describe=True)
+    assert text.startswith("backward plan: recurrent, bfloat16")
+    assert "dispatches: 258" in text
+    assert "chunk_backward x128" in text and "chunk_states x128" in text

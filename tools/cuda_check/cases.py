@@ -147,6 +147,52 @@ CHECKPOINT_CASES = {
     "tree_recurrent_generic": ("recurrent_generic_f16", [2, 6], [-1, 0, 1, 0, 3, 3]),
     "checkpoints_segment_chunked": ("segment_chunked_bf16_negative_rate", [3, 64, 99, 100], None),
 }
+# The backward (the vjp of the core op: boundary_states, chunk_states and
+# chunk_backward per chunk, qk_grad_reduce), against the float64 reference
+# vjp for the cotangents of backward_cotangents.
+BACKWARD_CASES = {
+    "backward_f32_mask_interleaved": dict(
+        batch=2,
+        tokens=130,
+        key_heads=2,
+        value_heads=4,
+        key_dim=32,
+        value_dim=16,
+        mask_kind="random",
+        head_mapping="interleaved",
+        wipes="chunk_edges",
+    ),
+    "backward_bf16_norm": dict(
+        batch=1,
+        tokens=100,
+        key_heads=1,
+        value_heads=2,
+        key_dim=96,
+        value_dim=32,
+        dtype="bfloat16",
+        normalize_qk=True,
+    ),
+    "backward_f16_per_key": dict(
+        batch=1,
+        tokens=70,
+        key_heads=1,
+        value_heads=2,
+        key_dim=40,
+        value_dim=9,
+        dtype="float16",
+        per_key_gates=True,
+        wipes="runs",
+    ),
+    "backward_qwen_layout_f32": dict(
+        batch=1,
+        tokens=300,
+        key_heads=4,
+        value_heads=8,
+        key_dim=128,
+        value_dim=128,
+        normalize_qk=True,
+    ),
+}
 # The cases the sanitizers run (slow under instrumentation): every kernel once.
 SANITIZER_CASES = (
     "recurrent_simd_f32_mask",
@@ -157,6 +203,7 @@ SANITIZER_CASES = (
     "checkpoints_chunked",
     "tree_recurrent_generic",
     "checkpoints_segment_chunked",
+    "backward_f16_per_key",
 )
 
 
@@ -168,8 +215,28 @@ def make_case(name):
     from mlx_gated_delta.testing.segment_cases import make_segment_case
     from mlx_gated_delta.testing.strategies import make_core_case
 
+    if name in BACKWARD_CASES:
+        return "recurrent", make_core_case(sum(map(ord, name)), **BACKWARD_CASES[name])
     if name in SEGMENT_CASES:
         algorithm, recipe = SEGMENT_CASES[name]
         return algorithm, make_segment_case(sum(map(ord, name)), **recipe)
     algorithm, recipe = CASES[name]
     return algorithm, make_core_case(sum(map(ord, name)), **recipe)
+
+
+def backward_cotangents(case):
+    """The cotangents of y (rounded to the activation dtype) and of the final
+    state a backward case is run with, as float32 NumPy arrays."""
+    import numpy as np
+
+    from mlx_gated_delta.testing import metal_emulated
+
+    rng = np.random.default_rng(7)
+    dtype = case.recipe["dtype"]
+    wy = rng.standard_normal(case.v.shape).astype(np.float32)
+    if dtype == "float16":
+        wy = wy.astype(np.float16).astype(np.float32)
+    elif dtype == "bfloat16":
+        wy = metal_emulated.round_to_bfloat16(wy)
+    shape = (case.v.shape[0], case.v.shape[2], case.v.shape[3], case.q.shape[3])
+    return wy, rng.standard_normal(shape).astype(np.float32)

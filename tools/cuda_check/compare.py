@@ -11,8 +11,16 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cases import CASES, CHECKPOINT_CASES, SEGMENT_CASES, make_case  # noqa: E402
+from cases import (  # noqa: E402
+    BACKWARD_CASES,
+    CASES,
+    CHECKPOINT_CASES,
+    SEGMENT_CASES,
+    backward_cotangents,
+    make_case,
+)
 
+from mlx_gated_delta.reference import gated_delta_rule_reference_vjp  # noqa: E402
 from mlx_gated_delta.testing import metal_emulated  # noqa: E402
 from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches  # noqa: E402
 from mlx_gated_delta.testing.properties import (  # noqa: E402
@@ -97,6 +105,51 @@ def compare_checkpoints(name, results):
     return f"{name:36s} against the CPU op: " + ", ".join(errors)
 
 
+# The backward's gradients by plan buffer: (reference name, kind of contract).
+BACKWARD_GRADIENTS = {
+    "dq": ("q", "activation_grad"),
+    "dk": ("k", "activation_grad"),
+    "dv": ("v", "activation_grad"),
+    "dg": ("g", "gate_grad"),
+    "d_decay": ("decay", "gate_grad"),
+    "dbeta": ("beta", "gate_grad"),
+    "dstate": ("state", "state_grad"),
+}
+
+
+def compare_backward(name, results):
+    """Checks one backward case against the float64 reference vjp under the
+    core gradient contracts; returns a line to print."""
+    _, case = make_case(name)
+    dtype = case.recipe["dtype"]
+    y_cotangent, state_cotangent = backward_cotangents(case)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(),
+        y_cotangent=y_cotangent,
+        state_cotangent=state_cotangent,
+        **case.options,
+    )
+    errors = []
+    for buffer, (gradient, kind) in BACKWARD_GRADIENTS.items():
+        raw = results[f"{name}/{buffer}"].tobytes()
+        activation = kind == "activation_grad"
+        actual = (
+            metal_emulated._activation_values(raw, dtype)
+            if activation
+            else np.frombuffer(raw, np.float32)
+        ).reshape(expected[gradient].shape)
+        contract_id = f"core_grad.oracle.v1.{dtype if activation else 'float32'}.{kind}"
+        error = assert_matches(
+            buffer,
+            actual,
+            expected[gradient],
+            contract_id,
+            CONTRACTS[contract_id].fingerprint,
+        )
+        errors.append(f"{buffer} {error:.1e} (<= {CONTRACTS[contract_id].threshold:g})")
+    return f"{name:32s} norm_ratio " + ", ".join(errors)
+
+
 def main(path):
     results = np.load(path)
     failures = 0
@@ -144,7 +197,17 @@ def main(path):
         except AssertionError as error:
             print(f"{name}: FAILED {error}")
             failures += 1
-    total = len(CASES) + len(SEGMENT_CASES) + len(CHECKPOINT_CASES)
+    for name in BACKWARD_CASES:
+        if f"{name}/dstate" not in results.files:
+            print(f"{name}: no result")
+            failures += 1
+            continue
+        try:
+            print(compare_backward(name, results))
+        except AssertionError as error:
+            print(f"{name}: FAILED {error}")
+            failures += 1
+    total = len(CASES) + len(SEGMENT_CASES) + len(CHECKPOINT_CASES) + len(BACKWARD_CASES)
     print(f"{total - failures} passed, {failures} failed")
     return 1 if failures else 0
 

@@ -18,7 +18,14 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-from cases import CASES, CHECKPOINT_CASES, SEGMENT_CASES, make_case  # noqa: E402
+from cases import (  # noqa: E402
+    BACKWARD_CASES,
+    CASES,
+    CHECKPOINT_CASES,
+    SEGMENT_CASES,
+    backward_cotangents,
+    make_case,
+)
 
 KERNELS = [
     "recurrent",
@@ -34,9 +41,18 @@ KERNELS = [
     "prepare_gates",
     "collect_conv_state",
     "gated_norm",
+    "boundary_states",
+    "chunk_states",
+    "chunk_backward",
+    "qk_grad_reduce",
 ]
 BROKEN_BARRIER = (
     "staged before any output reads it.\n  threadgroup_barrier(mem_flags::mem_threadgroup);"
+)
+# chunk_backward's first barrier, deleted in the same broken copy (the
+# backward cases reach chunk_backward and not chunk_output).
+BROKEN_BACKWARD_BARRIER = (
+    "previous token's partial sums.\n    threadgroup_barrier(mem_flags::mem_threadgroup);"
 )
 
 
@@ -168,6 +184,46 @@ def export_core_case(name, algorithm, case, arrays, checkpoints=None, parents=No
     return json_ready(plan, dtype)
 
 
+def export_backward_case(name, case, arrays):
+    from mlx_gated_delta.testing import metal_emulated
+
+    recipe = case.recipe
+    dtype = recipe["dtype"]
+    q, k, v, g, beta, state = case.args()
+    mask = case.options["mask"]
+    plan = metal_emulated.backward_plan(
+        recipe["batch"],
+        recipe["tokens"],
+        recipe["key_heads"],
+        recipe["value_heads"],
+        recipe["key_dim"],
+        recipe["value_dim"],
+        dtype=dtype,
+        head_mapping=recipe["head_mapping"],
+        normalize_qk=recipe["normalize_qk"],
+        mask=mask is not None,
+        per_key_gates=recipe["per_key_gates"],
+        scale=case.options["scale"],
+    )
+    y_cotangent, state_cotangent = backward_cotangents(case)
+    f32 = metal_emulated._to_float32
+    raw = {
+        "q": metal_emulated._activation_bytes(f32(q), dtype),
+        "k": metal_emulated._activation_bytes(f32(k), dtype),
+        "v": metal_emulated._activation_bytes(f32(v), dtype),
+        "g": f32(g).tobytes(),
+        "beta": f32(beta).tobytes(),
+        "state_in": (np.zeros_like(state_cotangent) if state is None else f32(state)).tobytes(),
+        "y_cotangent": metal_emulated._activation_bytes(y_cotangent, dtype),
+        "state_cotangent": state_cotangent.tobytes(),
+    }
+    if mask is not None:
+        raw["mask"] = np.array(mask).astype(np.uint8).tobytes()
+    for buffer, data in raw.items():
+        arrays[f"{name}/{buffer}"] = np.frombuffer(data, np.uint8)
+    return json_ready(plan, dtype)
+
+
 def main(out_dir):
 
     os.makedirs(out_dir, exist_ok=True)
@@ -175,10 +231,14 @@ def main(out_dir):
     prep(kernel_dir, out_dir, "kernels")
     broken_dir = os.path.join(out_dir, "broken_kernels")
     shutil.copytree(kernel_dir, broken_dir, dirs_exist_ok=True)
-    path = os.path.join(broken_dir, "chunk_output.metal")
-    text = open(path).read()
-    assert text.count(BROKEN_BARRIER) == 1
-    open(path, "w").write(text.replace(BROKEN_BARRIER, "staged before any output reads it."))
+    for file, barrier in (
+        ("chunk_output.metal", BROKEN_BARRIER),
+        ("chunk_backward.metal", BROKEN_BACKWARD_BARRIER),
+    ):
+        path = os.path.join(broken_dir, file)
+        text = open(path).read()
+        assert text.count(barrier) == 1
+        open(path, "w").write(text.replace(barrier, barrier.split("\n")[0]))
     prep(broken_dir, out_dir, "kernels_broken")
     shutil.rmtree(broken_dir)
     for name in ("metal_cuda.h", "run_cuda.py", "run.sh"):
@@ -196,6 +256,8 @@ def main(out_dir):
             plans[name] = export_segment_case(name, algorithm, case, arrays, checkpoints)
         else:
             plans[name] = export_core_case(name, algorithm, case, arrays, checkpoints, parents)
+    for name in BACKWARD_CASES:
+        plans[name] = export_backward_case(name, make_case(name)[1], arrays)
     np.savez(os.path.join(out_dir, "cases.npz"), **arrays)
     with open(os.path.join(out_dir, "cases.json"), "w") as handle:
         json.dump(plans, handle, indent=1)

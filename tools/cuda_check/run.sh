@@ -6,7 +6,7 @@ set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 OUT="${OUT:-$HERE/out}"
 mkdir -p "$OUT"
-SMALL="recurrent_simd_f32_mask,recurrent_generic_f16,chunked_bf16_norm,chunked_k_gram_f16,segment_recurrent_f16_mask,checkpoints_chunked,tree_recurrent_generic,checkpoints_segment_chunked"
+SMALL="recurrent_simd_f32_mask,recurrent_generic_f16,chunked_bf16_norm,chunked_k_gram_f16,segment_recurrent_f16_mask,checkpoints_chunked,tree_recurrent_generic,checkpoints_segment_chunked,backward_f16_per_key"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"
 echo "=== oracle run (all cases)"
@@ -21,3 +21,7 @@ echo "=== compute-sanitizer --tool racecheck (chunk_output with its barrier dele
 compute-sanitizer --tool racecheck python3 "$HERE/run_cuda.py" "$HERE" --source kernels_broken \
   --cases chunked_bf16_norm > "$OUT/racecheck_broken.log" 2>&1
 echo "exit $?"; grep -m 3 -E "Race reported|hazard" "$OUT/racecheck_broken.log"; tail -n 3 "$OUT/racecheck_broken.log"
+echo "=== compute-sanitizer --tool racecheck (chunk_backward with its first barrier deleted)"
+compute-sanitizer --tool racecheck python3 "$HERE/run_cuda.py" "$HERE" --source kernels_broken \
+  --cases backward_f16_per_key > "$OUT/racecheck_broken_backward.log" 2>&1
+echo "exit $?"; grep -m 3 -E "Race reported|hazard" "$OUT/racecheck_broken_backward.log"; tail -n 3 "$OUT/racecheck_broken_backward.log"

@@ -60,6 +60,10 @@ def main():
             bound[dispatch["params_index"]] = cp.asarray(
                 np.frombuffer(bytes.fromhex(dispatch["params"]), np.uint8)
             )
+            # A per-chunk stage's chunk, a scalar of its own (Metal's setBytes).
+            if dispatch.get("chunk") is not None:
+                index, chunk = dispatch["chunk"]
+                bound[index] = cp.asarray(np.array([chunk], np.uint32).view(np.uint8))
             arguments = tuple(
                 bound.get(index, np.uint64(0)) for index in argument_order[dispatch["kernel"]]
             )

@@ -64,6 +64,10 @@ BufferOutputs run_plan(
     for (const auto& [index, id, written] : dispatch.buffers) {
       launch.buffers[index] = buffers.at(id).data();
     }
+    // A per-chunk stage's chunk, bound like Metal's setBytes: a copy.
+    uint32_t chunk = dispatch.chunk ? dispatch.chunk->chunk : 0;
+    if (dispatch.chunk)
+      launch.buffers[dispatch.chunk->index] = &chunk;
     launch.buffers[dispatch.params_index] =
         dispatch.params_block == KernelParamsBlock::Core
         ? static_cast<void*>(&core_params)

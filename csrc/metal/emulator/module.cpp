@@ -142,6 +142,9 @@ nb::dict plan_as_dict(const Plan& plan) {
     entry["params_index"] = d.params_index;
     entry["params"] = nb::bytes(
         static_cast<const char*>(plan.params_data(d)), plan.params_size(d));
+    entry["chunk"] = d.chunk
+        ? nb::object(nb::make_tuple(d.chunk->index, d.chunk->chunk))
+        : nb::none();
     dispatches.append(entry);
   }
   nb::dict sizes, roles;
@@ -263,6 +266,141 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
       "and the dict holds the scratch buffers too. checkpoints: int32 bytes; the dict then "
       "holds checkpoint_states. parents: int32 bytes (tree verification).");
+
+  m.def(
+      "run_backward",
+      [](nb::bytes q,
+         nb::bytes k,
+         nb::bytes v,
+         nb::bytes g,
+         nb::bytes beta,
+         nb::bytes state,
+         std::optional<nb::bytes> mask,
+         nb::bytes y_cotangent,
+         nb::bytes state_cotangent,
+         int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         float scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         bool per_key_gates,
+         const std::string& dtype,
+         int barrier_timeout_ms,
+         const std::string& through_stage) {
+        GatedDeltaParams params = make_params(
+            batch,
+            tokens,
+            key_heads,
+            value_heads,
+            key_dim,
+            value_dim,
+            scale,
+            head_mapping,
+            normalize_qk,
+            mask.has_value(),
+            per_key_gates);
+        Plan plan = make_backward_plan(params, parse_dtype(dtype));
+        emulator::BufferInputs inputs{
+            {PlanBuffer::Query, view(q)},
+            {PlanBuffer::Key, view(k)},
+            {PlanBuffer::Value, view(v)},
+            {PlanBuffer::Gate, view(g)},
+            {PlanBuffer::Beta, view(beta)},
+            {PlanBuffer::StateIn, view(state)},
+            {PlanBuffer::YCotangent, view(y_cotangent)},
+            {PlanBuffer::StateCotangent, view(state_cotangent)}};
+        if (mask)
+          inputs[PlanBuffer::Mask] = view(*mask);
+        emulator::BufferOutputs outputs;
+        {
+          nb::gil_scoped_release release;
+          outputs = emulator::run_plan(
+              plan,
+              inputs,
+              std::chrono::milliseconds(barrier_timeout_ms),
+              through_stage);
+        }
+        return std::make_tuple(kernels_of(plan), buffers_as_dict(outputs));
+      },
+      nb::arg("q"),
+      nb::arg("k"),
+      nb::arg("v"),
+      nb::arg("g"),
+      nb::arg("beta"),
+      nb::arg("state"),
+      nb::arg("mask").none(),
+      nb::arg("y_cotangent"),
+      nb::arg("state_cotangent"),
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("scale"),
+      nb::arg("head_mapping"),
+      nb::arg("normalize_qk"),
+      nb::arg("per_key_gates"),
+      nb::arg("dtype"),
+      nb::arg("barrier_timeout_ms"),
+      nb::arg("through_stage") = "",
+      "Runs the backward plan of one core call; returns (kernels, {buffer name: bytes}) with "
+      "every gradient (dq, dk, dv, dg, d_decay, dbeta, dstate); with through_stage, only the "
+      "dispatches through the first of that stage run and the dict holds the scratch too.");
+
+  m.def(
+      "backward_plan",
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         const std::string& dtype,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         bool has_mask,
+         bool per_key_gates,
+         float scale,
+         bool describe) -> nb::object {
+        Plan plan = make_backward_plan(
+            make_params(
+                batch,
+                tokens,
+                key_heads,
+                value_heads,
+                key_dim,
+                value_dim,
+                scale,
+                head_mapping,
+                normalize_qk,
+                has_mask,
+                per_key_gates),
+            parse_dtype(dtype));
+        if (describe)
+          return nb::str(
+              describe_plan(plan, assumed_m_series_roofline()).c_str());
+        return plan_as_dict(plan);
+      },
+      nb::arg("batch"),
+      nb::arg("tokens"),
+      nb::arg("key_heads"),
+      nb::arg("value_heads"),
+      nb::arg("key_dim"),
+      nb::arg("value_dim"),
+      nb::arg("dtype") = "float32",
+      nb::arg("head_mapping") = "grouped",
+      nb::arg("normalize_qk") = false,
+      nb::arg("has_mask") = false,
+      nb::arg("per_key_gates") = false,
+      nb::arg("scale") = 1.0f,
+      nb::arg("describe") = false,
+      "The backward plan as a dict like plan()'s (each dispatch with its chunk, or None), or "
+      "with describe=True as a table.");
 
   m.def(
       "plan",

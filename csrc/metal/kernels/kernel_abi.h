@@ -53,6 +53,21 @@ GATED_DELTA_ABI_CONSTANT unsigned int kSimdStatePerLane = 4;
 GATED_DELTA_ABI_CONSTANT unsigned int kRecurrentGenericRows = 64;
 GATED_DELTA_ABI_CONSTANT unsigned int kMaxGenericKeyDim = 1024;
 
+// The backward (docs/metal.md, backward). boundary_states and chunk_states:
+// one SIMD-group per state row, kBackwardRows rows per threadgroup, each lane
+// holding the key columns lane, lane + 32, ... of its row in registers.
+// chunk_backward: one threadgroup of kBackwardThreads per (batch, value head)
+// over every state row (SIMD-group s takes rows s, s + 8, ...), so that the
+// sums over rows (dq, dk, the gate gradients) stay inside it; its per-SIMD-
+// group partial sums are kMaxBackwardKeyDim wide in threadgroup memory.
+// qk_grad_reduce: one SIMD-group per (batch, token, key head) row.
+GATED_DELTA_ABI_CONSTANT unsigned int kBackwardRows = 8;
+GATED_DELTA_ABI_CONSTANT unsigned int kBackwardThreads = 256;
+GATED_DELTA_ABI_CONSTANT unsigned int kBackwardSimdGroups = kBackwardThreads / 32;
+GATED_DELTA_ABI_CONSTANT unsigned int kMaxBackwardKeyDim = 256;
+GATED_DELTA_ABI_CONSTANT unsigned int kBackwardColumnsPerLane = kMaxBackwardKeyDim / 32;
+GATED_DELTA_ABI_CONSTANT unsigned int kGradReduceRowsPerThreadgroup = 8;
+
 // The fused layer segment's own stages (prepare_conv, prepare_gates,
 // collect_conv_state, gated_norm) around the core's. One packed token row of
 // `mixed` is [q | k | v | z | b | a]; the conv sees the C channels q|k|v.

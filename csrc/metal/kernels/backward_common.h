@@ -1,0 +1,107 @@
+// Shared by the backward's stages (boundary_states, chunk_states,
+// chunk_backward, qk_grad_reduce): the stacks of saved states, one token's
+// vectors spread over a SIMD-group's lanes, and one token of the forward for
+// one state row. Conservative MSL, like gated_delta_common.h.
+//
+// A lane holds the key columns lane + 32 m, m < kBackwardColumnsPerLane, of
+// a row; columns past the key dim hold 0 and are never written.
+#pragma once
+
+#include "gated_delta_common.h"
+
+// Row `row` of slot `slot` of a per-(batch, value head) stack of states laid
+// out [B, Hv, slots, Dv, Dk]: the chunk-boundary states (slots = num_chunks)
+// and the states inside one chunk (slots = kChunkSize).
+inline uint state_stack_row(constant GatedDeltaKernelParams& p, uint b, uint h, uint slots,
+                            uint slot, uint row) {
+  return (((b * p.value_heads + h) * slots + slot) * p.value_dim + row) * p.key_dim;
+}
+// Row `row` of a state [B, Hv, Dv, Dk] (state_in, its cotangent, dstate).
+inline uint state_row_offset(constant GatedDeltaKernelParams& p, uint b, uint h, uint row) {
+  return ((b * p.value_heads + h) * p.value_dim + row) * p.key_dim;
+}
+
+// This lane's columns of the q or k row at `offset`, in float32, L2-normalised
+// as the forward normalises them (normalize_qk): every lane of the SIMD-group
+// must call it.
+template <typename T>
+inline void load_key_lanes(const device T* x, uint offset, constant GatedDeltaKernelParams& p,
+                           uint lane, thread float* out) {
+  float squares = 0.0f;
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    const uint c = lane + 32 * m;
+    out[m] = c < p.key_dim ? float(x[offset + c]) : 0.0f;
+    squares += out[m] * out[m];
+  }
+  squares = simd_sum(squares);
+  const float scale = p.normalize_qk != 0 ? 1.0f / sqrt(squares + 1e-6f) : 1.0f;
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    out[m] *= scale;
+  }
+}
+
+// The linear decay of this lane's columns at gate index `gate`: exp(g), one
+// per head or, with per-key gates, one per column (0 past the key dim).
+// exp(-inf) = 0: a wipe.
+inline void load_decay_lanes(const device float* g, uint gate, constant GatedDeltaKernelParams& p,
+                             uint lane, thread float* out) {
+  const float head_decay = p.per_key_gates != 0 ? 0.0f : exp(g[gate]);
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    const uint c = lane + 32 * m;
+    out[m] = p.per_key_gates != 0 ? (c < p.key_dim ? exp(g[key_gate_offset(p, gate, c)]) : 0.0f)
+                                  : head_decay;
+  }
+}
+
+// One active token of the forward on one state row held in `s` (this lane's
+// columns): S <- a S; d = beta (v - S k); S += d k^T. Every lane of the
+// SIMD-group must call it.
+inline void forward_row_step(thread float* s, const thread float* k_lanes,
+                             const thread float* decays, float value, float beta) {
+  float prediction = 0.0f;
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    s[m] *= decays[m];
+    prediction += s[m] * k_lanes[m];
+  }
+  prediction = simd_sum(prediction);
+  const float delta = beta * (value - prediction);
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    s[m] += delta * k_lanes[m];
+  }
+}
+
+// Token t of row `row` of head (b, h) through forward_row_step, when active
+// (a masked token leaves the state as it is). Every lane must call it.
+template <typename T>
+inline void forward_token(const device T* k, const device T* v, const device float* g,
+                          const device float* beta, const device bool* mask,
+                          constant GatedDeltaKernelParams& p, uint b, uint h, uint t, uint row,
+                          uint lane, thread float* s) {
+  if (token_is_masked(p, mask, b, t)) {
+    return;
+  }
+  float k_lanes[kBackwardColumnsPerLane];
+  float decays[kBackwardColumnsPerLane];
+  load_key_lanes(k, qk_offset(p, b, t, key_head_of(p, h)), p, lane, k_lanes);
+  const uint gate = gate_offset(p, b, t, h);
+  load_decay_lanes(g, gate, p, lane, decays);
+  forward_row_step(s, k_lanes, decays, float(v[v_offset(p, b, t, h) + row]), beta[gate]);
+}
+
+// Copies this lane's columns of a row between registers and device memory.
+inline void load_row_lanes(const device float* row, constant GatedDeltaKernelParams& p, uint lane,
+                           thread float* s) {
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    const uint c = lane + 32 * m;
+    s[m] = c < p.key_dim ? row[c] : 0.0f;
+  }
+}
+inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& p, uint lane,
+                            const thread float* s) {
+  for (uint m = 0; m < kBackwardColumnsPerLane; ++m) {
+    const uint c = lane + 32 * m;
+    if (c < p.key_dim) {
+      row[c] = s[m];
+    }
+  }
+}
