@@ -32,9 +32,9 @@
 // through qk_grad_reduce (backward.cpp) like the recurrent form's.
 //
 // The state entering each chunk comes from boundary_states: the forward's
-// stages (qk_norm, gate_cumsum, k_gram, kkt_inverse, recompute_w_u,
-// chunk_carry, chunk_carry_state) once over the chunks, keeping T / 64
-// states. The reverse then recomputes the chunk's W, U, V' and grams with
+// stages (qk_norm, gate_cumsum, k_gram, kkt_inverse, recompute_w_u, the
+// deltas of chunk_carry, chunk_carry_state) once over the chunks, keeping
+// T / 64 states. The reverse then recomputes the chunk's W, U, V' and grams with
 // the same stage functions. A chunk in which some decay is not a normal
 // float (a wipe, gamma == 0, or a subnormal decay) runs the recurrent form's
 // reverse instead: its gradient of the linear decay at a wipe is not
@@ -42,6 +42,7 @@
 // Masked tokens get exactly zero gradients, written as such.
 #include <algorithm>
 #include <cfloat>
+#include <utility>
 #include <vector>
 
 #include "cpu/backward_problem.h"
@@ -137,16 +138,14 @@ bool normal_decays(const ProblemView<T>& h, int start, int L) {
   return true;
 }
 
-// The forward stages of one chunk up to V' (in s.u) and the inter-chunk
-// output (in s.y), from the transposed entry state `state_t`.
+// The forward stages of one chunk up to W and U (and Q K^T `with_qk`).
 template <typename T>
-void recompute_chunk(
+void recompute_w_u_of_chunk(
     const GatedDeltaParams& p,
     const HeadView<T>& h,
     int start,
     int L,
     ChunkScratch& s,
-    const float* state_t,
     bool with_qk) {
   qk_norm(p, h, start, L, s);
   k_gram(p.key_dim, L, s);
@@ -156,7 +155,6 @@ void recompute_chunk(
   gate_cumsum(p, h, start, L, s);
   kkt_inverse(p, L, s);
   recompute_w_u(p, h, start, L, s);
-  chunk_carry(p, L, s, state_t);
 }
 
 // boundary_states: boundaries[c] = the transposed state ([Dk, Dv]) entering
@@ -179,7 +177,18 @@ void boundary_states(
     }
     const int start = c * C;
     const int L = std::min(C, p.tokens - start);
-    recompute_chunk(p, view, start, L, s, state_t.data(), false);
+    recompute_w_u_of_chunk(p, view, start, L, s, false);
+    // chunk_carry's deltas V' = U - W S0^T only: the output is not needed.
+    gemm(
+        L,
+        dv,
+        dk,
+        -1.0f,
+        {s.w.data(), dk, 1},
+        state_t.data(),
+        dv,
+        s.u.data(),
+        dv);
     chunk_carry_state(p, L, s, state_t.data());
   }
 }
@@ -604,30 +613,35 @@ void chunked_problem_backward(
   boundary_states(p, h, b.s, boundaries.data());
 
   const HeadView<T> view = forward_view(h);
-  float* ds = h.dstate;  // [Dv, Dk], carried from the last chunk to the first
-  std::copy(h.state_cotangent, h.state_cotangent + size, ds);
+  // dS is carried from the last chunk to the first transposed, in b.ds_t;
+  // h.dstate ([Dv, Dk]) holds it untransposed within a chunk.
+  float* ds = h.dstate;
+  transpose(h.state_cotangent, dv, dk, dk, b.ds_t.data(), dv);
   for (int c = p.num_chunks() - 1; c >= 0; --c) {
     const int start = c * C;
     const int L = std::min(C, p.tokens - start);
     const float* entry_t = boundaries.data() + c * size;
     transpose(entry_t, dk, dv, dv, b.entry.data(), dk);
+    transpose(b.ds_t.data(), dk, dv, dv, ds, dk);
     if (!normal_decays(h, start, L)) {
       recurrent_chunk_backward(p, h, start, L, b.entry.data(), ds);
+      transpose(ds, dv, dk, dk, b.ds_t.data(), dv);
       continue;
     }
-    recompute_chunk(p, view, start, L, b.s, entry_t, true);
+    recompute_w_u_of_chunk(p, view, start, L, b.s, true);
+    chunk_carry(p, L, b.s, entry_t);  // V' and the inter-chunk output
     load_output_cotangent(p, h, start, L, b);
     std::fill(b.d_log, b.d_log + C, 0.0f);
     std::fill(b.dbeta, b.dbeta + C, 0.0f);
-    transpose(ds, dv, dk, dk, b.ds_t.data(), dv);
 
     chunk_output_backward(p, L, b);
     chunk_carry_backward(p, L, b, entry_t, ds);
     recompute_w_u_backward(p, h, start, L, b);
     kkt_inverse_backward(p, L, b);
     gate_cumsum_backward(p, h, start, L, b);
-    transpose(b.ds0_t.data(), dk, dv, dv, ds, dk);
+    std::swap(b.ds_t, b.ds0_t);
   }
+  transpose(b.ds_t.data(), dk, dv, dv, ds, dk);
 }
 
 template void chunked_problem_backward<float>(

@@ -28,8 +28,8 @@ constexpr int kTileCols = 2 * kVectorFloats;
 // diagonal (the inverse T, the decayed Q K^T), UpperA when A is zero below it
 // (their transposes, read through A's strides in the backward), LowerC when
 // only C's lower triangle is wanted (the grams); half of those products' work.
-// LowerC computes whole register tiles, so a few entries just above the
-// diagonal are written too: callers mask C's upper triangle themselves.
+// LowerC computes whole vectors, so some entries just above the diagonal are
+// written too: callers mask C's upper triangle themselves.
 enum class Triangle { None, LowerA, UpperA, LowerC };
 
 struct MatrixA {
@@ -108,9 +108,18 @@ inline void gemm(
     float* c,
     int64_t ldc,
     Triangle triangle = Triangle::None) {
-  // A row block [m, m + rows) reaches column / key index m + rows - 1 at most.
+  // A row block [m, m + rows) reaches column / key index m + rows - 1 at
+  // most. LowerC rounds its columns up to whole vectors: a few more entries
+  // above the diagonal cost less than the narrow tail tiles they replace.
   auto rows_limit = [&](int m, int rows, int size, Triangle skip) {
-    return triangle == skip ? std::min(size, m + rows) : size;
+    if (triangle != skip) {
+      return size;
+    }
+    const int limit = m + rows;
+    const int rounded = skip == Triangle::LowerC
+        ? (limit + kVectorFloats - 1) / kVectorFloats * kVectorFloats
+        : limit;
+    return std::min(size, rounded);
   };
   // UpperA: row m of A is zero before column m, so the sum starts there.
   auto k_begin = [&](int m) { return triangle == Triangle::UpperA ? m : 0; };
