@@ -63,7 +63,8 @@ def _record():
         },
         "backward": {
             "ms": 50.0,
-            "peak_bytes": 150 * 2**20,
+            "peak_bytes": 130 * 2**20,
+            "scratch_bytes": 20 * 2**20,
             "product_flops": 5e9,
             "flop_per_s": 1e11,
         },
@@ -88,7 +89,7 @@ def test_the_table_gives_speed_ups_the_fraction_of_gemm_and_skips():
     assert "30.0x" in text  # mx.fast: 3000 ms against 100
     assert "skipped: T > 2048 needs --full" in text
     assert "50%" in text  # 100 GFLOP/s of a 200 GFLOP/s roofline
-    assert "1.50" in text  # peak 150 MiB over 100 MiB of inputs and outputs
+    assert "1.50" in text  # peak 130 MiB + 20 MiB of scratch over 100 MiB of inputs and outputs
     assert "10.0x" in text  # the layer: 1000 ms against 100
 
 

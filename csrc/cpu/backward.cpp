@@ -1,5 +1,7 @@
-// The backward pass of the gated delta rule on the CPU, with O(T / 64)
-// states in memory.
+// The backward pass of the gated delta rule on the CPU in the recurrent form
+// (algorithm "recurrent", short calls and per-key gates), with O(T / 64)
+// states in memory; chunked_backward.cpp has the chunked WY form. Both end
+// in qk_grad_reduce, here.
 //
 // Per active token the forward is (a = exp(g), S is [Dv, Dk]):
 //   Sd = a S_prev;  p = Sd k;  d = beta (v - p);  S = Sd + d k^T;
