@@ -145,9 +145,8 @@ def backward_product_flops(tokens: int, batch: int = 1, **shape) -> int:
     """The FLOPs of the matrix products of our chunked backward (scalar gates)
     at this shape, as csrc/cpu/chunked_backward.cpp computes them: an m x n x k
     product is 2 m n k, one that a triangle halves is m n k. Per chunk of L
-    tokens and value head: boundary_states (all chunks but the last),
-    the reverse's recomputation of the forward stages, and the five backward
-    stages."""
+    tokens and value head: boundary_states (the exit state for all chunks but
+    the last), chunk_qk again, and the five backward stages."""
     shape = {**SHAPE, **shape}
     K, V = shape["key_dim"], shape["value_dim"]
 
@@ -163,9 +162,10 @@ def backward_product_flops(tokens: int, batch: int = 1, **shape) -> int:
         L = min(CHUNK, tokens - c * CHUNK)
         solve = L**3 // 3  # the triangular inverse, row by row
         w_u = half(L, V, L) + half(L, K, L)
-        if c + 1 < chunks:  # boundary_states
-            total += half(L, L, K) + solve + w_u + full(L, V, K) + full(K, V, L)
-        total += 2 * half(L, L, K) + solve + w_u + 2 * full(L, V, K)  # recomputation
+        total += half(L, L, K) + solve + w_u + full(L, V, K)  # boundary_states
+        if c + 1 < chunks:
+            total += full(K, V, L)  # the exit state
+        total += half(L, L, K)  # chunk_qk
         total += half(L, V, L) + half(L, L, V) + 2 * half(L, K, L)  # chunk_output_backward
         total += 6 * full(L, K, V)  # chunk_carry_backward
         total += half(L, L, V) + half(L, L, K) + half(L, V, L) + half(L, K, L)  # recompute_w_u_b.
@@ -184,12 +184,12 @@ def backward_scratch_bytes(tokens: int, threads: int) -> int:
     """What our CPU backward allocates outside MLX's allocator, which
     mx.get_peak_memory does not see: the per-value-head float32 dq and dk
     ([B, T, Hv, Dk] each, summed over the value heads at the end), and per
-    thread the boundary states of one problem (T / 64 states) and the chunk
-    scratch (under 2 MiB)."""
+    thread one problem's chunk store (per chunk the entry state, K K^T, T, W and
+    V') and chunk scratch (under 2 MiB)."""
     Hv, Dk, Dv = SHAPE["value_heads"], SHAPE["key_dim"], SHAPE["value_dim"]
     per_head_grads = 2 * tokens * Hv * Dk * 4
-    boundaries = -(-tokens // CHUNK) * Dk * Dv * 4
-    return per_head_grads + threads * (boundaries + 2 * MiB)
+    per_chunk = (Dk * Dv + 2 * CHUNK * CHUNK + CHUNK * (Dk + Dv)) * 4
+    return per_head_grads + threads * (-(-tokens // CHUNK) * per_chunk + 2 * MiB)
 
 
 def available_memory_bytes() -> int | None:

@@ -562,9 +562,7 @@ def gated_delta_rule_chunked_reference_vjp(
     g64 = to_float64(g)
     if g64.ndim == 4 or np.isneginf(g64).any():
         raise ValueError("the chunked backward reference has scalar gates and no wipes")
-    options = dict(
-        scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk
-    )
+    options = dict(scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk)
     f = chunked_stages(q, k, v, g, beta, state, chunk_size=chunk_size, **options)
     batch, tokens, key_heads, key_dim = f["q"].shape
     value_heads, value_dim = v.shape[2], v.shape[3]
@@ -649,7 +647,16 @@ def chunk_output_backward(d_out, corrected, qk_tiles, decay, q_rows, k_rows):
 
 
 def chunk_carry_backward(
-    d_out, d_state, d_corrected, w, corrected, inter, entry_states, q_rows, k_rows, decay,
+    d_out,
+    d_state,
+    d_corrected,
+    w,
+    corrected,
+    inter,
+    entry_states,
+    q_rows,
+    k_rows,
+    decay,
     from_start,
 ):
     """Stage chunk_carry_backward: the chunks last to first, carrying dS, the

@@ -11,24 +11,25 @@ GiB = 1 << 30
 
 
 def test_backward_flops_of_one_full_chunk():
-    # One chunk (no boundary_states), one value head, L = 64, Dk = Dv = 128.
+    # One chunk (boundary_states without the exit state), one value head,
+    # L = 64, Dk = Dv = 128.
     L, D = 64, 128
-    recompute = 2 * L * L * D + L**3 // 3 + 2 * L * D * L + 2 * (2 * L * D * D)
+    boundary = L * L * D + L**3 // 3 + 2 * L * D * L + 2 * L * D * D
+    chunk_qk = L * L * D
     output = L * D * L + L * L * D + 2 * L * D * L
     carry = 6 * (2 * L * D * D)
     w_u = 2 * L * L * D + 2 * L * D * L
     kkt = 2 * L**3 + 2 * L * D * L
-    one_head = recompute + output + carry + w_u + kkt
+    one_head = boundary + chunk_qk + output + carry + w_u + kkt
     assert bench_train.backward_product_flops(64, value_heads=1) == one_head
     assert bench_train.backward_product_flops(64) == 32 * one_head
     assert bench_train.backward_product_flops(64, batch=3) == 3 * 32 * one_head
 
 
-def test_backward_flops_add_boundary_states_for_every_chunk_but_the_last():
+def test_backward_flops_add_the_exit_state_for_every_chunk_but_the_last():
     L, D = 64, 128
-    boundary = L * L * D + L**3 // 3 + 2 * L * D * L + 2 * (2 * L * D * D)
     one, two = (bench_train.backward_product_flops(t, value_heads=1) for t in (64, 128))
-    assert two == 2 * one + boundary
+    assert two == 2 * one + 2 * D * D * L
     # A short last chunk costs less than a full one.
     assert one < bench_train.backward_product_flops(65, value_heads=1) < two
 

@@ -110,21 +110,21 @@ void GatedDeltaRuleVJP::eval_cpu(
   }
   encoder.dispatch(
       [p, algorithm, in = std::move(in), out = std::move(out)]() mutable {
-    switch (in[kV].dtype()) {
-      case mx::float32:
-        run_cpu<float>(p, algorithm, in, out);
-        break;
-      case mx::float16:
-        run_cpu<mx::float16_t>(p, algorithm, in, out);
-        break;
-      case mx::bfloat16:
-        run_cpu<mx::bfloat16_t>(p, algorithm, in, out);
-        break;
-      default:
-        throw std::runtime_error(
-            "GatedDeltaRuleVJP: unsupported activation dtype");
-    }
-  });
+        switch (in[kV].dtype()) {
+          case mx::float32:
+            run_cpu<float>(p, algorithm, in, out);
+            break;
+          case mx::float16:
+            run_cpu<mx::float16_t>(p, algorithm, in, out);
+            break;
+          case mx::bfloat16:
+            run_cpu<mx::bfloat16_t>(p, algorithm, in, out);
+            break;
+          default:
+            throw std::runtime_error(
+                "GatedDeltaRuleVJP: unsupported activation dtype");
+        }
+      });
 }
 
 void GatedDeltaRuleVJP::eval_gpu(

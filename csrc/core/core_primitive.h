@@ -14,10 +14,11 @@ namespace mlx_gated_delta {
 // [N, B, Hv, Dv, Dk]].
 // Carries only what changes the result: the shape-free options and the
 // requested algorithm (Auto: eval_cpu and the Metal plan resolve it per
-// shape; the vjp passes it to the backward, which resolves its own). With `has_linear_gate`, one last input follows: the linear
-// decay gamma of which g = log(gamma) was taken; the forward does not read it,
-// the vjp gives it the gradient of the linear decay (exact where gamma == 0,
-// where the chain rule through log would be 0 / 0).
+// shape; the vjp passes it to the backward, which resolves its own). With
+// `has_linear_gate`, one last input follows: the linear decay gamma of which g
+// = log(gamma) was taken; the forward does not read it, the vjp gives it the
+// gradient of the linear decay (exact where gamma == 0, where the chain rule
+// through log would be 0 / 0).
 class GatedDeltaRule : public mlx::core::Primitive {
  public:
   GatedDeltaRule(

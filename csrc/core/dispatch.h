@@ -18,7 +18,7 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params);
 // kChunkedBackwardMinTokens, the chunked WY form's from there on (the
 // crossover, measured on the Qwen3-Next shape: see docs/numerics.md,
 // "Choosing the algorithm"); per-key gates always run the recurrent reverse.
-constexpr int kChunkedBackwardMinTokens = 4;
+constexpr int kChunkedBackwardMinTokens = 8;
 Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params);
 
 // What "auto" runs on Metal: recurrent for short sequences (decode and up to

@@ -462,7 +462,9 @@ template void recurrent_chunk_backward<float>(
     const float*,
     float*);
 template void gated_delta_backward<mlx::core::float16_t>(
-    const GatedDeltaParams&, Algorithm, const BackwardBuffers<mlx::core::float16_t>&);
+    const GatedDeltaParams&,
+    Algorithm,
+    const BackwardBuffers<mlx::core::float16_t>&);
 template void recurrent_chunk_backward<mlx::core::float16_t>(
     const GatedDeltaParams&,
     const ProblemView<mlx::core::float16_t>&,
@@ -471,7 +473,9 @@ template void recurrent_chunk_backward<mlx::core::float16_t>(
     const float*,
     float*);
 template void gated_delta_backward<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, Algorithm, const BackwardBuffers<mlx::core::bfloat16_t>&);
+    const GatedDeltaParams&,
+    Algorithm,
+    const BackwardBuffers<mlx::core::bfloat16_t>&);
 template void recurrent_chunk_backward<mlx::core::bfloat16_t>(
     const GatedDeltaParams&,
     const ProblemView<mlx::core::bfloat16_t>&,

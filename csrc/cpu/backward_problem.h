@@ -37,7 +37,8 @@ struct ProblemView {
 // The chunked backward of one problem (chunked_backward.cpp): writes every
 // gradient of its tokens and its dstate, as problem_backward does.
 template <typename T>
-void chunked_problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h);
+void chunked_problem_backward(
+    const GatedDeltaParams& p, const ProblemView<T>& h);
 
 // The recurrent form's reverse of the tokens [start, start + length) of one
 // problem, from the state entering them (`entry`, [Dv, Dk]); `ds` holds the

@@ -257,21 +257,45 @@ void chunk_carry_state(
 template void qk_norm<float>(
     const GatedDeltaParams&, const HeadView<float>&, int, int, ChunkScratch&);
 template void qk_norm<mlx::core::float16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&, int, int, ChunkScratch&);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::float16_t>&,
+    int,
+    int,
+    ChunkScratch&);
 template void qk_norm<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>&, int, int, ChunkScratch&);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::bfloat16_t>&,
+    int,
+    int,
+    ChunkScratch&);
 template void gate_cumsum<float>(
     const GatedDeltaParams&, const HeadView<float>&, int, int, ChunkScratch&);
 template void gate_cumsum<mlx::core::float16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&, int, int, ChunkScratch&);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::float16_t>&,
+    int,
+    int,
+    ChunkScratch&);
 template void gate_cumsum<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>&, int, int, ChunkScratch&);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::bfloat16_t>&,
+    int,
+    int,
+    ChunkScratch&);
 template void recompute_w_u<float>(
     const GatedDeltaParams&, const HeadView<float>&, int, int, ChunkScratch&);
 template void recompute_w_u<mlx::core::float16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::float16_t>&, int, int, ChunkScratch&);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::float16_t>&,
+    int,
+    int,
+    ChunkScratch&);
 template void recompute_w_u<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>&, int, int, ChunkScratch&);
+    const GatedDeltaParams&,
+    const HeadView<mlx::core::bfloat16_t>&,
+    int,
+    int,
+    ChunkScratch&);
 
 namespace {
 

@@ -31,11 +31,15 @@
 // dS0 is carried to the previous chunk. The per-value-head dq and dk then go
 // through qk_grad_reduce (backward.cpp) like the recurrent form's.
 //
-// The state entering each chunk comes from boundary_states: the forward's
-// stages (qk_norm, gate_cumsum, k_gram, kkt_inverse, recompute_w_u, the
-// deltas of chunk_carry, chunk_carry_state) once over the chunks, keeping
-// T / 64 states. The reverse then recomputes the chunk's W, U, V' and grams with
-// the same stage functions. A chunk in which some decay is not a normal
+// boundary_states runs the forward's stages (qk_norm, gate_cumsum, k_gram,
+// kkt_inverse, recompute_w_u, the deltas of chunk_carry, chunk_carry_state)
+// once over the chunks and keeps, per chunk, the state entering it and what
+// the reverse reads of the chunk's WY work: K K^T, T, W and V' (under two
+// states' worth per chunk; T / 64 chunks of one problem per thread). The
+// reverse recomputes only the cheap rest (qk_norm, chunk_qk, gate_cumsum).
+// The entry state's share of the output, decay(i, -1) S0 q_i, is never
+// formed: its gate term is gamma_i (dO_i S0) . q_i, from the product that
+// dq needs anyway. A chunk in which some decay is not a normal
 // float (a wipe, gamma == 0, or a subnormal decay) runs the recurrent form's
 // reverse instead: its gradient of the linear decay at a wipe is not
 // dg / decay, and the recurrent form gives it exactly.
@@ -66,6 +70,7 @@ struct BackwardScratch {
         d_out(C * dv),
         scaled_d_out(C * dv),
         d_corrected(C * dv),
+        out_state(C * dk),
         corrected_t(size_t(dv) * C),
         m(C * C),
         dm(C * C),
@@ -82,21 +87,44 @@ struct BackwardScratch {
         inverse_t(C * C),
         x(C * C),
         da(C * C),
-        v_row(dv) {}
+        v_rows(C * dv) {}
   ChunkScratch s;  // the forward's stages' outputs for this chunk
   std::vector<float> entry;  // S0, [Dv, Dk]
   std::vector<float> ds_t, ds0_t;  // dS (exit) and dS0, transposed [Dk, Dv]
   std::vector<float> d_out, scaled_d_out;  // dO and diag(gamma) dO
   std::vector<float> d_corrected, corrected_t;  // dV' = dU; V'^T
+  std::vector<float> out_state;  // dO S0
   std::vector<float> m, dm;  // M; dM, then dMd
   std::vector<float> dq, dk;  // this value head's dq, dk of the chunk
   std::vector<float> dw, end_keys, row_tmp;  // dW; diag(e) K; V' dS
   std::vector<float> dt, scaled_v_t, scaled_k_t;  // dT; Vb^T; Kb^T
   std::vector<float> d_scaled_v, d_scaled_k;  // dVb, dKb
   std::vector<float> inverse_t, x, da;  // T^T; dT T^T; dA, then dA o beta decay
-  std::vector<float> v_row;
+  std::vector<float> v_rows;  // the chunk's v, float32
   float d_log[C];  // dG
   float dbeta[C];
+  // This chunk's slices of the ChunkStore.
+  const float* k_gram = nullptr;
+  const float* inverse = nullptr;
+  const float* w = nullptr;
+  const float* corrected = nullptr;
+};
+
+// What boundary_states keeps of each chunk for the reverse: the entry state
+// (transposed, [Dk, Dv]), K K^T and T ([L, L], row stride C), W ([L, Dk])
+// and V' ([L, Dv]).
+struct ChunkStore {
+  ChunkStore(int chunks, int dk, int dv)
+      : state_size(size_t(dk) * dv),
+        w_size(size_t(C) * dk),
+        v_size(size_t(C) * dv),
+        entry_t(chunks * state_size),
+        k_gram(size_t(chunks) * C * C),
+        inverse(size_t(chunks) * C * C),
+        w(chunks * w_size),
+        corrected(chunks * v_size) {}
+  size_t state_size, w_size, v_size;
+  std::vector<float> entry_t, k_gram, inverse, w, corrected;
 };
 
 // The forward's view of one problem: what the forward stages read.
@@ -138,46 +166,28 @@ bool normal_decays(const ProblemView<T>& h, int start, int L) {
   return true;
 }
 
-// The forward stages of one chunk up to W and U (and Q K^T `with_qk`).
-template <typename T>
-void recompute_w_u_of_chunk(
-    const GatedDeltaParams& p,
-    const HeadView<T>& h,
-    int start,
-    int L,
-    ChunkScratch& s,
-    bool with_qk) {
-  qk_norm(p, h, start, L, s);
-  k_gram(p.key_dim, L, s);
-  if (with_qk) {
-    chunk_qk(p.key_dim, L, s);
-  }
-  gate_cumsum(p, h, start, L, s);
-  kkt_inverse(p, L, s);
-  recompute_w_u(p, h, start, L, s);
-}
-
-// boundary_states: boundaries[c] = the transposed state ([Dk, Dv]) entering
-// chunk c, by the forward's stages.
+// boundary_states: the forward's stages over the chunks, keeping what
+// ChunkStore holds.
 template <typename T>
 void boundary_states(
     const GatedDeltaParams& p,
     const ProblemView<T>& h,
     ChunkScratch& s,
-    float* boundaries) {
+    ChunkStore& store) {
   const int dk = p.key_dim, dv = p.value_dim;
-  const int64_t size = int64_t(dk) * dv;
   const HeadView<T> view = forward_view(h);
-  std::vector<float> state_t(size);
+  std::vector<float> state_t(store.state_size);
   transpose(h.state_in, dv, dk, dk, state_t.data(), dv);
   for (int c = 0; c < p.num_chunks(); ++c) {
-    std::copy(state_t.begin(), state_t.end(), boundaries + c * size);
-    if (c + 1 == p.num_chunks()) {
-      break;  // the final state is not needed
-    }
     const int start = c * C;
     const int L = std::min(C, p.tokens - start);
-    recompute_w_u_of_chunk(p, view, start, L, s, false);
+    std::copy(
+        state_t.begin(), state_t.end(), &store.entry_t[c * store.state_size]);
+    qk_norm(p, view, start, L, s);
+    k_gram(dk, L, s);
+    gate_cumsum(p, view, start, L, s);
+    kkt_inverse(p, L, s);
+    recompute_w_u(p, view, start, L, s);
     // chunk_carry's deltas V' = U - W S0^T only: the output is not needed.
     gemm(
         L,
@@ -189,7 +199,15 @@ void boundary_states(
         dv,
         s.u.data(),
         dv);
-    chunk_carry_state(p, L, s, state_t.data());
+    std::copy(
+        s.k_gram.begin(), s.k_gram.end(), &store.k_gram[size_t(c) * C * C]);
+    std::copy(
+        s.inverse.begin(), s.inverse.end(), &store.inverse[size_t(c) * C * C]);
+    std::copy(s.w.begin(), s.w.end(), &store.w[c * store.w_size]);
+    std::copy(s.u.begin(), s.u.end(), &store.corrected[c * store.v_size]);
+    if (c + 1 < p.num_chunks()) {  // the final state is not needed
+      chunk_carry_state(p, L, s, state_t.data());
+    }
   }
 }
 
@@ -254,7 +272,7 @@ void chunk_output_backward(
       b.d_corrected.data(),
       dv,
       Triangle::UpperA);
-  transpose(s.u.data(), L, dv, dv, b.corrected_t.data(), C);
+  transpose(b.corrected, L, dv, dv, b.corrected_t.data(), C);
   fill_zero(b.dm);
   gemm(
       L,
@@ -315,26 +333,28 @@ void chunk_carry_backward(
   ChunkScratch& s = b.s;
   const int64_t size = int64_t(dk) * dv;
 
-  // The inter-chunk output diag(gamma) Q S0^T.
-  for (int i = 0; i < L; ++i) {
-    const float gamma = s.decays.from_start(i);
-    float inter = 0.0f;
-    for (int c = 0; c < dv; ++c) {
-      b.scaled_d_out[i * dv + c] = gamma * b.d_out[i * dv + c];
-      inter += b.d_out[i * dv + c] * s.y[i * dv + c];
-    }
-    b.d_log[i] += inter;  // s.y holds gamma_i S0 q_i
-  }
+  // The inter-chunk output diag(gamma) Q S0^T: with P = dO S0,
+  // dq_i += gamma_i P_i and the gate term gamma_i P_i . q_i.
+  fill_zero(b.out_state);
   gemm(
       L,
       dk,
       dv,
       1.0f,
-      {b.scaled_d_out.data(), dv, 1},
+      {b.d_out.data(), dv, 1},
       b.entry.data(),
       dk,
-      b.dq.data(),
+      b.out_state.data(),
       dk);
+  for (int i = 0; i < L; ++i) {
+    const float gamma = s.decays.from_start(i);
+    const float* out_state = &b.out_state[i * dk];
+    b.d_log[i] += gamma * dot(out_state, &s.q[i * dk], dk);
+    axpy(gamma, out_state, &b.dq[i * dk], dk);
+    for (int c = 0; c < dv; ++c) {
+      b.scaled_d_out[i * dv + c] = gamma * b.d_out[i * dv + c];
+    }
+  }
   const float chunk_decay = s.decays.from_start(L - 1);
   float entry_term = 0.0f;
   for (int64_t e = 0; e < size; ++e) {
@@ -371,8 +391,7 @@ void chunk_carry_backward(
       b.d_corrected.data(),
       dv);
   fill_zero(b.row_tmp);
-  gemm(
-      L, dk, dv, 1.0f, {s.u.data(), dv, 1}, ds, dk, b.row_tmp.data(), dk);
+  gemm(L, dk, dv, 1.0f, {b.corrected, dv, 1}, ds, dk, b.row_tmp.data(), dk);
   for (int j = 0; j < L; ++j) {
     const float e = s.decays.to_end(j);
     float term = 0.0f;
@@ -402,7 +421,7 @@ void chunk_carry_backward(
       dv,
       L,
       -1.0f,
-      {s.w.data(), 1, dk},
+      {b.w, 1, dk},
       b.d_corrected.data(),
       dv,
       b.ds0_t.data(),
@@ -421,8 +440,18 @@ void recompute_w_u_backward(
     BackwardScratch& b) {
   const int dk = p.key_dim, dv = p.value_dim;
   ChunkScratch& s = b.s;
-  transpose(s.scaled_v.data(), L, dv, dv, b.scaled_v_t.data(), C);
-  transpose(s.scaled_k.data(), L, dk, dk, b.scaled_k_t.data(), C);
+  // Vb^T and Kb^T, built transposed from the rows (0 where masked: beta 0).
+  for (int i = 0; i < L; ++i) {
+    float* v_row = &b.v_rows[i * dv];
+    load_vector(h.v + (start + i) * h.v_token_stride, v_row, dv);
+    const float w_scale = s.beta[i] * s.decays.from_start(i);
+    for (int c = 0; c < dv; ++c) {
+      b.scaled_v_t[c * C + i] = s.beta[i] * v_row[c];
+    }
+    for (int c = 0; c < dk; ++c) {
+      b.scaled_k_t[c * C + i] = w_scale * s.k[i * dk + c];
+    }
+  }
   fill_zero(b.dt);
   gemm(
       L,
@@ -449,7 +478,7 @@ void recompute_w_u_backward(
   for (int i = 0; i < L; ++i) {  // T is lower: its gradient is too
     std::fill(&b.dt[i * C + i + 1], &b.dt[i * C + C], 0.0f);
   }
-  const MatrixA inverse_t{s.inverse.data(), 1, C};
+  const MatrixA inverse_t{b.inverse, 1, C};
   fill_zero(b.d_scaled_v);
   gemm(
       L,
@@ -480,7 +509,6 @@ void recompute_w_u_backward(
       zero_output_row(dv_out, dv);
       continue;
     }
-    load_vector(h.v + (start + i) * h.v_token_stride, b.v_row.data(), dv);
     const float beta = s.beta[i];
     const float* d_scaled_v = &b.d_scaled_v[i * dv];
     for (int c = 0; c < dv; ++c) {
@@ -490,7 +518,7 @@ void recompute_w_u_backward(
     const float* d_scaled_k = &b.d_scaled_k[i * dk];
     const float k_term = dot(d_scaled_k, &s.k[i * dk], dk);
     axpy(w_scale, d_scaled_k, &b.dk[i * dk], dk);
-    b.dbeta[i] += dot(d_scaled_v, b.v_row.data(), dv) +
+    b.dbeta[i] += dot(d_scaled_v, &b.v_rows[i * dv], dv) +
         s.decays.from_start(i) * k_term;
     b.d_log[i] += w_scale * k_term;
   }
@@ -503,7 +531,7 @@ void kkt_inverse_backward(
     const GatedDeltaParams& p, int L, BackwardScratch& b) {
   const int dk = p.key_dim;
   ChunkScratch& s = b.s;
-  transpose(s.inverse.data(), L, L, C, b.inverse_t.data(), C);
+  transpose(b.inverse, L, L, C, b.inverse_t.data(), C);
   fill_zero(b.x);
   gemm(
       L,
@@ -522,13 +550,14 @@ void kkt_inverse_backward(
       L,
       L,
       -1.0f,
-      {s.inverse.data(), 1, C},
+      {b.inverse, 1, C},
       b.x.data(),
       C,
       b.da.data(),
       C,
       Triangle::UpperA);
-  decayed_matrix_gate_terms(b.da.data(), s.a.data(), L, b.d_log);
+  // A's terms: with t_ij = dA_ij decay(i, j) k_i.k_j, dbeta_i gains t_ij
+  // and the decay term is dA_ij A_ij = beta_i t_ij.
   for (int i = 0; i < L; ++i) {
     float dbeta = 0.0f;
     for (int j = 0; j < L; ++j) {
@@ -537,10 +566,13 @@ void kkt_inverse_backward(
         continue;
       }
       const float decayed = s.decay[i * C + j] * b.da[i * C + j];
-      dbeta += decayed * s.k_gram[i * C + j];
+      const float term = decayed * b.k_gram[i * C + j];
+      dbeta += term;
+      b.d_log[j] -= s.beta[i] * term;
       b.da[i * C + j] = s.beta[i] * decayed;
     }
     b.dbeta[i] += dbeta;
+    b.d_log[i] += s.beta[i] * dbeta;
   }
   gemm(
       L,
@@ -609,8 +641,8 @@ void chunked_problem_backward(
   const int dk = p.key_dim, dv = p.value_dim;
   const int64_t size = int64_t(dk) * dv;
   BackwardScratch b(dk, dv);
-  std::vector<float> boundaries(p.num_chunks() * size);
-  boundary_states(p, h, b.s, boundaries.data());
+  ChunkStore store(p.num_chunks(), dk, dv);
+  boundary_states(p, h, b.s, store);
 
   const HeadView<T> view = forward_view(h);
   // dS is carried from the last chunk to the first transposed, in b.ds_t;
@@ -620,7 +652,7 @@ void chunked_problem_backward(
   for (int c = p.num_chunks() - 1; c >= 0; --c) {
     const int start = c * C;
     const int L = std::min(C, p.tokens - start);
-    const float* entry_t = boundaries.data() + c * size;
+    const float* entry_t = &store.entry_t[c * store.state_size];
     transpose(entry_t, dk, dv, dv, b.entry.data(), dk);
     transpose(b.ds_t.data(), dk, dv, dv, ds, dk);
     if (!normal_decays(h, start, L)) {
@@ -628,8 +660,15 @@ void chunked_problem_backward(
       transpose(ds, dv, dk, dk, b.ds_t.data(), dv);
       continue;
     }
-    recompute_w_u_of_chunk(p, view, start, L, b.s, true);
-    chunk_carry(p, L, b.s, entry_t);  // V' and the inter-chunk output
+    // The forward's cheap stages again; the rest from the store.
+    qk_norm(p, view, start, L, b.s);
+    transpose(b.s.k.data(), L, dk, dk, b.s.k_transposed.data(), C);
+    chunk_qk(dk, L, b.s);
+    gate_cumsum(p, view, start, L, b.s);
+    b.k_gram = &store.k_gram[size_t(c) * C * C];
+    b.inverse = &store.inverse[size_t(c) * C * C];
+    b.w = &store.w[c * store.w_size];
+    b.corrected = &store.corrected[c * store.v_size];
     load_output_cotangent(p, h, start, L, b);
     std::fill(b.d_log, b.d_log + C, 0.0f);
     std::fill(b.dbeta, b.dbeta + C, 0.0f);
