@@ -270,6 +270,29 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "key_dim"_a,
       "value_dim"_a);
 
+  m.def(
+      "resolve_cpu_backward_algorithm",
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         bool per_key_gates) {
+        GatedDeltaParams p = shape_params(
+            batch, tokens, key_heads, value_heads, key_dim, value_dim);
+        p.per_key_gates = per_key_gates;
+        return std::string(to_string(resolve_cpu_backward_algorithm(p)));
+      },
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      "per_key_gates"_a = false);
+  m.attr("CHUNKED_BACKWARD_MIN_TOKENS") = kChunkedBackwardMinTokens;
+
   // The Metal library's test hook and failure message (metal/library.h),
   // bound so that tests check them on machines without an Apple GPU.
   m.def(

@@ -872,6 +872,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "token: 16 GiB at T=8192, skipped when memory is short)",
     )
     parser.add_argument(
+        "--train",
+        action="store_true",
+        help="the training benchmark instead (mlx_gated_delta/bench_train.py): forward "
+        "plus backward time and peak memory of the core op at T in {512, 2048, 8192} "
+        "against mx.fast.gated_delta_update's vjp and mlx-lm's training path, the "
+        "backward's GFLOP/s against the GEMM roofline, and the whole layer's training "
+        "step; --quick and --full apply",
+    )
+    parser.add_argument(
         "--filter",
         metavar="REGEX",
         type=_regex,
@@ -894,6 +903,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if getattr(args, "train", False):
+        from . import bench_train
+
+        return bench_train.run(args)
     shapes = kda_shapes(args.quick) if args.kda else benchmark_shapes(args.quick)
     if args.filter:
         shapes = [s for s in shapes if args.filter.search(s.label)]

@@ -1,29 +1,68 @@
-"""Training-step benchmark of the core op: forward plus backward.
+"""Training-step benchmark: forward plus backward of the core op and of the
+whole layer, on the CPU.
 
-``python -m mlx_gated_delta.bench_train [--tokens 512 2048] [--repeats 5]``
+``python -m mlx_gated_delta bench --train [--quick] [--full]``
 
-For the Qwen3-Next shape (Hk = 16, Hv = 32, Dk = Dv = 128, B = 1, bfloat16
-activations, float32 gates and state) it times ``mx.grad`` of a loss on both
-outputs with respect to q, k, v, the gate, beta and the state, on the CPU, for
-our ``gated_delta_update`` and for ``mx.fast.gated_delta_update`` (whose vjp
-runs through MLX's op loop), and reports the median time and the peak memory
-MLX allocated during one step (``mx.get_peak_memory`` after a reset; it
-includes the inputs).
+Core op, for the Qwen3-Next shape (Hk = 16, Hv = 32, Dk = Dv = 128, B = 1,
+bfloat16 activations, float32 gates and state): one training step is
+``mx.value_and_grad`` of a loss on both outputs with respect to q, k, v, the
+linear gate, beta and the state, so the forward and the backward both run.
+Three implementations:
+
+- ours: ``gated_delta_update`` ("auto": the chunked forward and backward);
+- ``mx.fast.gated_delta_update``, whose vjp runs through MLX's op loop;
+- mlx-lm's training path (``use_kernel=False``: ``gated_delta_ops``, a loop
+  of MLX ops per token).
+
+The peers keep states per token for their backward (about four: 17 GiB at
+T = 2048, 67 GiB at T = 8192), so they run only up to T = 2048 unless
+``--full``, and only where that fits in the memory available; a skipped cell
+says why.
+
+Ours is also timed backward alone (``mx.grad``: the gradient of this loss does
+not read y, so the forward primitive is not evaluated), and the products the
+backward computes (counted in ``backward_product_flops``) are divided by that
+time and compared with NumPy's float32 GEMM measured in the same run.
+
+Whole layer: one training step (``nn.value_and_grad`` over the layer's
+parameters, loss = sum of the output) of our ``nn.GatedDeltaNet`` against
+mlx-lm's stock ``Qwen3NextGatedDeltaNet`` holding the same weights.
+
+Times are medians of the repeats after a warm-up call (the peers: no warm-up
+and few repeats, each call takes seconds to minutes); peak memory is
+``mx.get_peak_memory`` over one step after a reset (it includes the inputs).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from .bench import (
+    PEERS_MAX_T_UNLESS_FULL,
+    best_rooflines,
+    cpu_model,
+    git_commit,
+    load_average,
+    measure_rooflines,
+)
 from .ops import gated_delta_update
 
 SHAPE = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
+TOKENS = (512, 2048, 8192)
+QUICK_TOKENS = (512, 2048)
+CHUNK = 64
 MiB = 1 << 20
+NAMES = ("q", "k", "v", "gamma", "beta", "state")
 
 
 def make_inputs(tokens: int, seed: int = 0):
@@ -47,14 +86,6 @@ def make_inputs(tokens: int, seed: int = 0):
     )
 
 
-def training_step(op):
-    def loss(q, k, v, gamma, beta, state):
-        y, final = op(q, k, v, gamma, beta, state)
-        return y.astype(mx.float32).sum() + final.sum()
-
-    return mx.grad(loss, argnums=tuple(range(6)))
-
-
 def ours(q, k, v, gamma, beta, state):
     return gated_delta_update(q, k, v, gamma, beta, state, stream=mx.cpu)
 
@@ -63,10 +94,47 @@ def mlx_fast(q, k, v, gamma, beta, state):
     return mx.fast.gated_delta_update(q, k, v, gamma, beta, state, stream=mx.cpu)
 
 
-def measure(op, inputs, repeats: int):
-    step = training_step(op)
-    args = [inputs[n] for n in ("q", "k", "v", "gamma", "beta", "state")]
-    mx.eval(step(*args))  # warm-up
+def mlx_lm_ops(q, k, v, gamma, beta, state):
+    # mlx-lm's training path: gated_delta_update(use_kernel=False) runs this
+    # loop on its gates (the linear decay and beta); the gate math before it
+    # is not part of the core op.
+    from mlx_lm.models.gated_delta import gated_delta_ops
+
+    return gated_delta_ops(q, k, v, gamma, beta, state)
+
+
+IMPLEMENTATIONS = (
+    ("ours", ours),
+    ("mx.fast vjp", mlx_fast),
+    ("mlx-lm ops", mlx_lm_ops),
+)
+
+
+def _loss(op):
+    def loss(q, k, v, gamma, beta, state):
+        y, final = op(q, k, v, gamma, beta, state)
+        return y.astype(mx.float32).sum() + final.sum()
+
+    return loss
+
+
+def training_step(op):
+    """Forward and backward: the loss value and every gradient."""
+    return mx.value_and_grad(_loss(op), argnums=tuple(range(6)))
+
+
+def backward_step(op):
+    """The gradients alone: for this loss, the backward without the forward."""
+    return mx.grad(_loss(op), argnums=tuple(range(6)))
+
+
+def measure(step, args, repeats: int, warm_up: bool = True):
+    """(median seconds, peak bytes) of mx.eval(step(*args)). MLX's buffer
+    cache is emptied first: a peer's gigabytes of freed states would otherwise
+    stay held and count against the next peer's memory check."""
+    mx.clear_cache()
+    if warm_up:
+        mx.eval(step(*args))
     times, peaks = [], []
     for _ in range(repeats):
         mx.reset_peak_memory()
@@ -77,24 +145,275 @@ def measure(op, inputs, repeats: int):
     return statistics.median(times), max(peaks)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    mx.set_default_device(mx.cpu)
-    print("T      impl                    fwd+bwd ms (median)   peak MiB")
-    for tokens in args.tokens:
+def backward_product_flops(tokens: int, batch: int = 1, **shape) -> int:
+    """The FLOPs of the matrix products of our chunked backward (scalar gates)
+    at this shape, as csrc/cpu/chunked_backward.cpp computes them: an m x n x k
+    product is 2 m n k, one that a triangle halves is m n k. Per chunk of L
+    tokens and value head: boundary_states (the exit state for all chunks but
+    the last), chunk_qk again, and the five backward stages."""
+    shape = {**SHAPE, **shape}
+    K, V = shape["key_dim"], shape["value_dim"]
+
+    def full(m, n, k):
+        return 2 * m * n * k
+
+    def half(m, n, k):
+        return m * n * k
+
+    total = 0
+    chunks = -(-tokens // CHUNK)
+    for c in range(chunks):
+        L = min(CHUNK, tokens - c * CHUNK)
+        solve = L**3 // 3  # the triangular inverse, row by row
+        w_u = half(L, V, L) + half(L, K, L)
+        total += half(L, L, K) + solve + w_u + full(L, V, K)  # boundary_states
+        if c + 1 < chunks:
+            total += full(K, V, L)  # the exit state
+        total += half(L, L, K)  # chunk_qk
+        total += half(L, V, L) + half(L, L, V) + 2 * half(L, K, L)  # chunk_output_backward
+        total += 6 * full(L, K, V)  # chunk_carry_backward
+        total += half(L, L, V) + half(L, L, K) + half(L, V, L) + half(L, K, L)  # recompute_w_u_b.
+        total += 2 * half(L, L, L) + 2 * half(L, K, L)  # kkt_inverse_backward
+    return total * batch * shape["value_heads"]
+
+
+def io_bytes(inputs: dict) -> int:
+    """The bytes of one step's inputs and outputs: the six inputs, y and the
+    final state, and the six gradients (each the size of its input)."""
+    inputs_bytes = sum(inputs[n].nbytes for n in NAMES)
+    return 2 * inputs_bytes + inputs["v"].nbytes + inputs["state"].nbytes
+
+
+def backward_scratch_bytes(tokens: int, threads: int) -> int:
+    """What our CPU backward allocates outside MLX's allocator, which
+    mx.get_peak_memory does not see: the per-value-head float32 dq and dk
+    ([B, T, Hv, Dk] each, summed over the value heads at the end), and per
+    thread one problem's chunk store (per chunk the entry state, K K^T, T, W and
+    V') and chunk scratch (under 2 MiB)."""
+    Hv, Dk, Dv = SHAPE["value_heads"], SHAPE["key_dim"], SHAPE["value_dim"]
+    per_head_grads = 2 * tokens * Hv * Dk * 4
+    per_chunk = (Dk * Dv + 2 * CHUNK * CHUNK + CHUNK * (Dk + Dv)) * 4
+    return per_head_grads + threads * (-(-tokens // CHUNK) * per_chunk + 2 * MiB)
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peer_skip_reason(tokens: int, full: bool) -> str | None:
+    """Why a peer is not run at this length, or None to run it. A peer's
+    backward holds about four float32 states per token, T Hv Dv Dk each (MLX
+    core's vjp peaked at 16.8 GiB at T = 2048, where one state per token is 4
+    GiB); it runs only where that fits in the memory available now."""
+    states = tokens * SHAPE["value_heads"] * SHAPE["value_dim"] * SHAPE["key_dim"] * 4
+    if tokens > PEERS_MAX_T_UNLESS_FULL and not full:
+        return f"skipped: T > {PEERS_MAX_T_UNLESS_FULL} needs --full"
+    available = available_memory_bytes()
+    if available is not None and 4 * states > available:
+        return (
+            f"skipped: needs about {4 * states / 2**30:.0f} GiB, "
+            f"{available / 2**30:.0f} GiB available"
+        )
+    return None
+
+
+def peer_repeats(tokens: int, quick: bool) -> int:
+    return 1 if quick or tokens > 512 else 2
+
+
+def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
+    rows = []
+    repeats = 3 if quick else 5
+    for tokens in tokens_list:
         inputs = make_inputs(tokens)
         mx.eval(inputs)
-        for name, op in (("mlx_gated_delta", ours), ("mx.fast (op-loop vjp)", mlx_fast)):
-            seconds, peak = measure(op, inputs, args.repeats)
-            print(
-                f"{tokens:<6} {name:<23} {seconds * 1e3:>12.1f}          {peak / MiB:>9.1f}",
-                flush=True,
-            )
-    return 0
+        args = [inputs[n] for n in NAMES]
+        row = {"T": tokens, "io_bytes": io_bytes(inputs), "cells": {}}
+        for name, op in IMPLEMENTATIONS:
+            progress(f"core T={tokens} {name}")
+            skip = None if name == "ours" else peer_skip_reason(tokens, full)
+            if skip:
+                row["cells"][name] = {"skipped": skip}
+                continue
+            is_ours = name == "ours"
+            n = repeats if is_ours else peer_repeats(tokens, quick)
+            seconds, peak = measure(training_step(op), args, n, warm_up=is_ours)
+            row["cells"][name] = {"ms": seconds * 1e3, "peak_bytes": peak, "repeats": n}
+        progress(f"core T={tokens} ours backward alone")
+        seconds, peak = measure(backward_step(ours), args, repeats)
+        flops = backward_product_flops(tokens)
+        row["backward"] = {
+            "ms": seconds * 1e3,
+            "peak_bytes": peak,
+            "scratch_bytes": backward_scratch_bytes(tokens, os.cpu_count() or 1),
+            "product_flops": flops,
+            "flop_per_s": flops / seconds,
+        }
+        rows.append(row)
+        del inputs, args
+    return rows
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def _layers(dtype):
+    from mlx_lm.models import qwen3_next
+
+    from .bench_layer import QWEN3_NEXT_LAYER
+    from .nn import GatedDeltaNet
+
+    mx.random.seed(0)
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
+    stock.set_dtype(dtype)
+    patched = GatedDeltaNet(QWEN3_NEXT_LAYER)
+    patched.update(stock.parameters())
+    mx.eval(stock.parameters())
+    return patched, stock
+
+
+def layer_step(layer):
+    import mlx.nn as nn
+
+    def loss(model, x):
+        return model(x).astype(mx.float32).sum()
+
+    grad = nn.value_and_grad(layer, loss)
+    return lambda x: grad(layer, x)
+
+
+def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
+    from .bench_layer import QWEN3_NEXT_LAYER
+
+    patched, stock = _layers(mx.bfloat16)
+    rows = []
+    repeats = 3 if quick else 5
+    for tokens in tokens_list:
+        x = mx.random.normal((1, tokens, QWEN3_NEXT_LAYER.hidden_size)).astype(mx.bfloat16)
+        mx.eval(x)
+        row = {"T": tokens, "cells": {}}
+        for name, layer in (("ours (patched layer)", patched), ("mlx-lm stock layer", stock)):
+            progress(f"layer T={tokens} {name}")
+            is_ours = name.startswith("ours")
+            skip = None if is_ours else peer_skip_reason(tokens, full)
+            if skip:
+                row["cells"][name] = {"skipped": skip}
+                continue
+            n = repeats if is_ours else peer_repeats(tokens, quick)
+            seconds, peak = measure(layer_step(layer), [x], n, warm_up=is_ours)
+            row["cells"][name] = {"ms": seconds * 1e3, "peak_bytes": peak, "repeats": n}
+        rows.append(row)
+    return rows
+
+
+def _cell(cell: dict) -> str:
+    if "skipped" in cell:
+        return cell["skipped"]
+    return f"{cell['ms']:.0f} ms, {cell['peak_bytes'] / MiB:.0f} MiB (x{cell['repeats']})"
+
+
+def _speedup(row: dict, peer: str, ours_name: str = "ours") -> str:
+    cells = row["cells"]
+    if "ms" not in cells.get(peer, {}):
+        return "-"
+    return f"{cells[peer]['ms'] / cells[ours_name]['ms']:.1f}x"
+
+
+def report_text(record: dict) -> str:
+    gemm = record["roofline"]["gemm"]["flop_per_s"]
+    lines = [
+        f"Training step (forward + backward), CPU: {record['machine']['cpu_model']}, "
+        f"{record['machine']['cores']} cores; load average {record['machine']['load_before']} "
+        f"before, {record['machine']['load_after']} after",
+        "Core op, Qwen3-Next shape (Hk=16, Hv=32, Dk=Dv=128, B=1), bf16 activations; "
+        "median ms per step, peak MiB, (timed repeats)",
+        "",
+        f"{'T':>5}  {'ours':<26}{'mx.fast vjp':<34}{'mlx-lm ops (use_kernel=False)':<40}"
+        f"{'vs mx.fast':>11}{'vs mlx-lm':>11}",
+    ]
+    for row in record["core_rows"]:
+        c = row["cells"]
+        lines.append(
+            f"{row['T']:>5}  {_cell(c['ours']):<26}{_cell(c['mx.fast vjp']):<34}"
+            f"{_cell(c['mlx-lm ops']):<40}{_speedup(row, 'mx.fast vjp'):>11}"
+            f"{_speedup(row, 'mlx-lm ops'):>11}"
+        )
+    lines += [
+        "",
+        "Our backward alone (mx.grad: the forward is not evaluated): its matrix products' "
+        f"FLOPs over its median time, against NumPy's float32 GEMM ({gemm / 1e9:.0f} GFLOP/s, "
+        f"{record['roofline']['gemm']['n']}^3, the better of before and after the rows)",
+        "peak: MLX's peak over the step; + scratch: with what the backward allocates "
+        "outside MLX (bench_train.backward_scratch_bytes); io: the step's inputs, outputs and "
+        "gradients",
+        f"{'T':>5}  {'backward ms':>12}{'GFLOP':>9}{'GFLOP/s':>9}{'of GEMM':>9}"
+        f"{'peak MiB':>10}{'+ scratch':>11}{'io MiB':>8}{'(peak+scratch)/io':>19}",
+    ]
+    for row in record["core_rows"]:
+        b = row["backward"]
+        lines.append(
+            f"{row['T']:>5}  {b['ms']:>12.0f}{b['product_flops'] / 1e9:>9.1f}"
+            f"{b['flop_per_s'] / 1e9:>9.1f}{b['flop_per_s'] / gemm:>9.0%}"
+            f"{b['peak_bytes'] / MiB:>10.0f}{(b['peak_bytes'] + b['scratch_bytes']) / MiB:>11.0f}"
+            f"{row['io_bytes'] / MiB:>8.0f}"
+            f"{(b['peak_bytes'] + b['scratch_bytes']) / row['io_bytes']:>19.2f}"
+        )
+    lines += [
+        "",
+        "Whole layer (Qwen3-Next GatedDeltaNet, hidden 2048, bf16): one training step "
+        "(value_and_grad over the layer's parameters)",
+        f"{'T':>5}  {'ours (patched layer)':<30}{'mlx-lm stock layer':<40}{'speed-up':>10}",
+    ]
+    for row in record["layer_rows"]:
+        c = row["cells"]
+        lines.append(
+            f"{row['T']:>5}  {_cell(c['ours (patched layer)']):<30}"
+            f"{_cell(c['mlx-lm stock layer']):<40}"
+            f"{_speedup(row, 'mlx-lm stock layer', 'ours (patched layer)'):>10}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The --train benchmark of `python -m mlx_gated_delta bench`."""
+    mx.set_default_device(mx.cpu)
+    quick = getattr(args, "quick", False)
+    full = getattr(args, "full", False)
+    tokens_list = QUICK_TOKENS if quick else TOKENS
+
+    def progress(label):
+        print(f"... {label}", file=sys.stderr, flush=True)
+
+    load_before = load_average()
+    progress("GEMM roofline (before the rows)")
+    before = measure_rooflines()
+    core = core_rows(tokens_list, quick, full, progress)
+    layer = layer_rows(tokens_list, quick, full, progress)
+    progress("GEMM roofline (after the rows)")
+    roofline = best_rooflines(before, measure_rooflines())
+    record = {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "machine": {
+            "cpu_model": cpu_model(),
+            "cores": os.cpu_count(),
+            "load_before": load_before,
+            "load_after": load_average(),
+        },
+        "versions": {"mlx": mx.__version__},
+        "git_commit": git_commit(),
+        "roofline": roofline,
+        "core_rows": core,
+        "layer_rows": layer,
+    }
+    text = report_text(record)
+    out = Path(getattr(args, "out", "benchmarks/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_results.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "train_results.txt").write_text(text + "\n")
+    print(text)
+    print(f"\nwrote {out / 'train_results.json'}, {out / 'train_results.txt'}")
+    return record

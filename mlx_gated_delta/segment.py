@@ -70,8 +70,8 @@ def gated_delta_segment(
     the norm weight, the conv state and the state) for the cotangents of all
     three outputs, each in its input's dtype; skipped (masked) tokens get
     zero gradient. The conv, gates and norm are differentiated as float32
-    MLX ops and the recurrence through the core op's chunked backward. CPU
-    only for now (``stream=mx.cpu``); on the GPU the backward raises.
+    MLX ops and the recurrence through the core op's backward, on the CPU
+    and on the GPU (Metal kernels for key dims up to 256).
     ``mx.vmap`` maps over the packed input, the states and the mask (not
     over the parameters).
     """

@@ -10,7 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlx_gated_delta import reference
 from mlx_gated_delta.reference import (
+    gated_delta_rule_chunked_reference_vjp,
     gated_delta_rule_reference,
     gated_delta_rule_reference_vjp,
     gated_delta_update_reference,
@@ -265,3 +267,104 @@ def test_the_per_key_check_sees_a_gate_gradient_summed_over_the_channels():
     lumped = np.broadcast_to(grads["g"].mean(axis=-1, keepdims=True), grads["g"].shape)
     with pytest.raises(AssertionError, match="violated"):
         assert_matches("dg", lumped, expected["g"], *fd_contract("g"))
+
+
+CHUNKED_PREFIX = "reference.chunked_grad.v1.float64"
+CHUNKED_FINGERPRINTS = {
+    "activation_grad": "430098ab4b86f524285c91151a790e731bf46e0a2205185305478ab6fc892838",
+    "gate_grad": "ed386b0e3c193cb106c4113ee81979abcc2ced7b4ce1b83bf3e58f1f09742a40",
+    "state_grad": "3cfe90015018cbcd6a593df014de7313c6523106b8080cc4b901bb1af47d4e20",
+}
+
+
+def chunked_and_recurrent(seed, tokens, chunk_size, **options):
+    inputs, mask, weights = make_inputs(
+        seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=2,
+        ratio=2,
+        key_dim=5,
+        value_dim=3,
+        mask_kind=options.pop("mask_kind", "none"),
+    )
+    options = dict(options, mask=mask, y_cotangent=weights["y"], state_cotangent=weights["state"])
+    chunked = gated_delta_rule_chunked_reference_vjp(**inputs, **options, chunk_size=chunk_size)
+    recurrent = gated_delta_rule_reference_vjp(**inputs, **options)
+    return chunked, recurrent
+
+
+def assert_chunked_matches(chunked, recurrent):
+    for name, value in chunked.items():
+        kind = TENSOR_KIND[name]
+        assert_matches(
+            f"d{name}",
+            value,
+            recurrent[name],
+            f"{CHUNKED_PREFIX}.{kind}",
+            CHUNKED_FINGERPRINTS[kind],
+        )
+
+
+@settings(max_examples=25)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 40),
+    chunk_size=st.sampled_from((1, 4, 7, 64)),
+    head_mapping=st.sampled_from(("grouped", "interleaved")),
+    normalize_qk=st.booleans(),
+    mask_kind=st.sampled_from(("none", "random")),
+    scale=st.sampled_from((None, 0.7)),
+)
+def test_chunked_backward_stages_match_the_recurrent_backward(
+    seed, tokens, chunk_size, head_mapping, normalize_qk, mask_kind, scale
+):
+    """The float64 stages of the chunked backward (docs/numerics.md, "The
+    chunked backward") give the recurrence's gradient, over chunk sizes that
+    cut the tokens into many chunks, a short last one, or one."""
+    chunked, recurrent = chunked_and_recurrent(
+        seed,
+        tokens,
+        chunk_size,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        mask_kind=mask_kind,
+        scale=scale,
+    )
+    assert set(chunked) == {"q", "k", "v", "g", "beta", "state"}
+    assert_chunked_matches(chunked, recurrent)
+
+
+def forwards_cumsum(original):
+    """gate_cumsum_backward broken: the reverse cumulative sum taken forwards."""
+    return lambda d_log: np.cumsum(d_log, axis=-1)
+
+
+def without_decay_terms(original):
+    """kkt_inverse_backward broken: A's terms of the decay gradient dropped."""
+
+    def stage(*args):
+        dk, dbeta, d_log = original(*args)
+        return dk, dbeta, np.zeros_like(d_log)
+
+    return stage
+
+
+@pytest.mark.parametrize(
+    "stage, breaking",
+    (("gate_cumsum_backward", forwards_cumsum), ("kkt_inverse_backward", without_decay_terms)),
+)
+def test_the_chunked_check_sees_a_broken_stage(monkeypatch, stage, breaking):
+    monkeypatch.setattr(reference, stage, breaking(getattr(reference, stage)))
+    chunked, recurrent = chunked_and_recurrent(3, 20, 8)
+    with pytest.raises(AssertionError, match="dg"):
+        assert_chunked_matches(chunked, recurrent)
+
+
+def test_the_chunked_reference_refuses_wipes():
+    inputs, _, _ = make_inputs(
+        0, batch=1, tokens=4, key_heads=1, ratio=1, key_dim=2, value_dim=2, mask_kind="none"
+    )
+    inputs["g"][0, 1, 0] = -np.inf
+    with pytest.raises(ValueError, match="no wipes"):
+        gated_delta_rule_chunked_reference_vjp(**inputs)

@@ -3,6 +3,7 @@
 #include <optional>
 #include <stdexcept>
 
+#include "core/dispatch.h"
 #include "cpu/backward.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -24,6 +25,7 @@ enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
 template <typename T>
 void run_cpu(
     const GatedDeltaParams& p,
+    Algorithm algorithm,
     const std::vector<mx::array>& in,
     std::vector<mx::array>& out) {
   const size_t cotangents = p.has_mask ? kMask + 1 : kMask;
@@ -44,7 +46,7 @@ void run_cpu(
       out[kDDecay].data<float>(),
       out[kDbeta].data<float>(),
       out[kDstate].data<float>()};
-  cpu::gated_delta_backward<T>(p, buffers);
+  cpu::gated_delta_backward<T>(p, algorithm, buffers);
 }
 
 // Gradients in their inputs' dtypes: q, k and v in the activation dtype; the
@@ -93,6 +95,9 @@ GatedDeltaParams GatedDeltaRuleVJP::params_for(
 void GatedDeltaRuleVJP::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
+  const Algorithm algorithm = algorithm_ == Algorithm::Auto
+      ? resolve_cpu_backward_algorithm(p)
+      : algorithm_;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
@@ -107,22 +112,23 @@ void GatedDeltaRuleVJP::eval_cpu(
   for (const auto& input : inputs) {
     in.push_back(mx::array::unsafe_weak_copy(input));
   }
-  encoder.dispatch([p, in = std::move(in), out = std::move(out)]() mutable {
-    switch (in[kV].dtype()) {
-      case mx::float32:
-        run_cpu<float>(p, in, out);
-        break;
-      case mx::float16:
-        run_cpu<mx::float16_t>(p, in, out);
-        break;
-      case mx::bfloat16:
-        run_cpu<mx::bfloat16_t>(p, in, out);
-        break;
-      default:
-        throw std::runtime_error(
-            "GatedDeltaRuleVJP: unsupported activation dtype");
-    }
-  });
+  encoder.dispatch(
+      [p, algorithm, in = std::move(in), out = std::move(out)]() mutable {
+        switch (in[kV].dtype()) {
+          case mx::float32:
+            run_cpu<float>(p, algorithm, in, out);
+            break;
+          case mx::float16:
+            run_cpu<mx::float16_t>(p, algorithm, in, out);
+            break;
+          case mx::bfloat16:
+            run_cpu<mx::bfloat16_t>(p, algorithm, in, out);
+            break;
+          default:
+            throw std::runtime_error(
+                "GatedDeltaRuleVJP: unsupported activation dtype");
+        }
+      });
 }
 
 void GatedDeltaRuleVJP::eval_gpu(
@@ -167,7 +173,12 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRuleVJP::vmap(
       output_shapes(folded),
       output_dtypes(folded),
       std::make_shared<GatedDeltaRuleVJP>(
-          stream(), scale_, head_mapping_, normalize_qk_, has_mask_),
+          stream(),
+          scale_,
+          head_mapping_,
+          normalize_qk_,
+          has_mask_,
+          algorithm_),
       folded);
   for (auto& out : outputs) {
     mx::Shape shape = out.shape();
@@ -181,7 +192,8 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRuleVJP::vmap(
 bool GatedDeltaRuleVJP::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GatedDeltaRuleVJP&>(other);
   return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
-      normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_;
+      normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
+      algorithm_ == o.algorithm_;
 }
 
 std::vector<mx::Shape> GatedDeltaRuleVJP::output_shapes(
@@ -195,6 +207,7 @@ std::vector<mx::array> gated_delta_rule_vjp(
     HeadMapping head_mapping,
     bool normalize_qk,
     bool has_mask,
+    Algorithm algorithm,
     bool has_linear_gate,
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
@@ -210,7 +223,7 @@ std::vector<mx::array> gated_delta_rule_vjp(
       gradient_shapes(inputs),
       output_dtypes(inputs),
       std::make_shared<GatedDeltaRuleVJP>(
-          stream, scale, head_mapping, normalize_qk, has_mask),
+          stream, scale, head_mapping, normalize_qk, has_mask, algorithm),
       inputs);
   const int linear_gate = has_linear_gate ? (has_mask ? kMask + 1 : kMask) : -1;
   std::vector<mx::array> result;

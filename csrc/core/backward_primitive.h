@@ -12,6 +12,8 @@ namespace mlx_gated_delta {
 // inputs, so the backward recomputes what it needs (see cpu/backward.cpp).
 // Outputs: dq, dk, dv (in their inputs' dtypes), dg, d_decay (the gradient of
 // the linear decay exp(g)), dbeta and dstate, float32.
+// `algorithm` picks the backward's form: Recurrent, Chunked, or Auto (the CPU
+// resolves it per shape, resolve_cpu_backward_algorithm in core/dispatch.h).
 class GatedDeltaRuleVJP : public mlx::core::Primitive {
  public:
   GatedDeltaRuleVJP(
@@ -19,12 +21,14 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
       float scale,
       HeadMapping head_mapping,
       bool normalize_qk,
-      bool has_mask)
+      bool has_mask,
+      Algorithm algorithm)
       : mlx::core::Primitive(stream),
         scale_(scale),
         head_mapping_(head_mapping),
         normalize_qk_(normalize_qk),
-        has_mask_(has_mask) {}
+        has_mask_(has_mask),
+        algorithm_(algorithm) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -51,6 +55,7 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
   HeadMapping head_mapping_;
   bool normalize_qk_;
   bool has_mask_;
+  Algorithm algorithm_;
 };
 
 // GatedDeltaRule's vjp: the gradients of the requested primals. `primals`
@@ -58,12 +63,14 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
 // [, linear_gate]; the optional linear gate (gated_delta_update's gamma, of
 // which g = log(gamma) is the unread-for-gradient copy) receives the
 // gradient of the linear decay, finite and exact where gamma == 0.
+// `algorithm` is the one the forward call asked for (Auto unless explicit).
 std::vector<mlx::core::array> gated_delta_rule_vjp(
     mlx::core::Stream stream,
     float scale,
     HeadMapping head_mapping,
     bool normalize_qk,
     bool has_mask,
+    Algorithm algorithm,
     bool has_linear_gate,
     const std::vector<mlx::core::array>& primals,
     const std::vector<mlx::core::array>& cotangents,

@@ -2,7 +2,6 @@
 
 #include "core/core_params.h"
 #include "core/core_primitive.h"
-#include "core/dispatch.h"
 #include "mlx/ops.h"
 #include "validation/arguments.h"
 
@@ -61,11 +60,6 @@ std::vector<mx::array> gated_delta_rule(
     }
     return empty;
   }
-  const Algorithm resolved =
-      (requested == Algorithm::Auto && stream.device == mx::Device::cpu)
-      ? resolve_cpu_algorithm(p)
-      : requested;
-
   // g and beta are read in float32: widening is exact, and they are never
   // rounded to the activation dtype.
   std::vector<mx::array> inputs = {
@@ -103,7 +97,10 @@ std::vector<mx::array> gated_delta_rule(
           p.head_mapping,
           p.normalize_qk,
           p.has_mask,
-          p.has_tree ? Algorithm::Recurrent : resolved,
+          // The requested algorithm, Auto included: eval_cpu and the Metal
+          // plan resolve Auto per shape, and the vjp passes an explicit
+          // choice on to the backward (Auto lets it choose its own form).
+          p.has_tree ? Algorithm::Recurrent : requested,
           checkpoints.has_value(),
           p.has_tree,
           linear_gate.has_value()),

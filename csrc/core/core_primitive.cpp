@@ -228,6 +228,7 @@ std::vector<mx::array> GatedDeltaRule::vjp(
       head_mapping_,
       normalize_qk_,
       has_mask_,
+      algorithm_,
       has_linear_gate_,
       primals,
       cotangents,

@@ -13,11 +13,12 @@ namespace mlx_gated_delta {
 // [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk] [, checkpoint states
 // [N, B, Hv, Dv, Dk]].
 // Carries only what changes the result: the shape-free options and the
-// algorithm (already resolved for the CPU; Auto on the GPU, where the Metal
-// plan chooses). With `has_linear_gate`, one last input follows: the linear
-// decay gamma of which g = log(gamma) was taken; the forward does not read it,
-// the vjp gives it the gradient of the linear decay (exact where gamma == 0,
-// where the chain rule through log would be 0 / 0).
+// requested algorithm (Auto: eval_cpu and the Metal plan resolve it per
+// shape; the vjp passes it to the backward, which resolves its own). With
+// `has_linear_gate`, one last input follows: the linear decay gamma of which g
+// = log(gamma) was taken; the forward does not read it, the vjp gives it the
+// gradient of the linear decay (exact where gamma == 0, where the chain rule
+// through log would be 0 / 0).
 class GatedDeltaRule : public mlx::core::Primitive {
  public:
   GatedDeltaRule(

@@ -18,6 +18,14 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
                                            : Algorithm::Chunked;
 }
 
+Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params) {
+  if (params.per_key_gates) {
+    return Algorithm::Recurrent;  // the chunked backward has scalar gates only
+  }
+  return params.tokens < kChunkedBackwardMinTokens ? Algorithm::Recurrent
+                                                   : Algorithm::Chunked;
+}
+
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
   // Trees and per-key gates: the recurrent kernels alone have them
   // (docs/metal.md).

@@ -14,6 +14,13 @@ namespace mlx_gated_delta {
 // docs/numerics.md, "Choosing the algorithm").
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params);
 
+// The backward's "auto" on the CPU: the recurrent form's reverse below
+// kChunkedBackwardMinTokens, the chunked WY form's from there on (the
+// crossover, measured on the Qwen3-Next shape: see docs/numerics.md,
+// "Choosing the algorithm"); per-key gates always run the recurrent reverse.
+constexpr int kChunkedBackwardMinTokens = 8;
+Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params);
+
 // What "auto" runs on Metal: recurrent for short sequences (decode and up to
 // one chunk, where the chunked form's extra passes cannot pay) and for key
 // dims the chunked stages do not cover; chunked otherwise.

@@ -1,5 +1,7 @@
-// The backward pass of the gated delta rule on the CPU, with O(T / 64)
-// states in memory.
+// The backward pass of the gated delta rule on the CPU in the recurrent form
+// (algorithm "recurrent", short calls and per-key gates), with O(T / 64)
+// states in memory; chunked_backward.cpp has the chunked WY form. Both end
+// in qk_grad_reduce, here.
 //
 // Per active token the forward is (a = exp(g), S is [Dv, Dk]):
 //   Sd = a S_prev;  p = Sd k;  d = beta (v - p);  S = Sd + d k^T;
@@ -36,40 +38,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <stdexcept>
 #include <vector>
 
+#include "cpu/backward_problem.h"
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"
 
 namespace mlx_gated_delta::cpu {
 
 namespace {
-
-// One (batch row, value head) problem: the addresses of its token 0.
-template <typename T>
-struct ProblemView {
-  const T* q;
-  const T* k;
-  const T* v;
-  const T* dy;
-  int64_t qk_token_stride;
-  int64_t v_token_stride;
-  const float* g;  // and dg, d_decay: [T, Hv] or, per key, [T, Hv, Dk]-strided
-  int64_t g_token_stride;
-  const float* beta;
-  const bool* mask;
-  int64_t gate_token_stride;  // of beta and dbeta
-  const float* state_in;
-  const float* state_cotangent;
-  float* dq_head;  // float32 scratch [T, Hv, Dk]-strided, like v
-  float* dk_head;
-  int64_t head_grad_token_stride;
-  T* dv;
-  float* dg;
-  float* d_decay;
-  float* dbeta;
-  float* dstate;
-};
 
 // The vectors of one token, in float32, q and k normalised as the forward
 // normalises them.
@@ -326,6 +304,26 @@ void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
   }
 }
 
+}  // namespace
+
+template <typename T>
+void recurrent_chunk_backward(
+    const GatedDeltaParams& p,
+    const ProblemView<T>& h,
+    int start,
+    int length,
+    const float* entry,
+    float* ds) {
+  const int64_t size = int64_t(p.value_dim) * p.key_dim;
+  TokenInputs x(p.key_dim, p.value_dim, p.per_key_gates);
+  std::vector<float> states((length + 1) * size);
+  std::copy(entry, entry + size, states.begin());
+  chunk_states(p, h, start, length, x, states.data());
+  chunk_backward(p, h, start, length, x, states.data(), ds);
+}
+
+namespace {
+
 // qk_grad_reduce for one (batch row, token, key head): the gradient c of the
 // normalised vector, summed over the value heads that read it, then through
 // x / n, n = sqrt(x.x + eps):  (c n^2 - x (x.c)) / n^3.
@@ -373,7 +371,15 @@ void qk_grad_reduce(
 
 template <typename T>
 void gated_delta_backward(
-    const GatedDeltaParams& p, const BackwardBuffers<T>& b) {
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    const BackwardBuffers<T>& b) {
+  if (algorithm == Algorithm::Auto) {
+    throw std::invalid_argument("gated_delta_backward: resolve Auto first");
+  }
+  // Per-key gates have the recurrent backward only (as in the forward, a
+  // decay per channel cannot be applied after the chunk's products).
+  const bool chunked = algorithm == Algorithm::Chunked && !p.per_key_gates;
   const int dk = p.key_dim, dv = p.value_dim;
   // The per-value-head gradients of the normalised q and k, float32.
   const int64_t head_grad_size =
@@ -417,7 +423,11 @@ void gated_delta_backward(
         b.dbeta + gate_offset,
         b.dstate + state_offset,
     };
-    problem_backward(p, view);
+    if (chunked) {
+      chunked_problem_backward(p, view);
+    } else {
+      problem_backward(p, view);
+    }
   });
 
   // One task per (batch row, chunk of tokens): every key head of those tokens.
@@ -443,10 +453,35 @@ void gated_delta_backward(
 }
 
 template void gated_delta_backward<float>(
-    const GatedDeltaParams&, const BackwardBuffers<float>&);
+    const GatedDeltaParams&, Algorithm, const BackwardBuffers<float>&);
+template void recurrent_chunk_backward<float>(
+    const GatedDeltaParams&,
+    const ProblemView<float>&,
+    int,
+    int,
+    const float*,
+    float*);
 template void gated_delta_backward<mlx::core::float16_t>(
-    const GatedDeltaParams&, const BackwardBuffers<mlx::core::float16_t>&);
+    const GatedDeltaParams&,
+    Algorithm,
+    const BackwardBuffers<mlx::core::float16_t>&);
+template void recurrent_chunk_backward<mlx::core::float16_t>(
+    const GatedDeltaParams&,
+    const ProblemView<mlx::core::float16_t>&,
+    int,
+    int,
+    const float*,
+    float*);
 template void gated_delta_backward<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const BackwardBuffers<mlx::core::bfloat16_t>&);
+    const GatedDeltaParams&,
+    Algorithm,
+    const BackwardBuffers<mlx::core::bfloat16_t>&);
+template void recurrent_chunk_backward<mlx::core::bfloat16_t>(
+    const GatedDeltaParams&,
+    const ProblemView<mlx::core::bfloat16_t>&,
+    int,
+    int,
+    const float*,
+    float*);
 
 }  // namespace mlx_gated_delta::cpu

@@ -24,10 +24,13 @@ constexpr int kTileRows = 6;
 #endif
 constexpr int kTileCols = 2 * kVectorFloats;
 
-// Lower-triangular structure a product can skip: LowerA when A is zero above
-// its diagonal (the inverse T, the decayed Q K^T), LowerC when only C's lower
-// triangle is wanted (the grams); half of those products' work.
-enum class Triangle { None, LowerA, LowerC };
+// Triangular structure a product can skip: LowerA when A is zero above its
+// diagonal (the inverse T, the decayed Q K^T), UpperA when A is zero below it
+// (their transposes, read through A's strides in the backward), LowerC when
+// only C's lower triangle is wanted (the grams); half of those products' work.
+// LowerC computes whole vectors, so some entries just above the diagonal are
+// written too: callers mask C's upper triangle themselves.
+enum class Triangle { None, LowerA, UpperA, LowerC };
 
 struct MatrixA {
   const float* data;
@@ -105,33 +108,46 @@ inline void gemm(
     float* c,
     int64_t ldc,
     Triangle triangle = Triangle::None) {
-  // A row block [m, m + rows) reaches column / key index m + rows - 1 at most.
+  // A row block [m, m + rows) reaches column / key index m + rows - 1 at
+  // most. LowerC rounds its columns up to whole vectors: a few more entries
+  // above the diagonal cost less than the narrow tail tiles they replace.
   auto rows_limit = [&](int m, int rows, int size, Triangle skip) {
-    return triangle == skip ? std::min(size, m + rows) : size;
+    if (triangle != skip) {
+      return size;
+    }
+    const int limit = m + rows;
+    const int rounded = skip == Triangle::LowerC
+        ? (limit + kVectorFloats - 1) / kVectorFloats * kVectorFloats
+        : limit;
+    return std::min(size, rounded);
   };
+  // UpperA: row m of A is zero before column m, so the sum starts there.
+  auto k_begin = [&](int m) { return triangle == Triangle::UpperA ? m : 0; };
   int m = 0;
   for (; m + kTileRows <= m_size; m += kTileRows) {
+    const int k0 = std::min(k_begin(m), k_size);
     gemm_rows<kTileRows>(
         rows_limit(m, kTileRows, n_size, Triangle::LowerC),
-        rows_limit(m, kTileRows, k_size, Triangle::LowerA),
+        rows_limit(m, kTileRows, k_size, Triangle::LowerA) - k0,
         alpha,
-        a.data + m * a.row_stride,
+        a.data + m * a.row_stride + k0 * a.k_stride,
         a.row_stride,
         a.k_stride,
-        b,
+        b + k0 * ldb,
         ldb,
         c + m * ldc,
         ldc);
   }
   for (; m < m_size; ++m) {
+    const int k0 = std::min(k_begin(m), k_size);
     gemm_rows<1>(
         rows_limit(m, 1, n_size, Triangle::LowerC),
-        rows_limit(m, 1, k_size, Triangle::LowerA),
+        rows_limit(m, 1, k_size, Triangle::LowerA) - k0,
         alpha,
-        a.data + m * a.row_stride,
+        a.data + m * a.row_stride + k0 * a.k_stride,
         a.row_stride,
         a.k_stride,
-        b,
+        b + k0 * ldb,
         ldb,
         c + m * ldc,
         ldc);

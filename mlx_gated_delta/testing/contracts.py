@@ -284,6 +284,11 @@ _GRADIENT_CONTRACTS = (
     # cancellation 2^-53 / h ~ 1e-10 relative, so 1e-6 leaves room for the
     # few hundred operations of a test case and still sees any wrong term.
     *_gradient_contracts("reference.finite_difference.v1.float64", 1e-6),
+    # The chunked backward's float64 stages against the float64 recurrence
+    # backward: two float64 computations of one gradient, different only by
+    # float64 rounding (the inverse T and sums over a chunk: well under 1e-10
+    # relative), while any wrong or missing term of the derivation is O(1).
+    *_gradient_contracts("reference.chunked_grad.v1.float64", 1e-10),
     # The kernels' gradients against the float64 reference backward, on the
     # same rounded inputs and cotangents (docs/contract.md, gradients: float32 to about
     # 1e-3). The backward accumulates in float32 whatever the activation

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_gated_delta import gated_delta_rule, gated_delta_update
+from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_update
 from mlx_gated_delta.reference import (
     gated_delta_rule_reference_vjp,
     gated_delta_update_reference_vjp,
@@ -60,6 +60,8 @@ FINGERPRINTS = {
 # reference backward, a Python loop over tokens.
 BUDGET = settings(max_examples=min(40, settings.default.max_examples))
 SMALL_BUDGET = settings(max_examples=min(15, settings.default.max_examples))
+# An explicit algorithm runs that form's backward too; "auto" picks by T.
+ALGORITHMS = ("auto", "recurrent", "chunked")
 SHORT_TOKENS = st.one_of(st.sampled_from(BOUNDARY_TOKENS[:7]), st.integers(1, 140))
 
 
@@ -76,13 +78,15 @@ def cotangents(case, seed=0):
     return wy, ws
 
 
-def case_gradients(case, wy, ws, *, algorithm="auto", use_y=True, use_state=True, transform=None):
+def case_gradients(
+    case, wy, ws, *, algorithm="auto", use_y=True, use_state=True, transform=None, stream=mx.cpu
+):
     """The gradients of the loss wrt every input the case has, as a dict."""
     names = [name for name in INPUTS if getattr(case, name) is not None]
 
     def loss(*arrays):
         y, state = gated_delta_rule(
-            **dict(zip(names, arrays)), **case.options, algorithm=algorithm, stream=mx.cpu
+            **dict(zip(names, arrays)), **case.options, algorithm=algorithm, stream=stream
         )
         total = mx.array(0.0)
         if use_y:
@@ -104,12 +108,30 @@ def assert_gradients_match(prefix, grads, expected):
         assert_matches(f"d{name}", grad, expected[name], *contract(prefix, name, grad))
 
 
+# The backward's devices: the CPU, and the GPU where there is one (the Metal
+# backward runs its recurrent form whatever `algorithm` says).
+DEVICES = ("cpu", "gpu") if mx.metal.is_available() else ("cpu",)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @BUDGET
-@given(case=core_cases(tokens=SHORT_TOKENS), which=st.sampled_from(("both", "y", "state")))
-def test_gradients_match_the_float64_reference(case, which):
+@given(
+    case=core_cases(tokens=SHORT_TOKENS),
+    which=st.sampled_from(("both", "y", "state")),
+    algorithm=st.sampled_from(ALGORITHMS),
+)
+def test_gradients_match_the_float64_reference(device, case, which, algorithm):
     wy, ws = cotangents(case)
     use_y, use_state = which in ("both", "y"), which in ("both", "state")
-    grads = case_gradients(case, wy, ws, use_y=use_y, use_state=use_state)
+    grads = case_gradients(
+        case,
+        wy,
+        ws,
+        algorithm=algorithm,
+        use_y=use_y,
+        use_state=use_state,
+        stream=getattr(mx, device),
+    )
     expected = gated_delta_rule_reference_vjp(
         *case.args(),
         y_cotangent=wy if use_y else None,
@@ -170,6 +192,7 @@ def test_split_gradients_equal_the_gradient_of_one_call(case, data):
 @SMALL_BUDGET
 @given(case=core_cases(dtypes=("float32",), tokens=SHORT_TOKENS))
 def test_gradients_agree_between_the_algorithms(case):
+    """The recurrent form's backward against the chunked WY form's."""
     wy, ws = cotangents(case)
     recurrent = case_gradients(case, wy, ws, algorithm="recurrent")
     chunked = case_gradients(case, wy, ws, algorithm="chunked")
@@ -177,6 +200,43 @@ def test_gradients_agree_between_the_algorithms(case):
         assert_matches(
             f"d{name}", grad, recurrent[name], *contract("core_grad.algorithms.v1", name, grad)
         )
+
+
+def test_the_algorithms_run_different_backwards():
+    """Probe of the property above: an explicit algorithm reaches the
+    backward, so the two forms' gradients differ in their rounding (one
+    backward run twice would agree bit for bit and the property would compare
+    nothing), while each agrees with the float64 reference."""
+    case = make_core_case(
+        3, batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=16, value_dim=8
+    )
+    wy, ws = cotangents(case)
+    recurrent = case_gradients(case, wy, ws, algorithm="recurrent")
+    chunked = case_gradients(case, wy, ws, algorithm="chunked")
+    differing = [
+        name
+        for name in recurrent
+        if not np.array_equal(np.asarray(recurrent[name]), np.asarray(chunked[name]))
+    ]
+    assert set(differing) == set(recurrent), differing
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(), y_cotangent=wy, state_cotangent=ws, **case.options
+    )
+    assert_gradients_match("core_grad.oracle.v1", recurrent, expected)
+    assert_gradients_match("core_grad.oracle.v1", chunked, expected)
+
+
+def test_auto_backward_resolves_by_length():
+    """The backward's "auto" on the CPU: recurrent below its crossover length,
+    chunked from it on, per-key gates recurrent (core/dispatch.cpp)."""
+    shape = dict(batch=1, key_heads=16, value_heads=32, key_dim=128, value_dim=128)
+    crossover = _ext.CHUNKED_BACKWARD_MIN_TOKENS
+    assert _ext.resolve_cpu_backward_algorithm(tokens=crossover - 1, **shape) == "recurrent"
+    assert _ext.resolve_cpu_backward_algorithm(tokens=crossover, **shape) == "chunked"
+    assert (
+        _ext.resolve_cpu_backward_algorithm(tokens=4 * crossover, per_key_gates=True, **shape)
+        == "recurrent"
+    )
 
 
 @pytest.mark.parametrize("transform", ("compile", "vmap_of_grad", "grad_of_vmap"))
@@ -244,8 +304,34 @@ def test_gradients_under_compile_and_vmap(transform):
             )
 
 
+def update_with_algorithm(q, k, v, gamma, beta, state, algorithm):
+    """gated_delta_update (which always runs "auto") with an explicit
+    algorithm: the same core call, gamma passed as the linear gate."""
+    if algorithm == "auto":
+        return gated_delta_update(q, k, v, gamma, beta, state, stream=mx.cpu)
+    g = mx.log(mx.stop_gradient(gamma).astype(mx.float32))
+    return _ext.gated_delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        1.0,
+        "grouped",
+        None,
+        False,
+        algorithm,
+        mx.cpu,
+        g_name="gamma",
+        state_name="initial_state",
+        linear_gate=gamma,
+    )
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("tokens", (5, 130))
-def test_wipes_give_finite_exact_gradients(tokens):
+def test_wipes_give_finite_exact_gradients(tokens, algorithm):
     case = make_core_case(
         4,
         batch=2,
@@ -264,7 +350,7 @@ def test_wipes_give_finite_exact_gradients(tokens):
     )
 
     def loss(q, k, v, gamma, beta, state):
-        y, state = gated_delta_update(q, k, v, gamma, beta, state, stream=mx.cpu)
+        y, state = update_with_algorithm(q, k, v, gamma, beta, state, algorithm)
         return (y * wy).sum() + (state * ws).sum()
 
     grads = mx.grad(loss, argnums=tuple(range(6)))(
@@ -279,19 +365,7 @@ def test_wipes_give_finite_exact_gradients(tokens):
     # Through the log-space op: g = -inf at the wipes; dg is exactly 0 there.
     case.g = mx.where(mx.array(wipes), -mx.inf, case.g)
     case.options["scale"] = 1.0
-    rule = case_gradients(case, wy, ws)
+    rule = case_gradients(case, wy, ws, algorithm=algorithm)
     for name, grad in rule.items():
         assert np.all(np.isfinite(np.asarray(grad))), name
     assert np.all(np.asarray(rule["g"])[wipes] == 0.0)
-
-
-@pytest.mark.skipif(not mx.metal.is_available(), reason="no Metal GPU")
-def test_the_gradient_on_the_gpu_asks_for_the_cpu():
-    case = make_core_case(0, batch=1, tokens=4, key_heads=1, value_heads=1, key_dim=16, value_dim=8)
-
-    def loss(v):
-        y, _ = gated_delta_rule(case.q, case.k, v, case.g, case.beta, stream=mx.gpu)
-        return y.sum()
-
-    with pytest.raises(Exception, match="stream=mx.cpu"):
-        mx.eval(mx.grad(loss)(case.v))

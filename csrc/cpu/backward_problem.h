@@ -1,0 +1,57 @@
+// The pieces of the CPU backward shared by its two forms (backward.cpp, the
+// recurrent form; chunked_backward.cpp, the chunked WY form).
+#pragma once
+
+#include <cstdint>
+
+#include "core/core_params.h"
+
+namespace mlx_gated_delta::cpu {
+
+// One (batch row, value head) problem: the addresses of its token 0.
+template <typename T>
+struct ProblemView {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* dy;
+  int64_t qk_token_stride;
+  int64_t v_token_stride;
+  const float* g;  // and dg, d_decay: [T, Hv] or, per key, [T, Hv, Dk]-strided
+  int64_t g_token_stride;
+  const float* beta;
+  const bool* mask;
+  int64_t gate_token_stride;  // of beta and dbeta
+  const float* state_in;
+  const float* state_cotangent;
+  float* dq_head;  // float32 scratch [T, Hv, Dk]-strided, like v
+  float* dk_head;
+  int64_t head_grad_token_stride;
+  T* dv;
+  float* dg;
+  float* d_decay;
+  float* dbeta;
+  float* dstate;
+};
+
+// The chunked backward of one problem (chunked_backward.cpp): writes every
+// gradient of its tokens and its dstate, as problem_backward does.
+template <typename T>
+void chunked_problem_backward(
+    const GatedDeltaParams& p, const ProblemView<T>& h);
+
+// The recurrent form's reverse of the tokens [start, start + length) of one
+// problem, from the state entering them (`entry`, [Dv, Dk]); `ds` holds the
+// cotangent of the state after them on entry and before them on return. The
+// chunked backward runs a chunk this way when one of its decays is not a
+// normal float (a wipe), where its gate gradient would divide by the decay.
+template <typename T>
+void recurrent_chunk_backward(
+    const GatedDeltaParams& p,
+    const ProblemView<T>& h,
+    int start,
+    int length,
+    const float* entry,
+    float* ds);
+
+}  // namespace mlx_gated_delta::cpu

@@ -1,0 +1,259 @@
+// The stages of the chunked WY/UT form on the CPU, shared by the forward
+// (chunked.cpp) and the chunked backward (chunked_backward.cpp), which
+// recomputes W, U and the deltas of each chunk with the same functions.
+#pragma once
+
+#include <cmath>
+#include <vector>
+
+#include "cpu/kernel_common.h"
+#include "cpu/small_gemm.h"
+
+namespace mlx_gated_delta::cpu {
+
+// ---------------------------------------------------------------------------
+// Chunked WY/UT form, per chunk of L tokens with entry state S0 ([Dv, Dk]), as
+// a pipeline of the stages the Metal kernels and the float64 reference
+// (mlx_gated_delta/reference.py) name the same way (docs/numerics.md has the
+// math and the stage table):
+//   qk_norm        q, k rows loaded as float32 (and L2-normalised)
+//   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: the
+//                  chunk's start)
+//   k_gram         K K^T (lower triangle)
+//   chunk_qk       Q K^T (lower triangle)
+//   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i); T = (I + A)^-1
+//   recompute_w_u  U = T diag(beta) V,  W = T diag(beta decay(i,-1)) K
+//   chunk_carry    V' = U - W S0^T (the true deltas), the inter-chunk output
+//                  decay(i,-1) S0 q_i, and (chunk_carry_state, after
+//                  chunk_output) S_end = decay(L-1,-1) S0
+//                  + sum_j decay(L-1, j) V'_j k_j^T
+//   chunk_output   y_i = scale (inter_i + sum_{j<=i} decay(i,j) q_i.k_j V'_j)
+//   chunk_checkpoint  (only with checkpoints) the state after i tokens of the
+//                  chunk, decay(i-1,-1) S0 + sum_{j<i} decay(i-1, j) V'_j
+//                  k_j^T: chunk_carry's exit state cut at i (at i = L it is
+//                  that state)
+// Every stage is a product of small matrices (small_gemm.h). The state is held
+// transposed ([Dk, Dv]) while a problem runs, so that it is the row-major
+// right-hand operand of the products that read and update it.
+//
+// A decay that underflows to exactly 0 (g = -inf from gamma == 0) is a wipe:
+// decay(i, j) is 0 whenever a wipe lies in (j, i], decided by index, never by
+// subtracting cumulative logs across it (that would be -inf - -inf = NaN).
+class ChunkDecays {
+ public:
+  void compute(const float* g, const bool* active, int length) {
+    length_ = length;
+    for (int i = 0; i < length; ++i) {
+      const float gi = active[i] ? g[i] : 0.0f;
+      const bool wipe = std::exp(gi) == 0.0f;
+      const float previous_sum = i ? log_sum_[i - 1] : 0.0f;
+      log_sum_[i] = previous_sum + (wipe ? 0.0f : gi);
+      last_wipe_[i] = wipe ? i : (i ? last_wipe_[i - 1] : -1);
+    }
+  }
+  // decay(i, j) for -1 <= j <= i.
+  float operator()(int i, int j) const {
+    if (last_wipe_[i] > j) {
+      return 0.0f;
+    }
+    return std::exp(log_sum_[i] - (j >= 0 ? log_sum_[j] : 0.0f));
+  }
+  float from_start(int i) const {
+    return (*this)(i, -1);
+  }
+  float to_end(int j) const {
+    return (*this)(length_ - 1, j);
+  }
+  float log_sum(int i) const {
+    return log_sum_[i];
+  }
+  int last_wipe(int i) const {
+    return last_wipe_[i];
+  }
+  // matrix[i * kChunkSize + j] = decay(i, j) for j <= i, 0 above the diagonal.
+  void lower_matrix(float* matrix) const {
+    for (int i = 0; i < length_; ++i) {
+      float* row = matrix + i * kChunkSize;
+      const float log_sum_i = log_sum_[i];
+      const int last_wipe = last_wipe_[i];
+#pragma omp simd
+      for (int j = 0; j <= i; ++j) {
+        const float value = std::exp(log_sum_i - log_sum_[j]);
+        row[j] = j < last_wipe ? 0.0f : value;
+      }
+      for (int j = i + 1; j < length_; ++j) {
+        row[j] = 0.0f;
+      }
+    }
+  }
+
+ private:
+  int length_ = 0;
+  float log_sum_[kChunkSize];
+  int last_wipe_[kChunkSize];
+};
+
+// Per-key gates: the same decays per key channel c, decay(i, j, c) =
+// exp(G_ic - G_jc) over the channel's finite g, 0 if a wipe of channel c lies
+// in (j, i]. Every factor is formed for one pair (j, i] directly, never as a
+// ratio exp(G_i) / exp(G_j) of two factors from the chunk's start, so its
+// exponent is the sum of the g in (j, i], at most 0 for decays: no factor
+// overflows however strong the decay (docs/numerics.md).
+class KeyChunkDecays {
+ public:
+  void compute(
+      const float* g,
+      int64_t token_stride,
+      const bool* active,
+      int length,
+      int dk) {
+    length_ = length;
+    dk_ = dk;
+    log_sum_.resize(size_t(kChunkSize) * dk);
+    last_wipe_.resize(size_t(kChunkSize) * dk);
+    for (int i = 0; i < length; ++i) {
+      for (int c = 0; c < dk; ++c) {
+        const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
+        const bool wipe = std::exp(gi) == 0.0f;
+        const size_t e = size_t(i) * dk + c;
+        const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
+        log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
+        last_wipe_[e] = wipe ? i : (i ? last_wipe_[e - dk] : -1);
+      }
+    }
+  }
+  // decay(i, j, c) for -1 <= j <= i.
+  float operator()(int i, int j, int c) const {
+    const size_t e = size_t(i) * dk_ + c;
+    if (last_wipe_[e] > j) {
+      return 0.0f;
+    }
+    return std::exp(
+        log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
+  }
+  // The decayed grams of the chunk, for j <= i (0 above the diagonal):
+  //   k_gram[i, j] = sum_c k_ic k_jc decay(i, j, c)   (j < i; the diagonal 0)
+  //   qk[i, j]     = sum_c q_ic k_jc decay(i, j, c)
+  // The decay cannot be applied after the products as with one decay per
+  // head, so each pair's factors are formed once and shared by both grams.
+  void decayed_grams(
+      const float* q, const float* k, float* k_gram, float* qk) const {
+    constexpr int C = kChunkSize;
+    std::vector<float> factor(dk_);
+    for (int i = 0; i < length_; ++i) {
+      const float* q_i = q + size_t(i) * dk_;
+      const float* k_i = k + size_t(i) * dk_;
+      for (int j = 0; j <= i; ++j) {
+        for (int c = 0; c < dk_; ++c) {
+          factor[c] = (*this)(i, j, c);
+        }
+        const float* k_j = k + size_t(j) * dk_;
+        float kk = 0.0f, qk_sum = 0.0f;
+#pragma omp simd reduction(+ : kk, qk_sum)
+        for (int c = 0; c < dk_; ++c) {
+          const float decayed_k = factor[c] * k_j[c];
+          kk += k_i[c] * decayed_k;
+          qk_sum += q_i[c] * decayed_k;
+        }
+        k_gram[i * C + j] = j < i ? kk : 0.0f;
+        qk[i * C + j] = qk_sum;
+      }
+      for (int j = i + 1; j < length_; ++j) {
+        k_gram[i * C + j] = 0.0f;
+        qk[i * C + j] = 0.0f;
+      }
+    }
+  }
+
+ private:
+  int length_ = 0;
+  int dk_ = 0;
+  std::vector<float> log_sum_;  // [L, Dk]
+  std::vector<int> last_wipe_;  // [L, Dk]
+};
+
+// Scratch of one task. Row strides: Dk for [L, Dk], Dv for [L, Dv],
+// kChunkSize for [L, L] and for the transposed keys [Dk, L]. The first group
+// depends only on the key head and is shared by the value heads that read it;
+// the rest is one value head's work on one chunk.
+struct ChunkScratch {
+  ChunkScratch(int dk, int dv)
+      : q(kChunkSize * dk),
+        k(kChunkSize * dk),
+        k_transposed(dk * kChunkSize),
+        k_gram(kChunkSize * kChunkSize),
+        qk(kChunkSize * kChunkSize),
+        scaled_k(kChunkSize * dk),
+        w(kChunkSize * dk),
+        scaled_v(kChunkSize * dv),
+        u(kChunkSize * dv),
+        y(kChunkSize * dv),
+        decay(kChunkSize * kChunkSize),
+        a(kChunkSize * kChunkSize),
+        inverse(kChunkSize * kChunkSize),
+        qk_decayed(kChunkSize * kChunkSize) {}
+  // Shared by the value heads of one key head.
+  std::vector<float> q, k, k_transposed, k_gram, qk;
+  bool active[kChunkSize];
+  // One value head's chunk. u holds U, then V' after chunk_carry; y holds the
+  // inter-chunk output, then the whole output row before scaling.
+  std::vector<float> scaled_k, w;
+  std::vector<float> scaled_v, u, y;
+  std::vector<float> decay, a, inverse, qk_decayed;
+  float beta[kChunkSize];
+  float g[kChunkSize];
+  ChunkDecays decays;
+  // Per-key gates only: the channel decays, and in k_gram and qk_decayed the
+  // decayed grams of one value head (k_gram and qk stay unused).
+  KeyChunkDecays key_decays;
+};
+
+inline void fill_zero(std::vector<float>& values) {
+  std::fill(values.begin(), values.end(), 0.0f);
+}
+
+inline void transpose(
+    const float* in,
+    int rows,
+    int cols,
+    int64_t ld_in,
+    float* out,
+    int64_t ld_out) {
+  for (int r = 0; r < rows; ++r) {
+    for (int c = 0; c < cols; ++c) {
+      out[c * ld_out + r] = in[r * ld_in + c];
+    }
+  }
+}
+
+// The stages, in pipeline order (chunked.cpp has each one's comment).
+template <typename T>
+void qk_norm(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s);
+void k_gram(int dk, int L, ChunkScratch& s);
+void chunk_qk(int dk, int L, ChunkScratch& s);
+template <typename T>
+void gate_cumsum(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s);
+void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s);
+template <typename T>
+void recompute_w_u(
+    const GatedDeltaParams& p,
+    const HeadView<T>& h,
+    int start,
+    int L,
+    ChunkScratch& s);
+void chunk_carry(
+    const GatedDeltaParams& p, int L, ChunkScratch& s, const float* state_t);
+void chunk_carry_state(
+    const GatedDeltaParams& p, int L, ChunkScratch& s, float* state_t);
+
+}  // namespace mlx_gated_delta::cpu
