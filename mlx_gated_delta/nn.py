@@ -347,23 +347,7 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
         if self.allow_neg_eigval:
             beta = 2.0 * beta
-        state = cache[3] if cache is not None else None
-        if state is not None and state.dtype != mx.float32:
-            state = state.astype(mx.float32)
-        out, state = gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            scale=self.head_k_dim**-0.5,
-            mask=mask,
-            normalize_qk=True,
-        )
-        if cache is not None:
-            cache[3] = state
-            cache.advance(S)
+        out = recur_in_cache(cache, 3, q, k, v, g, beta, scale=self.head_k_dim**-0.5, mask=mask)
 
         # o_norm: rms_norm(out) weight, times silu(gate), in float32.
         gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
@@ -406,6 +390,24 @@ def short_conv(conv, kernel_size, x, state, mask, lengths):
         positions = (ends[:, None] + mx.arange(keep))[..., None]
         return out, mx.take_along_axis(padded, positions, axis=1)
     return out, mx.contiguous(padded[:, padded.shape[1] - keep :, :])
+
+
+def recur_in_cache(cache, slot, q, k, v, g, beta, *, scale, mask):
+    """The recurrence of a layer that keeps its state in `cache[slot]`
+    (mlx-lm's layout): q and k L2-normalized, the state read as float32 (a
+    cache filled by another implementation may hold another dtype), the new
+    state stored back and the cache advanced by the call's tokens. Returns y.
+    Without a cache the state starts at zero and is dropped."""
+    state = cache[slot] if cache is not None else None
+    if state is not None and state.dtype != mx.float32:
+        state = state.astype(mx.float32)
+    out, state = gated_delta_rule(
+        q, k, v, g, beta, state, scale=scale, mask=mask, normalize_qk=True
+    )
+    if cache is not None:
+        cache[slot] = state
+        cache.advance(q.shape[1])
+    return out
 
 
 def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
@@ -480,10 +482,10 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         if cache is not None:
-            q_state, k_state, v_state, state = cache
+            q_state, k_state, v_state, _ = cache
             lengths = cache.lengths
         else:
-            q_state = k_state = v_state = state = lengths = None
+            q_state = k_state = v_state = lengths = None
         q, q_state = self.q_conv(self.q_proj(x), q_state, mask, lengths)
         k, k_state = self.k_conv(self.k_proj(x), k_state, mask, lengths)
         v, v_state = self.v_conv(self.v_proj(x), v_state, mask, lengths)
@@ -494,22 +496,8 @@ class KimiDeltaAttention(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-        if state is not None and state.dtype != mx.float32:
-            state = state.astype(mx.float32)
-        out, state = gated_delta_rule(
-            q.reshape(B, T, H, D),
-            k.reshape(B, T, H, D),
-            v.reshape(B, T, H, D),
-            g,
-            beta,
-            state,
-            scale=self.scale,
-            mask=mask,
-            normalize_qk=True,
-        )
-        if cache is not None:
-            cache[3] = state
-            cache.advance(T)
+        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
+        out = recur_in_cache(cache, 3, q, k, v, g, beta, scale=self.scale, mask=mask)
 
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
         out = (self.o_norm(out) * mx.sigmoid(gate)).reshape(B, T, -1)
@@ -566,10 +554,9 @@ class KimiK3DeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
         if cache is not None:
-            conv_state, state = cache[0], cache[1]
-            lengths = cache.lengths
+            conv_state, lengths = cache[0], cache.lengths
         else:
-            conv_state = state = lengths = None
+            conv_state = lengths = None
         qkv, conv_state = self.qkv_conv(self.qkv_proj(x), conv_state, mask, lengths)
         if cache is not None:
             cache[0] = conv_state
@@ -578,22 +565,8 @@ class KimiK3DeltaAttention(nn.Module):
         f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-        if state is not None and state.dtype != mx.float32:
-            state = state.astype(mx.float32)
-        out, state = gated_delta_rule(
-            q.squeeze(2),
-            k.squeeze(2),
-            v.squeeze(2),
-            g,
-            beta,
-            state,
-            scale=self.scale,
-            mask=mask,
-            normalize_qk=True,
-        )
-        if cache is not None:
-            cache[1] = state
-            cache.advance(T)
+        q, k, v = (t.squeeze(2) for t in (q, k, v))
+        out = recur_in_cache(cache, 1, q, k, v, g, beta, scale=self.scale, mask=mask)
 
         if self.use_full_rank_gate:
             gate = self.g_proj(x)
@@ -671,23 +644,7 @@ class BailingKDA(nn.Module):
         f = self.f_proj(x).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-        state = cache[3] if cache is not None else None
-        if state is not None and state.dtype != mx.float32:
-            state = state.astype(mx.float32)
-        out, state = gated_delta_rule(
-            q,
-            k,
-            v,
-            g,
-            beta,
-            state,
-            scale=self.head_dim**-0.5,
-            mask=mask,
-            normalize_qk=True,
-        )
-        if cache is not None:
-            cache[3] = state
-            cache.advance(T)
+        out = recur_in_cache(cache, 3, q, k, v, g, beta, scale=self.head_dim**-0.5, mask=mask)
 
         gate = self.g_proj(x).reshape(B, T, H, D)
         out = self.o_norm(out)
