@@ -26,6 +26,15 @@ Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params);
 // dims the chunked stages do not cover; chunked otherwise.
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params);
 
+// The backward's "auto" on Metal: the chunked WY form for scalar gates past
+// one chunk (the recurrent form moves the state through device memory three
+// times per token, the WY form once per chunk; on paper, at the assumed
+// roofline of describe_plan, it is ahead from two chunks on), the recurrent
+// form up to one chunk, for per-key gates (the WY stages have one decay per
+// head) and for key dims the chunked stages do not cover. Not measured: there
+// is no Apple GPU here (docs/metal.md).
+Algorithm resolve_metal_backward_algorithm(const GatedDeltaParams& params);
+
 // The recurrent Metal kernel with one SIMD-group per state row slice can hold
 // a key vector of Dk floats in SIMD lanes only when Dk is a multiple of the
 // SIMD width and fits four values per lane.
