@@ -238,3 +238,24 @@ def test_auto_takes_the_chunked_form_past_one_chunk_with_scalar_gates():
     assert form(8192, per_key_gates=True, algorithm="chunked") == "recurrent"
     assert form(1, algorithm="chunked") == "chunked"
     assert form(8192, algorithm="recurrent") == "recurrent"
+
+
+def test_no_tokens_pass_the_state_cotangent_through_the_chunked_plan():
+    rng = np.random.default_rng(2)
+    ws = rng.standard_normal((1, 2, 4, 8)).astype(np.float32)
+    zero = np.zeros((1, 0, 1, 8), np.float32)
+    grads = metal_emulated.gated_delta_rule_vjp(
+        zero,
+        zero,
+        np.zeros((1, 0, 2, 4), np.float32),
+        np.zeros((1, 0, 2), np.float32),
+        np.zeros((1, 0, 2), np.float32),
+        rng.standard_normal((1, 2, 4, 8)).astype(np.float32),
+        state_cotangent=ws,
+        algorithm="chunked",
+    )
+    assert grads["kernels"] == [
+        "gated_delta_chunk_carry_float32",
+        "gated_delta_boundary_states_float32",
+    ]
+    assert np.array_equal(grads["state"], ws)
