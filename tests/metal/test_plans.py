@@ -189,9 +189,10 @@ def test_the_chunked_backward_runs_its_wy_stages_around_one_walk_over_the_chunks
     assert grids["chunk_output_backward"] == (3, 2, 1)
     assert grids["chunk_carry_backward"] == (2, 1, 1)
     assert grids["gate_cumsum_backward"] == (3, 2, 1)
-    # Auto: the recurrent form up to one chunk and for per-key gates.
+    # Auto: the recurrent form below 8 tokens and for per-key gates.
     assert metal_emulated.backward_plan(**shape)["algorithm"] == "chunked"
-    assert metal_emulated.backward_plan(**{**shape, "tokens": 64})["algorithm"] == "recurrent"
+    assert metal_emulated.backward_plan(**{**shape, "tokens": 8})["algorithm"] == "chunked"
+    assert metal_emulated.backward_plan(**{**shape, "tokens": 7})["algorithm"] == "recurrent"
     assert (
         metal_emulated.backward_plan(per_key_gates=True, algorithm="chunked", **shape)["algorithm"]
         == "recurrent"

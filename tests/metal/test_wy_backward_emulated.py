@@ -224,15 +224,15 @@ def test_the_linear_decay_gradient_matches_the_reference():
     assert_matches("d_decay", grads["decay"], expected["decay"], *contract("decay", "float32"))
 
 
-def test_auto_takes_the_chunked_form_past_one_chunk_with_scalar_gates():
+def test_auto_takes_the_chunked_form_from_8_tokens_with_scalar_gates():
     def form(tokens, per_key_gates=False, algorithm="auto"):
         plan = metal_emulated.backward_plan(
             1, tokens, 1, 2, 32, 8, per_key_gates=per_key_gates, algorithm=algorithm
         )
         return plan["algorithm"]
 
-    assert form(64) == "recurrent"
-    assert form(65) == "chunked"
+    assert form(7) == "recurrent"
+    assert form(8) == "chunked"
     assert form(8192) == "chunked"
     assert form(8192, per_key_gates=True) == "recurrent"
     assert form(8192, per_key_gates=True, algorithm="chunked") == "recurrent"
