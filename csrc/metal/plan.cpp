@@ -800,7 +800,8 @@ struct BackwardPlanBuilder : PlanBuilder {
       // (chunk_carry); the backward does not need it.
       chunked_scratch();
       add_scratch(StateOut, "state elements", state, 4);
-      add_scratch(CorrectedGrad, "dV' elements", B * Hv * padded_tokens * Dv, 4);
+      add_scratch(
+          CorrectedGrad, "dV' elements", B * Hv * padded_tokens * Dv, 4);
       add_scratch(WGrad, "dW elements", B * Hv * padded_tokens * Dk, 4);
       add_scratch(KktInverseGrad, "dT elements", B * Hv * chunk_tiles(), 4);
       add_scratch(GateCumsumGrad, "dG elements", B * Hv * padded_tokens, 4);
@@ -1016,7 +1017,11 @@ struct BackwardPlanBuilder : PlanBuilder {
              {15, QueryHeadGrad},
              {16, KeyHeadGrad}},
             17,
-            {GradState, CorrectedGrad, WGrad, GateCumsumGrad, QueryHeadGrad,
+            {GradState,
+             CorrectedGrad,
+             WGrad,
+             GateCumsumGrad,
+             QueryHeadGrad,
              KeyHeadGrad});
     d.chunk = ChunkScalar{18, chunk};
     const double length = double(
