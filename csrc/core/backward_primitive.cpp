@@ -135,7 +135,8 @@ void GatedDeltaRuleVJP::eval_gpu(
     [[maybe_unused]] const std::vector<mx::array>& inputs,
     [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
-  metal::eval_backward_gpu(params_for(inputs), inputs, outputs, stream());
+  metal::eval_backward_gpu(
+      params_for(inputs), algorithm_, inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "

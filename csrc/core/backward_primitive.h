@@ -13,7 +13,8 @@ namespace mlx_gated_delta {
 // Outputs: dq, dk, dv (in their inputs' dtypes), dg, d_decay (the gradient of
 // the linear decay exp(g)), dbeta and dstate, float32.
 // `algorithm` picks the backward's form: Recurrent, Chunked, or Auto (the CPU
-// resolves it per shape, resolve_cpu_backward_algorithm in core/dispatch.h).
+// resolves it per shape, resolve_cpu_backward_algorithm in core/dispatch.h;
+// Metal through resolve_metal_backward_algorithm).
 class GatedDeltaRuleVJP : public mlx::core::Primitive {
  public:
   GatedDeltaRuleVJP(

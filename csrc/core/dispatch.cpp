@@ -37,6 +37,14 @@ Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
   return Algorithm::Chunked;
 }
 
+Algorithm resolve_metal_backward_algorithm(const GatedDeltaParams& params) {
+  if (params.per_key_gates || params.tokens < kChunkedBackwardMinTokens ||
+      params.key_dim > int(kMaxChunkedKeyDim)) {
+    return Algorithm::Recurrent;
+  }
+  return Algorithm::Chunked;
+}
+
 bool supports_simd_delta(const GatedDeltaParams& params, int simd_width) {
   return simd_width == 32 && params.key_dim % 32 == 0 && params.key_dim > 0 &&
       params.key_dim <= 128;

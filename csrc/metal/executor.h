@@ -39,9 +39,10 @@ void eval_segment_gpu(
 // v, g, beta, state [, mask], y's cotangent (the activation dtype) and the
 // final state's (float32), row-contiguous: GatedDeltaRuleVJP's inputs.
 // outputs: dq, dk, dv (activation dtype), dg, d_decay, dbeta, dstate
-// (float32); allocated here.
+// (float32); allocated here. `algorithm` may be Auto (the forward call's).
 void eval_backward_gpu(
     const GatedDeltaParams& params,
+    Algorithm algorithm,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);

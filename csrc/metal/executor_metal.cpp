@@ -244,6 +244,7 @@ void eval_segment_gpu(
 
 void eval_backward_gpu(
     const GatedDeltaParams& params,
+    Algorithm algorithm,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
@@ -264,8 +265,8 @@ void eval_backward_gpu(
           inputs[cotangents + 1].dtype() == mx::float32,
       "eval_backward_gpu: g, beta, state and the state's cotangent must be "
       "float32, y's cotangent in the activation dtype");
-  const Plan plan =
-      make_backward_plan(params, activation_dtype(inputs[0].dtype()));
+  const Plan plan = make_backward_plan(
+      params, activation_dtype(inputs[0].dtype()), algorithm);
   allocate(outputs);
 
   std::map<PlanBuffer, mx::array> arrays;

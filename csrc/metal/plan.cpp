@@ -38,6 +38,17 @@ constexpr size_t kChunkOutputBytes = kChunkTileBytes;
 constexpr size_t kChunkBackwardBytes =
     (3 * kBackwardSimdGroups * kMaxBackwardKeyDim + 2 * kBackwardSimdGroups) *
     kFloat;
+// The chunked backward's WY stages: a 64 x 64 tile (chunk_output_backward),
+// three partial sums per thread (chunk_carry_backward), the T tile and two
+// partial sums per thread (recompute_w_u_backward), T and X = dT T^T
+// (kkt_inverse_backward).
+constexpr size_t kChunkOutputBackwardBytes = kChunkTileBytes;
+constexpr size_t kChunkCarryBackwardBytes = 3 * kChunkThreads * kFloat;
+constexpr size_t kRecomputeWuBackwardBytes =
+    kChunkTileBytes + 2 * kChunkThreads * kFloat;
+constexpr size_t kKktInverseBackwardBytes = 2 * kChunkTileBytes;
+static_assert(kChunkThreads % kChunkSize == 0);
+static_assert((kChunkSize * kChunkSize) % kChunkThreads == 0);
 // chunk_backward: thread tid adds up the partial sums of key column tid.
 static_assert(kBackwardThreads == kMaxBackwardKeyDim);
 static_assert(kBackwardColumnsPerLane * 32 == kMaxBackwardKeyDim);
@@ -126,7 +137,11 @@ const char* to_string(PlanBuffer buffer) {
       "boundary_states",
       "chunk_states",
       "query_head_grad",
-      "key_head_grad"};
+      "key_head_grad",
+      "corrected_grad",
+      "w_grad",
+      "kkt_inverse_grad",
+      "gate_cumsum_grad"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }
@@ -751,11 +766,13 @@ struct SegmentPlanBuilder : PlanBuilder {
 struct BackwardPlanBuilder : PlanBuilder {
   unsigned row_groups;
 
-  BackwardPlanBuilder(const GatedDeltaParams& params, ActivationDtype dtype)
-      : PlanBuilder(params, Algorithm::Recurrent, dtype) {
+  BackwardPlanBuilder(
+      const GatedDeltaParams& params,
+      ActivationDtype dtype,
+      Algorithm algorithm)
+      : PlanBuilder(params, algorithm, dtype) {
     using enum PlanBuffer;
     constexpr BufferRole input = BufferRole::Input, output = BufferRole::Output;
-    plan.algorithm = Algorithm::Recurrent;
     plan.backward = true;
     std::erase_if(plan.buffers, [](const BufferSpec& spec) {
       return spec.buffer == Output || spec.buffer == StateOut;
@@ -778,6 +795,27 @@ struct BackwardPlanBuilder : PlanBuilder {
         QueryHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
     add_scratch(KeyHeadGrad, "per-head gradient elements", B * T * Hv * Dk, 4);
     row_groups = ceil_div(Dv, kBackwardRows);
+    if (plan.algorithm == Algorithm::Chunked) {
+      // The forward's chunked stages write the state after the call too
+      // (chunk_carry); the backward does not need it.
+      chunked_scratch();
+      add_scratch(StateOut, "state elements", state, 4);
+      add_scratch(
+          CorrectedGrad, "dV' elements", B * Hv * padded_tokens * Dv, 4);
+      add_scratch(WGrad, "dW elements", B * Hv * padded_tokens * Dk, 4);
+      add_scratch(KktInverseGrad, "dT elements", B * Hv * chunk_tiles(), 4);
+      add_scratch(GateCumsumGrad, "dG elements", B * Hv * padded_tokens, 4);
+      plan.kernel_params.recurrent_wipe_chunks_only = 1;
+    }
+  }
+
+  bool chunked() const {
+    return plan.algorithm == Algorithm::Chunked;
+  }
+  // Bytes of the gates the chunk test (chunk_decays_normal) reads: g, and the
+  // mask, of every token once per value head.
+  double chunk_test_bytes(double tokens) const {
+    return B * Hv * tokens * (4.0 + (p.has_mask ? 1 : 0));
   }
 
   // Bytes of one token's gates: g (one per head or per key channel) and beta.
@@ -836,6 +874,11 @@ struct BackwardPlanBuilder : PlanBuilder {
     d.chunk = ChunkScalar{8, chunk};
     const double length = double(
         std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
+    if (chunked()) {
+      // Counted as a chunk without a wipe (the WY stages take it): the test.
+      d.bytes_moved = Dv * chunk_test_bytes(length) / kBackwardRows;
+      return;
+    }
     d.bytes_moved = B * Hv *
         (length * ((Dk + Dv) * double(e) + gate_bytes()) +
          (1.0 + length) * Dv * Dk * 4);
@@ -876,6 +919,10 @@ struct BackwardPlanBuilder : PlanBuilder {
     d.chunk = ChunkScalar{16, chunk};
     const double length = double(
         std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
+    if (chunked()) {
+      d.bytes_moved = chunk_test_bytes(length);
+      return;
+    }
     // Per token: the state before it read once, dS read and written once (a
     // row's second pass is served by caches), q, k, v, dy and the gates read,
     // dv, the per-head dq and dk and the gates' gradients written.
@@ -908,11 +955,204 @@ struct BackwardPlanBuilder : PlanBuilder {
     d.flops = 2.0 * B * T * (Hv * Dk + (p.normalize_qk ? 8.0 * Hk * Dk : 0.0));
   }
 
+  // The chunked backward's WY stages (docs/numerics.md, "The chunked
+  // backward"). Each counts its products at their sizes on paper and its
+  // device traffic once (the repeats inside a threadgroup from caches).
+  void chunk_output_backward() {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("chunk_output_backward",
+            core_kernel("chunk_output_backward"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            kChunkOutputBackwardBytes,
+            {{0, Query},
+             {1, Key},
+             {2, Gate},
+             {3, Mask},
+             {4, QueryInverseNorm},
+             {5, KeyInverseNorm},
+             {6, GateCumsum},
+             {7, QK},
+             {8, U},
+             {9, YCotangent},
+             {10, CorrectedGrad},
+             {11, GateCumsumGrad},
+             {12, QueryHeadGrad},
+             {13, KeyHeadGrad}},
+            14,
+            {CorrectedGrad, GateCumsumGrad, QueryHeadGrad, KeyHeadGrad});
+    // dy, q, k and V' read, Q K^T per value head; dV', dq, dk and dG written.
+    d.bytes_moved = chunk_test_bytes(double(T)) +
+        B * Hv *
+            (T * (Dv + 2 * Dk) * double(e) + chunk_tiles() * 4.0 +
+             padded_tokens * (2 * Dv + 2 * Dk + 2) * 4.0);
+    // dM, dV', dq and dk: four triangular 64 x 64 products per chunk.
+    d.flops = 2.0 * B * Hv * C * tile() * (Dv + Dk);
+  }
+
+  void chunk_carry_backward(uint32_t chunk) {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("chunk_carry_backward",
+            core_kernel("chunk_carry_backward"),
+            {unsigned(Hv), unsigned(B), 1},
+            kChunkThreads,
+            kChunkCarryBackwardBytes,
+            {{0, Query},
+             {1, Key},
+             {2, Gate},
+             {3, Mask},
+             {4, QueryInverseNorm},
+             {5, KeyInverseNorm},
+             {6, GateCumsum},
+             {7, W},
+             {8, U},
+             {9, BoundaryStates},
+             {10, YCotangent},
+             {11, GradState},
+             {12, CorrectedGrad},
+             {13, WGrad},
+             {14, GateCumsumGrad},
+             {15, QueryHeadGrad},
+             {16, KeyHeadGrad}},
+            17,
+            {GradState,
+             CorrectedGrad,
+             WGrad,
+             GateCumsumGrad,
+             QueryHeadGrad,
+             KeyHeadGrad});
+    d.chunk = ChunkScalar{18, chunk};
+    const double length = double(
+        std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
+    // dS read and written, S0 read; per token dy, q, k, V', W read, dV' read
+    // and written, dW written, dq and dk read and written.
+    d.bytes_moved = chunk_test_bytes(length) +
+        B * Hv *
+            (3.0 * Dv * Dk * 4 + length * (Dv + 2 * Dk) * double(e) +
+             length * (3 * Dv + 6 * Dk) * 4.0);
+    // Six [L, Dv] x [Dv, Dk]-sized products: dS k, S0^T dO, dS^T V', dW, and
+    // dS0's two sums.
+    d.flops = 12.0 * B * Hv * length * Dv * Dk;
+  }
+
+  void recompute_w_u_backward() {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("recompute_w_u_backward",
+            core_kernel("recompute_w_u_backward"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            kRecomputeWuBackwardBytes,
+            {{0, Key},
+             {1, Value},
+             {2, Gate},
+             {3, Mask},
+             {4, KeyInverseNorm},
+             {5, GateCumsum},
+             {6, BetaEffective},
+             {7, KktInverse},
+             {8, CorrectedGrad},
+             {9, WGrad},
+             {10, KktInverseGrad},
+             {11, GateCumsumGrad},
+             {12, KeyHeadGrad},
+             {13, GradValue},
+             {14, GradBeta}},
+            15,
+            {KktInverseGrad, GateCumsumGrad, KeyHeadGrad, GradValue, GradBeta});
+    // T read and dT written; dV', dW, v and k read; dv written, dk read and
+    // written, dbeta and dG.
+    d.bytes_moved = chunk_test_bytes(double(T)) +
+        B * Hv *
+            (2 * chunk_tiles() * 4.0 + padded_tokens * (Dv + 3 * Dk + 4) * 4.0 +
+             T * (2 * Dv + Dk) * double(e));
+    // dT (two triangular products) and T^T dU, T^T dW.
+    d.flops = 2.0 * B * Hv * C * tile() * (Dv + Dk);
+  }
+
+  void kkt_inverse_backward() {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("kkt_inverse_backward",
+            core_kernel("kkt_inverse_backward"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            kKktInverseBackwardBytes,
+            {{0, Key},
+             {1, Gate},
+             {2, Mask},
+             {3, KeyInverseNorm},
+             {4, GateCumsum},
+             {5, BetaEffective},
+             {6, KktInverse},
+             {7, KktInverseGrad},
+             {8, GateCumsumGrad},
+             {9, KeyHeadGrad},
+             {10, GradBeta}},
+            11,
+            {GateCumsumGrad, KeyHeadGrad, GradBeta});
+    // T and dT read; k read, dk read and written; dbeta and dG.
+    d.bytes_moved = chunk_test_bytes(double(T)) +
+        B * Hv *
+            (2 * chunk_tiles() * 4.0 + T * Dk * double(e) +
+             padded_tokens * (2 * Dk + 4) * 4.0);
+    // X = dT T^T and T^T X (triangular, 64^3 / 3 each), K K^T formed again,
+    // and dAk K + dAk^T K.
+    d.flops = B * Hv * C * (4.0 * tile() * kChunkSize / 3 + 3.0 * tile() * Dk);
+  }
+
+  void gate_cumsum_backward() {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("gate_cumsum_backward",
+            "gated_delta_gate_cumsum_backward",
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkSize,
+            0,
+            {{0, Gate},
+             {1, Mask},
+             {2, GateCumsumGrad},
+             {3, GradGate},
+             {4, GradDecay},
+             {5, GradBeta},
+             {6, QueryHeadGrad},
+             {7, KeyHeadGrad}},
+            8,
+            {GradGate, GradDecay, GradBeta, QueryHeadGrad, KeyHeadGrad});
+    // dG and g read, dg and d_decay written (masked tokens' rows cleared too:
+    // not counted).
+    d.bytes_moved = chunk_test_bytes(double(T)) + B * Hv * T * 16.0;
+    d.flops = 2.0 * B * Hv * T;
+  }
+
   void backward() {
-    boundary_states();
+    if (chunked()) {
+      if (p.normalize_qk)
+        qk_norm();
+      gate_cumsum();
+      if (uses_k_gram())
+        k_gram();
+      kkt_inverse();
+      recompute_w_u();
+      chunk_qk();
+      chunk_carry();
+      boundary_states();
+      chunk_output_backward();
+    } else {
+      boundary_states();
+    }
     for (uint64_t chunk = C; chunk-- > 0;) {
       chunk_states(uint32_t(chunk));
       chunk_backward(uint32_t(chunk));
+      if (chunked())
+        chunk_carry_backward(uint32_t(chunk));
+    }
+    if (chunked()) {
+      recompute_w_u_backward();
+      kkt_inverse_backward();
+      gate_cumsum_backward();
     }
     qk_grad_reduce();
   }
@@ -920,7 +1160,10 @@ struct BackwardPlanBuilder : PlanBuilder {
 
 }  // namespace
 
-Plan make_backward_plan(const GatedDeltaParams& params, ActivationDtype dtype) {
+Plan make_backward_plan(
+    const GatedDeltaParams& params,
+    ActivationDtype dtype,
+    Algorithm algorithm) {
   validate_plan_shape(params);
   if (params.key_dim > int(kMaxBackwardKeyDim)) {
     throw std::invalid_argument(
@@ -932,7 +1175,12 @@ Plan make_backward_plan(const GatedDeltaParams& params, ActivationDtype dtype) {
     throw std::invalid_argument(
         "the backward plan takes no checkpoints and no tree (parents)");
   }
-  BackwardPlanBuilder builder(params, dtype);
+  // The WY stages have one decay per head: per-key gates take the
+  // recurrent form whatever was asked, as in the forward.
+  const Algorithm form = algorithm == Algorithm::Auto || params.per_key_gates
+      ? resolve_metal_backward_algorithm(params)
+      : algorithm;
+  BackwardPlanBuilder builder(params, dtype, form);
   builder.backward();
   return builder.finish();
 }
@@ -1065,7 +1313,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
   std::snprintf(
       line,
       sizeof(line),
-      "%-20s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
+      "%-26s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
       "stage",
       "kernel",
       "threadgroups",
@@ -1094,7 +1342,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
     std::snprintf(
         line,
         sizeof(line),
-        "%-20s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
+        "%-26s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
         stage.c_str(),
         d.kernel.c_str(),
         groups,

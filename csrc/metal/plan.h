@@ -79,6 +79,12 @@ enum class PlanBuffer : int {
   ChunkStates,  // [B, Hv, 64, Dv, Dk] the states inside the chunk at hand
   QueryHeadGrad,  // [B, T, Hv, Dk] dq per value head, before qk_grad_reduce
   KeyHeadGrad,  // [B, T, Hv, Dk]
+  // The chunked (WY) backward's own scratch, beside the forward's chunked
+  // scratch (U holds V', chunk_carry's deltas).
+  CorrectedGrad,  // [B, Hv, C*64, Dv] dV' (= dU)
+  WGrad,  // [B, Hv, C*64, Dk] dW
+  KktInverseGrad,  // [B, Hv, C, 64, 64] dT
+  GateCumsumGrad,  // [B, Hv, C*64] dG, the gradient of gate_cumsum's output
   Count,
 };
 const char* to_string(PlanBuffer buffer);
@@ -162,15 +168,28 @@ Plan make_plan(
 Plan make_segment_plan(
     const SegmentParams& params, Algorithm algorithm, ActivationDtype dtype);
 
-// The backward (vjp) of one core call (docs/metal.md, backward): the
-// recurrent form inside chunk checkpoints, as the CPU computes it:
-// boundary_states, then for every chunk from the last to the first
-// chunk_states and chunk_backward (one dispatch each, the chunk in the
-// dispatch's ChunkScalar), then qk_grad_reduce. Inputs: q, k, v, g, beta,
-// state_in [, mask], y_cotangent, state_cotangent; outputs dq, dk, dv, dg,
-// d_decay, dbeta, dstate. Key dims up to kMaxBackwardKeyDim; no checkpoints
-// or trees. plan.algorithm is Recurrent: the form the gradient is taken in.
-Plan make_backward_plan(const GatedDeltaParams& params, ActivationDtype dtype);
+// The backward (vjp) of one core call (docs/metal.md, backward). `algorithm`
+// as the forward's ("auto" resolves through resolve_metal_backward_algorithm,
+// core/dispatch.h; per-key gates and key dims past the chunked stages' run
+// the recurrent form whatever was asked). plan.algorithm is the form the
+// gradient is taken in:
+// - Recurrent, as the CPU's recurrent reverse: boundary_states, then for
+//   every chunk from the last to the first chunk_states and chunk_backward
+//   (one dispatch each, the chunk in the dispatch's ChunkScalar), then
+//   qk_grad_reduce.
+// - Chunked (WY): the forward's chunked stages through chunk_carry (T, W, V'),
+//   boundary_states, chunk_output_backward over all chunks, per chunk from the
+//   last chunk_states, chunk_backward (both only on chunks with a decay that
+//   is not a normal float, a wipe) and chunk_carry_backward (the others),
+//   then recompute_w_u_backward, kkt_inverse_backward, gate_cumsum_backward
+//   over all chunks, and qk_grad_reduce.
+// Inputs: q, k, v, g, beta, state_in [, mask], y_cotangent, state_cotangent;
+// outputs dq, dk, dv, dg, d_decay, dbeta, dstate. Key dims up to
+// kMaxBackwardKeyDim; no checkpoints or trees.
+Plan make_backward_plan(
+    const GatedDeltaParams& params,
+    ActivationDtype dtype,
+    Algorithm algorithm = Algorithm::Auto);
 
 // Metal's limits (threads per threadgroup, threadgroup memory, buffer
 // indices); make_plan calls it, and so does every executor.

@@ -173,6 +173,7 @@ def gated_delta_rule_vjp(
     normalize_qk=False,
     dtype=None,
     through_stage=None,
+    algorithm="auto",
 ):
     """Runs the Metal backward plan of one core call in the emulator.
 
@@ -184,7 +185,8 @@ def gated_delta_rule_vjp(
     `kernels` (the plan's, in order) and `buffers` (every returned buffer's
     raw bytes by plan name). With `through_stage`, only the dispatches through
     the first of that stage run, `buffers` holds the scratch too, and the
-    gradients are left out.
+    gradients are left out. `algorithm` is the backward's form ("auto",
+    "recurrent" or "chunked"; per-key gates always run the recurrent one).
     """
     dtype = dtype or _dtype_name(q)
     if dtype not in ACTIVATION_DTYPES:
@@ -227,6 +229,7 @@ def gated_delta_rule_vjp(
         dtype,
         BARRIER_TIMEOUT_MS,
         through_stage or "",
+        algorithm,
     )
     grads = {"kernels": kernels, "buffers": buffers}
     if through_stage is not None:
@@ -258,10 +261,12 @@ def backward_plan(
     per_key_gates=False,
     scale=None,
     describe=False,
+    algorithm="auto",
 ):
     """The backward plan as a dict like `plan`'s (each dispatch also has
     `chunk`: (buffer index, chunk) for the per-chunk stages, else None), or
-    with `describe=True` as a table against the assumed roofline."""
+    with `describe=True` as a table against the assumed roofline. `algorithm`
+    as `gated_delta_rule_vjp`'s."""
     scale = key_dim**-0.5 if scale is None else scale
     return _metal_emulator.backward_plan(
         batch,
@@ -277,6 +282,7 @@ def backward_plan(
         per_key_gates,
         float(scale),
         describe,
+        algorithm,
     )
 
 
@@ -662,6 +668,7 @@ def main(argv=None):
                 dtype=options.dtype,
                 normalize_qk=options.normalize_qk,
                 describe=True,
+                algorithm=options.algorithm,
             ),
             end="",
         )

@@ -13,6 +13,10 @@
 #   7. chunk_states.metal with its row bound widened    -> sentinel guard
 #   8. chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   9. qk_grad_reduce.metal with its row bound widened  -> sentinel guard
+#  10. chunk_output_backward.metal with its first barrier deleted -> ThreadSanitizer
+#  11. kkt_inverse_backward.metal with the barrier before dA deleted -> ThreadSanitizer
+#  12. recompute_w_u_backward.metal with its row bound widened -> sentinel guard
+#  13. chunk_carry_backward.metal with its device barrier deleted -> ThreadSanitizer
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -76,4 +80,14 @@ mutate deleted-barrier-chunk-backward chunk_backward.metal thread \
     $BARRIER ==> previous token's partial sums."
 mutate widened-bound-qk-grad-reduce qk_grad_reduce.metal address \
   "if (row >= p.batch * p.tokens * p.key_heads) { ==> if (row > p.batch * p.tokens * p.key_heads) {"
+mutate deleted-barrier-chunk-output-backward chunk_output_backward.metal thread \
+  "before its gate terms read it.
+  $BARRIER ==> before its gate terms read it."
+mutate deleted-barrier-kkt-inverse-backward kkt_inverse_backward.metal thread \
+  "X is complete before dA reads it.
+  $BARRIER ==> X is complete before dA reads it."
+mutate widened-bound-recompute-w-u-backward recompute_w_u_backward.metal address \
+  "if (tid < length) { ==> if (tid <= length) {"
+mutate deleted-barrier-chunk-carry-backward chunk_carry_backward.metal thread \
+  "threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup); ==> "
 exit $status

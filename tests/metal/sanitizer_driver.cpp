@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <random>
 #include <set>
 #include <string>
@@ -242,11 +243,15 @@ void run_segment(
 }
 
 // The backward plan of a core call: its gradients must all be finite.
+// `wipe`: token 70's g is -inf (gamma == 0), so that the chunked form sends
+// that chunk to the recurrent reverse and the others to its WY stages.
 struct BackwardShape {
   const char* name;
   ActivationDtype dtype;
   int tokens, key_heads, value_heads, key_dim, value_dim;
   bool normalize_qk, mask, per_key_gates;
+  Algorithm algorithm;
+  bool wipe;
 };
 
 void run_backward(
@@ -263,7 +268,7 @@ void run_backward(
   p.normalize_qk = shape.normalize_qk;
   p.has_mask = shape.mask;
   p.per_key_gates = shape.per_key_gates;
-  Plan plan = make_backward_plan(p, shape.dtype);
+  Plan plan = make_backward_plan(p, shape.dtype, shape.algorithm);
 
   std::mt19937 rng(4321);
   const size_t qk = size_t(p.tokens) * p.key_heads * p.key_dim;
@@ -274,6 +279,10 @@ void run_backward(
   auto k = activations(rng, qk, shape.dtype, shape.normalize_qk ? 2.0f : 0.15f);
   auto values = activations(rng, v, shape.dtype, 1.0f);
   auto g = floats(rng, gates * p.gate_width(), -1.0f, 0.0f);
+  if (shape.wipe) {
+    const float wipe = -std::numeric_limits<float>::infinity();
+    std::memcpy(&g[70 * p.value_heads * sizeof(float)], &wipe, sizeof(wipe));
+  }
   auto beta = floats(rng, gates, 0.0f, 1.0f);
   auto state_in = floats(rng, state, -1.0f, 1.0f);
   auto y_cotangent = activations(rng, v, shape.dtype, 1.0f);
@@ -394,7 +403,9 @@ int main() {
        false},
   };
   // Backward shapes: two chunks (the second ragged), a key dim that is not a
-  // multiple of 32, fewer state rows than SIMD-groups, per-key gates.
+  // multiple of 32, fewer state rows than SIMD-groups, per-key gates; the
+  // chunked (WY) form over three chunks with a wipe in the second, and over
+  // repeated key heads.
   const BackwardShape backward_shapes[] = {
       {"backward, float16, normalize_qk, mask",
        Float16,
@@ -405,6 +416,8 @@ int main() {
        5,
        true,
        true,
+       false,
+       Recurrent,
        false},
       {"backward, bfloat16, per-key gates",
        BFloat16,
@@ -415,7 +428,33 @@ int main() {
        9,
        false,
        false,
+       true,
+       Recurrent,
+       false},
+      {"backward chunked, float32, normalize_qk, mask, a wipe",
+       Float32,
+       130,
+       1,
+       2,
+       40,
+       5,
+       true,
+       true,
+       false,
+       Chunked,
        true},
+      {"backward chunked, bfloat16, repeated key heads",
+       BFloat16,
+       65,
+       2,
+       4,
+       32,
+       8,
+       false,
+       false,
+       false,
+       Chunked,
+       false},
   };
   std::set<std::string> kernels_run;
   try {

@@ -1,5 +1,5 @@
-"""The Metal backward (vjp of the core op), run by the emulator over the plan
-macOS encodes (`make_backward_plan`: boundary_states, chunk_states and
+"""The Metal backward's recurrent form (vjp of the core op), run by the
+emulator over the plan macOS encodes (`make_backward_plan`: boundary_states, chunk_states and
 chunk_backward per chunk from the last, qk_grad_reduce), against the float64
 reference vjp under the core gradient contracts and against the CPU backward.
 docs/metal.md, backward; docs/numerics.md, the backward."""
@@ -125,8 +125,10 @@ def contract(name, dtype):
 
 
 def metal_gradients(case, wy, ws):
+    # The recurrent form (auto takes the chunked one past a chunk:
+    # test_wy_backward_emulated.py).
     return metal_emulated.gated_delta_rule_vjp(
-        *case.args(), y_cotangent=wy, state_cotangent=ws, **case.options
+        *case.args(), y_cotangent=wy, state_cotangent=ws, algorithm="recurrent", **case.options
     )
 
 

@@ -134,15 +134,16 @@ def test_every_buffer_a_dispatch_reads_was_written_before(shape):
         assert "y" in written
 
 
-# The backward (make_backward_plan): boundary_states, then per chunk from the
-# last chunk_states and chunk_backward, then qk_grad_reduce.
-def backward_stages(**shape):
-    return [d["stage"] for d in metal_emulated.backward_plan(**shape)["dispatches"]]
+# The backward (make_backward_plan), recurrent form: boundary_states, then per
+# chunk from the last chunk_states and chunk_backward, then qk_grad_reduce.
+def backward_stages(algorithm="recurrent", **shape):
+    plan = metal_emulated.backward_plan(algorithm=algorithm, **shape)
+    return [d["stage"] for d in plan["dispatches"]]
 
 
 def test_the_backward_walks_the_chunks_from_the_last():
     shape = dict(batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=16)
-    dispatches = metal_emulated.backward_plan(**shape)["dispatches"]
+    dispatches = metal_emulated.backward_plan(algorithm="recurrent", **shape)["dispatches"]
     assert [d["stage"] for d in dispatches] == (
         ["boundary_states"] + ["chunk_states", "chunk_backward"] * 3 + ["qk_grad_reduce"]
     )
@@ -166,16 +167,57 @@ def test_the_backward_walks_the_chunks_from_the_last():
     assert backward_stages(**{**shape, "tokens": 0}) == ["boundary_states"]
 
 
+def test_the_chunked_backward_runs_its_wy_stages_around_one_walk_over_the_chunks():
+    # The forward's chunked stages, boundary_states and chunk_output_backward
+    # over all chunks; per chunk from the last the recurrent reverse (for
+    # chunks with a wipe) and chunk_carry_backward; the WY stages that do not
+    # need dS over all chunks; qk_grad_reduce.
+    shape = dict(batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=16)
+    plan = metal_emulated.backward_plan(algorithm="chunked", normalize_qk=True, **shape)
+    assert plan["algorithm"] == "chunked"
+    dispatches = plan["dispatches"]
+    assert [d["stage"] for d in dispatches] == (
+        ["qk_norm", "gate_cumsum", "kkt_inverse", "recompute_w_u", "chunk_qk", "chunk_carry"]
+        + ["boundary_states", "chunk_output_backward"]
+        + ["chunk_states", "chunk_backward", "chunk_carry_backward"] * 3
+        + ["recompute_w_u_backward", "kkt_inverse_backward", "gate_cumsum_backward"]
+        + ["qk_grad_reduce"]
+    )
+    walked = [d["chunk"][1] for d in dispatches if d["chunk"] is not None]
+    assert walked == [2, 2, 2, 1, 1, 1, 0, 0, 0]
+    grids = {d["stage"]: d["threadgroups"] for d in dispatches}
+    assert grids["chunk_output_backward"] == (3, 2, 1)
+    assert grids["chunk_carry_backward"] == (2, 1, 1)
+    assert grids["gate_cumsum_backward"] == (3, 2, 1)
+    # Auto: the recurrent form below 8 tokens and for per-key gates.
+    assert metal_emulated.backward_plan(**shape)["algorithm"] == "chunked"
+    assert metal_emulated.backward_plan(**{**shape, "tokens": 8})["algorithm"] == "chunked"
+    assert metal_emulated.backward_plan(**{**shape, "tokens": 7})["algorithm"] == "recurrent"
+    assert (
+        metal_emulated.backward_plan(per_key_gates=True, algorithm="chunked", **shape)["algorithm"]
+        == "recurrent"
+    )
+    # No tokens: chunk_carry copies the state, boundary_states seeds dstate.
+    assert backward_stages(algorithm="chunked", **{**shape, "tokens": 0}) == [
+        "chunk_carry",
+        "boundary_states",
+    ]
+
+
 @pytest.mark.parametrize(
     "shape",
     [
-        dict(tokens=130, key_dim=32, mask=True),
+        dict(tokens=130, key_dim=32, mask=True, algorithm="recurrent"),
         dict(tokens=5, key_dim=80, normalize_qk=True, per_key_gates=True),
-        dict(tokens=0, key_dim=32),
+        dict(tokens=0, key_dim=32, algorithm="recurrent"),
+        dict(tokens=130, key_dim=32, mask=True, normalize_qk=True, algorithm="chunked"),
+        dict(tokens=130, key_dim=128, key_heads=1, algorithm="chunked"),
+        dict(tokens=0, key_dim=32, algorithm="chunked"),
     ],
 )
 def test_every_buffer_the_backward_reads_was_written_before(shape):
-    plan = metal_emulated.backward_plan(batch=1, key_heads=1, value_heads=2, value_dim=16, **shape)
+    shape = {"key_heads": 1, **shape}
+    plan = metal_emulated.backward_plan(batch=1, value_heads=2, value_dim=16, **shape)
     roles = plan["buffer_roles"]
     inputs = {name for name, role in roles.items() if role == "input"}
     assert inputs == {"q", "k", "v", "g", "beta", "state_in", "y_cotangent", "state_cotangent"} | (
@@ -204,7 +246,9 @@ def test_the_backward_takes_key_dims_up_to_256():
 
 
 def test_the_qwen3_next_backward_plan_at_8192_tokens():
-    plan = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", normalize_qk=True)
+    plan = metal_emulated.backward_plan(
+        **QWEN3_NEXT, dtype="bfloat16", normalize_qk=True, algorithm="recurrent"
+    )
     dispatches = plan["dispatches"]
     assert len(dispatches) == 2 + 2 * 128
     for d in dispatches:
@@ -225,7 +269,35 @@ def test_the_qwen3_next_backward_plan_at_8192_tokens():
     entries = 32 * 128 * 128
     flops = sum(d["flops"] for d in dispatches if d["stage"] != "qk_grad_reduce")
     assert flops == pytest.approx(entries * (5 * 127 * 64 + 5 * 63 * 128 + 20 * 8192))
-    text = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", describe=True)
+    text = metal_emulated.backward_plan(
+        **QWEN3_NEXT, dtype="bfloat16", describe=True, algorithm="recurrent"
+    )
     assert text.startswith("backward plan: recurrent, bfloat16")
     assert "dispatches: 258" in text
     assert "chunk_backward x128" in text and "chunk_states x128" in text
+
+
+def test_the_qwen3_next_chunked_backward_plan_at_8192_tokens():
+    # Auto takes the chunked form; the states go through device memory once
+    # per chunk instead of three times per token.
+    plan = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", normalize_qk=True)
+    assert plan["algorithm"] == "chunked"
+    dispatches = plan["dispatches"]
+    # qk_norm, gate_cumsum, k_gram, kkt_inverse, recompute_w_u, chunk_qk,
+    # chunk_carry, boundary_states, chunk_output_backward; three per chunk;
+    # the three WY stages over all chunks and qk_grad_reduce.
+    assert len(dispatches) == 9 + 3 * 128 + 4
+    for d in dispatches:
+        assert 0 < d["threads_per_threadgroup"] <= 1024
+        assert d["threadgroup_memory_bytes"] <= 32768
+    recurrent = metal_emulated.backward_plan(
+        **QWEN3_NEXT, dtype="bfloat16", normalize_qk=True, algorithm="recurrent"
+    )
+    moved = sum(d["bytes_moved"] for d in dispatches)
+    assert moved < sum(d["bytes_moved"] for d in recurrent["dispatches"]) / 10
+    sizes = plan["buffer_bytes"]
+    assert sizes["corrected_grad"] == 32 * 8192 * 128 * 4
+    assert sizes["kkt_inverse_grad"] == 32 * 128 * 64 * 64 * 4
+    text = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", describe=True)
+    assert text.startswith("backward plan: chunked, bfloat16")
+    assert "chunk_carry_backward x128" in text

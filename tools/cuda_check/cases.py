@@ -147,9 +147,12 @@ CHECKPOINT_CASES = {
     "tree_recurrent_generic": ("recurrent_generic_f16", [2, 6], [-1, 0, 1, 0, 3, 3]),
     "checkpoints_segment_chunked": ("segment_chunked_bf16_negative_rate", [3, 64, 99, 100], None),
 }
-# The backward (the vjp of the core op: boundary_states, chunk_states and
-# chunk_backward per chunk, qk_grad_reduce), against the float64 reference
-# vjp for the cotangents of backward_cotangents.
+# The backward (the vjp of the core op), against the float64 reference vjp
+# for the cotangents of backward_cotangents, in the form "auto" picks: the
+# chunked WY form for scalar gates (the forward's chunked stages,
+# boundary_states, the WY stages, and chunk_states and chunk_backward on the
+# chunks with a wipe), the recurrent form (boundary_states, chunk_states and
+# chunk_backward per chunk) for per-key gates; qk_grad_reduce.
 BACKWARD_CASES = {
     "backward_f32_mask_interleaved": dict(
         batch=2,

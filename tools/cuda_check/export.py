@@ -45,6 +45,11 @@ KERNELS = [
     "chunk_states",
     "chunk_backward",
     "qk_grad_reduce",
+    "chunk_output_backward",
+    "chunk_carry_backward",
+    "recompute_w_u_backward",
+    "kkt_inverse_backward",
+    "gate_cumsum_backward",
 ]
 BROKEN_BARRIER = (
     "staged before any output reads it.\n  threadgroup_barrier(mem_flags::mem_threadgroup);"

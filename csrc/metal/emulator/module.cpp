@@ -290,7 +290,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          bool per_key_gates,
          const std::string& dtype,
          int barrier_timeout_ms,
-         const std::string& through_stage) {
+         const std::string& through_stage,
+         const std::string& algorithm) {
         GatedDeltaParams params = make_params(
             batch,
             tokens,
@@ -303,7 +304,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
             normalize_qk,
             mask.has_value(),
             per_key_gates);
-        Plan plan = make_backward_plan(params, parse_dtype(dtype));
+        Plan plan = make_backward_plan(
+            params, parse_dtype(dtype), parse_algorithm(algorithm));
         emulator::BufferInputs inputs{
             {PlanBuffer::Query, view(q)},
             {PlanBuffer::Key, view(k)},
@@ -348,9 +350,11 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("dtype"),
       nb::arg("barrier_timeout_ms"),
       nb::arg("through_stage") = "",
+      nb::arg("algorithm") = "auto",
       "Runs the backward plan of one core call; returns (kernels, {buffer name: bytes}) with "
       "every gradient (dq, dk, dv, dg, d_decay, dbeta, dstate); with through_stage, only the "
-      "dispatches through the first of that stage run and the dict holds the scratch too.");
+      "dispatches through the first of that stage run and the dict holds the scratch too. "
+      "algorithm: the backward's form (auto, recurrent or chunked).");
 
   m.def(
       "backward_plan",
@@ -366,7 +370,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          bool has_mask,
          bool per_key_gates,
          float scale,
-         bool describe) -> nb::object {
+         bool describe,
+         const std::string& algorithm) -> nb::object {
         Plan plan = make_backward_plan(
             make_params(
                 batch,
@@ -380,7 +385,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
                 normalize_qk,
                 has_mask,
                 per_key_gates),
-            parse_dtype(dtype));
+            parse_dtype(dtype),
+            parse_algorithm(algorithm));
         if (describe)
           return nb::str(
               describe_plan(plan, assumed_m_series_roofline()).c_str());
@@ -399,6 +405,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("per_key_gates") = false,
       nb::arg("scale") = 1.0f,
       nb::arg("describe") = false,
+      nb::arg("algorithm") = "auto",
       "The backward plan as a dict like plan()'s (each dispatch with its chunk, or None), or "
       "with describe=True as a table.");
 

@@ -105,3 +105,32 @@ inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& 
     }
   }
 }
+
+// The chunked (WY) backward's test, per chunk: whether every active token of
+// the chunk decays by a normal float. The WY stages run the chunks where it
+// holds (their linear-decay gradient is dg / exp(g)); chunk_states and
+// chunk_backward, the recurrent reverse, run the others (a wipe, gamma == 0,
+// or a subnormal decay), as the CPU decides (docs/numerics.md, "The chunked
+// backward"). Every kernel of the plan calls it on the same g and mask, so
+// each chunk goes to exactly one of the two forms. Uniform per threadgroup.
+GATED_DELTA_ABI_CONSTANT float kSmallestNormalFloat = 1.17549435e-38f;
+inline bool chunk_decays_normal(const device float* g, const device bool* mask,
+                                constant GatedDeltaKernelParams& p, uint b, uint h, uint chunk) {
+  const uint length = chunk_length(p, chunk);
+  for (uint i = 0; i < length; ++i) {
+    const uint t = chunk * kChunkSize + i;
+    if (!token_is_masked(p, mask, b, t) && !(exp(g[gate_offset(p, b, t, h)]) >= kSmallestNormalFloat)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Column c of token t's q or k row for key head kh, in float32, normalised
+// through the forward's qk_norm output (inverse_norm) when normalize_qk.
+template <typename T>
+inline float normalized_key(const device T* x, const device float* inverse_norm,
+                            constant GatedDeltaKernelParams& p, uint b, uint t, uint kh, uint c) {
+  const float value = float(x[qk_offset(p, b, t, kh) + c]);
+  return p.normalize_qk != 0 ? value * inverse_norm[(b * p.tokens + t) * p.key_heads + kh] : value;
+}

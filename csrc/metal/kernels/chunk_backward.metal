@@ -55,6 +55,11 @@ template <typename T>
 
   const uint h = group.x;
   const uint b = group.y;
+  // The chunked backward's WY stages take this chunk (uniform across the
+  // threadgroup).
+  if (p.recurrent_wipe_chunks_only != 0 && chunk_decays_normal(g, mask, p, b, h, chunk)) {
+    return;
+  }
   const uint kh = key_head_of(p, h);
   const bool per_key = p.per_key_gates != 0;
   const uint start = chunk * kChunkSize;

@@ -31,6 +31,10 @@ template <typename T>
   if (row >= p.value_dim) {
     return;
   }
+  // The chunked backward's WY stages take this chunk (uniform too).
+  if (p.recurrent_wipe_chunks_only != 0 && chunk_decays_normal(g, mask, p, b, h, chunk)) {
+    return;
+  }
   float s[kBackwardColumnsPerLane];
   load_row_lanes(boundary_states + state_stack_row(p, b, h, p.num_chunks, chunk, row), p, lane,
                  s);

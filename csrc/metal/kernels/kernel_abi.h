@@ -26,6 +26,10 @@ struct GatedDeltaKernelParams {
   unsigned int num_checkpoints;  // N: the states after checkpoints[n] tokens are kept
   unsigned int has_tree;  // 1: token t steps from token parents[t]'s state (recurrent only)
   unsigned int per_key_gates;  // 1: g is [B, T, Hv, Dk], a decay per key channel
+  // The chunked backward's plan: chunk_states and chunk_backward (the
+  // recurrent reverse) run only the chunks the WY stages leave to them
+  // (chunk_decays_normal in backward_common.h is false).
+  unsigned int recurrent_wipe_chunks_only;
 };
 
 GATED_DELTA_ABI_CONSTANT unsigned int kChunkSize = 64;

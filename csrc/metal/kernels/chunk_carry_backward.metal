@@ -1,0 +1,151 @@
+// chunk_carry_backward, once per chunk from the last to the first (the plan's
+// dispatch says which), carrying dS (dstate): the gradient of chunk_carry's
+// entry-state share of the output, of the exit state and of V' = U - W S0^T.
+// With S0 the state entering the chunk (boundary_states), gamma_i =
+// decay(i, -1), e_j = decay(L-1, j) and dO = scale dy:
+//
+//   dq_i += gamma_i S0^T dO_i;           dG_i += gamma_i (S0^T dO_i) . q_i
+//   dV'_j += e_j dS k_j;  dk_j += e_j dS^T V'_j;  dG_{L-1} += t_j, dG_j -= t_j
+//                                        (t_j = e_j (dS^T V'_j) . k_j)
+//   dG_{L-1} += gamma_{L-1} <dS, S0>;    dW = -dV' S0
+//   dS0 = gamma_{L-1} dS + sum_i gamma_i dO_i q_i^T - sum_j dV'_j W_j^T
+//
+// dS0 replaces dS in dstate. Chunks with a decay that is not a normal float
+// are left to the recurrent reverse (chunk_decays_normal).
+//
+// One threadgroup of kChunkThreads per (value head, batch) owns that head's
+// dS; four threads share each token row (kCarryLanesPerRow), whose dot
+// products' partial sums meet in threadgroup memory.
+
+#include "backward_common.h"
+
+GATED_DELTA_ABI_CONSTANT uint kCarryLanesPerRow = kChunkThreads / kChunkSize;
+
+template <typename T>
+[[kernel]] void gated_delta_chunk_carry_backward(
+    const device T* q [[buffer(0)]],
+    const device T* k [[buffer(1)]],
+    const device float* g [[buffer(2)]],
+    const device bool* mask [[buffer(3)]],
+    const device float* query_inverse_norm [[buffer(4)]],
+    const device float* key_inverse_norm [[buffer(5)]],
+    const device float* gate_cumsum [[buffer(6)]],
+    const device float* w [[buffer(7)]],
+    const device float* corrected [[buffer(8)]],
+    const device float* boundary_states [[buffer(9)]],
+    const device T* y_cotangent [[buffer(10)]],
+    device float* dstate [[buffer(11)]],
+    device float* d_corrected [[buffer(12)]],
+    device float* dw [[buffer(13)]],
+    device float* d_log [[buffer(14)]],
+    device float* query_head_grad [[buffer(15)]],
+    device float* key_head_grad [[buffer(16)]],
+    constant GatedDeltaKernelParams& p [[buffer(17)]],
+    constant uint& chunk [[buffer(18)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float query_terms[kChunkThreads];
+  threadgroup float key_terms[kChunkThreads];
+  threadgroup float entry_terms[kChunkThreads];
+  const uint h = group.x;
+  const uint b = group.y;
+  if (!chunk_decays_normal(g, mask, p, b, h, chunk)) {
+    return;
+  }
+  const uint kh = key_head_of(p, h);
+  const uint length = chunk_length(p, chunk);
+  const uint start = chunk * kChunkSize;
+  const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
+  const device float* cumsum = gate_cumsum + rows;
+  const device float* entry = boundary_states + state_stack_row(p, b, h, p.num_chunks, chunk, 0);
+  device float* ds = dstate + state_row_offset(p, b, h, 0);
+  const uint row = tid / kCarryLanesPerRow;
+  const uint lane = tid % kCarryLanesPerRow;
+  const float end = cumsum[length - 1];
+
+  // Token `row`'s share of the dS-side products (four threads per row).
+  float query_term = 0.0f, key_term = 0.0f;
+  if (row < length) {
+    const uint t = start + row;
+    const bool active = !token_is_masked(p, mask, b, t);
+    const float gamma = exp(cumsum[row]);
+    const float e = exp(end - cumsum[row]);
+    const uint dy_row = v_offset(p, b, t, h);
+    const uint head_grad = ((b * p.tokens + t) * p.value_heads + h) * p.key_dim;
+    for (uint r = lane; r < p.value_dim; r += kCarryLanesPerRow) {
+      float sum = 0.0f;
+      for (uint c = 0; c < p.key_dim; ++c) {
+        sum += ds[r * p.key_dim + c] * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
+      }
+      d_corrected[(rows + row) * p.value_dim + r] += e * sum;
+    }
+    for (uint c = lane; c < p.key_dim; c += kCarryLanesPerRow) {
+      float out_state = 0.0f;  // (S0^T dO)_c
+      float back = 0.0f;  // (dS^T V')_c
+      for (uint r = 0; r < p.value_dim; ++r) {
+        const float d_out = active ? p.scale * float(y_cotangent[dy_row + r]) : 0.0f;
+        out_state += d_out * entry[r * p.key_dim + c];
+        back += ds[r * p.key_dim + c] * corrected[(rows + row) * p.value_dim + r];
+      }
+      query_head_grad[head_grad + c] += gamma * out_state;
+      key_head_grad[head_grad + c] += e * back;
+      query_term += gamma * out_state * normalized_key(q, query_inverse_norm, p, b, t, kh, c);
+      key_term += e * back * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
+    }
+  }
+  query_terms[tid] = query_term;
+  key_terms[tid] = key_term;
+  float entry_term = 0.0f;
+  for (uint e = tid; e < p.value_dim * p.key_dim; e += kChunkThreads) {
+    entry_term += ds[e] * entry[e];
+  }
+  entry_terms[tid] = entry_term;
+  // dV' is complete in device memory and every partial sum is in place; all
+  // reads of dS are done before it is overwritten with dS0 below.
+  threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup);
+
+  if (tid < length) {
+    float q_sum = 0.0f, k_sum = 0.0f;
+    for (uint l = 0; l < kCarryLanesPerRow; ++l) {
+      q_sum += query_terms[tid * kCarryLanesPerRow + l];
+      k_sum += key_terms[tid * kCarryLanesPerRow + l];
+    }
+    float add = q_sum - k_sum;
+    if (tid == length - 1) {
+      float keys = 0.0f, entries = 0.0f;
+      for (uint m = 0; m < kChunkThreads; ++m) {
+        keys += m / kCarryLanesPerRow < length ? key_terms[m] : 0.0f;
+        entries += entry_terms[m];
+      }
+      add += keys + exp(end) * entries;
+    }
+    d_log[rows + tid] += add;
+  }
+  for (uint e = tid; e < length * p.key_dim; e += kChunkThreads) {
+    const uint i = e / p.key_dim;
+    const uint c = e % p.key_dim;
+    float sum = 0.0f;
+    for (uint r = 0; r < p.value_dim; ++r) {
+      sum += d_corrected[(rows + i) * p.value_dim + r] * entry[r * p.key_dim + c];
+    }
+    dw[(rows + i) * p.key_dim + c] = -sum;
+  }
+  for (uint e = tid; e < p.value_dim * p.key_dim; e += kChunkThreads) {
+    const uint r = e / p.key_dim;
+    const uint c = e % p.key_dim;
+    float sum = exp(end) * ds[e];
+    for (uint i = 0; i < length; ++i) {
+      const uint t = start + i;
+      if (!token_is_masked(p, mask, b, t)) {
+        sum += exp(cumsum[i]) * p.scale * float(y_cotangent[v_offset(p, b, t, h) + r]) *
+               normalized_key(q, query_inverse_norm, p, b, t, kh, c);
+      }
+      sum -= d_corrected[(rows + i) * p.value_dim + r] * w[(rows + i) * p.key_dim + c];
+    }
+    ds[e] = sum;
+  }
+}
+
+instantiate_kernel("gated_delta_chunk_carry_backward_float32", gated_delta_chunk_carry_backward, float)
+instantiate_kernel("gated_delta_chunk_carry_backward_float16", gated_delta_chunk_carry_backward, half)
+instantiate_kernel("gated_delta_chunk_carry_backward_bfloat16", gated_delta_chunk_carry_backward, bfloat)

@@ -1,0 +1,120 @@
+// chunk_output_backward: the gradient of chunk_output's intra-chunk sum, for
+// every chunk at once (it does not need dS). Per chunk of one (batch, value
+// head), with dO = scale dy (0 where masked), M = decay o Q K^T (lower, with
+// the diagonal) and V' the chunk's deltas (chunk_carry's U):
+//
+//   dV' = M^T dO;   dM = dO V'^T;   dMd = dM o decay
+//   dq = dMd K;     dk = dMd^T Q;   dG_i += sum_j<i dM_ij M_ij, dG_j -= the same
+//
+// It starts the chunk's per-value-head dq and dk, dV' and dG (d_log), which
+// chunk_carry_backward, recompute_w_u_backward and kkt_inverse_backward add
+// to. Chunks with a decay that is not a normal float are left to the
+// recurrent reverse (chunk_decays_normal).
+//
+// One threadgroup of kChunkThreads per (chunk, value head, batch); the 64 x 64
+// dM is staged in threadgroup memory.
+
+#include "backward_common.h"
+
+template <typename T>
+[[kernel]] void gated_delta_chunk_output_backward(
+    const device T* q [[buffer(0)]],
+    const device T* k [[buffer(1)]],
+    const device float* g [[buffer(2)]],
+    const device bool* mask [[buffer(3)]],
+    const device float* query_inverse_norm [[buffer(4)]],
+    const device float* key_inverse_norm [[buffer(5)]],
+    const device float* gate_cumsum [[buffer(6)]],
+    const device float* qk [[buffer(7)]],
+    const device float* corrected [[buffer(8)]],
+    const device T* y_cotangent [[buffer(9)]],
+    device float* d_corrected [[buffer(10)]],
+    device float* d_log [[buffer(11)]],
+    device float* query_head_grad [[buffer(12)]],
+    device float* key_head_grad [[buffer(13)]],
+    constant GatedDeltaKernelParams& p [[buffer(14)]],
+    uint3 group [[threadgroup_position_in_grid]],
+    uint tid [[thread_index_in_threadgroup]]) {
+  threadgroup float dm[kChunkSize * kChunkSize];
+  const uint chunk = group.x;
+  const uint h = group.y;
+  const uint b = group.z;
+  if (!chunk_decays_normal(g, mask, p, b, h, chunk)) {
+    return;
+  }
+  const uint kh = key_head_of(p, h);
+  const uint length = chunk_length(p, chunk);
+  const uint start = chunk * kChunkSize;
+  const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
+  const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
+  const device float* cumsum = gate_cumsum + rows;
+
+  // dM_ij = dO_i . V'_j on the lower triangle (0 elsewhere).
+  for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
+    const uint i = e / kChunkSize;
+    const uint j = e % kChunkSize;
+    float sum = 0.0f;
+    if (j <= i && i < length && !token_is_masked(p, mask, b, start + i)) {
+      const uint dy_row = v_offset(p, b, start + i, h);
+      for (uint c = 0; c < p.value_dim; ++c) {
+        sum += float(y_cotangent[dy_row + c]) * corrected[(rows + j) * p.value_dim + c];
+      }
+      sum *= p.scale;
+    }
+    dm[e] = sum;
+  }
+  // dM is complete before its gate terms read it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (tid < length) {
+    const uint i = tid;
+    float term = 0.0f;
+    for (uint j = 0; j < i; ++j) {
+      term += dm[i * kChunkSize + j] * exp(cumsum[i] - cumsum[j]) * qk[tile + i * kChunkSize + j];
+    }
+    for (uint m = i + 1; m < length; ++m) {
+      term -= dm[m * kChunkSize + i] * exp(cumsum[m] - cumsum[i]) * qk[tile + m * kChunkSize + i];
+    }
+    d_log[rows + i] = term;
+  }
+  // The gate terms have read dM before it becomes dMd.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
+    const uint i = e / kChunkSize;
+    const uint j = e % kChunkSize;
+    dm[e] *= j <= i && i < length ? exp(cumsum[i] - cumsum[j]) : 0.0f;
+  }
+  // dMd is complete before the products read it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+
+  for (uint e = tid; e < length * p.value_dim; e += kChunkThreads) {
+    const uint j = e / p.value_dim;
+    const uint c = e % p.value_dim;
+    float sum = 0.0f;
+    for (uint i = j; i < length; ++i) {
+      if (!token_is_masked(p, mask, b, start + i)) {
+        const float weight = exp(cumsum[i] - cumsum[j]) * qk[tile + i * kChunkSize + j];
+        sum += weight * p.scale * float(y_cotangent[v_offset(p, b, start + i, h) + c]);
+      }
+    }
+    d_corrected[(rows + j) * p.value_dim + c] = sum;
+  }
+  for (uint e = tid; e < length * p.key_dim; e += kChunkThreads) {
+    const uint i = e / p.key_dim;
+    const uint c = e % p.key_dim;
+    float dq = 0.0f;
+    for (uint j = 0; j <= i; ++j) {
+      dq += dm[i * kChunkSize + j] * normalized_key(k, key_inverse_norm, p, b, start + j, kh, c);
+    }
+    float dk = 0.0f;
+    for (uint m = i; m < length; ++m) {
+      dk += dm[m * kChunkSize + i] * normalized_key(q, query_inverse_norm, p, b, start + m, kh, c);
+    }
+    const uint head_grad = ((b * p.tokens + start + i) * p.value_heads + h) * p.key_dim + c;
+    query_head_grad[head_grad] = dq;
+    key_head_grad[head_grad] = dk;
+  }
+}
+
+instantiate_kernel("gated_delta_chunk_output_backward_float32", gated_delta_chunk_output_backward, float)
+instantiate_kernel("gated_delta_chunk_output_backward_float16", gated_delta_chunk_output_backward, half)
+instantiate_kernel("gated_delta_chunk_output_backward_bfloat16", gated_delta_chunk_output_backward, bfloat)
