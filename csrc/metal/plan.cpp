@@ -367,7 +367,8 @@ struct PlanBuilder {
     }
     // Per-key gates: the cumulative log decay and last wipe per key channel,
     // [B, Hv, C, 64, Dk].
-    const uint64_t gate_rows = B * Hv * padded_tokens * uint64_t(p.gate_width());
+    const uint64_t gate_rows =
+        B * Hv * padded_tokens * uint64_t(p.gate_width());
     add_scratch(GateCumsum, "gate cumsum elements", gate_rows, 4);
     add_scratch(LastWipe, "last wipe elements", gate_rows, 4);
     add_scratch(BetaEffective, "beta elements", B * Hv * padded_tokens, 4);
@@ -401,24 +402,23 @@ struct PlanBuilder {
 
   void gate_cumsum() {
     using enum PlanBuffer;
-    Dispatch& d =
-        add("gate_cumsum",
-            "gated_delta_gate_cumsum",
-            {ceil_div(B * Hv * C * uint64_t(p.gate_width()), kCumsumThreads),
-             1,
-             1},
-            kCumsumThreads,
-            0,
-            {{0, Gate},
-             {1, Beta},
-             {2, Mask},
-             {3, GateCumsum},
-             {4, LastWipe},
-             {5, BetaEffective}},
-            6,
-            {GateCumsum, LastWipe, BetaEffective});
+    Dispatch& d = add(
+        "gate_cumsum",
+        "gated_delta_gate_cumsum",
+        {ceil_div(B * Hv * C * uint64_t(p.gate_width()), kCumsumThreads), 1, 1},
+        kCumsumThreads,
+        0,
+        {{0, Gate},
+         {1, Beta},
+         {2, Mask},
+         {3, GateCumsum},
+         {4, LastWipe},
+         {5, BetaEffective}},
+        6,
+        {GateCumsum, LastWipe, BetaEffective});
     const double width = p.gate_width();
-    d.bytes_moved = B * T * Hv * (width + 1) * 4.0 + B * T * (p.has_mask ? 1 : 0) +
+    d.bytes_moved = B * T * Hv * (width + 1) * 4.0 +
+        B * T * (p.has_mask ? 1 : 0) +
         B * Hv * padded_tokens * (2 * width + 1) * 4.0;
     d.flops = B * T * Hv * width;
   }
@@ -469,8 +469,7 @@ struct PlanBuilder {
     }
     d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 +
         B * Hv * chunk_tiles() * 4.0;
-    d.flops =
-        B * Hv * C * (gram_flops + 3 * tile() + tile() * kChunkSize / 3);
+    d.flops = B * Hv * C * (gram_flops + 3 * tile() + tile() * kChunkSize / 3);
   }
 
   void recompute_w_u() {
@@ -501,7 +500,11 @@ struct PlanBuilder {
   void chunk_qk() {
     using enum PlanBuffer;
     std::vector<std::pair<unsigned, PlanBuffer>> bindings = {
-        {0, Query}, {1, Key}, {2, QueryInverseNorm}, {3, KeyInverseNorm}, {4, QK}};
+        {0, Query},
+        {1, Key},
+        {2, QueryInverseNorm},
+        {3, KeyInverseNorm},
+        {4, QK}};
     if (p.per_key_gates) {
       bindings.insert(bindings.end(), {{6, GateCumsum}, {7, LastWipe}});
     }

@@ -13,6 +13,11 @@
 #   7. chunk_states.metal with its row bound widened    -> sentinel guard
 #   8. chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   9. qk_grad_reduce.metal with its row bound widened  -> sentinel guard
+#  10. key_decayed_dot_products (per-key kkt_inverse, chunk_qk) with its
+#      column bound widened                            -> AddressSanitizer / sentinel guard
+#  11. key_decayed_dot_products with its second barrier deleted -> ThreadSanitizer: data race
+#  12. gate_cumsum.metal with its scan bound widened (per-key: one scan per
+#      channel)                                         -> sentinel guard
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -76,4 +81,15 @@ mutate deleted-barrier-chunk-backward chunk_backward.metal thread \
     $BARRIER ==> previous token's partial sums."
 mutate widened-bound-qk-grad-reduce qk_grad_reduce.metal address \
   "if (row >= p.batch * p.tokens * p.key_heads) { ==> if (row > p.batch * p.tokens * p.key_heads) {"
+mutate widened-bound-key-decayed-dot-products gated_delta_common.h address \
+  "const bool inside = row < rows && column < dim; ==> const bool inside = row < rows && column <= dim;"
+mutate deleted-barrier-key-decayed-dot-products gated_delta_common.h thread \
+  "before the next columns overwrite the tiles.
+    $BARRIER
+  }
+  for (uint n = 0; n < kEntries; ++n) { ==> before the next columns overwrite the tiles.
+  }
+  for (uint n = 0; n < kEntries; ++n) {"
+mutate widened-bound-gate-cumsum gate_cumsum.metal address \
+  "if (index >= scans) { ==> if (index > scans) {"
 exit $status

@@ -185,7 +185,9 @@ def test_equal_channels_give_the_scalar_gate_result(case):
     # A g whose Dk channels all equal the scalar g is the same recurrence: the
     # per-key chunked stages agree with the scalar ones within
     # core.per_key_vs_scalar (two float32 errors; they round differently).
-    scalar_y, scalar_state, _ = metal_emulated.run(*case.args(), algorithm="chunked", **case.options)
+    scalar_y, scalar_state, _ = metal_emulated.run(
+        *case.args(), algorithm="chunked", **case.options
+    )
     per_key_g = np.repeat(to_float64(case.g)[..., None], case.q.shape[3], axis=-1)
     per_key_y, per_key_state, info = metal_emulated.run(
         case.q,
