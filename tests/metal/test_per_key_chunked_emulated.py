@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mlx_gated_delta import reference
 from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
 from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
@@ -318,3 +319,138 @@ def test_the_per_key_chunked_plan_has_per_channel_scratch_and_no_shared_gram():
     assert sizes["qk"] == B * Hv * 3 * 64 * 64 * 4
     table = metal_emulated.describe_plan(**SHAPE, algorithm="chunked", per_key_gates=True)
     assert "gated_delta_chunk_qk_float32" in table and "k_gram" not in table
+
+
+# --- Per-stage: the per-key scratch against float64 built here ---------------
+# (reference.chunked_stages has scalar gates only.) O(1) data as in
+# test_stage_scratch.py, with a channel wiped inside the second chunk and a
+# channel at g = -300 beside the others' g in [-1, 0]; normalize_qk, a mask
+# and a partial last chunk.
+
+STAGE_FINGERPRINTS = {
+    "stage.gate_cumsum.v1.float32.log_cumsum": "d85aa2cd65478ff246ebd541fbde6721174e82d8f5cc45a89a5a946f09f597aa",
+    "stage.gate_cumsum.v1.int32.last_wipe": "dab1d7c8edc4ba9fa0d93b2a6577bab5a2fae8d21c85a4c93a51b9d734341909",
+    "stage.chunk_qk.v1.float32.tile": "97f1853ab56173f3077e20c1265d7c6142f89fa3d06bb6a0195a281ec880dad5",
+    "stage.kkt_inverse.v1.float32.tile": "cff559439ad591d179e8110389fed78db22e51ad8bd2e2aa81260f12c44e391f",
+}
+STAGE_SHAPE = dict(batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=32, value_dim=8)
+
+
+@pytest.fixture(scope="module")
+def stage_case():
+    rng = np.random.default_rng(5)
+    B, T, Hk, Hv, Dk, Dv = (STAGE_SHAPE[n] for n in STAGE_SHAPE)
+    f32 = np.float32
+    q = rng.standard_normal((B, T, Hk, Dk)).astype(f32)
+    k = rng.standard_normal((B, T, Hk, Dk)).astype(f32)
+    v = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
+    g = -rng.uniform(0.0, 1.0, (B, T, Hv, Dk)).astype(f32)
+    g[:, :, :, 3] = -300.0
+    g[:, 70, 0, 5] = -np.inf
+    beta = rng.uniform(0.0, 1.0, (B, T, Hv)).astype(f32)
+    state = (0.5 * rng.standard_normal((B, Hv, Dv, Dk))).astype(f32)
+    mask = rng.uniform(size=(B, T)) > 0.2
+    mask[:, 70] = True
+
+    # float64: the per-channel cumsum (an underflowed decay is a wipe), the
+    # decay of every pair per channel, the decayed grams and T = (I + A)^-1.
+    chunk = metal_emulated.CHUNK_SIZE
+    active = mask[:, :, None, None]
+    g64 = reference.chunk_rows(np.where(active, g.astype(np.float64), 0.0))  # [B, Hv, C, L, Dk]
+    wipe = np.exp(g64.astype(np.float32)) == 0.0
+    log_cumsum = np.cumsum(np.where(wipe, 0.0, g64), axis=3)
+    index = np.arange(chunk)[None, None, None, :, None]
+    last_wipe = np.maximum.accumulate(np.where(wipe, index, -1), axis=3)
+    i, j = np.arange(chunk)[:, None], np.arange(chunk)[None, :]
+    pair = (j <= i)[..., None] & (last_wipe[..., :, None, :] <= j[..., None])
+    with np.errstate(over="ignore"):
+        decay = np.exp(log_cumsum[..., :, None, :] - log_cumsum[..., None, :, :])
+    decay = np.where(pair, decay, 0.0)  # [B, Hv, C, L, L, Dk]
+    qn = reference.chunk_rows(reference.qk_norm(q.astype(np.float64)))  # [B, Hk, C, L, Dk]
+    kn = reference.chunk_rows(reference.qk_norm(k.astype(np.float64)))
+    heads = np.arange(Hv) // (Hv // Hk)
+    qn, kn = qn[:, heads], kn[:, heads]
+    qk = np.einsum("bhcid,bhcjd,bhcijd->bhcij", qn, kn, decay)
+    # What a stage reading one decay per head (channel 0's) would build.
+    qk_one_decay = np.einsum("bhcid,bhcjd,bhcij->bhcij", qn, kn, decay[..., 0])
+    kk = np.einsum("bhcid,bhcjd,bhcijd->bhcij", kn, kn, decay)
+    beta_rows = reference.chunk_rows(np.where(mask[:, :, None], beta, 0.0)[..., None])[..., 0]
+    a = np.where(j < i, beta_rows[..., :, None] * kk, 0.0)
+    kkt_inverse = np.linalg.inv(np.eye(chunk) + a)
+    expected = dict(
+        log_cumsum=log_cumsum,
+        last_wipe=last_wipe,
+        qk=qk,
+        qk_one_decay=qk_one_decay,
+        kkt_inverse=kkt_inverse,
+    )
+    return (q, k, v, g, beta, state, mask), expected
+
+
+def run_stage(stage, inputs):
+    q, k, v, g, beta, state, mask = inputs
+    _, _, info = metal_emulated.run(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        mask=mask,
+        normalize_qk=True,
+        algorithm="chunked",
+        through_stage=stage,
+    )
+    return metal_emulated.stage_buffers(info["buffers"], **STAGE_SHAPE, per_key_gates=True)
+
+
+def real_tokens(actual, expected, tile=False):
+    """`actual` with the padding rows (and tile columns) past the last token
+    taken from `expected`: no stage defines them."""
+    tokens = STAGE_SHAPE["tokens"]
+    chunks = actual.shape[2]
+    valid = (np.arange(chunks * 64) < tokens).reshape(chunks, 64)
+    rows = valid[None, None, :, :, None]
+    if tile:
+        rows = rows & valid[None, None, :, None, :]
+    return np.where(rows, actual, expected)
+
+
+def check_stage(name, actual, expected, contract_id):
+    assert_matches(name, actual, expected, contract_id, STAGE_FINGERPRINTS[contract_id])
+
+
+def test_per_key_gate_cumsum(stage_case):
+    inputs, expected = stage_case
+    buffers = run_stage("gate_cumsum", inputs)
+    for name, contract in (
+        ("gate_cumsum", "stage.gate_cumsum.v1.float32.log_cumsum"),
+        ("last_wipe", "stage.gate_cumsum.v1.int32.last_wipe"),
+    ):
+        key = "log_cumsum" if name == "gate_cumsum" else name
+        check_stage(name, buffers[name], expected[key], contract)
+
+
+@pytest.mark.parametrize(
+    "stage, buffer, contract",
+    (
+        ("chunk_qk", "qk", "stage.chunk_qk.v1.float32.tile"),
+        ("kkt_inverse", "kkt_inverse", "stage.kkt_inverse.v1.float32.tile"),
+    ),
+)
+def test_per_key_decayed_tiles(stage_case, stage, buffer, contract):
+    inputs, expected = stage_case
+    buffers = run_stage(stage, inputs)
+    actual = real_tokens(buffers[buffer], expected[buffer], tile=True)
+    check_stage(buffer, actual, expected[buffer], contract)
+
+
+def test_the_per_key_tile_check_sees_one_decay_per_head(stage_case):
+    # Probe: chunk_qk's tile, had it taken channel 0's decay for every
+    # channel, is outside the stage's contract around the float64 tile.
+    inputs, expected = stage_case
+    buffers = run_stage("chunk_qk", inputs)
+    actual = real_tokens(buffers["qk"], expected["qk"], tile=True)
+    check_stage("qk", actual, expected["qk"], "stage.chunk_qk.v1.float32.tile")
+    with pytest.raises(AssertionError, match="stage.chunk_qk"):
+        check_stage("qk", actual, expected["qk_one_decay"], "stage.chunk_qk.v1.float32.tile")
