@@ -130,8 +130,8 @@ template <typename T>
 
     if (owns_row) {
       for (uint c = lane; c < p.key_dim; c += kChunkSize) {
-        const float decay_all =
-            per_key ? channel_decay(p, cumsum, wipe, length - 1, -1, c) : decay_from_start[length - 1];
+        const float decay_all = per_key ? channel_decay(p, cumsum, wipe, length - 1, -1, c)
+                                        : decay_from_start[length - 1];
         float sum = 0.0f;
         for (uint j = 0; j < length; ++j) {
           const uint token = first_token + j;

@@ -104,7 +104,7 @@ inline uint gate_width(constant GatedDeltaKernelParams& p) {
 // sum of the channel's g over (j, i], never a positive number for decays),
 // and exactly 0 when a wipe of channel c lies in (j, i], decided by position.
 inline float channel_decay(constant GatedDeltaKernelParams& p, const device float* cumsum,
-                          const device int* wipe, uint i, int j, uint c) {
+                           const device int* wipe, uint i, int j, uint c) {
   const uint width = gate_width(p);
   const uint column = p.per_key_gates != 0 ? c : 0;
   const uint at = i * width + column;

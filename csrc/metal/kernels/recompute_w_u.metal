@@ -4,8 +4,9 @@
 //   W = T diag(beta Gamma) K      [L, Dk]   Gamma_j: decay from the chunk entry
 //
 // (per-key gates: W = T diag(beta) (Gamma o K), Gamma_jc the decay of channel
-// c from the chunk entry) so that the chunk's corrected values are v' = U - W S^T for the state S the
-// chunk starts from (chunk_carry). Independent of S: all chunks in parallel.
+// c from the chunk entry) so that the chunk's corrected values are
+// v' = U - W S^T for the state S the chunk starts from (chunk_carry).
+// Independent of S: all chunks in parallel.
 
 #include "gated_delta_common.h"
 
