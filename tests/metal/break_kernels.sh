@@ -14,7 +14,10 @@
 #   8. chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   9. qk_grad_reduce.metal with its row bound widened  -> sentinel guard
 #  10. key_decayed_dot_products (per-key kkt_inverse, chunk_qk) with its
-#      column bound widened                            -> AddressSanitizer / sentinel guard
+#      staging bound widened, writing past the tiles    -> AddressSanitizer
+#      (its column bound guards reads only: a read past a row lands in the
+#      next row or in a buffer's guard bytes, which are finite, so the net
+#      cannot see it; the oracle test at Dk = 17 does)
 #  11. key_decayed_dot_products with its second barrier deleted -> ThreadSanitizer: data race
 #  12. gate_cumsum.metal with its scan bound widened (per-key: one scan per
 #      channel)                                         -> sentinel guard
@@ -82,7 +85,7 @@ mutate deleted-barrier-chunk-backward chunk_backward.metal thread \
 mutate widened-bound-qk-grad-reduce qk_grad_reduce.metal address \
   "if (row >= p.batch * p.tokens * p.key_heads) { ==> if (row > p.batch * p.tokens * p.key_heads) {"
 mutate widened-bound-key-decayed-dot-products gated_delta_common.h address \
-  "const bool inside = row < rows && column < dim; ==> const bool inside = row < rows && column <= dim;"
+  "for (uint e = tid; e < kBlock; e += kChunkThreads) { ==> for (uint e = tid; e <= kBlock; e += kChunkThreads) {"
 mutate deleted-barrier-key-decayed-dot-products gated_delta_common.h thread \
   "before the next columns overwrite the tiles.
     $BARRIER
