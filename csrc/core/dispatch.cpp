@@ -27,8 +27,11 @@ Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params) {
 }
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
-  // Trees and per-key gates: the recurrent kernels alone have them
-  // (docs/metal.md).
+  // Trees: the recurrent kernels alone have them (docs/metal.md). Per-key
+  // gates: the chunked stages take them when asked for, but `auto` keeps the
+  // recurrent form, as on the CPU: the chunked per-key form misses the state
+  // contract from a huge entry state (docs/numerics.md, "Choosing the
+  // algorithm"), and gated_delta_update runs `auto`.
   if (params.has_tree || params.per_key_gates ||
       params.tokens <= int(kChunkSize) ||
       params.key_dim > int(kMaxChunkedKeyDim)) {

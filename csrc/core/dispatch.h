@@ -22,8 +22,9 @@ constexpr int kChunkedBackwardMinTokens = 8;
 Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params);
 
 // What "auto" runs on Metal: recurrent for short sequences (decode and up to
-// one chunk, where the chunked form's extra passes cannot pay) and for key
-// dims the chunked stages do not cover; chunked otherwise.
+// one chunk, where the chunked form's extra passes cannot pay), for key
+// dims the chunked stages do not cover, for trees and for per-key gates;
+// chunked otherwise.
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params);
 
 // The backward's "auto" on Metal: the chunked WY form for scalar gates from

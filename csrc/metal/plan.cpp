@@ -30,6 +30,11 @@ constexpr size_t kKktInverseBytes =
 static_assert(
     kDotTileWidth % 8 == 0,
     "simdgroup matrices step through the tiles 8 columns at a time");
+// key_decayed_dot_products: its four staging blocks reuse the two dot-product
+// tiles of kkt_inverse and chunk_qk, and each thread keeps a whole number of
+// the tile's entries.
+static_assert(4 * kKeyDecayTileWidth <= 2 * kDotTileWidth);
+static_assert(kChunkSize * kChunkSize % kChunkThreads == 0);
 constexpr size_t kRecomputeWuBytes = kChunkTileBytes + 2 * kChunkSize * kFloat;
 constexpr size_t kChunkCarryBytes = (kCarryRows * kMaxChunkedKeyDim +
                                      kCarryRows * kChunkSize + 2 * kChunkSize) *
@@ -188,11 +193,8 @@ struct PlanBuilder {
       Algorithm algorithm,
       ActivationDtype dtype)
       : p(params), core_dtype(dtype) {
-    // Per-key gates run the recurrent kernel at any T, whatever was asked:
-    // the chunked stages have one decay per head (docs/metal.md).
-    plan.algorithm = algorithm == Algorithm::Auto || p.per_key_gates
-        ? resolve_metal_algorithm(p)
-        : algorithm;
+    plan.algorithm =
+        algorithm == Algorithm::Auto ? resolve_metal_algorithm(p) : algorithm;
     plan.dtype = dtype;
     B = p.batch;
     T = p.tokens;
@@ -292,8 +294,13 @@ struct PlanBuilder {
   std::string core_kernel(const char* stage) const {
     return kernel_name(stage, core_dtype);
   }
+  // Per-key gates decay the gram per channel inside the sum: no shared K K^T.
   bool uses_k_gram() const {
-    return uses_chunk_k_gram_k128(p);
+    return uses_chunk_k_gram_k128(p) && !p.per_key_gates;
+  }
+  // Per-key gates: chunk_qk's tiles are per value head (decayed per channel).
+  uint64_t qk_heads() const {
+    return p.per_key_gates ? Hv : Hk;
   }
   double tile() const {
     return double(kChunkSize) * kChunkSize;
@@ -373,15 +380,19 @@ struct PlanBuilder {
       add_scratch(QueryInverseNorm, "query norm elements", B * T * Hk, 4);
       add_scratch(KeyInverseNorm, "key norm elements", B * T * Hk, 4);
     }
-    add_scratch(GateCumsum, "gate cumsum elements", B * Hv * padded_tokens, 4);
-    add_scratch(LastWipe, "last wipe elements", B * Hv * padded_tokens, 4);
+    // Per-key gates: the cumulative log decay and last wipe per key channel,
+    // [B, Hv, C, 64, Dk].
+    const uint64_t gate_rows =
+        B * Hv * padded_tokens * uint64_t(p.gate_width());
+    add_scratch(GateCumsum, "gate cumsum elements", gate_rows, 4);
+    add_scratch(LastWipe, "last wipe elements", gate_rows, 4);
     add_scratch(BetaEffective, "beta elements", B * Hv * padded_tokens, 4);
     if (uses_k_gram())
       add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles(), 4);
     add_scratch(KktInverse, "kkt inverse elements", B * Hv * chunk_tiles(), 4);
     add_scratch(W, "W elements", B * Hv * padded_tokens * Dk, 4);
     add_scratch(U, "U elements", B * Hv * padded_tokens * Dv, 4);
-    add_scratch(QK, "QK elements", B * Hk * chunk_tiles(), 4);
+    add_scratch(QK, "QK elements", B * qk_heads() * chunk_tiles(), 4);
     add_scratch(
         OutputInter,
         "inter-chunk output elements",
@@ -406,24 +417,25 @@ struct PlanBuilder {
 
   void gate_cumsum() {
     using enum PlanBuffer;
-    Dispatch& d =
-        add("gate_cumsum",
-            "gated_delta_gate_cumsum",
-            {ceil_div(B * Hv * C, kCumsumThreads), 1, 1},
-            kCumsumThreads,
-            0,
-            {{0, Gate},
-             {1, Beta},
-             {2, Mask},
-             {3, GateCumsum},
-             {4, LastWipe},
-             {5, BetaEffective}},
-            6,
-            {GateCumsum, LastWipe, BetaEffective});
-    d.bytes_moved = double(
-        B * T * Hv * 8 + B * T * (p.has_mask ? 1 : 0) +
-        3 * B * Hv * padded_tokens * 4);
-    d.flops = double(B * T * Hv);
+    Dispatch& d = add(
+        "gate_cumsum",
+        "gated_delta_gate_cumsum",
+        {ceil_div(B * Hv * C * uint64_t(p.gate_width()), kCumsumThreads), 1, 1},
+        kCumsumThreads,
+        0,
+        {{0, Gate},
+         {1, Beta},
+         {2, Mask},
+         {3, GateCumsum},
+         {4, LastWipe},
+         {5, BetaEffective}},
+        6,
+        {GateCumsum, LastWipe, BetaEffective});
+    const double width = p.gate_width();
+    d.bytes_moved = B * T * Hv * (width + 1) * 4.0 +
+        B * T * (p.has_mask ? 1 : 0) +
+        B * Hv * padded_tokens * (2 * width + 1) * 4.0;
+    d.flops = B * T * Hv * width;
   }
 
   void k_gram() {
@@ -461,13 +473,18 @@ struct PlanBuilder {
             {KktInverse});
     // Gram (read, or built from K), the decays and beta, then the
     // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
+    // Per-key gates: the decayed gram's lower half, four flops and an exp
+    // per pair and channel, from K and the per-channel decays.
     double gram_bytes =
         k_gram ? B * Hv * chunk_tiles() * 4.0 : B * Hv * T * Dk * double(e);
+    double gram_flops = k_gram ? 0.0 : 2.0 * tile() * Dk;
+    if (p.per_key_gates) {
+      gram_bytes += B * Hv * padded_tokens * Dk * 8.0;
+      gram_flops = 5.0 * (tile() / 2) * Dk;
+    }
     d.bytes_moved = gram_bytes + B * Hv * padded_tokens * 12.0 +
         B * Hv * chunk_tiles() * 4.0;
-    d.flops = B * Hv * C *
-        ((k_gram ? 0.0 : 2.0 * tile() * Dk) + 3 * tile() +
-         tile() * kChunkSize / 3);
+    d.flops = B * Hv * C * (gram_flops + 3 * tile() + tile() * kChunkSize / 3);
   }
 
   void recompute_w_u() {
@@ -497,22 +514,32 @@ struct PlanBuilder {
 
   void chunk_qk() {
     using enum PlanBuffer;
+    std::vector<std::pair<unsigned, PlanBuffer>> bindings = {
+        {0, Query},
+        {1, Key},
+        {2, QueryInverseNorm},
+        {3, KeyInverseNorm},
+        {4, QK}};
+    if (p.per_key_gates) {
+      bindings.insert(bindings.end(), {{6, GateCumsum}, {7, LastWipe}});
+    }
     Dispatch& d =
         add("chunk_qk",
             core_kernel("chunk_qk"),
-            {unsigned(C), unsigned(Hk), unsigned(B)},
+            {unsigned(C), unsigned(qk_heads()), unsigned(B)},
             kChunkThreads,
             kChunkDotBytes,
-            {{0, Query},
-             {1, Key},
-             {2, QueryInverseNorm},
-             {3, KeyInverseNorm},
-             {4, QK}},
+            bindings,
             5,
             {QK});
-    d.bytes_moved =
-        double(2 * B * T * Hk * Dk * e + B * Hk * chunk_tiles() * 4);
-    d.flops = 2.0 * B * Hk * C * tile() * Dk;
+    // Per-key gates: one decayed tile per value head (the lower half, four
+    // flops and an exp per pair and channel), reading the channels' decays.
+    const double heads = double(qk_heads());
+    d.bytes_moved = B * heads *
+        (2.0 * T * Dk * double(e) + chunk_tiles() * 4.0 +
+         (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
+    d.flops = p.per_key_gates ? 5.0 * B * heads * C * (tile() / 2) * Dk
+                              : 2.0 * B * heads * C * tile() * Dk;
   }
 
   void chunk_carry() {

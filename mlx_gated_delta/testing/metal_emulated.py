@@ -503,9 +503,11 @@ def describe_plan(
     head_mapping="grouped",
     normalize_qk=False,
     mask=False,
+    per_key_gates=False,
 ):
     """The plan as a table: dispatches, threadgroup memory, bytes and FLOPs
-    per stage against an assumed Apple M-series roofline (stated in it)."""
+    per stage against an assumed Apple M-series roofline (stated in it).
+    `per_key_gates`: g of shape [B, T, Hv, Dk]."""
     return _metal_emulator.describe_plan(
         batch,
         tokens,
@@ -518,6 +520,7 @@ def describe_plan(
         head_mapping,
         normalize_qk,
         mask,
+        per_key_gates,
     )
 
 
@@ -537,10 +540,12 @@ def plan(
     scale=None,
     checkpoints=0,
     tree=False,
+    per_key_gates=False,
 ):
     """The whole plan as a dict: resolved algorithm, the kernel params as bytes,
     every buffer's size, and the dispatches; `checkpoints`: how many, `tree`:
-    with parents (tree verification)."""
+    with parents (tree verification), `per_key_gates`: g of shape
+    [B, T, Hv, Dk]."""
     scale = key_dim**-0.5 if scale is None else scale
     return _metal_emulator.plan(
         batch,
@@ -557,6 +562,7 @@ def plan(
         float(scale),
         checkpoints,
         tree,
+        per_key_gates,
     )
 
 
@@ -569,24 +575,29 @@ def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, *
 CHUNK_SIZE = 64
 
 
-def stage_buffers(buffers, batch, tokens, key_heads, value_heads, key_dim, value_dim):
+def stage_buffers(
+    buffers, batch, tokens, key_heads, value_heads, key_dim, value_dim, per_key_gates=False
+):
     """The chunked stages' scratch in the dict `run(..., through_stage=...)`
     returns, as NumPy arrays in the layouts of `reference.chunked_stages`:
     inverse norms `[B, T, Hk]`; gate_cumsum, last_wipe (int32) and
     beta_effective `[B, Hv, C, L]`; k_gram and qk `[B, Hk, C, L, L]`;
     kkt_inverse `[B, Hv, C, L, L]`; w, u and output_inter `[B, Hv, C, L, D]`.
-    Buffers the plan does not have are left out."""
+    With `per_key_gates`, gate_cumsum and last_wipe are `[B, Hv, C, L, Dk]`
+    and qk (decayed per channel) `[B, Hv, C, L, L]`. Buffers the plan does not
+    have are left out."""
     chunks = -(-tokens // CHUNK_SIZE)
     tiles = (chunks, CHUNK_SIZE, CHUNK_SIZE)
     rows = (batch, value_heads, chunks, CHUNK_SIZE)
+    gate_rows = rows + (key_dim,) if per_key_gates else rows
     shapes = {
         "query_inverse_norm": (batch, tokens, key_heads),
         "key_inverse_norm": (batch, tokens, key_heads),
-        "gate_cumsum": rows,
-        "last_wipe": rows,
+        "gate_cumsum": gate_rows,
+        "last_wipe": gate_rows,
         "beta_effective": rows,
         "k_gram": (batch, key_heads) + tiles,
-        "qk": (batch, key_heads) + tiles,
+        "qk": (batch, value_heads if per_key_gates else key_heads) + tiles,
         "kkt_inverse": (batch, value_heads) + tiles,
         "w": rows + (key_dim,),
         "u": rows + (value_dim,),

@@ -28,6 +28,7 @@ struct Shape {
   ActivationDtype dtype;
   int tokens, key_heads, value_heads, key_dim, value_dim;
   bool normalize_qk, mask;
+  bool per_key_gates = false;  // g [T, Hv, Dk]
 };
 
 uint16_t to_half_bits(float value) {
@@ -124,6 +125,7 @@ void run(const Shape& shape, std::set<std::string>& kernels_run) {
   p.scale = 1.0f / std::sqrt(float(shape.key_dim));
   p.normalize_qk = shape.normalize_qk;
   p.has_mask = shape.mask;
+  p.per_key_gates = shape.per_key_gates;
   Plan plan = make_plan(p, shape.algorithm, shape.dtype);
 
   std::mt19937 rng(1234);
@@ -134,7 +136,7 @@ void run(const Shape& shape, std::set<std::string>& kernels_run) {
   auto q = activations(rng, qk, shape.dtype, 0.5f);
   auto k = activations(rng, qk, shape.dtype, shape.normalize_qk ? 2.0f : 0.15f);
   auto values = activations(rng, v, shape.dtype, 1.0f);
-  auto g = floats(rng, gates, -1.0f, 0.0f);
+  auto g = floats(rng, gates * p.gate_width(), -1.0f, 0.0f);
   auto beta = floats(rng, gates, 0.0f, 1.0f);
   auto state_in = floats(rng, state, -1.0f, 1.0f);
   std::vector<std::byte> mask;
@@ -373,6 +375,31 @@ int main() {
        4,
        false,
        false},
+      // Per-key gates: a key dim that is not a multiple of the staging width
+      // (kKeyDecayTileWidth), and the Dk = 128 shape that runs k_gram for
+      // scalar gates (not for per-key ones).
+      {"chunked, per-key gates, bfloat16, normalize_qk, mask",
+       Chunked,
+       BFloat16,
+       70,
+       1,
+       2,
+       20,
+       8,
+       true,
+       true,
+       true},
+      {"chunked, per-key gates (Dk 128, repeated heads), float32",
+       Chunked,
+       Float32,
+       65,
+       1,
+       2,
+       128,
+       4,
+       false,
+       false,
+       true},
   };
   // Segment shapes: C = 48 conv channels (threadgroups of 64 threads, so the
   // kernels' channel bounds are exercised); every fourth token masked.

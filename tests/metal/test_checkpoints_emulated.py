@@ -172,9 +172,9 @@ def test_tree_verification_matches_the_cpu_op(key_dim, mask_kind):
 @pytest.mark.parametrize("key_dim", [32, 24])  # the SIMD and the generic kernel
 @pytest.mark.parametrize("tree", [False, True])
 def test_per_key_gates_with_checkpoints_match_the_cpu_op(key_dim, tree):
-    # Per-key gates run the recurrent kernels, which keep their checkpoint
-    # copies and tree states with a decay per state column as with one per
-    # head; asked for chunked, the plan still runs them recurrently.
+    # Per-key gates: the recurrent kernels keep their tree states, and the
+    # chunked stages their checkpoint cuts (chunk_carry), with a decay per
+    # state column as with one per head; each against the CPU op's same form.
     case = make_core_case(
         13,
         batch=2,
@@ -205,12 +205,13 @@ def test_per_key_gates_with_checkpoints_match_the_cpu_op(key_dim, tree):
         parents=parents,
         checkpoints=positions,
     )
-    assert info["algorithm"] == "recurrent"
+    algorithm = "chunked" if not tree else "recurrent"
+    assert info["algorithm"] == algorithm
     expected_y, expected_state, expected_checkpoints = gated_delta_rule(
         *case.args(),
         parents=parents,
         checkpoints=positions,
-        algorithm="recurrent",
+        algorithm=algorithm,
         stream=mx.cpu,
         **case.options,
     )

@@ -424,7 +424,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          bool has_mask,
          float scale,
          int checkpoints,
-         bool tree) {
+         bool tree,
+         bool per_key_gates) {
         GatedDeltaParams params = make_params(
             batch,
             tokens,
@@ -435,7 +436,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
             scale,
             head_mapping,
             normalize_qk,
-            has_mask);
+            has_mask,
+            per_key_gates);
         params.checkpoint_count = checkpoints;
         params.has_tree = tree;
         return plan_as_dict(
@@ -455,7 +457,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("scale") = 1.0f,
       nb::arg("checkpoints") = 0,
       nb::arg("tree") = false,
-      "The plan (with `checkpoints` positions, with parents for `tree`): resolved algorithm, the kernel params' bytes, every buffer's size and the "
+      nb::arg("per_key_gates") = false,
+      "The plan (with `checkpoints` positions, with parents for `tree`, g [B, T, Hv, Dk] with `per_key_gates`): resolved algorithm, the kernel params' bytes, every buffer's size and the "
       "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
 
   m.def(
@@ -470,7 +473,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          const std::string& algorithm,
          const std::string& head_mapping,
          bool normalize_qk,
-         bool has_mask) {
+         bool has_mask,
+         bool per_key_gates) {
         Plan plan = make_plan(
             make_params(
                 batch,
@@ -482,7 +486,8 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
                 1.0f,
                 head_mapping,
                 normalize_qk,
-                has_mask),
+                has_mask,
+                per_key_gates),
             parse_algorithm(algorithm),
             parse_dtype(dtype));
         return describe_plan(plan, assumed_m_series_roofline());
@@ -498,6 +503,7 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
       nb::arg("head_mapping") = "grouped",
       nb::arg("normalize_qk") = false,
       nb::arg("has_mask") = false,
+      nb::arg("per_key_gates") = false,
       "A readable table of the plan against an assumed M-series roofline.");
 
   m.def(

@@ -15,6 +15,10 @@
 //   S_i = Gamma_{i-1} S + sum_{j < i} decay(i-1, j) v'_j k_j^T,
 //
 // computed from the entry S before it is overwritten, and copied out.
+//
+// Per-key gates: the decays are per key column c (channel_decay): Gamma_i
+// scales q_i's columns in inter_i, and column c of S decays by its own
+// Gamma_last,c and decay(last, j, c).
 
 #include "gated_delta_common.h"
 
@@ -45,6 +49,7 @@ template <typename T>
   const uint h = group.y;
   const uint b = group.z;
   const uint kh = key_head_of(p, h);
+  const bool per_key = p.per_key_gates != 0;
   const uint local_row = tid / kChunkSize;
   const uint lane = tid % kChunkSize;
   const uint row = group.x * kCarryRows + local_row;
@@ -62,10 +67,12 @@ template <typename T>
     const uint length = chunk_length(p, chunk);
     const uint first_token = chunk * kChunkSize;
     const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
-    if (tid < kChunkSize) {
+    const device float* cumsum = gate_cumsum + rows * gate_width(p);
+    const device int* wipe = last_wipe + rows * gate_width(p);
+    // Scalar gates: the head's decays, staged once per chunk (per-key gates
+    // form each column's where it is used).
+    if (!per_key && tid < kChunkSize) {
       const uint j = tid;
-      const device float* cumsum = gate_cumsum + rows;
-      const device int* wipe = last_wipe + rows;
       decay_from_start[j] = j < length ? decay_from_chunk_start(cumsum, wipe, j) : 0.0f;
       decay_to_end[j] = j < length ? chunk_decay(cumsum, wipe, length - 1, j) : 0.0f;
     }
@@ -80,7 +87,8 @@ template <typename T>
       float s_q = 0.0f;
       for (uint c = 0; c < p.key_dim; ++c) {
         w_s += w[(rows + j) * p.key_dim + c] * s[c];
-        s_q += s[c] * float(q[key + c]);
+        const float q_c = float(q[key + c]);
+        s_q += s[c] * (per_key ? channel_decay(p, cumsum, wipe, j, -1, c) * q_c : q_c);
       }
       if (p.normalize_qk != 0) {
         s_q *= query_inverse_norm[(b * p.tokens + token) * p.key_heads + kh];
@@ -89,7 +97,7 @@ template <typename T>
       const float v_new = u[at] - w_s;
       u[at] = v_new;
       corrected[local_row * kChunkSize + j] = v_new;
-      output_inter[at] = p.scale * decay_from_start[j] * s_q;
+      output_inter[at] = p.scale * (per_key ? 1.0f : decay_from_start[j]) * s_q;
     }
     // Every v' of the chunk is known, and every read of the entry S is done.
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -100,11 +108,9 @@ template <typename T>
            uint(checkpoints[next_checkpoint]) <= first_token + length) {
       const uint cut = uint(checkpoints[next_checkpoint]) - first_token;  // 1..length
       if (owns_row) {
-        const device float* cumsum = gate_cumsum + rows;
-        const device int* wipe = last_wipe + rows;
-        const float decay_entry = decay_from_chunk_start(cumsum, wipe, cut - 1);
         const uint slot = checkpoint_offset(p, next_checkpoint) + state_row;
         for (uint c = lane; c < p.key_dim; c += kChunkSize) {
+          const float decay_entry = channel_decay(p, cumsum, wipe, cut - 1, -1, c);
           float sum = 0.0f;
           for (uint j = 0; j < cut; ++j) {
             const uint token = first_token + j;
@@ -112,7 +118,7 @@ template <typename T>
             if (p.normalize_qk != 0) {
               key_scale = key_inverse_norm[(b * p.tokens + token) * p.key_heads + kh];
             }
-            sum += chunk_decay(cumsum, wipe, cut - 1, j) *
+            sum += channel_decay(p, cumsum, wipe, cut - 1, int(j), c) *
                    corrected[local_row * kChunkSize + j] * key_scale *
                    float(k[qk_offset(p, b, token, kh) + c]);
           }
@@ -123,8 +129,9 @@ template <typename T>
     }
 
     if (owns_row) {
-      const float decay_all = decay_from_start[length - 1];
       for (uint c = lane; c < p.key_dim; c += kChunkSize) {
+        const float decay_all = per_key ? channel_decay(p, cumsum, wipe, length - 1, -1, c)
+                                        : decay_from_start[length - 1];
         float sum = 0.0f;
         for (uint j = 0; j < length; ++j) {
           const uint token = first_token + j;
@@ -132,7 +139,9 @@ template <typename T>
           if (p.normalize_qk != 0) {
             key_scale = key_inverse_norm[(b * p.tokens + token) * p.key_heads + kh];
           }
-          sum += decay_to_end[j] * corrected[local_row * kChunkSize + j] * key_scale *
+          const float decay =
+              per_key ? channel_decay(p, cumsum, wipe, length - 1, int(j), c) : decay_to_end[j];
+          sum += decay * corrected[local_row * kChunkSize + j] * key_scale *
                  float(k[qk_offset(p, b, token, kh) + c]);
         }
         s[c] = decay_all * s[c] + sum;

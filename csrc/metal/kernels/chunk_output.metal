@@ -3,7 +3,8 @@
 //
 //   y_i = inter_i + scale sum_{j <= i} decay(i, j) (q_i . k_j) v'_j
 //
-// and y = 0 on masked tokens.
+// and y = 0 on masked tokens. Per-key gates: chunk_qk's tile is the value
+// head's, with the decays inside.
 
 #include "gated_delta_common.h"
 
@@ -27,14 +28,18 @@ template <typename T>
   const uint length = chunk_length(p, chunk);
   const uint first_token = chunk * kChunkSize;
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
-  const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
+  const bool per_key = p.per_key_gates != 0;
+  const uint tile = per_key ? chunk_row(p, b, h, p.value_heads, chunk) * kChunkSize
+                            : chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
 
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
     const uint i = e / kChunkSize;
     const uint j = e % kChunkSize;
     float weight = 0.0f;
     if (j <= i && i < length) {
-      weight = p.scale * chunk_decay(gate_cumsum + rows, last_wipe + rows, i, j) * qk[tile + e];
+      const float decay =
+          per_key ? 1.0f : chunk_decay(gate_cumsum + rows, last_wipe + rows, i, j);
+      weight = p.scale * decay * qk[tile + e];
     }
     weights[e] = weight;
   }

@@ -1,8 +1,12 @@
 // chunk_qk: Q K^T of one chunk of one key head (q and k normalised when
 // asked), for chunk_output's intra-chunk term. Only j <= i is read later.
+// Per-key gates: one tile per value head, decayed per key channel,
+// sum_c q_ic k_jc decay(i, j, c) (key_decayed_dot_products), so chunk_output
+// applies no decay of its own.
 
 #include "gated_delta_common.h"
 
+// The grid's y is the key head, or the value head with per-key gates.
 template <typename T>
 [[kernel]] void gated_delta_chunk_qk(
     const device T* q [[buffer(0)]],
@@ -11,23 +15,35 @@ template <typename T>
     const device float* key_inverse_norm [[buffer(3)]],
     device float* qk [[buffer(4)]],
     constant GatedDeltaKernelParams& p [[buffer(5)]],
+    const device float* gate_cumsum [[buffer(6)]],
+    const device int* last_wipe [[buffer(7)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]]) {
-  threadgroup float q_tile[kChunkSize * kDotTileWidth];
-  threadgroup float k_tile[kChunkSize * kDotTileWidth];
+  // The dot-product tiles, or the per-key staging blocks in the same bytes.
+  threadgroup float tiles[2 * kChunkSize * kDotTileWidth];
   threadgroup float products[kChunkSize * kChunkSize];
   const uint chunk = group.x;
-  const uint kh = group.y;
+  const uint head = group.y;
   const uint b = group.z;
+  const bool per_key = p.per_key_gates != 0;
+  const uint kh = per_key ? key_head_of(p, head) : head;
+  const uint heads = per_key ? p.value_heads : p.key_heads;
   const uint length = chunk_length(p, chunk);
   const uint first_token = chunk * kChunkSize;
   const uint offset = qk_offset(p, b, first_token, kh);
   const uint row_stride = p.key_heads * p.key_dim;
+  const uint out = chunk_row(p, b, head, heads, chunk) * kChunkSize;
 
-  chunk_dot_products<kDotTileWidth>(q + offset, k + offset, row_stride, length, p.key_dim,
-                                    q_tile, k_tile, products, tid, simd_index);
-  const uint out = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
+  if (per_key) {
+    const uint rows = chunk_row(p, b, head, p.value_heads, chunk) * p.key_dim;
+    key_decayed_dot_products(q + offset, k + offset, row_stride, length, p.key_dim,
+                             gate_cumsum + rows, last_wipe + rows, tiles, products, tid);
+  } else {
+    chunk_dot_products<kDotTileWidth>(q + offset, k + offset, row_stride, length, p.key_dim,
+                                      tiles, tiles + kChunkSize * kDotTileWidth, products, tid,
+                                      simd_index);
+  }
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
     const uint i = e / kChunkSize;
     const uint j = e % kChunkSize;

@@ -1,11 +1,15 @@
 // gate_cumsum: per chunk of one (batch, value head), the inclusive cumsum of
-// the log decays, the last wipe (g == -inf, from gamma == 0) and beta, with
-// masked tokens turned into no-ops (g = 0, beta = 0). Every later stage
-// derives its decays from these three through chunk_decay().
+// the log decays, the last wipe (exp(g) == 0: gamma == 0, or a decay below
+// float32's range) and beta, with masked tokens turned into no-ops (g = 0,
+// beta = 0). Every later stage
+// derives its decays from these three through chunk_decay() or
+// channel_decay(). Per-key gates: the cumsum and the last wipe per key channel
+// ([B, Hv, C*64, Dk]), beta once per token.
 
 #include "gated_delta_common.h"
 
-// One thread per (batch, value head, chunk): a 64-step serial scan.
+// One thread per (batch, value head, chunk, gate channel): a 64-step serial
+// scan. Scalar gates have one channel.
 [[kernel]] void gated_delta_gate_cumsum(
     const device float* g [[buffer(0)]],
     const device float* beta [[buffer(1)]],
@@ -15,13 +19,16 @@
     device float* beta_effective [[buffer(5)]],
     constant GatedDeltaKernelParams& p [[buffer(6)]],
     uint index [[thread_position_in_grid]]) {
-  const uint sequences = p.batch * p.value_heads * p.num_chunks;
-  if (index >= sequences) {
+  const uint width = gate_width(p);
+  const uint scans = p.batch * p.value_heads * p.num_chunks * width;
+  if (index >= scans) {
     return;
   }
-  const uint chunk = index % p.num_chunks;
-  const uint h = (index / p.num_chunks) % p.value_heads;
-  const uint b = index / (p.num_chunks * p.value_heads);
+  const uint channel = index % width;
+  const uint sequence = index / width;
+  const uint chunk = sequence % p.num_chunks;
+  const uint h = (sequence / p.num_chunks) % p.value_heads;
+  const uint b = sequence / (p.num_chunks * p.value_heads);
   const uint first = chunk_row(p, b, h, p.value_heads, chunk);
   const uint length = chunk_length(p, chunk);
   float cumsum = 0.0f;
@@ -31,18 +38,25 @@
     float beta_i = 0.0f;
     const uint t = chunk * kChunkSize + i;
     if (i < length && !token_is_masked(p, mask, b, t)) {
-      g_i = g[gate_offset(p, b, t, h)];
+      g_i = g[gate_offset(p, b, t, h) * width + channel];
       beta_i = beta[gate_offset(p, b, t, h)];
     }
-    // Only finite decays enter the sum: a wipe is recorded by position, so
-    // no later difference of cumsums is ever inf - inf.
-    if (isinf(g_i) && g_i < 0.0f) {
+    // A wipe is a step whose decay is 0 in float32: g = -inf, and a g so
+    // negative that exp(g) underflows (as on the CPU). It is recorded by
+    // position and kept out of the sum, so no later difference of cumsums is
+    // inf - inf, and a channel's sum stays as small as its surviving steps:
+    // a -300 step would otherwise leave the later differences of that
+    // channel's sums rounding at the size of 300.
+    if (exp(g_i) == 0.0f) {
       wipe = int(i);
     } else {
       cumsum += g_i;
     }
-    gate_cumsum[first + i] = cumsum;
-    last_wipe[first + i] = wipe;
-    beta_effective[first + i] = beta_i;
+    gate_cumsum[(first + i) * width + channel] = cumsum;
+    last_wipe[(first + i) * width + channel] = wipe;
+    // Beta has one column: the scan of channel 0 writes it.
+    if (channel == 0) {
+      beta_effective[first + i] = beta_i;
+    }
   }
 }

@@ -92,6 +92,28 @@ inline float decay_from_chunk_start(const device float* gate_cumsum,
   return last_wipe[i] >= 0 ? 0.0f : exp(gate_cumsum[i]);
 }
 
+// Per-key gates: gate_cumsum and last_wipe keep one column per key channel,
+// [B, Hv, C*64, Dk] (scalar gates: one, [B, Hv, C*64]).
+inline uint gate_width(constant GatedDeltaKernelParams& p) {
+  return p.per_key_gates != 0 ? p.key_dim : 1;
+}
+// The decay of key column c from token j to token i (j <= i) of one chunk, or
+// from the chunk's entry state when j == -1; `cumsum` and `wipe` point at the
+// chunk's first row. Scalar gates give chunk_decay() for every column. Per-key
+// gates: exp(G_ic - G_jc), formed for the pair directly (its exponent is the
+// sum of the channel's g over (j, i], never a positive number for decays),
+// and exactly 0 when a wipe of channel c lies in (j, i], decided by position.
+inline float channel_decay(constant GatedDeltaKernelParams& p, const device float* cumsum,
+                           const device int* wipe, uint i, int j, uint c) {
+  const uint width = gate_width(p);
+  const uint column = p.per_key_gates != 0 ? c : 0;
+  const uint at = i * width + column;
+  if (wipe[at] > j) {
+    return 0.0f;
+  }
+  return exp(cumsum[at] - (j >= 0 ? cumsum[uint(j) * width + column] : 0.0f));
+}
+
 // result[i * 64 + j] = a_i . b_j for the first `rows` rows of a 64-row chunk
 // (rows past it give 0) over `dim` columns: the columns are staged through
 // threadgroup tiles kTileWidth wide, and each of the 8 SIMD-groups multiplies
@@ -131,6 +153,67 @@ void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row
   }
   for (uint n = 0; n < kChunkSize / 8; ++n) {
     simdgroup_store(acc[n], result + simd_index * 8 * kChunkSize + n * 8, kChunkSize);
+  }
+  // The result is complete before any thread reads it.
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+}
+
+// Per-key gates: result[i * 64 + j] = sum_c a_ic b_jc decay(i, j, c) for
+// j <= i < rows (0 elsewhere), the decay per channel as channel_decay() forms
+// it. It cannot be applied after the product as one decay per head can, so
+// each pair's factors are formed inside the sum. `tiles` stages four 64 x
+// kKeyDecayTileWidth blocks of the columns at hand: a, b, the cumulative log
+// decays and the last wipes (as floats: indices -1..63 are exact). Thread tid
+// keeps the entries tid, tid + 256, ... in registers. Ends with a barrier:
+// `result` is complete for every thread.
+template <typename T>
+void key_decayed_dot_products(const device T* a_rows, const device T* b_rows, uint row_stride,
+                              uint rows, uint dim, const device float* cumsum,
+                              const device int* wipe, threadgroup float* tiles,
+                              threadgroup float* result, uint tid) {
+  constexpr uint kWidth = kKeyDecayTileWidth;
+  constexpr uint kBlock = kChunkSize * kWidth;
+  constexpr uint kEntries = kChunkSize * kChunkSize / kChunkThreads;
+  threadgroup float* a_tile = tiles;
+  threadgroup float* b_tile = tiles + kBlock;
+  threadgroup float* cumsum_tile = tiles + 2 * kBlock;
+  threadgroup float* wipe_tile = tiles + 3 * kBlock;
+  float acc[kEntries];
+  for (uint n = 0; n < kEntries; ++n) {
+    acc[n] = 0.0f;
+  }
+  for (uint d0 = 0; d0 < dim; d0 += kWidth) {
+    for (uint e = tid; e < kBlock; e += kChunkThreads) {
+      const uint row = e / kWidth;
+      const uint column = d0 + e % kWidth;
+      const bool inside = row < rows && column < dim;
+      a_tile[e] = inside ? float(a_rows[row * row_stride + column]) : 0.0f;
+      b_tile[e] = inside ? float(b_rows[row * row_stride + column]) : 0.0f;
+      cumsum_tile[e] = inside ? cumsum[row * dim + column] : 0.0f;
+      wipe_tile[e] = inside ? float(wipe[row * dim + column]) : -1.0f;
+    }
+    // The tiles are complete before any thread reads them.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (uint n = 0; n < kEntries; ++n) {
+      const uint e = tid + n * kChunkThreads;
+      const uint i = e / kChunkSize;
+      const uint j = e % kChunkSize;
+      if (j > i) {
+        continue;
+      }
+      for (uint d = 0; d < kWidth; ++d) {
+        const uint at_i = i * kWidth + d;
+        const uint at_j = j * kWidth + d;
+        const float decay =
+            wipe_tile[at_i] > float(j) ? 0.0f : exp(cumsum_tile[at_i] - cumsum_tile[at_j]);
+        acc[n] += a_tile[at_i] * decay * b_tile[at_j];
+      }
+    }
+    // Every thread is done reading before the next columns overwrite the tiles.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  for (uint n = 0; n < kEntries; ++n) {
+    result[tid + n * kChunkThreads] = acc[n];
   }
   // The result is complete before any thread reads it.
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -41,9 +41,15 @@ GATED_DELTA_ABI_CONSTANT unsigned int kChunkThreads = 256;
 // result keep those kernels at 24 KiB of threadgroup memory, within Metal's
 // 32 KiB per threadgroup with room to spare.
 GATED_DELTA_ABI_CONSTANT unsigned int kDotTileWidth = 16;
+// Per-key gates: key columns staged per step when kkt_inverse and chunk_qk
+// build a decayed 64 x 64 tile (key_decayed_dot_products). Four 64 x 8 tiles
+// (k or q rows, k rows, the cumulative log decays, the last wipes) fill the
+// same 8 KiB as the two dot-product tiles.
+GATED_DELTA_ABI_CONSTANT unsigned int kKeyDecayTileWidth = 8;
 // qk_norm: one SIMD-group per (batch, token, key head) row.
 GATED_DELTA_ABI_CONSTANT unsigned int kNormRowsPerThreadgroup = 8;
-// gate_cumsum: one thread per (batch, value head, chunk).
+// gate_cumsum: one thread per (batch, value head, chunk), and per key
+// channel with per-key gates.
 GATED_DELTA_ABI_CONSTANT unsigned int kCumsumThreads = 64;
 // chunk_carry: state rows one threadgroup keeps in threadgroup memory (64
 // threads per row), and the widest key dimension those rows may have.

@@ -4,6 +4,8 @@
 //   A_ij = beta_i decay(i, j) (k_i . k_j)   for j < i, else 0
 //
 // T is what the WY form needs: U = T diag(beta) V, W = T diag(beta Gamma) K.
+// Per-key gates: A_ij = beta_i sum_c k_ic k_jc decay(i, j, c), the decayed
+// gram built here pair by pair (key_decayed_dot_products; k_gram does not run).
 
 #include "gated_delta_common.h"
 
@@ -23,8 +25,8 @@ template <typename T, bool kFromKGram>
     uint tid [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]]) {
   threadgroup float a[kChunkSize * kChunkSize];
-  threadgroup float a_tile[kChunkSize * kDotTileWidth];
-  threadgroup float b_tile[kChunkSize * kDotTileWidth];
+  // The dot-product tiles, or the per-key staging blocks in the same bytes.
+  threadgroup float tiles[2 * kChunkSize * kDotTileWidth];
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
@@ -32,11 +34,15 @@ template <typename T, bool kFromKGram>
   const uint length = chunk_length(p, chunk);
   const uint first_token = chunk * kChunkSize;
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
-  const device float* cumsum = gate_cumsum + rows;
-  const device int* wipe = last_wipe + rows;
+  const device float* cumsum = gate_cumsum + rows * gate_width(p);
+  const device int* wipe = last_wipe + rows * gate_width(p);
 
-  // The gram k_i . k_j first, in `a`.
-  if (kFromKGram) {
+  // The gram k_i . k_j first (per-key gates: decayed), in `a`.
+  if (p.per_key_gates != 0) {
+    const device T* key_rows = k + qk_offset(p, b, first_token, kh);
+    key_decayed_dot_products(key_rows, key_rows, p.key_heads * p.key_dim, length, p.key_dim,
+                             cumsum, wipe, tiles, a, tid);
+  } else if (kFromKGram) {
     const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
     for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
       a[e] = k_gram[tile + e];
@@ -44,7 +50,8 @@ template <typename T, bool kFromKGram>
   } else {
     const device T* key_rows = k + qk_offset(p, b, first_token, kh);
     chunk_dot_products<kDotTileWidth>(key_rows, key_rows, p.key_heads * p.key_dim, length,
-                                         p.key_dim, a_tile, b_tile, a, tid, simd_index);
+                                      p.key_dim, tiles, tiles + kChunkSize * kDotTileWidth, a,
+                                      tid, simd_index);
   }
   // Then A in place: each thread rewrites only the entries it reads.
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
@@ -52,7 +59,8 @@ template <typename T, bool kFromKGram>
     const uint j = e % kChunkSize;
     float value = 0.0f;
     if (j < i && i < length) {
-      value = beta_effective[rows + i] * chunk_decay(cumsum, wipe, i, j) * a[e];
+      const float decay = p.per_key_gates != 0 ? 1.0f : chunk_decay(cumsum, wipe, i, j);
+      value = beta_effective[rows + i] * decay * a[e];
       if (!kFromKGram && p.normalize_qk != 0) {
         const uint norms = (b * p.tokens + first_token) * p.key_heads + kh;
         value *= key_inverse_norm[norms + i * p.key_heads] *

@@ -3,8 +3,10 @@
 //   U = T diag(beta) V            [L, Dv]
 //   W = T diag(beta Gamma) K      [L, Dk]   Gamma_j: decay from the chunk entry
 //
-// so that the chunk's corrected values are v' = U - W S^T for the state S the
-// chunk starts from (chunk_carry). Independent of S: all chunks in parallel.
+// (per-key gates: W = T diag(beta) (Gamma o K), Gamma_jc the decay of channel
+// c from the chunk entry) so that the chunk's corrected values are
+// v' = U - W S^T for the state S the chunk starts from (chunk_carry).
+// Independent of S: all chunks in parallel.
 
 #include "gated_delta_common.h"
 
@@ -32,6 +34,9 @@ template <typename T>
   const uint length = chunk_length(p, chunk);
   const uint first_token = chunk * kChunkSize;
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
+  const bool per_key = p.per_key_gates != 0;
+  const device float* cumsum = gate_cumsum + rows * gate_width(p);
+  const device int* wipe = last_wipe + rows * gate_width(p);
 
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
     t_tile[e] = kkt_inverse[rows * kChunkSize + e];
@@ -44,8 +49,9 @@ template <typename T>
       key_scale = key_inverse_norm[(b * p.tokens + first_token + j) * p.key_heads + kh];
     }
     value_weight[j] = beta_j;
-    key_weight[j] =
-        beta_j * decay_from_chunk_start(gate_cumsum + rows, last_wipe + rows, j) * key_scale;
+    // Per-key gates: the decay is a column's, applied below.
+    const float decay = per_key ? 1.0f : decay_from_chunk_start(cumsum, wipe, j);
+    key_weight[j] = beta_j * decay * key_scale;
   }
   // T and the row weights are staged before any output reads them.
   threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -68,7 +74,11 @@ template <typename T>
     const uint source = qk_offset(p, b, first_token, kh) + column;
     float sum = 0.0f;
     for (uint j = 0; j <= i; ++j) {
-      sum += t_tile[i * kChunkSize + j] * key_weight[j] * float(k[source + j * key_rows]);
+      float k_jc = float(k[source + j * key_rows]);
+      if (per_key) {
+        k_jc *= channel_decay(p, cumsum, wipe, j, -1, column);
+      }
+      sum += t_tile[i * kChunkSize + j] * key_weight[j] * k_jc;
     }
     w[(rows + i) * p.key_dim + column] = sum;
   }
