@@ -95,6 +95,24 @@ CASES = {
             normalize_qk=True,
         ),
     ),
+    # The chunked stages with per-key gates: gate_cumsum per channel, the
+    # decayed grams built pair by pair, decays per column; wipes on single
+    # channels and a mask, past two chunks.
+    "chunked_per_key_f16_wipes_mask": (
+        "chunked",
+        dict(
+            batch=2,
+            tokens=130,
+            key_heads=1,
+            value_heads=2,
+            key_dim=40,
+            value_dim=24,
+            dtype="float16",
+            mask_kind="random",
+            per_key_gates=True,
+            wipes="runs",
+        ),
+    ),
 }
 # The fused segment (its own stages around the core's).
 SEGMENT_CASES = {
@@ -148,52 +166,81 @@ CHECKPOINT_CASES = {
     "checkpoints_segment_chunked": ("segment_chunked_bf16_negative_rate", [3, 64, 99, 100], None),
 }
 # The backward (the vjp of the core op), against the float64 reference vjp
-# for the cotangents of backward_cotangents, in the form "auto" picks: the
-# chunked WY form for scalar gates (the forward's chunked stages,
-# boundary_states, the WY stages, and chunk_states and chunk_backward on the
-# chunks with a wipe), the recurrent form (boundary_states, chunk_states and
-# chunk_backward per chunk) for per-key gates; qk_grad_reduce.
+# for the cotangents of backward_cotangents, as (algorithm, recipe). "auto"
+# takes the chunked WY form for scalar gates from 8 tokens (the forward's
+# chunked stages, boundary_states, the WY stages chunk_output_backward,
+# chunk_carry_backward, recompute_w_u_backward, kkt_inverse_backward and
+# gate_cumsum_backward, and chunk_states and chunk_backward on the chunks with
+# a wipe), the recurrent form (boundary_states, chunk_states and
+# chunk_backward per chunk) for per-key gates; one scalar-gate case asks for
+# the recurrent form. qk_grad_reduce in both.
 BACKWARD_CASES = {
-    "backward_f32_mask_interleaved": dict(
-        batch=2,
-        tokens=130,
-        key_heads=2,
-        value_heads=4,
-        key_dim=32,
-        value_dim=16,
-        mask_kind="random",
-        head_mapping="interleaved",
-        wipes="chunk_edges",
+    "backward_f32_mask_interleaved": (
+        "auto",
+        dict(
+            batch=2,
+            tokens=130,
+            key_heads=2,
+            value_heads=4,
+            key_dim=32,
+            value_dim=16,
+            mask_kind="random",
+            head_mapping="interleaved",
+            wipes="chunk_edges",
+        ),
     ),
-    "backward_bf16_norm": dict(
-        batch=1,
-        tokens=100,
-        key_heads=1,
-        value_heads=2,
-        key_dim=96,
-        value_dim=32,
-        dtype="bfloat16",
-        normalize_qk=True,
+    "backward_bf16_norm": (
+        "auto",
+        dict(
+            batch=1,
+            tokens=100,
+            key_heads=1,
+            value_heads=2,
+            key_dim=96,
+            value_dim=32,
+            dtype="bfloat16",
+            normalize_qk=True,
+        ),
     ),
-    "backward_f16_per_key": dict(
-        batch=1,
-        tokens=70,
-        key_heads=1,
-        value_heads=2,
-        key_dim=40,
-        value_dim=9,
-        dtype="float16",
-        per_key_gates=True,
-        wipes="runs",
+    "backward_f16_per_key": (
+        "auto",
+        dict(
+            batch=1,
+            tokens=70,
+            key_heads=1,
+            value_heads=2,
+            key_dim=40,
+            value_dim=9,
+            dtype="float16",
+            per_key_gates=True,
+            wipes="runs",
+        ),
     ),
-    "backward_qwen_layout_f32": dict(
-        batch=1,
-        tokens=300,
-        key_heads=4,
-        value_heads=8,
-        key_dim=128,
-        value_dim=128,
-        normalize_qk=True,
+    "backward_qwen_layout_f32": (
+        "auto",
+        dict(
+            batch=1,
+            tokens=300,
+            key_heads=4,
+            value_heads=8,
+            key_dim=128,
+            value_dim=128,
+            normalize_qk=True,
+        ),
+    ),
+    "backward_bf16_recurrent_scalar": (
+        "recurrent",
+        dict(
+            batch=2,
+            tokens=70,
+            key_heads=1,
+            value_heads=2,
+            key_dim=48,
+            value_dim=16,
+            dtype="bfloat16",
+            mask_kind="left_padding",
+            wipes="runs",
+        ),
     ),
 }
 # The cases the sanitizers run (slow under instrumentation): every kernel once.
@@ -207,6 +254,9 @@ SANITIZER_CASES = (
     "tree_recurrent_generic",
     "checkpoints_segment_chunked",
     "backward_f16_per_key",
+    "chunked_per_key_f16_wipes_mask",
+    "backward_bf16_norm",
+    "backward_bf16_recurrent_scalar",
 )
 
 
@@ -219,7 +269,8 @@ def make_case(name):
     from mlx_gated_delta.testing.strategies import make_core_case
 
     if name in BACKWARD_CASES:
-        return "recurrent", make_core_case(sum(map(ord, name)), **BACKWARD_CASES[name])
+        algorithm, recipe = BACKWARD_CASES[name]
+        return algorithm, make_core_case(sum(map(ord, name)), **recipe)
     if name in SEGMENT_CASES:
         algorithm, recipe = SEGMENT_CASES[name]
         return algorithm, make_segment_case(sum(map(ord, name)), **recipe)

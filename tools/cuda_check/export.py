@@ -162,6 +162,7 @@ def export_core_case(name, algorithm, case, arrays, checkpoints=None, parents=No
         scale=case.options["scale"],
         checkpoints=len(checkpoints or ()),
         tree=parents is not None,
+        per_key_gates=recipe["per_key_gates"],
     )
     inputs = {"q": q, "k": k, "v": v, "g": g, "beta": beta, "state_in": state}
     for buffer, value in inputs.items():
@@ -189,7 +190,7 @@ def export_core_case(name, algorithm, case, arrays, checkpoints=None, parents=No
     return json_ready(plan, dtype)
 
 
-def export_backward_case(name, case, arrays):
+def export_backward_case(name, algorithm, case, arrays):
     from mlx_gated_delta.testing import metal_emulated
 
     recipe = case.recipe
@@ -209,6 +210,7 @@ def export_backward_case(name, case, arrays):
         mask=mask is not None,
         per_key_gates=recipe["per_key_gates"],
         scale=case.options["scale"],
+        algorithm=algorithm,
     )
     y_cotangent, state_cotangent = backward_cotangents(case)
     f32 = metal_emulated._to_float32
@@ -262,7 +264,7 @@ def main(out_dir):
         else:
             plans[name] = export_core_case(name, algorithm, case, arrays, checkpoints, parents)
     for name in BACKWARD_CASES:
-        plans[name] = export_backward_case(name, make_case(name)[1], arrays)
+        plans[name] = export_backward_case(name, *make_case(name), arrays)
     np.savez(os.path.join(out_dir, "cases.npz"), **arrays)
     with open(os.path.join(out_dir, "cases.json"), "w") as handle:
         json.dump(plans, handle, indent=1)

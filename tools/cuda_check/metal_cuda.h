@@ -25,6 +25,14 @@ namespace metal {}
 
 enum class mem_flags { mem_none = 0, mem_device = 1, mem_threadgroup = 2 };
 
+// Both flags at once (a barrier over device and threadgroup memory): the
+// flags only pick what the barrier orders, and __syncthreads orders both.
+__device__ inline mem_flags operator|(mem_flags a, mem_flags b) {
+  return static_cast<mem_flags>(static_cast<int>(a) | static_cast<int>(b));
+}
+
+// __syncthreads: every thread of the block waits, and its shared and global
+// memory writes before it are visible to the block's threads after it.
 __device__ inline void threadgroup_barrier(mem_flags) {
   __syncthreads();
 }

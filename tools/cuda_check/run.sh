@@ -6,7 +6,7 @@ set -uo pipefail
 HERE="$(cd "$(dirname "$0")" && pwd)"
 OUT="${OUT:-$HERE/out}"
 mkdir -p "$OUT"
-SMALL="recurrent_simd_f32_mask,recurrent_generic_f16,chunked_bf16_norm,chunked_k_gram_f16,segment_recurrent_f16_mask,checkpoints_chunked,tree_recurrent_generic,checkpoints_segment_chunked,backward_f16_per_key"
+SMALL="recurrent_simd_f32_mask,recurrent_generic_f16,chunked_bf16_norm,chunked_k_gram_f16,segment_recurrent_f16_mask,checkpoints_chunked,tree_recurrent_generic,checkpoints_segment_chunked,backward_f16_per_key,chunked_per_key_f16_wipes_mask,backward_bf16_norm,backward_bf16_recurrent_scalar"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import cupy; print('cupy', cupy.__version__)"
 echo "=== oracle run (all cases)"
