@@ -33,6 +33,24 @@ namespace {
 
 constexpr int kGuardWords = 16;
 
+// The parameters of a testing-only core call, from q [B, T, Hk, Dk] and
+// v [B, T, Hv, Dv] and the options.
+GatedDeltaParams test_params(
+    const mx::array& q,
+    const mx::array& v,
+    const std::optional<mx::array>& mask,
+    float scale,
+    const std::string& head_mapping,
+    bool normalize_qk) {
+  GatedDeltaParams p = shape_params(
+      q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
+  p.scale = scale;
+  p.head_mapping = parse_head_mapping(head_mapping);
+  p.normalize_qk = normalize_qk;
+  p.has_mask = mask.has_value();
+  return p;
+}
+
 // Runs the CPU kernel directly on output buffers followed by kGuardWords
 // sentinel values each, and returns what lies past the end, so a test can
 // prove no write lands past y or the state.
@@ -320,17 +338,8 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
          bool normalize_qk,
          const std::string& algorithm,
          float sentinel) {
-        GatedDeltaParams p = shape_params(
-            q.shape(0),
-            q.shape(1),
-            q.shape(2),
-            v.shape(2),
-            q.shape(3),
-            v.shape(3));
-        p.scale = scale;
-        p.head_mapping = parse_head_mapping(head_mapping);
-        p.normalize_qk = normalize_qk;
-        p.has_mask = mask.has_value();
+        GatedDeltaParams p =
+            test_params(q, v, mask, scale, head_mapping, normalize_qk);
         Algorithm a = parse_algorithm(algorithm);
         if (a == Algorithm::Auto) {
           a = resolve_cpu_algorithm(p);
@@ -389,17 +398,8 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
          bool normalize_qk,
          int batch,
          int head) {
-        GatedDeltaParams p = shape_params(
-            q.shape(0),
-            q.shape(1),
-            q.shape(2),
-            v.shape(2),
-            q.shape(3),
-            v.shape(3));
-        p.scale = scale;
-        p.head_mapping = parse_head_mapping(head_mapping);
-        p.normalize_qk = normalize_qk;
-        p.has_mask = mask.has_value();
+        GatedDeltaParams p =
+            test_params(q, v, mask, scale, head_mapping, normalize_qk);
         auto contiguous_f32 = [](const mx::array& x) {
           return mx::contiguous(
               mx::astype(x, mx::float32, mx::Device::cpu),

@@ -119,6 +119,25 @@ void encode_plan(
   encoder.add_temporaries(std::move(scratch));
 }
 
+// The core op's inputs q, k, v, g, beta, state [, mask], by plan buffer: the
+// forward and the backward take them in the same order.
+std::map<PlanBuffer, mx::array> core_input_arrays(
+    const GatedDeltaParams& params, const std::vector<mx::array>& inputs) {
+  std::map<PlanBuffer, mx::array> arrays;
+  const PlanBuffer in[] = {
+      PlanBuffer::Query,
+      PlanBuffer::Key,
+      PlanBuffer::Value,
+      PlanBuffer::Gate,
+      PlanBuffer::Beta,
+      PlanBuffer::StateIn};
+  for (size_t i = 0; i < 6; ++i)
+    arrays.emplace(in[i], inputs[i]);
+  if (params.has_mask)
+    arrays.emplace(PlanBuffer::Mask, inputs[6]);
+  return arrays;
+}
+
 void allocate(std::vector<mx::array>& outputs) {
   for (mx::array& output : outputs) {
     output.set_data(mx::allocator::malloc(output.nbytes()));
@@ -161,18 +180,7 @@ void eval_core_gpu(
   allocate(outputs);
 
   // Plan buffers -> arrays (handles sharing the data).
-  std::map<PlanBuffer, mx::array> arrays;
-  const PlanBuffer io[] = {
-      PlanBuffer::Query,
-      PlanBuffer::Key,
-      PlanBuffer::Value,
-      PlanBuffer::Gate,
-      PlanBuffer::Beta,
-      PlanBuffer::StateIn};
-  for (size_t i = 0; i < 6; ++i)
-    arrays.emplace(io[i], inputs[i]);
-  if (params.has_mask)
-    arrays.emplace(PlanBuffer::Mask, inputs[6]);
+  std::map<PlanBuffer, mx::array> arrays = core_input_arrays(params, inputs);
   arrays.emplace(PlanBuffer::Output, outputs[0]);
   arrays.emplace(PlanBuffer::StateOut, outputs[1]);
   if (has_checkpoints) {
@@ -269,18 +277,7 @@ void eval_backward_gpu(
       params, activation_dtype(inputs[0].dtype()), algorithm);
   allocate(outputs);
 
-  std::map<PlanBuffer, mx::array> arrays;
-  const PlanBuffer in[] = {
-      PlanBuffer::Query,
-      PlanBuffer::Key,
-      PlanBuffer::Value,
-      PlanBuffer::Gate,
-      PlanBuffer::Beta,
-      PlanBuffer::StateIn};
-  for (size_t i = 0; i < 6; ++i)
-    arrays.emplace(in[i], inputs[i]);
-  if (params.has_mask)
-    arrays.emplace(PlanBuffer::Mask, inputs[6]);
+  std::map<PlanBuffer, mx::array> arrays = core_input_arrays(params, inputs);
   arrays.emplace(PlanBuffer::YCotangent, inputs[cotangents]);
   arrays.emplace(PlanBuffer::StateCotangent, inputs[cotangents + 1]);
   const PlanBuffer out[] = {
