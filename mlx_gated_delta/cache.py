@@ -1,18 +1,22 @@
 """A trimmable cache for the gated-delta layers (docs/contract.md, "A
 trimmable cache").
 
-mlx-lm keeps a Gated DeltaNet layer's conv state and recurrent state in an
-`ArraysCache` (`[conv_state, state]`), which cannot be trimmed: a recurrent
-state cannot be rewound. `TrimmableArraysCache` is that cache plus the states
-the layer had after each of its most recent `window` tokens, so that
-`trim(n)` restores exactly the state (and conv state) `n` tokens back, for
-any `n <= window`, whether those tokens came in one call (a speculative
-verify step) or in several (a draft model, one token per call). A call of `T`
-tokens asks the fused segment for checkpoints at its last positions, which it
-computes in the same pass; nothing is recomputed on a trim.
+mlx-lm keeps a gated-delta layer's conv states and recurrent state in an
+`ArraysCache` (the conv states first, one per convolution of the family, the
+recurrent state last: `[conv_state, state]` for Qwen3-Next, `[q, k, v conv
+states, state]` for Kimi-Linear), which cannot be trimmed: a recurrent state
+cannot be rewound. `TrimmableArraysCache` is that cache plus every slot's
+value after each of the layer's most recent `window` tokens, so that
+`trim(n)` restores exactly the states `n` tokens back, for any
+`n <= window`, whether those tokens came in one call (a speculative verify
+step) or in several (a draft model, one token per call). A call of `T`
+tokens asks the op for checkpoints at its last positions, which it computes
+in the same pass (the conv states there are slices of the call's inputs);
+nothing is recomputed on a trim.
 
-Memory: up to `window` extra states per layer (each `[B, Hv, Dv, Dk]`
-float32 and `[B, K-1, C]`), held as the arrays the op returned.
+Memory: up to `window` extra copies of the slots per layer (the state
+`[B, Hv, Dv, Dk]` float32 and each conv state `[B, K-1, C]`), held as the
+arrays the op returned.
 
 Prompt reuse (opt in, `enable_prefix_snapshots`): the cache also keeps the
 states at every `every`-th token since it was created (at most
@@ -33,7 +37,7 @@ DEFAULT_TRIM_WINDOW = 16
 
 
 class TrimmableArraysCache(ArraysCache):
-    """mlx-lm's `ArraysCache` (`[conv_state, state]`) that `trim(n)` rewinds
+    """mlx-lm's `ArraysCache` (conv states, then the state) that `trim(n)` rewinds
     by up to `window` tokens (its most recent ones, across calls).
 
     `trimmable_tokens()` says how far a trim can reach now; `trim(n)` beyond
@@ -55,13 +59,13 @@ class TrimmableArraysCache(ArraysCache):
         self._reset_history()
 
     def _reset_history(self):
-        # [conv_state, state] after each of the last tokens, oldest first; the
-        # current ones (self.cache) follow the last entry.
+        # The slots after each of the last tokens, oldest first; the current
+        # ones (self.cache) follow the last entry.
         self.history: list = []
         self.offset = 0  # tokens fed since the cache was made (or restored)
         self.snapshot_every: int | None = None
         self.max_snapshots = 0
-        self.snapshots: dict = {}  # token count -> [conv_state, state]
+        self.snapshots: dict = {}  # token count -> the slots there
         self._pending: list[int] = []
 
     @classmethod
@@ -84,22 +88,20 @@ class TrimmableArraysCache(ArraysCache):
         self._pending = sorted(positions)
         return self._pending or None
 
-    def update(self, conv_state, state, tokens: int, conv_checkpoints=None, checkpoints=None):
-        """The layer's update after a call of `tokens` tokens: the new
-        states, and the checkpoint states at `checkpoints_for(tokens)`."""
+    def update(self, slots: list, tokens: int, checkpoints: list | None = None):
+        """The layer's update after a call of `tokens` tokens: the new value
+        of every slot, and the slots' values after each position of
+        `checkpoints_for(tokens)` (None for a call without such positions,
+        one token)."""
         kept = {}
-        if checkpoints is not None:  # None for a one-token call: no inner positions
-            kept = {
-                position: [conv_checkpoints[n], checkpoints[n]]
-                for n, position in enumerate(self._pending)
-            }
+        if checkpoints is not None:
+            kept = dict(zip(self._pending, checkpoints, strict=True))
         self.history.append(list(self.cache))
         self.history.extend(kept[p] for p in range(max(1, tokens - self.window), tokens))
         del self.history[: max(0, len(self.history) - self.window)]
-        self.cache[0] = conv_state
-        self.cache[1] = state
+        self.cache = list(slots)
         if self.snapshot_every:
-            kept[tokens] = [conv_state, state]
+            kept[tokens] = list(slots)
             for position, states in kept.items():
                 if (self.offset + position) % self.snapshot_every == 0:
                     self.snapshots[self.offset + position] = states

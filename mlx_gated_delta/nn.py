@@ -26,9 +26,13 @@ projections are the modules' own calls. On a Mac's GPU the segment runs our
 Metal kernels.
 
 Training: `mx.grad` and `mlx.nn.value_and_grad` through these layers give
-every parameter its gradient (the segment's and the projection kernel's
-vjps), with no fallback to mlx-lm's per-token loop. The backward runs on the
-CPU (`mx.set_default_device(mx.cpu)`); on the GPU it raises.
+every parameter its gradient (the segment's, the core op's and the
+projection kernel's vjps), with no fallback to mlx-lm's per-token loop.
+
+Serving: with a `TrimmableArraysCache` (mlx_gated_delta.cache, what a
+patched model's `make_cache` gives), every layer also hands the cache its
+slots after the call's last positions (`kept_positions`, `store_in_cache`),
+so that speculative decoding can trim it.
 """
 
 from __future__ import annotations
@@ -153,11 +157,9 @@ class _GatedDeltaNetBase(nn.Module):
             if state is not None and state.dtype != mx.float32:
                 state = state.astype(mx.float32)
 
-        # A trimmable cache (mlx_gated_delta.cache) keeps the states after the
-        # call's last tokens: the segment returns them as checkpoints.
-        checkpoints = None
-        if cache is not None and hasattr(cache, "checkpoints_for"):
-            checkpoints = cache.checkpoints_for(S)
+        # A trimmable cache keeps the states after the call's last tokens:
+        # the segment returns them as checkpoints.
+        checkpoints = kept_positions(cache, S)
 
         # mlx-lm's mask (left padding, lengths) marks the tokens that are not
         # in a row's sequence; the segment skips them, so each row's conv and
@@ -179,12 +181,7 @@ class _GatedDeltaNetBase(nn.Module):
             checkpoints=checkpoints,
         )
         if cache is not None:
-            if hasattr(cache, "checkpoints_for"):
-                cache.update(conv_state, state, S, *kept)
-            else:
-                cache[0] = conv_state
-                cache[1] = state
-            cache.advance(S)
+            store_in_cache(cache, [conv_state, state], S, checkpoints, kept)
 
         out = out.reshape(B, S, -1)
         if type(self.out_proj) is nn.Linear and "bias" not in self.out_proj:
@@ -277,10 +274,14 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
     The projections, the three convolutions and the gated norm are the MLX
-    ops of mlx-lm's layer; the recurrence is the core op `gated_delta_rule`
-    (normalize_qk, scale `Dk ** -0.5`), with `beta = 2 sigmoid(b)` in
-    `[0, 2]` where the model allows negative eigenvalues
-    (`linear_allow_neg_eigval`). (The fused segment has one convolution over
+    ops of mlx-lm's layer, with one difference: the convolutions run through
+    `short_conv`, which zeroes the tokens the mask leaves out and ends each
+    row's conv state at its own length, so that a left-padded prompt in a
+    batch gives the tokens it gives alone (mlx-lm's layer lets the padding
+    into the convolutions and does not). The recurrence is the core op
+    `gated_delta_rule` (normalize_qk, scale `Dk ** -0.5`), with
+    `beta = 2 sigmoid(b)` in `[0, 2]` where the model allows negative
+    eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one convolution over
     packed q|k|v and beta in `[0, 1]`: not this layout.)
     """
 
@@ -314,17 +315,15 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         self.dt_bias = mx.zeros(self.num_v_heads)
         self.o_norm = GatedRMSNormWeight(self.head_v_dim, eps=config.layer_norm_epsilon)
 
-    def _conv(self, x, conv, cache, slot):
-        """Causal depthwise conv and SiLU, the last K - 1 inputs kept in the
-        cache's slot (mlx-lm's layout)."""
-        keep = self.conv_kernel_size - 1
+    def _conv(self, x, conv, cache, slot, mask, positions):
+        """Causal depthwise conv and SiLU (`short_conv`: masked inputs zeroed,
+        each row's conv state ending at its own length), from the conv state
+        in the cache's slot."""
         state = cache[slot] if cache is not None else None
-        if state is None:
-            state = mx.zeros((x.shape[0], keep, x.shape[-1]), dtype=x.dtype)
-        padded = mx.concatenate([state.astype(x.dtype), x], axis=1)
-        if cache is not None:
-            cache[slot] = mx.contiguous(padded[:, padded.shape[1] - keep :, :])
-        return nn.silu(conv(padded))
+        if state is not None:
+            state = state.astype(x.dtype)
+        lengths = cache.lengths if cache is not None else None
+        return short_conv(conv, self.conv_kernel_size, x, state, mask, lengths, positions)
 
     def __call__(
         self,
@@ -333,9 +332,10 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         cache: Any | None = None,
     ) -> mx.array:
         B, S, _ = x.shape
-        q = self._conv(self.q_proj(x), self.q_conv1d, cache, 0)
-        k = self._conv(self.k_proj(x), self.k_conv1d, cache, 1)
-        v = self._conv(self.v_proj(x), self.v_conv1d, cache, 2)
+        positions = kept_positions(cache, S)
+        q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
+        k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
+        v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)
         q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
@@ -347,7 +347,19 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
         if self.allow_neg_eigval:
             beta = 2.0 * beta
-        out = recur_in_cache(cache, 3, q, k, v, g, beta, scale=self.head_k_dim**-0.5, mask=mask)
+        out = recur_in_cache(
+            cache,
+            [q_state, k_state, v_state],
+            [q_kept, k_kept, v_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.head_k_dim**-0.5,
+            mask=mask,
+            positions=positions,
+        )
 
         # o_norm: rms_norm(out) weight, times silu(gate), in float32.
         gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
@@ -357,9 +369,10 @@ class OlmoHybridGatedDeltaNet(nn.Module):
 
 
 class KimiShortConv(nn.Module):
-    """mlx-lm's `kimi_linear.ShortConv1d` (child `conv`): a causal depthwise
-    conv and SiLU over one projection, masked inputs zeroed first, the conv
-    state the last K - 1 inputs before each row's end (`lengths`)."""
+    """The parameters of mlx-lm's `kimi_linear.ShortConv1d` (child `conv`, a
+    depthwise conv, and `kernel_size`). The layers run it, or mlx-lm's own
+    module that `patch_mlx_lm` keeps, through `short_conv`, which also gives
+    the conv states a trimmable cache keeps."""
 
     def __init__(self, channels: int, kernel_size: int):
         super().__init__()
@@ -368,45 +381,96 @@ class KimiShortConv(nn.Module):
             channels, channels, kernel_size, bias=False, groups=channels, padding=0
         )
 
-    def __call__(self, x, state, mask, lengths):
-        return short_conv(self.conv, self.kernel_size, x, state, mask, lengths)
 
-
-def short_conv(conv, kernel_size, x, state, mask, lengths):
+def short_conv(conv, kernel_size, x, state, mask, lengths, positions=None):
     """The short convolution of mlx-lm's Kimi Delta Attention layers
     (Kimi-Linear, Kimi-K3, Bailing-MoE-V3): masked inputs zeroed, a causal
     depthwise conv and SiLU; returns it with the new conv state, the last
     K - 1 inputs before each row's end (`lengths`, mlx-lm's cache) or
-    before the call's end."""
+    before the call's end, and the conv states after `positions` (or
+    None)."""
     if mask is not None:
         x = mx.where(mask[..., None], x, 0)
     keep = kernel_size - 1
     if state is None:
         state = mx.zeros((x.shape[0], keep, x.shape[-1]), dtype=x.dtype)
     padded = mx.concatenate([state, x], axis=1)
-    out = nn.silu(conv(padded))
-    if lengths is not None:
-        ends = mx.clip(lengths, 0, x.shape[1])
-        positions = (ends[:, None] + mx.arange(keep))[..., None]
-        return out, mx.take_along_axis(padded, positions, axis=1)
-    return out, mx.contiguous(padded[:, padded.shape[1] - keep :, :])
+    return (
+        nn.silu(conv(padded)),
+        conv_window(padded, keep, x.shape[1], lengths),
+        conv_windows(padded, keep, positions, lengths),
+    )
 
 
-def recur_in_cache(cache, slot, q, k, v, g, beta, *, scale, mask):
-    """The recurrence of a layer that keeps its state in `cache[slot]`
-    (mlx-lm's layout): q and k L2-normalized, the state read as float32 (a
-    cache filled by another implementation may hold another dtype), the new
-    state stored back and the cache advanced by the call's tokens. Returns y.
+def conv_window(padded, keep, end, lengths=None):
+    """The conv state after the call's first `end` tokens: the `keep` inputs
+    before that point in `padded` (the conv state before the call, then the
+    call's inputs); with mlx-lm's `lengths`, a row that ends sooner keeps
+    its own last inputs."""
+    if lengths is None:
+        return mx.contiguous(padded[:, end : end + keep, :])
+    ends = mx.clip(lengths, 0, end)
+    return mx.take_along_axis(padded, (ends[:, None] + mx.arange(keep))[..., None], axis=1)
+
+
+def conv_windows(padded, keep, positions, lengths=None):
+    """`conv_window` after each of `positions` (a trimmable cache's
+    checkpoints), or None without positions."""
+    if not positions:
+        return None
+    return [conv_window(padded, keep, end, lengths) for end in positions]
+
+
+def kept_positions(cache, tokens):
+    """The positions of a call of `tokens` tokens after which the layer's
+    cache keeps the states, if it is a trimmable cache
+    (mlx_gated_delta.cache.TrimmableArraysCache), else None."""
+    if cache is not None and hasattr(cache, "checkpoints_for"):
+        return cache.checkpoints_for(tokens)
+    return None
+
+
+def store_in_cache(cache, slots, tokens, positions=None, slot_checkpoints=()):
+    """Stores a call's new value of every cache slot (mlx-lm's layout: the
+    conv states, then the state) and advances the cache by the call's
+    `tokens`. A trimmable cache also keeps the slots after each of
+    `positions` (`kept_positions`): `slot_checkpoints` holds each slot's
+    values there, in the order of `positions`."""
+    if hasattr(cache, "checkpoints_for"):
+        kept = None
+        if positions:
+            kept = [[values[n] for values in slot_checkpoints] for n in range(len(positions))]
+        cache.update(slots, tokens, kept)
+    else:
+        for slot, value in enumerate(slots):
+            cache[slot] = value
+    cache.advance(tokens)
+
+
+def recur_in_cache(
+    cache, conv_states, conv_checkpoints, q, k, v, g, beta, *, scale, mask, positions
+):
+    """The recurrence of a layer with mlx-lm's cache layout (its conv
+    states, then the state in the last slot): q and k L2-normalized, the
+    state read as float32 (a cache filled by another implementation may
+    hold another dtype), and the states after `positions` computed in the
+    same pass. Then stores the call's `conv_states` (and their
+    `conv_checkpoints`) and the new state (`store_in_cache`). Returns y.
     Without a cache the state starts at zero and is dropped."""
-    state = cache[slot] if cache is not None else None
+    state = cache[-1] if cache is not None else None
     if state is not None and state.dtype != mx.float32:
         state = state.astype(mx.float32)
-    out, state = gated_delta_rule(
-        q, k, v, g, beta, state, scale=scale, mask=mask, normalize_qk=True
+    out, state, *checkpoint_states = gated_delta_rule(
+        q, k, v, g, beta, state, scale=scale, mask=mask, normalize_qk=True, checkpoints=positions
     )
     if cache is not None:
-        cache[slot] = state
-        cache.advance(q.shape[1])
+        store_in_cache(
+            cache,
+            [*conv_states, state],
+            q.shape[1],
+            positions,
+            [*conv_checkpoints, *checkpoint_states],
+        )
     return out
 
 
@@ -481,23 +545,41 @@ class KimiDeltaAttention(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        positions = kept_positions(cache, T)
         if cache is not None:
             q_state, k_state, v_state, _ = cache
             lengths = cache.lengths
         else:
             q_state = k_state = v_state = lengths = None
-        q, q_state = self.q_conv(self.q_proj(x), q_state, mask, lengths)
-        k, k_state = self.k_conv(self.k_proj(x), k_state, mask, lengths)
-        v, v_state = self.v_conv(self.v_proj(x), v_state, mask, lengths)
-        if cache is not None:
-            cache[0], cache[1], cache[2] = q_state, k_state, v_state
+        K = self.conv_kernel
+        q, q_state, q_kept = short_conv(
+            self.q_conv.conv, K, self.q_proj(x), q_state, mask, lengths, positions
+        )
+        k, k_state, k_kept = short_conv(
+            self.k_conv.conv, K, self.k_proj(x), k_state, mask, lengths, positions
+        )
+        v, v_state, v_kept = short_conv(
+            self.v_conv.conv, K, self.v_proj(x), v_state, mask, lengths, positions
+        )
 
         # Per-key gates in float32: [B, T, H, Dk].
         f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
-        out = recur_in_cache(cache, 3, q, k, v, g, beta, scale=self.scale, mask=mask)
+        out = recur_in_cache(
+            cache,
+            [q_state, k_state, v_state],
+            [q_kept, k_kept, v_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.scale,
+            mask=mask,
+            positions=positions,
+        )
 
         gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
         out = (self.o_norm(out) * mx.sigmoid(gate)).reshape(B, T, -1)
@@ -553,20 +635,39 @@ class KimiK3DeltaAttention(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        positions = kept_positions(cache, T)
         if cache is not None:
             conv_state, lengths = cache[0], cache.lengths
         else:
             conv_state = lengths = None
-        qkv, conv_state = self.qkv_conv(self.qkv_proj(x), conv_state, mask, lengths)
-        if cache is not None:
-            cache[0] = conv_state
+        qkv, conv_state, conv_kept = short_conv(
+            self.qkv_conv.conv,
+            self.conv_kernel,
+            self.qkv_proj(x),
+            conv_state,
+            mask,
+            lengths,
+            positions,
+        )
         q, k, v = mx.split(qkv.reshape(B, T, 3, H, D), 3, axis=2)
 
         f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
         q, k, v = (t.squeeze(2) for t in (q, k, v))
-        out = recur_in_cache(cache, 1, q, k, v, g, beta, scale=self.scale, mask=mask)
+        out = recur_in_cache(
+            cache,
+            [conv_state],
+            [conv_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.scale,
+            mask=mask,
+            positions=positions,
+        )
 
         if self.use_full_rank_gate:
             gate = self.g_proj(x)
@@ -619,14 +720,12 @@ class BailingKDA(nn.Module):
         self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dims, hidden, bias=False)
 
-    def _conv(self, x, conv, cache, slot, mask):
-        """One short convolution, its conv state in the cache's slot."""
+    def _conv(self, x, conv, cache, slot, mask, positions):
+        """One short convolution, from the conv state in the cache's slot
+        (`short_conv`'s output, new conv state and checkpoints)."""
         state = cache[slot] if cache is not None else None
         lengths = cache.lengths if cache is not None else None
-        out, state = short_conv(conv, self.conv_kernel_size, x, state, mask, lengths)
-        if cache is not None:
-            cache[slot] = state
-        return out
+        return short_conv(conv, self.conv_kernel_size, x, state, mask, lengths, positions)
 
     def __call__(
         self,
@@ -636,15 +735,28 @@ class BailingKDA(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        q = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask)
-        k = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask)
-        v = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask)
+        positions = kept_positions(cache, T)
+        q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
+        k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
+        v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
 
         f = self.f_proj(x).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
         beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
-        out = recur_in_cache(cache, 3, q, k, v, g, beta, scale=self.head_dim**-0.5, mask=mask)
+        out = recur_in_cache(
+            cache,
+            [q_state, k_state, v_state],
+            [q_kept, k_kept, v_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.head_dim**-0.5,
+            mask=mask,
+            positions=positions,
+        )
 
         gate = self.g_proj(x).reshape(B, T, H, D)
         out = self.o_norm(out)

@@ -194,11 +194,10 @@ def patch_mlx_lm(model: nn.Module) -> int:
     op between mlx-lm's projections and convolutions (the other families).
     The module tree keeps mlx-lm's names, so `model.load_weights` after
     patching reaches the new layers. Layers that are already ours are left
-    alone (patching twice replaces 0). For Qwen3-Next and Qwen3.5,
-    `model.make_cache()` then gives the gated-delta layers a
-    `TrimmableArraysCache` (mlx_gated_delta.cache), so that mlx-lm can trim
-    the prompt cache (speculative decoding, `trim_prompt_cache`); the other
-    families' layers keep mlx-lm's cache.
+    alone (patching twice replaces 0). `model.make_cache()` then gives the
+    gated-delta layers a `TrimmableArraysCache` (mlx_gated_delta.cache), with
+    the slots of mlx-lm's cache for the family, so that mlx-lm can trim the
+    prompt cache (speculative decoding, `trim_prompt_cache`).
 
     A gated-delta layer of a class it does not know (a subclass of one of
     mlx-lm's layer classes, or any module whose methods call mlx-lm's
@@ -252,12 +251,7 @@ def patch_mlx_lm(model: nn.Module) -> int:
             parent[key] = ours
         else:
             parent[key][index] = ours
-    # The trimmable cache keeps the states that the fused segment returns as
-    # checkpoints: the other families' layers run the core op between
-    # mlx-lm's convolutions, with their own cache layout, and keep mlx-lm's
-    # ArraysCache (not trimmable, as before patching).
-    if any(isinstance(m, _GatedDeltaNetBase) for m in model.modules()):
-        _make_caches_trimmable(model)
+    _make_caches_trimmable(model)
     return len(found)
 
 

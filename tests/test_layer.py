@@ -242,7 +242,7 @@ def test_every_family_keeps_mlx_lm_s_parameter_tree_fresh_and_patched(family):
     # model's tree and its very arrays.
     from mlx_gated_delta.patch import _CONFIGS, _replacements
 
-    model, _ = layer_properties.FAMILIES[family]()
+    model = layer_properties.family_model(family)
     replacements = _replacements()
     stock = [m for _, m in model.named_modules() if type(m) in replacements]
     assert stock
@@ -261,7 +261,7 @@ def test_every_family_keeps_mlx_lm_s_parameter_tree_fresh_and_patched(family):
 @pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
 def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
     def quantized():
-        model, _ = layer_properties.FAMILIES[family]()
+        model = layer_properties.family_model(family)
         # Every module whose input dim fits the group size (f_b_proj and
         # g_b_proj read 16 dims: left in float32).
         nn.quantize(

@@ -542,16 +542,22 @@ def test_the_kda_checks_see_dt_bias_read_once_per_head(family):
         check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
-# Every family mlx-lm runs gated delta in: a tiny random model and its number
-# of gated-delta layers.
+# Every family mlx-lm runs gated delta in: a tiny random model from a seed,
+# and its number of gated-delta layers.
 FAMILIES = {
-    "qwen3_next": lambda: (build("qwen3_next", 30), 3),
-    "qwen3_5": lambda: (build("qwen3_5", 30), 3),
-    "olmo_hybrid": lambda: (olmo_hybrid_model(True, 30), 3),
-    "kimi_linear": lambda: (kimi_linear_model(30), 3),
-    "kimi_k3": lambda: (kimi_k3_model(30), 3),
-    "bailing_moe_v3": lambda: (bailing_moe_v3_model(30), 3),
+    "qwen3_next": (lambda seed: build("qwen3_next", seed), 3),
+    "qwen3_5": (lambda seed: build("qwen3_5", seed), 3),
+    "olmo_hybrid": (lambda seed: olmo_hybrid_model(True, seed), 3),
+    "kimi_linear": (kimi_linear_model, 3),
+    "kimi_k3": (kimi_k3_model, 3),
+    "bailing_moe_v3": (bailing_moe_v3_model, 3),
 }
+
+
+def family_model(family, seed=30):
+    """A tiny random (unpatched) mlx-lm model of one of the `FAMILIES`."""
+    builder, _ = FAMILIES[family]
+    return builder(seed)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -559,7 +565,7 @@ def test_every_patched_family_gives_the_stock_greedy_tokens(family):
     # The six families, patched: every gated-delta layer replaced by ours,
     # and greedy generation (prefill of a prompt past one chunk, then
     # one-token decode steps) gives the stock model's tokens.
-    model, layers = FAMILIES[family]()
+    model, layers = family_model(family), FAMILIES[family][1]
     prompt = tokens(31, (1, 67))
     expected = greedy_tokens(model, prompt, count=12)
     assert patch_mlx_lm(model) == layers

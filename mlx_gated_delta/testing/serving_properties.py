@@ -1,8 +1,9 @@
-"""Property tests of serving with a patched model (docs/contract.md, "A
-trimmable cache"): trimming the cache and feeding the same tokens again
-equals a fresh cache fed them, however the tokens were split into calls; and
-mlx-lm's speculative decoding yields exactly the greedy tokens, with a
-pure-attention draft and with a hybrid one, whatever the draft accepts.
+"""Property tests of serving with a patched model of each of the six
+families (docs/contract.md, "A trimmable cache"): trimming the cache and
+feeding the same tokens again equals a fresh cache fed them, however the
+tokens were split into calls; and mlx-lm's speculative decoding yields
+exactly the greedy tokens, with a pure-attention draft and with a hybrid
+one, whatever the draft accepts.
 
 Run by the repository's suite (`tests/test_serving.py`) and by
 `python -m mlx_gated_delta selftest`, on the default device. They need mlx-lm
@@ -18,22 +19,38 @@ pytest.importorskip(
     "mlx_lm", reason='the serving properties need mlx-lm: pip install "mlx-gated-delta[mlx-lm]"'
 )
 
-from mlx.utils import tree_map  # noqa: E402
+from mlx.utils import tree_flatten, tree_map  # noqa: E402
 from mlx_lm.generate import generate_step, speculative_generate_step  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E402
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import VOCAB, build, tokens  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import (  # noqa: E402
+    FAMILIES,
+    VOCAB,
+    check,
+    family_model,
+    tokens,
+)
 
-KINDS = ("qwen3_next", "qwen3_5")
+KINDS = tuple(sorted(FAMILIES))
+
+# The families whose tiny models give bitwise the same states and logits
+# however a prompt is split into calls, so that a trim and re-feed can be
+# compared with a fresh cache bit for bit. In the others the stock mlx-lm
+# model itself does not (seen: Kimi-Linear's and Kimi-K3's conv states after
+# two one-token calls and after one two-token call differ by 3.6e-7, stock
+# and patched alike: MLX's matmuls round differently for another number of
+# rows); there the re-fed logits are held to the layer's self-consistency
+# contract, which a state one token off violates (tests/test_serving.py).
+BITWISE_SPLIT_KINDS = ("qwen3_next", "qwen3_5", "olmo_hybrid", "bailing_moe_v3")
 
 
 def patched(kind, seed, noise=0.0):
     """A tiny random patched model; with `noise`, its weights moved by that
     much (a draft that agrees with the unmoved model on some tokens)."""
-    model = build(kind, seed)
+    model = family_model(kind, seed)
     patch_mlx_lm(model)
     if noise:
         mx.random.seed(seed + 1000)
@@ -92,13 +109,22 @@ def test_trim_then_refeed_equals_a_fresh_cache(kind, data):
     refed = feed(model, cache, sequence, [length - trim, length])
     fresh_cache = make_prompt_cache(model)
     fresh = feed(model, fresh_cache, sequence, [0, length - trim, length])
+    if kind not in BITWISE_SPLIT_KINDS:
+        check("logits", refed, fresh, "layer.self_consistency.v2.float32.logits")
+        return
     # The same calls after the trim point from the same restored states:
-    # identical logits and identical states.
+    # identical logits and identical states (every conv state and state of
+    # the gated-delta layers, the attention layers' keys and values).
     assert mx.array_equal(refed, fresh).item()
     for ours, theirs in zip(cache, fresh_cache):
-        for a, b in zip(ours.state[:2], theirs.state[:2]):
-            if isinstance(a, mx.array):
-                assert mx.array_equal(a, b).item()
+        ours, theirs = (
+            [(name, a) for name, a in tree_flatten(c.state) if a is not None]
+            for c in (ours, theirs)
+        )
+        assert [name for name, _ in ours] == [name for name, _ in theirs]
+        assert ours
+        for (name, a), (_, b) in zip(ours, theirs):
+            assert mx.array_equal(a, b).item(), name
 
 
 @pytest.mark.parametrize("kind", KINDS)
