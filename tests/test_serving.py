@@ -236,7 +236,7 @@ def token_id_tokenizer():
     return tokenizer
 
 
-@pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_mlx_lm_generate_with_a_draft_model_gives_the_greedy_text(kind):
     from mlx_lm.generate import generate
 
