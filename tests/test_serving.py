@@ -171,10 +171,11 @@ def test_nbytes_counts_the_kept_states():
     assert layer.nbytes == current + 7 * current
 
 
-def test_prompt_reuse_restores_the_longest_snapshotted_prefix():
+@pytest.mark.parametrize("kind", ["qwen3_5", "kimi_k3", "bailing_moe_v3"])
+def test_prompt_reuse_restores_the_longest_snapshotted_prefix(kind):
     from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
 
-    model = patched("qwen3_5", 8)
+    model = patched(kind, 8)
     first = tokens(10, (1, 200))
     # A second prompt that shares the first 150 tokens, then differs.
     second = mx.concatenate([first[:, :150], tokens(11, (1, 40))], axis=1)
