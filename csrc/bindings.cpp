@@ -8,11 +8,15 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <functional>
+#include <numeric>
 #include <stdexcept>
+#include <utility>
 
 #include "core/core_op.h"
 #include "core/core_params.h"
 #include "core/dispatch.h"
+#include "cpu/backward.h"
 #include "cpu/core.h"
 #include "metal/library.h"
 #include "mlx/ops.h"
@@ -33,23 +37,71 @@ namespace {
 
 constexpr int kGuardWords = 16;
 
-// The parameters of a testing-only core call, from q [B, T, Hk, Dk] and
-// v [B, T, Hv, Dv] and the options.
+// The parameters of a testing-only core call, from q [B, T, Hk, Dk],
+// v [B, T, Hv, Dv], g ([B, T, Hv], or [B, T, Hv, Dk] per key channel) and
+// the options.
 GatedDeltaParams test_params(
     const mx::array& q,
     const mx::array& v,
+    const mx::array& g,
     const std::optional<mx::array>& mask,
-    float scale,
+    std::optional<float> scale,
     const std::string& head_mapping,
     bool normalize_qk) {
   GatedDeltaParams p = shape_params(
       q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3));
-  p.scale = scale;
+  p.scale = scale.value_or(default_scale(p.key_dim));
   p.head_mapping = parse_head_mapping(head_mapping);
   p.normalize_qk = normalize_qk;
   p.has_mask = mask.has_value();
+  p.per_key_gates = g.ndim() == 4;
   return p;
 }
+
+// A testing call's inputs as the CPU kernels read them, evaluated:
+// row-contiguous, g and beta (the arrays at 3 and 4) in float32, the others
+// as given, then the mask if any.
+std::vector<mx::array> test_inputs(
+    std::vector<mx::array> arrays, const std::optional<mx::array>& mask) {
+  arrays[3] = mx::astype(arrays[3], mx::float32, mx::Device::cpu);
+  arrays[4] = mx::astype(arrays[4], mx::float32, mx::Device::cpu);
+  if (mask) {
+    arrays.push_back(*mask);
+  }
+  for (auto& x : arrays) {
+    x = mx::contiguous(x, false, mx::Device::cpu);
+  }
+  mx::eval(arrays);
+  return arrays;
+}
+
+// An output buffer of `shape` followed by kGuardWords sentinel values, for
+// a kernel run directly on it.
+template <typename T>
+struct Guarded {
+  Guarded(mx::Shape shape, float sentinel)
+      : shape(std::move(shape)),
+        size(std::accumulate(
+            this->shape.begin(),
+            this->shape.end(),
+            size_t(1),
+            std::multiplies<size_t>())),
+        values(size + kGuardWords, T(sentinel)) {}
+  T* data() {
+    return values.data();
+  }
+  // The output, then the kGuardWords values past its end.
+  mx::array output(mx::Dtype dtype) const {
+    return mx::array(values.begin(), shape, dtype);
+  }
+  mx::array tail(mx::Dtype dtype) const {
+    return mx::array(values.begin() + size, {kGuardWords}, dtype);
+  }
+
+  mx::Shape shape;
+  size_t size;
+  std::vector<T> values;
+};
 
 // Runs the CPU kernel directly on output buffers followed by kGuardWords
 // sentinel values each, and returns what lies past the end, so a test can
@@ -60,12 +112,10 @@ nb::tuple run_guarded(
     Algorithm algorithm,
     std::vector<mx::array> in,
     float sentinel) {
-  const size_t y_size =
-      size_t(p.batch) * p.tokens * p.value_heads * p.value_dim;
-  const size_t state_size =
-      size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
-  std::vector<T> y(y_size + kGuardWords, T(sentinel));
-  std::vector<float> state(state_size + kGuardWords, sentinel);
+  const mx::Dtype dtype = in[2].dtype();
+  Guarded<T> y({p.batch, p.tokens, p.value_heads, p.value_dim}, sentinel);
+  Guarded<float> state(
+      {p.batch, p.value_heads, p.value_dim, p.key_dim}, sentinel);
   cpu::gated_delta_forward<T>(
       p,
       algorithm,
@@ -80,16 +130,67 @@ nb::tuple run_guarded(
           in[5].data<float>(),
           y.data(),
           state.data()));
+  return nb::make_tuple(
+      y.output(dtype),
+      state.output(mx::float32),
+      y.tail(dtype),
+      state.tail(mx::float32));
+}
+
+// The backward's run_guarded: the CPU backward on gradient buffers followed
+// by sentinels. `in` holds q, k, v, g, beta, the state, the cotangents of y
+// and of the final state, then the mask if any. Returns two dicts by
+// gradient name (dq, dk, dv, dg, d_decay, dbeta, dstate): the gradients and
+// the words past each one's end.
+template <typename T>
+nb::tuple run_backward_guarded(
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    std::vector<mx::array> in,
+    float sentinel) {
   const mx::Dtype dtype = in[2].dtype();
-  mx::array y_out(
-      y.begin(), {p.batch, p.tokens, p.value_heads, p.value_dim}, dtype);
-  mx::array y_tail(y.begin() + y_size, {kGuardWords}, dtype);
-  mx::array state_out(
-      state.begin(),
-      {p.batch, p.value_heads, p.value_dim, p.key_dim},
-      mx::float32);
-  mx::array state_tail(state.begin() + state_size, {kGuardWords}, mx::float32);
-  return nb::make_tuple(y_out, state_out, y_tail, state_tail);
+  Guarded<T> dq(in[0].shape(), sentinel);
+  Guarded<T> dk(in[1].shape(), sentinel);
+  Guarded<T> dv(in[2].shape(), sentinel);
+  Guarded<float> dg(in[3].shape(), sentinel);
+  Guarded<float> d_decay(in[3].shape(), sentinel);
+  Guarded<float> dbeta(in[4].shape(), sentinel);
+  Guarded<float> dstate(in[5].shape(), sentinel);
+  cpu::gated_delta_backward<T>(
+      p,
+      algorithm,
+      cpu::BackwardBuffers<T>{
+          in[0].data<T>(),
+          in[1].data<T>(),
+          in[2].data<T>(),
+          in[3].data<float>(),
+          in[4].data<float>(),
+          p.has_mask ? in[8].data<bool>() : nullptr,
+          in[5].data<float>(),
+          in[6].data<T>(),
+          in[7].data<float>(),
+          dq.data(),
+          dk.data(),
+          dv.data(),
+          dg.data(),
+          d_decay.data(),
+          dbeta.data(),
+          dstate.data()});
+  nb::dict gradients, tails;
+  for (auto [name, buffer] :
+       {std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}}) {
+    gradients[name] = buffer->output(dtype);
+    tails[name] = buffer->tail(dtype);
+  }
+  for (auto [name, buffer] :
+       {std::pair{"dg", &dg},
+        std::pair{"d_decay", &d_decay},
+        std::pair{"dbeta", &dbeta},
+        std::pair{"dstate", &dstate}}) {
+    gradients[name] = buffer->output(mx::float32);
+    tails[name] = buffer->tail(mx::float32);
+  }
+  return nb::make_tuple(gradients, tails);
 }
 
 // Runs the float32 chunked form on problem (batch, head) alone and returns
@@ -333,31 +434,19 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
          const mx::array& beta,
          const mx::array& state,
          const std::optional<mx::array>& mask,
-         float scale,
+         std::optional<float> scale,
          const std::string& head_mapping,
          bool normalize_qk,
          const std::string& algorithm,
          float sentinel) {
         GatedDeltaParams p =
-            test_params(q, v, mask, scale, head_mapping, normalize_qk);
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
         Algorithm a = parse_algorithm(algorithm);
         if (a == Algorithm::Auto) {
           a = resolve_cpu_algorithm(p);
         }
-        auto contiguous = [](const mx::array& x) {
-          return mx::contiguous(x, false, mx::Device::cpu);
-        };
-        std::vector<mx::array> in = {
-            contiguous(q),
-            contiguous(k),
-            contiguous(v),
-            contiguous(mx::astype(g, mx::float32, mx::Device::cpu)),
-            contiguous(mx::astype(beta, mx::float32, mx::Device::cpu)),
-            contiguous(state)};
-        if (mask) {
-          in.push_back(contiguous(*mask));
-        }
-        mx::eval(in);
+        std::vector<mx::array> in =
+            test_inputs({q, k, v, g, beta, state}, mask);
         switch (v.dtype()) {
           case mx::float32:
             return run_guarded<float>(p, a, in, sentinel);
@@ -376,13 +465,73 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "beta"_a,
       "state"_a,
       "mask"_a.none(),
-      "scale"_a,
+      "scale"_a.none(),
       "head_mapping"_a,
       "normalize_qk"_a,
       "algorithm"_a,
       "sentinel"_a,
       "Testing only: runs the CPU kernel with sentinel words past each output "
       "and returns (y, state, y_tail, state_tail).");
+
+  m.def(
+      "run_core_backward_guarded",
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const mx::array& y_cotangent,
+         const mx::array& state_cotangent,
+         const std::optional<mx::array>& mask,
+         std::optional<float> scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         const std::string& algorithm,
+         float sentinel) {
+        GatedDeltaParams p =
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
+        Algorithm a = parse_algorithm(algorithm);
+        if (a == Algorithm::Auto) {
+          a = resolve_cpu_backward_algorithm(p);
+        }
+        std::vector<mx::array> in = test_inputs(
+            {q,
+             k,
+             v,
+             g,
+             beta,
+             state,
+             mx::astype(y_cotangent, v.dtype(), mx::Device::cpu),
+             mx::astype(state_cotangent, mx::float32, mx::Device::cpu)},
+            mask);
+        switch (v.dtype()) {
+          case mx::float32:
+            return run_backward_guarded<float>(p, a, in, sentinel);
+          case mx::float16:
+            return run_backward_guarded<mx::float16_t>(p, a, in, sentinel);
+          case mx::bfloat16:
+            return run_backward_guarded<mx::bfloat16_t>(p, a, in, sentinel);
+          default:
+            throw std::domain_error("v must be float32, float16 or bfloat16");
+        }
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "y_cotangent"_a,
+      "state_cotangent"_a,
+      "mask"_a.none(),
+      "scale"_a.none(),
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "algorithm"_a,
+      "sentinel"_a,
+      "Testing only: runs the CPU backward with sentinel words past each "
+      "gradient and returns (gradients, tails), dicts by gradient name.");
 
   m.def(
       "trace_cpu_chunked_stages",
@@ -393,13 +542,13 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
          const mx::array& beta,
          const mx::array& state,
          const std::optional<mx::array>& mask,
-         float scale,
+         std::optional<float> scale,
          const std::string& head_mapping,
          bool normalize_qk,
          int batch,
          int head) {
         GatedDeltaParams p =
-            test_params(q, v, mask, scale, head_mapping, normalize_qk);
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
         auto contiguous_f32 = [](const mx::array& x) {
           return mx::contiguous(
               mx::astype(x, mx::float32, mx::Device::cpu),
@@ -429,7 +578,7 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "beta"_a,
       "state"_a,
       "mask"_a.none(),
-      "scale"_a,
+      "scale"_a.none(),
       "head_mapping"_a,
       "normalize_qk"_a,
       "batch"_a,

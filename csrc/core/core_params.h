@@ -6,6 +6,7 @@
 // (algorithm, kernel variants) in core/dispatch.h.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <string>
 
@@ -91,6 +92,11 @@ struct GatedDeltaParams : ProblemShape {
     return (tokens + int(kChunkSize) - 1) / int(kChunkSize);
   }
 };
+
+// The readout scale when the caller gives none: Dk ** -0.5, in float32.
+inline float default_scale(int key_dim) {
+  return 1.0f / std::sqrt(static_cast<float>(key_dim));
+}
 
 // The params of a shape, with the default options (scale 1, grouped, no
 // normalisation, no mask).

@@ -4,8 +4,6 @@
 // the CPU kernels, the primitive and the op function read the same struct.
 #pragma once
 
-#include <cmath>
-
 #include "core/core_params.h"
 
 namespace mlx_gated_delta {
@@ -58,7 +56,7 @@ struct SegmentParams : ProblemShape {
   GatedDeltaParams core_params() const {
     GatedDeltaParams core;
     core.set_shape(*this);
-    core.scale = 1.0f / std::sqrt(static_cast<float>(key_dim));
+    core.scale = default_scale(key_dim);
     core.head_mapping = head_mapping;
     core.normalize_qk = true;
     core.has_mask = has_mask;

@@ -165,7 +165,7 @@ void check_core_arguments(
   }
   check_floating(names.g, g);
   check_floating("beta", beta);
-  p.scale = scale.value_or(1.0f / std::sqrt(static_cast<float>(p.key_dim)));
+  p.scale = scale.value_or(default_scale(p.key_dim));
   if (!std::isfinite(p.scale)) {
     throw std::invalid_argument(
         "scale must be finite, got " + std::to_string(p.scale));

@@ -21,6 +21,7 @@ from mlx_gated_delta.reference import (
     gated_delta_update_reference_vjp,
 )
 from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.guarded import SENTINEL, run_core_backward_guarded
 from mlx_gated_delta.testing.strategies import BOUNDARY_TOKENS, core_cases, make_core_case
 
 INPUTS = ("q", "k", "v", "g", "beta", "state")
@@ -224,6 +225,32 @@ def test_the_algorithms_run_different_backwards():
     )
     assert_gradients_match("core_grad.oracle.v1", recurrent, expected)
     assert_gradients_match("core_grad.oracle.v1", chunked, expected)
+
+
+@pytest.mark.parametrize("per_key_gates", (False, True))
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@SMALL_BUDGET
+@given(data=st.data())
+def test_backward_guard_no_write_past_the_gradients(algorithm, per_key_gates, data):
+    """The CPU backward run on gradient buffers with sentinel words past each
+    end leaves the sentinels as they were, and gives the gradients that
+    `mx.grad` gives, bit for bit (the same kernel)."""
+    case = data.draw(
+        core_cases(with_state=st.just(True), per_key_gates=per_key_gates), label="case"
+    )
+    wy, ws = cotangents(case)
+    gradients, tails = run_core_backward_guarded(
+        *case.args(), wy, ws, **case.options, algorithm=algorithm, sentinel=SENTINEL
+    )
+    # dq, dk and dv hold the sentinel in the activation dtype (73.25 is 73.0
+    # in bfloat16).
+    in_activation_dtype = mx.array(SENTINEL, dtype=case.v.dtype).astype(mx.float32).item()
+    for name, tail in tails.items():
+        sentinel = in_activation_dtype if name in ("dq", "dk", "dv") else SENTINEL
+        assert tail.size == 16 and np.all(tail == sentinel), f"{name} written past its end: {tail}"
+    for name, grad in case_gradients(case, wy, ws, algorithm=algorithm).items():
+        guarded = mx.array(gradients[f"d{name}"]).astype(grad.dtype)
+        assert mx.array_equal(guarded, grad).item(), f"d{name}"
 
 
 def test_auto_backward_resolves_by_length():

@@ -1,4 +1,5 @@
-"""The state guard: sentinels past every output."""
+"""The state guard: sentinels past every output of the CPU kernels, the
+forward's and the backward's."""
 
 from __future__ import annotations
 
@@ -31,14 +32,7 @@ def run_core_guarded(
     are the words past the end of each output and must still equal ``sentinel``
     (y's guard holds the sentinel rounded to y's dtype: 73.25 is 73.0 in bf16).
     """
-    q, k, v, g, beta, state = (
-        mx.array(np.asarray(x)) if not isinstance(x, mx.array) else x
-        for x in (q, k, v, g, beta, state)
-    )
-    if mask is not None and not isinstance(mask, mx.array):
-        mask = mx.array(np.asarray(mask))
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
+    q, k, v, g, beta, state, mask = as_mlx(q, k, v, g, beta, state, mask)
     outputs = _ext.run_core_guarded(
         q,
         k,
@@ -47,10 +41,69 @@ def run_core_guarded(
         beta,
         state,
         mask,
-        float(scale),
+        None if scale is None else float(scale),
         head_mapping,
         bool(normalize_qk),
         algorithm,
         float(sentinel),
     )
-    return tuple(np.array(x.astype(mx.float32) if x.dtype != mx.float32 else x) for x in outputs)
+    return tuple(as_numpy(x) for x in outputs)
+
+
+def run_core_backward_guarded(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state,
+    y_cotangent,
+    state_cotangent,
+    *,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+    algorithm="auto",
+    sentinel=SENTINEL,
+):
+    """Runs the CPU backward on gradients padded with ``sentinel`` values,
+    for the cotangents of y and of the final state.
+
+    Returns ``(gradients, tails)``, dicts of NumPy arrays by gradient name
+    (``dq``, ``dk``, ``dv``, ``dg``, ``d_decay``, ``dbeta``, ``dstate``): the
+    gradients, and the words past the end of each, which must still equal
+    ``sentinel`` (in the activation dtype for dq, dk and dv).
+    """
+    arrays = as_mlx(q, k, v, g, beta, state, mask, y_cotangent, state_cotangent)
+    q, k, v, g, beta, state, mask, y_cotangent, state_cotangent = arrays
+    gradients, tails = _ext.run_core_backward_guarded(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        state,
+        y_cotangent,
+        state_cotangent,
+        mask,
+        None if scale is None else float(scale),
+        head_mapping,
+        bool(normalize_qk),
+        algorithm,
+        float(sentinel),
+    )
+    return (
+        {name: as_numpy(x) for name, x in gradients.items()},
+        {name: as_numpy(x) for name, x in tails.items()},
+    )
+
+
+def as_mlx(*arrays):
+    return tuple(
+        x if x is None or isinstance(x, mx.array) else mx.array(np.asarray(x)) for x in arrays
+    )
+
+
+def as_numpy(x):
+    return np.array(x.astype(mx.float32) if x.dtype != mx.float32 else x)
