@@ -4,6 +4,7 @@ showing that each of its checks catches what it is for."""
 import os
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlx_gated_delta.__main__ import main
@@ -74,3 +75,16 @@ def test_a_gradient_of_the_wrong_shape_or_dtype_is_a_bad_result():
     assert "gradient of v" in Fuzzer.gradient_failure(["q", "v"], wrong_dtype, arguments)
     wrong_shape = [mx.zeros((1, 2, 3, 1)), right[1]]
     assert "gradient of q" in Fuzzer.gradient_failure(["q", "v"], wrong_shape, arguments)
+
+
+def test_a_changed_word_past_an_output_is_an_overwrite():
+    # The guards' verdict: every tail must hold the sentinel, in the
+    # activation dtype for the activations (73.25 is 73.0 in bfloat16).
+    from mlx_gated_delta.testing.guarded import SENTINEL
+
+    tails = {"dq": np.full(16, 73.0), "dstate": np.full(16, SENTINEL)}
+    assert Fuzzer.overwritten(tails, mx.bfloat16, ("dq",)) == ""
+    tails["dstate"][15] = 0.5
+    assert Fuzzer.overwritten(tails, mx.bfloat16, ("dq",)).startswith("dstate tail")
+    # The same words read in float32: dq's 73.0 is not the sentinel there.
+    assert "dq tail" in Fuzzer.overwritten(tails, mx.float32, ("dq",))

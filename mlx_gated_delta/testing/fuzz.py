@@ -24,7 +24,9 @@ and never in a failure:
   outputs) turned a finite output of another batch row or head non-finite;
   for a gradient, a finite gradient of another batch row's inputs;
 - `sentinel_overwrite`: the CPU kernel wrote past the end of an output (the
-  core's guarded run, `testing.guarded`, on every valid core call).
+  core's guarded runs, `testing.guarded`, on every valid `gated_delta_rule`
+  call, of the forward, and for `vjp(gated_delta_rule)` of the backward,
+  with the vjp's cotangents).
 
 A hang is caught by a watchdog (faulthandler) that dumps every thread's stack
 and exits when one call takes longer than `--call-timeout` seconds.
@@ -42,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_gated_delta import gated_delta_rule, gated_delta_segment, gated_delta_update
-from mlx_gated_delta.testing.guarded import run_core_guarded
+from mlx_gated_delta.testing.guarded import run_core_backward_guarded, run_core_guarded
 
 FAILURES = ("crash", "unnamed_rejection", "bad_result", "nan_leak", "sentinel_overwrite")
 OUTCOMES = ("ok", "rejected", *FAILURES)
@@ -171,18 +173,23 @@ class Fuzzer:
             for n, a in arguments.items()
             if isinstance(a, mx.array) and mx.issubdtype(a.dtype, mx.floating)
         ]
-        rng = np.random.default_rng([int(np.prod(o.shape)) for o in outputs])
-        cotangents = [
-            mx.array(rng.standard_normal(o.shape).astype(np.float32)).astype(o.dtype)
-            for o in outputs
-        ]
 
         def forward(*primals):
             return op(**{**arguments, **dict(zip(names, primals))}, **options)
 
-        _, gradients = mx.vjp(forward, [arguments[n] for n in names], cotangents)
+        _, gradients = mx.vjp(forward, [arguments[n] for n in names], self.cotangents(outputs))
         mx.eval(gradients)
         return names, gradients
+
+    @staticmethod
+    def cotangents(outputs):
+        """The cotangents of `outputs`: drawn from their sizes, so the same
+        outputs get the same ones."""
+        rng = np.random.default_rng([int(np.prod(o.shape)) for o in outputs])
+        return [
+            mx.array(rng.standard_normal(o.shape).astype(np.float32)).astype(o.dtype)
+            for o in outputs
+        ]
 
     @staticmethod
     def gradient_failure(names, gradients, arguments):
@@ -322,9 +329,13 @@ class Fuzzer:
                 )
             if leak:
                 return self.record(function, "nan_leak", leak)
-        if function == "gated_delta_rule" and B and T and broke is None:
-            overwrite = self.guarded(arguments, options)
-            self.checks["sentinel guard"] += 1
+        if operation == "gated_delta_rule" and B and T and broke is None:
+            if function == operation:
+                overwrite = self.guarded(arguments, options)
+                self.checks["sentinel guard"] += 1
+            else:
+                overwrite = self.guarded_backward(arguments, options, (y, state))
+                self.checks["gradient sentinel guard"] += 1
             if overwrite:
                 return self.record(function, "sentinel_overwrite", overwrite)
         self.record(function, "ok")
@@ -372,18 +383,16 @@ class Fuzzer:
             return f"non-finite at {tuple(int(i) for i in np.argwhere(leaked)[0])}"
         return ""
 
-    def guarded(self, arguments, options):
+    @staticmethod
+    def guard_inputs(arguments, options):
+        """A `gated_delta_rule` call's arguments and options as the guarded
+        runs take them: the arrays in order (gates in float32, a zero state
+        for none), then the keywords."""
         q, k, v, g, beta = (arguments[n] for n in ("q", "k", "v", "g", "beta"))
         state = arguments.get("state")
         if state is None:
             state = mx.zeros((q.shape[0], v.shape[2], v.shape[3], q.shape[3]))
-        _, _, y_tail, state_tail = run_core_guarded(
-            q,
-            k,
-            v,
-            g.astype(mx.float32),
-            beta.astype(mx.float32),
-            state,
+        keywords = dict(
             scale=options["scale"],
             head_mapping=options["head_mapping"],
             mask=arguments.get("mask"),
@@ -391,10 +400,29 @@ class Fuzzer:
             algorithm=options["algorithm"],
             sentinel=SENTINEL,
         )
-        y_sentinel = mx.array(SENTINEL, dtype=v.dtype).astype(mx.float32).item()
-        if not (np.all(y_tail == y_sentinel) and np.all(state_tail == SENTINEL)):
-            return f"y tail {y_tail[:4]}, state tail {state_tail[:4]}"
-        return ""
+        return (q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state), keywords
+
+    @staticmethod
+    def overwritten(tails, activation_dtype, activations):
+        """'' or the outputs whose words past the end lost their sentinel (in
+        the activation dtype for the `activations`)."""
+        in_activation_dtype = mx.array(SENTINEL, dtype=activation_dtype).astype(mx.float32).item()
+        return ", ".join(
+            f"{name} tail {tail[:4]}"
+            for name, tail in tails.items()
+            if not np.all(tail == (in_activation_dtype if name in activations else SENTINEL))
+        )
+
+    def guarded(self, arguments, options):
+        inputs, keywords = self.guard_inputs(arguments, options)
+        _, _, y_tail, state_tail = run_core_guarded(*inputs, **keywords)
+        tails = {"y": y_tail, "state": state_tail}
+        return self.overwritten(tails, arguments["v"].dtype, ("y",))
+
+    def guarded_backward(self, arguments, options, outputs):
+        inputs, keywords = self.guard_inputs(arguments, options)
+        _, tails = run_core_backward_guarded(*inputs, *self.cotangents(outputs), **keywords)
+        return self.overwritten(tails, arguments["v"].dtype, ("dq", "dk", "dv"))
 
     def segment_call(self, function):
         rng = self.rng
@@ -544,6 +572,7 @@ class Fuzzer:
                     "NaN/Inf isolation",
                     "gradient NaN/Inf isolation",
                     "sentinel guard",
+                    "gradient sentinel guard",
                     "zero-size result",
                 )
             )
