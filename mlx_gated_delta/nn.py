@@ -281,8 +281,8 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     into the convolutions and does not). The recurrence is the core op
     `gated_delta_rule` (normalize_qk, scale `Dk ** -0.5`), with
     `beta = 2 sigmoid(b)` in `[0, 2]` where the model allows negative
-    eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one convolution over
-    packed q|k|v and beta in `[0, 1]`: not this layout.)
+    eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one
+    convolution over packed q|k|v and beta in `[0, 1]`: not this layout.)
     """
 
     def __init__(self, config: Any):
