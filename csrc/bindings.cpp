@@ -75,6 +75,21 @@ std::vector<mx::array> test_inputs(
   return arrays;
 }
 
+// run(T{}) with T the C++ type of the activation dtype (v's).
+template <typename Run>
+nb::tuple with_activation_type(mx::Dtype dtype, Run run) {
+  switch (dtype) {
+    case mx::float32:
+      return run(float{});
+    case mx::float16:
+      return run(mx::float16_t{});
+    case mx::bfloat16:
+      return run(mx::bfloat16_t{});
+    default:
+      throw std::domain_error("v must be float32, float16 or bfloat16");
+  }
+}
+
 // An output buffer of `shape` followed by kGuardWords sentinel values, for
 // a kernel run directly on it.
 template <typename T>
@@ -447,16 +462,9 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
         }
         std::vector<mx::array> in =
             test_inputs({q, k, v, g, beta, state}, mask);
-        switch (v.dtype()) {
-          case mx::float32:
-            return run_guarded<float>(p, a, in, sentinel);
-          case mx::float16:
-            return run_guarded<mx::float16_t>(p, a, in, sentinel);
-          case mx::bfloat16:
-            return run_guarded<mx::bfloat16_t>(p, a, in, sentinel);
-          default:
-            throw std::domain_error("v must be float32, float16 or bfloat16");
-        }
+        return with_activation_type(v.dtype(), [&](auto type) {
+          return run_guarded<decltype(type)>(p, a, in, sentinel);
+        });
       },
       "q"_a,
       "k"_a,
@@ -505,16 +513,9 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
              mx::astype(y_cotangent, v.dtype(), mx::Device::cpu),
              mx::astype(state_cotangent, mx::float32, mx::Device::cpu)},
             mask);
-        switch (v.dtype()) {
-          case mx::float32:
-            return run_backward_guarded<float>(p, a, in, sentinel);
-          case mx::float16:
-            return run_backward_guarded<mx::float16_t>(p, a, in, sentinel);
-          case mx::bfloat16:
-            return run_backward_guarded<mx::bfloat16_t>(p, a, in, sentinel);
-          default:
-            throw std::domain_error("v must be float32, float16 or bfloat16");
-        }
+        return with_activation_type(v.dtype(), [&](auto type) {
+          return run_backward_guarded<decltype(type)>(p, a, in, sentinel);
+        });
       },
       "q"_a,
       "k"_a,

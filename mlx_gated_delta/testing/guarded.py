@@ -75,8 +75,9 @@ def run_core_backward_guarded(
     gradients, and the words past the end of each, which must still equal
     ``sentinel`` (in the activation dtype for dq, dk and dv).
     """
-    arrays = as_mlx(q, k, v, g, beta, state, mask, y_cotangent, state_cotangent)
-    q, k, v, g, beta, state, mask, y_cotangent, state_cotangent = arrays
+    q, k, v, g, beta, state, mask, y_cotangent, state_cotangent = as_mlx(
+        q, k, v, g, beta, state, mask, y_cotangent, state_cotangent
+    )
     gradients, tails = _ext.run_core_backward_guarded(
         q,
         k,
