@@ -52,6 +52,34 @@ def gated_delta_rule_reference(
     return _delta_rule_recurrence(q, k, v, np.exp(g), beta, state, scale, head_mapping, mask)
 
 
+def state_magnitudes(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+):
+    """The largest |entry| per batch row and head of the entry state and of
+    the state after each token: `[B, T + 1, Hv]` float64 (a masked token
+    repeats the state before it). The arguments are the oracle's; `scale`
+    scales y only and is accepted so that a case's options pass as they are.
+    The chunked form's float32 error scales with these (docs/numerics.md)."""
+    q, k, v, g, beta = (to_float64(x) for x in (q, k, v, g, beta))
+    if normalize_qk:
+        k = qk_norm(k)
+    magnitudes = []
+    _delta_rule_recurrence(
+        q, k, v, np.exp(g), beta, state, 1.0, head_mapping, mask, on_state=magnitudes.append
+    )
+    return np.stack(magnitudes, axis=1)
+
+
 def gated_delta_update_reference(q, k, v, gamma, beta, initial_state=None, mask=None):
     """`mx.fast.gated_delta_update`'s meaning (docs/contract.md).
 
@@ -73,9 +101,11 @@ def key_head_of(value_heads, key_heads, head_mapping):
     raise ValueError(f"head_mapping must be 'grouped' or 'interleaved', got {head_mapping!r}")
 
 
-def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mask):
+def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mask, on_state=None):
     """`decay` is the linear decay, `[B, T, Hv]` or, per key channel,
-    `[B, T, Hv, Dk]` (column `c` of the state decays by `decay[..., c]`)."""
+    `[B, T, Hv, Dk]` (column `c` of the state decays by `decay[..., c]`).
+    `on_state`, if given, receives the largest |entry| per batch row and head
+    (`[B, Hv]`) of the entry state and of the state after each token."""
     batch, tokens, key_heads, key_dim = q.shape
     value_heads, value_dim = v.shape[2], v.shape[3]
 
@@ -89,6 +119,8 @@ def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mas
     else:
         S = to_float64(state).copy()
     active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    if on_state is not None:
+        on_state(np.abs(S).max(axis=(2, 3), initial=0.0))
 
     y = np.zeros((batch, tokens, value_heads, value_dim))
     for t in range(tokens):
@@ -104,6 +136,8 @@ def _delta_rule_recurrence(q, k, v, decay, beta, state, scale, head_mapping, mas
             scale * np.einsum("bhvk,bhk->bhv", updated, q_t),
             0.0,
         )
+        if on_state is not None:
+            on_state(np.abs(S).max(axis=(2, 3), initial=0.0))
     return y, S
 
 

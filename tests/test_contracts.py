@@ -9,10 +9,13 @@ import pytest
 from mlx_gated_delta.testing import contracts
 from mlx_gated_delta.testing.contracts import CONTRACTS, Contract, assert_matches
 
-F32_OUTPUT = "core.recurrent.v2.float32.output"
-F32_OUTPUT_FINGERPRINT = "b8d4bf432be51cb8c0a7c6234e15d988487624b77195f1609b8ffe9e2319189d"
-F32_STATE = "core.recurrent.v2.float32.state"
-F32_STATE_FINGERPRINT = "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260"
+# Two float32 contracts of 1e-4 against the result's magnitude.
+F32_OUTPUT = "stage.chunk_output.v1.float32.output"
+F32_OUTPUT_FINGERPRINT = CONTRACTS[F32_OUTPUT].fingerprint
+F32_STATE = "stage.chunk_carry.v1.float32.state"
+F32_STATE_FINGERPRINT = CONTRACTS[F32_STATE].fingerprint
+# The same threshold, against the magnitude of the recurrent form's terms.
+TERMS_OUTPUT = "core.recurrent.v3.float32.output"
 
 
 def output_like(seed=0, shape=(2, 5, 3, 4)):
@@ -29,9 +32,12 @@ def test_registry_ids_metrics_and_fingerprints_are_well_formed():
         assert contract.threshold >= 0.0
         # A relative metric needs a floor under its denominator.
         assert (contract.magnitude_floor > 0) == (contract.metric != "max_abs")
+        assert contract.magnitude in contracts.MAGNITUDES
+        assert contract.magnitude == "result" or contract.metric == "max_rel"
+        magnitude = "" if contract.magnitude == "result" else f"|{contract.magnitude}"
         assert contract.canonical_text == (
             f"{contract.id}|{contract.metric}|{contract.threshold!r}|{contract.layout}"
-            f"|{contract.magnitude_floor!r}"
+            f"|{contract.magnitude_floor!r}{magnitude}"
         )
     fingerprints = [c.fingerprint for c in CONTRACTS.values()]
     assert len(set(fingerprints)) == len(fingerprints)
@@ -45,6 +51,8 @@ def test_fingerprint_is_the_sha256_of_the_canonical_text():
     assert loosened.fingerprint != contract.fingerprint
     floored_higher = Contract("x.y.v1.float32.output", "max_rel", 0.5, "[B,T,H,D]", 0.1)
     assert floored_higher.fingerprint != contract.fingerprint
+    of_terms = Contract("x.y.v1.float32.output", "max_rel", 0.5, "[B,T,H,D]", 0.01, "terms")
+    assert of_terms.fingerprint == hashlib.sha256(text + b"|terms").hexdigest()
 
 
 def test_a_fingerprint_mismatch_fails_even_when_the_values_agree():
@@ -162,3 +170,76 @@ def test_norm_ratio_measures_the_whole_tensor(monkeypatch):
     actual = expected * 1.01
     with pytest.raises(AssertionError, match="norm_ratio = 1.000e-02"):
         assert_matches("y", actual, expected, contract.id, contract.fingerprint)
+
+
+def test_a_terms_contract_measures_against_the_larger_of_the_result_and_the_terms():
+    contract = CONTRACTS[TERMS_OUTPUT]
+    assert contract.magnitude == "terms" and contract.threshold == 1e-4
+    expected = output_like()
+    actual = expected.copy()
+    actual[1, 2, 0, 3] += 5e-3  # 5e-3 of O(1) values: far outside 1e-4
+    terms = np.ones((2, 5, 3, 1))
+    with pytest.raises(AssertionError, match=r"index \(1, 2, 0, 3\)"):
+        assert_matches("y", actual, expected, contract.id, contract.fingerprint, terms=terms)
+    # Terms of 100 in that batch row and head only: 5e-3 is within 1e-4 of
+    # them, and the other groups keep their own magnitude.
+    terms[1, :, 0] = 100.0
+    assert_matches("y", actual, expected, contract.id, contract.fingerprint, terms=terms)
+    actual[0, 2, 0, 3] += 5e-3
+    with pytest.raises(AssertionError, match=r"index \(0, 2, 0, 3\)"):
+        assert_matches("y", actual, expected, contract.id, contract.fingerprint, terms=terms)
+
+
+def test_terms_are_given_exactly_to_the_contracts_that_measure_against_them():
+    expected = output_like()
+    terms = np.ones((2, 5, 3, 1))
+    contract = CONTRACTS[TERMS_OUTPUT]
+    with pytest.raises(AssertionError, match="terms were not given"):
+        assert_matches("y", expected, expected, contract.id, contract.fingerprint)
+    with pytest.raises(AssertionError, match="terms were given"):
+        assert_matches("y", expected, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT, terms=terms)
+
+
+def one_key_channel(beta, g, tokens=4, state_scale=1e6):
+    """Dk = Dv = 1, Hk = Hv = 1, B = 1: a state of `state_scale` and unit
+    keys; per token the state is scaled by exp(g) (1 - beta) and gets beta v."""
+    ones = np.ones((1, tokens, 1, 1))
+    return dict(
+        q=ones,
+        k=ones,
+        v=ones,
+        g=np.full((1, tokens, 1), g),
+        beta=np.full((1, tokens, 1), beta),
+        state=np.full((1, 1, 1, 1), state_scale),
+    )
+
+
+def test_term_magnitudes_of_a_contracting_step():
+    # beta = 1 with a unit key in one dimension replaces the state by v at
+    # the first token: the result is 1, the terms the step sums are 1e6.
+    arguments = one_key_channel(beta=1.0, g=0.0)
+    for chunk_size in (1, 64):
+        output_terms, state_terms = contracts.term_magnitudes(
+            **arguments, chunk_size=chunk_size, scale=1.0
+        )
+        assert output_terms.shape == (1, 4, 1, 1) and state_terms.shape == (1, 5, 1)
+        # No decay: an error made at the first step is carried on unshrunk.
+        np.testing.assert_array_equal(state_terms[0, :, 0], 1e6)
+        np.testing.assert_array_equal(output_terms[0, :, 0, 0], 1e6)
+
+
+def test_term_magnitudes_shrink_with_the_decay_since_the_state_was_large():
+    # A decay of e^-10 per token and beta = 0: the state is 1e6 e^(-10 t).
+    # Step by step, each result's terms are the state before it; in chunks
+    # of 64 every token of the first chunk is measured against its entry.
+    arguments = one_key_channel(beta=0.0, g=-10.0)
+    _, recurrent = contracts.term_magnitudes(**arguments, chunk_size=1)
+    exact = 1e6 * np.exp(-10.0 * np.arange(5))
+    np.testing.assert_allclose(recurrent[0, :, 0], np.concatenate([exact[:1], exact[:-1]]))
+    _, chunked = contracts.term_magnitudes(**arguments, chunk_size=64)
+    np.testing.assert_array_equal(chunked[0, :, 0], 1e6)
+    # A call boundary at token 2 starts a new chunk: the first call's error
+    # (of its 1e6 terms) is carried into it and shrinks with each decay.
+    _, split = contracts.term_magnitudes(**arguments, chunk_size=64, call_starts=(0, 2))
+    np.testing.assert_array_equal(split[0, :3, 0], 1e6)
+    np.testing.assert_allclose(split[0, 3:, 0], exact[1:3])

@@ -9,43 +9,17 @@ from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_rule, gated_delta_update
 from mlx_gated_delta.reference import gated_delta_update_reference, to_float64
-from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.strategies import make_core_case
-
-UPDATE_ORACLE_OUTPUT = {
-    "float32": (
-        "compat.update_oracle.v2.float32.output",
-        "f14132f7cef3be36f53dd346416472578c85e2eea59a2f259f9be31ae5a1ac91",
-    ),
-    "bfloat16": (
-        "compat.update_oracle.v2.bfloat16.output",
-        "f2c38980c77b17e32f750dde8eb6e1e3cfa0c60c8e2a7a834d32c2d55f2e9961",
-    ),
-}
-UPDATE_ORACLE_STATE = (
-    "compat.update_oracle.v2.float32.state",
-    "9213d9e0204d8420d988ad1aee3f76426fae88c92c439191f7f8c5a3d60804f2",
+from mlx_gated_delta.testing.contracts import assert_matches, term_magnitudes
+from mlx_gated_delta.testing.properties import (
+    ALGORITHMS,
+    ORACLE_OUTPUT_CONTRACTS,
+    ORACLE_STATE_CONTRACTS,
+    assert_update_matches_oracle,
 )
-CORE_BFLOAT16_OUTPUT = {
-    "recurrent": (
-        "core.recurrent.v2.bfloat16.output",
-        "e6511d80ab165b4c704bfa9ea7c997232034a05a9da29d9cdcd7a9bfde0f27e2",
-    ),
-    "chunked": (
-        "core.chunked.v2.bfloat16.output",
-        "a44889ada3987b17daa606904c1bda5765ff85501ae7af02ce2d4bf192614885",
-    ),
-}
-CORE_STATE = {
-    "recurrent": (
-        "core.recurrent.v2.float32.state",
-        "ce7ea3651fc1efcbb3c3b508677dc73770b29c2ec53aa49adcb89722f3768260",
-    ),
-    "chunked": (
-        "core.chunked.v2.float32.state",
-        "83a78c36535c6fb8a3450dd72389d42c282971624ab47d161fbc67afa6407c59",
-    ),
-}
+from mlx_gated_delta.testing.strategies import CHUNK, make_core_case
+
+CORE_BFLOAT16_OUTPUT = {a: ORACLE_OUTPUT_CONTRACTS[a, "bfloat16"] for a in ALGORITHMS}
+CORE_STATE = ORACLE_STATE_CONTRACTS
 
 
 @given(
@@ -92,9 +66,7 @@ def test_matches_mlx_fast_gated_delta_update_in_float32(
         "compat.gated_delta_update.v2.float32.state",
         "5b6e431f23c2ee92891fa4c524ca3f0ce86e45621759f81acf043deb6acaa8b4",
     )
-    expected_y, expected_state = gated_delta_update_reference(*arguments)
-    assert_matches("y", y, expected_y, *UPDATE_ORACLE_OUTPUT["float32"])
-    assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE)
+    assert_update_matches_oracle(y, state, *arguments)
 
 
 def slow_decay_in_bfloat16():
@@ -117,9 +89,8 @@ def slow_decay_in_bfloat16():
 def test_slow_decay_with_bfloat16_activations_is_not_rounded_away():
     arguments = slow_decay_in_bfloat16()
     y, state = gated_delta_update(*arguments)
-    expected_y, expected_state = gated_delta_update_reference(*arguments)
-    assert_matches("y", y, expected_y, *UPDATE_ORACLE_OUTPUT["bfloat16"])
-    assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE)
+    assert_update_matches_oracle(y, state, *arguments)
+    _, expected_state = gated_delta_update_reference(*arguments)
     initial = to_float64(arguments[5])
     decay = float(np.float32(0.9995)) ** 100  # the float32 gate, exactly
     np.testing.assert_allclose(expected_state, decay * initial, rtol=1e-12)
@@ -137,8 +108,13 @@ def test_slow_decay_with_bfloat16_activations_for_each_algorithm(algorithm):
     q, k, v, gamma, beta, state = slow_decay_in_bfloat16()
     y, final = gated_delta_rule(q, k, v, mx.log(gamma), beta, state, scale=1.0, algorithm=algorithm)
     expected_y, expected_state = gated_delta_update_reference(q, k, v, gamma, beta, state)
-    assert_matches("y", y, expected_y, *CORE_BFLOAT16_OUTPUT[algorithm])
-    assert_matches("state", final, expected_state, *CORE_STATE[algorithm])
+    chunk_size = 1 if algorithm == "recurrent" else CHUNK
+    output_terms, state_terms = term_magnitudes(
+        q, k, v, mx.log(gamma), beta, state, chunk_size=chunk_size, scale=1.0
+    )
+    state_terms = state_terms[:, -1, :, None, None]
+    assert_matches("y", y, expected_y, *CORE_BFLOAT16_OUTPUT[algorithm], terms=output_terms)
+    assert_matches("state", final, expected_state, *CORE_STATE[algorithm], terms=state_terms)
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked", "update"))
@@ -190,8 +166,6 @@ def test_zero_gamma_wipes_the_state_exactly(algorithm, wipe_at):
             assert mx.array_equal(state[row], other_state[row]).item()
         else:
             assert not mx.array_equal(state[row], other_state[row]).item()
-    expected_y, expected_state = gated_delta_update_reference(
-        case.q, case.k, case.v, gamma, case.beta, case.state, mask
+    assert_update_matches_oracle(
+        y, state, case.q, case.k, case.v, gamma, case.beta, case.state, mask
     )
-    assert_matches("y", y, expected_y, *UPDATE_ORACLE_OUTPUT["float32"])
-    assert_matches("state", state, expected_state, *UPDATE_ORACLE_STATE)

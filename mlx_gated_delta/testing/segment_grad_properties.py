@@ -11,13 +11,14 @@ central finite difference of the float64 segment oracle, so shapes stay small.
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_segment
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta.testing.strategies import budget
 
 INPUTS = (
     "mixed",
@@ -57,8 +58,8 @@ FINGERPRINTS = {
 
 # Each finite-difference example runs the Python-loop oracle twice per input
 # element: small shapes and few examples.
-FD_BUDGET = settings(max_examples=min(12, settings.default.max_examples), deadline=None)
-SMALL_BUDGET = settings(max_examples=min(10, settings.default.max_examples), deadline=None)
+FD_BUDGET = budget(12)
+SMALL_BUDGET = budget(10)
 FD_STEP = 1e-6
 
 

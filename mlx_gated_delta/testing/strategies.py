@@ -12,6 +12,12 @@ Profiles, chosen by MLX_GATED_DELTA_HYPOTHESIS_PROFILE:
 - `ci` (default): the repository's test suite; derandomized, so a run is
   reproducible and a failure is seen again by the next run.
 - `selftest`: `python -m mlx_gated_delta selftest`, a small budget.
+- `random`: the same properties drawn at random, MLX_GATED_DELTA_EXAMPLES
+  examples each (default 500), every costly property included (`budget`);
+  pytest's `--hypothesis-seed=N` picks the seed. The properties must hold for
+  any draw, not only for those the derandomized profiles make:
+  `MLX_GATED_DELTA_HYPOTHESIS_PROFILE=random pytest tests/test_properties.py
+  --hypothesis-seed=1`.
 """
 
 import os
@@ -23,6 +29,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
+from mlx_gated_delta.testing.contracts import term_magnitudes
 
 PROFILE_ENV = "MLX_GATED_DELTA_HYPOTHESIS_PROFILE"
 
@@ -44,7 +51,28 @@ settings.register_profile(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-settings.load_profile(os.environ.get(PROFILE_ENV, "ci"))
+settings.register_profile(
+    "random",
+    max_examples=int(os.environ.get("MLX_GATED_DELTA_EXAMPLES", "500")),
+    deadline=None,
+    derandomize=False,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+PROFILE = os.environ.get(PROFILE_ENV, "ci")
+settings.load_profile(PROFILE)
+
+
+def budget(cap):
+    """Settings for a costly property: at most `cap` examples in the `ci` and
+    `selftest` profiles, the profile's whole budget in `random`, whose point
+    is to search further than CI does."""
+    examples = settings.default.max_examples
+    if PROFILE != "random":
+        examples = min(cap, examples)
+    return settings(max_examples=examples, deadline=None)
+
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 
@@ -55,7 +83,10 @@ BOUNDARY_TOKENS = (1, 2, 63, 64, 65, 127, 128, 129, 145)
 # then dims no vector width divides, and one past the SIMD kernels' 128.
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)
 ODD_HEAD_DIMS = (1, 3, 17, 130)
-HEAD_RATIOS = (1, 2, 4)
+# Value heads per key head; 3 makes odd head counts (and, with B = 3, odd
+# B * Hv), which split unevenly over the CPU pool's workers.
+HEAD_RATIOS = (1, 2, 3, 4)
+MAX_BATCH = 3
 
 # Per-token log decays: none, mild, model-like, strong enough that the decay
 # across a 64-token chunk underflows float32 (exp(-8 * 64)), and severe: down
@@ -111,6 +142,19 @@ class CoreCase:
     def reference(self):
         """The oracle's (y, state) on exactly the numbers the op receives."""
         return gated_delta_rule_reference(*self.args(), **self.options)
+
+    def terms(self, algorithm, call_starts=(0,)):
+        """The `terms` of `algorithm`'s contracts for this case, run in calls
+        starting at `call_starts`: y's `[B, T, Hv, 1]` and the state's after
+        each token `[B, T + 1, Hv, 1, 1]` (index 0: the entry state). "auto"
+        takes the chunked form's, which bound the recurrent form's."""
+        output_terms, state_terms = term_magnitudes(
+            *self.args(),
+            chunk_size=1 if algorithm == "recurrent" else CHUNK,
+            call_starts=call_starts,
+            **self.options,
+        )
+        return output_terms, state_terms[..., None, None]
 
     def __repr__(self):
         arguments = ", ".join(f"{name}={value!r}" for name, value in self.recipe.items())
@@ -294,41 +338,92 @@ def _make_mask(rng, kind, batch, tokens):
     return mx.array(mask)
 
 
+# The regimes `core_cases` draws from, each a third of the draws: the plain
+# case a model makes (an entry state, no wipes, mild decays, several chunks),
+# the whole space of options and edges, and a chunk whose keys cover every key
+# direction many times (Dk <= 3, no decay, normalised keys) and so contract a
+# huge entry state by orders of magnitude (docs/numerics.md).
+REGIMES = ("model", "any", "contracting")
+MODEL_TOKENS = st.integers(CHUNK + 1, 140)
+CONTRACTING_KEY_DIMS = (1, 2, 3)
+
+
 @st.composite
 def core_cases(
     draw,
     dtypes=tuple(DTYPES),
-    max_batch=2,
+    max_batch=MAX_BATCH,
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(1, 200)),
     with_state=st.booleans(),
     per_key_gates=False,
+    several_chunks=True,
+    contracting=True,
 ):
     """A core op call over the shapes and options of docs/contract.md; with
-    `per_key_gates`, g has one decay per key channel ([B, T, Hv, Dk])."""
+    `per_key_gates`, g has one decay per key channel ([B, T, Hv, Dk]). The
+    model regime draws its token count from MODEL_TOKENS where
+    `several_chunks`, else from `tokens` as the others do. Without
+    `contracting`, no huge entry state meets keys that can contract it (the
+    contracting regime, and key dims below 16 with a huge state): the
+    gradients' contracts are derived for states that the keys do not
+    contract by orders of magnitude (docs/numerics.md)."""
     head_dims = st.one_of(st.sampled_from(HEAD_DIMS), st.sampled_from(ODD_HEAD_DIMS))
     key_heads = draw(st.integers(1, 2))
     dtype = draw(st.sampled_from(dtypes))
+    regime = draw(st.sampled_from(REGIMES if contracting else REGIMES[:2]))
+    options = dict(
+        gate_dtype=draw(st.sampled_from(("float32", dtype))),
+        beta_max=draw(st.sampled_from((1.0, 2.0))),
+        scale=draw(st.sampled_from((None, 0.5, 1.0))),
+        head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
+        strided=draw(st.booleans()),
+    )
+    if regime == "model":
+        options.update(
+            tokens=draw(MODEL_TOKENS if several_chunks else tokens),
+            key_dim=draw(head_dims),
+            decay=draw(st.sampled_from(("mild", "model"))),
+            with_state=True,
+            mask_kind=draw(st.sampled_from(("none", "all_true", "left_padding"))),
+            normalize_qk=draw(st.booleans()),
+            wipes="none",
+            state_scale="unit",
+        )
+    elif regime == "contracting":
+        options.update(
+            tokens=draw(tokens),
+            key_dim=draw(st.sampled_from(CONTRACTING_KEY_DIMS)),
+            decay="none",
+            with_state=True,
+            mask_kind=draw(st.sampled_from(("none", "random"))),
+            normalize_qk=True,
+            wipes="none",
+            state_scale="huge",
+        )
+    else:
+        state_scale = draw(st.sampled_from(tuple(STATE_SCALES)))
+        key_dims = head_dims
+        if state_scale == "huge" and not contracting:
+            key_dims = st.sampled_from(tuple(d for d in HEAD_DIMS + ODD_HEAD_DIMS if d >= 16))
+        options.update(
+            tokens=draw(tokens),
+            key_dim=draw(key_dims),
+            decay=draw(st.sampled_from(DECAY_KINDS)),
+            with_state=draw(with_state),
+            mask_kind=draw(st.sampled_from(MASK_KINDS)),
+            normalize_qk=draw(st.booleans()),
+            wipes=draw(st.sampled_from(WIPE_KINDS)),
+            state_scale=state_scale,
+        )
     return make_core_case(
         draw(st.integers(0, 2**32 - 1)),
         batch=draw(st.integers(1, max_batch)),
-        tokens=draw(tokens),
         key_heads=key_heads,
         value_heads=key_heads * draw(st.sampled_from(HEAD_RATIOS)),
-        key_dim=draw(head_dims),
         value_dim=draw(head_dims),
         dtype=dtype,
-        gate_dtype=draw(st.sampled_from(("float32", dtype))),
-        decay=draw(st.sampled_from(DECAY_KINDS)),
-        beta_max=draw(st.sampled_from((1.0, 2.0))),
-        with_state=draw(with_state),
-        mask_kind=draw(st.sampled_from(MASK_KINDS)),
-        normalize_qk=draw(st.booleans()),
-        scale=draw(st.sampled_from((None, 0.5, 1.0))),
-        head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
-        wipes=draw(st.sampled_from(WIPE_KINDS)),
-        state_scale=draw(st.sampled_from(tuple(STATE_SCALES))),
-        strided=draw(st.booleans()),
         per_key_gates=per_key_gates,
+        **options,
     )
 
 

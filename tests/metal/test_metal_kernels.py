@@ -8,13 +8,14 @@ mappings, masks, normalize_qk, the three activation dtypes, and token counts
 on both sides of chunk boundaries.
 """
 
+import dataclasses
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_gated_delta.reference import gated_delta_rule_reference
 from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
@@ -24,16 +25,7 @@ from mlx_gated_delta.testing.strategies import core_cases, make_core_case
 OUTPUT_CONTRACTS = properties.ORACLE_OUTPUT_CONTRACTS
 STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
 SPLIT_CONTRACTS = properties.SPLIT_CONTRACTS
-CHUNKED_VS_RECURRENT = (
-    (
-        "core.chunked_vs_recurrent.v2.float32.output",
-        "31162c11ae70d530039bb744e037f8783532a66f1100eca89e1b229466c2b701",
-    ),
-    (
-        "core.chunked_vs_recurrent.v2.float32.state",
-        "3549fb73c9067606988961a47ac37ccb6acf168ee879a65beb4835ba2ca6e3eb",
-    ),
-)
+CHUNKED_VS_RECURRENT = properties.ALGORITHMS_AGREE_CONTRACTS
 
 # (algorithm, the kernel the case must reach, make_core_case arguments).
 ORACLE_CASES = [
@@ -245,9 +237,7 @@ def test_every_kernel_path_matches_the_float64_oracle(algorithm, kernel, recipe)
     y, state, info = emulate(case, algorithm)
     assert info["algorithm"] == algorithm
     assert any(kernel in name for name in info["kernels"]), info["kernels"]
-    expected_y, expected_state = case.reference()
-    assert_matches("y", y, expected_y, *OUTPUT_CONTRACTS[algorithm, dtype_of(case)])
-    assert_matches("state", state, expected_state, *STATE_CONTRACTS[algorithm])
+    properties.assert_matches_oracle(case, y, state, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
@@ -260,15 +250,10 @@ def test_a_zero_decay_wipes_the_state_exactly(algorithm):
     g = np.array(case.g)
     g[0, [0, 10, 11, 64, 99], 0] = -np.inf
     g[0, 40, 1] = -np.inf
-    y, state, _ = metal_emulated.run(
-        case.q, case.k, case.v, g, case.beta, case.state, algorithm=algorithm
-    )
-    expected_y, expected_state = gated_delta_rule_reference(
-        case.q, case.k, case.v, g, case.beta, case.state
-    )
+    case = dataclasses.replace(case, g=mx.array(g))
+    y, state, _ = emulate(case, algorithm)
     assert np.isfinite(y).all() and np.isfinite(state).all()
-    assert_matches("y", y, expected_y, *OUTPUT_CONTRACTS[algorithm, "float32"])
-    assert_matches("state", state, expected_state, *STATE_CONTRACTS[algorithm])
+    properties.assert_matches_oracle(case, y, state, algorithm)
 
 
 def test_chunked_matches_recurrent():
@@ -285,9 +270,10 @@ def test_chunked_matches_recurrent():
     )
     recurrent_y, recurrent_state, _ = emulate(case, "recurrent")
     chunked_y, chunked_state, _ = emulate(case, "chunked")
-    (output_id, output_print), (state_id, state_print) = CHUNKED_VS_RECURRENT
-    assert_matches("y", chunked_y, recurrent_y, output_id, output_print)
-    assert_matches("state", chunked_state, recurrent_state, state_id, state_print)
+    output_terms, state_terms = properties.oracle_terms(case, "chunked")
+    output_contract, state_contract = CHUNKED_VS_RECURRENT
+    assert_matches("y", chunked_y, recurrent_y, *output_contract, terms=output_terms)
+    assert_matches("state", chunked_state, recurrent_state, *state_contract, terms=state_terms)
 
 
 @pytest.mark.parametrize(
@@ -314,9 +300,11 @@ def test_split_continuity_any_split_points(algorithm, points, tokens):
             *part, state, scale=case.options["scale"], mask=mask[:, start:stop], algorithm=algorithm
         )
         pieces.append(y)
-    (output_id, output_print), (state_id, state_print) = SPLIT_CONTRACTS[algorithm]
-    assert_matches("y", np.concatenate(pieces, axis=1), whole_y, output_id, output_print)
-    assert_matches("state", state, whole_state, state_id, state_print)
+    output_terms, state_terms = properties.split_terms(case, bounds, algorithm)
+    output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
+    y = np.concatenate(pieces, axis=1)
+    assert_matches("y", y, whole_y, *output_contract, terms=output_terms)
+    assert_matches("state", state, whole_state, *state_contract, terms=state_terms)
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
@@ -339,9 +327,9 @@ def test_bfloat16_rounding_matches_mlx():
 # budget: every emulated call runs one OS thread per GPU thread.
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
 @settings(max_examples=6)
-@given(case=core_cases(max_batch=1, tokens=st.sampled_from((1, 2, 63, 65, 100))))
+@given(
+    case=core_cases(max_batch=1, tokens=st.sampled_from((1, 2, 63, 65, 100)), several_chunks=False)
+)
 def test_drawn_cases_match_the_float64_oracle(algorithm, case):
     y, state, _ = emulate(case, algorithm)
-    expected_y, expected_state = case.reference()
-    assert_matches("y", y, expected_y, *OUTPUT_CONTRACTS[algorithm, dtype_of(case)])
-    assert_matches("state", state, expected_state, *STATE_CONTRACTS[algorithm])
+    properties.assert_matches_oracle(case, y, state, algorithm)

@@ -26,6 +26,7 @@ from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches  # noqa:
 from mlx_gated_delta.testing.properties import (  # noqa: E402
     ORACLE_OUTPUT_CONTRACTS,
     ORACLE_STATE_CONTRACTS,
+    oracle_terms,
 )
 
 
@@ -187,9 +188,14 @@ def main(path):
         state = state.reshape(expected_state.shape)
         output_id, output_print = ORACLE_OUTPUT_CONTRACTS[algorithm, dtype]
         state_id, state_print = ORACLE_STATE_CONTRACTS[algorithm]
+        output_terms, state_terms = oracle_terms(case, algorithm)
         try:
-            error_y = assert_matches("y", y, expected_y, output_id, output_print)
-            error_state = assert_matches("state", state, expected_state, state_id, state_print)
+            error_y = assert_matches(
+                "y", y, expected_y, output_id, output_print, terms=output_terms
+            )
+            error_state = assert_matches(
+                "state", state, expected_state, state_id, state_print, terms=state_terms
+            )
             print(
                 f"{name:32s} y max_rel {error_y:.2e} (<= {CONTRACTS[output_id].threshold:g}), "
                 f"state max_rel {error_state:.2e} (<= {CONTRACTS[state_id].threshold:g})"
