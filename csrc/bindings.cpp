@@ -8,6 +8,8 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <atomic>
 #include <functional>
 #include <numeric>
 #include <stdexcept>
@@ -18,6 +20,7 @@
 #include "core/dispatch.h"
 #include "cpu/backward.h"
 #include "cpu/core.h"
+#include "cpu/thread_pool.h"
 #include "metal/library.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
@@ -533,6 +536,31 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "sentinel"_a,
       "Testing only: runs the CPU backward with sentinel words past each "
       "gradient and returns (gradients, tails), dicts by gradient name.");
+
+  // The CPU thread pool on its own: every kernel relies on parallel_for
+  // running each index exactly once, also while other streams call it.
+  m.def(
+      "run_cpu_parallel_for",
+      [](int count) {
+        std::vector<std::atomic<int>> calls(std::max(count, 0));
+        std::atomic<int> strays{0};
+        {
+          nb::gil_scoped_release release;
+          cpu::parallel_for(count, [&](int i) {
+            if (i >= 0 && i < count) {
+              calls[i].fetch_add(1);
+            } else {
+              strays.fetch_add(1);
+            }
+          });
+        }
+        std::vector<int> counts(calls.begin(), calls.end());
+        return nb::make_tuple(counts, strays.load());
+      },
+      "count"_a,
+      "Testing only: runs the CPU thread pool's parallel_for(count) with a "
+      "task that counts its calls, and returns (calls per index, calls with an "
+      "index outside [0, count)).");
 
   m.def(
       "trace_cpu_chunked_stages",
