@@ -10,6 +10,7 @@ longer run of the reliability notes used 50.
 
 import os
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +27,10 @@ ROUNDS = int(os.environ.get("MLX_GATED_DELTA_THREAD_ROUNDS", "3"))
 # below, at and above the thread counts of small machines.
 POOL_COUNTS = range(18)
 POOL_CALLERS = 4
+# Each task call of the concurrent test sleeps this long, so that one call
+# still holds the pool when another Python thread takes the GIL and calls in:
+# with instant tasks the calls seldom overlap.
+POOL_TASK_SLEEP_US = 20
 
 
 def workloads(index):
@@ -138,10 +143,10 @@ def test_the_stress_check_sees_a_wrong_result():
     assert not np.array_equal(a, b, equal_nan=True)
 
 
-def parallel_for_errors(count):
+def parallel_for_errors(count, task_sleep_us=0):
     """What is wrong with one parallel_for(count): indices that did not run
     exactly once, or calls outside [0, count). Empty when it is right."""
-    calls, strays = _ext.run_cpu_parallel_for(count)
+    calls, strays = _ext.run_cpu_parallel_for(count, task_sleep_us)
     errors = [f"index {i} ran {n} times" for i, n in enumerate(calls) if n != 1]
     if len(calls) != count:
         errors.append(f"{len(calls)} counters for {count} indices")
@@ -158,7 +163,7 @@ def test_parallel_for_runs_each_index_exactly_once():
 
 def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once():
     # MLX runs each stream's CPU work on a thread of its own, so the pool has
-    # concurrent callers; the binding releases the GIL, so these overlap.
+    # concurrent callers; the binding releases the GIL while the pool runs.
     failures, errors = [], []
     start = threading.Barrier(POOL_CALLERS)
 
@@ -167,17 +172,20 @@ def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once(
             start.wait()
             for round_ in range(10 * ROUNDS):
                 for count in POOL_COUNTS:
-                    wrong = parallel_for_errors(count)
+                    wrong = parallel_for_errors(count, POOL_TASK_SLEEP_US)
                     if wrong:
                         failures.append((index, round_, count, wrong))
         except Exception as error:  # noqa: BLE001 - reported below
             errors.append((index, repr(error)))
 
+    # A pool that deadlocks fails here within two minutes, though the process
+    # then cannot exit: its callers never return.
     threads = [threading.Thread(target=caller, args=(i,)) for i in range(POOL_CALLERS)]
     for thread in threads:
         thread.start()
+    deadline = time.monotonic() + 120
     for thread in threads:
-        thread.join(timeout=600)
-    assert not any(thread.is_alive() for thread in threads), "a thread hung"
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a thread hung in parallel_for"
     assert not errors, errors
     assert not failures, f"(thread, round, count, errors): {failures[:10]}"
