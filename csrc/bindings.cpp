@@ -8,9 +8,13 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <functional>
 #include <numeric>
 #include <stdexcept>
+#include <thread>
 #include <utility>
 
 #include "core/core_op.h"
@@ -18,6 +22,7 @@
 #include "core/dispatch.h"
 #include "cpu/backward.h"
 #include "cpu/core.h"
+#include "cpu/thread_pool.h"
 #include "metal/library.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
@@ -533,6 +538,38 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "sentinel"_a,
       "Testing only: runs the CPU backward with sentinel words past each "
       "gradient and returns (gradients, tails), dicts by gradient name.");
+
+  // The CPU thread pool on its own: every kernel relies on parallel_for
+  // running each index exactly once, also while other streams call it. A
+  // task that sleeps keeps the pool busy long enough for callers from
+  // several Python threads to overlap.
+  m.def(
+      "run_cpu_parallel_for",
+      [](int count, int task_sleep_us) {
+        std::vector<std::atomic<int>> calls(std::max(count, 0));
+        std::atomic<int> strays{0};
+        {
+          nb::gil_scoped_release release;
+          cpu::parallel_for(count, [&](int i) {
+            if (i >= 0 && i < count) {
+              calls[i].fetch_add(1);
+            } else {
+              strays.fetch_add(1);
+            }
+            if (task_sleep_us > 0) {
+              std::this_thread::sleep_for(
+                  std::chrono::microseconds(task_sleep_us));
+            }
+          });
+        }
+        std::vector<int> counts(calls.begin(), calls.end());
+        return nb::make_tuple(counts, strays.load());
+      },
+      "count"_a,
+      "task_sleep_us"_a = 0,
+      "Testing only: runs the CPU thread pool's parallel_for(count) with a "
+      "task that counts its calls (then sleeps task_sleep_us), and returns "
+      "(calls per index, calls with an index outside [0, count)).");
 
   m.def(
       "trace_cpu_chunked_stages",

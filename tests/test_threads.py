@@ -1,6 +1,8 @@
 """Thread stress: Python threads, each on its own stream, mixing prefill,
 token-by-token decode and the fused segment; every result must be bitwise
-the result of the same call run serially on the default stream.
+the result of the same call run serially on the default stream. Below, the
+CPU thread pool on its own: parallel_for runs each index exactly once, from
+one caller and from several at once.
 
 MLX_GATED_DELTA_THREAD_ROUNDS sets the rounds per thread (default 3); the
 longer run of the reliability notes used 50.
@@ -8,16 +10,27 @@ longer run of the reliability notes used 50.
 
 import os
 import threading
+import time
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_gated_delta import gated_delta_rule, gated_delta_segment
+from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_segment
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 from mlx_gated_delta.testing.strategies import make_core_case
 
 THREADS = 8
 ROUNDS = int(os.environ.get("MLX_GATED_DELTA_THREAD_ROUNDS", "3"))
+# parallel_for runs a count of 0 not at all, 1 on the caller alone, and more
+# on the caller and every worker, each taking the next free index. Its thread
+# count is the machine's (no parameter); 0 to 17 covers each path and counts
+# below, at and above the thread counts of small machines.
+POOL_COUNTS = range(18)
+POOL_CALLERS = 4
+# Each task call of the concurrent test sleeps this long, so that one call
+# still holds the pool when another Python thread takes the GIL and calls in:
+# with instant tasks the calls seldom overlap.
+POOL_TASK_SLEEP_US = 20
 
 
 def workloads(index):
@@ -128,3 +141,51 @@ def test_the_stress_check_sees_a_wrong_result():
     b = a.copy()
     b.flat[np.argmax(np.abs(b))] = np.nextafter(b.flat[np.argmax(np.abs(b))], np.inf)
     assert not np.array_equal(a, b, equal_nan=True)
+
+
+def parallel_for_errors(count, task_sleep_us=0):
+    """What is wrong with one parallel_for(count): indices that did not run
+    exactly once, or calls outside [0, count). Empty when it is right."""
+    calls, strays = _ext.run_cpu_parallel_for(count, task_sleep_us)
+    errors = [f"index {i} ran {n} times" for i, n in enumerate(calls) if n != 1]
+    if len(calls) != count:
+        errors.append(f"{len(calls)} counters for {count} indices")
+    if strays:
+        errors.append(f"{strays} calls outside [0, {count})")
+    return errors
+
+
+def test_parallel_for_runs_each_index_exactly_once():
+    for count in POOL_COUNTS:
+        errors = parallel_for_errors(count)
+        assert not errors, (count, errors)
+
+
+def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once():
+    # MLX runs each stream's CPU work on a thread of its own, so the pool has
+    # concurrent callers; the binding releases the GIL while the pool runs.
+    failures, errors = [], []
+    start = threading.Barrier(POOL_CALLERS)
+
+    def caller(index):
+        try:
+            start.wait()
+            for round_ in range(10 * ROUNDS):
+                for count in POOL_COUNTS:
+                    wrong = parallel_for_errors(count, POOL_TASK_SLEEP_US)
+                    if wrong:
+                        failures.append((index, round_, count, wrong))
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append((index, repr(error)))
+
+    # A pool that deadlocks fails here within two minutes, though the process
+    # then cannot exit: its callers never return.
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(POOL_CALLERS)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 120
+    for thread in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    assert not any(thread.is_alive() for thread in threads), "a thread hung in parallel_for"
+    assert not errors, errors
+    assert not failures, f"(thread, round, count, errors): {failures[:10]}"
