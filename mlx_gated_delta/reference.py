@@ -814,6 +814,55 @@ def gated_delta_segment_reference(
     Returns `(out [B,T,Hv,Dv], conv_state [B,K-1,C], state [B,Hv,Dv,Dk])` as
     float64 arrays.
     """
+    core = segment_core_inputs(
+        mixed_qkvzba,
+        conv_weight,
+        decay_parameter,
+        dt_bias,
+        conv_state,
+        key_heads=key_heads,
+        value_heads=value_heads,
+        key_dim=key_dim,
+        value_dim=value_dim,
+        decay_parameterization=decay_parameterization,
+        head_mapping=head_mapping,
+        mask=mask,
+    )
+    y, state = gated_delta_rule_reference(*core.arrays, state, **core.options)
+    active = core.options["mask"]
+    new_window = collect_conv_state(core.x, core.window, active, core.layout)
+    out = gated_norm(y, core.x, norm_weight, active, core.layout, norm_eps)
+    return out, new_window, state
+
+
+class SegmentCore:
+    """What the segment's recurrence sees: q, k, v, g, beta (`arrays`, float64,
+    the layout of `gated_delta_rule_reference`), its keyword `options` (the
+    mask as a bool array), and the packed input, conv window and layout they
+    came from."""
+
+    def __init__(self, arrays, options, x, window, layout):
+        self.arrays, self.options = arrays, options
+        self.x, self.window, self.layout = x, window, layout
+
+
+def segment_core_inputs(
+    mixed_qkvzba,
+    conv_weight,
+    decay_parameter,
+    dt_bias,
+    conv_state=None,
+    *,
+    key_heads,
+    value_heads,
+    key_dim,
+    value_dim,
+    decay_parameterization="log_rate",
+    head_mapping="grouped",
+    mask=None,
+):
+    """The segment's stages before the recurrence (prepare_conv and
+    prepare_gates) in float64: a `SegmentCore`."""
     x = to_float64(mixed_qkvzba)
     batch, tokens, width = x.shape
     layout = SegmentLayout(key_heads, value_heads, key_dim, value_dim)
@@ -828,25 +877,12 @@ def gated_delta_segment_reference(
     active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
 
     qkv = prepare_conv(x, weight, window, active, layout)
-    new_window = collect_conv_state(x, window, active, layout)
     g, beta = prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization)
     q = qkv[..., : layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
     k = qkv[..., layout.qk_width : 2 * layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
     v = qkv[..., 2 * layout.qk_width :].reshape(batch, tokens, value_heads, value_dim)
-    y, state = gated_delta_rule_reference(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        state,
-        scale=key_dim**-0.5,
-        head_mapping=head_mapping,
-        mask=active,
-        normalize_qk=True,
-    )
-    out = gated_norm(y, x, norm_weight, active, layout, norm_eps)
-    return out, new_window, state
+    options = dict(scale=key_dim**-0.5, head_mapping=head_mapping, mask=active, normalize_qk=True)
+    return SegmentCore((q, k, v, g, beta), options, x, window, layout)
 
 
 class SegmentLayout:

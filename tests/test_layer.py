@@ -24,12 +24,15 @@ from mlx_gated_delta.testing import layer_properties, segment_properties  # noqa
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import *  # noqa: E402,F401,F403
 from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
+from mlx_gated_delta.testing.segment_cases import segment_out_terms  # noqa: E402
 
 FINGERPRINTS = {**layer_properties.FINGERPRINTS, **segment_properties.FINGERPRINTS}
 
 
-def check(name, actual, expected, contract_id):
-    return assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
+def check(name, actual, expected, contract_id, terms=None):
+    return assert_matches(
+        name, actual, expected, contract_id, FINGERPRINTS[contract_id], terms=terms
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -62,9 +65,21 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
         key_dim=16,
         value_dim=8,
     )
-    # mlx-lm's layer is a float32 computation of the same math: within the
-    # float32 contract of the exact result.
-    check("out", expected, out, "segment.oracle.v2.float32.output")
+    # mlx-lm's layer is a float32 computation of the same math, token by
+    # token: within the float32 contract of the exact result.
+    terms = segment_out_terms(
+        packed,
+        stock.conv1d.weight,
+        stock.A_log,
+        stock.dt_bias,
+        stock.norm.weight,
+        algorithm="recurrent",
+        key_heads=2,
+        value_heads=4,
+        key_dim=16,
+        value_dim=8,
+    )
+    check("out", expected, out, "segment.oracle.v3.float32.output", terms)
 
 
 # ---------------------------------------------------------------------------

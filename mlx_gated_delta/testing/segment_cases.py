@@ -15,9 +15,16 @@ import mlx.core as mx
 import numpy as np
 from hypothesis import strategies as st
 
-from mlx_gated_delta.reference import gated_delta_segment_reference
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference,
+    gated_delta_segment_reference,
+    segment_core_inputs,
+    to_float64,
+)
+from mlx_gated_delta.testing.contracts import term_magnitudes
 from mlx_gated_delta.testing.strategies import (
     BOUNDARY_TOKENS,
+    CHUNK,
     DTYPES,
     MASK_KINDS,
     WIPE_KINDS,
@@ -35,6 +42,8 @@ SEGMENT_DECAY_KINDS = ("model", "mild", "severe", "mixed")
 # scale of y, but it sums y^2 in float32, so "huge" keeps y^2 summed over a
 # head (|y| about 1e16) below float32's largest value (3.4e38).
 SEGMENT_STATE_SCALES = {"unit": 0.5, "tiny": 1e-30, "huge": 1e15}
+# The gated norm's epsilon, the segment's default (docs/contract.md).
+NORM_EPS = 1e-6
 
 
 @dataclass(repr=False)
@@ -67,9 +76,53 @@ class SegmentCase:
         """The oracle's (out, conv_state, state) on exactly these numbers."""
         return gated_delta_segment_reference(*self.args(), **self.options)
 
+    def out_terms(self, algorithm, call_starts=(0,)):
+        """`segment_out_terms` of this case."""
+        return segment_out_terms(
+            *self.args(), algorithm=algorithm, call_starts=call_starts, **self.options
+        )
+
     def __repr__(self):
         arguments = ", ".join(f"{name}={value!r}" for name, value in self.recipe.items())
         return f"make_segment_case({arguments})"
+
+
+def segment_out_terms(
+    mixed,
+    conv_weight,
+    decay_parameter,
+    dt_bias,
+    norm_weight,
+    conv_state=None,
+    state=None,
+    *,
+    algorithm,
+    call_starts=(0,),
+    **options,
+):
+    """The `terms` of `algorithm`'s segment contracts for out, `[B, T, Hv,
+    Dv]`, for a segment call (the arguments and options of
+    `gated_delta_segment_reference`) run in calls starting at `call_starts`.
+
+    out = rms_norm(y) norm_weight silu(z) per token and value head. An error
+    of y within the core's contract (against y's terms,
+    `contracts.term_magnitudes`) moves out_i by at most
+    |norm_weight silu(z)|_i (1 + |y_i| / r) max|dy| / r, r = rms(y): where y
+    cancels (a token whose q and the state nearly miss each other), the norm
+    scales its error up with it (docs/numerics.md)."""
+    core = segment_core_inputs(mixed, conv_weight, decay_parameter, dt_bias, conv_state, **options)
+    y_terms, _ = term_magnitudes(
+        *core.arrays,
+        state,
+        chunk_size=1 if algorithm == "recurrent" else CHUNK,
+        call_starts=call_starts,
+        **core.options,
+    )
+    y, _ = gated_delta_rule_reference(*core.arrays, state, **core.options)
+    rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + NORM_EPS)
+    z = core.x[..., core.layout.z_offset : core.layout.b_offset].reshape(y.shape)
+    gate = np.abs(to_float64(norm_weight) * z / (1.0 + np.exp(-z)))
+    return gate * (1.0 + np.abs(y) / rms) * y_terms / rms
 
 
 def make_segment_case(

@@ -14,7 +14,11 @@ from hypothesis import strategies as st
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
+from mlx_gated_delta.testing.segment_cases import (
+    make_segment_case,
+    segment_cases,
+    segment_out_terms,
+)
 
 # The same reviewed (id, fingerprint) pairs as the CPU op is held to.
 from mlx_gated_delta.testing.segment_properties import FINGERPRINTS
@@ -22,8 +26,10 @@ from mlx_gated_delta.testing.segment_properties import FINGERPRINTS
 SEGMENT_STAGES = ("prepare_conv", "prepare_gates", "collect_conv_state", "gated_norm")
 
 
-def check(name, actual, expected, contract_id):
-    return assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
+def check(name, actual, expected, contract_id, terms=None):
+    return assert_matches(
+        name, actual, expected, contract_id, FINGERPRINTS[contract_id], terms=terms
+    )
 
 
 def emulate(case, algorithm, **overrides):
@@ -31,10 +37,11 @@ def emulate(case, algorithm, **overrides):
     return metal_emulated.run_segment(*case.args(), algorithm=algorithm, **options)
 
 
-def check_against_oracle(case, out, conv_state, state):
+def check_against_oracle(case, out, conv_state, state, algorithm):
     expected_out, expected_conv_state, expected_state = case.reference()
     dtype = case.recipe["dtype"]
-    check("out", out, expected_out, f"segment.oracle.v2.{dtype}.output")
+    terms = case.out_terms(algorithm)
+    check("out", out, expected_out, f"segment.oracle.v3.{dtype}.output", terms)
     check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
     check("state", state, expected_state, "segment.oracle.v2.float32.state")
 
@@ -107,7 +114,7 @@ def test_segment_matches_the_float64_oracle(recipe, algorithm):
     # The core runs on the conv's float32 output with q, k normalized.
     core_kernels = [k for k in info["kernels"] if "segment_" not in k]
     assert all(k.endswith("float32") for k in core_kernels if "gate_cumsum" not in k)
-    check_against_oracle(case, out, conv_state, state)
+    check_against_oracle(case, out, conv_state, state, algorithm)
 
 
 # The CPU op's Hypothesis strategy over the emulated kernels, on a small
@@ -119,7 +126,7 @@ def test_segment_matches_the_float64_oracle(recipe, algorithm):
 )
 def test_drawn_cases_match_the_float64_oracle(case, algorithm):
     out, conv_state, state, _ = emulate(case, algorithm)
-    check_against_oracle(case, out, conv_state, state)
+    check_against_oracle(case, out, conv_state, state, algorithm)
 
 
 def split_runs(case, points, algorithm):
@@ -184,7 +191,8 @@ def test_chunked_split_continuity():
     )
     whole = metal_emulated.gated_delta_segment(*case.args(), algorithm="chunked", **case.options)
     parts = split_runs(case, (30, 64), "chunked")
-    check("out", parts[0], whole[0], "segment.chunked_split.v2.float32.output")
+    terms = np.maximum(case.out_terms("chunked"), case.out_terms("chunked", (0, 30, 64)))
+    check("out", parts[0], whole[0], "segment.chunked_split.v3.float32.output", terms)
     check("conv_state", parts[1], whole[1], "segment.recurrent_split.v1.any.conv_state")
     check("state", parts[2], whole[2], "segment.chunked_split.v2.float32.state")
 
@@ -216,7 +224,21 @@ def test_a_masked_token_is_an_omitted_token():
             row(case.state),
             **dict(case.options, mask=None),
         )
-        check("kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v2.float32.output")
+        out_terms = segment_out_terms(
+            row(case.mixed),
+            *case.args()[1:5],
+            row(case.conv_state),
+            row(case.state),
+            algorithm="recurrent",
+            **dict(case.options, mask=mask[b : b + 1]),
+        )[:, kept]
+        check(
+            "kept out",
+            out[b : b + 1, kept],
+            expected[0],
+            "segment.oracle.v3.float32.output",
+            out_terms,
+        )
         check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
         check("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
 

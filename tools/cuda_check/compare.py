@@ -32,11 +32,12 @@ from mlx_gated_delta.testing.properties import (  # noqa: E402
 
 def compare_segment(name, results):
     """Checks one segment case; returns a line to print."""
-    _, case = make_case(name)
+    algorithm, case = make_case(name)
     dtype = case.recipe["dtype"]
     expected = dict(zip(("out", "conv_state_out", "state_out"), case.reference()))
+    terms = {"out": case.out_terms(algorithm)}
     contracts = {
-        "out": f"segment.oracle.v2.{dtype}.output",
+        "out": f"segment.oracle.v3.{dtype}.output",
         "conv_state_out": "segment.oracle.v1.any.conv_state",
         "state_out": "segment.oracle.v2.float32.state",
     }
@@ -49,7 +50,12 @@ def compare_segment(name, results):
             actual = metal_emulated._activation_values(raw, dtype)
         actual = actual.reshape(expected[buffer].shape)
         error = assert_matches(
-            buffer, actual, expected[buffer], contract_id, CONTRACTS[contract_id].fingerprint
+            buffer,
+            actual,
+            expected[buffer],
+            contract_id,
+            CONTRACTS[contract_id].fingerprint,
+            terms=terms.get(buffer),
         )
         errors.append(f"{buffer} {error:.2e} (<= {CONTRACTS[contract_id].threshold:g})")
     return f"{name:36s} " + ", ".join(errors)
