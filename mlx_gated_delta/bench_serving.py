@@ -96,7 +96,7 @@ def op_rows(dtype, repeats: int) -> list:
 def model_rows(repeats: int) -> list:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_gated_delta.demo import demo_config, speculative_models
+    from mlx_gated_delta.models import demo_config, speculative_models
 
     target, _ = speculative_models(0, target_layers=12, draft_layers=4, damping=0.05)
     prompt = mx.random.randint(0, demo_config().vocab_size, (1, 64), key=mx.random.key(0))
@@ -133,12 +133,10 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_gated_delta import patch_mlx_lm
     from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
-    from mlx_gated_delta.demo import build_model, demo_config
+    from mlx_gated_delta.models import demo_config, patched_model
 
-    model = build_model(0, 4)
-    patch_mlx_lm(model)
+    model = patched_model(0, 4)
     vocab = demo_config().vocab_size
     turn1 = mx.random.randint(0, vocab, (prompt_tokens,), key=mx.random.key(2))
     user2 = mx.random.randint(0, vocab, (8 + 64,), key=mx.random.key(3))
