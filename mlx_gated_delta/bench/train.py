@@ -47,15 +47,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .bench import (
-    PEERS_MAX_T_UNLESS_FULL,
-    best_rooflines,
-    cpu_model,
-    git_commit,
-    load_average,
-    measure_rooflines,
-)
-from .ops import gated_delta_update
+from ..ops import gated_delta_update
+from .machine import best_rooflines, cpu_model, git_commit, load_average, measure_rooflines
+from .op import PEERS_MAX_T_UNLESS_FULL
 
 SHAPE = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
 TOKENS = (512, 2048, 8192)
@@ -263,8 +257,8 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
 def _layers(dtype):
     from mlx_lm.models import qwen3_next
 
-    from .bench_layer import QWEN3_NEXT_LAYER
-    from .nn import GatedDeltaNet
+    from ..nn import GatedDeltaNet
+    from .layer import QWEN3_NEXT_LAYER
 
     mx.random.seed(0)
     stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
@@ -286,7 +280,7 @@ def layer_step(layer):
 
 
 def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
-    from .bench_layer import QWEN3_NEXT_LAYER
+    from .layer import QWEN3_NEXT_LAYER
 
     patched, stock = _layers(mx.bfloat16)
     rows = []
@@ -347,7 +341,7 @@ def report_text(record: dict) -> str:
         f"FLOPs over its median time, against NumPy's float32 GEMM ({gemm / 1e9:.0f} GFLOP/s, "
         f"{record['roofline']['gemm']['n']}^3, the better of before and after the rows)",
         "peak: MLX's peak over the step; + scratch: with what the backward allocates "
-        "outside MLX (bench_train.backward_scratch_bytes); io: the step's inputs, outputs and "
+        "outside MLX (bench.train.backward_scratch_bytes); io: the step's inputs, outputs and "
         "gradients",
         f"{'T':>5}  {'backward ms':>12}{'GFLOP':>9}{'GFLOP/s':>9}{'of GEMM':>9}"
         f"{'peak MiB':>10}{'+ scratch':>11}{'io MiB':>8}{'(peak+scratch)/io':>19}",

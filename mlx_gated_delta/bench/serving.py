@@ -1,6 +1,6 @@
 """Serving benchmark: what a speculative verify step costs.
 
-    python -m mlx_gated_delta.bench_serving [--repeats N] [--dtype bfloat16]
+    python -m mlx_gated_delta.bench.serving [--repeats N] [--dtype bfloat16]
 
 For k = 1..8 draft tokens, on a Qwen3-Next linear-attention layer's shape
 (B=1, Hk=16, Hv=32, Dk=Dv=128; `gated_delta_rule` with normalize_qk), the
@@ -178,7 +178,7 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_gated_delta.bench_serving",
+        prog="python -m mlx_gated_delta.bench.serving",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

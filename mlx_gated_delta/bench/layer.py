@@ -9,7 +9,7 @@ their calls are interleaved and each time is the median of the repeats after
 a warm-up call. mlx-lm's layer is slow here (its projections go through MLX's
 CPU matmul, its recurrence through MLX ops), so prefill rows use few repeats.
 
-    python -m mlx_gated_delta.bench_layer [--quick]
+    python -m mlx_gated_delta.bench.layer [--quick]
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def shapes(quick: bool):
 def _layers(dtype):
     from mlx_lm.models import qwen3_next
 
-    from .nn import GatedDeltaNet
+    from ..nn import GatedDeltaNet
 
     mx.random.seed(0)
     stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
