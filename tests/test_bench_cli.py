@@ -96,6 +96,46 @@ def test_repeats_fit_the_budget_and_never_drop_below_one():
     assert timing.repeats_within(budget, warm_up_seconds=4.0) == 1
 
 
+def test_timed_calls_take_turns_each_with_its_arguments_prepared_before_it():
+    runs, rounds = [], []
+    prepared = iter(range(100))
+
+    def call(name):
+        return lambda argument: runs.append((name, argument))
+
+    times = timing.time_rounds(
+        {"a": call("a"), "b": call("b")},
+        {"a": 3, "b": 1},
+        prepare=lambda: (next(prepared),),
+        on_round=lambda i, n: rounds.append((i, n)),
+    )
+    # The warm-ups, then round 1 of both, then a alone.
+    assert runs == [("a", 0), ("b", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5)]
+    assert rounds == [(0, 3), (1, 3), (2, 3)]
+    assert [len(times["a"]), len(times["b"])] == [3, 1]
+    assert all(t >= 0 for t in times["a"] + times["b"])
+
+
+def test_a_timed_call_that_fails_is_dropped_and_the_others_go_on():
+    runs = []
+
+    def breaks_on_its_second_run():
+        runs.append("breaks")
+        if len(runs) == 2:
+            raise RuntimeError("second run")
+
+    calls = {"ok": lambda: None, "breaks": breaks_on_its_second_run}
+    errors = []
+    times = timing.time_rounds(
+        calls, 3, warm_up=False, on_error=lambda name, error: errors.append((name, str(error)))
+    )
+    assert len(times["ok"]) == 3 and len(times["breaks"]) == 1 and len(runs) == 2
+    assert errors == [("breaks", "second run")]
+    runs.clear()
+    with pytest.raises(RuntimeError, match="second run"):  # without on_error
+        timing.time_rounds(calls, 3, warm_up=False)
+
+
 def test_the_higher_roofline_measurement_is_the_one_used():
     slow = {"copy": {"bytes_per_s": 10e9}, "gemm": {"flop_per_s": 300e9}}
     fast = {"copy": {"bytes_per_s": 25e9}, "gemm": {"flop_per_s": 100e9}}

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
 
 import mlx.core as mx
+
+from .timing import time_rounds
 
 QWEN3_NEXT_LAYER = SimpleNamespace(
     hidden_size=2048,
@@ -93,13 +95,6 @@ def _inputs(dtype, batch, tokens):
     return x, fresh_cache
 
 
-def _time_call(layer, x, fresh_cache) -> float:
-    cache = fresh_cache()
-    start = time.perf_counter()
-    mx.eval(layer(x, cache=cache), cache[0], cache[1])
-    return time.perf_counter() - start
-
-
 def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[dict]:
     """One row per shape: name, shape, ours_ms, mlx_lm_ms, speedup (and the
     dtype, B, T and repeats)."""
@@ -113,12 +108,16 @@ def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[d
         if progress is not None:
             progress(f"layer {label}")
         x, fresh_cache = _inputs(dtype, batch, tokens)
-        times = {"ours": [], "mlx-lm": []}
-        for _name, layer in (("ours", ours), ("mlx-lm", stock)):
-            _time_call(layer, x, fresh_cache)  # warm-up
-        for _ in range(repeats):
-            times["ours"].append(_time_call(ours, x, fresh_cache))
-            times["mlx-lm"].append(_time_call(stock, x, fresh_cache))
+
+        def call(layer, cache):
+            mx.eval(layer(x, cache=cache), cache[0], cache[1])
+
+        # Each call starts from a fresh cache, made before its clock starts.
+        times = time_rounds(
+            {"ours": partial(call, ours), "mlx-lm": partial(call, stock)},
+            repeats,
+            prepare=lambda: (fresh_cache(),),
+        )
         ours_ms = statistics.median(times["ours"]) * 1e3
         stock_ms = statistics.median(times["mlx-lm"]) * 1e3
         rows.append(

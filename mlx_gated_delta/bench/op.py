@@ -35,7 +35,7 @@ import numpy as np
 
 from .machine import MiB, available_memory_bytes
 from .shapes import DTYPES, Shape, io_bytes, state_bytes, state_traffic_bytes, work_flop
-from .timing import Budget, Progress, repeats_within
+from .timing import Budget, Progress, repeats_within, time_rounds
 
 IMPLEMENTATIONS = ("mlx_core", "mlx_lm", "recurrent", "chunked", "auto")
 
@@ -195,14 +195,6 @@ def warm_up(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> dict:
     }
 
 
-def timed_call(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> float:
-    """Seconds to build the graph of one call and evaluate it."""
-    state = x.take_state()
-    start = time.perf_counter()
-    mx.eval(call(x, state))
-    return time.perf_counter() - start
-
-
 def relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
     """max |actual - expected| / max |expected|: how far two implementations' outputs are."""
     scale = float(np.max(np.abs(expected))) or 1.0
@@ -248,24 +240,21 @@ def benchmark_row(
                 row["results"][name] = {"status": "ok", "times_s": [], **first}
         progress.advance()
 
-    # Repeats go round-robin over the implementations, so that a neighbour's burst of load
-    # falls on all of them alike rather than on whichever happened to run then.
-    rounds = max(repeats.values(), default=0)
-    for round_index in range(rounds):
-        progress(f"{s.short_label} timed round {round_index + 1}/{rounds}")
-        for name, call in calls.items():
-            result = row["results"][name]
-            if result["status"] != "ok" or len(result["times_s"]) >= repeats[name]:
-                continue
-            try:
-                result["times_s"].append(timed_call(call, x))
-            except Exception as error:
-                row["results"][name] = {
-                    "status": "error",
-                    "error": f"{type(error).__name__}: {error}",
-                }
-    for result in row["results"].values():
+    def failed(name: str, error: Exception) -> None:
+        row["results"][name] = {"status": "error", "error": f"{type(error).__name__}: {error}"}
+
+    # A timed call builds the graph of one call and evaluates it, on the next rotated state.
+    times = time_rounds(
+        {name: lambda state, call=call: mx.eval(call(x, state)) for name, call in calls.items()},
+        repeats,
+        warm_up=False,  # warm_up above ran each call once
+        prepare=lambda: (x.take_state(),),
+        on_round=lambda i, rounds: progress(f"{s.short_label} timed round {i + 1}/{rounds}"),
+        on_error=failed,
+    )
+    for name, result in row["results"].items():
         if result["status"] == "ok":
+            result["times_s"] = times[name]
             result["median_s"] = statistics.median(result["times_s"])
     progress.advance()
 

@@ -27,25 +27,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
 
 from mlx_gated_delta import gated_delta_rule
 
+from .timing import median_seconds, time_rounds
+
 SHAPE = dict(B=1, Hk=16, Hv=32, Dk=128, Dv=128)
 DRAFTS = range(1, 9)
 
 
 def median_ms(run: Callable[[], object], repeats: int) -> float:
-    mx.eval(run())  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(run())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(lambda: mx.eval(run()), repeats)
 
 
 def op_rows(dtype, repeats: int) -> list:
@@ -122,11 +117,9 @@ def model_rows(repeats: int) -> list:
     return rows
 
 
-def first_token_ms(model, cache, prompt) -> float:
-    start = time.perf_counter()
+def first_token(model, cache, prompt) -> None:
     logits = model(prompt, cache=cache)
     mx.eval(mx.argmax(logits[:, -1], axis=-1))
-    return 1e3 * (time.perf_counter() - start)
 
 
 def chat_rows(prompt_tokens: int, repeats: int) -> dict:
@@ -153,22 +146,34 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
             pass
         return cache
 
-    fresh, reused, prefixes = [], [], []
-    first_token_ms(model, make_prompt_cache(model), turn2[:, :16])  # warm-up
-    for _ in range(repeats):
-        fresh.append(first_token_ms(model, make_prompt_cache(model), turn2))
-        cache = turn1_cache(snapshots=True)
-        start = time.perf_counter()
+    prefixes = []
+
+    def fresh(cache):
+        first_token(model, cache, turn2)
+
+    def reused(cache):
         prefix = reusable_prefix(cache, common)
         restore_prefix(cache, prefix)
-        restore_ms = 1e3 * (time.perf_counter() - start)
-        reused.append(restore_ms + first_token_ms(model, cache, turn2[:, prefix:]))
+        first_token(model, cache, turn2[:, prefix:])
         prefixes.append(prefix)
+
+    # A short warm-up: a whole one would prefill turn 1 again. Each timed run gets its cache
+    # before its clock starts: an empty one, or turn 1's with its snapshots.
+    first_token(model, make_prompt_cache(model), turn2[:, :16])
+    times = time_rounds(
+        {"fresh": fresh, "reused": reused},
+        repeats,
+        warm_up=False,
+        prepare={
+            "fresh": lambda: (make_prompt_cache(model),),
+            "reused": lambda: (turn1_cache(snapshots=True),),
+        },
+    )
     snapshot_bytes = sum(c.nbytes for c in turn1_cache(snapshots=True))
     plain_bytes = sum(c.nbytes for c in turn1_cache(snapshots=False))
     return {
-        "fresh_ms": statistics.median(fresh),
-        "reused_ms": statistics.median(reused),
+        "fresh_ms": 1e3 * statistics.median(times["fresh"]),
+        "reused_ms": 1e3 * statistics.median(times["reused"]),
         "prefix": prefixes[0],
         "turn2_tokens": turn2.shape[1],
         "cache_mib": plain_bytes / 2**20,

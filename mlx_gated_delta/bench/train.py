@@ -39,9 +39,7 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
@@ -50,6 +48,7 @@ import numpy as np
 from ..ops import gated_delta_update
 from .machine import best_rooflines, cpu_model, git_commit, load_average, measure_rooflines
 from .op import PEERS_MAX_T_UNLESS_FULL
+from .timing import median_seconds
 
 SHAPE = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
 TOKENS = (512, 2048, 8192)
@@ -129,14 +128,11 @@ def measure(step, args, repeats: int, warm_up: bool = True):
     mx.clear_cache()
     if warm_up:
         mx.eval(step(*args))
-    times, peaks = [], []
-    for _ in range(repeats):
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        mx.eval(step(*args))
-        times.append(time.perf_counter() - start)
-        peaks.append(mx.get_peak_memory())
-    return statistics.median(times), max(peaks)
+    # Reset once, after the warm-up: the peak over the repeats is the largest
+    # of theirs, since nothing is allocated between them.
+    mx.reset_peak_memory()
+    seconds = median_seconds(lambda: mx.eval(step(*args)), repeats, warm_up=False)
+    return seconds, mx.get_peak_memory()
 
 
 def backward_product_flops(tokens: int, batch: int = 1, **shape) -> int:
