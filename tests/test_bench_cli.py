@@ -42,6 +42,29 @@ def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
     assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in rows} == {(1, 16, 32, 128, 128)}
 
 
+def test_the_default_rows_are_the_qwen3_next_shape_and_one_size_changed_from_it():
+    rows = shapes.benchmark_shapes(quick=False)
+    assert len(rows) == 17
+    assert {(s.Hk, s.Hv, s.Dk, s.Dv) for s in rows if s.family == "qwen3-next"} == {
+        (16, 32, 128, 128)
+    }
+    assert [s for s in rows if s.family != "qwen3-next"] == [
+        shapes.Shape("Dk=Dv=64", 1, 2048, Hk=16, Hv=32, Dk=64, Dv=64, dtype="float32"),
+        shapes.Shape("Dk=96", 1, 2048, Hk=16, Hv=32, Dk=96, Dv=128, dtype="float32"),
+        shapes.Shape("Hk=Hv", 1, 2048, Hk=32, Hv=32, Dk=128, Dv=128, dtype="float32"),
+    ]
+    assert shapes.QWEN3_NEXT.text() == "Hk=16 Hv=32 Dk=Dv=128"
+    assert vars(shapes.QWEN3_NEXT_LAYER) == dict(
+        hidden_size=2048,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+    )
+
+
 def test_kda_rows_are_kimi_linear_shapes_with_per_key_gates_counted_in_io():
     rows = shapes.kda_shapes(quick=True)
     assert sorted((s.dtype, s.T, s.per_key) for s in rows) == sorted(

@@ -22,17 +22,17 @@ def test_backward_flops_of_one_full_chunk():
     w_u = 2 * L * L * D + 2 * L * D * L
     kkt = 2 * L**3 + 2 * L * D * L
     one_head = boundary + chunk_qk + output + carry + w_u + kkt
-    assert train.backward_product_flops(64, value_heads=1) == one_head
+    assert train.backward_product_flops(64, Hv=1) == one_head
     assert train.backward_product_flops(64) == 32 * one_head
     assert train.backward_product_flops(64, batch=3) == 3 * 32 * one_head
 
 
 def test_backward_flops_add_the_exit_state_for_every_chunk_but_the_last():
     L, D = 64, 128
-    one, two = (train.backward_product_flops(t, value_heads=1) for t in (64, 128))
+    one, two = (train.backward_product_flops(t, Hv=1) for t in (64, 128))
     assert two == 2 * one + 2 * D * D * L
     # A short last chunk costs less than a full one.
-    assert one < train.backward_product_flops(65, value_heads=1) < two
+    assert one < train.backward_product_flops(65, Hv=1) < two
 
 
 def test_io_bytes_count_inputs_outputs_and_gradients():
@@ -90,6 +90,8 @@ def _record():
 
 def test_the_table_gives_speed_ups_the_fraction_of_gemm_and_skips():
     text = train.report_text(_record())
+    assert "Core op, Qwen3-Next shape (Hk=16, Hv=32, Dk=Dv=128, B=1)" in text
+    assert "Whole layer (Qwen3-Next GatedDeltaNet, hidden 2048, bf16)" in text
     assert "30.0x" in text  # mx.fast: 3000 ms against 100
     assert "skipped: T > 2048 needs --full" in text
     assert "50%" in text  # 100 GFLOP/s of a 200 GFLOP/s roofline

@@ -18,21 +18,11 @@ import argparse
 import statistics
 from collections.abc import Callable
 from functools import partial
-from types import SimpleNamespace
 
 import mlx.core as mx
 
+from .shapes import QWEN3_NEXT_LAYER
 from .timing import time_rounds
-
-QWEN3_NEXT_LAYER = SimpleNamespace(
-    hidden_size=2048,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-)
 
 DTYPE_NAMES = {mx.float32: "f32", mx.bfloat16: "bf16"}
 

@@ -33,9 +33,9 @@ import mlx.core as mx
 
 from mlx_gated_delta import gated_delta_rule
 
+from .shapes import QWEN3_NEXT
 from .timing import median_seconds, time_rounds
 
-SHAPE = dict(B=1, Hk=16, Hv=32, Dk=128, Dv=128)
 DRAFTS = range(1, 9)
 
 
@@ -44,7 +44,7 @@ def median_ms(run: Callable[[], object], repeats: int) -> float:
 
 
 def op_rows(dtype, repeats: int) -> list:
-    B, Hk, Hv, Dk, Dv = (SHAPE[key] for key in ("B", "Hk", "Hv", "Dk", "Dv"))
+    B, Hk, Hv, Dk, Dv = 1, QWEN3_NEXT.Hk, QWEN3_NEXT.Hv, QWEN3_NEXT.Dk, QWEN3_NEXT.Dv
     key = mx.random.key(0)
     k1, k2, k3, k4, k5 = mx.random.split(key, 5)
     T = max(DRAFTS)
@@ -200,7 +200,7 @@ def main(argv: list | None = None) -> int:
     dtype = getattr(mx, args.dtype)
 
     print(
-        f"gated_delta_rule, B=1 Hk=16 Hv=32 Dk=Dv=128 normalize_qk, {args.dtype}, "
+        f"gated_delta_rule, B=1 {QWEN3_NEXT.text()} normalize_qk, {args.dtype}, "
         f"{mx.default_device()}, medians of {args.repeats} runs (ms)"
     )
     print(

@@ -1,14 +1,46 @@
-"""The op benchmark's rows: their shapes, and what one call of a row must compute and move."""
+"""The shapes the benchmarks run: each model's heads written once, the op's rows
+built from them, and what one call of a row must compute and move."""
 
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import mlx.core as mx
 
-STATE_BYTES_PER_ELEMENT = 4  # the recurrent state is always float32
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
 SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
+STATE_BYTES_PER_ELEMENT = 4  # the recurrent state is always float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Heads:
+    """A linear-attention layer's heads: key and value heads, and their sizes."""
+
+    Hk: int
+    Hv: int
+    Dk: int
+    Dv: int
+
+    def text(self, separator: str = " ") -> str:
+        """``Hk=16 Hv=32 Dk=Dv=128``, the sizes as the reports write them."""
+        sizes = f"Dk=Dv={self.Dk}" if self.Dk == self.Dv else f"Dk={self.Dk}{separator}Dv={self.Dv}"
+        return separator.join([f"Hk={self.Hk}", f"Hv={self.Hv}", sizes])
+
+
+QWEN3_NEXT = Heads(Hk=16, Hv=32, Dk=128, Dv=128)
+KIMI_LINEAR = Heads(Hk=32, Hv=32, Dk=128, Dv=128)
+
+# Qwen3-Next's whole Gated DeltaNet layer, in the names of mlx-lm's model arguments.
+QWEN3_NEXT_LAYER = SimpleNamespace(
+    hidden_size=2048,
+    linear_num_key_heads=QWEN3_NEXT.Hk,
+    linear_num_value_heads=QWEN3_NEXT.Hv,
+    linear_key_head_dim=QWEN3_NEXT.Dk,
+    linear_value_head_dim=QWEN3_NEXT.Dv,
+    linear_conv_kernel_dim=4,
+    rms_norm_eps=1e-6,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,12 +96,12 @@ def io_bytes(s: Shape) -> int:
 
 
 def qwen3_next(B: int, T: int, dtype: str) -> Shape:
-    return Shape("qwen3-next", B, T, Hk=16, Hv=32, Dk=128, Dv=128, dtype=dtype)
+    return Shape("qwen3-next", B, T, **dataclasses.asdict(QWEN3_NEXT), dtype=dtype)
 
 
 def kimi_linear(B: int, T: int, dtype: str, per_key: bool) -> Shape:
     family = "kimi-linear-kda" if per_key else "kimi-linear-scalar"
-    return Shape(family, B, T, Hk=32, Hv=32, Dk=128, Dv=128, dtype=dtype, per_key=per_key)
+    return Shape(family, B, T, **dataclasses.asdict(KIMI_LINEAR), dtype=dtype, per_key=per_key)
 
 
 def kda_shapes(quick: bool) -> list[Shape]:
@@ -90,9 +122,11 @@ def benchmark_shapes(quick: bool) -> list[Shape]:
     shapes = [qwen3_next(B, 1, d) for d in dtypes for B in (1, 8)]
     shapes += [qwen3_next(1, T, d) for d in dtypes for T in (64, 512, 2048, 8192)]
     shapes += [qwen3_next(4, 512, d) for d in dtypes]
+    # One size changed at a time from the Qwen3-Next row at T=2048; the family names it.
+    base = qwen3_next(1, 2048, "float32")
     shapes += [
-        Shape("Dk=Dv=64", 1, 2048, Hk=16, Hv=32, Dk=64, Dv=64, dtype="float32"),
-        Shape("Dk=96", 1, 2048, Hk=16, Hv=32, Dk=96, Dv=128, dtype="float32"),
-        Shape("Hk=Hv", 1, 2048, Hk=32, Hv=32, Dk=128, Dv=128, dtype="float32"),
+        dataclasses.replace(base, family="Dk=Dv=64", Dk=64, Dv=64),
+        dataclasses.replace(base, family="Dk=96", Dk=96),
+        dataclasses.replace(base, family="Hk=Hv", Hk=base.Hv),
     ]
     return shapes
