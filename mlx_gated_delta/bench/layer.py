@@ -43,7 +43,9 @@ def shapes(quick: bool):
     return rows
 
 
-def _layers(dtype):
+def qwen3_next_layers(dtype):
+    """(ours, mlx-lm's stock layer) at the Qwen3-Next shape, holding the same
+    weights (drawn with seed 0), in ``dtype``."""
     from mlx_lm.models import qwen3_next
 
     from ..nn import GatedDeltaNet
@@ -92,7 +94,7 @@ def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[d
     layers = {}
     for dtype, batch, tokens, repeats in shapes(quick):
         if dtype not in layers:
-            layers = {dtype: _layers(dtype)}
+            layers = {dtype: qwen3_next_layers(dtype)}
         ours, stock = layers[dtype]
         label = f"{DTYPE_NAMES[dtype]} B={batch} T={tokens}"
         if progress is not None:

@@ -47,7 +47,15 @@ import mlx.core as mx
 import numpy as np
 
 from ..ops import gated_delta_update
-from .machine import best_rooflines, cpu_model, git_commit, load_average, measure_rooflines
+from .layer import qwen3_next_layers
+from .machine import (
+    available_memory_bytes,
+    best_rooflines,
+    cpu_model,
+    git_commit,
+    load_average,
+    measure_rooflines,
+)
 from .op import PEERS_MAX_T_UNLESS_FULL
 from .shapes import QWEN3_NEXT, QWEN3_NEXT_LAYER
 from .timing import median_seconds
@@ -188,16 +196,6 @@ def backward_scratch_bytes(tokens: int, threads: int) -> int:
     return per_head_grads + threads * (-(-tokens // CHUNK) * per_chunk + 2 * MiB)
 
 
-def available_memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def peer_skip_reason(tokens: int, full: bool) -> str | None:
     """Why a peer is not run at this length, or None to run it. A peer's
     backward holds about four float32 states per token, T Hv Dv Dk each (MLX
@@ -252,20 +250,6 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
     return rows
 
 
-def _layers(dtype):
-    from mlx_lm.models import qwen3_next
-
-    from ..nn import GatedDeltaNet
-
-    mx.random.seed(0)
-    stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
-    stock.set_dtype(dtype)
-    patched = GatedDeltaNet(QWEN3_NEXT_LAYER)
-    patched.update(stock.parameters())
-    mx.eval(stock.parameters())
-    return patched, stock
-
-
 def layer_step(layer):
     import mlx.nn as nn
 
@@ -277,7 +261,7 @@ def layer_step(layer):
 
 
 def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
-    patched, stock = _layers(mx.bfloat16)
+    patched, stock = qwen3_next_layers(mx.bfloat16)
     rows = []
     repeats = 3 if quick else 5
     for tokens in tokens_list:
