@@ -2,7 +2,7 @@
 
     python benchmarks/soak.py [--steps 100000] [--sample-every 1000]
 
-The demo's Qwen3-Next-shaped model (`mlx_gated_delta.demo`: three gated-delta
+The demo's Qwen3-Next-shaped model (`mlx_gated_delta.models`: three gated-delta
 layers, then one full-attention layer), patched with `patch_mlx_lm`, decodes
 one token per call through its cache, for `--steps` steps, from a fixed random
 token stream. MLX's active memory is sampled every `--sample-every` steps,
@@ -31,20 +31,13 @@ import time
 
 import mlx.core as mx
 
-from mlx_gated_delta import patch_mlx_lm
-from mlx_gated_delta.demo import build_model, demo_config
+from mlx_gated_delta.models import demo_config, patched_model
 from mlx_gated_delta.testing.contracts import assert_matches
 
 SELF_CONSISTENCY = (
     "layer.self_consistency.v2.float32.logits",
     "bf1dc95683ed3f1b553f16ca0db699a843503b691541bb12d7fde45296b4abd4",
 )
-
-
-def patched_model(seed, layers):
-    model = build_model(seed, layers)
-    patch_mlx_lm(model)
-    return model
 
 
 def soak(steps, sample_every, layers, seed, prefill_block):

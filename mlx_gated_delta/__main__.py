@@ -27,9 +27,9 @@ def run_demo(argv: list[str]) -> int:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    from . import bench
+    from .bench import cli
 
-    bench.run(args)
+    cli.run(args)
     return 0
 
 
@@ -136,7 +136,7 @@ def run_selftest(examples: int | None) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .bench import add_arguments as add_bench_arguments
+    from .bench.cli import add_arguments as add_bench_arguments
 
     parser = argparse.ArgumentParser(
         prog="python -m mlx_gated_delta",

@@ -1,25 +1,29 @@
 """The benchmark's formulas, tables and robustness, and the command line (no timings here)."""
 
+import ast
+import dataclasses
 import subprocess
 import sys
-import types
+from pathlib import Path
 
 import pytest
 
+import mlx_gated_delta
 from mlx_gated_delta import __main__ as cli
-from mlx_gated_delta import bench
+from mlx_gated_delta.bench import cli as bench_cli
+from mlx_gated_delta.bench import layer, machine, op, shapes, timing
 
-QWEN_DECODE = bench.qwen3_next(B=8, T=1, dtype="float32")
-QWEN_PREFILL_BF16 = bench.qwen3_next(B=1, T=2048, dtype="bfloat16")
+QWEN_DECODE = shapes.qwen3_next(B=8, T=1, dtype="float32")
+QWEN_PREFILL_BF16 = shapes.qwen3_next(B=1, T=2048, dtype="bfloat16")
 ROOFLINE = {"copy": {"bytes_per_s": 20e9}, "gemm": {"flop_per_s": 200e9}}
 
 
 def test_work_counts_eight_flop_per_state_element_and_token():
-    assert bench.work_flop(QWEN_PREFILL_BF16) == 8 * 1 * 2048 * 32 * 128 * 128
+    assert shapes.work_flop(QWEN_PREFILL_BF16) == 8 * 1 * 2048 * 32 * 128 * 128
 
 
 def test_state_traffic_reads_and_writes_the_float32_state_once():
-    assert bench.state_traffic_bytes(QWEN_DECODE) == 2 * 8 * 32 * 128 * 128 * 4
+    assert shapes.state_traffic_bytes(QWEN_DECODE) == 2 * 8 * 32 * 128 * 128 * 4
 
 
 def test_io_bytes_count_activations_at_their_dtype_and_gates_and_state_in_float32():
@@ -27,40 +31,63 @@ def test_io_bytes_count_activations_at_their_dtype_and_gates_and_state_in_float3
     activations = (2 * 2048 * 16 * 128 + 2 * 2048 * 32 * 128) * 2  # q, k, v, y in bf16
     gates = 2 * 2048 * 32 * 4  # g and beta
     state = 2 * 32 * 128 * 128 * 4  # read and written
-    assert bench.io_bytes(s) == activations + gates + state
+    assert shapes.io_bytes(s) == activations + gates + state
 
 
 def test_quick_mode_runs_the_qwen3_next_rows_up_to_2048_in_both_dtypes():
-    shapes = bench.benchmark_shapes(quick=True)
-    assert sorted((s.dtype, s.T) for s in shapes) == sorted(
+    rows = shapes.benchmark_shapes(quick=True)
+    assert sorted((s.dtype, s.T) for s in rows) == sorted(
         (d, T) for d in ("bfloat16", "float32") for T in (1, 64, 512, 2048)
     )
-    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 16, 32, 128, 128)}
+    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in rows} == {(1, 16, 32, 128, 128)}
+
+
+def test_the_default_rows_are_the_qwen3_next_shape_and_one_size_changed_from_it():
+    rows = shapes.benchmark_shapes(quick=False)
+    assert len(rows) == 17
+    assert {(s.Hk, s.Hv, s.Dk, s.Dv) for s in rows if s.family == "qwen3-next"} == {
+        (16, 32, 128, 128)
+    }
+    assert [s for s in rows if s.family != "qwen3-next"] == [
+        shapes.Shape("Dk=Dv=64", 1, 2048, Hk=16, Hv=32, Dk=64, Dv=64, dtype="float32"),
+        shapes.Shape("Dk=96", 1, 2048, Hk=16, Hv=32, Dk=96, Dv=128, dtype="float32"),
+        shapes.Shape("Hk=Hv", 1, 2048, Hk=32, Hv=32, Dk=128, Dv=128, dtype="float32"),
+    ]
+    assert shapes.QWEN3_NEXT.text() == "Hk=16 Hv=32 Dk=Dv=128"
+    assert vars(shapes.QWEN3_NEXT_LAYER) == dict(
+        hidden_size=2048,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+    )
 
 
 def test_kda_rows_are_kimi_linear_shapes_with_per_key_gates_counted_in_io():
-    shapes = bench.kda_shapes(quick=True)
-    assert sorted((s.dtype, s.T, s.per_key) for s in shapes) == sorted(
+    rows = shapes.kda_shapes(quick=True)
+    assert sorted((s.dtype, s.T, s.per_key) for s in rows) == sorted(
         (d, T, per_key) for d in ("bfloat16", "float32") for T in (1, 512) for per_key in (0, 1)
     )
-    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in shapes} == {(1, 32, 32, 128, 128)}
-    assert {s.family for s in shapes if s.per_key} == {"kimi-linear-kda"}
-    s = bench.kimi_linear(B=1, T=512, dtype="float32", per_key=True)
-    scalar = bench.kimi_linear(B=1, T=512, dtype="float32", per_key=False)
+    assert {(s.B, s.Hk, s.Hv, s.Dk, s.Dv) for s in rows} == {(1, 32, 32, 128, 128)}
+    assert {s.family for s in rows if s.per_key} == {"kimi-linear-kda"}
+    s = shapes.kimi_linear(B=1, T=512, dtype="float32", per_key=True)
+    scalar = shapes.kimi_linear(B=1, T=512, dtype="float32", per_key=False)
     # g is read per key channel: Dk - 1 more float32 values per token and head.
-    assert bench.io_bytes(s) - bench.io_bytes(scalar) == 512 * 32 * 127 * 4
+    assert shapes.io_bytes(s) - shapes.io_bytes(scalar) == 512 * 32 * 127 * 4
 
 
 def test_kda_inputs_give_every_implementation_the_same_per_key_problem():
     # A small per-key row run end to end: each implementation that runs
     # (mlx-lm's ops, ours; MLX core where it takes a vector gate) computes
     # the same y as the first, so the rows time one problem.
-    s = bench.Shape("kda-small", 1, 9, Hk=2, Hv=2, Dk=32, Dv=16, dtype="float32", per_key=True)
-    x = bench.make_inputs(s, state_count=1)
+    s = shapes.Shape("kda-small", 1, 9, Hk=2, Hv=2, Dk=32, Dv=16, dtype="float32", per_key=True)
+    x = op.make_inputs(s, state_count=1)
     assert x.g.shape == (1, 9, 2, 32) and x.gamma.shape == (1, 9, 2, 32)
-    budget = bench.Budget(seconds=0.01, max_repeats=1)
-    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
-    row = bench.benchmark_row(s, 0, False, budget, progress)
+    budget = timing.Budget(seconds=0.01, max_repeats=1)
+    progress = timing.Progress(total=len(op.IMPLEMENTATIONS) + 1)
+    row = op.benchmark_row(s, 0, False, budget, progress)
     ran = {n: r for n, r in row["results"].items() if r["status"] == "ok"}
     assert {"mlx_lm", "recurrent", "chunked", "auto"} <= set(ran)
     for result in ran.values():
@@ -68,40 +95,80 @@ def test_kda_inputs_give_every_implementation_the_same_per_key_problem():
 
 
 def test_peers_are_skipped_beyond_2048_tokens_unless_full():
-    long = bench.qwen3_next(B=1, T=8192, dtype="float32")
+    long = shapes.qwen3_next(B=1, T=8192, dtype="float32")
     plenty = 1 << 40
-    for peer in bench.PEERS:
-        assert "--full" in bench.skip_reason(peer, long, full=False, available=plenty)
-        assert bench.skip_reason(peer, long, full=True, available=plenty) is None
-    assert bench.skip_reason("auto", long, full=False, available=plenty) is None
+    for peer in op.PEERS:
+        assert "--full" in op.skip_reason(peer, long, full=False, available=plenty)
+        assert op.skip_reason(peer, long, full=True, available=plenty) is None
+    assert op.skip_reason("auto", long, full=False, available=plenty) is None
 
 
 def test_peers_are_skipped_when_their_per_token_states_would_not_fit_in_memory():
-    s = bench.qwen3_next(B=1, T=2048, dtype="bfloat16")
-    needed = bench.peer_memory_bytes(s)
+    s = shapes.qwen3_next(B=1, T=2048, dtype="bfloat16")
+    needed = op.peer_memory_bytes(s)
     assert needed == 2048 * 32 * 128 * 128 * 4
-    assert bench.skip_reason("mlx_core", s, full=True, available=2 * needed) is None
-    assert "GiB available" in bench.skip_reason("mlx_core", s, full=True, available=needed)
-    assert bench.skip_reason("chunked", s, full=True, available=needed) is None
+    assert op.skip_reason("mlx_core", s, full=True, available=2 * needed) is None
+    assert "GiB available" in op.skip_reason("mlx_core", s, full=True, available=needed)
+    assert op.skip_reason("chunked", s, full=True, available=needed) is None
 
 
 def test_repeats_fit_the_budget_and_never_drop_below_one():
-    budget = bench.Budget(seconds=1.0, max_repeats=5)
-    assert bench.repeats_within(budget, warm_up_seconds=0.3) == 3
-    assert bench.repeats_within(budget, warm_up_seconds=0.001) == 5
-    assert bench.repeats_within(budget, warm_up_seconds=4.0) == 1
+    budget = timing.Budget(seconds=1.0, max_repeats=5)
+    assert timing.repeats_within(budget, warm_up_seconds=0.3) == 3
+    assert timing.repeats_within(budget, warm_up_seconds=0.001) == 5
+    assert timing.repeats_within(budget, warm_up_seconds=4.0) == 1
+
+
+def test_timed_calls_take_turns_each_with_its_arguments_prepared_before_it():
+    runs, rounds = [], []
+    prepared = iter(range(100))
+
+    def call(name):
+        return lambda argument: runs.append((name, argument))
+
+    times = timing.time_rounds(
+        {"a": call("a"), "b": call("b")},
+        {"a": 3, "b": 1},
+        prepare=lambda: (next(prepared),),
+        on_round=lambda i, n: rounds.append((i, n)),
+    )
+    # The warm-ups, then round 1 of both, then a alone.
+    assert runs == [("a", 0), ("b", 1), ("a", 2), ("b", 3), ("a", 4), ("a", 5)]
+    assert rounds == [(0, 3), (1, 3), (2, 3)]
+    assert [len(times["a"]), len(times["b"])] == [3, 1]
+    assert all(t >= 0 for t in times["a"] + times["b"])
+
+
+def test_a_timed_call_that_fails_is_dropped_and_the_others_go_on():
+    runs = []
+
+    def breaks_on_its_second_run():
+        runs.append("breaks")
+        if len(runs) == 2:
+            raise RuntimeError("second run")
+
+    calls = {"ok": lambda: None, "breaks": breaks_on_its_second_run}
+    errors = []
+    times = timing.time_rounds(
+        calls, 3, warm_up=False, on_error=lambda name, error: errors.append((name, str(error)))
+    )
+    assert len(times["ok"]) == 3 and len(times["breaks"]) == 1 and len(runs) == 2
+    assert errors == [("breaks", "second run")]
+    runs.clear()
+    with pytest.raises(RuntimeError, match="second run"):  # without on_error
+        timing.time_rounds(calls, 3, warm_up=False)
 
 
 def test_the_higher_roofline_measurement_is_the_one_used():
     slow = {"copy": {"bytes_per_s": 10e9}, "gemm": {"flop_per_s": 300e9}}
     fast = {"copy": {"bytes_per_s": 25e9}, "gemm": {"flop_per_s": 100e9}}
-    best = bench.best_rooflines(slow, fast)
+    best = machine.best_rooflines(slow, fast)
     assert best["copy"]["bytes_per_s"] == 25e9
     assert best["gemm"]["flop_per_s"] == 300e9
 
 
 def test_format_table_pads_columns_and_right_aligns_numbers():
-    table = bench.format_table(["shape", "ms"], [["a", "1.5"], ["longer", "12"]])
+    table = op.format_table(["shape", "ms"], [["a", "1.5"], ["longer", "12"]])
     assert table.splitlines() == [
         "shape    ms",
         "------  ---",
@@ -121,11 +188,11 @@ def _row(shape, seconds):
             results[name] = {"status": "ok", "median_s": value, "peak_allocated_bytes": 3 << 20}
     row = {
         "label": shape.label,
-        "shape": bench.dataclasses.asdict(shape),
-        "io_bytes": bench.io_bytes(shape),
+        "shape": dataclasses.asdict(shape),
+        "io_bytes": shapes.io_bytes(shape),
         "results": results,
     }
-    bench.add_derived_figures(row, shape, ROOFLINE)
+    op.add_derived_figures(row, shape, ROOFLINE)
     return row
 
 
@@ -138,10 +205,10 @@ def test_derived_figures_and_prefill_table_cells():
     assert d["speedup_vs_mlx_core"] == pytest.approx(3.0 / 0.11)
     assert "speedup_vs_mlx_lm" not in d
     assert d["tokens_per_s"] == pytest.approx(2048 / 0.11)
-    assert d["gflop_per_s"] == pytest.approx(bench.work_flop(QWEN_PREFILL_BF16) / 0.11 / 1e9)
+    assert d["gflop_per_s"] == pytest.approx(shapes.work_flop(QWEN_PREFILL_BF16) / 0.11 / 1e9)
     assert d["auto_over_best_algorithm"] == pytest.approx(0.1)
 
-    _, _, line = bench.results_table([row], decode=False).splitlines()
+    _, _, line = op.results_table([row], decode=False).splitlines()
     assert line.startswith("qwen3-next bf16 B=1 T=2048")
     assert line.split()[4:9] == ["3000", "err", "200", "100", "110"]  # core .. auto, ms
     assert "+10%" in line
@@ -161,16 +228,16 @@ def test_decode_table_reports_state_bandwidth_and_skips():
     )
     d = row["derived"]
     assert d["state_gb_per_s"] == pytest.approx(
-        bench.state_traffic_bytes(QWEN_DECODE) / 0.002 / 1e9
+        shapes.state_traffic_bytes(QWEN_DECODE) / 0.002 / 1e9
     )
     assert d["fraction_of_copy"] == pytest.approx(d["state_gb_per_s"] * 1e9 / 20e9)
-    table = bench.results_table([row], decode=True)
+    table = op.results_table([row], decode=True)
     assert "state GB/s" in table and "skip" in table
-    assert bench.results_table([row], decode=False).count("\n") == 1  # header and rule only
+    assert op.results_table([row], decode=False).count("\n") == 1  # header and rule only
 
 
 def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkeypatch):
-    real = bench.implementation_call
+    real = op.implementation_call
 
     def failing_chunked(name):
         if name == "chunked":
@@ -181,24 +248,24 @@ def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkey
             return fail
         return real(name)
 
-    monkeypatch.setattr(bench, "implementation_call", failing_chunked)
-    tiny = bench.Shape("tiny", B=1, T=5, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
-    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
-    row = bench.benchmark_row(
+    monkeypatch.setattr(op, "implementation_call", failing_chunked)
+    tiny = shapes.Shape("tiny", B=1, T=5, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
+    progress = timing.Progress(total=len(op.IMPLEMENTATIONS) + 1)
+    row = op.benchmark_row(
         tiny,
         pool_bytes=0,
         full=False,
-        budget=bench.Budget(seconds=0.0, max_repeats=1),
+        budget=timing.Budget(seconds=0.0, max_repeats=1),
         progress=progress,
     )
     progress.close()
-    bench.add_derived_figures(row, tiny, ROOFLINE)
+    op.add_derived_figures(row, tiny, ROOFLINE)
     assert row["results"]["chunked"] == {
         "status": "error",
         "error": "RuntimeError: chunked exploded",
     }
     assert row["results"]["auto"]["status"] == "ok"
-    assert "err" in bench.results_table([row], decode=False)
+    assert "err" in op.results_table([row], decode=False)
     # Every implementation that ran computed the same outputs on the same inputs.
     for name, result in row["results"].items():
         if result["status"] == "ok":
@@ -206,14 +273,14 @@ def test_a_failing_implementation_is_recorded_and_the_row_still_completes(monkey
 
 
 def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotated_ones():
-    tiny_decode = bench.Shape("tiny", B=2, T=1, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
-    pool = 6 * bench.state_bytes(tiny_decode)
-    progress = bench.Progress(total=len(bench.IMPLEMENTATIONS) + 1)
-    row = bench.benchmark_row(
+    tiny_decode = shapes.Shape("tiny", B=2, T=1, Hk=1, Hv=2, Dk=8, Dv=8, dtype="float32")
+    pool = 6 * shapes.state_bytes(tiny_decode)
+    progress = timing.Progress(total=len(op.IMPLEMENTATIONS) + 1)
+    row = op.benchmark_row(
         tiny_decode,
         pool_bytes=pool,
         full=False,
-        budget=bench.Budget(seconds=0.0, max_repeats=1),
+        budget=timing.Budget(seconds=0.0, max_repeats=1),
         progress=progress,
     )
     progress.close()
@@ -223,7 +290,7 @@ def test_decode_rows_compare_implementations_on_the_same_state_and_time_on_rotat
         assert result["max_rel_diff_vs_reference"] < 1e-5, name
 
 
-def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
+def test_layer_rows_come_from_the_layer_benchmark(monkeypatch):
     seen = {}
 
     def run_layer_benchmark(quick, progress=None):
@@ -246,14 +313,12 @@ def test_layer_rows_come_from_bench_layer_when_it_exists(monkeypatch):
             },
         ]
 
-    fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
-    fake.run_layer_benchmark = run_layer_benchmark
-    monkeypatch.setitem(sys.modules, bench.LAYER_BENCHMARK_MODULE, fake)
-    progress = bench.Progress(total=1)
-    rows, note = bench.run_layer_rows(quick=True, progress=progress)
+    monkeypatch.setattr(layer, "run_layer_benchmark", run_layer_benchmark)
+    progress = timing.Progress(total=1)
+    rows, note = bench_cli.run_layer_rows(quick=True, progress=progress)
     progress.close()
     assert seen == {"quick": True} and note is None
-    lines = bench.layer_table(rows).splitlines()
+    lines = op.layer_table(rows).splitlines()
     assert lines[2].split() == ["decode", "B=1", "T=1", "1.5", "6", "4.0"]
     assert lines[3].split() == ["prefill", "B=1", "T=2048", "1410", "47512", "33.7"]
 
@@ -262,16 +327,14 @@ def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):
     def run_layer_benchmark(quick, progress=None):
         raise RuntimeError("no layer today")
 
-    fake = types.ModuleType(bench.LAYER_BENCHMARK_MODULE)
-    fake.run_layer_benchmark = run_layer_benchmark
-    monkeypatch.setitem(sys.modules, bench.LAYER_BENCHMARK_MODULE, fake)
-    rows, note = bench.run_layer_rows(quick=True, progress=lambda label: None)
+    monkeypatch.setattr(layer, "run_layer_benchmark", run_layer_benchmark)
+    rows, note = bench_cli.run_layer_rows(quick=True, progress=lambda label: None)
     assert rows is None and "RuntimeError: no layer today" in note
 
 
 def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
-    progress = bench.Progress(total=4)
+    progress = timing.Progress(total=4)
     progress("first step")
     progress.advance()
     progress("second step")
@@ -280,6 +343,55 @@ def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):
     assert "0/4" in err and "first step" in err
     assert "1/4" in err and "second step" in err
     assert "[" + "#" * 7 + "." in err  # a quarter of the 30-character bar
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Each module of the installed package and the package's modules it imports, anywhere in
+    its source (lazy imports in functions too), read from the source rather than imported.
+
+    ``from P import n`` imports the module P.n when there is one, else P (its __init__)."""
+    root = Path(mlx_gated_delta.__file__).parent
+    paths = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package[: len(package) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                for alias in node.names:
+                    module = f"{base}.{alias.name}"
+                    found.add(module if module in paths else base)
+        graph[name] = found & paths.keys()
+    return graph
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules that importing ``start`` imports, directly or not."""
+    seen, todo = set(), list(graph[start])
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    return seen
+
+
+def test_the_benchmarks_import_one_another_without_a_cycle():
+    graph = _package_imports()
+    assert {"mlx_gated_delta.bench.cli", "mlx_gated_delta.bench.train"} <= graph.keys()
+    for name in graph:
+        if name.startswith("mlx_gated_delta.bench"):
+            back = sorted(m for m in graph[name] if name in _reachable(graph, m) | {m})
+            assert not back, f"{name} imports {back}, which import {name} again"
 
 
 def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):

@@ -5,7 +5,8 @@ import argparse
 import pytest
 
 from mlx_gated_delta import __main__ as cli
-from mlx_gated_delta import bench, bench_train
+from mlx_gated_delta.bench import cli as bench_cli
+from mlx_gated_delta.bench import train
 
 GiB = 1 << 30
 
@@ -21,37 +22,37 @@ def test_backward_flops_of_one_full_chunk():
     w_u = 2 * L * L * D + 2 * L * D * L
     kkt = 2 * L**3 + 2 * L * D * L
     one_head = boundary + chunk_qk + output + carry + w_u + kkt
-    assert bench_train.backward_product_flops(64, value_heads=1) == one_head
-    assert bench_train.backward_product_flops(64) == 32 * one_head
-    assert bench_train.backward_product_flops(64, batch=3) == 3 * 32 * one_head
+    assert train.backward_product_flops(64, Hv=1) == one_head
+    assert train.backward_product_flops(64) == 32 * one_head
+    assert train.backward_product_flops(64, batch=3) == 3 * 32 * one_head
 
 
 def test_backward_flops_add_the_exit_state_for_every_chunk_but_the_last():
     L, D = 64, 128
-    one, two = (bench_train.backward_product_flops(t, value_heads=1) for t in (64, 128))
+    one, two = (train.backward_product_flops(t, Hv=1) for t in (64, 128))
     assert two == 2 * one + 2 * D * D * L
     # A short last chunk costs less than a full one.
-    assert one < bench_train.backward_product_flops(65, value_heads=1) < two
+    assert one < train.backward_product_flops(65, Hv=1) < two
 
 
 def test_io_bytes_count_inputs_outputs_and_gradients():
-    inputs = bench_train.make_inputs(8)
+    inputs = train.make_inputs(8)
     T, Hk, Hv, D = 8, 16, 32, 128
     inputs_bytes = 2 * T * Hk * D * 2 + T * Hv * D * 2 + 2 * T * Hv * 4 + Hv * D * D * 4
     outputs = T * Hv * D * 2 + Hv * D * D * 4  # y, the final state
-    assert bench_train.io_bytes(inputs) == 2 * inputs_bytes + outputs
+    assert train.io_bytes(inputs) == 2 * inputs_bytes + outputs
 
 
 def test_peers_run_to_2048_tokens_unless_full_and_only_where_memory_allows(monkeypatch):
-    monkeypatch.setattr(bench_train, "available_memory_bytes", lambda: 80 * GiB)
-    assert bench_train.peer_skip_reason(2048, full=False) is None
-    assert "--full" in bench_train.peer_skip_reason(8192, full=False)
-    assert bench_train.peer_skip_reason(8192, full=True) is None  # about 64 GiB
-    monkeypatch.setattr(bench_train, "available_memory_bytes", lambda: 20 * GiB)
-    assert "about 64 GiB, 20 GiB available" in bench_train.peer_skip_reason(8192, full=True)
-    assert bench_train.peer_skip_reason(2048, full=True) is None  # about 16 GiB
-    monkeypatch.setattr(bench_train, "available_memory_bytes", lambda: 12 * GiB)
-    assert "about 16 GiB, 12 GiB available" in bench_train.peer_skip_reason(2048, full=False)
+    monkeypatch.setattr(train, "available_memory_bytes", lambda: 80 * GiB)
+    assert train.peer_skip_reason(2048, full=False) is None
+    assert "--full" in train.peer_skip_reason(8192, full=False)
+    assert train.peer_skip_reason(8192, full=True) is None  # about 64 GiB
+    monkeypatch.setattr(train, "available_memory_bytes", lambda: 20 * GiB)
+    assert "about 64 GiB, 20 GiB available" in train.peer_skip_reason(8192, full=True)
+    assert train.peer_skip_reason(2048, full=True) is None  # about 16 GiB
+    monkeypatch.setattr(train, "available_memory_bytes", lambda: 12 * GiB)
+    assert "about 16 GiB, 12 GiB available" in train.peer_skip_reason(2048, full=False)
 
 
 def _record():
@@ -88,7 +89,9 @@ def _record():
 
 
 def test_the_table_gives_speed_ups_the_fraction_of_gemm_and_skips():
-    text = bench_train.report_text(_record())
+    text = train.report_text(_record())
+    assert "Core op, Qwen3-Next shape (Hk=16, Hv=32, Dk=Dv=128, B=1)" in text
+    assert "Whole layer (Qwen3-Next GatedDeltaNet, hidden 2048, bf16)" in text
     assert "30.0x" in text  # mx.fast: 3000 ms against 100
     assert "skipped: T > 2048 needs --full" in text
     assert "50%" in text  # 100 GFLOP/s of a 200 GFLOP/s roofline
@@ -98,11 +101,11 @@ def test_the_table_gives_speed_ups_the_fraction_of_gemm_and_skips():
 
 def test_bench_train_flag_delegates_to_the_training_benchmark(monkeypatch):
     seen = {}
-    monkeypatch.setattr(bench_train, "run", lambda args: seen.setdefault("args", args))
+    monkeypatch.setattr(train, "run", lambda args: seen.setdefault("args", args))
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     args = parser.parse_args(["--train", "--quick"])
-    bench.run(args)
+    bench_cli.run(args)
     assert seen["args"].train and seen["args"].quick
     assert not parser.parse_args([]).train
 

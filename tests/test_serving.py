@@ -148,10 +148,10 @@ def test_batched_generation_with_trimmable_caches_matches_unbatched(kind):
 
 
 def test_demo_speculative_run_gives_the_greedy_tokens_with_accepted_drafts():
-    from mlx_gated_delta import demo
+    from mlx_gated_delta import demo, models
 
-    target, draft = demo.speculative_models(0, target_layers=8, draft_layers=4, damping=0.05)
-    prompt = mx.random.randint(0, demo.demo_config().vocab_size, (24,), key=mx.random.key(1))
+    target, draft = models.speculative_models(0, target_layers=8, draft_layers=4, damping=0.05)
+    prompt = mx.random.randint(0, models.demo_config().vocab_size, (24,), key=mx.random.key(1))
     alone = demo.generate(target, prompt, 8)
     drafted = demo.speculative_generate(target, draft, prompt, 8, draft_tokens=3)
     assert drafted["tokens"] == alone["tokens"]

@@ -23,31 +23,21 @@ traffic reaches memory rather than the cache.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import importlib
-import json
 import math
-import os
-import platform
-import re
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-MiB = 1 << 20
-STATE_BYTES_PER_ELEMENT = 4  # the recurrent state is always float32
+from .machine import MiB, available_memory_bytes
+from .shapes import DTYPES, Shape, io_bytes, state_bytes, state_traffic_bytes, work_flop
+from .timing import Budget, Progress, repeats_within, time_rounds
+
 IMPLEMENTATIONS = ("mlx_core", "mlx_lm", "recurrent", "chunked", "auto")
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16}
-SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
 
 # MLX core and mlx-lm unroll the recurrence into an op graph per token on the CPU: about 4 s
 # per call at T=2048 on 2 cores (MLX core's warm-up takes three times as long), and the graph
@@ -56,179 +46,9 @@ PEERS = ("mlx_core", "mlx_lm")
 PEERS_MAX_T_UNLESS_FULL = 2048
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One benchmark row: the problem size and the activation dtype."""
-
-    family: str  # "qwen3-next", or what a generic shape changes from it ("Dk=96")
-    B: int
-    T: int
-    Hk: int
-    Hv: int
-    Dk: int
-    Dv: int
-    dtype: str  # a key of DTYPES; the state is float32 whatever this is
-    per_key: bool = False  # a decay per key channel (Kimi Delta Attention), g [B, T, Hv, Dk]
-
-    @property
-    def is_decode(self) -> bool:
-        return self.T == 1
-
-    @property
-    def short_label(self) -> str:
-        return f"{self.family} {SHORT_DTYPE[self.dtype]} B={self.B} T={self.T}"
-
-    @property
-    def label(self) -> str:
-        return f"{self.short_label} Hk={self.Hk} Hv={self.Hv} Dk={self.Dk} Dv={self.Dv}"
-
-
-def work_flop(s: Shape) -> int:
-    """FLOP of one call: decay, prediction S@k, rank-1 update and readout S@q, 2 per MAC."""
-    return 8 * s.B * s.T * s.Hv * s.Dk * s.Dv
-
-
-def state_bytes(s: Shape) -> int:
-    """Bytes of one float32 state [B, Hv, Dv, Dk]."""
-    return s.B * s.Hv * s.Dv * s.Dk * STATE_BYTES_PER_ELEMENT
-
-
-def state_traffic_bytes(s: Shape) -> int:
-    """Bytes of state one call must move at least: read once and written once."""
-    return 2 * state_bytes(s)
-
-
-def io_bytes(s: Shape) -> int:
-    """Inputs read once plus outputs written once (the floor for any implementation)."""
-    act = DTYPES[s.dtype].size
-    qk = 2 * s.B * s.T * s.Hk * s.Dk * act
-    v_and_y = 2 * s.B * s.T * s.Hv * s.Dv * act
-    gate_values = s.Dk if s.per_key else 1
-    g_and_beta = s.B * s.T * s.Hv * (gate_values + 1) * 4  # read in float32
-    return qk + v_and_y + g_and_beta + state_traffic_bytes(s)
-
-
-def qwen3_next(B: int, T: int, dtype: str) -> Shape:
-    return Shape("qwen3-next", B, T, Hk=16, Hv=32, Dk=128, Dv=128, dtype=dtype)
-
-
-def kimi_linear(B: int, T: int, dtype: str, per_key: bool) -> Shape:
-    family = "kimi-linear-kda" if per_key else "kimi-linear-scalar"
-    return Shape(family, B, T, Hk=32, Hv=32, Dk=128, Dv=128, dtype=dtype, per_key=per_key)
-
-
-def kda_shapes(quick: bool) -> list[Shape]:
-    """The KDA rows (``--kda``): decode at B=1 and prefill, f32 and bf16, each with per-key
-    gates and, measured in the same run, with scalar gates on the same shape (what the
-    per-key decay costs); ``quick`` keeps T in {1, 512}."""
-    lengths = (1, 512) if quick else (1, 64, 512, 2048)
-    return [
-        kimi_linear(1, T, d, per_key) for d in DTYPES for T in lengths for per_key in (True, False)
-    ]
-
-
-def benchmark_shapes(quick: bool) -> list[Shape]:
-    """The benchmark shapes (benchmarks/RESULTS.md); ``quick`` keeps the Qwen3-Next B=1 rows up to T=2048."""
-    dtypes = list(DTYPES)
-    if quick:
-        return [qwen3_next(1, T, d) for d in dtypes for T in (1, 64, 512, 2048)]
-    shapes = [qwen3_next(B, 1, d) for d in dtypes for B in (1, 8)]
-    shapes += [qwen3_next(1, T, d) for d in dtypes for T in (64, 512, 2048, 8192)]
-    shapes += [qwen3_next(4, 512, d) for d in dtypes]
-    shapes += [
-        Shape("Dk=Dv=64", 1, 2048, Hk=16, Hv=32, Dk=64, Dv=64, dtype="float32"),
-        Shape("Dk=96", 1, 2048, Hk=16, Hv=32, Dk=96, Dv=128, dtype="float32"),
-        Shape("Hk=Hv", 1, 2048, Hk=32, Hv=32, Dk=128, Dv=128, dtype="float32"),
-    ]
-    return shapes
-
-
 # ---------------------------------------------------------------------------------------
-# Rooflines
+# Inputs and implementations
 # ---------------------------------------------------------------------------------------
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: page faults, thread pools, BLAS kernels
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure_copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 7) -> dict:
-    """NumPy ``copyto`` of ``nbytes``: bytes read + written per second.
-
-    Measured on one thread and split over all cores (our kernels use all cores, so the
-    larger of the two is the roofline they are held to).
-    """
-    src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    moved = 2 * src.nbytes
-    one_thread = moved / _median_seconds(lambda: np.copyto(dst, src), repeats)
-
-    cores = os.cpu_count() or 1
-    bounds = np.linspace(0, src.size, cores + 1).astype(np.int64)
-    parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
-    with ThreadPoolExecutor(cores) as pool:  # copyto releases the GIL
-
-        def copy_all_cores():
-            list(pool.map(lambda p: np.copyto(*p), parts))
-
-        all_cores = moved / _median_seconds(copy_all_cores, repeats)
-    return {
-        "bytes_copied": src.nbytes,
-        "one_thread_bytes_per_s": one_thread,
-        "all_cores_bytes_per_s": all_cores,
-        "threads": cores,
-        "bytes_per_s": max(one_thread, all_cores),
-    }
-
-
-def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> dict:
-    """Warm float32 ``n x n`` matrix product through NumPy's BLAS: FLOP per second."""
-    rng = np.random.default_rng(1)
-    a = rng.random((n, n), dtype=np.float32)
-    b = rng.random((n, n), dtype=np.float32)
-    c = np.empty_like(a)
-    np.matmul(a, b, out=c)  # a cold first call is far slower; keep it out of the median
-    seconds = _median_seconds(lambda: np.matmul(a, b, out=c), repeats)
-    return {"n": n, "flop_per_s": 2 * n**3 / seconds}
-
-
-def measure_rooflines() -> dict:
-    """Both rooflines, measured now."""
-    return {"copy": measure_copy_bandwidth(), "gemm": measure_gemm_flops()}
-
-
-def best_rooflines(before: dict, after: dict) -> dict:
-    """The higher of the two measurements of each roofline: a neighbour's load during one of
-    them must not make our fraction of the machine look better than it is."""
-    return {
-        "copy": max(before["copy"], after["copy"], key=lambda m: m["bytes_per_s"]),
-        "gemm": max(before["gemm"], after["gemm"], key=lambda m: m["flop_per_s"]),
-        "before_rows": before,
-        "after_rows": after,
-    }
-
-
-def last_level_cache_bytes() -> int | None:
-    """Size of the largest data/unified cache of CPU 0 from sysfs, or None if unreadable."""
-    best = None
-    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            kind = (index / "type").read_text().strip()
-            size = (index / "size").read_text().strip()
-        except OSError:
-            continue
-        if kind == "Instruction":
-            continue
-        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-        value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-        best = value if best is None else max(best, value)
-    return best
 
 
 FALLBACK_STATE_POOL_BYTES = 512 * MiB
@@ -238,11 +58,6 @@ def state_pool_bytes(llc: int | None) -> int:
     """Total size of the rotated decode states: twice the LLC, since adaptive replacement
     policies keep part of a cyclic working set only slightly larger than the cache."""
     return 2 * llc if llc else FALLBACK_STATE_POOL_BYTES
-
-
-# ---------------------------------------------------------------------------------------
-# Inputs and implementations
-# ---------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass
@@ -327,7 +142,7 @@ def implementation_call(name: str) -> Callable[[Inputs, mx.array], tuple]:
     if name == "mlx_lm":
         ops = _mlx_lm_ops()
         return lambda x, state: ops(x.q_prescaled, x.k, x.v, x.gamma, x.beta, state)
-    from . import gated_delta_rule
+    from .. import gated_delta_rule
 
     return lambda x, state: gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, state, algorithm=name)
 
@@ -336,17 +151,6 @@ def peer_memory_bytes(s: Shape) -> int:
     """What MLX core and mlx-lm allocate per call: one float32 state per token (measured
     peaks: 4.1 GiB at T=2048, 16.3 GiB at T=8192 for the Qwen3-Next shape)."""
     return s.T * state_bytes(s)
-
-
-def available_memory_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def skip_reason(name: str, s: Shape, full: bool, available: int | None) -> str | None:
@@ -371,23 +175,8 @@ def skip_reason(name: str, s: Shape, full: bool, available: int | None) -> str |
 
 
 # ---------------------------------------------------------------------------------------
-# Timing
+# One row
 # ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Budget:
-    """How long to spend on one measurement: as many repeats as fit in ``seconds`` after the
-    warm-up, at least one, at most ``max_repeats``."""
-
-    seconds: float
-    max_repeats: int
-
-
-def repeats_within(budget: Budget, warm_up_seconds: float) -> int:
-    if warm_up_seconds <= 0:
-        return budget.max_repeats
-    return max(1, min(budget.max_repeats, int(budget.seconds / warm_up_seconds)))
 
 
 def warm_up(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> dict:
@@ -406,69 +195,10 @@ def warm_up(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> dict:
     }
 
 
-def timed_call(call: Callable[[Inputs, mx.array], tuple], x: Inputs) -> float:
-    """Seconds to build the graph of one call and evaluate it."""
-    state = x.take_state()
-    start = time.perf_counter()
-    mx.eval(call(x, state))
-    return time.perf_counter() - start
-
-
 def relative_difference(actual: np.ndarray, expected: np.ndarray) -> float:
     """max |actual - expected| / max |expected|: how far two implementations' outputs are."""
     scale = float(np.max(np.abs(expected))) or 1.0
     return float(np.max(np.abs(actual.astype(np.float64) - expected))) / scale
-
-
-# ---------------------------------------------------------------------------------------
-# Progress
-# ---------------------------------------------------------------------------------------
-
-
-class Progress:
-    """A one-line progress bar on stderr (tqdm's when it is installed).
-
-    Calling it with a label announces the next step; ``advance()`` counts one step done.
-    """
-
-    def __init__(self, total: int):
-        self.total = total
-        self.done = 0
-        self.started = time.perf_counter()
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            self._tqdm = None
-        else:
-            self._tqdm = tqdm(total=total, file=sys.stderr, dynamic_ncols=True)
-
-    def __call__(self, label: str) -> None:
-        if self._tqdm is not None:
-            self._tqdm.set_description_str(label)
-            return
-        width = 30
-        filled = width * self.done // max(self.total, 1)
-        elapsed = time.perf_counter() - self.started
-        bar = "#" * filled + "." * (width - filled)
-        sys.stderr.write(f"\r[{bar}] {self.done}/{self.total} {elapsed:5.0f}s {label[:60]:<60}")
-        sys.stderr.flush()
-
-    def advance(self) -> None:
-        self.done += 1
-        if self._tqdm is not None:
-            self._tqdm.update(1)
-
-    def close(self) -> None:
-        if self._tqdm is not None:
-            self._tqdm.close()
-        else:
-            self("done")
-            sys.stderr.write("\n")
-
-
-# ---------------------------------------------------------------------------------------
-# One row
-# ---------------------------------------------------------------------------------------
 
 
 def benchmark_row(
@@ -510,24 +240,21 @@ def benchmark_row(
                 row["results"][name] = {"status": "ok", "times_s": [], **first}
         progress.advance()
 
-    # Repeats go round-robin over the implementations, so that a neighbour's burst of load
-    # falls on all of them alike rather than on whichever happened to run then.
-    rounds = max(repeats.values(), default=0)
-    for round_index in range(rounds):
-        progress(f"{s.short_label} timed round {round_index + 1}/{rounds}")
-        for name, call in calls.items():
-            result = row["results"][name]
-            if result["status"] != "ok" or len(result["times_s"]) >= repeats[name]:
-                continue
-            try:
-                result["times_s"].append(timed_call(call, x))
-            except Exception as error:
-                row["results"][name] = {
-                    "status": "error",
-                    "error": f"{type(error).__name__}: {error}",
-                }
-    for result in row["results"].values():
+    def failed(name: str, error: Exception) -> None:
+        row["results"][name] = {"status": "error", "error": f"{type(error).__name__}: {error}"}
+
+    # A timed call builds the graph of one call and evaluates it, on the next rotated state.
+    times = time_rounds(
+        {name: lambda state, call=call: mx.eval(call(x, state)) for name, call in calls.items()},
+        repeats,
+        warm_up=False,  # warm_up above ran each call once
+        prepare=lambda: (x.take_state(),),
+        on_round=lambda i, rounds: progress(f"{s.short_label} timed round {i + 1}/{rounds}"),
+        on_error=failed,
+    )
+    for name, result in row["results"].items():
         if result["status"] == "ok":
+            result["times_s"] = times[name]
             result["median_s"] = statistics.median(result["times_s"])
     progress.advance()
 
@@ -729,59 +456,8 @@ def report_text(record: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Provenance and plot
+# Plot
 # ---------------------------------------------------------------------------------------
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    try:
-        return subprocess.run(
-            ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return platform.processor() or "unknown"
-
-
-def load_average() -> float | None:
-    """The 1-minute load average: how many other runnable tasks shared the cores."""
-    try:
-        return round(os.getloadavg()[0], 2)
-    except (AttributeError, OSError):
-        return None
-
-
-def git_commit() -> str:
-    """The commit of the checkout the benchmark script runs from (``+dirty`` when it has
-    uncommitted changes), or "unknown" outside a git checkout (an installed package)."""
-    script = Path(sys.argv[0]).resolve()
-    where = script.parent if script.is_file() else Path.cwd()
-
-    def git(*args):
-        return subprocess.run(
-            ["git", *args], capture_output=True, text=True, cwd=where, check=True
-        ).stdout.strip()
-
-    try:
-        commit = git("rev-parse", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return commit + ("+dirty" if dirty else "")
-
-
-def package_version(name: str) -> str | None:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def write_plot(rows: list[dict], path: Path) -> str | None:
@@ -826,173 +502,3 @@ def write_plot(rows: list[dict], path: Path) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return None
-
-
-LAYER_BENCHMARK_MODULE = "mlx_gated_delta.bench_layer"
-
-
-def run_layer_rows(quick: bool, progress: Progress) -> tuple[list | None, str | None]:
-    """Rows of the whole-layer benchmark when ``mlx_gated_delta.bench_layer`` exists."""
-    try:
-        bench_layer = importlib.import_module(LAYER_BENCHMARK_MODULE)
-    except ModuleNotFoundError as error:
-        if error.name != LAYER_BENCHMARK_MODULE:
-            raise
-        return None, None
-    try:
-        return bench_layer.run_layer_benchmark(quick, progress), None
-    except Exception as error:
-        return None, f"layer benchmark failed: {type(error).__name__}: {error}"
-
-
-# ---------------------------------------------------------------------------------------
-# Entry point
-# ---------------------------------------------------------------------------------------
-
-
-def _regex(text: str) -> re.Pattern:
-    try:
-        return re.compile(text)
-    except re.error as error:
-        raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--quick",
-        action="store_true",
-        help="Qwen3-Next B=1 at T in {1, 64, 512, 2048}, f32 and bf16, fewer "
-        "repeats (a few minutes on 2 cores)",
-    )
-    parser.add_argument(
-        "--full",
-        action="store_true",
-        help=f"also run MLX core and mlx-lm at T > {PEERS_MAX_T_UNLESS_FULL} "
-        "(slow: about 2 s per 1000 tokens; and they hold one state per "
-        "token: 16 GiB at T=8192, skipped when memory is short)",
-    )
-    parser.add_argument(
-        "--train",
-        action="store_true",
-        help="the training benchmark instead (mlx_gated_delta/bench_train.py): forward "
-        "plus backward time and peak memory of the core op at T in {512, 2048, 8192} "
-        "against mx.fast.gated_delta_update's vjp and mlx-lm's training path, the "
-        "backward's GFLOP/s against the GEMM roofline, and the whole layer's training "
-        "step; --quick and --full apply",
-    )
-    parser.add_argument(
-        "--filter",
-        metavar="REGEX",
-        type=_regex,
-        help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
-        "(the whole-layer rows are then left out)",
-    )
-    parser.add_argument(
-        "--kda",
-        action="store_true",
-        help="the Kimi Delta Attention rows instead: Kimi-Linear's shape (Hk=Hv=32, "
-        "Dk=Dv=128) with per-key-channel gates and with scalar gates, decode and "
-        "prefill (with --quick: T in {1, 512}); the whole-layer rows are left out",
-    )
-    parser.add_argument(
-        "--out",
-        metavar="DIR",
-        default="benchmarks/out",
-        help="where results.json, results.txt and the plot go (default: benchmarks/out)",
-    )
-
-
-def run(args: argparse.Namespace) -> dict:
-    if getattr(args, "train", False):
-        from . import bench_train
-
-        return bench_train.run(args)
-    shapes = kda_shapes(args.quick) if args.kda else benchmark_shapes(args.quick)
-    if args.filter:
-        shapes = [s for s in shapes if args.filter.search(s.label)]
-        if not shapes:
-            raise SystemExit(f"no benchmark row matches --filter {args.filter.pattern!r}")
-    budget = (
-        Budget(seconds=1.0, max_repeats=15) if args.quick else Budget(seconds=3.0, max_repeats=30)
-    )
-    decode_budget = (
-        Budget(seconds=1.0, max_repeats=50) if args.quick else Budget(seconds=2.0, max_repeats=200)
-    )
-
-    llc = last_level_cache_bytes()
-    pool = state_pool_bytes(llc)
-    progress = Progress(total=2 + len(shapes) * (len(IMPLEMENTATIONS) + 1))
-    load_before = load_average()
-    progress("rooflines (before the rows)")
-    before = measure_rooflines()
-    progress.advance()
-
-    rows = []
-    for s in shapes:
-        rows.append(
-            benchmark_row(s, pool, args.full, decode_budget if s.is_decode else budget, progress)
-        )
-    progress("rooflines (after the rows)")
-    roofline = best_rooflines(before, measure_rooflines())
-    progress.advance()
-    for s, row in zip(shapes, rows):
-        add_derived_figures(row, s, roofline)
-    if args.filter or args.kda:
-        flag = "--filter" if args.filter else "--kda"
-        layer_rows, layer_note = None, f"whole-layer benchmark: not run with {flag}"
-    else:
-        layer_rows, layer_note = run_layer_rows(args.quick, progress)
-    progress.close()
-
-    record = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "mode": "quick" if args.quick else ("full" if args.full else "default"),
-        "kda": args.kda,
-        "machine": {
-            "platform": platform.platform(),
-            "cpu_model": cpu_model(),
-            "cores": os.cpu_count(),
-            "last_level_cache_bytes": llc,
-            "mlx_default_device": str(mx.default_device()),
-            "load_average_1min_before": load_before,
-            "load_average_1min_after": load_average(),
-        },
-        "versions": {
-            "python": platform.python_version(),
-            "mlx": mx.__version__,
-            "mlx-lm": package_version("mlx-lm"),
-            "numpy": np.__version__,
-            "mlx-gated-delta": package_version("mlx-gated-delta"),
-        },
-        "git_commit": git_commit(),
-        "roofline": roofline,
-        "state_pool_bytes": pool,
-        "rows": rows,
-        "layer_rows": layer_rows,
-        "layer_note": layer_note,
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    text = report_text(record)
-    plot_note = write_plot(rows, out / "tokens_per_s.png")
-    record["plot"] = plot_note or str(out / "tokens_per_s.png")
-    (out / "results.json").write_text(json.dumps(record, indent=2) + "\n")
-    (out / "results.txt").write_text(text + "\n")
-    print(text)
-    print(
-        f"\nwrote {out / 'results.json'}, {out / 'results.txt'}"
-        + (f"; {plot_note}" if plot_note else f", {out / 'tokens_per_s.png'}")
-    )
-    return record
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m mlx_gated_delta bench",
-        description="Time the gated delta rule against MLX core and mlx-lm, with rooflines "
-        "measured in the same run.",
-    )
-    add_arguments(parser)
-    run(parser.parse_args(argv))
-    return 0

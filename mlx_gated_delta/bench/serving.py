@@ -1,6 +1,6 @@
 """Serving benchmark: what a speculative verify step costs.
 
-    python -m mlx_gated_delta.bench_serving [--repeats N] [--dtype bfloat16]
+    python -m mlx_gated_delta.bench.serving [--repeats N] [--dtype bfloat16]
 
 For k = 1..8 draft tokens, on a Qwen3-Next linear-attention layer's shape
 (B=1, Hk=16, Hv=32, Dk=Dv=128; `gated_delta_rule` with normalize_qk), the
@@ -27,29 +27,24 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import mlx.core as mx
 
 from mlx_gated_delta import gated_delta_rule
 
-SHAPE = dict(B=1, Hk=16, Hv=32, Dk=128, Dv=128)
+from .shapes import QWEN3_NEXT
+from .timing import median_seconds, time_rounds
+
 DRAFTS = range(1, 9)
 
 
 def median_ms(run: Callable[[], object], repeats: int) -> float:
-    mx.eval(run())  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval(run())
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
+    return 1e3 * median_seconds(lambda: mx.eval(run()), repeats)
 
 
 def op_rows(dtype, repeats: int) -> list:
-    B, Hk, Hv, Dk, Dv = (SHAPE[key] for key in ("B", "Hk", "Hv", "Dk", "Dv"))
+    B, Hk, Hv, Dk, Dv = 1, QWEN3_NEXT.Hk, QWEN3_NEXT.Hv, QWEN3_NEXT.Dk, QWEN3_NEXT.Dv
     key = mx.random.key(0)
     k1, k2, k3, k4, k5 = mx.random.split(key, 5)
     T = max(DRAFTS)
@@ -96,7 +91,7 @@ def op_rows(dtype, repeats: int) -> list:
 def model_rows(repeats: int) -> list:
     from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-    from mlx_gated_delta.demo import demo_config, speculative_models
+    from mlx_gated_delta.models import demo_config, speculative_models
 
     target, _ = speculative_models(0, target_layers=12, draft_layers=4, damping=0.05)
     prompt = mx.random.randint(0, demo_config().vocab_size, (1, 64), key=mx.random.key(0))
@@ -122,23 +117,19 @@ def model_rows(repeats: int) -> list:
     return rows
 
 
-def first_token_ms(model, cache, prompt) -> float:
-    start = time.perf_counter()
+def first_token(model, cache, prompt) -> None:
     logits = model(prompt, cache=cache)
     mx.eval(mx.argmax(logits[:, -1], axis=-1))
-    return 1e3 * (time.perf_counter() - start)
 
 
 def chat_rows(prompt_tokens: int, repeats: int) -> dict:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_gated_delta import patch_mlx_lm
     from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
-    from mlx_gated_delta.demo import build_model, demo_config
+    from mlx_gated_delta.models import demo_config, patched_model
 
-    model = build_model(0, 4)
-    patch_mlx_lm(model)
+    model = patched_model(0, 4)
     vocab = demo_config().vocab_size
     turn1 = mx.random.randint(0, vocab, (prompt_tokens,), key=mx.random.key(2))
     user2 = mx.random.randint(0, vocab, (8 + 64,), key=mx.random.key(3))
@@ -155,22 +146,34 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
             pass
         return cache
 
-    fresh, reused, prefixes = [], [], []
-    first_token_ms(model, make_prompt_cache(model), turn2[:, :16])  # warm-up
-    for _ in range(repeats):
-        fresh.append(first_token_ms(model, make_prompt_cache(model), turn2))
-        cache = turn1_cache(snapshots=True)
-        start = time.perf_counter()
+    prefixes = []
+
+    def fresh(cache):
+        first_token(model, cache, turn2)
+
+    def reused(cache):
         prefix = reusable_prefix(cache, common)
         restore_prefix(cache, prefix)
-        restore_ms = 1e3 * (time.perf_counter() - start)
-        reused.append(restore_ms + first_token_ms(model, cache, turn2[:, prefix:]))
+        first_token(model, cache, turn2[:, prefix:])
         prefixes.append(prefix)
+
+    # A short warm-up: a whole one would prefill turn 1 again. Each timed run gets its cache
+    # before its clock starts: an empty one, or turn 1's with its snapshots.
+    first_token(model, make_prompt_cache(model), turn2[:, :16])
+    times = time_rounds(
+        {"fresh": fresh, "reused": reused},
+        repeats,
+        warm_up=False,
+        prepare={
+            "fresh": lambda: (make_prompt_cache(model),),
+            "reused": lambda: (turn1_cache(snapshots=True),),
+        },
+    )
     snapshot_bytes = sum(c.nbytes for c in turn1_cache(snapshots=True))
     plain_bytes = sum(c.nbytes for c in turn1_cache(snapshots=False))
     return {
-        "fresh_ms": statistics.median(fresh),
-        "reused_ms": statistics.median(reused),
+        "fresh_ms": 1e3 * statistics.median(times["fresh"]),
+        "reused_ms": 1e3 * statistics.median(times["reused"]),
         "prefix": prefixes[0],
         "turn2_tokens": turn2.shape[1],
         "cache_mib": plain_bytes / 2**20,
@@ -180,7 +183,7 @@ def chat_rows(prompt_tokens: int, repeats: int) -> dict:
 
 def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m mlx_gated_delta.bench_serving",
+        prog="python -m mlx_gated_delta.bench.serving",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -197,7 +200,7 @@ def main(argv: list | None = None) -> int:
     dtype = getattr(mx, args.dtype)
 
     print(
-        f"gated_delta_rule, B=1 Hk=16 Hv=32 Dk=Dv=128 normalize_qk, {args.dtype}, "
+        f"gated_delta_rule, B=1 {QWEN3_NEXT.text()} normalize_qk, {args.dtype}, "
         f"{mx.default_device()}, medians of {args.repeats} runs (ms)"
     )
     print(

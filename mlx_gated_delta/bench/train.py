@@ -36,28 +36,30 @@ and few repeats, each call takes seconds to minutes); peak memory is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .bench import (
-    PEERS_MAX_T_UNLESS_FULL,
+from ..ops import gated_delta_update
+from .layer import qwen3_next_layers
+from .machine import (
+    available_memory_bytes,
     best_rooflines,
     cpu_model,
     git_commit,
     load_average,
     measure_rooflines,
 )
-from .ops import gated_delta_update
+from .op import PEERS_MAX_T_UNLESS_FULL
+from .shapes import QWEN3_NEXT, QWEN3_NEXT_LAYER
+from .timing import median_seconds
 
-SHAPE = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
 TOKENS = (512, 2048, 8192)
 QUICK_TOKENS = (512, 2048)
 CHUNK = 64
@@ -67,7 +69,7 @@ NAMES = ("q", "k", "v", "gamma", "beta", "state")
 
 def make_inputs(tokens: int, seed: int = 0):
     rng = np.random.default_rng(seed)
-    Hk, Hv, Dk, Dv = (SHAPE[n] for n in ("key_heads", "value_heads", "key_dim", "value_dim"))
+    Hk, Hv, Dk, Dv = QWEN3_NEXT.Hk, QWEN3_NEXT.Hv, QWEN3_NEXT.Dk, QWEN3_NEXT.Dv
 
     def unit_rows(shape):
         x = rng.standard_normal(shape)
@@ -135,24 +137,22 @@ def measure(step, args, repeats: int, warm_up: bool = True):
     mx.clear_cache()
     if warm_up:
         mx.eval(step(*args))
-    times, peaks = [], []
-    for _ in range(repeats):
-        mx.reset_peak_memory()
-        start = time.perf_counter()
-        mx.eval(step(*args))
-        times.append(time.perf_counter() - start)
-        peaks.append(mx.get_peak_memory())
-    return statistics.median(times), max(peaks)
+    # Reset once, after the warm-up: the peak over the repeats is the largest
+    # of theirs, since nothing is allocated between them.
+    mx.reset_peak_memory()
+    seconds = median_seconds(lambda: mx.eval(step(*args)), repeats, warm_up=False)
+    return seconds, mx.get_peak_memory()
 
 
-def backward_product_flops(tokens: int, batch: int = 1, **shape) -> int:
+def backward_product_flops(tokens: int, batch: int = 1, **heads) -> int:
     """The FLOPs of the matrix products of our chunked backward (scalar gates)
-    at this shape, as csrc/cpu/chunked_backward.cpp computes them: an m x n x k
-    product is 2 m n k, one that a triangle halves is m n k. Per chunk of L
-    tokens and value head: boundary_states (the exit state for all chunks but
-    the last), chunk_qk again, and the five backward stages."""
-    shape = {**SHAPE, **shape}
-    K, V = shape["key_dim"], shape["value_dim"]
+    at the Qwen3-Next shape with the sizes in ``heads`` changed (``Hv=1``), as
+    csrc/cpu/chunked_backward.cpp computes them: an m x n x k product is
+    2 m n k, one that a triangle halves is m n k. Per chunk of L tokens and
+    value head: boundary_states (the exit state for all chunks but the last),
+    chunk_qk again, and the five backward stages."""
+    shape = dataclasses.replace(QWEN3_NEXT, **heads)
+    K, V = shape.Dk, shape.Dv
 
     def full(m, n, k):
         return 2 * m * n * k
@@ -174,7 +174,7 @@ def backward_product_flops(tokens: int, batch: int = 1, **shape) -> int:
         total += 6 * full(L, K, V)  # chunk_carry_backward
         total += half(L, L, V) + half(L, L, K) + half(L, V, L) + half(L, K, L)  # recompute_w_u_b.
         total += 2 * half(L, L, L) + 2 * half(L, K, L)  # kkt_inverse_backward
-    return total * batch * shape["value_heads"]
+    return total * batch * shape.Hv
 
 
 def io_bytes(inputs: dict) -> int:
@@ -190,20 +190,10 @@ def backward_scratch_bytes(tokens: int, threads: int) -> int:
     ([B, T, Hv, Dk] each, summed over the value heads at the end), and per
     thread one problem's chunk store (per chunk the entry state, K K^T, T, W and
     V') and chunk scratch (under 2 MiB)."""
-    Hv, Dk, Dv = SHAPE["value_heads"], SHAPE["key_dim"], SHAPE["value_dim"]
+    Hv, Dk, Dv = QWEN3_NEXT.Hv, QWEN3_NEXT.Dk, QWEN3_NEXT.Dv
     per_head_grads = 2 * tokens * Hv * Dk * 4
     per_chunk = (Dk * Dv + 2 * CHUNK * CHUNK + CHUNK * (Dk + Dv)) * 4
     return per_head_grads + threads * (-(-tokens // CHUNK) * per_chunk + 2 * MiB)
-
-
-def available_memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def peer_skip_reason(tokens: int, full: bool) -> str | None:
@@ -211,7 +201,7 @@ def peer_skip_reason(tokens: int, full: bool) -> str | None:
     backward holds about four float32 states per token, T Hv Dv Dk each (MLX
     core's vjp peaked at 16.8 GiB at T = 2048, where one state per token is 4
     GiB); it runs only where that fits in the memory available now."""
-    states = tokens * SHAPE["value_heads"] * SHAPE["value_dim"] * SHAPE["key_dim"] * 4
+    states = tokens * QWEN3_NEXT.Hv * QWEN3_NEXT.Dv * QWEN3_NEXT.Dk * 4
     if tokens > PEERS_MAX_T_UNLESS_FULL and not full:
         return f"skipped: T > {PEERS_MAX_T_UNLESS_FULL} needs --full"
     available = available_memory_bytes()
@@ -260,21 +250,6 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
     return rows
 
 
-def _layers(dtype):
-    from mlx_lm.models import qwen3_next
-
-    from .bench_layer import QWEN3_NEXT_LAYER
-    from .nn import GatedDeltaNet
-
-    mx.random.seed(0)
-    stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
-    stock.set_dtype(dtype)
-    patched = GatedDeltaNet(QWEN3_NEXT_LAYER)
-    patched.update(stock.parameters())
-    mx.eval(stock.parameters())
-    return patched, stock
-
-
 def layer_step(layer):
     import mlx.nn as nn
 
@@ -286,9 +261,7 @@ def layer_step(layer):
 
 
 def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
-    from .bench_layer import QWEN3_NEXT_LAYER
-
-    patched, stock = _layers(mx.bfloat16)
+    patched, stock = qwen3_next_layers(mx.bfloat16)
     rows = []
     repeats = 3 if quick else 5
     for tokens in tokens_list:
@@ -328,7 +301,7 @@ def report_text(record: dict) -> str:
         f"Training step (forward + backward), CPU: {record['machine']['cpu_model']}, "
         f"{record['machine']['cores']} cores; load average {record['machine']['load_before']} "
         f"before, {record['machine']['load_after']} after",
-        "Core op, Qwen3-Next shape (Hk=16, Hv=32, Dk=Dv=128, B=1), bf16 activations; "
+        f"Core op, Qwen3-Next shape ({QWEN3_NEXT.text(', ')}, B=1), bf16 activations; "
         "median ms per step, peak MiB, (timed repeats)",
         "",
         f"{'T':>5}  {'ours':<26}{'mx.fast vjp':<34}{'mlx-lm ops (use_kernel=False)':<40}"
@@ -347,7 +320,7 @@ def report_text(record: dict) -> str:
         f"FLOPs over its median time, against NumPy's float32 GEMM ({gemm / 1e9:.0f} GFLOP/s, "
         f"{record['roofline']['gemm']['n']}^3, the better of before and after the rows)",
         "peak: MLX's peak over the step; + scratch: with what the backward allocates "
-        "outside MLX (bench_train.backward_scratch_bytes); io: the step's inputs, outputs and "
+        "outside MLX (bench.train.backward_scratch_bytes); io: the step's inputs, outputs and "
         "gradients",
         f"{'T':>5}  {'backward ms':>12}{'GFLOP':>9}{'GFLOP/s':>9}{'of GEMM':>9}"
         f"{'peak MiB':>10}{'+ scratch':>11}{'io MiB':>8}{'(peak+scratch)/io':>19}",
@@ -363,7 +336,8 @@ def report_text(record: dict) -> str:
         )
     lines += [
         "",
-        "Whole layer (Qwen3-Next GatedDeltaNet, hidden 2048, bf16): one training step "
+        f"Whole layer (Qwen3-Next GatedDeltaNet, hidden {QWEN3_NEXT_LAYER.hidden_size}, bf16): "
+        "one training step "
         "(value_and_grad over the layer's parameters)",
         f"{'T':>5}  {'ours (patched layer)':<30}{'mlx-lm stock layer':<40}{'speed-up':>10}",
     ]

@@ -9,28 +9,20 @@ their calls are interleaved and each time is the median of the repeats after
 a warm-up call. mlx-lm's layer is slow here (its projections go through MLX's
 CPU matmul, its recurrence through MLX ops), so prefill rows use few repeats.
 
-    python -m mlx_gated_delta.bench_layer [--quick]
+    python -m mlx_gated_delta.bench.layer [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
-from types import SimpleNamespace
+from functools import partial
 
 import mlx.core as mx
 
-QWEN3_NEXT_LAYER = SimpleNamespace(
-    hidden_size=2048,
-    linear_num_key_heads=16,
-    linear_num_value_heads=32,
-    linear_key_head_dim=128,
-    linear_value_head_dim=128,
-    linear_conv_kernel_dim=4,
-    rms_norm_eps=1e-6,
-)
+from .shapes import QWEN3_NEXT_LAYER
+from .timing import time_rounds
 
 DTYPE_NAMES = {mx.float32: "f32", mx.bfloat16: "bf16"}
 
@@ -51,10 +43,12 @@ def shapes(quick: bool):
     return rows
 
 
-def _layers(dtype):
+def qwen3_next_layers(dtype):
+    """(ours, mlx-lm's stock layer) at the Qwen3-Next shape, holding the same
+    weights (drawn with seed 0), in ``dtype``."""
     from mlx_lm.models import qwen3_next
 
-    from .nn import GatedDeltaNet
+    from ..nn import GatedDeltaNet
 
     mx.random.seed(0)
     stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
@@ -93,13 +87,6 @@ def _inputs(dtype, batch, tokens):
     return x, fresh_cache
 
 
-def _time_call(layer, x, fresh_cache) -> float:
-    cache = fresh_cache()
-    start = time.perf_counter()
-    mx.eval(layer(x, cache=cache), cache[0], cache[1])
-    return time.perf_counter() - start
-
-
 def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[dict]:
     """One row per shape: name, shape, ours_ms, mlx_lm_ms, speedup (and the
     dtype, B, T and repeats)."""
@@ -107,18 +94,22 @@ def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[d
     layers = {}
     for dtype, batch, tokens, repeats in shapes(quick):
         if dtype not in layers:
-            layers = {dtype: _layers(dtype)}
+            layers = {dtype: qwen3_next_layers(dtype)}
         ours, stock = layers[dtype]
         label = f"{DTYPE_NAMES[dtype]} B={batch} T={tokens}"
         if progress is not None:
             progress(f"layer {label}")
         x, fresh_cache = _inputs(dtype, batch, tokens)
-        times = {"ours": [], "mlx-lm": []}
-        for _name, layer in (("ours", ours), ("mlx-lm", stock)):
-            _time_call(layer, x, fresh_cache)  # warm-up
-        for _ in range(repeats):
-            times["ours"].append(_time_call(ours, x, fresh_cache))
-            times["mlx-lm"].append(_time_call(stock, x, fresh_cache))
+
+        def call(layer, cache):
+            mx.eval(layer(x, cache=cache), cache[0], cache[1])
+
+        # Each call starts from a fresh cache, made before its clock starts.
+        times = time_rounds(
+            {"ours": partial(call, ours), "mlx-lm": partial(call, stock)},
+            repeats,
+            prepare=lambda: (fresh_cache(),),
+        )
         ours_ms = statistics.median(times["ours"]) * 1e3
         stock_ms = statistics.median(times["mlx-lm"]) * 1e3
         rows.append(

@@ -1,0 +1,153 @@
+"""The machine a benchmark runs on: its rooflines, measured in the same run (copy bandwidth,
+float32 GEMM FLOP/s through NumPy's BLAS), its caches and memory, and the provenance a record
+keeps (CPU, load, commit, versions)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from .timing import median_seconds
+
+MiB = 1 << 20
+
+
+def measure_copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 7) -> dict:
+    """NumPy ``copyto`` of ``nbytes``: bytes read + written per second.
+
+    Measured on one thread and split over all cores (our kernels use all cores, so the
+    larger of the two is the roofline they are held to).
+    """
+    src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+    moved = 2 * src.nbytes
+    one_thread = moved / median_seconds(lambda: np.copyto(dst, src), repeats)
+
+    cores = os.cpu_count() or 1
+    bounds = np.linspace(0, src.size, cores + 1).astype(np.int64)
+    parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    with ThreadPoolExecutor(cores) as pool:  # copyto releases the GIL
+
+        def copy_all_cores():
+            list(pool.map(lambda p: np.copyto(*p), parts))
+
+        all_cores = moved / median_seconds(copy_all_cores, repeats)
+    return {
+        "bytes_copied": src.nbytes,
+        "one_thread_bytes_per_s": one_thread,
+        "all_cores_bytes_per_s": all_cores,
+        "threads": cores,
+        "bytes_per_s": max(one_thread, all_cores),
+    }
+
+
+def measure_gemm_flops(n: int = 2048, repeats: int = 7) -> dict:
+    """Warm float32 ``n x n`` matrix product through NumPy's BLAS: FLOP per second."""
+    rng = np.random.default_rng(1)
+    a = rng.random((n, n), dtype=np.float32)
+    b = rng.random((n, n), dtype=np.float32)
+    c = np.empty_like(a)
+    np.matmul(a, b, out=c)  # a cold first call is far slower; keep it out of the median
+    seconds = median_seconds(lambda: np.matmul(a, b, out=c), repeats)
+    return {"n": n, "flop_per_s": 2 * n**3 / seconds}
+
+
+def measure_rooflines() -> dict:
+    """Both rooflines, measured now."""
+    return {"copy": measure_copy_bandwidth(), "gemm": measure_gemm_flops()}
+
+
+def best_rooflines(before: dict, after: dict) -> dict:
+    """The higher of the two measurements of each roofline: a neighbour's load during one of
+    them must not make our fraction of the machine look better than it is."""
+    return {
+        "copy": max(before["copy"], after["copy"], key=lambda m: m["bytes_per_s"]),
+        "gemm": max(before["gemm"], after["gemm"], key=lambda m: m["flop_per_s"]),
+        "before_rows": before,
+        "after_rows": after,
+    }
+
+
+def last_level_cache_bytes() -> int | None:
+    """Size of the largest data/unified cache of CPU 0 from sysfs, or None if unreadable."""
+    best = None
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        if kind == "Instruction":
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+        best = value if best is None else max(best, value)
+    return best
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo, or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    try:
+        return subprocess.run(
+            ["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return platform.processor() or "unknown"
+
+
+def load_average() -> float | None:
+    """The 1-minute load average: how many other runnable tasks shared the cores."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
+def git_commit() -> str:
+    """The commit of the checkout the benchmark script runs from (``+dirty`` when it has
+    uncommitted changes), or "unknown" outside a git checkout (an installed package)."""
+    script = Path(sys.argv[0]).resolve()
+    where = script.parent if script.is_file() else Path.cwd()
+
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, cwd=where, check=True
+        ).stdout.strip()
+
+    try:
+        commit = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+dirty" if dirty else "")
+
+
+def package_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
