@@ -14,7 +14,7 @@ namespace mlx_gated_delta::cpu {
 // ---------------------------------------------------------------------------
 // Chunked WY/UT form, per chunk of L tokens with entry state S0 ([Dv, Dk]), as
 // a pipeline of the stages the Metal kernels and the float64 reference
-// (mlx_gated_delta/reference.py) name the same way (docs/numerics.md has the
+// (mlx_gated_delta/reference/) name the same way (docs/numerics.md has the
 // math and the stage table):
 //   qk_norm        q, k rows loaded as float32 (and L2-normalised)
 //   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: the
