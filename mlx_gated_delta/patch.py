@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import mlx.nn as nn
 
+from .layers.qwen import _GatedDeltaNetBase
 from .nn import (
     BailingKDA,
     GatedDeltaNet,
@@ -13,7 +14,6 @@ from .nn import (
     KimiK3DeltaAttention,
     OlmoHybridGatedDeltaNet,
     Qwen35GatedDeltaNet,
-    _GatedDeltaNetBase,
 )
 
 # Our layer classes (a layer of one of these is already patched).
