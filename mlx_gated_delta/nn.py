@@ -27,8 +27,9 @@ projection kernel's vjps), with no fallback to mlx-lm's per-token loop.
 
 Serving: with a `TrimmableArraysCache` (mlx_gated_delta.cache, what a
 patched model's `make_cache` gives), every layer also hands the cache its
-slots after the call's last positions (`kept_positions`, `store_in_cache`),
-so that speculative decoding can trim it.
+slots after the call's last positions (the methods of
+`mlx_gated_delta.layers.cache_protocol.LayerCache`), so that speculative
+decoding can trim it.
 """
 
 from .layers.cache_protocol import kept_positions, store_in_cache

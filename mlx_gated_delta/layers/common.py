@@ -8,7 +8,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..ops import gated_delta_rule
-from .cache_protocol import store_in_cache
+from .cache_protocol import layer_cache
 
 
 class GatedRMSNormWeight(nn.Module):
@@ -29,20 +29,19 @@ def recur_in_cache(
     state read as float32 (a cache filled by another implementation may
     hold another dtype), and the states after `positions` computed in the
     same pass. Then stores the call's `conv_states` (and their
-    `conv_checkpoints`) and the new state (`store_in_cache`). Returns y.
+    `conv_checkpoints`) and the new state (`LayerCache.store`). Returns y.
     Without a cache the state starts at zero and is dropped."""
-    state = cache[-1] if cache is not None else None
+    cache = layer_cache(cache)
+    state = cache[-1]
     if state is not None and state.dtype != mx.float32:
         state = state.astype(mx.float32)
     out, state, *checkpoint_states = gated_delta_rule(
         q, k, v, g, beta, state, scale=scale, mask=mask, normalize_qk=True, checkpoints=positions
     )
-    if cache is not None:
-        store_in_cache(
-            cache,
-            [*conv_states, state],
-            q.shape[1],
-            positions,
-            [*conv_checkpoints, *checkpoint_states],
-        )
+    cache.store(
+        [*conv_states, state],
+        q.shape[1],
+        positions,
+        [*conv_checkpoints, *checkpoint_states],
+    )
     return out

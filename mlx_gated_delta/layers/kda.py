@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache_protocol import kept_positions
+from .cache_protocol import layer_cache
 from .common import recur_in_cache
 from .short_conv import KimiShortConv, short_conv
 
@@ -85,12 +85,9 @@ class KimiDeltaAttention(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        positions = kept_positions(cache, T)
-        if cache is not None:
-            q_state, k_state, v_state, _ = cache
-            lengths = cache.lengths
-        else:
-            q_state = k_state = v_state = lengths = None
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(T)
+        q_state, k_state, v_state, lengths = cache[0], cache[1], cache[2], cache.lengths
         K = self.conv_kernel
         q, q_state, q_kept = short_conv(
             self.q_conv.conv, K, self.q_proj(x), q_state, mask, lengths, positions
@@ -175,11 +172,9 @@ class KimiK3DeltaAttention(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        positions = kept_positions(cache, T)
-        if cache is not None:
-            conv_state, lengths = cache[0], cache.lengths
-        else:
-            conv_state = lengths = None
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(T)
+        conv_state, lengths = cache[0], cache.lengths
         qkv, conv_state, conv_kept = short_conv(
             self.qkv_conv.conv,
             self.conv_kernel,
@@ -263,9 +258,9 @@ class BailingKDA(nn.Module):
     def _conv(self, x, conv, cache, slot, mask, positions):
         """One short convolution, from the conv state in the cache's slot
         (`short_conv`'s output, new conv state and checkpoints)."""
-        state = cache[slot] if cache is not None else None
-        lengths = cache.lengths if cache is not None else None
-        return short_conv(conv, self.conv_kernel_size, x, state, mask, lengths, positions)
+        return short_conv(
+            conv, self.conv_kernel_size, x, cache[slot], mask, cache.lengths, positions
+        )
 
     def __call__(
         self,
@@ -275,7 +270,8 @@ class BailingKDA(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
-        positions = kept_positions(cache, T)
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(T)
         q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
         k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
         v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)

@@ -8,7 +8,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache_protocol import kept_positions
+from .cache_protocol import layer_cache
 from .common import GatedRMSNormWeight, recur_in_cache
 from .short_conv import short_conv
 
@@ -65,11 +65,10 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         """Causal depthwise conv and SiLU (`short_conv`: masked inputs zeroed,
         each row's conv state ending at its own length), from the conv state
         in the cache's slot."""
-        state = cache[slot] if cache is not None else None
+        state = cache[slot]
         if state is not None:
             state = state.astype(x.dtype)
-        lengths = cache.lengths if cache is not None else None
-        return short_conv(conv, self.conv_kernel_size, x, state, mask, lengths, positions)
+        return short_conv(conv, self.conv_kernel_size, x, state, mask, cache.lengths, positions)
 
     def __call__(
         self,
@@ -78,7 +77,8 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         cache: Any | None = None,
     ) -> mx.array:
         B, S, _ = x.shape
-        positions = kept_positions(cache, S)
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(S)
         q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
         k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
         v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import _ext
 from ..segment import gated_delta_segment
-from .cache_protocol import kept_positions, store_in_cache
+from .cache_protocol import layer_cache
 from .common import GatedRMSNormWeight
 
 
@@ -125,18 +125,17 @@ class _GatedDeltaNetBase(nn.Module):
             inputs = nn.layers.distributed.sum_gradients(sharding_group)(inputs)
 
         mixed = self.packed_projection(inputs)
-        conv_state = state = None
-        if cache is not None:
-            conv_state, state = cache[0], cache[1]
-            # A cache filled by another implementation may hold other dtypes.
-            if conv_state is not None and conv_state.dtype != mixed.dtype:
-                conv_state = conv_state.astype(mixed.dtype)
-            if state is not None and state.dtype != mx.float32:
-                state = state.astype(mx.float32)
+        cache = layer_cache(cache)
+        conv_state, state = cache[0], cache[1]
+        # A cache filled by another implementation may hold other dtypes.
+        if conv_state is not None and conv_state.dtype != mixed.dtype:
+            conv_state = conv_state.astype(mixed.dtype)
+        if state is not None and state.dtype != mx.float32:
+            state = state.astype(mx.float32)
 
         # A trimmable cache keeps the states after the call's last tokens:
         # the segment returns them as checkpoints.
-        checkpoints = kept_positions(cache, S)
+        checkpoints = cache.checkpoints_for(S)
 
         # mlx-lm's mask (left padding, lengths) marks the tokens that are not
         # in a row's sequence; the segment skips them, so each row's conv and
@@ -157,8 +156,7 @@ class _GatedDeltaNetBase(nn.Module):
             mask=mask,
             checkpoints=checkpoints,
         )
-        if cache is not None:
-            store_in_cache(cache, [conv_state, state], S, checkpoints, kept)
+        cache.store([conv_state, state], S, checkpoints, kept)
 
         out = out.reshape(B, S, -1)
         if type(self.out_proj) is nn.Linear and "bias" not in self.out_proj:
