@@ -4,6 +4,7 @@ projections and short convolutions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -298,3 +299,39 @@ class BailingKDA(nn.Module):
         out = self.o_norm(out)
         out = out * mx.sigmoid(gate.astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out.reshape(B, T, -1))
+
+
+# The fields each layer's constructor reads, from a built mlx-lm layer of its
+# family (it keeps no config).
+
+
+def kimi_linear_config(layer: nn.Module) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_size=layer.o_proj.weight.shape[0],
+        linear_attn_config=dict(
+            num_heads=layer.num_heads,
+            head_dim=layer.head_dim,
+            short_conv_kernel_size=layer.conv_kernel,
+        ),
+        rms_norm_eps=layer.o_norm.eps,
+    )
+
+
+def kimi_k3_config(layer: nn.Module) -> SimpleNamespace:
+    # Kimi-Linear's fields and the gate's two settings.
+    config = kimi_linear_config(layer)
+    config.linear_attn_config.update(
+        gate_lower_bound=layer.lower_bound, use_full_rank_gate=layer.use_full_rank_gate
+    )
+    return config
+
+
+def bailing_config(layer: nn.Module) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_size=layer.o_proj.weight.shape[0],
+        num_attention_heads=layer.num_heads,
+        head_dim=layer.head_dim,
+        short_conv_kernel_size=layer.conv_kernel_size,
+        kda_lower_bound=layer.lower_bound,
+        rms_norm_eps=layer.o_norm.eps,
+    )

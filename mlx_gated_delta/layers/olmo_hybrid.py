@@ -3,6 +3,7 @@ short convolutions."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -112,3 +113,18 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
         out = (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out.reshape(B, S, -1))
+
+
+def config_from_layer(layer: nn.Module) -> SimpleNamespace:
+    """The fields `OlmoHybridGatedDeltaNet` reads, from a built mlx-lm layer."""
+    return SimpleNamespace(
+        # o_proj's output dim: quantization packs only the input dim.
+        hidden_size=layer.o_proj.weight.shape[0],
+        linear_num_value_heads=layer.num_v_heads,
+        linear_num_key_heads=layer.num_k_heads,
+        linear_key_head_dim=layer.head_k_dim,
+        linear_value_head_dim=layer.head_v_dim,
+        linear_conv_kernel_dim=layer.conv_kernel_size,
+        linear_allow_neg_eigval=layer.allow_neg_eigval,
+        layer_norm_epsilon=layer.o_norm.eps,
+    )

@@ -23,6 +23,7 @@ projections are the modules' own calls.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -248,3 +249,18 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
 
     def _packed_columns(self):
         return None
+
+
+def config_from_layer(layer: nn.Module) -> SimpleNamespace:
+    """The fields both Qwen layers' constructor reads, from a built mlx-lm
+    layer of either family (it keeps no config; after mlx-lm's `shard` these
+    are per rank)."""
+    return SimpleNamespace(
+        hidden_size=layer.hidden_size,
+        linear_num_value_heads=layer.num_v_heads,
+        linear_num_key_heads=layer.num_k_heads,
+        linear_key_head_dim=layer.head_k_dim,
+        linear_value_head_dim=layer.head_v_dim,
+        linear_conv_kernel_dim=layer.conv_kernel_size,
+        rms_norm_eps=layer.layer_norm_epsilon,
+    )

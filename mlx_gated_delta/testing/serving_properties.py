@@ -27,14 +27,14 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E4
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import (  # noqa: E402
-    FAMILIES,
+    FAMILY,
     VOCAB,
     check,
     family_model,
     tokens,
 )
 
-KINDS = tuple(sorted(FAMILIES))
+KINDS = tuple(sorted(FAMILY))
 
 # The families whose tiny models give bitwise the same states and logits
 # however a prompt is split into calls, so that a trim and re-feed can be
