@@ -93,7 +93,7 @@ def test_a_trim_that_breaks_the_state_is_caught_by_the_refeed_check(kind):
     # checkpoint index would do) changes the logits of the re-fed tokens
     # beyond the self-consistency contract, so it fails the property whether
     # the family is compared bit for bit or within that contract
-    # (serving_properties.BITWISE_SPLIT_KINDS).
+    # (the family record's `splits_bitwise`).
     model = patched(kind, 3)
     sequence = tokens(9, (1, 20))
     cache = make_prompt_cache(model)

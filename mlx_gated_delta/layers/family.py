@@ -5,8 +5,8 @@ what `patch_mlx_lm` and the property tests know of it, in one place
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.nn as nn
@@ -27,6 +27,13 @@ class Family:
       family (mlx-lm's own layers, unpatched), with `tiny_model_layers`
       gated-delta layers and their gate parameters drawn from `seed`; the
       model the property tests run.
+    - `tiny_model_variants`: named `options` of `tiny_model`, one per
+      setting of the layer the parity tests cover (the first is
+      `tiny_model`'s default).
+    - `splits_bitwise`: whether that model gives bitwise the same states and
+      logits however a prompt is split into calls, so that the serving
+      tests can compare a trimmed and re-fed cache with a fresh one bit for
+      bit (testing/serving_properties.py).
     """
 
     name: str
@@ -35,6 +42,10 @@ class Family:
     config_from_layer: Callable[[nn.Module], Any]
     tiny_model: Callable[..., nn.Module]
     tiny_model_layers: int
+    splits_bitwise: bool
+    tiny_model_variants: Mapping[str, Mapping[str, Any]] = field(
+        default_factory=lambda: {"default": {}}
+    )
 
     def mlx_lm_layer(self) -> type[nn.Module]:
         """mlx-lm's layer class (imports mlx-lm, which the package itself

@@ -52,4 +52,5 @@ FAMILY = Family(
     config_from_layer=bailing_config,
     tiny_model=tiny_model,
     tiny_model_layers=3,
+    splits_bitwise=True,
 )

@@ -56,4 +56,14 @@ FAMILY = Family(
     config_from_layer=kimi_k3_config,
     tiny_model=tiny_model,
     tiny_model_layers=3,
+    # As Kimi-Linear's: its conv states depend, by rounding, on how the
+    # tokens were split into calls, stock and patched alike.
+    splits_bitwise=False,
+    # With and without gate_lower_bound: a layer that ignored it (or always
+    # applied it) fails one of the cases.
+    tiny_model_variants={
+        "lower_bound": dict(lower_bound=-5.0),
+        "no_lower_bound": dict(lower_bound=None),
+        "full_rank_gate": dict(lower_bound=-3.0, full_rank_gate=True),
+    },
 )

@@ -53,4 +53,9 @@ FAMILY = Family(
     config_from_layer=kimi_linear_config,
     tiny_model=tiny_model,
     tiny_model_layers=3,
+    # Seen: the conv states after two one-token calls and after one
+    # two-token call differ by 3.6e-7, in mlx-lm's own model as in the
+    # patched one (MLX's matmuls round differently for another number of
+    # rows).
+    splits_bitwise=False,
 )

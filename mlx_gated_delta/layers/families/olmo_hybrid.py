@@ -51,4 +51,11 @@ FAMILY = Family(
     config_from_layer=config_from_layer,
     tiny_model=tiny_model,
     tiny_model_layers=3,
+    splits_bitwise=True,
+    # beta in [0, 2] and in [0, 1]: a layer that dropped the factor 2 (or
+    # applied it always) fails one of the two.
+    tiny_model_variants={
+        "neg_eigval": dict(allow_neg_eigval=True),
+        "no_neg_eigval": dict(allow_neg_eigval=False),
+    },
 )

@@ -38,4 +38,5 @@ FAMILY = Family(
     config_from_layer=config_from_layer,
     tiny_model=tiny_model,
     tiny_model_layers=3,
+    splits_bitwise=True,
 )
