@@ -31,14 +31,20 @@ from __future__ import annotations
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import ArraysCache
 
+from .layers.cache_protocol import LayerCache
+
 # Tokens a trim may reach back by default: speculative decoding drafts a few
 # tokens per step (mlx-lm's default is 2), 16 leaves a wide margin.
 DEFAULT_TRIM_WINDOW = 16
 
 
-class TrimmableArraysCache(ArraysCache):
+class TrimmableArraysCache(ArraysCache, LayerCache):
     """mlx-lm's `ArraysCache` (conv states, then the state) that `trim(n)` rewinds
     by up to `window` tokens (its most recent ones, across calls).
+
+    The layers give it the slots after the positions it asks for
+    (`checkpoints_for`, `store`: the protocol of
+    mlx_gated_delta.layers.cache_protocol.LayerCache).
 
     `trimmable_tokens()` says how far a trim can reach now; `trim(n)` beyond
     it raises `ValueError` rather than leave a wrong state. The window starts
@@ -88,9 +94,20 @@ class TrimmableArraysCache(ArraysCache):
         self._pending = sorted(positions)
         return self._pending or None
 
+    def store(self, slots: list, tokens: int, positions=None, slot_checkpoints=()):
+        """A layer's call of `tokens` tokens: its new value of every slot and,
+        for the `positions` of `checkpoints_for(tokens)`, each slot's values
+        there (`slot_checkpoints`, one list per slot, in the order of
+        `positions`); then advances mlx-lm's lengths and padding."""
+        kept = None
+        if positions:
+            kept = [[values[n] for values in slot_checkpoints] for n in range(len(positions))]
+        self.update(slots, tokens, kept)
+        self.advance(tokens)
+
     def update(self, slots: list, tokens: int, checkpoints: list | None = None):
-        """The layer's update after a call of `tokens` tokens: the new value
-        of every slot, and the slots' values after each position of
+        """What `store` keeps of a call of `tokens` tokens: the new value of
+        every slot, and the slots' values after each position of
         `checkpoints_for(tokens)` (None for a call without such positions,
         one token)."""
         kept = {}

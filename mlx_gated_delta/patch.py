@@ -2,28 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlx.nn as nn
 
-from .nn import (
-    BailingKDA,
-    GatedDeltaNet,
-    KimiDeltaAttention,
-    KimiK3DeltaAttention,
-    OlmoHybridGatedDeltaNet,
-    Qwen35GatedDeltaNet,
-    _GatedDeltaNetBase,
-)
+from .layers import FAMILIES, Family
 
 # Our layer classes (a layer of one of these is already patched).
-_OURS = (
-    _GatedDeltaNetBase,
-    OlmoHybridGatedDeltaNet,
-    KimiDeltaAttention,
-    KimiK3DeltaAttention,
-    BailingKDA,
-)
+_OURS = tuple(family.layer for family in FAMILIES)
 
 # The names of mlx-lm's gated-delta recurrences (mlx_lm.models.gated_delta's
 # and MLX's `mx.fast.gated_delta_update`): a module whose own methods call one
@@ -31,25 +15,10 @@ _OURS = (
 _RECURRENCE_NAMES = frozenset(("gated_delta_update", "gated_delta_ops", "gated_delta_kernel"))
 
 
-def _replacements():
-    """mlx-lm's layer classes and the class of ours that replaces each."""
-    from mlx_lm.models import (
-        bailing_moe_v3,
-        kimi_k3,
-        kimi_linear,
-        olmo_hybrid,
-        qwen3_5,
-        qwen3_next,
-    )
-
-    return {
-        qwen3_next.Qwen3NextGatedDeltaNet: GatedDeltaNet,
-        qwen3_5.GatedDeltaNet: Qwen35GatedDeltaNet,
-        olmo_hybrid.GatedDeltaNet: OlmoHybridGatedDeltaNet,
-        kimi_linear.KimiDeltaAttention: KimiDeltaAttention,
-        kimi_k3.KimiK3DeltaAttention: KimiK3DeltaAttention,
-        bailing_moe_v3.BailingKDA: BailingKDA,
-    }
+def _replacements() -> dict[type, Family]:
+    """mlx-lm's layer classes and the family record of each (whose `layer`
+    replaces it), in the order of FAMILIES."""
+    return {family.mlx_lm_layer(): family for family in FAMILIES}
 
 
 def _code_names(code) -> set[str]:
@@ -96,83 +65,8 @@ def _unknown_reason(layer: nn.Module, replacements) -> str | None:
     return None
 
 
-def _kimi_linear_config(layer: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        hidden_size=layer.o_proj.weight.shape[0],
-        linear_attn_config=dict(
-            num_heads=layer.num_heads,
-            head_dim=layer.head_dim,
-            short_conv_kernel_size=layer.conv_kernel,
-        ),
-        rms_norm_eps=layer.o_norm.eps,
-    )
-
-
-def _kimi_k3_config(layer: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        hidden_size=layer.o_proj.weight.shape[0],
-        linear_attn_config=dict(
-            num_heads=layer.num_heads,
-            head_dim=layer.head_dim,
-            short_conv_kernel_size=layer.conv_kernel,
-            gate_lower_bound=layer.lower_bound,
-            use_full_rank_gate=layer.use_full_rank_gate,
-        ),
-        rms_norm_eps=layer.o_norm.eps,
-    )
-
-
-def _bailing_config(layer: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        hidden_size=layer.o_proj.weight.shape[0],
-        num_attention_heads=layer.num_heads,
-        head_dim=layer.head_dim,
-        short_conv_kernel_size=layer.conv_kernel_size,
-        kda_lower_bound=layer.lower_bound,
-        rms_norm_eps=layer.o_norm.eps,
-    )
-
-
-def _olmo_hybrid_config(layer: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        # o_proj's output dim: quantization packs only the input dim.
-        hidden_size=layer.o_proj.weight.shape[0],
-        linear_num_value_heads=layer.num_v_heads,
-        linear_num_key_heads=layer.num_k_heads,
-        linear_key_head_dim=layer.head_k_dim,
-        linear_value_head_dim=layer.head_v_dim,
-        linear_conv_kernel_dim=layer.conv_kernel_size,
-        linear_allow_neg_eigval=layer.allow_neg_eigval,
-        layer_norm_epsilon=layer.o_norm.eps,
-    )
-
-
-def _qwen_config(layer: nn.Module) -> SimpleNamespace:
-    return SimpleNamespace(
-        hidden_size=layer.hidden_size,
-        linear_num_value_heads=layer.num_v_heads,
-        linear_num_key_heads=layer.num_k_heads,
-        linear_key_head_dim=layer.head_k_dim,
-        linear_value_head_dim=layer.head_v_dim,
-        linear_conv_kernel_dim=layer.conv_kernel_size,
-        rms_norm_eps=layer.layer_norm_epsilon,
-    )
-
-
-# The fields each of our constructors reads, taken from a built mlx-lm layer
-# (it does not keep its config; after mlx-lm's `shard` these are per rank).
-_CONFIGS = {
-    GatedDeltaNet: _qwen_config,
-    Qwen35GatedDeltaNet: _qwen_config,
-    OlmoHybridGatedDeltaNet: _olmo_hybrid_config,
-    KimiDeltaAttention: _kimi_linear_config,
-    KimiK3DeltaAttention: _kimi_k3_config,
-    BailingKDA: _bailing_config,
-}
-
-
-def _swap(layer: nn.Module, ours_class) -> nn.Module:
-    ours = ours_class(_CONFIGS[ours_class](layer))
+def _swap(layer: nn.Module, family: Family) -> nn.Module:
+    ours = family.layer(family.config_from_layer(layer))
     # Take over mlx-lm's own children and parameters (plain or quantized, the
     # same arrays, nothing copied), so the module tree is unchanged.
     for name in list(ours.keys()):
@@ -187,8 +81,9 @@ def _swap(layer: nn.Module, ours_class) -> nn.Module:
 
 def patch_mlx_lm(model: nn.Module) -> int:
     """Replace every gated-delta layer of an mlx-lm Qwen3-Next, Qwen3.5,
-    OLMo-Hybrid, Kimi-Linear, Kimi-K3 or Bailing-MoE-V3 model by ours, in
-    place, keeping its weights; returns how many it replaced.
+    OLMo-Hybrid, Kimi-Linear, Kimi-K3 or Bailing-MoE-V3 model (the records
+    of `mlx_gated_delta.layers.FAMILIES`) by ours, in place, keeping its
+    weights; returns how many it replaced.
 
     Generation then runs the fused segment (Qwen3-Next, Qwen3.5) or the core
     op between mlx-lm's projections and convolutions (the other families).
@@ -211,7 +106,7 @@ def patch_mlx_lm(model: nn.Module) -> int:
     """
     replacements = _replacements()
     names = {id(module): name for name, module in model.named_modules()}
-    found = []  # (parent, key, index, layer, our class)
+    found = []  # (parent, key, index, layer, family)
     unknown = []  # (name, layer, reason)
     already_ours = 0
     for parent in model.modules():
@@ -223,9 +118,9 @@ def patch_mlx_lm(model: nn.Module) -> int:
                     continue
                 if isinstance(layer, _OURS):
                     already_ours += 1
-                ours_class = replacements.get(type(layer))
-                if ours_class is not None:
-                    found.append((parent, key, index, layer, ours_class))
+                family = replacements.get(type(layer))
+                if family is not None:
+                    found.append((parent, key, index, layer, family))
                 reason = _unknown_reason(layer, replacements)
                 if reason is not None:
                     unknown.append((names.get(id(layer), key), layer, reason))
@@ -245,8 +140,8 @@ def patch_mlx_lm(model: nn.Module) -> int:
             f"Gated DeltaNet layer (mlx-lm's "
             f"{', '.join(_class_name(c) for c in replacements)}); nothing to replace"
         )
-    for parent, key, index, layer, ours_class in found:
-        ours = _swap(layer, ours_class)
+    for parent, key, index, layer, family in found:
+        ours = _swap(layer, family)
         if index is None:
             parent[key] = ours
         else:

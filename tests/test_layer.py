@@ -3,7 +3,8 @@ parity with mlx-lm's own layers, the cache (conv-state layout, batching with
 padding, prompt caches), weight loading and quantization, errors. The layer's
 property tests (patched vs mlx-lm's logits and greedy tokens, prefill + decode)
 live in the package, so that `python -m mlx_gated_delta selftest` runs them
-too; collected here by name, with the tiny models they build."""
+too; collected here by name. The tiny models are the family records'
+(mlx_gated_delta.layers.FAMILIES)."""
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -18,12 +19,14 @@ from mlx_lm.models import qwen3_next  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
+from mlx_gated_delta.layers import FAMILIES  # noqa: E402
+from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
 from mlx_gated_delta.testing import layer_properties, segment_properties  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import *  # noqa: E402,F401,F403
-from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import family_model, tokens  # noqa: E402
 from mlx_gated_delta.testing.segment_cases import segment_out_terms  # noqa: E402
 
 FINGERPRINTS = {**layer_properties.FINGERPRINTS, **segment_properties.FINGERPRINTS}
@@ -42,7 +45,7 @@ def check(name, actual, expected, contract_id, terms=None):
 
 def test_segment_oracle_reproduces_mlx_lm_layer():
     mx.random.seed(0)
-    stock = qwen3_next.Qwen3NextGatedDeltaNet(next_args())
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(tiny_args())
     stock.dt_bias = mx.random.normal((4,))
     stock.norm.weight = mx.random.uniform(0.5, 1.5, (8,))
     # Without its output projection the layer returns the segment's out.
@@ -88,7 +91,7 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
 
 
 def test_patch_keeps_the_parameter_tree_and_arrays():
-    model = build("qwen3_next", 3)
+    model = family_model("qwen3_next", 3)
     before = dict(tree_flatten(model.parameters()))
     patch_mlx_lm(model)
     after = dict(tree_flatten(model.parameters()))
@@ -98,7 +101,7 @@ def test_patch_keeps_the_parameter_tree_and_arrays():
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
 def test_batched_with_left_padding_equals_unbatched(kind):
-    model = build(kind, 6)
+    model = family_model(kind, 6)
     patch_mlx_lm(model)
     lengths = [13, 6, 9]
     width = max(lengths)
@@ -164,7 +167,7 @@ def greedy(model, prompt, max_tokens, prompt_cache=None):
 
 @pytest.mark.parametrize("kind", ["qwen3_next", "qwen3_5"])
 def test_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(kind):
-    model = build(kind, 21)
+    model = family_model(kind, 21)
     prompts = [[int(t) for t in tokens(30 + i, (n,))] for i, n in enumerate([9, 3, 17])]
     expected = greedy_batch(model, prompts, 6)
     patch_mlx_lm(model)
@@ -176,11 +179,7 @@ def test_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(kind):
 def test_kda_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(family):
     # Continuous batching runs the KDA layers with mlx-lm's masks (left
     # padding) and lengths-aware conv states.
-    model = {
-        "kimi_linear": layer_properties.kimi_linear_model,
-        "kimi_k3": layer_properties.kimi_k3_model,
-        "bailing_moe_v3": layer_properties.bailing_moe_v3_model,
-    }[family](40)
+    model = family_model(family, 40)
     prompts = [[int(t) for t in tokens(41 + i, (n,))] for i, n in enumerate([9, 3, 17])]
     expected = greedy_batch(model, prompts, 6)
     assert patch_mlx_lm(model) == 3
@@ -189,7 +188,7 @@ def test_kda_batch_generator_gives_mlx_lm_tokens_and_the_unbatched_ones(family):
 
 
 def test_prompt_cache_across_turns_gives_mlx_lm_tokens():
-    model = build("qwen3_next", 22)
+    model = family_model("qwen3_next", 22)
     turns = [[int(t) for t in tokens(40 + i, (n,))] for i, n in enumerate([11, 5])]
 
     def conversation():
@@ -206,8 +205,8 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     # rows early (mlx-lm's batched prefill): the same conv states (the same
     # projected inputs), states and valid outputs.
     mx.random.seed(7)
-    stock = qwen3_next.Qwen3NextGatedDeltaNet(next_args())
-    ours = GatedDeltaNet(next_args())
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(tiny_args())
+    ours = GatedDeltaNet(tiny_args())
     ours.update(stock.parameters())
     x = mx.random.normal((2, 9, 64))
     stock_cache, our_cache = ArraysCache(2), ArraysCache(2)
@@ -235,8 +234,8 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     # The cache layout is mlx-lm's: prefill with one implementation, decode
     # with the other, and get what either gives alone.
     mx.random.seed(14)
-    stock = qwen3_next.Qwen3NextGatedDeltaNet(next_args())
-    ours = GatedDeltaNet(next_args())
+    stock = qwen3_next.Qwen3NextGatedDeltaNet(tiny_args())
+    ours = GatedDeltaNet(tiny_args())
     ours.update(stock.parameters())
     prefill, decode = mx.random.normal((2, 10, 64)), mx.random.normal((2, 3, 64))
     layers = {"ours": ours, "mlx-lm": stock}
@@ -250,20 +249,16 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
 
 
-@pytest.mark.parametrize("family", sorted(layer_properties.FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
 def test_every_family_keeps_mlx_lm_s_parameter_tree_fresh_and_patched(family):
     # Our layer built from the stock layer's settings has mlx-lm's parameter
     # names and shapes (checkpoints load into it), and patching keeps the
     # model's tree and its very arrays.
-    from mlx_gated_delta.patch import _CONFIGS, _replacements
-
-    model = layer_properties.family_model(family)
-    replacements = _replacements()
-    stock = [m for _, m in model.named_modules() if type(m) in replacements]
-    assert stock
+    model = family.tiny_model(30)
+    stock = [m for _, m in model.named_modules() if type(m) is family.mlx_lm_layer()]
+    assert len(stock) == family.tiny_model_layers
     for layer in stock:
-        ours_class = replacements[type(layer)]
-        fresh = ours_class(_CONFIGS[ours_class](layer))
+        fresh = family.layer(family.config_from_layer(layer))
         shapes = {name: a.shape for name, a in tree_flatten(layer.parameters())}
         assert {name: a.shape for name, a in tree_flatten(fresh.parameters())} == shapes
     before = dict(tree_flatten(model.parameters()))
@@ -276,7 +271,7 @@ def test_every_family_keeps_mlx_lm_s_parameter_tree_fresh_and_patched(family):
 @pytest.mark.parametrize("family", ["kimi_k3", "bailing_moe_v3"])
 def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
     def quantized():
-        model = layer_properties.family_model(family)
+        model = family_model(family)
         # Every module whose input dim fits the group size (f_b_proj and
         # g_b_proj read 16 dims: left in float32).
         nn.quantize(
@@ -300,10 +295,10 @@ def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
 
 
 def test_load_weights_after_patching_reaches_the_patched_layers():
-    source = build("qwen3_next", 8)
+    source = family_model("qwen3_next", 8)
     prompt = tokens(9, (1, 12))
     expected = source(prompt)
-    target = build("qwen3_next", 99)
+    target = family_model("qwen3_next", 99)
     patch_mlx_lm(target)
     before = target(prompt)  # the packed projection is built from seed 99
     target.load_weights(list(tree_flatten(source.parameters())))
@@ -313,11 +308,11 @@ def test_load_weights_after_patching_reaches_the_patched_layers():
 
 @pytest.mark.parametrize("patch_first", [False, True])
 def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
-    model = build("qwen3_next", 11)
+    model = family_model("qwen3_next", 11)
     nn.quantize(model, group_size=32, bits=8)
     prompt = tokens(12, (1, 20))
     expected = model(prompt)
-    patched = build("qwen3_next", 11)
+    patched = family_model("qwen3_next", 11)
     if patch_first:  # quantizing replaces the arrays the packed weight came from
         patch_mlx_lm(patched)
         patched(prompt)
@@ -409,7 +404,7 @@ class _StaticRecurrence(nn.Module):
 @pytest.mark.parametrize(
     "unknown, reason",
     [
-        (lambda: _Subclassed(next_args()), "a subclass of mlx-lm's"),
+        (lambda: _Subclassed(tiny_args()), "a subclass of mlx-lm's"),
         (_OwnRecurrence, "calls mlx-lm's gated-delta recurrence"),
         (_StaticRecurrence, "calls mlx-lm's gated-delta recurrence"),
     ],
@@ -418,7 +413,7 @@ def test_patch_refuses_a_gated_delta_layer_it_does_not_know_naming_it(unknown, r
     # Layer 2 of a Qwen3-Next model becomes a gated-delta layer of a class
     # patch_mlx_lm does not know: it raises, naming that layer, its class and
     # why, and replaces none of the model's layers (no half-patched model).
-    model = build("qwen3_next", 17)
+    model = family_model("qwen3_next", 17)
     model.model.layers[2].linear_attn = unknown()
     name = type(model.model.layers[2].linear_attn).__qualname__
     with pytest.raises(ValueError, match="does not know") as raised:
@@ -435,19 +430,19 @@ def test_patch_refuses_a_gated_delta_layer_it_does_not_know_naming_it(unknown, r
 def test_the_unknown_layer_check_leaves_other_modules_alone():
     # Probe for the check above: the same model with a plain module (no
     # recurrence) in that place patches the other layers without complaint.
-    model = build("qwen3_next", 17)
+    model = family_model("qwen3_next", 17)
     model.model.layers[2].linear_attn = nn.Linear(64, 64, bias=False)
     assert patch_mlx_lm(model) == 2
 
 
 def test_patching_twice_replaces_nothing_more():
-    model = build("qwen3_next", 13)
+    model = family_model("qwen3_next", 13)
     assert patch_mlx_lm(model) == 3
     assert patch_mlx_lm(model) == 0
 
 
 def test_layer_rejects_head_counts_that_do_not_divide():
-    args = next_args()
+    args = tiny_args()
     args.linear_num_value_heads = 3
     with pytest.raises(ValueError, match="multiple"):
         GatedDeltaNet(args)

@@ -22,10 +22,10 @@ from mlx_lm.tuner.trainer import default_loss  # noqa: E402
 from mlx_lm.tuner.utils import linear_to_lora_layers  # noqa: E402
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
+from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
-from mlx_gated_delta.testing import layer_properties  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import build, next_args, tokens  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import FAMILY, family_model, tokens  # noqa: E402
 
 FINGERPRINTS = {
     "layer_grad.mlx_lm_parity.v1.float32.parameter_grad": "0b64f106516a2c97657ca76a5bf64683d05eb5921187e5a11e605d328a000069",
@@ -49,12 +49,12 @@ def check(name, actual, expected, contract_id):
 
 
 def build_dense_routing_qwen3_next(seed):
-    """layer_properties.build's Qwen3-Next with every expert active: its
+    """The tiny Qwen3-Next model with every expert active: its
     top-2-of-4 routing is a discontinuous function of the weights, and a
     float32-level difference that flips one token's expert choice moves the
     loss by far more than any gradient error; with all experts routed the
     model is smooth in its weights."""
-    args = next_args()
+    args = tiny_args()
     args.num_experts_per_tok = args.num_experts
     mx.random.seed(seed)
     model = qwen3_next.Model(args)
@@ -71,7 +71,7 @@ def stock_and_patched(kind, seed, quantize=False, lora=False):
         if kind == "qwen3_next_all_experts":
             model = build_dense_routing_qwen3_next(seed)
         else:
-            model = build(kind, seed)
+            model = family_model(kind, seed)
         if quantize:
             nn.quantize(model, group_size=32, bits=4)
         if patched:
@@ -191,7 +191,7 @@ def test_no_stale_weight_after_a_compiled_step_or_an_in_place_update(kind):
     assert projection.weight is weight_object
 
     # The patched model's logits are those of a stock model with its weights.
-    stock = build(kind, 6)
+    stock = family_model(kind, 6)
     stock.load_weights(list(tree_flatten(ours.parameters())))
     ours.eval()
     stock.eval()
@@ -199,28 +199,24 @@ def test_no_stale_weight_after_a_compiled_step_or_an_in_place_update(kind):
 
 
 # The families whose layers run the core op between mlx-lm's projections and
-# convolutions (per-key gates for the three KDA layers): a builder of a tiny
-# random model and the name of its gated-delta child.
-CORE_OP_FAMILIES = {
-    "olmo_hybrid": (lambda seed: layer_properties.olmo_hybrid_model(True, seed), "linear_attn"),
-    "kimi_linear": (layer_properties.kimi_linear_model, "self_attn"),
-    "kimi_k3": (layer_properties.kimi_k3_model, "self_attn"),
-    "bailing_moe_v3": (layer_properties.bailing_moe_v3_model, "attention"),
-}
+# convolutions (per-key gates for the three KDA layers): every family but
+# the two Qwen ones (KINDS, on the segment, above).
+CORE_OP_FAMILIES = [name for name in FAMILY if name not in KINDS]
 
 
 @pytest.mark.parametrize("family", sorted(CORE_OP_FAMILIES))
 def test_patched_core_op_families_parameter_gradients_equal_the_stock_models(family):
-    builder, child = CORE_OP_FAMILIES[family]
-    stock, ours = builder(5), builder(5)
-    assert patch_mlx_lm(ours) == 3
+    stock, ours = family_model(family, 5), family_model(family, 5)
+    assert patch_mlx_lm(ours) == FAMILY[family].tiny_model_layers
     stock.train()
     ours.train()
     sequence, lengths = batch(6)
     stock_loss, stock_grads = gradients(stock, sequence, lengths)
     our_loss, our_grads = gradients(ours, sequence, lengths)
     assert stock_grads.keys() == our_grads.keys()
-    layer_grads = [name for name in our_grads if f".{child}." in name]
+    # The parameters under the gated-delta layers, ours after patching.
+    layers = [name for name, m in ours.named_modules() if isinstance(m, FAMILY[family].layer)]
+    layer_grads = [name for name in our_grads if name.startswith(tuple(f"{n}." for n in layers))]
     # Every parameter of the gated-delta layers gets a gradient (its
     # projections, convolutions, A_log, dt_bias, norms), compared below.
     assert layer_grads

@@ -48,6 +48,27 @@ def test_patched_models_make_trimmable_caches():
     assert model.make_cache is make_cache
 
 
+def test_a_layer_sees_each_kind_of_cache_through_the_protocol():
+    from mlx_gated_delta.layers.cache_protocol import NO_CACHE, LayerCache, layer_cache
+
+    trimmable = TrimmableArraysCache(2)
+    assert layer_cache(trimmable) is trimmable
+    # No cache: empty slots, nothing kept or stored.
+    assert layer_cache(None) is NO_CACHE
+    assert NO_CACHE[0] is None and NO_CACHE.lengths is None
+    assert NO_CACHE.checkpoints_for(5) is None
+    # mlx-lm's own cache: its slots and lengths, no checkpoints; a store
+    # writes the slots and advances the lengths, as mlx-lm's layers do.
+    plain = ArraysCache(2)
+    plain.prepare(lengths=[5, 3])
+    seen = layer_cache(plain)
+    assert isinstance(seen, LayerCache) and seen.checkpoints_for(5) is None
+    slots = [mx.zeros((2, 3, 4)), mx.ones((2, 1, 4, 4))]
+    seen.store(slots, 2)
+    assert plain[0] is slots[0] and seen[1] is slots[1]
+    assert seen.lengths.tolist() == [3, 1]
+
+
 def test_trim_reaches_back_across_calls_and_within_a_call_up_to_the_window():
     model = patched("qwen3_5", 2)
     sequence = tokens(4, (1, 40))
@@ -72,7 +93,7 @@ def test_a_trim_that_breaks_the_state_is_caught_by_the_refeed_check(kind):
     # checkpoint index would do) changes the logits of the re-fed tokens
     # beyond the self-consistency contract, so it fails the property whether
     # the family is compared bit for bit or within that contract
-    # (serving_properties.BITWISE_SPLIT_KINDS).
+    # (the family record's `splits_bitwise`).
     model = patched(kind, 3)
     sequence = tokens(9, (1, 20))
     cache = make_prompt_cache(model)

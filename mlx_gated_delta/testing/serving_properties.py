@@ -1,9 +1,9 @@
-"""Property tests of serving with a patched model of each of the six
-families (docs/contract.md, "A trimmable cache"): trimming the cache and
-feeding the same tokens again equals a fresh cache fed them, however the
-tokens were split into calls; and mlx-lm's speculative decoding yields
-exactly the greedy tokens, with a pure-attention draft and with a hybrid
-one, whatever the draft accepts.
+"""Property tests of serving with a patched model of each family record
+(`mlx_gated_delta.layers.FAMILIES`; docs/contract.md, "A trimmable cache"):
+trimming the cache and feeding the same tokens again equals a fresh cache
+fed them, however the tokens were split into calls; and mlx-lm's
+speculative decoding yields exactly the greedy tokens, with a
+pure-attention draft and with a hybrid one, whatever the draft accepts.
 
 Run by the repository's suite (`tests/test_serving.py`) and by
 `python -m mlx_gated_delta selftest`, on the default device. They need mlx-lm
@@ -26,25 +26,16 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache  # noqa: E4
 
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW  # noqa: E402
+from mlx_gated_delta.layers import FAMILIES  # noqa: E402
+from mlx_gated_delta.layers.families.tiny import VOCAB  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import (  # noqa: E402
-    FAMILIES,
-    VOCAB,
+    FAMILY,
     check,
     family_model,
     tokens,
 )
 
-KINDS = tuple(sorted(FAMILIES))
-
-# The families whose tiny models give bitwise the same states and logits
-# however a prompt is split into calls, so that a trim and re-feed can be
-# compared with a fresh cache bit for bit. In the others the stock mlx-lm
-# model itself does not (seen: Kimi-Linear's and Kimi-K3's conv states after
-# two one-token calls and after one two-token call differ by 3.6e-7, stock
-# and patched alike: MLX's matmuls round differently for another number of
-# rows); there the re-fed logits are held to the layer's self-consistency
-# contract, which a state one token off violates (tests/test_serving.py).
-BITWISE_SPLIT_KINDS = ("qwen3_next", "qwen3_5", "olmo_hybrid", "bailing_moe_v3")
+KINDS = tuple(sorted(family.name for family in FAMILIES))
 
 
 def patched(kind, seed, noise=0.0):
@@ -109,7 +100,12 @@ def test_trim_then_refeed_equals_a_fresh_cache(kind, data):
     refed = feed(model, cache, sequence, [length - trim, length])
     fresh_cache = make_prompt_cache(model)
     fresh = feed(model, fresh_cache, sequence, [0, length - trim, length])
-    if kind not in BITWISE_SPLIT_KINDS:
+    # Where the family's tiny model does not give bitwise the same states
+    # however a prompt is split into calls (its record's `splits_bitwise`,
+    # stock and patched alike), the re-fed logits are held to the layer's
+    # self-consistency contract, which a state one token off violates
+    # (tests/test_serving.py).
+    if not FAMILY[kind].splits_bitwise:
         check("logits", refed, fresh, "layer.self_consistency.v2.float32.logits")
         return
     # The same calls after the trim point from the same restored states:

@@ -1,0 +1,337 @@
+"""The Kimi Delta Attention layers (Kimi-Linear's, Kimi-K3's and
+Bailing-MoE-V3's): the core op, with per-key-channel gates, between mlx-lm's
+projections and short convolutions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache_protocol import layer_cache
+from .common import recur_in_cache
+from .short_conv import KimiShortConv, short_conv
+
+
+def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
+    """The per-key-channel log decays `g` `[B, T, H, Dk]` (float32) of Kimi
+    Delta Attention, from the gate logits `f` `[B, T, H, Dk]`, `A_log` (H
+    values, any shape) and `dt_bias` (`H * Dk` values, read per head and key
+    channel):
+
+    - `lower_bound=None` (Kimi-Linear, Kimi-K3 without it):
+      `g = -exp(A_log[h]) softplus(f + dt_bias[h, c])`, in `(-inf, 0]`.
+    - a `lower_bound` (Bailing-MoE-V3, Kimi-K3 with `gate_lower_bound`):
+      `g = lower_bound sigmoid(exp(A_log[h]) (f + dt_bias[h, c]))`, in
+      `[lower_bound, 0]`: each token keeps at least `exp(lower_bound)` of
+      every state column.
+
+    The log of mlx-lm's linear decays (`compute_g`, `compute_lower_bound_g`)
+    for the core op's per-key gates; the activations are read as float32.
+    """
+    H, D = f.shape[-2], f.shape[-1]
+    rate = mx.exp(A_log.reshape(H, 1).astype(mx.float32))
+    logits = f.astype(mx.float32) + dt_bias.reshape(H, D).astype(mx.float32)
+    if lower_bound is None:
+        return -rate * nn.softplus(logits)
+    return lower_bound * mx.sigmoid(rate * logits)
+
+
+class KimiDeltaAttention(nn.Module):
+    """mlx-lm's `kimi_linear.KimiDeltaAttention` (Kimi Delta Attention), with
+    the same parameters (`q_proj`, `k_proj`, `v_proj`, `q_conv`, `k_conv`,
+    `v_conv`, `f_a_proj`, `f_b_proj`, `b_proj`, `g_a_proj`, `g_b_proj`,
+    `A_log` `[1, 1, H, 1]`, `dt_bias` `[H * Dk]`, `o_norm`, `o_proj`) and
+    cache (`[q, k, v conv states, state]`).
+
+    Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
+    softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
+    channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
+    the core op's per-key gates. Projections, convolutions and the output
+    norm are mlx-lm's MLX ops.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        linear = config.linear_attn_config
+        self.num_heads = linear["num_heads"]
+        self.head_dim = linear["head_dim"]
+        self.conv_kernel = linear.get("short_conv_kernel_size", 4)
+        self.projection_dim = self.num_heads * self.head_dim
+        self.scale = float(self.head_dim) ** -0.5
+        hidden, dims = config.hidden_size, self.projection_dim
+        self.q_proj = nn.Linear(hidden, dims, bias=False)
+        self.k_proj = nn.Linear(hidden, dims, bias=False)
+        self.v_proj = nn.Linear(hidden, dims, bias=False)
+        self.q_conv = KimiShortConv(dims, self.conv_kernel)
+        self.k_conv = KimiShortConv(dims, self.conv_kernel)
+        self.v_conv = KimiShortConv(dims, self.conv_kernel)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.A_log = mx.zeros((1, 1, self.num_heads, 1))
+        self.dt_bias = mx.zeros((dims,))
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dims, hidden, bias=False)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(T)
+        q_state, k_state, v_state, lengths = cache[0], cache[1], cache[2], cache.lengths
+        K = self.conv_kernel
+        q, q_state, q_kept = short_conv(
+            self.q_conv.conv, K, self.q_proj(x), q_state, mask, lengths, positions
+        )
+        k, k_state, k_kept = short_conv(
+            self.k_conv.conv, K, self.k_proj(x), k_state, mask, lengths, positions
+        )
+        v, v_state, v_kept = short_conv(
+            self.v_conv.conv, K, self.v_proj(x), v_state, mask, lengths, positions
+        )
+
+        # Per-key gates in float32: [B, T, H, Dk].
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        g = kda_log_decay(f, self.A_log, self.dt_bias)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
+        out = recur_in_cache(
+            cache,
+            [q_state, k_state, v_state],
+            [q_kept, k_kept, v_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.scale,
+            mask=mask,
+            positions=positions,
+        )
+
+        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
+        out = (self.o_norm(out) * mx.sigmoid(gate)).reshape(B, T, -1)
+        return self.o_proj(out)
+
+
+class KimiK3DeltaAttention(nn.Module):
+    """mlx-lm's `kimi_k3.KimiK3DeltaAttention`, with the same parameters
+    (`qkv_proj`, `qkv_conv` (child `conv`), `f_a_proj`, `f_b_proj`, `b_proj`,
+    `g_a_proj` and `g_b_proj`, or `g_proj` with `use_full_rank_gate`, `A_log`
+    `[H]`, `dt_bias` `[H * Dk]`, `o_norm`, `o_proj`) and cache (`ArraysCache`:
+    `[conv state, state]`, the conv state over the packed `q | k | v`).
+
+    Kimi-Linear's layer with one projection and one convolution for q, k and
+    v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
+    gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
+    sets `gate_lower_bound`, Kimi-Linear's otherwise. The recurrence is the
+    core op; the rest are mlx-lm's MLX ops. (mlx-lm's compiled one-token
+    step on Metal computes the same thing.)
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        linear = config.linear_attn_config
+        self.num_heads = linear["num_heads"]
+        self.head_dim = linear["head_dim"]
+        self.conv_kernel = linear["short_conv_kernel_size"]
+        self.projection_dim = self.num_heads * self.head_dim
+        self.scale = float(self.head_dim) ** -0.5
+        self.lower_bound = linear.get("gate_lower_bound", None)
+        self.use_full_rank_gate = linear.get("use_full_rank_gate", False)
+        hidden, dims = config.hidden_size, self.projection_dim
+        self.qkv_proj = nn.Linear(hidden, 3 * dims, bias=False)
+        self.qkv_conv = KimiShortConv(3 * dims, self.conv_kernel)
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        if self.use_full_rank_gate:
+            self.g_proj = nn.Linear(hidden, dims, bias=False)
+        else:
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, dims, bias=False)
+        self.A_log = mx.zeros((self.num_heads,))
+        self.dt_bias = mx.zeros((dims,))
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dims, hidden, bias=False)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(T)
+        conv_state, lengths = cache[0], cache.lengths
+        qkv, conv_state, conv_kept = short_conv(
+            self.qkv_conv.conv,
+            self.conv_kernel,
+            self.qkv_proj(x),
+            conv_state,
+            mask,
+            lengths,
+            positions,
+        )
+        q, k, v = mx.split(qkv.reshape(B, T, 3, H, D), 3, axis=2)
+
+        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        q, k, v = (t.squeeze(2) for t in (q, k, v))
+        out = recur_in_cache(
+            cache,
+            [conv_state],
+            [conv_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.scale,
+            mask=mask,
+            positions=positions,
+        )
+
+        if self.use_full_rank_gate:
+            gate = self.g_proj(x)
+        else:
+            gate = self.g_b_proj(self.g_a_proj(x))
+        out = self.o_norm(out) * mx.sigmoid(gate.reshape(B, T, H, D))
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+class BailingKDA(nn.Module):
+    """mlx-lm's `bailing_moe_v3.BailingKDA` (Bailing-MoE-V3's Kimi Delta
+    Attention), with the same parameters (`q_proj`, `k_proj`, `v_proj`,
+    `q_conv1d`, `k_conv1d`, `v_conv1d`, `f_proj`, `b_proj`, `g_proj`,
+    `A_log` `[H]`, `dt_bias` `[H * Dk]`, `o_norm`, `o_proj`) and cache
+    (`ArraysCache`: `[q, k, v conv states, state]`).
+
+    Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
+    `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
+    into the core op. Convolutions, projections and the output norm are
+    mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and
+    `kda_safe_gate` (the lower-bounded gate); other settings are refused
+    as there.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        if not getattr(config, "no_kda_lora", True):
+            raise ValueError("BailingKDA requires no_kda_lora=true, as mlx-lm's layer")
+        if not getattr(config, "kda_safe_gate", True):
+            raise ValueError("BailingKDA requires kda_safe_gate=true, as mlx-lm's layer")
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.projection_size = self.num_heads * self.head_dim
+        self.conv_kernel_size = config.short_conv_kernel_size
+        self.lower_bound = config.kda_lower_bound
+        self.rms_norm_eps = config.rms_norm_eps
+        hidden, dims = config.hidden_size, self.projection_size
+        self.q_proj = nn.Linear(hidden, dims, bias=False)
+        self.k_proj = nn.Linear(hidden, dims, bias=False)
+        self.v_proj = nn.Linear(hidden, dims, bias=False)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            self[name] = nn.Conv1d(
+                dims, dims, self.conv_kernel_size, bias=False, groups=dims, padding=0
+            )
+        self.A_log = mx.zeros((self.num_heads,))
+        self.f_proj = nn.Linear(hidden, dims, bias=False)
+        self.dt_bias = mx.zeros((dims,))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, dims, bias=False)
+        self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dims, hidden, bias=False)
+
+    def _conv(self, x, conv, cache, slot, mask, positions):
+        """One short convolution, from the conv state in the cache's slot
+        (`short_conv`'s output, new conv state and checkpoints)."""
+        return short_conv(
+            conv, self.conv_kernel_size, x, cache[slot], mask, cache.lengths, positions
+        )
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, T, _ = x.shape
+        H, D = self.num_heads, self.head_dim
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(T)
+        q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
+        k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
+        v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)
+        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
+
+        f = self.f_proj(x).reshape(B, T, H, D)
+        g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        out = recur_in_cache(
+            cache,
+            [q_state, k_state, v_state],
+            [q_kept, k_kept, v_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.head_dim**-0.5,
+            mask=mask,
+            positions=positions,
+        )
+
+        gate = self.g_proj(x).reshape(B, T, H, D)
+        out = self.o_norm(out)
+        out = out * mx.sigmoid(gate.astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out.reshape(B, T, -1))
+
+
+# The fields each layer's constructor reads, from a built mlx-lm layer of its
+# family (it keeps no config).
+
+
+def kimi_linear_config(layer: nn.Module) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_size=layer.o_proj.weight.shape[0],
+        linear_attn_config=dict(
+            num_heads=layer.num_heads,
+            head_dim=layer.head_dim,
+            short_conv_kernel_size=layer.conv_kernel,
+        ),
+        rms_norm_eps=layer.o_norm.eps,
+    )
+
+
+def kimi_k3_config(layer: nn.Module) -> SimpleNamespace:
+    # Kimi-Linear's fields and the gate's two settings.
+    config = kimi_linear_config(layer)
+    config.linear_attn_config.update(
+        gate_lower_bound=layer.lower_bound, use_full_rank_gate=layer.use_full_rank_gate
+    )
+    return config
+
+
+def bailing_config(layer: nn.Module) -> SimpleNamespace:
+    return SimpleNamespace(
+        hidden_size=layer.o_proj.weight.shape[0],
+        num_attention_heads=layer.num_heads,
+        head_dim=layer.head_dim,
+        short_conv_kernel_size=layer.conv_kernel_size,
+        kda_lower_bound=layer.lower_bound,
+        rms_norm_eps=layer.o_norm.eps,
+    )

@@ -1,0 +1,130 @@
+"""OLMo-Hybrid's layer: the core op between mlx-lm's projections and its three
+short convolutions."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .cache_protocol import layer_cache
+from .common import GatedRMSNormWeight, recur_in_cache
+from .short_conv import short_conv
+
+
+class OlmoHybridGatedDeltaNet(nn.Module):
+    """mlx-lm's `olmo_hybrid.GatedDeltaNet`, with the same parameters
+    (`q_proj`, `k_proj`, `v_proj`, `a_proj`, `b_proj`, `g_proj`, `o_proj`,
+    `q_conv1d`, `k_conv1d`, `v_conv1d`, `A_log`, `dt_bias`, `o_norm`) and
+    cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
+
+    The projections, the three convolutions and the gated norm are the MLX
+    ops of mlx-lm's layer, with one difference: the convolutions run through
+    `short_conv`, which zeroes the tokens the mask leaves out and ends each
+    row's conv state at its own length, so that a left-padded prompt in a
+    batch gives the tokens it gives alone (mlx-lm's layer lets the padding
+    into the convolutions and does not). The recurrence is the core op
+    `gated_delta_rule` (normalize_qk, scale `Dk ** -0.5`), with
+    `beta = 2 sigmoid(b)` in `[0, 2]` where the model allows negative
+    eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one
+    convolution over packed q|k|v and beta in `[0, 1]`: not this layout.)
+    """
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.num_v_heads = config.linear_num_value_heads
+        self.num_k_heads = config.linear_num_key_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.allow_neg_eigval = config.linear_allow_neg_eigval
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.a_proj = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(hidden, self.num_v_heads, bias=False)
+        self.g_proj = nn.Linear(hidden, self.value_dim, bias=False)
+        self.o_proj = nn.Linear(self.value_dim, hidden, bias=False)
+        for name, dims in (
+            ("q_conv1d", self.key_dim),
+            ("k_conv1d", self.key_dim),
+            ("v_conv1d", self.value_dim),
+        ):
+            self[name] = nn.Conv1d(
+                dims, dims, self.conv_kernel_size, bias=False, groups=dims, padding=0
+            )
+        self.A_log = mx.zeros(self.num_v_heads)
+        self.dt_bias = mx.zeros(self.num_v_heads)
+        self.o_norm = GatedRMSNormWeight(self.head_v_dim, eps=config.layer_norm_epsilon)
+
+    def _conv(self, x, conv, cache, slot, mask, positions):
+        """Causal depthwise conv and SiLU (`short_conv`: masked inputs zeroed,
+        each row's conv state ending at its own length), from the conv state
+        in the cache's slot."""
+        state = cache[slot]
+        if state is not None:
+            state = state.astype(x.dtype)
+        return short_conv(conv, self.conv_kernel_size, x, state, mask, cache.lengths, positions)
+
+    def __call__(
+        self,
+        x: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, S, _ = x.shape
+        cache = layer_cache(cache)
+        positions = cache.checkpoints_for(S)
+        q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
+        k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
+        v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)
+        q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
+
+        # The gates in float32: g = -exp(A_log) softplus(a + dt_bias) is the
+        # log of mlx-lm's linear decay; beta in [0, 1], or [0, 2].
+        a = self.a_proj(x).astype(mx.float32)
+        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
+        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        if self.allow_neg_eigval:
+            beta = 2.0 * beta
+        out = recur_in_cache(
+            cache,
+            [q_state, k_state, v_state],
+            [q_kept, k_kept, v_kept],
+            q,
+            k,
+            v,
+            g,
+            beta,
+            scale=self.head_k_dim**-0.5,
+            mask=mask,
+            positions=positions,
+        )
+
+        # o_norm: rms_norm(out) weight, times silu(gate), in float32.
+        gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
+        out = (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(out.dtype)
+        return self.o_proj(out.reshape(B, S, -1))
+
+
+def config_from_layer(layer: nn.Module) -> SimpleNamespace:
+    """The fields `OlmoHybridGatedDeltaNet` reads, from a built mlx-lm layer."""
+    return SimpleNamespace(
+        # o_proj's output dim: quantization packs only the input dim.
+        hidden_size=layer.o_proj.weight.shape[0],
+        linear_num_value_heads=layer.num_v_heads,
+        linear_num_key_heads=layer.num_k_heads,
+        linear_key_head_dim=layer.head_k_dim,
+        linear_value_head_dim=layer.head_v_dim,
+        linear_conv_kernel_dim=layer.conv_kernel_size,
+        linear_allow_neg_eigval=layer.allow_neg_eigval,
+        layer_norm_epsilon=layer.o_norm.eps,
+    )

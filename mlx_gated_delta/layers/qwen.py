@@ -1,0 +1,266 @@
+"""The Qwen layers (Qwen3-Next's and Qwen3.5's) on the fused segment.
+
+They keep mlx-lm's parameter names, shapes and row orders, so mlx-lm
+checkpoints (and `model.load_weights`, `nn.quantize`, mlx-lm's `shard`) see
+the same module tree as mlx-lm's own layer. The forward pass is one
+projection into the packed `[q | k | v | z | b | a]` layout, one
+`gated_delta_segment` (conv, gates, norms and the recurrence), and the output
+projection.
+
+The packed input is made from the outputs of mlx-lm's own projection modules
+each call: each module projects the input (plain, quantized or LoRA-wrapped,
+as `mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
+concatenated and, for Qwen3-Next, reordered into the packed layout. Nothing is
+derived from the weights and kept, so no weight can go stale: after an
+optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
+that updates the parameter arrays in place, the next call reads the current
+weights.
+
+On the CPU the plain dense projections run through our blocked kernel instead
+of MLX's CPU matmul, which is 10-100x slower on the machines measured; other
+projections are the modules' own calls.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .. import _ext
+from ..segment import gated_delta_segment
+from .cache_protocol import layer_cache
+from .common import GatedRMSNormWeight
+
+
+def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
+    """`x @ weight.T` (nn.Linear's product, weight `[out, in]`): on the CPU
+    through our blocked kernel (MLX's CPU matmul is 10-100x slower on the
+    machines measured), elsewhere MLX's matmul."""
+    if (
+        mx.default_device() == mx.cpu
+        and x.dtype == weight.dtype
+        and x.dtype
+        in (
+            mx.float32,
+            mx.float16,
+            mx.bfloat16,
+        )
+    ):
+        return _ext.linear_projection(x, weight, None)
+    return x @ weight.T
+
+
+def _project(module: nn.Module, x: mx.array) -> mx.array:
+    """One input projection: a plain bias-free Linear through
+    `dense_projection`, anything else (quantized, LoRA-wrapped, with bias)
+    by calling the module itself, so every wrapper mlx-lm's tools put there
+    is followed."""
+    if type(module) is nn.Linear and "bias" not in module:
+        return dense_projection(x, module.weight)
+    return module(x)
+
+
+class _GatedDeltaNetBase(nn.Module):
+    """What both layers share: head layout, conv, gates, norm, cache handling."""
+
+    def __init__(self, config: Any):
+        super().__init__()
+        self.hidden_size = config.hidden_size
+        self.num_v_heads = config.linear_num_value_heads
+        self.num_k_heads = config.linear_num_key_heads
+        self.head_k_dim = config.linear_key_head_dim
+        self.head_v_dim = config.linear_value_head_dim
+        self.key_dim = self.head_k_dim * self.num_k_heads
+        self.value_dim = self.head_v_dim * self.num_v_heads
+        if self.num_v_heads % self.num_k_heads != 0:
+            raise ValueError(
+                f"linear_num_value_heads ({self.num_v_heads}) must be a multiple "
+                f"of linear_num_key_heads ({self.num_k_heads})"
+            )
+        self.conv_kernel_size = config.linear_conv_kernel_dim
+        self.layer_norm_epsilon = config.rms_norm_eps
+        self.conv_dim = self.key_dim * 2 + self.value_dim
+        self.conv1d = nn.Conv1d(
+            in_channels=self.conv_dim,
+            out_channels=self.conv_dim,
+            bias=False,
+            kernel_size=self.conv_kernel_size,
+            groups=self.conv_dim,
+            padding=0,
+        )
+        self.dt_bias = mx.ones(self.num_v_heads)
+        self.A_log = mx.log(mx.random.uniform(low=0, high=16, shape=(self.num_v_heads,)))
+        self.norm = GatedRMSNormWeight(self.head_v_dim, eps=self.layer_norm_epsilon)
+        self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
+
+    def _projection_modules(self) -> list[nn.Module]:
+        """The projections whose outputs make the packed layout, in order."""
+        raise NotImplementedError
+
+    def _packed_columns(self) -> mx.array | None:
+        """The columns of the concatenated projection outputs in packed
+        order, or None where they are in packed order already."""
+        raise NotImplementedError
+
+    def packed_projection(self, x: mx.array) -> mx.array:
+        """The segment's packed input `[q | k | v | z | b | a]` for `x`,
+        from the current projection modules."""
+        parts = [_project(m, x) for m in self._projection_modules()]
+        mixed = mx.concatenate(parts, axis=-1)
+        columns = self._packed_columns()
+        return mixed if columns is None else mx.take(mixed, columns, axis=-1)
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        mask: mx.array | None = None,
+        cache: Any | None = None,
+    ) -> mx.array:
+        B, S, _ = inputs.shape
+        sharding_group = getattr(self, "sharding_group", None)
+        if sharding_group is not None:
+            inputs = nn.layers.distributed.sum_gradients(sharding_group)(inputs)
+
+        mixed = self.packed_projection(inputs)
+        cache = layer_cache(cache)
+        conv_state, state = cache[0], cache[1]
+        # A cache filled by another implementation may hold other dtypes.
+        if conv_state is not None and conv_state.dtype != mixed.dtype:
+            conv_state = conv_state.astype(mixed.dtype)
+        if state is not None and state.dtype != mx.float32:
+            state = state.astype(mx.float32)
+
+        # A trimmable cache keeps the states after the call's last tokens:
+        # the segment returns them as checkpoints.
+        checkpoints = cache.checkpoints_for(S)
+
+        # mlx-lm's mask (left padding, lengths) marks the tokens that are not
+        # in a row's sequence; the segment skips them, so each row's conv and
+        # recurrent states are those of its own tokens only.
+        out, conv_state, state, *kept = gated_delta_segment(
+            mixed,
+            self.conv1d.weight,
+            self.A_log,
+            self.dt_bias,
+            self.norm.weight,
+            conv_state,
+            state,
+            key_heads=self.num_k_heads,
+            value_heads=self.num_v_heads,
+            key_dim=self.head_k_dim,
+            value_dim=self.head_v_dim,
+            norm_eps=self.norm.eps,
+            mask=mask,
+            checkpoints=checkpoints,
+        )
+        cache.store([conv_state, state], S, checkpoints, kept)
+
+        out = out.reshape(B, S, -1)
+        if type(self.out_proj) is nn.Linear and "bias" not in self.out_proj:
+            out = dense_projection(out, self.out_proj.weight)
+        else:  # quantized (or otherwise replaced) output projection
+            out = self.out_proj(out)
+        if sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=sharding_group)
+        return out
+
+
+class Qwen3NextGatedDeltaNet(_GatedDeltaNetBase):
+    """mlx-lm's `qwen3_next.Qwen3NextGatedDeltaNet`, with the same parameters
+    (`in_proj_qkvz`, `in_proj_ba`, `conv1d`, `dt_bias`, `A_log`, `norm`,
+    `out_proj`) and cache (`ArraysCache`: `[conv_state, state]`).
+
+    `in_proj_qkvz` and `in_proj_ba` are packed per key-head group, as in the
+    checkpoints: `[q | k | v_group | z_group]` and `[b_group | a_group]` for
+    each key head; the packed projection reorders their output columns.
+
+    `GatedDeltaNet` is the same class, under the name it had while it was
+    the only layer here.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.in_proj_qkvz = nn.Linear(
+            self.hidden_size, self.key_dim * 2 + self.value_dim * 2, bias=False
+        )
+        self.in_proj_ba = nn.Linear(self.hidden_size, self.num_v_heads * 2, bias=False)
+
+    def _projection_modules(self):
+        return [self.in_proj_qkvz, self.in_proj_ba]
+
+    def _packed_columns(self):
+        nk, dk = self.num_k_heads, self.head_k_dim
+        group_v = self.num_v_heads // nk * self.head_v_dim  # v (or z) per group
+        group_heads = self.num_v_heads // nk  # b (or a) per group
+        qkvz_group = 2 * dk + 2 * group_v
+        groups = np.arange(nk)[:, None]
+
+        def rows(group_size, start, length):
+            return (groups * group_size + start + np.arange(length)).reshape(-1)
+
+        qkvz_rows = np.concatenate(
+            [
+                rows(qkvz_group, 0, dk),  # q
+                rows(qkvz_group, dk, dk),  # k
+                rows(qkvz_group, 2 * dk, group_v),  # v
+                rows(qkvz_group, 2 * dk + group_v, group_v),  # z
+            ]
+        )
+        ba_rows = np.concatenate(
+            [
+                rows(2 * group_heads, 0, group_heads),  # b
+                rows(2 * group_heads, group_heads, group_heads),  # a
+            ]
+        )
+        # in_proj_ba's outputs follow in_proj_qkvz's in the concatenation.
+        qkvz_width = 2 * self.key_dim + 2 * self.value_dim
+        return mx.array(np.concatenate([qkvz_rows, ba_rows + qkvz_width]))
+
+
+# The name Qwen3-Next's layer had while it was the only one: an alias, so
+# that code importing `mlx_gated_delta.nn.GatedDeltaNet` keeps working.
+GatedDeltaNet = Qwen3NextGatedDeltaNet
+
+
+class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
+    """mlx-lm's `qwen3_5.GatedDeltaNet`, with the same parameters
+    (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`,
+    `dt_bias`, `A_log`, `norm`, `out_proj`), cache and `sharding_group`
+    (mlx-lm's `shard` splits heads across ranks and works on this layer).
+    The projections are already in packed order: their outputs are concatenated.
+    """
+
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.in_proj_qkv = nn.Linear(
+            self.hidden_size, self.key_dim * 2 + self.value_dim, bias=False
+        )
+        self.in_proj_z = nn.Linear(self.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(self.hidden_size, self.num_v_heads, bias=False)
+        self.sharding_group = None
+
+    def _projection_modules(self):
+        return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+
+    def _packed_columns(self):
+        return None
+
+
+def config_from_layer(layer: nn.Module) -> SimpleNamespace:
+    """The fields both Qwen layers' constructor reads, from a built mlx-lm
+    layer of either family (it keeps no config; after mlx-lm's `shard` these
+    are per rank)."""
+    return SimpleNamespace(
+        hidden_size=layer.hidden_size,
+        linear_num_value_heads=layer.num_v_heads,
+        linear_num_key_heads=layer.num_k_heads,
+        linear_key_head_dim=layer.head_k_dim,
+        linear_value_head_dim=layer.head_v_dim,
+        linear_conv_kernel_dim=layer.conv_kernel_size,
+        rms_norm_eps=layer.layer_norm_epsilon,
+    )
