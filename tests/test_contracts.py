@@ -218,9 +218,9 @@ def test_term_magnitudes_of_a_contracting_step():
     # beta = 1 with a unit key in one dimension replaces the state by v at
     # the first token: the result is 1, the terms the step sums are 1e6.
     arguments = one_key_channel(beta=1.0, g=0.0)
-    for chunk_size in (1, 64):
+    for algorithm in ("recurrent", "chunked"):
         output_terms, state_terms = contracts.term_magnitudes(
-            **arguments, chunk_size=chunk_size, scale=1.0
+            **arguments, algorithm=algorithm, scale=1.0
         )
         assert output_terms.shape == (1, 4, 1, 1) and state_terms.shape == (1, 5, 1)
         # No decay: an error made at the first step is carried on unshrunk.
@@ -233,13 +233,13 @@ def test_term_magnitudes_shrink_with_the_decay_since_the_state_was_large():
     # Step by step, each result's terms are the state before it; in chunks
     # of 64 every token of the first chunk is measured against its entry.
     arguments = one_key_channel(beta=0.0, g=-10.0)
-    _, recurrent = contracts.term_magnitudes(**arguments, chunk_size=1)
+    _, recurrent = contracts.term_magnitudes(**arguments, algorithm="recurrent")
     exact = 1e6 * np.exp(-10.0 * np.arange(5))
     np.testing.assert_allclose(recurrent[0, :, 0], np.concatenate([exact[:1], exact[:-1]]))
-    _, chunked = contracts.term_magnitudes(**arguments, chunk_size=64)
+    _, chunked = contracts.term_magnitudes(**arguments, algorithm="chunked")
     np.testing.assert_array_equal(chunked[0, :, 0], 1e6)
     # A call boundary at token 2 starts a new chunk: the first call's error
     # (of its 1e6 terms) is carried into it and shrinks with each decay.
-    _, split = contracts.term_magnitudes(**arguments, chunk_size=64, call_starts=(0, 2))
+    _, split = contracts.term_magnitudes(**arguments, algorithm="chunked", call_starts=(0, 2))
     np.testing.assert_array_equal(split[0, :3, 0], 1e6)
     np.testing.assert_allclose(split[0, 3:, 0], exact[1:3])

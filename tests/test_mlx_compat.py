@@ -16,7 +16,7 @@ from mlx_gated_delta.testing.properties import (
     ORACLE_STATE_CONTRACTS,
     assert_update_matches_oracle,
 )
-from mlx_gated_delta.testing.strategies import CHUNK, make_core_case
+from mlx_gated_delta.testing.strategies import make_core_case
 
 CORE_BFLOAT16_OUTPUT = {a: ORACLE_OUTPUT_CONTRACTS[a, "bfloat16"] for a in ALGORITHMS}
 CORE_STATE = ORACLE_STATE_CONTRACTS
@@ -108,9 +108,8 @@ def test_slow_decay_with_bfloat16_activations_for_each_algorithm(algorithm):
     q, k, v, gamma, beta, state = slow_decay_in_bfloat16()
     y, final = gated_delta_rule(q, k, v, mx.log(gamma), beta, state, scale=1.0, algorithm=algorithm)
     expected_y, expected_state = gated_delta_update_reference(q, k, v, gamma, beta, state)
-    chunk_size = 1 if algorithm == "recurrent" else CHUNK
     output_terms, state_terms = term_magnitudes(
-        q, k, v, mx.log(gamma), beta, state, chunk_size=chunk_size, scale=1.0
+        q, k, v, mx.log(gamma), beta, state, algorithm=algorithm, scale=1.0
     )
     state_terms = state_terms[:, -1, :, None, None]
     assert_matches("y", y, expected_y, *CORE_BFLOAT16_OUTPUT[algorithm], terms=output_terms)

@@ -31,7 +31,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlx_gated_delta.reference import key_head_of, qk_norm, state_magnitudes, to_float64
+from mlx_gated_delta.reference import (
+    CHUNK_SIZE,
+    key_head_of,
+    qk_norm,
+    state_magnitudes,
+    to_float64,
+)
 
 METRICS = ("max_abs", "max_rel", "norm_ratio")
 # What a relative metric divides by: the compared result's own magnitude, or
@@ -492,13 +498,14 @@ def _group_magnitude(magnitude, group_axes):
     return magnitude.max(axis=reduced, keepdims=True)
 
 
-def term_magnitudes(q, k, v, g, beta, state=None, *, chunk_size, call_starts=(0,), **options):
+def term_magnitudes(q, k, v, g, beta, state=None, *, algorithm, call_starts=(0,), **options):
     """The magnitudes an algorithm's float32 error scales with, for the core
     op's arguments and options (docs/numerics.md, "What each algorithm
     guarantees"): `(output_terms [B, T, Hv, 1], state_terms [B, T + 1, Hv])`,
     for y at each token and for the state after each token (index 0: the
-    entry state). `chunk_size` is 1 for the recurrent form, which applies
-    one token at a time, and CHUNK_SIZE for the chunked form.
+    entry state). The recurrent form applies one token at a time (steps of
+    1); the chunked form, and "auto", whose magnitudes bound both forms',
+    take chunks of CHUNK_SIZE.
 
     A chunk (from the start of a call; `call_starts` lists the tokens where
     the calls of a split run start) sums terms of the states it spans, its
@@ -510,6 +517,7 @@ def term_magnitudes(q, k, v, g, beta, state=None, *, chunk_size, call_starts=(0,
     token is `scale S q`, whose terms are at most that times `|scale q|_1`.
     The magnitudes of chunks of 64 bound those of steps of 1.
     """
+    chunk_size = 1 if algorithm == "recurrent" else CHUNK_SIZE
     magnitudes = state_magnitudes(q, k, v, g, beta, state, **options)
     q, g = to_float64(q), to_float64(g)
     batch, tokens, key_heads, key_dim = q.shape

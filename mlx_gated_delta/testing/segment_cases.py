@@ -24,7 +24,6 @@ from mlx_gated_delta.reference import (
 from mlx_gated_delta.testing.contracts import term_magnitudes
 from mlx_gated_delta.testing.strategies import (
     BOUNDARY_TOKENS,
-    CHUNK,
     DTYPES,
     MASK_KINDS,
     WIPE_KINDS,
@@ -114,7 +113,7 @@ def segment_out_terms(
     y_terms, _ = term_magnitudes(
         *core.arrays,
         state,
-        chunk_size=1 if algorithm == "recurrent" else CHUNK,
+        algorithm=algorithm,
         call_starts=call_starts,
         **core.options,
     )

@@ -150,7 +150,7 @@ class CoreCase:
         takes the chunked form's, which bound the recurrent form's."""
         output_terms, state_terms = term_magnitudes(
             *self.args(),
-            chunk_size=1 if algorithm == "recurrent" else CHUNK,
+            algorithm=algorithm,
             call_starts=call_starts,
             **self.options,
         )
