@@ -58,7 +58,8 @@ def save_checkpoint(model, path: Path) -> Path:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = dataclasses.asdict(model.args)
+    # Unset fields left out: transformers, which reads the config too, refuses a null.
+    config = {k: v for k, v in dataclasses.asdict(model.args).items() if v is not None}
     config["eos_token_id"] = SPECIAL_TOKENS.index("<|im_end|>")
     save_model(path, model)
     save_config(config, config_path=path / "config.json")
