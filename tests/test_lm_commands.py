@@ -7,15 +7,10 @@ model (unpatched, no draft) run greedily in this process."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import subprocess
 import sys
-import tempfile
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -36,11 +31,11 @@ from mlx_gated_delta.testing.lm_checkpoints import (  # noqa: E402
     save_checkpoint,
     write_lora_data,
 )
+from mlx_gated_delta.testing.lm_server import LmServer, chat_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-# Seconds any one command or request may take on a slow, shared CI machine.
+# Seconds any one command may take on a slow, shared CI machine.
 COMMAND_TIMEOUT = 120
-SERVER_START_TIMEOUT = 60
 NEW_TOKENS = 8
 FAMILIES = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
 
@@ -134,92 +129,13 @@ def test_an_unknown_gated_delta_layer_is_refused(checkpoints):
 # The server.
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """`lm server` as a subprocess on a free port of 127.0.0.1."""
-
-    def __init__(self, *args):
-        self.port = free_port()
-        # A file, not a pipe: a full pipe would block the server.
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115  (closed in stop)
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "mlx_gated_delta", "lm", "server"]
-            + ["--host", "127.0.0.1", "--port", str(self.port), *map(str, args)],
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.output = None
-        deadline = time.monotonic() + SERVER_START_TIMEOUT
-        while True:
-            assert self.process.poll() is None, self.stop()[-3000:]
-            try:
-                urllib.request.urlopen(self.url("/health"), timeout=2).read()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not start in time"
-                time.sleep(0.2)
-
-    def url(self, path):
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def post(self, path, body):
-        request = urllib.request.Request(
-            self.url(path),
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        return urllib.request.urlopen(request, timeout=COMMAND_TIMEOUT)
-
-    def chat(self, messages, **options):
-        body = {"messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0.0, **options}
-        return json.loads(self.post("/v1/chat/completions", body).read())
-
-    def chat_streamed(self, messages):
-        body = {"messages": messages, "max_tokens": NEW_TOKENS, "temperature": 0.0}
-        body["stream"] = True
-        text = []
-        with self.post("/v1/chat/completions", body) as response:
-            for line in response:
-                line = line.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                delta = json.loads(line[len("data: ") :])["choices"][0]["delta"]
-                text.append(delta.get("content") or "")
-        return "".join(text)
-
-    def complete(self, prompt):
-        body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0.0}
-        return json.loads(self.post("/v1/completions", body).read())
-
-    def stop(self) -> str:
-        """Stops the server (once); what it printed."""
-        if self.output is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=20)
-            self.log.seek(0)
-            self.output = self.log.read()
-            self.log.close()
-        return self.output
-
-
 @pytest.fixture
-def server(request):
+def server():
     """Starts `lm server` with the given arguments; always stopped."""
     started = []
 
     def start(*args):
-        started.append(Server(*args))
+        started.append(LmServer(*args, cwd=REPO, max_tokens=NEW_TOKENS))
         return started[-1]
 
     try:
@@ -227,11 +143,6 @@ def server(request):
     finally:
         for s in started:
             s.stop()
-
-
-def chat_of(user, system=None):
-    messages = [{"role": "user", "content": user}]
-    return ([{"role": "system", "content": system}] if system else []) + messages
 
 
 def answers_at_once(calls):
@@ -287,7 +198,8 @@ def test_server_with_a_draft_model_gives_the_stock_greedy_answers(checkpoints, s
 def test_server_reuses_prompts(checkpoints, server):
     """Without a draft model the server batches requests and keeps prompt
     caches across them: a repeated system prompt is served from the cache,
-    and the answers stay the stock model's, two clients at once included."""
+    and the answers stay the stock model's, two clients at once included;
+    a model loaded on demand is patched as well."""
     target = checkpoints["qwen3_next"]
     s = server("--model", target)
     system = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"
@@ -304,6 +216,13 @@ def test_server_reuses_prompts(checkpoints, server):
         stock_answer(target, chat_of("w50", system)),
     ]
     assert s.chat_streamed(second) == r2["choices"][0]["message"]["content"]
+    # A model the server loads on demand, for a request that names it, is
+    # patched too.
+    other = checkpoints["kimi_linear"]
+    answer = s.chat(first, model=str(other))["choices"][0]["message"]["content"]
+    assert answer == stock_answer(other, first)
+    patched = [line for line in s.stop().splitlines() if "gated-delta layer(s)" in line]
+    assert [str(target) in patched[0], str(other) in patched[1]] == [True, True], patched
 
 
 # LoRA.
