@@ -109,7 +109,8 @@ def patch_mlx_lm(model: nn.Module) -> int:
 
     Raises:
         ValueError: the model has a gated-delta layer of a class it does not
-            know, or no gated-delta layer at all, mlx-lm's or ours.
+            know, or no gated-delta layer at all, mlx-lm's or ours (then a
+            `NoGatedDeltaLayer`, a subclass).
     """
     replacements = _replacements()
     names = {id(module): name for name, module in model.named_modules()}
