@@ -12,6 +12,8 @@
 
 #ifdef _METAL_
 #include "metal/executor.h"
+#elif defined(MLX_GATED_DELTA_CUDA)
+#include "cuda/executor.h"
 #endif
 
 namespace mx = mlx::core;
@@ -203,6 +205,12 @@ void GatedDeltaRule::eval_gpu(
   const std::vector<mx::array> kernel_inputs(
       inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
   metal::eval_core_gpu(
+      params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
+#elif defined(MLX_GATED_DELTA_CUDA)
+  // The linear gate, when present, is the last input and for the vjp only.
+  const std::vector<mx::array> kernel_inputs(
+      inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
+  cuda::eval_core(
       params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
 #else
   throw std::runtime_error(
