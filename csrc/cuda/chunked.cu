@@ -175,9 +175,11 @@ __device__ __forceinline__ void chunk_prepare(
   const int dk = a.key_dim, dv = a.value_dim;
   const int kp = dk + 1, vp = dv + 1, lp = kChunk + 1;
   float* ks = shared;  // [kChunk][kp]
-  float* qs = ks + kChunk * kp;  // [kChunk][kp]
-  float* vs = qs + kChunk * kp;  // [kChunk][vp]
-  float* as = vs + kChunk * vp;  // [kChunk][lp]: A, strictly lower
+  // Q [kChunk][kp] for chunk_qk, then V [kChunk][vp] for recompute_w_u: one
+  // buffer, so that two blocks fit in a multiprocessor's shared memory.
+  float* qs = ks + kChunk * kp;
+  float* vs = qs;
+  float* as = qs + kChunk * max(kp, vp);  // [kChunk][lp]: A, strictly lower
   float* ts = as + kChunk * lp;  // [kChunk][lp]: T = (I + A)^-1
   float* gates = ts + kChunk * lp;
   float* betas = gates + kChunk;
@@ -196,7 +198,6 @@ __device__ __forceinline__ void chunk_prepare(
   const T* v = static_cast<const T*>(a.v) + (bt0 * a.value_heads + place.h) * dv;
   load_rows(k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, ks, kp);
   load_rows(q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
-  load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, vs, vp);
   __syncthreads();
 
   // k_gram and chunk_qk: 4 x 4 tiles, rows i = 4 ti + x, columns j = tj + 16 y.
@@ -240,15 +241,18 @@ __device__ __forceinline__ void chunk_prepare(
     coefficient[i] = betas[i] * decays(i, -1);
   }
   __syncthreads();
+  // Q has been read: V takes its buffer (the barriers of kkt_inverse order
+  // these writes before recompute_w_u reads them).
+  load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, vs, vp);
 
   // kkt_inverse: (I + A) T = I by forward substitution, one column of A at a
-  // time: once row m of T is final, every later row subtracts A[i][m] T[m].
+  // time: once row m of T is final, every later row i > m subtracts
+  // A[i][m] T[m][j] (j <= m, where row m is not zero).
   for (int m = 0; m < kChunk - 1; ++m) {
-    for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
-      const int i = e / kChunk, j = e % kChunk;
-      if (i > m && j <= m) {
-        ts[i * lp + j] -= as[i * lp + m] * ts[m * lp + j];
-      }
+    const int width = m + 1;
+    for (int e = threadIdx.x; e < (kChunk - 1 - m) * width; e += kChunkedThreads) {
+      const int i = m + 1 + e / width, j = e % width;
+      ts[i * lp + j] -= as[i * lp + m] * ts[m * lp + j];
     }
     __syncthreads();
   }
@@ -305,13 +309,18 @@ template <typename T>
 __device__ __forceinline__ void chunk_carry(
     const CoreArgs& a,
     const ChunkScratch& s) {
+  // Tiles: chunk_carry and chunk_output give each thread token rows
+  // i = ti + 32 x (x < 2) and state rows r = tr + 8 y (y < kRowTiles);
+  // chunk_carry_state state rows r = warp + 8 y and columns c = lane + 32 z.
+  constexpr int kRowTiles = kCarryRows / 8;
   extern __shared__ float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
   const int kp = dk + 1, lp = kChunk + 1, rp = kCarryRows + 1;
   float* state = shared;  // [kCarryRows][kp]
-  float* ws = state + kCarryRows * kp;  // [kChunk][kp]
-  float* ks = ws + kChunk * kp;  // [kChunk][kp]
-  float* qs = ks + kChunk * kp;  // [kChunk][kp]
+  // W [kChunk][kp] for chunk_carry, then K for chunk_carry_state: one buffer,
+  // so that two blocks fit in a multiprocessor's shared memory.
+  float* wk = state + kCarryRows * kp;
+  float* qs = wk + kChunk * kp;  // [kChunk][kp]
   float* ps = qs + kChunk * kp;  // [kChunk][lp]: decayed Q K^T
   float* deltas = ps + kChunk * lp;  // [kChunk][rp]: U, then v'
   float* from_start = deltas + kChunk * rp;
@@ -319,18 +328,22 @@ __device__ __forceinline__ void chunk_carry(
 
   const int b = blockIdx.z, h = blockIdx.y;
   const int row0 = blockIdx.x * kCarryRows;
+  const int rows = min(kCarryRows, dv - row0);
   const int kh = key_head_of(a, h);
   const int64_t head_state = (int64_t(b) * a.value_heads + h) * dv * dk;
   for (int e = threadIdx.x; e < kCarryRows * dk; e += kChunkedThreads) {
     const int r = e / dk, c = e % dk;
-    state[r * kp + c] = row0 + r < dv
-        ? a.state_in[head_state + int64_t(row0 + r) * dk + c]
-        : 0.0f;
+    state[r * kp + c] =
+        r < rows ? a.state_in[head_state + int64_t(row0 + r) * dk + c] : 0.0f;
   }
+  // Columns of U past the last state row stay 0 (the last block of a Dv
+  // that is not a multiple of kCarryRows).
+  for (int e = threadIdx.x; e < kChunk * rp; e += kChunkedThreads) {
+    deltas[e] = 0.0f;
+  }
+  __syncthreads();
 
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  // chunk_carry / chunk_output tile: rows i = ti + 32 x, state rows
-  // r = tr + 8 y.
   const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
   T* y_all = static_cast<T*>(a.y);
@@ -339,38 +352,32 @@ __device__ __forceinline__ void chunk_carry(
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
     const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
     const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
-    load_rows(k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, ks, kp);
     load_rows(q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
-    const float* w_in = s.w + place.index * kChunk * dk;
-    const float* u_in = s.u + place.index * kChunk * dv;
-    const float* qk_in = s.qk + place.index * kChunk * kChunk;
-    load_block(w_in, dk, kChunk, dk, ws, kp);
-    load_block(qk_in, kChunk, kChunk, kChunk, ps, lp);
-    // U's columns of this block's state rows (v' once chunk_carry ran).
-    load_block(u_in + row0, dv, kChunk, min(kCarryRows, dv - row0), deltas, rp);
+    load_block(s.w + place.index * kChunk * dk, dk, kChunk, dk, wk, kp);
+    load_block(s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
+    load_block(s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
     if (threadIdx.x < 2 * kChunk) {
-      const float* decays_in = s.decays + place.index * 2 * kChunk;
-      (threadIdx.x < kChunk ? from_start : to_end - kChunk)[threadIdx.x] =
-          decays_in[threadIdx.x];
+      // from_start and to_end are adjacent: one copy of both.
+      from_start[threadIdx.x] = s.decays[place.index * 2 * kChunk + threadIdx.x];
     }
     __syncthreads();
 
     // chunk_carry: v' = U - W S^T and the inter-chunk readout S q_i.
-    float inter[2][4] = {}, delta[2][4];
+    float inter[2][kRowTiles] = {};
     {
-      float ws_acc[2][4] = {};
+      float ws_acc[2][kRowTiles] = {};
       for (int c = 0; c < dk; ++c) {
-        float sr[4];
+        float sr[kRowTiles];
 #pragma unroll
-        for (int y = 0; y < 4; ++y) {
+        for (int y = 0; y < kRowTiles; ++y) {
           sr[y] = state[(tr + 8 * y) * kp + c];
         }
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
-          const float wi = ws[(ti + 32 * x) * kp + c];
+          const float wi = wk[(ti + 32 * x) * kp + c];
           const float qi = qs[(ti + 32 * x) * kp + c];
 #pragma unroll
-          for (int y = 0; y < 4; ++y) {
+          for (int y = 0; y < kRowTiles; ++y) {
             ws_acc[x][y] += wi * sr[y];
             inter[x][y] += qi * sr[y];
           }
@@ -379,10 +386,8 @@ __device__ __forceinline__ void chunk_carry(
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
 #pragma unroll
-        for (int y = 0; y < 4; ++y) {
-          float* cell = &deltas[(ti + 32 * x) * rp + tr + 8 * y];
-          delta[x][y] = *cell - ws_acc[x][y];
-          *cell = delta[x][y];
+        for (int y = 0; y < kRowTiles; ++y) {
+          deltas[(ti + 32 * x) * rp + tr + 8 * y] -= ws_acc[x][y];
         }
       }
     }
@@ -391,17 +396,19 @@ __device__ __forceinline__ void chunk_carry(
 #ifndef GD_SANITIZER_PROBE
     __syncthreads();
 #endif
+    // W has been read: K takes its buffer for chunk_carry_state.
+    load_rows(k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
 
     // chunk_output: y_i = scale (decay(i, -1) S q_i + sum_{j <= i} P_ij v'_j),
     // 0 where masked.
 #pragma unroll
     for (int x = 0; x < 2; ++x) {
       const int i = ti + 32 * x;
-      float intra[4] = {};
+      float intra[kRowTiles] = {};
       for (int j = 0; j <= i; ++j) {
         const float p = ps[i * lp + j];
 #pragma unroll
-        for (int y = 0; y < 4; ++y) {
+        for (int y = 0; y < kRowTiles; ++y) {
           intra[y] += p * deltas[j * rp + tr + 8 * y];
         }
       }
@@ -410,50 +417,48 @@ __device__ __forceinline__ void chunk_carry(
         const bool active = a.mask == nullptr || a.mask[bt];
         T* y_row = y_all + (bt * a.value_heads + h) * dv;
 #pragma unroll
-        for (int y = 0; y < 4; ++y) {
-          const int r = row0 + tr + 8 * y;
-          if (r < dv) {
-            const float out =
-                a.scale * (from_start[i] * inter[x][y] + intra[y]);
-            y_row[r] = from_float<T>(active ? out : 0.0f);
+        for (int y = 0; y < kRowTiles; ++y) {
+          if (tr + 8 * y < rows) {
+            const float out = a.scale * (from_start[i] * inter[x][y] + intra[y]);
+            y_row[row0 + tr + 8 * y] = from_float<T>(active ? out : 0.0f);
           }
         }
       }
     }
+    __syncthreads();
 
-    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T;
-    // state rows r = warp + 8 y, columns c = lane + 32 z.
+    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T.
     {
       const float last = from_start[place.length - 1];
-      float acc[4][4];
+      float acc[kRowTiles][kColumnsPerLane];
 #pragma unroll
-      for (int y = 0; y < 4; ++y) {
+      for (int y = 0; y < kRowTiles; ++y) {
 #pragma unroll
-        for (int z = 0; z < 4; ++z) {
+        for (int z = 0; z < kColumnsPerLane; ++z) {
           const int c = lane + kWarp * z;
           acc[y][z] = c < dk ? last * state[(warp + 8 * y) * kp + c] : 0.0f;
         }
       }
       for (int j = 0; j < place.length; ++j) {
-        float kj[4];
+        float kj[kColumnsPerLane];
 #pragma unroll
-        for (int z = 0; z < 4; ++z) {
+        for (int z = 0; z < kColumnsPerLane; ++z) {
           const int c = lane + kWarp * z;
-          kj[z] = c < dk ? ks[j * kp + c] : 0.0f;
+          kj[z] = c < dk ? wk[j * kp + c] : 0.0f;
         }
 #pragma unroll
-        for (int y = 0; y < 4; ++y) {
+        for (int y = 0; y < kRowTiles; ++y) {
           const float d = to_end[j] * deltas[j * rp + warp + 8 * y];
 #pragma unroll
-          for (int z = 0; z < 4; ++z) {
+          for (int z = 0; z < kColumnsPerLane; ++z) {
             acc[y][z] += d * kj[z];
           }
         }
       }
 #pragma unroll
-      for (int y = 0; y < 4; ++y) {
+      for (int y = 0; y < kRowTiles; ++y) {
 #pragma unroll
-        for (int z = 0; z < 4; ++z) {
+        for (int z = 0; z < kColumnsPerLane; ++z) {
           const int c = lane + kWarp * z;
           if (c < dk) {
             state[(warp + 8 * y) * kp + c] = acc[y][z];
@@ -465,7 +470,7 @@ __device__ __forceinline__ void chunk_carry(
   }
   for (int e = threadIdx.x; e < kCarryRows * dk; e += kChunkedThreads) {
     const int r = e / dk, c = e % dk;
-    if (row0 + r < dv) {
+    if (r < rows) {
       a.state_out[head_state + int64_t(row0 + r) * dk + c] = state[r * kp + c];
     }
   }

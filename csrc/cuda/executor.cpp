@@ -3,6 +3,7 @@
 // synchronisation (docs/cuda.md).
 #include "cuda/executor.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -88,12 +89,12 @@ void launch(
 int prepare_shared_bytes(const GatedDeltaParams& p) {
   const int kp = p.key_dim + 1, vp = p.value_dim + 1, lp = kChunk + 1;
   return int(sizeof(float)) *
-      (2 * kChunk * kp + kChunk * vp + 2 * kChunk * lp + 5 * kChunk);
+      (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + 5 * kChunk);
 }
 int carry_shared_bytes(const GatedDeltaParams& p) {
   const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kCarryRows + 1;
   return int(sizeof(float)) *
-      (kCarryRows * kp + 3 * kChunk * kp + kChunk * lp + kChunk * rp +
+      (kCarryRows * kp + 2 * kChunk * kp + kChunk * lp + kChunk * rp +
        2 * kChunk);
 }
 

@@ -18,6 +18,6 @@ constexpr int kRecurrentMaxKeyDim = 256;
 constexpr int kChunk = 64;
 constexpr int kChunkedThreads = 256;
 constexpr int kChunkedMaxDim = 128;
-constexpr int kCarryRows = 32;
+constexpr int kCarryRows = 16;
 
 }  // namespace mlx_gated_delta::cuda
