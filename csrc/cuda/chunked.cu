@@ -299,9 +299,11 @@ __device__ __forceinline__ void chunk_prepare(
   }
   if (threadIdx.x < kChunk) {
     const int i = threadIdx.x;
-    float* out = s.decays + place.index * 2 * kChunk;
+    float* out = s.decays + place.index * kDecayRows * kChunk;
     out[i] = decays(i, -1);
     out[kChunk + i] = i < place.length ? decays(place.length - 1, i) : 0.0f;
+    out[2 * kChunk + i] = log_sum[i];
+    out[3 * kChunk + i] = float(last_wipe[i]);
   }
 }
 
@@ -323,8 +325,12 @@ __device__ __forceinline__ void chunk_carry(
   float* qs = wk + kChunk * kp;  // [kChunk][kp]
   float* ps = qs + kChunk * kp;  // [kChunk][lp]: decayed Q K^T
   float* deltas = ps + kChunk * lp;  // [kChunk][rp]: U, then v'
+  // The chunk's decays (ChunkScratch): from_start, to_end, then the
+  // cumulative logs and last wipes of chunk_checkpoint's decay(i - 1, j).
   float* from_start = deltas + kChunk * rp;
   float* to_end = from_start + kChunk;
+  float* log_sum = to_end + kChunk;
+  float* last_wipe = log_sum + kChunk;
 
   const int b = blockIdx.z, h = blockIdx.y;
   const int row0 = blockIdx.x * kCarryRows;
@@ -347,6 +353,7 @@ __device__ __forceinline__ void chunk_carry(
   const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
   T* y_all = static_cast<T*>(a.y);
+  int next_checkpoint = 0;
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
@@ -356,9 +363,8 @@ __device__ __forceinline__ void chunk_carry(
     load_block(s.w + place.index * kChunk * dk, dk, kChunk, dk, wk, kp);
     load_block(s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
     load_block(s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
-    if (threadIdx.x < 2 * kChunk) {
-      // from_start and to_end are adjacent: one copy of both.
-      from_start[threadIdx.x] = s.decays[place.index * 2 * kChunk + threadIdx.x];
+    for (int e = threadIdx.x; e < kDecayRows * kChunk; e += kChunkedThreads) {
+      from_start[e] = s.decays[place.index * kDecayRows * kChunk + e];
     }
     __syncthreads();
 
@@ -426,6 +432,48 @@ __device__ __forceinline__ void chunk_carry(
       }
     }
     __syncthreads();
+
+    // chunk_checkpoint: the state after the first i tokens of the chunk,
+    // decay(i-1, -1) S + sum_{j < i} decay(i-1, j) v'_j k_j^T, for each
+    // checkpoint in the chunk (chunk_carry_state's update cut at i).
+    while (next_checkpoint < a.checkpoint_count &&
+           a.checkpoints[next_checkpoint] <= place.t0 + place.length) {
+      const int i = a.checkpoints[next_checkpoint] - place.t0;
+      float* slot = a.checkpoint_states +
+          int64_t(next_checkpoint) * a.batch * a.value_heads * dv * dk +
+          head_state;
+#pragma unroll
+      for (int y = 0; y < kRowTiles; ++y) {
+        const int r = warp + 8 * y;
+        float acc[kColumnsPerLane];
+#pragma unroll
+        for (int z = 0; z < kColumnsPerLane; ++z) {
+          const int c = lane + kWarp * z;
+          acc[z] = c < dk ? from_start[i - 1] * state[r * kp + c] : 0.0f;
+        }
+        for (int j = 0; j < i; ++j) {
+          const float decay = last_wipe[i - 1] > float(j)
+              ? 0.0f
+              : expf(log_sum[i - 1] - log_sum[j]);
+          const float d = decay * deltas[j * rp + r];
+#pragma unroll
+          for (int z = 0; z < kColumnsPerLane; ++z) {
+            const int c = lane + kWarp * z;
+            acc[z] += d * (c < dk ? wk[j * kp + c] : 0.0f);
+          }
+        }
+        if (r < rows) {
+#pragma unroll
+          for (int z = 0; z < kColumnsPerLane; ++z) {
+            const int c = lane + kWarp * z;
+            if (c < dk) {
+              slot[int64_t(row0 + r) * dk + c] = acc[z];
+            }
+          }
+        }
+      }
+      ++next_checkpoint;
+    }
 
     // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T.
     {

@@ -1,9 +1,11 @@
 """Embeds CUDA fatbins in a C++ source: `embed_fatbin.py OUT.cpp A.fatbin [B.fatbin ...]`.
 
 Writes the arrays csrc/cuda/module.cpp loads through the CUDA driver
-(gd_cuda_images, gd_cuda_image_count), one per fatbin, in the order given.
+(gd_cuda_images, gd_cuda_image_names, gd_cuda_image_count), one per fatbin, in the
+order given, each named by its file's stem (the .cu source it came from).
 """
 
+import os
 import sys
 
 
@@ -18,6 +20,10 @@ def main(out_path, fatbin_paths):
         lines.append("};")
     images = ", ".join(f"image{n}" for n in range(len(fatbin_paths)))
     lines.append(f"extern const unsigned char* const gd_cuda_images[] = {{{images}}};")
+    names = ", ".join(
+        '"' + os.path.splitext(os.path.basename(path))[0] + '"' for path in fatbin_paths
+    )
+    lines.append(f"extern const char* const gd_cuda_image_names[] = {{{names}}};")
     lines.append(f"extern const int gd_cuda_image_count = {len(fatbin_paths)};")
     with open(out_path, "w") as out:
         out.write("\n".join(lines) + "\n")

@@ -38,7 +38,7 @@ const char* dtype_suffix(mx::Dtype dtype) {
 }
 
 bool chunked_kernels_cover(const GatedDeltaParams& p) {
-  return !p.per_key_gates && p.checkpoint_count == 0 && !p.has_tree &&
+  return !p.per_key_gates && !p.has_tree &&
       p.key_dim <= kChunkedMaxDim && p.value_dim <= kChunkedMaxDim;
 }
 
@@ -69,6 +69,7 @@ void set_arrays(
 
 void launch(
     mx::cu::CommandEncoder& encoder,
+    const std::string& source,
     const std::string& name,
     dim3 grid,
     int threads,
@@ -76,7 +77,7 @@ void launch(
     void** params) {
   encoder.device().make_current();
   encoder.add_kernel_node_raw(
-      kernel(encoder.device().cuda_device(), name, shared_bytes),
+      kernel(encoder.device().cuda_device(), source, name, shared_bytes),
       grid,
       dim3(threads),
       dim3(),
@@ -95,13 +96,13 @@ int carry_shared_bytes(const GatedDeltaParams& p) {
   const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kCarryRows + 1;
   return int(sizeof(float)) *
       (kCarryRows * kp + 2 * kChunk * kp + kChunk * lp + kChunk * rp +
-       2 * kChunk);
+       kDecayRows * kChunk);
 }
 
 }  // namespace
 
 bool has_core_kernels(const GatedDeltaParams& p) {
-  return !p.has_tree && p.key_dim <= kRecurrentMaxKeyDim;
+  return p.key_dim <= kRecurrentMaxKeyDim;
 }
 
 Algorithm resolve_cuda_algorithm(
@@ -140,8 +141,9 @@ void eval_core(
   a.mask = p.has_mask ? mx::gpu_ptr<bool>(inputs[kMask]) : nullptr;
   a.y = mx::gpu_ptr<void>(outputs[0]);
   a.state_out = mx::gpu_ptr<float>(outputs[1]);
+  const int checkpoints_input = p.has_mask ? kMask + 1 : kMask;
   if (p.checkpoint_count > 0) {
-    a.checkpoints = mx::gpu_ptr<int>(inputs[p.has_mask ? kMask + 1 : kMask]);
+    a.checkpoints = mx::gpu_ptr<int>(inputs[checkpoints_input]);
     a.checkpoint_states = mx::gpu_ptr<float>(outputs[2]);
   }
   a.batch = p.batch;
@@ -159,10 +161,21 @@ void eval_core(
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
   if (resolve_cuda_algorithm(p, algorithm) == Algorithm::Recurrent) {
     const int columns = (p.key_dim + 31) / 32;
+    std::vector<mx::array> writes = outputs;
+    if (p.has_tree) {
+      a.parents = mx::gpu_ptr<int>(
+          inputs[checkpoints_input + (p.checkpoint_count > 0 ? 1 : 0)]);
+      writes.push_back(scratch(
+          encoder,
+          int64_t(p.batch) * p.value_heads * p.tokens * p.value_dim *
+              p.key_dim));
+      a.tree_states = mx::gpu_ptr<float>(writes.back());
+    }
     void* params[] = {&a};
-    set_arrays(encoder, inputs, outputs);
+    set_arrays(encoder, inputs, writes);
     launch(
         encoder,
+        "recurrent",
         "gd_recurrent_" + dtype + "_c" + std::to_string(columns),
         dim3(
             (p.value_dim + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock,
@@ -179,7 +192,7 @@ void eval_core(
       scratch(encoder, problems * kChunk * p.key_dim),
       scratch(encoder, problems * kChunk * p.value_dim),
       scratch(encoder, problems * kChunk * kChunk),
-      scratch(encoder, problems * 2 * kChunk)};
+      scratch(encoder, problems * kDecayRows * kChunk)};
   ChunkScratch s;
   s.w = mx::gpu_ptr<float>(buffers[0]);
   s.u = mx::gpu_ptr<float>(buffers[1]);
@@ -189,6 +202,7 @@ void eval_core(
   set_arrays(encoder, inputs, buffers);
   launch(
       encoder,
+      "chunked",
       "gd_chunk_prepare_" + dtype,
       dim3(chunks, p.value_heads, p.batch),
       kChunkedThreads,
@@ -199,6 +213,7 @@ void eval_core(
   set_arrays(encoder, reads, outputs);
   launch(
       encoder,
+      "chunked",
       "gd_chunk_carry_" + dtype,
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,

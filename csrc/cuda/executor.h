@@ -12,20 +12,20 @@
 namespace mlx_gated_delta::cuda {
 
 // Whether the CUDA kernels cover this call; the op runs the others on the
-// CPU stream (docs/cuda.md): trees (parents) and key dims over 256.
+// CPU stream (docs/cuda.md): key dims over 256.
 bool has_core_kernels(const GatedDeltaParams& params);
 
 // The algorithm "auto" runs on CUDA: the chunked form from one chunk of
-// tokens on, for scalar gates, no checkpoints and dims the chunked kernels
-// cover; the recurrent form otherwise. An explicit "chunked" that the chunked
+// tokens on, for scalar gates, no tree and dims the chunked kernels cover;
+// the recurrent form otherwise. An explicit "chunked" that the chunked
 // kernels do not cover runs the recurrent kernel (the same function, within
 // the same contract).
 Algorithm resolve_cuda_algorithm(
     const GatedDeltaParams& params,
     Algorithm requested);
 
-// inputs: q, k, v, g, beta, state [, mask] [, checkpoints]; outputs: y,
-// state [, checkpoint states].
+// inputs: q, k, v, g, beta, state [, mask] [, checkpoints] [, parents];
+// outputs: y, state [, checkpoint states].
 void eval_core(
     const GatedDeltaParams& params,
     Algorithm algorithm,

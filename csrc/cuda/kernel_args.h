@@ -14,7 +14,7 @@ enum class Activation : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 // The layouts of docs/contract.md, all row-contiguous:
 //   q, k [B, T, Hk, Dk]   v, y [B, T, Hv, Dv]   g [B, T, Hv (, Dk)]
 //   beta [B, T, Hv]   mask [B, T]   state [B, Hv, Dv, Dk]
-//   checkpoints [N]   checkpoint_states [N, B, Hv, Dv, Dk]
+//   checkpoints [N]   checkpoint_states [N, B, Hv, Dv, Dk]   parents [T]
 struct CoreArgs {
   const void* q;
   const void* k;
@@ -27,6 +27,11 @@ struct CoreArgs {
   float* state_out;
   const int* checkpoints;  // nullptr without checkpoints
   float* checkpoint_states;
+  // Tree verification: token t steps from token parents[t]'s state (-1: the
+  // initial state); every token's state is kept in tree_states
+  // [B, Hv, T, Dv, Dk] (scratch). nullptr without a tree.
+  const int* parents;
+  float* tree_states;
   int batch;
   int tokens;
   int key_heads;
@@ -44,7 +49,9 @@ struct CoreArgs {
 // chunk_carry (docs/stages.md), per (batch row, value head, chunk):
 //   w [L, Dk] and u [L, Dv] of the WY form (float32),
 //   qk [L, L]: decay(i, j) q_i . k_j for j <= i, 0 above (float32),
-//   decays [2, L]: decay(i, -1), then decay(L - 1, j).
+//   decays [kDecayRows, L]: decay(i, -1), decay(L - 1, j), the cumulative
+//   log decay and the last wipe (as a float) of gate_cumsum.
+constexpr int kDecayRows = 4;
 struct ChunkScratch {
   float* w;
   float* u;

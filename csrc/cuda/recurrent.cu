@@ -8,6 +8,8 @@
 // S k (a warp sum), the delta update, the readout S q (a warp sum). The state
 // is read once at the start and written once at the end, so a decode step
 // moves it exactly once; the warps of a head never talk to each other.
+// With a tree (parents), each token starts from its parent's state, which the
+// same lanes wrote to tree_states when they stepped the parent.
 #include "cuda/device_common.cuh"
 #include "cuda/launch_shapes.h"
 
@@ -27,16 +29,35 @@ __device__ __forceinline__ void recurrent(const CoreArgs& a) {
   const int64_t head_state = (int64_t(b) * a.value_heads + h) * dv * dk;
 
   float s[kRowsPerWarp][kColumns];
+  auto load_state = [&](const float* state) {
 #pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = row0 + i;
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = row0 + i;
 #pragma unroll
-    for (int j = 0; j < kColumns; ++j) {
-      const int c = lane + kWarp * j;
-      s[i][j] = (r < dv && c < dk) ? a.state_in[head_state + int64_t(r) * dk + c]
-                                   : 0.0f;
+      for (int j = 0; j < kColumns; ++j) {
+        const int c = lane + kWarp * j;
+        s[i][j] = (r < dv && c < dk) ? state[int64_t(r) * dk + c] : 0.0f;
+      }
     }
-  }
+  };
+  auto store_state = [&](float* state) {
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = row0 + i;
+#pragma unroll
+      for (int j = 0; j < kColumns; ++j) {
+        const int c = lane + kWarp * j;
+        if (r < dv && c < dk) {
+          state[int64_t(r) * dk + c] = s[i][j];
+        }
+      }
+    }
+  };
+  load_state(a.state_in + head_state);
+  const int64_t state_size = int64_t(dv) * dk;
+  float* tree = a.parents
+      ? a.tree_states + (int64_t(b) * a.value_heads + h) * a.tokens * state_size
+      : nullptr;
 
   const T* q_all = static_cast<const T*>(a.q);
   const T* k_all = static_cast<const T*>(a.k);
@@ -47,6 +68,11 @@ __device__ __forceinline__ void recurrent(const CoreArgs& a) {
     const int64_t bt = int64_t(b) * a.tokens + t;
     const bool active = a.mask == nullptr || a.mask[bt];
     const int64_t y_row = (bt * a.value_heads + h) * dv;
+    if (tree) {
+      const int parent = a.parents[t];
+      load_state(
+          parent < 0 ? a.state_in + head_state : tree + parent * state_size);
+    }
     if (active) {
       const int64_t qk_row = (bt * a.key_heads + kh) * dk;
       float q[kColumns], k[kColumns], decay[kColumns];
@@ -122,37 +148,21 @@ __device__ __forceinline__ void recurrent(const CoreArgs& a) {
         }
       }
     }
+    if (tree) {
+      store_state(tree + t * state_size);
+    }
     // A checkpoint is a copy of the state after its token, masked or not.
     if (next_checkpoint < a.checkpoint_count &&
         a.checkpoints[next_checkpoint] == t + 1) {
-      float* slot = a.checkpoint_states +
-          int64_t(next_checkpoint) * a.batch * a.value_heads * dv * dk +
-          head_state;
-#pragma unroll
-      for (int i = 0; i < kRowsPerWarp; ++i) {
-        const int r = row0 + i;
-#pragma unroll
-        for (int j = 0; j < kColumns; ++j) {
-          const int c = lane + kWarp * j;
-          if (r < dv && c < dk) {
-            slot[int64_t(r) * dk + c] = s[i][j];
-          }
-        }
-      }
+      store_state(
+          a.checkpoint_states +
+          int64_t(next_checkpoint) * a.batch * a.value_heads * state_size +
+          head_state);
       ++next_checkpoint;
     }
   }
-#pragma unroll
-  for (int i = 0; i < kRowsPerWarp; ++i) {
-    const int r = row0 + i;
-#pragma unroll
-    for (int j = 0; j < kColumns; ++j) {
-      const int c = lane + kWarp * j;
-      if (r < dv && c < dk) {
-        a.state_out[head_state + int64_t(r) * dk + c] = s[i][j];
-      }
-    }
-  }
+  // With a tree too, the final state is the last token's.
+  store_state(a.state_out + head_state);
 }
 
 }  // namespace

@@ -35,7 +35,7 @@ rm -rf "$probe_site"
 probe_log=$(mktemp)
 PYTHONPATH="$probe_site:$PYTHONPATH" run "racecheck of the probe" \
     --tool racecheck --racecheck-report hazard 2>&1 | tee "$probe_log"
-if grep -q "Race reported" "$probe_log"; then
+if grep -qE "hazard detected|Race reported" "$probe_log"; then
     echo "sanitize: the probe was caught (racecheck reported the hazard)"
 else
     echo "sanitize: the probe was NOT caught"

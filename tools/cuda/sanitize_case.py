@@ -1,6 +1,6 @@
 """The calls compute-sanitizer watches (tools/cuda/sanitize.sh): every CUDA kernel of the
 core op once, on small shapes (two chunks and a partial one, a mask, checkpoints, per-key
-gates), and a check of the chunked result against the recurrent one, so that a race that
+gates, a tree), and a check of the chunked result against the recurrent one, so that a race that
 changes the numbers also fails the run."""
 
 import sys
@@ -31,10 +31,18 @@ def main():
         )
         mx.eval(y, s)
         results[algorithm] = (np.asarray(y), np.asarray(s))
-    y, s, c = gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True, checkpoints=[3, 64])
-    mx.eval(y, s, c)
-    y, s = gated_delta_rule(q, k, v, g[..., None] * mx.ones((D,)), beta, state, normalize_qk=True)
-    mx.eval(y, s)
+    q16, k16 = q.astype(mx.bfloat16), k.astype(mx.bfloat16)
+    for algorithm in ("recurrent", "chunked"):
+        outputs = gated_delta_rule(
+            q16, k16, v, g, beta, state, normalize_qk=True, checkpoints=[3, 64, 100],
+            algorithm=algorithm,
+        )
+        mx.eval(*outputs)
+    parents = [-1] + list(range(T - 1))
+    parents[5] = 2  # a branch
+    mx.eval(*gated_delta_rule(q16, k16, v, g, beta, state, parents=parents))
+    per_key = g[..., None] * mx.ones((D,))
+    mx.eval(*gated_delta_rule(q16, k16, v, per_key, beta, state, normalize_qk=True))
     worst = max(
         float(np.abs(a - b).max() / np.abs(b).max())
         for a, b in zip(results["chunked"], results["recurrent"])
