@@ -13,8 +13,7 @@ namespace mlx_gated_delta {
 // (Metal has kernels for every stage; the Linux CPU build runs GPU calls
 // nowhere).
 inline mlx::core::Stream cpu_unless_cuda_kernels(
-    mlx::core::Stream stream,
-    [[maybe_unused]] bool has_cuda_kernels) {
+    mlx::core::Stream stream, [[maybe_unused]] bool has_cuda_kernels) {
 #ifdef MLX_GATED_DELTA_CUDA
   if (stream.device == mlx::core::Device::gpu && !has_cuda_kernels) {
     return mlx::core::default_stream(mlx::core::Device::cpu);

@@ -105,7 +105,8 @@ __device__ void load_block(
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
       const int e = base + u * kChunkedThreads + threadIdx.x;
-      x[u] = e < total ? source[(e / columns) * source_stride + e % columns] : 0.0f;
+      x[u] = e < total ? source[(e / columns) * source_stride + e % columns]
+                       : 0.0f;
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
@@ -130,8 +131,7 @@ __device__ ChunkPlace chunk_place(const CoreArgs& a, int chunk) {
   place.t0 = chunk * kChunk;
   place.length = min(kChunk, a.tokens - place.t0);
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
-  place.index =
-      (int64_t(place.b) * a.value_heads + place.h) * chunks + chunk;
+  place.index = (int64_t(place.b) * a.value_heads + place.h) * chunks + chunk;
   return place;
 }
 
@@ -146,8 +146,7 @@ __device__ void gate_cumsum(
   const int i = threadIdx.x;
   if (i < kChunk) {
     const int64_t bt = int64_t(place.b) * a.tokens + place.t0 + i;
-    const bool active =
-        i < place.length && (a.mask == nullptr || a.mask[bt]);
+    const bool active = i < place.length && (a.mask == nullptr || a.mask[bt]);
     const int64_t gate = bt * a.value_heads + place.h;
     gates[i] = active ? a.g[gate] : 0.0f;
     betas[i] = active ? a.beta[gate] : 0.0f;
@@ -169,8 +168,7 @@ __device__ void gate_cumsum(
 
 template <typename T>
 __device__ __forceinline__ void chunk_prepare(
-    const CoreArgs& a,
-    const ChunkScratch& s) {
+    const CoreArgs& a, const ChunkScratch& s) {
   extern __shared__ float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
   const int kp = dk + 1, vp = dv + 1, lp = kChunk + 1;
@@ -195,9 +193,12 @@ __device__ __forceinline__ void chunk_prepare(
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
   const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
-  const T* v = static_cast<const T*>(a.v) + (bt0 * a.value_heads + place.h) * dv;
-  load_rows(k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, ks, kp);
-  load_rows(q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
+  const T* v =
+      static_cast<const T*>(a.v) + (bt0 * a.value_heads + place.h) * dv;
+  load_rows(
+      k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, ks, kp);
+  load_rows(
+      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
   __syncthreads();
 
   // k_gram and chunk_qk: 4 x 4 tiles, rows i = 4 ti + x, columns j = tj + 16 y.
@@ -250,7 +251,8 @@ __device__ __forceinline__ void chunk_prepare(
   // A[i][m] T[m][j] (j <= m, where row m is not zero).
   for (int m = 0; m < kChunk - 1; ++m) {
     const int width = m + 1;
-    for (int e = threadIdx.x; e < (kChunk - 1 - m) * width; e += kChunkedThreads) {
+    for (int e = threadIdx.x; e < (kChunk - 1 - m) * width;
+         e += kChunkedThreads) {
       const int i = m + 1 + e / width, j = e % width;
       ts[i * lp + j] -= as[i * lp + m] * ts[m * lp + j];
     }
@@ -309,8 +311,7 @@ __device__ __forceinline__ void chunk_prepare(
 
 template <typename T>
 __device__ __forceinline__ void chunk_carry(
-    const CoreArgs& a,
-    const ChunkScratch& s) {
+    const CoreArgs& a, const ChunkScratch& s) {
   // Tiles: chunk_carry and chunk_output give each thread token rows
   // i = ti + 32 x (x < 2) and state rows r = tr + 8 y (y < kRowTiles);
   // chunk_carry_state state rows r = warp + 8 y and columns c = lane + 32 z.
@@ -359,10 +360,13 @@ __device__ __forceinline__ void chunk_carry(
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
     const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
     const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
-    load_rows(q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
+    load_rows(
+        q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
     load_block(s.w + place.index * kChunk * dk, dk, kChunk, dk, wk, kp);
-    load_block(s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
-    load_block(s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
+    load_block(
+        s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
+    load_block(
+        s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
     for (int e = threadIdx.x; e < kDecayRows * kChunk; e += kChunkedThreads) {
       from_start[e] = s.decays[place.index * kDecayRows * kChunk + e];
     }
@@ -403,7 +407,8 @@ __device__ __forceinline__ void chunk_carry(
     __syncthreads();
 #endif
     // W has been read: K takes its buffer for chunk_carry_state.
-    load_rows(k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
+    load_rows(
+        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
 
     // chunk_output: y_i = scale (decay(i, -1) S q_i + sum_{j <= i} P_ij v'_j),
     // 0 where masked.
@@ -425,7 +430,8 @@ __device__ __forceinline__ void chunk_carry(
 #pragma unroll
         for (int y = 0; y < kRowTiles; ++y) {
           if (tr + 8 * y < rows) {
-            const float out = a.scale * (from_start[i] * inter[x][y] + intra[y]);
+            const float out =
+                a.scale * (from_start[i] * inter[x][y] + intra[y]);
             y_row[row0 + tr + 8 * y] = from_float<T>(active ? out : 0.0f);
           }
         }
@@ -530,20 +536,20 @@ __device__ __forceinline__ void chunk_carry(
 
 // The entry points the executor looks up by name: gd_chunk_prepare_<dtype>,
 // gd_chunk_carry_<dtype>.
-#define GD_CHUNKED_ENTRIES(type, suffix)                                    \
-  extern "C" __global__ void __launch_bounds__(                             \
-      mlx_gated_delta::cuda::kChunkedThreads)                               \
-      gd_chunk_prepare_##suffix(                                            \
-          const mlx_gated_delta::cuda::CoreArgs a,                          \
-          const mlx_gated_delta::cuda::ChunkScratch s) {                    \
-    mlx_gated_delta::cuda::chunk_prepare<type>(a, s);                       \
-  }                                                                         \
-  extern "C" __global__ void __launch_bounds__(                             \
-      mlx_gated_delta::cuda::kChunkedThreads)                               \
-      gd_chunk_carry_##suffix(                                              \
-          const mlx_gated_delta::cuda::CoreArgs a,                          \
-          const mlx_gated_delta::cuda::ChunkScratch s) {                    \
-    mlx_gated_delta::cuda::chunk_carry<type>(a, s);                         \
+#define GD_CHUNKED_ENTRIES(type, suffix)                 \
+  extern "C" __global__ void __launch_bounds__(          \
+      mlx_gated_delta::cuda::kChunkedThreads)            \
+      gd_chunk_prepare_##suffix(                         \
+          const mlx_gated_delta::cuda::CoreArgs a,       \
+          const mlx_gated_delta::cuda::ChunkScratch s) { \
+    mlx_gated_delta::cuda::chunk_prepare<type>(a, s);    \
+  }                                                      \
+  extern "C" __global__ void __launch_bounds__(          \
+      mlx_gated_delta::cuda::kChunkedThreads)            \
+      gd_chunk_carry_##suffix(                           \
+          const mlx_gated_delta::cuda::CoreArgs a,       \
+          const mlx_gated_delta::cuda::ChunkScratch s) { \
+    mlx_gated_delta::cuda::chunk_carry<type>(a, s);      \
   }
 GD_CHUNKED_ENTRIES(float, f32)
 GD_CHUNKED_ENTRIES(__half, f16)

@@ -38,8 +38,8 @@ const char* dtype_suffix(mx::Dtype dtype) {
 }
 
 bool chunked_kernels_cover(const GatedDeltaParams& p) {
-  return !p.per_key_gates && !p.has_tree &&
-      p.key_dim <= kChunkedMaxDim && p.value_dim <= kChunkedMaxDim;
+  return !p.per_key_gates && !p.has_tree && p.key_dim <= kChunkedMaxDim &&
+      p.value_dim <= kChunkedMaxDim;
 }
 
 // A float32 scratch buffer from MLX's allocator, kept alive until the
@@ -106,8 +106,7 @@ bool has_core_kernels(const GatedDeltaParams& p) {
 }
 
 Algorithm resolve_cuda_algorithm(
-    const GatedDeltaParams& p,
-    Algorithm requested) {
+    const GatedDeltaParams& p, Algorithm requested) {
   if (!chunked_kernels_cover(p)) {
     return Algorithm::Recurrent;
   }

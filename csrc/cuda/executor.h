@@ -21,8 +21,7 @@ bool has_core_kernels(const GatedDeltaParams& params);
 // kernels do not cover runs the recurrent kernel (the same function, within
 // the same contract).
 Algorithm resolve_cuda_algorithm(
-    const GatedDeltaParams& params,
-    Algorithm requested);
+    const GatedDeltaParams& params, Algorithm requested);
 
 // inputs: q, k, v, g, beta, state [, mask] [, checkpoints] [, parents];
 // outputs: y, state [, checkpoint states].

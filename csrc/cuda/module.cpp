@@ -83,11 +83,13 @@ CUfunction kernel(
     auto module = modules.find({device, source});
     if (module == modules.end()) {
       int image = 0;
-      while (image < gd_cuda_image_count && source != gd_cuda_image_names[image]) {
+      while (image < gd_cuda_image_count &&
+             source != gd_cuda_image_names[image]) {
         ++image;
       }
       if (image == gd_cuda_image_count) {
-        throw std::runtime_error("mlx_gated_delta: no CUDA kernels of " + source);
+        throw std::runtime_error(
+            "mlx_gated_delta: no CUDA kernels of " + source);
       }
       CUmodule loaded;
       driver.check(

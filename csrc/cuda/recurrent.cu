@@ -118,16 +118,14 @@ __device__ __forceinline__ void recurrent(const CoreArgs& a) {
         float partial = 0.0f;
 #pragma unroll
         for (int j = 0; j < kColumns; ++j) {
-          partial +=
-              s[i][j] * (a.per_key_gates ? decay[j] * k[j] : k[j]);
+          partial += s[i][j] * (a.per_key_gates ? decay[j] * k[j] : k[j]);
         }
         float predicted = warp_sum(partial);
         if (!a.per_key_gates) {
           predicted *= scalar_decay;
         }
-        const float v = r < dv
-            ? to_float(v_all[(bt * a.value_heads + h) * dv + r])
-            : 0.0f;
+        const float v =
+            r < dv ? to_float(v_all[(bt * a.value_heads + h) * dv + r]) : 0.0f;
         const float delta = beta * (v - predicted);
         float readout = 0.0f;
 #pragma unroll
@@ -171,16 +169,16 @@ __device__ __forceinline__ void recurrent(const CoreArgs& a) {
 
 // The entry points the executor looks up by name (launch_shapes.h):
 // gd_recurrent_<dtype>_c<columns>.
-#define GD_RECURRENT_ENTRY(type, suffix, columns)                     \
-  extern "C" __global__ void __launch_bounds__(                       \
-      mlx_gated_delta::cuda::kRecurrentThreads)                       \
-      gd_recurrent_##suffix##_c##columns(                             \
-          const mlx_gated_delta::cuda::CoreArgs a) {                  \
-    mlx_gated_delta::cuda::recurrent<type, columns>(a);               \
+#define GD_RECURRENT_ENTRY(type, suffix, columns)       \
+  extern "C" __global__ void __launch_bounds__(         \
+      mlx_gated_delta::cuda::kRecurrentThreads)         \
+      gd_recurrent_##suffix##_c##columns(               \
+          const mlx_gated_delta::cuda::CoreArgs a) {    \
+    mlx_gated_delta::cuda::recurrent<type, columns>(a); \
   }
-#define GD_RECURRENT_ENTRIES(columns)                  \
-  GD_RECURRENT_ENTRY(float, f32, columns)              \
-  GD_RECURRENT_ENTRY(__half, f16, columns)             \
+#define GD_RECURRENT_ENTRIES(columns)      \
+  GD_RECURRENT_ENTRY(float, f32, columns)  \
+  GD_RECURRENT_ENTRY(__half, f16, columns) \
   GD_RECURRENT_ENTRY(__nv_bfloat16, bf16, columns)
 GD_RECURRENT_ENTRIES(1)
 GD_RECURRENT_ENTRIES(2)

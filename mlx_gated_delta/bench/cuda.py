@@ -261,9 +261,7 @@ def table(record: dict) -> str:
             rate = f"{flop / (ours['chained_ms'] / 1e3) / 1e12:.1f} TFLOP/s"
 
         def pair(name):
-            return (
-                f"{r[name]['call_ms']:.3f} / {r[name]['graph_ms']:.3f}" if name in r else "n/a"
-            )
+            return f"{r[name]['call_ms']:.3f} / {r[name]['graph_ms']:.3f}" if name in r else "n/a"
 
         core_cell = "n/a (op loop)" if core is None else f"{core['call_ms']:.3f}"
         fla_peak = max((f["peak_mib"] for f in fla), default=math.nan)

@@ -26,7 +26,14 @@ def main():
     results = {}
     for algorithm in ("recurrent", "chunked"):
         y, s = gated_delta_rule(
-            q, k, v.astype(mx.float32), g, beta, state, normalize_qk=True, mask=mask,
+            q,
+            k,
+            v.astype(mx.float32),
+            g,
+            beta,
+            state,
+            normalize_qk=True,
+            mask=mask,
             algorithm=algorithm,
         )
         mx.eval(y, s)
@@ -34,7 +41,14 @@ def main():
     q16, k16 = q.astype(mx.bfloat16), k.astype(mx.bfloat16)
     for algorithm in ("recurrent", "chunked"):
         outputs = gated_delta_rule(
-            q16, k16, v, g, beta, state, normalize_qk=True, checkpoints=[3, 64, 100],
+            q16,
+            k16,
+            v,
+            g,
+            beta,
+            state,
+            normalize_qk=True,
+            checkpoints=[3, 64, 100],
             algorithm=algorithm,
         )
         mx.eval(*outputs)
