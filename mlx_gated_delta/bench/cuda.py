@@ -25,7 +25,6 @@ the "useful" FLOP count 8 B T Hv Dk Dv of FLA's reports.
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -251,7 +250,7 @@ def table(record: dict) -> str:
         ours = r["ours"]
         core = r.get("mlx_core")
         fla = [r[n] for n in ("fla_recurrent", "fla_chunk") if n in r]
-        best = min((f["graph_ms"] for f in fla), default=math.nan)
+        best = min((f["graph_ms"] for f in fla), default=None)
         if r["tokens"] == 1:
             state_bytes = 2 * r["batch"] * HV * D * D * 4
             rate = f"{state_bytes / (ours['chained_ms'] / 1e3) / 1e12:.2f} TB/s"
@@ -264,11 +263,12 @@ def table(record: dict) -> str:
             return f"{r[name]['call_ms']:.3f} / {r[name]['graph_ms']:.3f}" if name in r else "n/a"
 
         core_cell = "n/a (op loop)" if core is None else f"{core['call_ms']:.3f}"
-        fla_peak = max((f["peak_mib"] for f in fla), default=math.nan)
+        ratio = f"{ours['chained_ms'] / best:.2f}x" if fla else "n/a"
+        fla_peak = f"{max(f['peak_mib'] for f in fla):.0f}" if fla else "n/a"
         lines.append(
             f"| {r['batch']} | {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
             f"{core_cell} | {pair('fla_recurrent')} | {pair('fla_chunk')} | "
-            f"{ours['chained_ms'] / best:.2f}x | {ours['peak_mib']:.0f} | {fla_peak:.0f} | {rate} |"
+            f"{ratio} | {ours['peak_mib']:.0f} | {fla_peak} | {rate} |"
         )
     lines.append("")
     lines.append("ms: median. FLA's y and state against ours (norm ratio):")

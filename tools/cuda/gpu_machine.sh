@@ -14,7 +14,7 @@
 # one log per step. Steps, run in the order given:
 #   install    MLX and this checkout (nvcc builds the kernels) into SITE
 #   check      tools/cuda/check.py: the kernels against the CPU and the oracle
-#   selftest   python -m mlx_gated_delta selftest on the CUDA device
+#   selftest   python -m mlx_gated_delta selftest on the CUDA device (TF32 off)
 #   sanitize   compute-sanitizer memcheck and racecheck over tools/cuda/check.py
 #   bench      python -m mlx_gated_delta bench --cuda
 # Environment: SITE (default /tmp/gd-site), PYTHON (default python3),
@@ -66,7 +66,10 @@ for step in "$@"; do
     case "$step" in
         install) install ;;
         check) "$python" "$here/tools/cuda/check.py" ;;
-        selftest) "$python" -m mlx_gated_delta selftest --examples "${SELFTEST_EXAMPLES:-25}" ;;
+        # MLX's CUDA matmuls default to TF32; the layer properties' contracts assume
+        # float32 products in the model around our op (docs/cuda.md).
+        selftest) MLX_ENABLE_TF32=${MLX_ENABLE_TF32:-0} "$python" -m mlx_gated_delta selftest \
+            --examples "${SELFTEST_EXAMPLES:-25}" ;;
         sanitize) bash "$here/tools/cuda/sanitize.sh" ;;
         bench) "$python" -m mlx_gated_delta bench --cuda ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
