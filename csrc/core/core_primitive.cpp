@@ -207,11 +207,14 @@ void GatedDeltaRule::eval_gpu(
   metal::eval_core_gpu(
       params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
 #elif defined(MLX_GATED_DELTA_CUDA)
-  // The linear gate, when present, is the last input and for the vjp only.
-  const std::vector<mx::array> kernel_inputs(
-      inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
+  // As on Metal: the linear gate, the vjp's last input, is not the kernels'.
+  const GatedDeltaParams params = params_for(inputs);
   cuda::eval_core(
-      params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
+      params,
+      algorithm_,
+      {inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0)},
+      outputs,
+      stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
