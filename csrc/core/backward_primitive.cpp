@@ -1,5 +1,7 @@
 #include "core/backward_primitive.h"
 
+#include "core/stream_routing.h"
+
 #include <optional>
 #include <stdexcept>
 
@@ -213,6 +215,8 @@ std::vector<mx::array> gated_delta_rule_vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums) {
+  // The backward has no CUDA kernels yet (docs/cuda.md).
+  stream = cpu_unless_cuda_kernels(stream, false);
   const mx::Dtype activation = primals[kV].dtype();
   std::vector<mx::array> inputs(
       primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));

@@ -2,8 +2,13 @@
 
 #include "core/core_params.h"
 #include "core/core_primitive.h"
+#include "core/stream_routing.h"
 #include "mlx/ops.h"
 #include "validation/arguments.h"
+
+#ifdef MLX_GATED_DELTA_CUDA
+#include "cuda/executor.h"
+#endif
 
 namespace mx = mlx::core;
 
@@ -46,7 +51,12 @@ std::vector<mx::array> gated_delta_rule(
   const mx::Shape state_shape = {
       p.batch, p.value_heads, p.value_dim, p.key_dim};
 
-  auto stream = mx::to_stream(s);
+#ifdef MLX_GATED_DELTA_CUDA
+  const bool has_cuda_kernels = cuda::has_core_kernels(p);
+#else
+  const bool has_cuda_kernels = false;
+#endif
+  auto stream = cpu_unless_cuda_kernels(mx::to_stream(s), has_cuda_kernels);
   mx::array initial_state =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
   if (p.tokens == 0) {  // no checkpoint fits in no tokens

@@ -12,6 +12,8 @@
 
 #ifdef _METAL_
 #include "metal/executor.h"
+#elif defined(MLX_GATED_DELTA_CUDA)
+#include "cuda/executor.h"
 #endif
 
 namespace mx = mlx::core;
@@ -204,6 +206,15 @@ void GatedDeltaRule::eval_gpu(
       inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
   metal::eval_core_gpu(
       params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
+#elif defined(MLX_GATED_DELTA_CUDA)
+  // As on Metal: the linear gate, the vjp's last input, is not the kernels'.
+  const GatedDeltaParams params = params_for(inputs);
+  cuda::eval_core(
+      params,
+      algorithm_,
+      {inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0)},
+      outputs,
+      stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "

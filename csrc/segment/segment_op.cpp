@@ -1,6 +1,7 @@
 #include "segment/segment_op.h"
 
 #include "core/dispatch.h"
+#include "core/stream_routing.h"
 #include "mlx/ops.h"
 #include "segment/segment_params.h"
 #include "segment/segment_primitive.h"
@@ -58,7 +59,8 @@ std::vector<mx::array> gated_delta_segment(
   const mx::Shape conv_state_shape = {p.batch, p.conv_state_rows(), C};
   const mx::Shape state_shape = {p.batch, value_heads, value_dim, key_dim};
 
-  auto stream = mx::to_stream(s);
+  // The segment has no CUDA kernels yet (docs/cuda.md).
+  auto stream = cpu_unless_cuda_kernels(mx::to_stream(s), false);
   mx::array conv_state_in =
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =

@@ -85,6 +85,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(the whole-layer rows are then left out)",
     )
     parser.add_argument(
+        "--cuda",
+        action="store_true",
+        help="the CUDA benchmark instead (mlx_gated_delta/bench/cuda.py): on MLX's CUDA "
+        "build, ours against mx.fast.gated_delta_update and FLA (with PyTorch), "
+        "Qwen3-Next shape, decode B in {1, 8, 64}, prefill B=1 T in {2048, 8192, 32768}",
+    )
+    parser.add_argument(
         "--kda",
         action="store_true",
         help="the Kimi Delta Attention rows instead: Kimi-Linear's shape (Hk=Hv=32, "
@@ -102,6 +109,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict:
     if getattr(args, "train", False):
         return train.run(args)
+    if getattr(args, "cuda", False):
+        from . import cuda
+
+        return cuda.run(args)
     shapes = kda_shapes(args.quick) if args.kda else benchmark_shapes(args.quick)
     if args.filter:
         shapes = [s for s in shapes if args.filter.search(s.label)]

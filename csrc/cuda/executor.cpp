@@ -1,0 +1,223 @@
+// The CUDA executor: kernels recorded into the CUDA graph of MLX's command
+// encoder for the stream, buffers from MLX's allocator, no host
+// synchronisation (docs/cuda.md).
+#include "cuda/executor.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "cuda/kernel_args.h"
+#include "cuda/launch_shapes.h"
+#include "cuda/module.h"
+#include "mlx/allocator.h"
+#include "mlx/backend/cuda/device.h"
+#include "mlx/backend/cuda/utils.h"
+
+namespace mx = mlx::core;
+
+namespace mlx_gated_delta::cuda {
+
+namespace {
+
+enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
+
+const char* dtype_suffix(mx::Dtype dtype) {
+  switch (dtype) {
+    case mx::float32:
+      return "f32";
+    case mx::float16:
+      return "f16";
+    case mx::bfloat16:
+      return "bf16";
+    default:
+      throw std::invalid_argument(
+          "mlx_gated_delta: the CUDA kernels take float32, float16 or "
+          "bfloat16 activations");
+  }
+}
+
+bool chunked_kernels_cover(const GatedDeltaParams& p) {
+  return !p.per_key_gates && !p.has_tree && p.key_dim <= kChunkedMaxDim &&
+      p.value_dim <= kChunkedMaxDim;
+}
+
+// A float32 scratch buffer from MLX's allocator, kept alive until the
+// encoder's graph has run.
+mx::array scratch(mx::cu::CommandEncoder& encoder, int64_t floats) {
+  mx::array buffer(
+      mx::allocator::malloc(size_t(floats) * sizeof(float)),
+      {int(floats)},
+      mx::float32);
+  encoder.add_temporary(buffer);
+  return buffer;
+}
+
+// The encoder orders graph nodes by the buffers they read and write: each
+// kernel names its own, the scratch included, just before it is added.
+void set_arrays(
+    mx::cu::CommandEncoder& encoder,
+    const std::vector<mx::array>& reads,
+    const std::vector<mx::array>& writes) {
+  for (const auto& array : reads) {
+    encoder.set_input_array(array);
+  }
+  for (const auto& array : writes) {
+    encoder.set_output_array(array);
+  }
+}
+
+void launch(
+    mx::cu::CommandEncoder& encoder,
+    const std::string& source,
+    const std::string& name,
+    dim3 grid,
+    int threads,
+    int shared_bytes,
+    void** params) {
+  encoder.device().make_current();
+  encoder.add_kernel_node_raw(
+      kernel(encoder.device().cuda_device(), source, name, shared_bytes),
+      grid,
+      dim3(threads),
+      dim3(),
+      shared_bytes,
+      params);
+}
+
+// Shared memory of chunk_prepare and chunk_carry (their layouts in
+// chunked.cu).
+int prepare_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = p.key_dim + 1, vp = p.value_dim + 1, lp = kChunk + 1;
+  return int(sizeof(float)) *
+      (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + 5 * kChunk);
+}
+int carry_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kCarryRows + 1;
+  return int(sizeof(float)) *
+      (kCarryRows * kp + 2 * kChunk * kp + kChunk * lp + kChunk * rp +
+       kDecayRows * kChunk);
+}
+
+}  // namespace
+
+bool has_core_kernels(const GatedDeltaParams& p) {
+  return p.key_dim <= kRecurrentMaxKeyDim;
+}
+
+Algorithm resolve_cuda_algorithm(
+    const GatedDeltaParams& p, Algorithm requested) {
+  if (!chunked_kernels_cover(p)) {
+    return Algorithm::Recurrent;
+  }
+  if (requested == Algorithm::Auto) {
+    return p.tokens >= kChunk ? Algorithm::Chunked : Algorithm::Recurrent;
+  }
+  return requested;
+}
+
+void eval_core(
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const mx::Stream& stream) {
+  auto& encoder = mx::cu::get_command_encoder(stream);
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+  }
+  if (p.batch == 0 || p.value_heads == 0 || p.value_dim == 0) {
+    return;  // empty outputs: nothing to launch
+  }
+
+  CoreArgs a{};
+  a.q = mx::gpu_ptr<void>(inputs[kQ]);
+  a.k = mx::gpu_ptr<void>(inputs[kK]);
+  a.v = mx::gpu_ptr<void>(inputs[kV]);
+  a.g = mx::gpu_ptr<float>(inputs[kG]);
+  a.beta = mx::gpu_ptr<float>(inputs[kBeta]);
+  a.state_in = mx::gpu_ptr<float>(inputs[kState]);
+  a.mask = p.has_mask ? mx::gpu_ptr<bool>(inputs[kMask]) : nullptr;
+  a.y = mx::gpu_ptr<void>(outputs[0]);
+  a.state_out = mx::gpu_ptr<float>(outputs[1]);
+  const int checkpoints_input = p.has_mask ? kMask + 1 : kMask;
+  if (p.checkpoint_count > 0) {
+    a.checkpoints = mx::gpu_ptr<int>(inputs[checkpoints_input]);
+    a.checkpoint_states = mx::gpu_ptr<float>(outputs[2]);
+  }
+  a.batch = p.batch;
+  a.tokens = p.tokens;
+  a.key_heads = p.key_heads;
+  a.value_heads = p.value_heads;
+  a.key_dim = p.key_dim;
+  a.value_dim = p.value_dim;
+  a.scale = p.scale;
+  a.grouped = p.head_mapping == HeadMapping::Grouped;
+  a.normalize_qk = p.normalize_qk;
+  a.per_key_gates = p.per_key_gates;
+  a.checkpoint_count = p.checkpoint_count;
+
+  const std::string dtype = dtype_suffix(inputs[kV].dtype());
+  if (resolve_cuda_algorithm(p, algorithm) == Algorithm::Recurrent) {
+    const int columns = (p.key_dim + 31) / 32;
+    std::vector<mx::array> writes = outputs;
+    if (p.has_tree) {
+      a.parents = mx::gpu_ptr<int>(
+          inputs[checkpoints_input + (p.checkpoint_count > 0 ? 1 : 0)]);
+      writes.push_back(scratch(
+          encoder,
+          int64_t(p.batch) * p.value_heads * p.tokens * p.value_dim *
+              p.key_dim));
+      a.tree_states = mx::gpu_ptr<float>(writes.back());
+    }
+    void* params[] = {&a};
+    set_arrays(encoder, inputs, writes);
+    launch(
+        encoder,
+        "recurrent",
+        "gd_recurrent_" + dtype + "_c" + std::to_string(columns),
+        dim3(
+            (p.value_dim + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock,
+            p.value_heads,
+            p.batch),
+        kRecurrentThreads,
+        0,
+        params);
+    return;
+  }
+  const int chunks = p.num_chunks();
+  const int64_t problems = int64_t(p.batch) * p.value_heads * chunks;
+  std::vector<mx::array> buffers = {
+      scratch(encoder, problems * kChunk * p.key_dim),
+      scratch(encoder, problems * kChunk * p.value_dim),
+      scratch(encoder, problems * kChunk * kChunk),
+      scratch(encoder, problems * kDecayRows * kChunk)};
+  ChunkScratch s;
+  s.w = mx::gpu_ptr<float>(buffers[0]);
+  s.u = mx::gpu_ptr<float>(buffers[1]);
+  s.qk = mx::gpu_ptr<float>(buffers[2]);
+  s.decays = mx::gpu_ptr<float>(buffers[3]);
+  void* params[] = {&a, &s};
+  set_arrays(encoder, inputs, buffers);
+  launch(
+      encoder,
+      "chunked",
+      "gd_chunk_prepare_" + dtype,
+      dim3(chunks, p.value_heads, p.batch),
+      kChunkedThreads,
+      prepare_shared_bytes(p),
+      params);
+  std::vector<mx::array> reads = inputs;
+  reads.insert(reads.end(), buffers.begin(), buffers.end());
+  set_arrays(encoder, reads, outputs);
+  launch(
+      encoder,
+      "chunked",
+      "gd_chunk_carry_" + dtype,
+      dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
+      kChunkedThreads,
+      carry_shared_bytes(p),
+      params);
+}
+
+}  // namespace mlx_gated_delta::cuda

@@ -1,0 +1,35 @@
+// The CUDA executor of the core op (built only against a CUDA build of MLX,
+// CMake option MLX_GATED_DELTA_CUDA): records the kernels of one call into
+// the command encoder of an MLX CUDA stream (docs/cuda.md).
+#pragma once
+
+#include <vector>
+
+#include "core/core_params.h"
+#include "mlx/array.h"
+#include "mlx/stream.h"
+
+namespace mlx_gated_delta::cuda {
+
+// Whether the CUDA kernels cover this call; the op runs the others on the
+// CPU stream (docs/cuda.md): key dims over 256.
+bool has_core_kernels(const GatedDeltaParams& params);
+
+// The algorithm "auto" runs on CUDA: the chunked form from one chunk of
+// tokens on, for scalar gates, no tree and dims the chunked kernels cover;
+// the recurrent form otherwise. An explicit "chunked" that the chunked
+// kernels do not cover runs the recurrent kernel (the same function, within
+// the same contract).
+Algorithm resolve_cuda_algorithm(
+    const GatedDeltaParams& params, Algorithm requested);
+
+// inputs: q, k, v, g, beta, state [, mask] [, checkpoints] [, parents];
+// outputs: y, state [, checkpoint states].
+void eval_core(
+    const GatedDeltaParams& params,
+    Algorithm algorithm,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& stream);
+
+}  // namespace mlx_gated_delta::cuda

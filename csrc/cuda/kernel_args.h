@@ -1,0 +1,62 @@
+// The arguments of the CUDA kernels: plain structs that the kernels (.cu,
+// compiled by nvcc) and the executor (.cpp, compiled by the host compiler
+// against MLX's CUDA backend headers) both read. Each kernel takes one of
+// them by value, so a launch passes a single parameter.
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_gated_delta::cuda {
+
+// The activation dtype of q, k, v and y.
+enum class Activation : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+
+// The layouts of docs/contract.md, all row-contiguous:
+//   q, k [B, T, Hk, Dk]   v, y [B, T, Hv, Dv]   g [B, T, Hv (, Dk)]
+//   beta [B, T, Hv]   mask [B, T]   state [B, Hv, Dv, Dk]
+//   checkpoints [N]   checkpoint_states [N, B, Hv, Dv, Dk]   parents [T]
+struct CoreArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const float* beta;
+  const bool* mask;  // nullptr: every token is active
+  const float* state_in;
+  void* y;
+  float* state_out;
+  const int* checkpoints;  // nullptr without checkpoints
+  float* checkpoint_states;
+  // Tree verification: token t steps from token parents[t]'s state (-1: the
+  // initial state); every token's state is kept in tree_states
+  // [B, Hv, T, Dv, Dk] (scratch). nullptr without a tree.
+  const int* parents;
+  float* tree_states;
+  int batch;
+  int tokens;
+  int key_heads;
+  int value_heads;
+  int key_dim;
+  int value_dim;
+  float scale;
+  int grouped;  // 1: kh = h / (Hv / Hk); 0: kh = h % Hk
+  int normalize_qk;
+  int per_key_gates;
+  int checkpoint_count;
+};
+
+// The chunked form's scratch, written by chunk_prepare and read by
+// chunk_carry (docs/stages.md), per (batch row, value head, chunk):
+//   w [L, Dk] and u [L, Dv] of the WY form (float32),
+//   qk [L, L]: decay(i, j) q_i . k_j for j <= i, 0 above (float32),
+//   decays [kDecayRows, L]: decay(i, -1), decay(L - 1, j), the cumulative
+//   log decay and the last wipe (as a float) of gate_cumsum.
+constexpr int kDecayRows = 4;
+struct ChunkScratch {
+  float* w;
+  float* u;
+  float* qk;
+  float* decays;
+};
+
+}  // namespace mlx_gated_delta::cuda

@@ -1,0 +1,21 @@
+// The CUDA kernels' module: the fatbin compiled from csrc/cuda/*.cu and
+// embedded in the extension, loaded through the CUDA driver on first use.
+#pragma once
+
+#include <cuda.h>
+
+#include <string>
+
+namespace mlx_gated_delta::cuda {
+
+// The kernel `name` of the fatbin compiled from csrc/cuda/<source>.cu, for
+// CUDA device `device` (whose context is current), allowed `shared_bytes` of
+// dynamic shared memory. Throws with the driver's message if it cannot be
+// loaded (a GPU the fatbin has no code for, say).
+CUfunction kernel(
+    int device,
+    const std::string& source,
+    const std::string& name,
+    int shared_bytes);
+
+}  // namespace mlx_gated_delta::cuda

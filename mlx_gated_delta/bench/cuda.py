@@ -1,0 +1,310 @@
+"""The CUDA benchmark, ``python -m mlx_gated_delta bench --cuda``: on one NVIDIA GPU, in one
+run, our op against MLX core's ``mx.fast.gated_delta_update`` (MLX's CUDA build) and FLA's
+Triton kernels (``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``, through
+PyTorch), on the Qwen3-Next shape (Hk=16, Hv=32, Dk=Dv=128), bf16 q/k/v, float32 gates and
+state.
+
+Every implementation gets the same work: q and k already L2-normalised (untimed), the scale
+Dk^-0.5 (MLX core takes it pre-multiplied into q), an initial state, the final state returned.
+Times are medians of repeats after a warm-up call:
+
+- ``call``: one call, its wall time from issue to the GPU's end (``mx.eval`` and
+  ``mx.synchronize``; for FLA ``torch.cuda.synchronize``): what an eager caller waits;
+- ``per call, n chained`` (MLX): ``n`` calls in one graph, the state passed from each to the
+  next, one evaluation, divided by ``n``: the launch and graph overheads amortised, the
+  nearest MLX figure to GPU time;
+- ``graph`` (FLA): one call captured in a CUDA graph, each replay timed by CUDA events: GPU
+  time.
+
+The comparison with FLA uses our chained figure against FLA's graph replay. Peak memory is the
+growth of each framework's allocator peak over one call. Bandwidth and FLOP/s use the copy
+bandwidth measured here (a device-to-device copy through PyTorch, bytes read + written) and
+the "useful" FLOP count 8 B T Hv Dk Dv of FLA's reports.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .. import gated_delta_rule
+
+HK, HV, D = 16, 32, 128
+DECODE_BATCHES = (1, 8, 64)
+PREFILL_TOKENS = (2048, 8192, 32768)
+# MLX core's CUDA op is a per-token op loop (about 0.1 s per 1000 tokens): timed up to here.
+MLX_CORE_MAX_TOKENS = 8192
+CHAINED_CALLS = {1: 64, 2048: 8, 8192: 4, 32768: 2}
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import (
+            chunk_gated_delta_rule,
+            fused_recurrent_gated_delta_rule,
+        )
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def draw(batch: int, tokens: int, seed: int = 0) -> dict:
+    """float32 NumPy inputs of one row; q and k L2-normalised per head."""
+    rng = np.random.default_rng(seed)
+
+    def normalised(shape):
+        x = rng.standard_normal(shape).astype(np.float32)
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    return {
+        "q": normalised((batch, tokens, HK, D)),
+        "k": normalised((batch, tokens, HK, D)),
+        "v": rng.standard_normal((batch, tokens, HV, D)).astype(np.float32),
+        "g": -rng.uniform(0.01, 0.3, (batch, tokens, HV)).astype(np.float32),
+        "beta": rng.uniform(0.0, 1.0, (batch, tokens, HV)).astype(np.float32),
+        "state": (0.1 * rng.standard_normal((batch, HV, D, D))).astype(np.float32),
+    }
+
+
+def _median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+def _repeats(tokens: int) -> int:
+    return 50 if tokens == 1 else (20 if tokens <= 8192 else 8)
+
+
+def time_mlx(call, state: mx.array, tokens: int, repeats: int | None = None) -> dict:
+    """``call(state) -> (y, state)`` timed one call at a time and chained."""
+    repeats = repeats or _repeats(tokens)
+    mx.eval(call(state))
+    mx.synchronize()
+    singles = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        mx.eval(call(state))
+        mx.synchronize()
+        singles.append(time.perf_counter() - start)
+    n = CHAINED_CALLS[tokens] if repeats >= 10 else 2
+
+    def chained():
+        outputs, s = [], state
+        for _ in range(n):
+            y, s = call(s)
+            outputs.append(y)
+        return outputs + [s]
+
+    mx.eval(chained())
+    mx.synchronize()
+    chains = []
+    for _ in range(max(3, repeats // 4)):
+        start = time.perf_counter()
+        mx.eval(chained())
+        mx.synchronize()
+        chains.append((time.perf_counter() - start) / n)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(call(state))
+    mx.synchronize()
+    return {
+        "call_ms": _median_ms(singles),
+        "chained_ms": _median_ms(chains),
+        "chained_calls": n,
+        "peak_mib": (mx.get_peak_memory() - before) / 2**20,
+    }
+
+
+def time_torch(call, tokens: int) -> dict:
+    """``call()`` timed eagerly and as a CUDA graph replay."""
+    torch = _torch()
+    call()
+    torch.cuda.synchronize()
+    singles = []
+    for _ in range(_repeats(tokens)):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        singles.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()  # Triton compiles and autotunes outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    replays = []
+    for _ in range(3):
+        graph.replay()
+    for _ in range(4 * _repeats(tokens)):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        replays.append(start.elapsed_time(end) / 1e3)
+    return {"call_ms": _median_ms(singles), "graph_ms": _median_ms(replays), "peak_mib": peak}
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 4 GiB device-to-device copy through PyTorch."""
+    torch = _torch()
+    src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * 4 / statistics.median(samples)
+
+
+def row(batch: int, tokens: int, fla) -> dict:
+    x = draw(batch, tokens)
+    scale = D**-0.5
+    q, k, v = (mx.array(x[n]).astype(mx.bfloat16) for n in ("q", "k", "v"))
+    g, beta, state = (mx.array(x[n]) for n in ("g", "beta", "state"))
+    q_prescaled = (q.astype(mx.float32) * scale).astype(mx.bfloat16)
+    gamma = mx.exp(g)
+    mx.eval(q, k, v, g, beta, state, q_prescaled, gamma)
+    result = {"batch": batch, "tokens": tokens}
+
+    def ours(s):
+        return gated_delta_rule(q, k, v, g, beta, s, scale=scale)
+
+    result["ours"] = time_mlx(ours, state, tokens)
+    y_ours, state_ours = ours(state)
+    mx.eval(y_ours, state_ours)
+    if tokens <= MLX_CORE_MAX_TOKENS:
+
+        def core(s):
+            return mx.fast.gated_delta_update(q_prescaled, k, v, gamma, beta, s)
+
+        # Its op loop takes a tenth of a second per thousand tokens: few repeats.
+        result["mlx_core"] = time_mlx(core, state, tokens, repeats=None if tokens == 1 else 3)
+
+    if fla is not None:
+        torch = _torch()
+        chunk, fused_recurrent = fla
+        t = {
+            n: torch.from_numpy(x[n]).cuda().to(torch.bfloat16 if n in "qkv" else torch.float32)
+            for n in ("q", "k", "v", "g", "beta")
+        }
+        # FLA keeps the state [B, H, Dk, Dv]; ours is [B, H, Dv, Dk].
+        h0 = torch.from_numpy(x["state"]).cuda().transpose(-1, -2).contiguous()
+        common = {"scale": scale, "initial_state": h0, "output_final_state": True}
+        implementations = {"fla_recurrent": lambda: fused_recurrent(**t, **common)}
+        if tokens > 1:
+            implementations["fla_chunk"] = lambda: chunk(**t, **common)
+        for name, call in implementations.items():
+            result[name] = time_torch(call, tokens)
+            y, final = call()
+            torch.cuda.synchronize()
+            y_ours_np = np.asarray(y_ours.astype(mx.float32))
+            y_fla = y.float().cpu().numpy()
+            result[name]["y_vs_ours"] = float(
+                np.linalg.norm(y_fla - y_ours_np) / np.linalg.norm(y_ours_np)
+            )
+            state_fla = final.transpose(-1, -2).float().cpu().numpy()
+            state_ours_np = np.asarray(state_ours)
+            result[name]["state_vs_ours"] = float(
+                np.linalg.norm(state_fla - state_ours_np) / np.linalg.norm(state_ours_np)
+            )
+    return result
+
+
+def table(record: dict) -> str:
+    bandwidth = record["copy_bandwidth_bytes_per_s"]
+    lines = [
+        f"GPU: {record['gpu']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
+        "",
+        "| B | T | ours call | ours per call (chained) | MLX core call | FLA fused_recurrent "
+        "eager / graph | FLA chunk eager / graph | ours / FLA best graph | ours peak MiB | "
+        "FLA peak MiB | ours: state TB/s or TFLOP/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in record["rows"]:
+        ours = r["ours"]
+        core = r.get("mlx_core")
+        fla = [r[n] for n in ("fla_recurrent", "fla_chunk") if n in r]
+        best = min((f["graph_ms"] for f in fla), default=None)
+        if r["tokens"] == 1:
+            state_bytes = 2 * r["batch"] * HV * D * D * 4
+            rate = f"{state_bytes / (ours['chained_ms'] / 1e3) / 1e12:.2f} TB/s"
+            rate += f" ({100 * state_bytes / (ours['chained_ms'] / 1e3) / bandwidth:.0f}% of copy)"
+        else:
+            flop = 8 * r["batch"] * r["tokens"] * HV * D * D
+            rate = f"{flop / (ours['chained_ms'] / 1e3) / 1e12:.1f} TFLOP/s"
+
+        def pair(name):
+            return f"{r[name]['call_ms']:.3f} / {r[name]['graph_ms']:.3f}" if name in r else "n/a"
+
+        core_cell = "n/a (op loop)" if core is None else f"{core['call_ms']:.3f}"
+        ratio = f"{ours['chained_ms'] / best:.2f}x" if fla else "n/a"
+        fla_peak = f"{max(f['peak_mib'] for f in fla):.0f}" if fla else "n/a"
+        lines.append(
+            f"| {r['batch']} | {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
+            f"{core_cell} | {pair('fla_recurrent')} | {pair('fla_chunk')} | "
+            f"{ratio} | {ours['peak_mib']:.0f} | {fla_peak} | {rate} |"
+        )
+    lines.append("")
+    lines.append("ms: median. FLA's y and state against ours (norm ratio):")
+    for r in record["rows"]:
+        for name in ("fla_recurrent", "fla_chunk"):
+            if name in r:
+                lines.append(
+                    f"- B={r['batch']} T={r['tokens']} {name}: y {r[name]['y_vs_ours']:.1e}, "
+                    f"state {r[name]['state_vs_ours']:.1e}"
+                )
+    return "\n".join(lines)
+
+
+def run(args) -> dict:
+    if not mx.cuda.is_available():
+        raise SystemExit("bench --cuda needs MLX's CUDA build on an NVIDIA GPU")
+    mx.set_default_device(mx.gpu)
+    torch = _torch()
+    fla = _fla()
+    record = {
+        "command": "python -m mlx_gated_delta bench --cuda",
+        "gpu": torch.cuda.get_device_name(),
+        "mlx": mx.__version__,
+        "torch": torch.__version__,
+        "fla": "not installed" if fla is None else "0.6.0",
+        "copy_bandwidth_bytes_per_s": copy_bandwidth(),
+        "rows": [],
+    }
+    shapes = [(b, 1) for b in DECODE_BATCHES] + [(1, t) for t in PREFILL_TOKENS]
+    for batch, tokens in shapes:
+        print(f"bench --cuda: B={batch} T={tokens}", flush=True)
+        record["rows"].append(row(batch, tokens, fla))
+    text = table(record)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cuda.json").write_text(json.dumps(record, indent=2) + "\n")
+    (out / "cuda.md").write_text(text + "\n")
+    print(text)
+    return record

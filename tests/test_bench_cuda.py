@@ -1,0 +1,60 @@
+"""The CUDA benchmark's pieces that need no GPU (mlx_gated_delta/bench/cuda.py): its
+inputs, its table's derived figures, and its refusal where MLX has no CUDA device."""
+
+import argparse
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_gated_delta.bench import cuda
+
+
+def test_inputs_are_the_qwen3_next_shape_with_unit_q_and_k_and_decays_below_one():
+    x = cuda.draw(2, 3)
+    assert x["q"].shape == x["k"].shape == (2, 3, 16, 128)
+    assert x["v"].shape == (2, 3, 32, 128) and x["state"].shape == (2, 32, 128, 128)
+    for name in ("q", "k"):
+        np.testing.assert_allclose(np.linalg.norm(x[name], axis=-1), 1.0, rtol=1e-5)
+    assert (x["g"] < 0).all() and ((x["beta"] >= 0) & (x["beta"] <= 1)).all()
+
+
+def test_table_derives_bandwidth_flops_and_the_ratio_to_fla_from_the_chained_time():
+    record = {
+        "gpu": "test",
+        "copy_bandwidth_bytes_per_s": 4e12,
+        "rows": [
+            {
+                "batch": 64,
+                "tokens": 1,
+                "ours": {"call_ms": 0.3, "chained_ms": 0.2, "peak_mib": 128},
+                "fla_recurrent": {
+                    "call_ms": 0.2,
+                    "graph_ms": 0.1,
+                    "peak_mib": 128,
+                    "y_vs_ours": 1e-5,
+                    "state_vs_ours": 1e-7,
+                },
+            },
+            {
+                "batch": 1,
+                "tokens": 2048,
+                "ours": {"call_ms": 3.0, "chained_ms": 2.0, "peak_mib": 99},
+                "mlx_core": {"call_ms": 200.0, "chained_ms": 190.0, "peak_mib": 4000},
+            },
+        ],
+    }
+    text = cuda.table(record)
+    state_bytes = 2 * 64 * 32 * 128 * 128 * 4
+    assert f"{state_bytes / 0.2e-3 / 1e12:.2f} TB/s" in text
+    assert f"({100 * state_bytes / 0.2e-3 / 4e12:.0f}% of copy)" in text
+    assert "| 2.00x |" in text  # 0.2 ms against FLA's 0.1 ms graph replay
+    flop = 8 * 2048 * 32 * 128 * 128
+    assert f"{flop / 2e-3 / 1e12:.1f} TFLOP/s" in text
+    assert "| 200.000 |" in text and "| n/a | 99 | n/a |" in text  # no FLA: no ratio
+
+
+@pytest.mark.skipif(mx.cuda.is_available(), reason="this machine has MLX's CUDA device")
+def test_refuses_to_run_without_mlx_cuda():
+    with pytest.raises(SystemExit, match="CUDA build"):
+        cuda.run(argparse.Namespace(out="unused"))
