@@ -18,10 +18,24 @@ nvcc="$cuda/bin/nvcc"
 archs=$(sed -n 's/^set(MLX_GATED_DELTA_CUDA_ARCHS "\([0-9 ;]*\)".*/\1/p' csrc/cuda/cuda.cmake | tr ';' ' ')
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
+compile() {  # compile SOURCE ARCH: the build's flags, warnings as errors
+    "$nvcc" -fatbin -std=c++17 -O3 "-gencode=arch=compute_$2,code=sm_$2" \
+        -Werror all-warnings -I csrc -o "$out/$(basename "$1" .cu).fatbin" "$1"
+}
+
+# Probe: a kernel with a warning (an unused variable) must fail the check.
+printf '__global__ void probe(float* x) { int unused = 0; x[0] = 1.0f; }\n' > "$out/probe.cu"
+for arch in $archs; do
+    if compile "$out/probe.cu" "$arch" 2> /dev/null; then
+        echo "cuda compile check: the probe's warning passed on sm_$arch" >&2
+        exit 1
+    fi
+done
+echo "probe rejected: a warning fails the check"
+
 for source in csrc/cuda/*.cu; do
     for arch in $archs; do
-        "$nvcc" -fatbin -std=c++17 -O3 "-gencode=arch=compute_${arch},code=sm_${arch}" \
-            -Werror all-warnings -I csrc -o "$out/$(basename "$source" .cu).fatbin" "$source"
+        compile "$source" "$arch"
         echo "nvcc sm_$arch: $source"
     done
 done
