@@ -13,12 +13,6 @@ from mlx_gated_delta.reference import to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import DTYPES  # also loads the profiles
 
-FINGERPRINTS = {
-    "projection.linear.v2.float32.output": "ccce15ba83941885acbb00957cf94ab2602867ee47382058e909f5a5e8ca40ab",
-    "projection.linear.v2.float16.output": "97eef9181111eaf6752d3a36549008998f1aedf94211c212f1cd9d46028f8d79",
-    "projection.linear.v2.bfloat16.output": "2dbc14e9092be8ad7229dbe62be60ae677b139789a0fc3a8a83c28888ef8f1fd",
-}
-
 
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -38,7 +32,7 @@ def test_linear_projection_matches_float64(seed, leading, in_features, out_featu
     assert y.shape == (*leading, out_features) and y.dtype == x.dtype
     expected = to_float64(x) @ to_float64(weight).T
     contract = f"projection.linear.v2.{dtype}.output"
-    assert_matches("y", y, expected, contract, FINGERPRINTS[contract])
+    assert_matches("y", y, expected, contract)
 
 
 def test_linear_projection_reads_strided_inputs():
@@ -46,9 +40,7 @@ def test_linear_projection_reads_strided_inputs():
     weight = mx.random.normal((20, 30)).T  # a transposed view, [30, 20]
     expected = to_float64(x) @ to_float64(weight).T
     contract = "projection.linear.v2.float32.output"
-    assert_matches(
-        "y", _ext.linear_projection(x, weight, None), expected, contract, FINGERPRINTS[contract]
-    )
+    assert_matches("y", _ext.linear_projection(x, weight, None), expected, contract)
 
 
 @pytest.mark.parametrize(
