@@ -8,7 +8,7 @@ namespace mlx_gated_delta {
 
 // The order of the segment primitive's inputs (segment_op.cpp builds them).
 enum SegmentInput {
-  kMixed = 0,
+  kMixedQkvzba = 0,
   kConvWeight,
   kDecayParameter,
   kDtBias,

@@ -134,9 +134,9 @@ std::vector<mx::array> segment_composition(
   const int C = p.conv_channels();
   const int Hk = p.key_heads, Hv = p.value_heads;
   const int Dk = p.key_dim, Dv = p.value_dim;
-  const mx::Dtype dtype = primals[kMixed].dtype();
+  const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
 
-  mx::array x = mx::astype(primals[kMixed], mx::float32, s);
+  mx::array x = mx::astype(primals[kMixedQkvzba], mx::float32, s);
   auto part = [&](int start, int width) {
     return mx::slice(x, {0, 0, start}, {B, T, start + width}, s);
   };
