@@ -310,7 +310,7 @@ def test_gradients_under_compile_and_vmap(transform):
 
 def update_with_algorithm(q, k, v, gamma, beta, state, algorithm):
     """gated_delta_update (which always runs "auto") with an explicit
-    algorithm: the same core call, gamma passed as the linear gate."""
+    algorithm: the same core call, gamma passed as the linear decay."""
     if algorithm == "auto":
         return gated_delta_update(q, k, v, gamma, beta, state, stream=mx.cpu)
     g = mx.log(mx.stop_gradient(gamma).astype(mx.float32))
