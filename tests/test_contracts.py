@@ -1,19 +1,26 @@
-"""The numerical contract registry and its `assert_matches` helper."""
+"""The numerical contract registry, the table of reviewed fingerprints and
+`assert_matches`."""
 
+import ast
+import dataclasses
 import hashlib
+import inspect
 import re
 
 import numpy as np
 import pytest
 
-from mlx_gated_delta.testing import contracts
-from mlx_gated_delta.testing.contracts import CONTRACTS, Contract, assert_matches
+from mlx_gated_delta.testing import contracts, fingerprints
+from mlx_gated_delta.testing.contracts import (
+    CONTRACTS,
+    Contract,
+    assert_matches,
+    review_disagreements,
+)
 
 # Two float32 contracts of 1e-4 against the result's magnitude.
 F32_OUTPUT = "stage.chunk_output.v1.float32.output"
-F32_OUTPUT_FINGERPRINT = CONTRACTS[F32_OUTPUT].fingerprint
 F32_STATE = "stage.chunk_carry.v1.float32.state"
-F32_STATE_FINGERPRINT = CONTRACTS[F32_STATE].fingerprint
 # The same threshold, against the magnitude of the recurrent form's terms.
 TERMS_OUTPUT = "core.recurrent.v3.float32.output"
 
@@ -55,22 +62,62 @@ def test_fingerprint_is_the_sha256_of_the_canonical_text():
     assert of_terms.fingerprint == hashlib.sha256(text + b"|terms").hexdigest()
 
 
-def test_a_fingerprint_mismatch_fails_even_when_the_values_agree():
+def test_the_reviewed_table_and_the_registry_agree_both_ways():
+    # Every registered contract has its reviewed fingerprint, every reviewed
+    # fingerprint a registered contract, and each is the contract's own.
+    assert review_disagreements() == []
+
+
+def test_the_reviewed_table_has_one_line_a_contract_in_order():
+    # A key written twice in a dict literal silently keeps the last value:
+    # read the table's source, not the dict.
+    table = ast.parse(inspect.getsource(fingerprints)).body[-1].value
+    ids = [key.value for key in table.keys]
+    assert ids == sorted(set(ids))
+    assert all(len(value.value) == 64 for value in table.values)
+
+
+def test_review_disagreements_finds_a_missing_a_stale_and_a_changed_entry():
+    kept, changed, unreviewed = (CONTRACTS[i] for i in (F32_OUTPUT, F32_STATE, TERMS_OUTPUT))
+    registry = {c.id: c for c in (kept, dataclasses.replace(changed, threshold=2e-4), unreviewed)}
+    reviewed = {c.id: c.fingerprint for c in (kept, changed)}
+    reviewed["core.removed.v1.float32.output"] = "0" * 64
+    problems = review_disagreements(registry, reviewed)
+    stale, missing = "core.removed.v1.float32.output", TERMS_OUTPUT
+    assert [p.split(":")[0] for p in problems] == sorted((stale, missing, F32_STATE))
+    problem = dict(p.split(": ", 1) for p in problems)
+    assert problem[stale] == "a reviewed fingerprint, but no such contract (stale)"
+    assert problem[missing] == "no reviewed fingerprint"
+    assert problem[F32_STATE].startswith(f"fingerprint {registry[F32_STATE].fingerprint}")
+    assert f"reviewed as {changed.fingerprint}" in problem[F32_STATE]
+
+
+def test_a_threshold_changed_under_the_same_id_fails_even_when_the_values_agree(monkeypatch):
+    # The probe: loosen a contract in the registry and leave the reviewed
+    # table as it is. The test fails, and so does the agreement check.
+    loosened = dataclasses.replace(CONTRACTS[F32_OUTPUT], threshold=2e-4)
+    monkeypatch.setitem(CONTRACTS, F32_OUTPUT, loosened)
     expected = output_like()
-    with pytest.raises(AssertionError, match="fingerprint"):
-        assert_matches("y", expected, expected, F32_OUTPUT, "0" * 64)
+    with pytest.raises(AssertionError, match="a changed tolerance needs a new id"):
+        assert_matches("y", expected, expected, F32_OUTPUT)
+    assert [p.split(":")[0] for p in review_disagreements()] == [F32_OUTPUT]
+    # Under a new id with its own reviewed line it passes.
+    renamed = dataclasses.replace(loosened, id="stage.chunk_output.v2.float32.output")
+    monkeypatch.setitem(CONTRACTS, renamed.id, renamed)
+    monkeypatch.setitem(fingerprints.FINGERPRINTS, renamed.id, renamed.fingerprint)
+    assert_matches("y", expected, expected, renamed.id)
 
 
 def test_an_unknown_contract_fails():
     expected = output_like()
     with pytest.raises(AssertionError, match="no numerical contract"):
-        assert_matches("y", expected, expected, "core.nothing.v1.float32.output", "0" * 64)
+        assert_matches("y", expected, expected, "core.nothing.v1.float32.output")
 
 
 def test_values_within_the_contract_pass_and_return_the_metric():
     expected = output_like()
     actual = expected * (1 + 1e-6)
-    value = assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+    value = assert_matches("y", actual, expected, F32_OUTPUT)
     assert 0 < value <= 1e-6 * (1 + 1e-9)
 
 
@@ -80,7 +127,7 @@ def test_a_violation_names_the_worst_element_and_its_index():
     actual[1, 3, 2, 0] += 0.5  # the worst
     actual[0, 1, 1, 1] += 0.01  # also over the threshold, but smaller
     with pytest.raises(AssertionError) as failure:
-        assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+        assert_matches("y", actual, expected, F32_OUTPUT)
     message = str(failure.value)
     assert "index (1, 3, 2, 0)" in message
     assert F32_OUTPUT in message and "max_rel" in message
@@ -97,10 +144,10 @@ def test_max_rel_divides_by_the_magnitude_of_each_batch_row_and_head():
     actual = expected.copy()
     actual[0, 2, 1, 3] += 5e-5
     with pytest.raises(AssertionError, match=r"index \(0, 2, 1, 3\)"):
-        assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+        assert_matches("y", actual, expected, F32_OUTPUT)
     actual = expected.copy()
     actual[1, 2, 1, 3] += 5e-5
-    assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+    assert_matches("y", actual, expected, F32_OUTPUT)
 
 
 def test_max_rel_groups_the_state_by_its_own_batch_and_head_axes():
@@ -109,7 +156,7 @@ def test_max_rel_groups_the_state_by_its_own_batch_and_head_axes():
     actual = expected.copy()
     actual[1, 2, 3, 4] += 5e-5
     with pytest.raises(AssertionError, match=r"index \(1, 2, 3, 4\)"):
-        assert_matches("state", actual, expected, F32_STATE, F32_STATE_FINGERPRINT)
+        assert_matches("state", actual, expected, F32_STATE)
 
 
 def test_groups_below_the_magnitude_floor_are_judged_in_absolute_terms():
@@ -122,14 +169,14 @@ def test_groups_below_the_magnitude_floor_are_judged_in_absolute_terms():
     actual = expected.copy()
     actual[0, 4, 0, 2] = 0.5 * allowed
     actual[1, 4, 2, 2] += 0.5 * allowed
-    assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+    assert_matches("y", actual, expected, F32_OUTPUT)
     actual[0, 4, 0, 2] = 2 * allowed
     with pytest.raises(AssertionError, match=r"index \(0, 4, 0, 2\)"):
-        assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+        assert_matches("y", actual, expected, F32_OUTPUT)
     actual[0, 4, 0, 2] = 0.0
     actual[1, 4, 2, 2] += 2 * allowed
     with pytest.raises(AssertionError, match=r"index \(1, 4, 2, 2\)"):
-        assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+        assert_matches("y", actual, expected, F32_OUTPUT)
 
 
 def test_nan_and_inf_never_pass():
@@ -138,38 +185,39 @@ def test_nan_and_inf_never_pass():
         actual = expected.copy()
         actual[1, 0, 2, 1] = bad
         with pytest.raises(AssertionError, match=r"index \(1, 0, 2, 1\)"):
-            assert_matches("y", actual, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+            assert_matches("y", actual, expected, F32_OUTPUT)
 
 
 def test_a_shape_mismatch_fails():
     expected = output_like()
     with pytest.raises(AssertionError, match="shape"):
-        assert_matches("y", expected[:, :4], expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT)
+        assert_matches("y", expected[:, :4], expected, F32_OUTPUT)
 
 
 def test_an_exact_contract_rejects_any_difference():
     contract = CONTRACTS["core.recurrent_split.v1.any.output"]
     assert contract.metric == "max_abs" and contract.threshold == 0.0
     expected = output_like()
-    assert_matches("y", expected.copy(), expected, contract.id, contract.fingerprint)
+    assert_matches("y", expected.copy(), expected, contract.id)
     actual = expected.copy()
     actual[0, 0, 0, 0] = np.nextafter(actual[0, 0, 0, 0], np.inf)
     with pytest.raises(AssertionError, match=r"index \(0, 0, 0, 0\)"):
-        assert_matches("y", actual, expected, contract.id, contract.fingerprint)
+        assert_matches("y", actual, expected, contract.id)
 
 
 def test_norm_ratio_measures_the_whole_tensor(monkeypatch):
     contract = Contract("test.norm.v1.float32.output", "norm_ratio", 1e-3, "[B,T,H,D]", 1e-2)
     monkeypatch.setitem(CONTRACTS, contract.id, contract)
+    monkeypatch.setitem(fingerprints.FINGERPRINTS, contract.id, contract.fingerprint)
     expected = output_like()
     actual = expected.copy()
     # One element off by 5e-4 of the tensor's norm: the ratio is exactly that.
     actual[0, 0, 0, 0] += 5e-4 * np.linalg.norm(expected)
-    value = assert_matches("y", actual, expected, contract.id, contract.fingerprint)
+    value = assert_matches("y", actual, expected, contract.id)
     assert value == pytest.approx(5e-4)
     actual = expected * 1.01
     with pytest.raises(AssertionError, match="norm_ratio = 1.000e-02"):
-        assert_matches("y", actual, expected, contract.id, contract.fingerprint)
+        assert_matches("y", actual, expected, contract.id)
 
 
 def test_a_terms_contract_measures_against_the_larger_of_the_result_and_the_terms():
@@ -180,14 +228,14 @@ def test_a_terms_contract_measures_against_the_larger_of_the_result_and_the_term
     actual[1, 2, 0, 3] += 5e-3  # 5e-3 of O(1) values: far outside 1e-4
     terms = np.ones((2, 5, 3, 1))
     with pytest.raises(AssertionError, match=r"index \(1, 2, 0, 3\)"):
-        assert_matches("y", actual, expected, contract.id, contract.fingerprint, terms=terms)
+        assert_matches("y", actual, expected, contract.id, terms=terms)
     # Terms of 100 in that batch row and head only: 5e-3 is within 1e-4 of
     # them, and the other groups keep their own magnitude.
     terms[1, :, 0] = 100.0
-    assert_matches("y", actual, expected, contract.id, contract.fingerprint, terms=terms)
+    assert_matches("y", actual, expected, contract.id, terms=terms)
     actual[0, 2, 0, 3] += 5e-3
     with pytest.raises(AssertionError, match=r"index \(0, 2, 0, 3\)"):
-        assert_matches("y", actual, expected, contract.id, contract.fingerprint, terms=terms)
+        assert_matches("y", actual, expected, contract.id, terms=terms)
 
 
 def test_terms_are_given_exactly_to_the_contracts_that_measure_against_them():
@@ -195,9 +243,9 @@ def test_terms_are_given_exactly_to_the_contracts_that_measure_against_them():
     terms = np.ones((2, 5, 3, 1))
     contract = CONTRACTS[TERMS_OUTPUT]
     with pytest.raises(AssertionError, match="terms were not given"):
-        assert_matches("y", expected, expected, contract.id, contract.fingerprint)
+        assert_matches("y", expected, expected, contract.id)
     with pytest.raises(AssertionError, match="terms were given"):
-        assert_matches("y", expected, expected, F32_OUTPUT, F32_OUTPUT_FINGERPRINT, terms=terms)
+        assert_matches("y", expected, expected, F32_OUTPUT, terms=terms)
 
 
 def one_key_channel(beta, g, tokens=4, state_scale=1e6):

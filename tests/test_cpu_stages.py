@@ -17,24 +17,7 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import _ext, reference
-from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches
-
-# The reviewed fingerprints of the stage contracts (the Metal stage tests').
-FINGERPRINTS = {
-    "stage.qk_norm.v1.float32.inverse_norm": "52e9cd19f40f72e833d3439a048aa71eaf6d57f61772a8c15ee0ea7d1f407c5b",
-    "stage.gate_cumsum.v1.float32.log_cumsum": "d85aa2cd65478ff246ebd541fbde6721174e82d8f5cc45a89a5a946f09f597aa",
-    "stage.gate_cumsum.v1.int32.last_wipe": "dab1d7c8edc4ba9fa0d93b2a6577bab5a2fae8d21c85a4c93a51b9d734341909",
-    "stage.gate_cumsum.v1.float32.beta": "1c8ef7e70bfe6691566838b72dd85a3792c04f6b4c2bd0db4b840ca2808f1816",
-    "stage.k_gram.v1.float32.tile": "49a9cb397484ea366ddd15c46f34bc7a348f5b8ee5a08ce4f2c148b7d41e3250",
-    "stage.chunk_qk.v1.float32.tile": "97f1853ab56173f3077e20c1265d7c6142f89fa3d06bb6a0195a281ec880dad5",
-    "stage.kkt_inverse.v1.float32.tile": "cff559439ad591d179e8110389fed78db22e51ad8bd2e2aa81260f12c44e391f",
-    "stage.recompute_w_u.v1.float32.w": "816761863dc0db6eb02ec9bd2017d392e3fa9f359a81c6c7ef7957a1d68fa428",
-    "stage.recompute_w_u.v1.float32.u": "3eaf699b7916b174725393b4348129dadc76247c4289c083dc4d65f63807aa76",
-    "stage.chunk_carry.v1.float32.corrected": "d6a609b342496b52f9396667d5b1c2f156647226dc373482292d872786d97f49",
-    "stage.chunk_carry.v1.float32.output_inter": "98da6acaa58f01ede57e1488808b3e15ec1166b2e3ebc7145b4f884055da465e",
-    "stage.chunk_carry.v1.float32.state": "4ba8a10f152fae4cca58f35ce6fddff1661ac5c984441aa846763d573611256d",
-    "stage.chunk_output.v1.float32.output": "10677c8d9dedac72625c433547b10f5ac478b6401eb1fa5cc82f6a9f496b724c",
-}
+from mlx_gated_delta.testing.contracts import assert_matches
 
 # Two value heads on one key head (the wipe is on head 0); 150 tokens: two
 # full chunks and a partial one.
@@ -78,10 +61,6 @@ def case(request, inputs, expected):
     return head, trace(inputs, head), expected
 
 
-def check(name, actual, expected, contract_id):
-    assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
-
-
 def defined(shape, tile=False):
     """True where a [C, L, ...] entry is a real token's (and, for tiles, on or
     below the diagonal, between real tokens)."""
@@ -113,7 +92,7 @@ def test_qk_norm(case, inputs):
         rows = rows.reshape(-1, KEY_DIM)[:TOKENS].astype(np.float64)
         read_back = np.sum(rows * x, axis=-1) / np.sum(x * x, axis=-1)
         expected = 1.0 / np.sqrt(np.sum(x * x, axis=-1) + reference.QK_NORM_EPS)
-        check(
+        assert_matches(
             name,
             read_back[None, :, None],
             expected[None, :, None],
@@ -130,7 +109,7 @@ def test_gate_cumsum(case):
         ("beta_effective", "stage.gate_cumsum.v1.float32.beta"),
     ):
         reference_stage = expected[name][:, h]
-        check(name, compared(cpu[name], reference_stage), reference_stage, contract)
+        assert_matches(name, compared(cpu[name], reference_stage), reference_stage, contract)
 
 
 @pytest.mark.parametrize(
@@ -146,7 +125,7 @@ def test_tiles(case, name, contract):
     # k_gram and chunk_qk are the key head's (the only one, 0).
     h = slice(0, 1) if name in ("k_gram", "qk") else slice(head, head + 1)
     reference_stage = expected[name][:, h]
-    check(name, compared(cpu[name], reference_stage, tile=True), reference_stage, contract)
+    assert_matches(name, compared(cpu[name], reference_stage, tile=True), reference_stage, contract)
 
 
 @pytest.mark.parametrize(
@@ -166,7 +145,7 @@ def test_rows(case, name, contract):
         # chunk_output; the reference scales each part.
         actual = actual.astype(np.float64) * KEY_DIM**-0.5
     reference_stage = expected[name][:, head : head + 1]
-    check(name, compared(actual, reference_stage), reference_stage, contract)
+    assert_matches(name, compared(actual, reference_stage), reference_stage, contract)
 
 
 def test_chunk_carry_state(case):
@@ -177,13 +156,13 @@ def test_chunk_carry_state(case):
     assert chunks == -(-TOKENS // CHUNK)
     after = list(expected["entry_states"][0, head, 1:]) + [expected["state"][0, head]]
     for chunk in range(chunks):
-        check(
+        assert_matches(
             f"state after chunk {chunk}",
             cpu["exit_states"][chunk][None, None],
             after[chunk][None, None],
             "stage.chunk_carry.v1.float32.state",
         )
-    check(
+    assert_matches(
         "state",
         cpu["state"][None, None],
         expected["state"][:, head : head + 1],
@@ -193,7 +172,7 @@ def test_chunk_carry_state(case):
 
 def test_chunk_output(case):
     head, cpu, expected = case
-    check(
+    assert_matches(
         "y",
         cpu["y"][None, :, None],
         expected["y"][:, :, head : head + 1],
@@ -211,9 +190,13 @@ def test_a_wrong_stage_fails_its_own_test(case):
     w[1, 5, 3] += 1e-3 * np.abs(w).max()  # ten times the contract
     reference_w = expected["w"][:, head : head + 1]
     with pytest.raises(AssertionError, match="stage.recompute_w_u.v1.float32.w"):
-        check("w", compared(w, reference_w), reference_w, "stage.recompute_w_u.v1.float32.w")
+        assert_matches(
+            "w", compared(w, reference_w), reference_w, "stage.recompute_w_u.v1.float32.w"
+        )
     reference_u = expected["u"][:, head : head + 1]
-    check("u", compared(cpu["u"], reference_u), reference_u, "stage.recompute_w_u.v1.float32.u")
+    assert_matches(
+        "u", compared(cpu["u"], reference_u), reference_u, "stage.recompute_w_u.v1.float32.u"
+    )
 
 
 def test_a_stage_compared_with_the_wrong_reference_stage_fails(case):
@@ -223,7 +206,7 @@ def test_a_stage_compared_with_the_wrong_reference_stage_fails(case):
     head, cpu, expected = case
     reference_corrected = expected["corrected"][:, head : head + 1]
     with pytest.raises(AssertionError, match="stage.chunk_carry.v1.float32.corrected"):
-        check(
+        assert_matches(
             "corrected",
             compared(cpu["u"], reference_corrected),
             reference_corrected,
@@ -244,8 +227,3 @@ def test_the_trace_is_the_kernel_s_result(inputs):
         cpu = trace(inputs, head)
         np.testing.assert_array_equal(cpu["y"], np.asarray(y)[0, :, head])
         np.testing.assert_array_equal(cpu["state"], np.asarray(state_out)[0, head])
-
-
-def test_the_fingerprints_are_the_registry_s():
-    for contract_id, fingerprint in FINGERPRINTS.items():
-        assert CONTRACTS[contract_id].fingerprint == fingerprint, contract_id

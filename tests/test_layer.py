@@ -23,20 +23,10 @@ from mlx_gated_delta.layers import FAMILIES  # noqa: E402
 from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
-from mlx_gated_delta.testing import layer_properties, segment_properties  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import *  # noqa: E402,F401,F403
 from mlx_gated_delta.testing.layer_properties import family_model, tokens  # noqa: E402
 from mlx_gated_delta.testing.segment_cases import segment_out_terms  # noqa: E402
-
-FINGERPRINTS = {**layer_properties.FINGERPRINTS, **segment_properties.FINGERPRINTS}
-
-
-def check(name, actual, expected, contract_id, terms=None):
-    return assert_matches(
-        name, actual, expected, contract_id, FINGERPRINTS[contract_id], terms=terms
-    )
-
 
 # ---------------------------------------------------------------------------
 # The oracle is mlx-lm's layer math (checked independently of our C++).
@@ -82,7 +72,7 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
         key_dim=16,
         value_dim=8,
     )
-    check("out", expected, out, "segment.oracle.v3.float32.output", terms)
+    assert_matches("out", expected, out, "segment.oracle.v3.float32.output", terms)
 
 
 # ---------------------------------------------------------------------------
@@ -124,13 +114,13 @@ def test_batched_with_left_padding_equals_unbatched(kind):
         single_cache = model.make_cache()
         single = model(prompt[None], cache=single_cache)
         single_next = model(step[row : row + 1], cache=single_cache)
-        check(
+        assert_matches(
             f"row {row} prompt",
             batched[row : row + 1, p:],
             single,
             "layer.self_consistency.v2.float32.logits",
         )
-        check(
+        assert_matches(
             f"row {row} next",
             batched_next[row : row + 1],
             single_next,
@@ -218,10 +208,12 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     assert our_cache[0].shape == stock_cache[0].shape == (2, 3, 2 * 2 * 16 + 4 * 8)
     assert our_cache[0].dtype == stock_cache[0].dtype
     # Projections computed by different kernels: float32 rounding apart.
-    check("conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v2.float32.logits")
-    check("state", our_cache[1], stock_cache[1], "segment.oracle.v2.float32.state")
+    assert_matches(
+        "conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v2.float32.logits"
+    )
+    assert_matches("state", our_cache[1], stock_cache[1], "segment.oracle.v2.float32.state")
     valid = np.asarray(mask)
-    check(
+    assert_matches(
         "out",
         to_float64(our_out)[valid][None],
         to_float64(stock_out)[valid][None],
@@ -245,8 +237,8 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     mixed = layers[second](decode, cache=mixed_cache)
     layers[second](prefill, cache=plain_cache)
     plain = layers[second](decode, cache=plain_cache)
-    check("decode", mixed, plain, "layer.mlx_lm_parity.v2.float32.logits")
-    check("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches("decode", mixed, plain, "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches("state", mixed_cache[1], plain_cache[1], "layer.mlx_lm_parity.v2.float32.logits")
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda family: family.name)
@@ -291,7 +283,7 @@ def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
     attention = [m for _, m in patched.named_modules() if hasattr(m, "lower_bound")]
     assert len(attention) == 3
     assert all(isinstance(a.o_proj, nn.QuantizedLinear) for a in attention)
-    check("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_load_weights_after_patching_reaches_the_patched_layers():
@@ -303,7 +295,7 @@ def test_load_weights_after_patching_reaches_the_patched_layers():
     before = target(prompt)  # the packed projection is built from seed 99
     target.load_weights(list(tree_flatten(source.parameters())))
     assert not np.allclose(to_float64(before), to_float64(expected))
-    check("logits", target(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches("logits", target(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 @pytest.mark.parametrize("patch_first", [False, True])
@@ -324,7 +316,7 @@ def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
     assert isinstance(attention, GatedDeltaNet)
     assert isinstance(attention.in_proj_qkvz, nn.QuantizedLinear)
     assert isinstance(attention.out_proj, nn.QuantizedLinear)
-    check("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_patch_errors_for_a_model_without_gated_delta_layers():

@@ -57,14 +57,12 @@ def test_matches_mlx_fast_gated_delta_update_in_float32(
         y,
         mlx_y,
         "compat.gated_delta_update.v2.float32.output",
-        "a3aa4f6e3823786eac8b8c727745543c536f0aa117f8152ca43d4d7e6493f513",
     )
     assert_matches(
         "state",
         state,
         mlx_state,
         "compat.gated_delta_update.v2.float32.state",
-        "5b6e431f23c2ee92891fa4c524ca3f0ce86e45621759f81acf043deb6acaa8b4",
     )
     assert_update_matches_oracle(y, state, *arguments)
 
@@ -112,8 +110,8 @@ def test_slow_decay_with_bfloat16_activations_for_each_algorithm(algorithm):
         q, k, v, mx.log(gamma), beta, state, algorithm=algorithm, scale=1.0
     )
     state_terms = state_terms[:, -1, :, None, None]
-    assert_matches("y", y, expected_y, *CORE_BFLOAT16_OUTPUT[algorithm], terms=output_terms)
-    assert_matches("state", final, expected_state, *CORE_STATE[algorithm], terms=state_terms)
+    assert_matches("y", y, expected_y, CORE_BFLOAT16_OUTPUT[algorithm], terms=output_terms)
+    assert_matches("state", final, expected_state, CORE_STATE[algorithm], terms=state_terms)
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked", "update"))

@@ -13,12 +13,6 @@ from mlx_gated_delta.reference import to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import DTYPES  # also loads the profiles
 
-FINGERPRINTS = {
-    "projection.linear.v2.float32.output": "ccce15ba83941885acbb00957cf94ab2602867ee47382058e909f5a5e8ca40ab",
-    "projection.linear.v2.float16.output": "97eef9181111eaf6752d3a36549008998f1aedf94211c212f1cd9d46028f8d79",
-    "projection.linear.v2.bfloat16.output": "2dbc14e9092be8ad7229dbe62be60ae677b139789a0fc3a8a83c28888ef8f1fd",
-}
-
 
 @given(
     seed=st.integers(0, 2**32 - 1),
@@ -27,28 +21,26 @@ FINGERPRINTS = {
     out_features=st.sampled_from([1, 7, 32, 127, 128, 129, 300]),
     dtype=st.sampled_from(tuple(DTYPES)),
 )
-def test_linear_projection_matches_float64(seed, leading, in_features, out_features, dtype):
+def test_dense_projection_matches_float64(seed, leading, in_features, out_features, dtype):
     rng = np.random.default_rng(seed)
     x = mx.array(rng.standard_normal((*leading, in_features)).astype(np.float32))
     weight = mx.array(
         (rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32)
     )
     x, weight = x.astype(DTYPES[dtype]), weight.astype(DTYPES[dtype])
-    y = _ext.linear_projection(x, weight, None)
+    y = _ext.dense_projection(x, weight, None)
     assert y.shape == (*leading, out_features) and y.dtype == x.dtype
     expected = to_float64(x) @ to_float64(weight).T
     contract = f"projection.linear.v2.{dtype}.output"
-    assert_matches("y", y, expected, contract, FINGERPRINTS[contract])
+    assert_matches("y", y, expected, contract)
 
 
-def test_linear_projection_reads_strided_inputs():
+def test_dense_projection_reads_strided_inputs():
     x = mx.random.normal((6, 40))[:, ::2]  # a non-contiguous view
     weight = mx.random.normal((20, 30)).T  # a transposed view, [30, 20]
     expected = to_float64(x) @ to_float64(weight).T
     contract = "projection.linear.v2.float32.output"
-    assert_matches(
-        "y", _ext.linear_projection(x, weight, None), expected, contract, FINGERPRINTS[contract]
-    )
+    assert_matches("y", _ext.dense_projection(x, weight, None), expected, contract)
 
 
 @pytest.mark.parametrize(
@@ -60,8 +52,8 @@ def test_linear_projection_reads_strided_inputs():
         (mx.zeros((2, 4), dtype=mx.int32), mx.zeros((3, 4), dtype=mx.int32), TypeError, ["int32"]),
     ],
 )
-def test_linear_projection_rejects_mismatched_inputs(x, weight, error, words):
+def test_dense_projection_rejects_mismatched_inputs(x, weight, error, words):
     with pytest.raises(error) as raised:
-        _ext.linear_projection(x, weight, None)
+        _ext.dense_projection(x, weight, None)
     for word in words:
         assert word in str(raised.value)

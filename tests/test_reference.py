@@ -69,14 +69,12 @@ def test_oracle_matches_a_key_major_transcription(case):
         y,
         expected_y,
         "reference.transcription.v2.float64.output",
-        "852ce64b90967920b5713f6e5d7603ede12302516e96ffd6b243014d42d3b675",
     )
     assert_matches(
         "state",
         state,
         expected_state,
         "reference.transcription.v2.float64.state",
-        "34a8c9b61d8289b1fb9b22395e4b3a69c730b13987da02071370c489c8140270",
     )
 
 
@@ -117,14 +115,12 @@ def test_update_oracle_matches_mlx_fast_in_float32(
         mlx_y,
         y,
         "reference.mlx_fast.v2.float32.output",
-        "7423d2d44029b6533043470dd8f6a3bca4f42dbc72da0d37a3fe49fd17eb4427",
     )
     assert_matches(
         "state",
         mlx_state,
         state,
         "reference.mlx_fast.v2.float32.state",
-        "48225bf78ec41f254ef8e6854815581782100375dbaf77b6467f1d2fc0143428",
     )
 
 

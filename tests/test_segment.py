@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import gated_delta_segment
-from mlx_gated_delta.testing.contracts import CONTRACTS
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 from mlx_gated_delta.testing.segment_properties import *  # noqa: F401,F403
-from mlx_gated_delta.testing.segment_properties import FINGERPRINTS, run
+from mlx_gated_delta.testing.segment_properties import run
 
 # ---------------------------------------------------------------------------
 # Bad input: a clear error naming the argument, at graph construction.
@@ -108,11 +107,6 @@ def test_huge_lazy_input_is_rejected_before_allocation():
             mx.ones((64,)),
             **heads,
         )
-
-
-def test_contract_ids_exist():
-    for contract_id, fingerprint in FINGERPRINTS.items():
-        assert CONTRACTS[contract_id].fingerprint == fingerprint
 
 
 def test_segment_under_compile_and_on_another_stream_gives_the_same_result():

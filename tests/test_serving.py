@@ -19,7 +19,8 @@ from mlx_lm.models.cache import (  # noqa: E402
 )
 
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW, TrimmableArraysCache  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import check, tokens  # noqa: E402
+from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
+from mlx_gated_delta.testing.layer_properties import tokens  # noqa: E402
 from mlx_gated_delta.testing.serving_properties import *  # noqa: E402,F401,F403
 from mlx_gated_delta.testing.serving_properties import (  # noqa: E402
     KINDS,
@@ -105,7 +106,7 @@ def test_a_trim_that_breaks_the_state_is_caught_by_the_refeed_check(kind):
     fresh = feed(model, make_prompt_cache(model), sequence, [0, 16, 20])
     assert off_by_one.shape == fresh.shape
     with pytest.raises(AssertionError, match="violated"):
-        check("logits", off_by_one, fresh, "layer.self_consistency.v2.float32.logits")
+        assert_matches("logits", off_by_one, fresh, "layer.self_consistency.v2.float32.logits")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -213,7 +214,7 @@ def test_prompt_reuse_restores_the_longest_snapshotted_prefix(kind):
     # The snapshot at 128 was cut inside a chunk of the call [100, 200): the
     # same tokens as a fresh prefill split otherwise, within the layer's
     # self-consistency contract.
-    check("logits", reused, fresh, "layer.self_consistency.v2.float32.logits")
+    assert_matches("logits", reused, fresh, "layer.self_consistency.v2.float32.logits")
     with pytest.raises(ValueError, match="no snapshot after 100 tokens"):
         layer.restore(100)
 

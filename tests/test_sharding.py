@@ -16,7 +16,6 @@ pytest.importorskip("mlx_lm")
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 
 PARITY = "layer.mlx_lm_parity.v2.float32.logits"
-PARITY_FINGERPRINT = "292f83dfa1ee545ad6798b5d305fdb59b835f5de333d272d620938a09777e8f8"
 WORKER = Path(__file__).with_name("sharding_worker.py")
 
 
@@ -52,6 +51,4 @@ def test_sharded_patched_qwen35_matches_the_unsharded_model(tmp_path):
     for rank in range(2):
         result = np.load(tmp_path / f"rank{rank}.npz")
         assert int(result["local_value_heads"]) == 2  # 4 value heads over 2 ranks
-        assert_matches(
-            f"rank {rank} logits", result["got"], result["expected"], PARITY, PARITY_FINGERPRINT
-        )
+        assert_matches(f"rank {rank} logits", result["got"], result["expected"], PARITY)

@@ -47,7 +47,7 @@ inline void widen(const T* src, int n, float* dst) {
 }
 
 template <typename T>
-void linear_by_dots(
+void dense_projection_by_dots(
     int64_t rows,
     int in_features,
     int out_features,
@@ -75,7 +75,7 @@ void linear_by_dots(
 }  // namespace
 
 template <typename T>
-void linear_forward(
+void dense_projection_forward(
     int64_t rows,
     int in_features,
     int out_features,
@@ -88,7 +88,8 @@ void linear_forward(
     return static_cast<float>(v);
   });
   if (rows < kGemmMinRows) {
-    linear_by_dots(rows, in_features, out_features, x_f32.data(), weight, y);
+    dense_projection_by_dots(
+        rows, in_features, out_features, x_f32.data(), weight, y);
     return;
   }
 
@@ -129,11 +130,11 @@ void linear_forward(
   });
 }
 
-template void linear_forward<float>(
+template void dense_projection_forward<float>(
     int64_t, int, int, const float*, const float*, float*);
-template void linear_forward<float16_t>(
+template void dense_projection_forward<float16_t>(
     int64_t, int, int, const float16_t*, const float16_t*, float16_t*);
-template void linear_forward<bfloat16_t>(
+template void dense_projection_forward<bfloat16_t>(
     int64_t, int, int, const bfloat16_t*, const bfloat16_t*, bfloat16_t*);
 
 }  // namespace mlx_gated_delta::cpu

@@ -13,7 +13,7 @@ namespace mlx_gated_delta::cpu {
 
 // y[rows, out] = x[rows, in] * weight[out, in]^T; all row-major, contiguous.
 template <typename T>
-void linear_forward(
+void dense_projection_forward(
     int64_t rows,
     int in_features,
     int out_features,

@@ -12,7 +12,7 @@ namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
 
-std::vector<mx::Shape> LinearProjection::output_shapes(
+std::vector<mx::Shape> DenseProjection::output_shapes(
     const std::vector<mx::array>& inputs) {
   mx::Shape shape = inputs[0].shape();
   shape.back() = inputs[1].shape(0);
@@ -37,14 +37,14 @@ void dispatch_linear(
   encoder.set_input_array(weight);
   encoder.set_output_array(out);
   encoder.dispatch([=]() {
-    cpu::linear_forward<T>(
+    cpu::dense_projection_forward<T>(
         rows, in_features, out_features, x_data, w_data, y_data);
   });
 }
 
 }  // namespace
 
-void LinearProjection::eval_cpu(
+void DenseProjection::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
@@ -59,17 +59,17 @@ void LinearProjection::eval_cpu(
       dispatch_linear<mx::bfloat16_t>(stream(), inputs, out);
       break;
     default:
-      throw std::runtime_error("LinearProjection: unsupported dtype");
+      throw std::runtime_error("DenseProjection: unsupported dtype");
   }
 }
 
-void LinearProjection::eval_gpu(
+void DenseProjection::eval_gpu(
     const std::vector<mx::array>&, std::vector<mx::array>&) {
   throw std::runtime_error(
-      "LinearProjection is a CPU kernel; on the GPU use MLX's matmul");
+      "DenseProjection is a CPU kernel; on the GPU use MLX's matmul");
 }
 
-std::vector<mx::array> LinearProjection::vjp(
+std::vector<mx::array> DenseProjection::vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
@@ -82,24 +82,24 @@ std::vector<mx::array> LinearProjection::vjp(
   for (int arg : argnums) {
     if (arg == 0) {
       // dx = dy W: the product x w^T with w = W^T [in, out].
-      grads.push_back(linear_projection(dy, mx::transpose(weight, s), s));
+      grads.push_back(dense_projection(dy, mx::transpose(weight, s), s));
     } else {
       // dW = dy^T x over all rows: a [out, N] times (x^T [in, N])^T.
       const int rows = static_cast<int>(x.size() / x.shape(-1));
       mx::array dy_t =
           mx::transpose(mx::reshape(dy, {rows, weight.shape(0)}, s), s);
       mx::array x_t = mx::transpose(mx::reshape(x, {rows, x.shape(-1)}, s), s);
-      grads.push_back(linear_projection(dy_t, x_t, s));
+      grads.push_back(dense_projection(dy_t, x_t, s));
     }
   }
   return grads;
 }
 
-mx::array linear_projection(
+mx::array dense_projection(
     const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
   if (x.ndim() < 1 || weight.ndim() != 2 || x.shape(-1) != weight.shape(1)) {
     std::ostringstream out;
-    out << "linear_projection: x [..., in] and weight [out, in] must agree on "
+    out << "dense_projection: x [..., in] and weight [out, in] must agree on "
            "in; got x of rank "
         << x.ndim() << " and weight of rank " << weight.ndim();
     if (x.ndim() >= 1 && weight.ndim() == 2) {
@@ -112,7 +112,7 @@ mx::array linear_projection(
   if ((dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) ||
       weight.dtype() != dtype) {
     std::ostringstream out;
-    out << "linear_projection: x and weight must share one of float32, "
+    out << "dense_projection: x and weight must share one of float32, "
            "float16, bfloat16; got x "
         << x.dtype() << " and weight " << weight.dtype();
     throw std::domain_error(out.str());
@@ -120,14 +120,14 @@ mx::array linear_projection(
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
     throw std::invalid_argument(
-        "linear_projection is a CPU kernel; pass stream=mx.cpu");
+        "dense_projection is a CPU kernel; pass stream=mx.cpu");
   }
   mx::Shape shape = x.shape();
   shape.back() = weight.shape(0);
   return mx::array(
       shape,
       dtype,
-      std::make_shared<LinearProjection>(stream),
+      std::make_shared<DenseProjection>(stream),
       {mx::contiguous(x, false, stream),
        mx::contiguous(weight, false, stream)});
 }

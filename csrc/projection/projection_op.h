@@ -10,9 +10,9 @@ namespace mlx_gated_delta {
 
 // Inputs: x [..., in] and weight [out, in], one activation dtype, contiguous.
 // Output: x weight^T, [..., out], in that dtype.
-class LinearProjection : public mlx::core::Primitive {
+class DenseProjection : public mlx::core::Primitive {
  public:
-  explicit LinearProjection(mlx::core::Stream stream)
+  explicit DenseProjection(mlx::core::Stream stream)
       : mlx::core::Primitive(stream) {}
 
   void eval_cpu(
@@ -30,7 +30,7 @@ class LinearProjection : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& outputs) override;
 
   const char* name() const override {
-    return "LinearProjection";
+    return "DenseProjection";
   }
   bool is_equivalent(const mlx::core::Primitive&) const override {
     return true;
@@ -41,7 +41,7 @@ class LinearProjection : public mlx::core::Primitive {
 
 // y = x weight^T (nn.Linear without bias) on the CPU stream. Raises
 // std::invalid_argument / std::domain_error for mismatched shapes or dtypes.
-mlx::core::array linear_projection(
+mlx::core::array dense_projection(
     const mlx::core::array& x,
     const mlx::core::array& weight,
     mlx::core::StreamOrDevice s = {});

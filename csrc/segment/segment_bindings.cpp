@@ -78,11 +78,11 @@ void bind_segment(nb::module_& m) {
       "stream"_a.none(),
       "checkpoints"_a.none() = nb::none());
   m.def(
-      "linear_projection",
+      "dense_projection",
       [](const mlx::core::array& x,
          const mlx::core::array& weight,
          mlx::core::StreamOrDevice s) {
-        return linear_projection(x, weight, s);
+        return dense_projection(x, weight, s);
       },
       "x"_a,
       "weight"_a,

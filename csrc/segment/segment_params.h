@@ -37,7 +37,7 @@ struct SegmentParams : ProblemShape {
   int conv_state_rows() const {
     return conv_kernel - 1;
   }
-  // Offsets of the parts of one packed token row.
+  // Offsets of the parts of one mixed_qkvzba row.
   int z_offset() const {
     return conv_channels();
   }

@@ -27,7 +27,7 @@ int checkpoints_input(bool has_mask) {
 
 SegmentParams GatedDeltaSegment::params_for(
     const std::vector<mx::array>& inputs) const {
-  const mx::array& mixed = inputs[kMixed];
+  const mx::array& mixed = inputs[kMixedQkvzba];
   const mx::array& conv_weight = inputs[kConvWeight];
   SegmentParams p;
   p.set_shape(
@@ -83,7 +83,7 @@ void dispatch_segment(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   cpu::SegmentBuffers<T> io;
-  io.mixed = inputs[kMixed].data<T>();
+  io.mixed = inputs[kMixedQkvzba].data<T>();
   io.conv_weight = inputs[kConvWeight].data<float>();
   io.decay_parameter = inputs[kDecayParameter].data<float>();
   io.dt_bias = inputs[kDtBias].data<float>();
@@ -120,7 +120,7 @@ void GatedDeltaSegment::eval_cpu(
     output.set_data(mx::allocator::malloc(output.nbytes()));
   }
   const SegmentParams p = params_for(inputs);
-  switch (inputs[kMixed].dtype()) {
+  switch (inputs[kMixedQkvzba].dtype()) {
     case mx::float32:
       dispatch_segment<float>(stream(), p, algorithm_, inputs, outputs);
       break;
@@ -180,14 +180,14 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegment::vmap(
   }
   const int size = vmap_size(inputs, axes);
   std::vector<mx::array> folded = inputs;
-  for (int i : {kMixed, kConvState, kState, kMask}) {
+  for (int i : {kMixedQkvzba, kConvState, kState, kMask}) {
     if (i != kMask || has_mask_) {
       folded[i] = fold_into_batch(inputs[i], axes[i], size, stream());
     }
   }
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
-      {folded[kMixed].dtype(), folded[kMixed].dtype(), mx::float32},
+      {folded[kMixedQkvzba].dtype(), folded[kMixedQkvzba].dtype(), mx::float32},
       std::make_shared<GatedDeltaSegment>(
           stream(),
           key_heads_,

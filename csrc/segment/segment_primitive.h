@@ -8,7 +8,7 @@ namespace mlx_gated_delta {
 
 // The order of the segment primitive's inputs (segment_op.cpp builds them).
 enum SegmentInput {
-  kMixed = 0,
+  kMixedQkvzba = 0,
   kConvWeight,
   kDecayParameter,
   kDtBias,
@@ -25,7 +25,7 @@ enum SegmentInput {
 // row-contiguous. Outputs: out [B, T, Hv, Dv] (activation dtype), conv_state,
 // state [, conv checkpoint states [N, B, K-1, C], checkpoint states
 // [N, B, Hv, Dv, Dk]].
-// Carries the head layout (not recoverable from the packed width alone) and
+// Carries the head layout (not recoverable from mixed_qkvzba's width alone) and
 // the options that change the result.
 class GatedDeltaSegment : public mlx::core::Primitive {
  public:

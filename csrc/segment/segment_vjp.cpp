@@ -122,7 +122,7 @@ mx::array gather_rows(
 }
 
 // The segment's forward as MLX ops (see the top of this file). `primals`
-// are the primitive's differentiable inputs (mixed ... state); returns
+// are the primitive's differentiable inputs (mixed_qkvzba ... state); returns
 // {out, conv_state, state} in the primitive's output dtypes.
 std::vector<mx::array> segment_composition(
     const SegmentParams& p,
@@ -134,9 +134,9 @@ std::vector<mx::array> segment_composition(
   const int C = p.conv_channels();
   const int Hk = p.key_heads, Hv = p.value_heads;
   const int Dk = p.key_dim, Dv = p.value_dim;
-  const mx::Dtype dtype = primals[kMixed].dtype();
+  const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
 
-  mx::array x = mx::astype(primals[kMixed], mx::float32, s);
+  mx::array x = mx::astype(primals[kMixedQkvzba], mx::float32, s);
   auto part = [&](int start, int width) {
     return mx::slice(x, {0, 0, start}, {B, T, start + width}, s);
   };
@@ -173,10 +173,10 @@ std::vector<mx::array> segment_composition(
   mx::array v = mx::reshape(
       mx::slice(qkv, {0, 0, 2 * qk_width}, {B, T, C}, s), {B, T, Hv, Dv}, s);
 
-  const mx::array& decay = primals[kDecayParameter];
+  const mx::array& decay_parameter = primals[kDecayParameter];
   mx::array rate = p.decay_parameterization == DecayParameterization::LogRate
-      ? mx::negative(mx::exp(decay, s), s)
-      : decay;
+      ? mx::negative(mx::exp(decay_parameter, s), s)
+      : decay_parameter;
   mx::array a = part(p.a_offset(), Hv) + primals[kDtBias];
   mx::array g = rate * mx::logaddexp(a, mx::array(0.0f), s);  // rate * softplus
   mx::array beta = mx::sigmoid(part(p.b_offset(), Hv), s);

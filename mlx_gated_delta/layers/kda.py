@@ -17,7 +17,7 @@ from .short_conv import KimiShortConv, short_conv
 
 def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
     """The per-key-channel log decays `g` `[B, T, H, Dk]` (float32) of Kimi
-    Delta Attention, from the gate logits `f` `[B, T, H, Dk]`, `A_log` (H
+    Delta Attention, from the decay logits `f` `[B, T, H, Dk]`, `A_log` (H
     values, any shape) and `dt_bias` (`H * Dk` values, read per head and key
     channel):
 
@@ -119,8 +119,8 @@ class KimiDeltaAttention(nn.Module):
             positions=positions,
         )
 
-        gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
-        out = (self.o_norm(out) * mx.sigmoid(gate)).reshape(B, T, -1)
+        output_gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
+        out = (self.o_norm(out) * mx.sigmoid(output_gate)).reshape(B, T, -1)
         return self.o_proj(out)
 
 
@@ -206,10 +206,10 @@ class KimiK3DeltaAttention(nn.Module):
         )
 
         if self.use_full_rank_gate:
-            gate = self.g_proj(x)
+            output_gate = self.g_proj(x)
         else:
-            gate = self.g_b_proj(self.g_a_proj(x))
-        out = self.o_norm(out) * mx.sigmoid(gate.reshape(B, T, H, D))
+            output_gate = self.g_b_proj(self.g_a_proj(x))
+        out = self.o_norm(out) * mx.sigmoid(output_gate.reshape(B, T, H, D))
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -224,7 +224,7 @@ class BailingKDA(nn.Module):
     `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
     into the core op. Convolutions, projections and the output norm are
     mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and
-    `kda_safe_gate` (the lower-bounded gate); other settings are refused
+    `kda_safe_gate` (the lower-bounded decay); other settings are refused
     as there.
     """
 
@@ -295,9 +295,9 @@ class BailingKDA(nn.Module):
             positions=positions,
         )
 
-        gate = self.g_proj(x).reshape(B, T, H, D)
+        output_gate = self.g_proj(x).reshape(B, T, H, D)
         out = self.o_norm(out)
-        out = out * mx.sigmoid(gate.astype(mx.float32)).astype(out.dtype)
+        out = out * mx.sigmoid(output_gate.astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out.reshape(B, T, -1))
 
 
@@ -318,7 +318,7 @@ def kimi_linear_config(layer: nn.Module) -> SimpleNamespace:
 
 
 def kimi_k3_config(layer: nn.Module) -> SimpleNamespace:
-    # Kimi-Linear's fields and the gate's two settings.
+    # Kimi-Linear's fields, the decay's lower bound and the output gate's rank.
     config = kimi_linear_config(layer)
     config.linear_attn_config.update(
         gate_lower_bound=layer.lower_bound, use_full_rank_gate=layer.use_full_rank_gate

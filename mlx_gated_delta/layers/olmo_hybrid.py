@@ -108,10 +108,11 @@ class OlmoHybridGatedDeltaNet(nn.Module):
             positions=positions,
         )
 
-        # o_norm: rms_norm(out) weight, times silu(gate), in float32.
-        gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        # o_norm: rms_norm(out) weight, times silu(output gate), in float32.
+        output_gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        output_gate = nn.silu(output_gate.astype(mx.float32))
         normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
-        out = (nn.silu(gate.astype(mx.float32)) * normed.astype(mx.float32)).astype(out.dtype)
+        out = (output_gate * normed.astype(mx.float32)).astype(out.dtype)
         return self.o_proj(out.reshape(B, S, -1))
 
 

@@ -3,14 +3,14 @@
 They keep mlx-lm's parameter names, shapes and row orders, so mlx-lm
 checkpoints (and `model.load_weights`, `nn.quantize`, mlx-lm's `shard`) see
 the same module tree as mlx-lm's own layer. The forward pass is one
-projection into the packed `[q | k | v | z | b | a]` layout, one
+projection into `mixed_qkvzba` (the `[q | k | v | z | b | a]` row), one
 `gated_delta_segment` (conv, gates, norms and the recurrence), and the output
 projection.
 
-The packed input is made from the outputs of mlx-lm's own projection modules
+`mixed_qkvzba` is made from the outputs of mlx-lm's own projection modules
 each call: each module projects the input (plain, quantized or LoRA-wrapped,
 as `mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
-concatenated and, for Qwen3-Next, reordered into the packed layout. Nothing is
+concatenated and, for Qwen3-Next, reordered into the `mixed_qkvzba` row. Nothing is
 derived from the weights and kept, so no weight can go stale: after an
 optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
 that updates the parameter arrays in place, the next call reads the current
@@ -50,11 +50,11 @@ def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
             mx.bfloat16,
         )
     ):
-        return _ext.linear_projection(x, weight, None)
+        return _ext.dense_projection(x, weight, None)
     return x @ weight.T
 
 
-def _project(module: nn.Module, x: mx.array) -> mx.array:
+def _apply_projection(module: nn.Module, x: mx.array) -> mx.array:
     """One input projection: a plain bias-free Linear through
     `dense_projection`, anything else (quantized, LoRA-wrapped, with bias)
     by calling the module itself, so every wrapper mlx-lm's tools put there
@@ -98,20 +98,20 @@ class _GatedDeltaNetBase(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, self.hidden_size, bias=False)
 
     def _projection_modules(self) -> list[nn.Module]:
-        """The projections whose outputs make the packed layout, in order."""
+        """The projections whose outputs make `mixed_qkvzba`, in order."""
         raise NotImplementedError
 
-    def _packed_columns(self) -> mx.array | None:
-        """The columns of the concatenated projection outputs in packed
-        order, or None where they are in packed order already."""
+    def _mixed_qkvzba_columns(self) -> mx.array | None:
+        """The columns of the concatenated projection outputs in
+        `mixed_qkvzba`'s order, or None where they are in that order already."""
         raise NotImplementedError
 
-    def packed_projection(self, x: mx.array) -> mx.array:
-        """The segment's packed input `[q | k | v | z | b | a]` for `x`,
+    def mixed_qkvzba(self, x: mx.array) -> mx.array:
+        """The segment's input `mixed_qkvzba` `[q | k | v | z | b | a]` for `x`,
         from the current projection modules."""
-        parts = [_project(m, x) for m in self._projection_modules()]
+        parts = [_apply_projection(m, x) for m in self._projection_modules()]
         mixed = mx.concatenate(parts, axis=-1)
-        columns = self._packed_columns()
+        columns = self._mixed_qkvzba_columns()
         return mixed if columns is None else mx.take(mixed, columns, axis=-1)
 
     def __call__(
@@ -125,7 +125,7 @@ class _GatedDeltaNetBase(nn.Module):
         if sharding_group is not None:
             inputs = nn.layers.distributed.sum_gradients(sharding_group)(inputs)
 
-        mixed = self.packed_projection(inputs)
+        mixed = self.mixed_qkvzba(inputs)
         cache = layer_cache(cache)
         conv_state, state = cache[0], cache[1]
         # A cache filled by another implementation may hold other dtypes.
@@ -176,7 +176,7 @@ class Qwen3NextGatedDeltaNet(_GatedDeltaNetBase):
 
     `in_proj_qkvz` and `in_proj_ba` are packed per key-head group, as in the
     checkpoints: `[q | k | v_group | z_group]` and `[b_group | a_group]` for
-    each key head; the packed projection reorders their output columns.
+    each key head; `mixed_qkvzba` reorders their output columns.
 
     `GatedDeltaNet` is the same class, under the name it had while it was
     the only layer here.
@@ -192,7 +192,7 @@ class Qwen3NextGatedDeltaNet(_GatedDeltaNetBase):
     def _projection_modules(self):
         return [self.in_proj_qkvz, self.in_proj_ba]
 
-    def _packed_columns(self):
+    def _mixed_qkvzba_columns(self):
         nk, dk = self.num_k_heads, self.head_k_dim
         group_v = self.num_v_heads // nk * self.head_v_dim  # v (or z) per group
         group_heads = self.num_v_heads // nk  # b (or a) per group
@@ -231,7 +231,7 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
     (`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`, `conv1d`,
     `dt_bias`, `A_log`, `norm`, `out_proj`), cache and `sharding_group`
     (mlx-lm's `shard` splits heads across ranks and works on this layer).
-    The projections are already in packed order: their outputs are concatenated.
+    The projections are already in `mixed_qkvzba`'s order: their outputs are concatenated.
     """
 
     def __init__(self, config: Any):
@@ -247,7 +247,7 @@ class Qwen35GatedDeltaNet(_GatedDeltaNetBase):
     def _projection_modules(self):
         return [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
 
-    def _packed_columns(self):
+    def _mixed_qkvzba_columns(self):
         return None
 
 

@@ -146,18 +146,20 @@ def chunk_carry_backward(
     dS = d_state
     for c in reversed(range(chunks)):
         S, dO = entry_states[:, :, c], d_out[:, :, c]
-        gamma, e, k_c = from_start[:, :, c], to_end[:, :, c], k_rows[:, :, c]
+        from_entry, e, k_c = from_start[:, :, c], to_end[:, :, c], k_rows[:, :, c]
         d_log = np.einsum("bhiv,bhiv->bhi", dO, inter[:, :, c])
-        dq = gamma[..., None] * (dO @ S)
+        dq = from_entry[..., None] * (dO @ S)
         dV = d_corrected[:, :, c] + e[..., None] * (k_c @ np.swapaxes(dS, -1, -2))
         dk_end = e[..., None] * (corrected[:, :, c] @ dS)
         end_terms = np.einsum("bhik,bhik->bhi", dk_end, k_c)
-        d_log[..., -1] += gamma[..., -1] * np.einsum("bhvk,bhvk->bh", dS, S) + end_terms.sum(-1)
+        d_log[..., -1] += from_entry[..., -1] * np.einsum("bhvk,bhvk->bh", dS, S) + end_terms.sum(
+            -1
+        )
         d_log -= end_terms
         dw[:, :, c] = -dV @ S
         dS = (
-            gamma[..., -1, None, None] * dS
-            + np.swapaxes(dO, -1, -2) @ (gamma[..., None] * q_rows[:, :, c])
+            from_entry[..., -1, None, None] * dS
+            + np.swapaxes(dO, -1, -2) @ (from_entry[..., None] * q_rows[:, :, c])
             - np.swapaxes(dV, -1, -2) @ w[:, :, c]
         )
         out["d_corrected"][:, :, c] = dV - d_corrected[:, :, c]

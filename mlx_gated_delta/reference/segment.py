@@ -160,10 +160,10 @@ def prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization="l
             "decay_parameterization must be 'log_rate' or 'negative_rate', got "
             f"{decay_parameterization!r}"
         )
-    b_gate = x[..., layout.b_offset : layout.a_offset]
-    a_gate = x[..., layout.a_offset : layout.packed_width]
-    g = rate * np.logaddexp(0.0, a_gate + to_float64(dt_bias))  # softplus
-    return g, _sigmoid(b_gate)
+    b = x[..., layout.b_offset : layout.a_offset]
+    a = x[..., layout.a_offset : layout.packed_width]
+    g = rate * np.logaddexp(0.0, a + to_float64(dt_bias))  # softplus
+    return g, _sigmoid(b)
 
 
 def gated_norm(y, x, norm_weight, active, layout, norm_eps=1e-6):

@@ -2,9 +2,10 @@
 
 A contract is an id `<area>.<op>.v<N>.<dtype>.<tensor>` (the dtype is the one of
 the compared tensor), a metric, a threshold and the layout of the compared
-tensor. Its fingerprint is the sha256 of its canonical text, and a test names
-both id and fingerprint: changing a threshold here without a new id (visible in
-review) makes every test that relied on the old one fail.
+tensor. Its fingerprint is the sha256 of its canonical text, and the table
+of reviewed fingerprints (fingerprints.py) holds the one each contract was
+reviewed with: changing a threshold here without a new id (visible in review)
+makes every test that relied on the old one fail.
 
 Metrics:
 - `max_abs`: the largest |actual - expected|.
@@ -38,6 +39,7 @@ from mlx_gated_delta.reference import (
     state_magnitudes,
     to_float64,
 )
+from mlx_gated_delta.testing.fingerprints import FINGERPRINTS
 
 METRICS = ("max_abs", "max_rel", "norm_ratio")
 # What a relative metric divides by: the compared result's own magnitude, or
@@ -427,11 +429,35 @@ CONTRACTS = {
 }
 
 
-def assert_matches(name, actual, expected, contract_id, fingerprint, terms=None):
+def review_disagreements(registry=CONTRACTS, reviewed=FINGERPRINTS):
+    """Where the registry and the table of reviewed fingerprints disagree,
+    both ways: one message a contract id, sorted; empty where they agree."""
+    ids = sorted(set(registry) | set(reviewed))
+    found = (_disagreement(i, registry.get(i), reviewed.get(i)) for i in ids)
+    return [problem for problem in found if problem]
+
+
+def _disagreement(contract_id, contract, fingerprint):
+    """Why `contract` is not the one reviewed as `fingerprint`, or None."""
+    if contract is None:
+        return f"{contract_id}: a reviewed fingerprint, but no such contract (stale)"
+    if fingerprint is None:
+        return f"{contract_id}: no reviewed fingerprint"
+    if fingerprint != contract.fingerprint:
+        return (
+            f"{contract_id}: fingerprint {contract.fingerprint} "
+            f"({contract.canonical_text}), reviewed as {fingerprint}; "
+            "a changed tolerance needs a new id"
+        )
+    return None
+
+
+def assert_matches(name, actual, expected, contract_id, terms=None):
     """Fails unless `actual` meets contract `contract_id` against `expected`.
 
-    `fingerprint` is the one the test was reviewed against; it must equal the
-    registry's. `terms` is given exactly for the contracts whose magnitude is
+    The contract must be the one reviewed: its fingerprint must be the one
+    the table of reviewed fingerprints holds for `contract_id` (fingerprints.py).
+    `terms` is given exactly for the contracts whose magnitude is
     "terms": magnitudes broadcastable to `expected`'s shape (one of
     `term_magnitudes`' results). On a violation the message gives the
     worst element: its index, actual and expected values and the metric.
@@ -445,12 +471,9 @@ def assert_matches(name, actual, expected, contract_id, fingerprint, terms=None)
             f"{name}: contract {contract_id} measures against the {contract.magnitude} "
             f"magnitude, and terms were {'not ' if terms is None else ''}given"
         )
-    if fingerprint != contract.fingerprint:
-        raise AssertionError(
-            f"{name}: contract {contract_id} has fingerprint "
-            f"{contract.fingerprint} ({contract.canonical_text}), the test was "
-            f"reviewed against {fingerprint}; a changed tolerance needs a new id"
-        )
+    problem = _disagreement(contract_id, contract, FINGERPRINTS.get(contract_id))
+    if problem is not None:
+        raise AssertionError(f"{name}: contract {problem}")
     actual = to_float64(actual)
     expected = to_float64(expected)
     if actual.shape != expected.shape:

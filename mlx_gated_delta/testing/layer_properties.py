@@ -25,17 +25,6 @@ from mlx_gated_delta.layers import FAMILIES  # noqa: E402
 from mlx_gated_delta.layers.families.tiny import VOCAB  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 
-# The reviewed (id, fingerprint) pairs of the contracts these properties hold.
-FINGERPRINTS = {
-    "layer.mlx_lm_parity.v2.float32.logits": "292f83dfa1ee545ad6798b5d305fdb59b835f5de333d272d620938a09777e8f8",
-    "layer.self_consistency.v2.float32.logits": "bf1dc95683ed3f1b553f16ca0db699a843503b691541bb12d7fde45296b4abd4",
-}
-
-
-def check(name, actual, expected, contract_id):
-    return assert_matches(name, actual, expected, contract_id, FINGERPRINTS[contract_id])
-
-
 FAMILY = {family.name: family for family in FAMILIES}
 
 
@@ -88,7 +77,9 @@ def test_patched_model_matches_mlx_lm_logits_and_greedy_tokens(name, options):
     expected_tokens = greedy_tokens(model, prompt)
     assert patch_mlx_lm(model) == family.tiny_model_layers
     assert len(our_layers(model, name)) == family.tiny_model_layers
-    check("logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches(
+        "logits", model(prompt), expected_logits, "layer.mlx_lm_parity.v2.float32.logits"
+    )
     assert greedy_tokens(model, prompt) == expected_tokens
 
 
@@ -102,7 +93,7 @@ def test_prefill_then_token_by_token_decode_equals_full_forward(name):
     pieces = [model(sequence[:, :17], cache=cache)]
     for t in range(17, 24):
         pieces.append(model(sequence[:, t : t + 1], cache=cache))
-    check(
+    assert_matches(
         "logits", mx.concatenate(pieces, axis=1), full, "layer.self_consistency.v2.float32.logits"
     )
 
@@ -137,7 +128,7 @@ def test_extreme_decays_at_chunk_boundaries_match_mlx_lm(length):
     prompt = tokens(length, (2, length))
     expected = model(prompt)
     patch_mlx_lm(model)
-    check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+    assert_matches("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 def test_the_olmo_hybrid_check_sees_beta_in_zero_one_where_two_is_allowed():
@@ -150,7 +141,7 @@ def test_the_olmo_hybrid_check_sees_beta_in_zero_one_where_two_is_allowed():
     for attn in our_layers(model, "olmo_hybrid"):
         attn.allow_neg_eigval = False
     with pytest.raises(AssertionError, match="violated"):
-        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+        assert_matches("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 @pytest.mark.parametrize("name", ["kimi_linear", "kimi_k3", "bailing_moe_v3"])
@@ -166,7 +157,7 @@ def test_the_kda_checks_see_dt_bias_read_once_per_head(name):
         per_head = attn.dt_bias.reshape(attn.num_heads, attn.head_dim)[:, :1]
         attn.dt_bias = mx.repeat(per_head, attn.head_dim, axis=1).reshape(-1)
     with pytest.raises(AssertionError, match="violated"):
-        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+        assert_matches("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
 @pytest.mark.parametrize("name", ["kimi_k3", "bailing_moe_v3"])
@@ -181,4 +172,4 @@ def test_the_kda_checks_see_the_lower_bound_ignored(name):
     for attn in our_layers(model, name):
         attn.lower_bound = None
     with pytest.raises(AssertionError, match="violated"):
-        check("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
+        assert_matches("logits", model(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")

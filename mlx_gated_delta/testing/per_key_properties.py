@@ -47,14 +47,8 @@ from mlx_gated_delta.testing.strategies import budget, core_cases, make_core_cas
 # Per-key gates whose channels are all equal against the scalar gate: y,
 # then the state (against the terms of the algorithm that ran both).
 PER_KEY_VS_SCALAR = {
-    "output": (
-        "core.per_key_vs_scalar.v2.float32.output",
-        "c2b9ed458bf3676eaf381a013a4d8251bebceb4b63d222e068d09df65f95dbbc",
-    ),
-    "state": (
-        "core.per_key_vs_scalar.v2.float32.state",
-        "9610acf79527f489e63c72adf004dffde3b94d6ed4a651f796e17bf2c64e09f2",
-    ),
+    "output": "core.per_key_vs_scalar.v2.float32.output",
+    "state": "core.per_key_vs_scalar.v2.float32.state",
 }
 
 
@@ -74,9 +68,9 @@ def test_per_key_chunked_matches_recurrent(case):
     recurrent_y, recurrent_state = run(case, "recurrent")
     chunked_y, chunked_state = run(case, "chunked")
     output_terms, state_terms = oracle_terms(case, "chunked")
-    assert_matches("y", chunked_y, recurrent_y, *ALGORITHMS_AGREE_CONTRACTS[0], terms=output_terms)
+    assert_matches("y", chunked_y, recurrent_y, ALGORITHMS_AGREE_CONTRACTS[0], terms=output_terms)
     assert_matches(
-        "state", chunked_state, recurrent_state, *ALGORITHMS_AGREE_CONTRACTS[1], terms=state_terms
+        "state", chunked_state, recurrent_state, ALGORITHMS_AGREE_CONTRACTS[1], terms=state_terms
     )
 
 
@@ -93,8 +87,8 @@ def test_per_key_split_continuity(algorithm, data):
     split_y, split_state = run_in_calls(case, bounds, algorithm)
     output_terms, state_terms = split_terms(case, bounds, algorithm)
     output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
-    assert_matches("y", split_y, full_y, *output_contract, terms=output_terms)
-    assert_matches("state", split_state, full_state, *state_contract, terms=state_terms)
+    assert_matches("y", split_y, full_y, output_contract, terms=output_terms)
+    assert_matches("state", split_state, full_state, state_contract, terms=state_terms)
 
 
 @st.composite
@@ -160,9 +154,9 @@ def test_equal_channels_give_the_scalar_gate_result(algorithm, case):
         **case.options,
     )
     output_terms, state_terms = oracle_terms(case, algorithm)
-    assert_matches("y", per_key_y, scalar_y, *PER_KEY_VS_SCALAR["output"], terms=output_terms)
+    assert_matches("y", per_key_y, scalar_y, PER_KEY_VS_SCALAR["output"], terms=output_terms)
     assert_matches(
-        "state", per_key_state, scalar_state, *PER_KEY_VS_SCALAR["state"], terms=state_terms
+        "state", per_key_state, scalar_state, PER_KEY_VS_SCALAR["state"], terms=state_terms
     )
     oracle_y, oracle_state = gated_delta_rule_reference(
         case.q, case.k, case.v, per_key_g, case.beta, case.state, **case.options
@@ -195,7 +189,7 @@ def test_the_oracle_check_sees_a_kernel_that_ignores_the_channels():
         output_terms, _ = oracle_terms(case, algorithm)
         with pytest.raises(AssertionError, match="violated"):
             assert_matches(
-                "y", y, wrong_y, *ORACLE_OUTPUT_CONTRACTS[algorithm, "float32"], terms=output_terms
+                "y", y, wrong_y, ORACLE_OUTPUT_CONTRACTS[algorithm, "float32"], terms=output_terms
             )
 
 

@@ -32,7 +32,7 @@ from mlx_gated_delta.testing.strategies import (
     wipe_positions,
 )
 
-# The segment's decays come from its gate input a: g = rate * softplus(a +
+# The segment's decays come from its decay input a: g = rate * softplus(a +
 # dt_bias). "model" keeps a as drawn (O(1), like the rest of the projection);
 # the other kinds set a so that g follows `strategies.make_decays`, and a wipe
 # is a = +inf (softplus(inf) = inf, g = -inf).
@@ -120,8 +120,8 @@ def segment_out_terms(
     y, _ = gated_delta_rule_reference(*core.arrays, state, **core.options)
     rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + NORM_EPS)
     z = core.x[..., core.layout.z_offset : core.layout.b_offset].reshape(y.shape)
-    gate = np.abs(to_float64(norm_weight) * z / (1.0 + np.exp(-z)))
-    return gate * (1.0 + np.abs(y) / rms) * y_terms / rms
+    output_gate = np.abs(to_float64(norm_weight) * z / (1.0 + np.exp(-z)))
+    return output_gate * (1.0 + np.abs(y) / rms) * y_terms / rms
 
 
 def make_segment_case(
@@ -165,20 +165,20 @@ def make_segment_case(
     mixed = rng.standard_normal((batch, tokens, width))
     dt_bias = rng.standard_normal(value_heads)
     rate = -np.exp(decay_parameter) if decay_parameterization == "log_rate" else decay_parameter
-    gate = mixed[..., width - value_heads :]  # a, the last Hv columns
+    a = mixed[..., width - value_heads :]  # the last Hv columns
     if decay != "model":
         # softplus(a + dt_bias) = g / rate; softplus^-1(x) = log(expm1(x)),
         # written x + log1p(-exp(-x)) above 1 (no overflow), with x kept
         # above 1e-30 (a decay of exactly 1 would need a = -inf).
-        target = np.maximum(make_decays(rng, decay, gate.shape) / rate, 1e-30)
+        target = np.maximum(make_decays(rng, decay, a.shape) / rate, 1e-30)
         large = np.maximum(target, 1.0)
         inverse = np.where(
             target > 1.0,
             large + np.log1p(-np.exp(-large)),
             np.log(np.expm1(np.minimum(target, 1.0))),
         )
-        gate[...] = inverse - dt_bias
-    gate[wipe_positions(rng, wipes, gate.shape)] = np.inf
+        a[...] = inverse - dt_bias
+    a[wipe_positions(rng, wipes, a.shape)] = np.inf
 
     # Drawn whether used or not, so that a case and its copy without a state
     # draw the same numbers for everything else.

@@ -21,26 +21,6 @@ from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
 
-# The reviewed (id, fingerprint) pairs of the contracts these properties hold.
-FINGERPRINTS = {
-    "segment.oracle.v3.float32.output": "fb2d10cc2b455cfd8e12d5b245ddab364e3502e12739d9b415249d2ef9ffd007",
-    "segment.oracle.v3.float16.output": "c84d8f382c0a201f064c78d8954d512ffc98b69a39a45e51e62d45fb3959e0e9",
-    "segment.oracle.v3.bfloat16.output": "ee8dcfa6a59e6a0a519339ffab37f3bc1d90a11c99041636ef993d75b0c2623d",
-    "segment.oracle.v2.float32.state": "12b0e806e9f9c4cc83a9d4f0bca0ee7b8807e5ebbcc4ffd3b1c62fe5db643bd4",
-    "segment.oracle.v1.any.conv_state": "63d37af6246477cae5fe93a5280a709a921ac7535def57937722563f251f8b44",
-    "segment.recurrent_split.v1.any.output": "e6b5a2cfbff3168d32041ec90a1e9d8ad7be9fce58006e3ae60053e4f52a866b",
-    "segment.recurrent_split.v1.float32.state": "a04612ab78a3743df86269bc9e1c7f56f7d05474c0eb831c794a22fd36b67eae",
-    "segment.recurrent_split.v1.any.conv_state": "7ee34aefe20e92b2e34abc5803d6c67b1575b26ccd3daadb90e68772cf3d2139",
-    "segment.chunked_split.v3.float32.output": "6d670dbada42e7c1a52823a64844a5d4816d2fbf3cac37a2d2f8ba9cfe11bdff",
-    "segment.chunked_split.v2.float32.state": "cfbbca00ece995f86ac211ef75e4ba02194ff774d802b079a09a3c67870e706f",
-}
-
-
-def check(name, actual, expected, contract_id, terms=None):
-    return assert_matches(
-        name, actual, expected, contract_id, FINGERPRINTS[contract_id], terms=terms
-    )
-
 
 def run(case, **overrides):
     options = dict(case.options)
@@ -59,15 +39,17 @@ def test_segment_matches_oracle(case, algorithm):
     assert out.dtype == case.mixed.dtype
     assert conv_state.dtype == case.mixed.dtype
     assert state.dtype == mx.float32
-    check(
+    assert_matches(
         "out",
         out,
         expected_out,
         f"segment.oracle.v3.{dtype_name(out)}.output",
         case.out_terms(algorithm),
     )
-    check("state", state, expected_state, "segment.oracle.v2.float32.state")
-    check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
+    assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
+    assert_matches(
+        "conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state"
+    )
 
 
 def split_runs(case, split_points, algorithm):
@@ -106,9 +88,9 @@ def test_split_continuity_any_split_points_recurrent(split):
     case, points = split
     full = run(case, algorithm="recurrent")
     parts = split_runs(case, points, "recurrent")
-    check("out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
-    check("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
-    check("state", parts[2], full[2], "segment.recurrent_split.v1.float32.state")
+    assert_matches("out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
+    assert_matches("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
+    assert_matches("state", parts[2], full[2], "segment.recurrent_split.v1.float32.state")
 
 
 @given(split=split_cases())
@@ -118,9 +100,9 @@ def test_split_continuity_any_split_points_chunked(split):
     parts = split_runs(case, points, "chunked")
     bounds = [0, *points, case.mixed.shape[1]]
     terms = np.maximum(case.out_terms("chunked"), case.out_terms("chunked", bounds[:-1]))
-    check("out", parts[0], full[0], "segment.chunked_split.v3.float32.output", terms)
-    check("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
-    check("state", parts[2], full[2], "segment.chunked_split.v2.float32.state")
+    assert_matches("out", parts[0], full[0], "segment.chunked_split.v3.float32.output", terms)
+    assert_matches("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
+    assert_matches("state", parts[2], full[2], "segment.chunked_split.v2.float32.state")
 
 
 @pytest.mark.parametrize(
@@ -145,20 +127,22 @@ def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapp
     expected = case.reference()
     for algorithm in ("recurrent", "chunked"):
         full = run(case, algorithm=algorithm)
-        check(
+        assert_matches(
             "full out",
             full[0],
             expected[0],
             "segment.oracle.v3.float16.output",
             case.out_terms(algorithm),
         )
-        check("full conv_state", full[1], expected[1], "segment.oracle.v1.any.conv_state")
-        check("full state", full[2], expected[2], "segment.oracle.v2.float32.state")
+        assert_matches("full conv_state", full[1], expected[1], "segment.oracle.v1.any.conv_state")
+        assert_matches("full state", full[2], expected[2], "segment.oracle.v2.float32.state")
     full = run(case, algorithm="recurrent")
     parts = split_runs(case, [3], "recurrent")
-    check("split out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
-    check("split conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
-    check("split state", parts[2], full[2], "segment.recurrent_split.v1.float32.state")
+    assert_matches("split out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
+    assert_matches(
+        "split conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state"
+    )
+    assert_matches("split state", parts[2], full[2], "segment.recurrent_split.v1.float32.state")
 
 
 @given(case=segment_cases(dtypes=("float32",), mask_kinds=("random",)))
@@ -186,11 +170,13 @@ def test_masked_token_is_an_omitted_token(case):
         # A masked token changes neither state: the kept tokens' terms are
         # those of the call with the mask.
         terms = case.out_terms("auto")[b : b + 1, kept]
-        check(
+        assert_matches(
             "kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v3.float32.output", terms
         )
-        check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
-        check("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
+        assert_matches(
+            "conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state"
+        )
+        assert_matches("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
 
 
 def test_conv_state_comes_from_the_carried_state_when_few_tokens_are_kept():
@@ -290,15 +276,17 @@ def test_segment_wipes_match_oracle(wipes, data, algorithm):
     )
     out, conv_state, state = run(case, algorithm=algorithm)
     expected_out, expected_conv_state, expected_state = case.reference()
-    check(
+    assert_matches(
         "out",
         out,
         expected_out,
         f"segment.oracle.v3.{dtype_name(out)}.output",
         case.out_terms(algorithm),
     )
-    check("state", state, expected_state, "segment.oracle.v2.float32.state")
-    check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
+    assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
+    assert_matches(
+        "conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state"
+    )
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))

@@ -28,9 +28,9 @@ from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW  # noqa: E402
 from mlx_gated_delta.layers import FAMILIES  # noqa: E402
 from mlx_gated_delta.layers.families.tiny import VOCAB  # noqa: E402
+from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
 from mlx_gated_delta.testing.layer_properties import (  # noqa: E402
     FAMILY,
-    check,
     family_model,
     tokens,
 )
@@ -106,7 +106,7 @@ def test_trim_then_refeed_equals_a_fresh_cache(kind, data):
     # self-consistency contract, which a state one token off violates
     # (tests/test_serving.py).
     if not FAMILY[kind].splits_bitwise:
-        check("logits", refed, fresh, "layer.self_consistency.v2.float32.logits")
+        assert_matches("logits", refed, fresh, "layer.self_consistency.v2.float32.logits")
         return
     # The same calls after the trim point from the same restored states:
     # identical logits and identical states (every conv state and state of

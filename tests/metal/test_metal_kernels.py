@@ -272,8 +272,8 @@ def test_chunked_matches_recurrent():
     chunked_y, chunked_state, _ = emulate(case, "chunked")
     output_terms, state_terms = properties.oracle_terms(case, "chunked")
     output_contract, state_contract = CHUNKED_VS_RECURRENT
-    assert_matches("y", chunked_y, recurrent_y, *output_contract, terms=output_terms)
-    assert_matches("state", chunked_state, recurrent_state, *state_contract, terms=state_terms)
+    assert_matches("y", chunked_y, recurrent_y, output_contract, terms=output_terms)
+    assert_matches("state", chunked_state, recurrent_state, state_contract, terms=state_terms)
 
 
 @pytest.mark.parametrize(
@@ -303,8 +303,8 @@ def test_split_continuity_any_split_points(algorithm, points, tokens):
     output_terms, state_terms = properties.split_terms(case, bounds, algorithm)
     output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
     y = np.concatenate(pieces, axis=1)
-    assert_matches("y", y, whole_y, *output_contract, terms=output_terms)
-    assert_matches("state", state, whole_state, *state_contract, terms=state_terms)
+    assert_matches("y", y, whole_y, output_contract, terms=output_terms)
+    assert_matches("state", state, whole_state, state_contract, terms=state_terms)
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))

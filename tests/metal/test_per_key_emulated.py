@@ -153,7 +153,7 @@ def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():
     )
     output_terms, _ = properties.oracle_terms(case, "recurrent")
     with pytest.raises(AssertionError, match="violated"):
-        assert_matches("y", y, wrong, *OUTPUT_CONTRACTS["recurrent", "float32"], terms=output_terms)
+        assert_matches("y", y, wrong, OUTPUT_CONTRACTS["recurrent", "float32"], terms=output_terms)
 
 
 def test_scalar_gates_still_take_the_chunked_stages():

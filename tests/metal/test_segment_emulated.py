@@ -13,23 +13,14 @@ from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing import metal_emulated
-from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.contracts import assert_matches as check
 from mlx_gated_delta.testing.segment_cases import (
     make_segment_case,
     segment_cases,
     segment_out_terms,
 )
 
-# The same reviewed (id, fingerprint) pairs as the CPU op is held to.
-from mlx_gated_delta.testing.segment_properties import FINGERPRINTS
-
 SEGMENT_STAGES = ("prepare_conv", "prepare_gates", "collect_conv_state", "gated_norm")
-
-
-def check(name, actual, expected, contract_id, terms=None):
-    return assert_matches(
-        name, actual, expected, contract_id, FINGERPRINTS[contract_id], terms=terms
-    )
 
 
 def emulate(case, algorithm, **overrides):
