@@ -91,6 +91,15 @@ def last_level_cache_bytes() -> int | None:
     return best
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may use, as the CPU pool reads them: its affinity mask, bounded by
+    its cgroup's CPU quota (MLX_GATED_DELTA_NUM_THREADS aside)."""
+    from .. import _ext
+
+    budget = _ext.cpu_thread_budget()
+    return min(budget["affinity_cpus"], budget["quota_cpus"] or budget["affinity_cpus"])
+
+
 def available_memory_bytes() -> int | None:
     """MemAvailable from /proc/meminfo, or None where it cannot be read."""
     try:
