@@ -56,6 +56,21 @@ def _regex(text: str) -> re.Pattern:
         raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
 
 
+# `--contended` without a count: one busy process per usable CPU (a count given is never
+# negative, and argparse converts a string constant with `type`, so the marker is an int).
+ONE_PER_USABLE_CPU = -1
+
+
+def _busy_count(text: str) -> int:
+    try:
+        count = int(text)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"not a count of busy processes: {text!r}")
+    return count
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
@@ -97,8 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--contended",
         metavar="N",
         nargs="?",
-        type=int,
-        const="usable",
+        type=_busy_count,
+        const=ONE_PER_USABLE_CPU,
         help="the CPU path on a busy machine instead (mlx_gated_delta/bench/contended.py): "
         "N busy processes (default: one per usable CPU; 0 for none) run while the op's "
         "decode and prefill take turns with MLX core's, the layer's decode and the demo "
@@ -114,9 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict:
     if getattr(args, "contended", None) is not None:
-        busy = None if args.contended == "usable" else args.contended
-        if busy is not None and busy < 0:
-            raise SystemExit(f"--contended takes a count of busy processes, got {busy}")
+        busy = None if args.contended == ONE_PER_USABLE_CPU else args.contended
         return contended.run(busy, args.quick, args.out)
     if getattr(args, "train", False):
         return train.run(args)
