@@ -16,10 +16,11 @@ namespace mlx_gated_delta::cpu {
 
 namespace {
 
-// A worker is worth waking for at least this many multiply-adds (about
-// 50 us of work): below it, the wake-up, and on a busy machine the chance
-// that the worker is preempted in the middle of its task while the caller
-// waits for it, cost more than the worker saves (docs/cpu.md).
+// A worker is worth waking for at least this many multiply-adds (some 30
+// to 40 us of decode work on the 2-core EPYC measured): below it, the wake-up,
+// and on a busy machine the chance that the worker is preempted in the middle
+// of its task while the caller waits for it, cost more than the worker saves
+// (docs/cpu.md).
 constexpr int64_t kMinWorkPerThread = 512 * 1024;
 
 // An idle worker sleeps at once: on a busy machine a worker that polls for
