@@ -62,13 +62,9 @@ ONE_PER_USABLE_CPU = -1
 
 
 def _busy_count(text: str) -> int:
-    try:
-        count = int(text)
-    except ValueError:
-        count = -1
-    if count < 0:
+    if not text.isdigit():
         raise argparse.ArgumentTypeError(f"not a count of busy processes: {text!r}")
-    return count
+    return int(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
