@@ -242,7 +242,7 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
         row["backward"] = {
             "ms": seconds * 1e3,
             "peak_bytes": peak,
-            "scratch_bytes": backward_scratch_bytes(tokens, os.cpu_count() or 1),
+            "scratch_bytes": backward_scratch_bytes(tokens, thread_count()),
             "product_flops": flops,
             "flop_per_s": flops / seconds,
         }
