@@ -23,6 +23,7 @@
 #include "cpu/backward.h"
 #include "cpu/core.h"
 #include "cpu/thread_pool.h"
+#include "cpu/usable_cores.h"
 #include "metal/library.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
@@ -570,6 +571,40 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "Testing only: runs the CPU thread pool's parallel_for(count) with a "
       "task that counts its calls (then sleeps task_sleep_us), and returns "
       "(calls per index, calls with an index outside [0, count)).");
+
+  m.def(
+      "cpu_thread_count",
+      &cpu::thread_count,
+      "How many threads the CPU kernels run on at most: "
+      "MLX_GATED_DELTA_NUM_THREADS where set, else the CPUs of the affinity "
+      "mask bounded by the cgroup's CPU quota. Fixed when the pool starts.");
+  m.def(
+      "cpu_thread_budget",
+      [] {
+        const cpu::ThreadBudget budget = cpu::read_thread_budget();
+        nb::dict out;
+        out["threads"] = budget.threads;
+        out["affinity_cpus"] = budget.affinity_cpus;
+        out["quota_cpus"] = budget.quota_cpus;
+        out["requested"] = budget.requested;
+        return out;
+      },
+      "Where the thread count comes from, read now: threads, affinity_cpus, "
+      "quota_cpus (None without a cgroup quota), requested "
+      "(MLX_GATED_DELTA_NUM_THREADS, None when unset or invalid).");
+  m.def(
+      "cpus_of_cgroup_cpu_max",
+      &cpu::cpus_of_cgroup_cpu_max,
+      "text"_a,
+      "Testing only: the CPUs a cgroup v2 cpu.max file's text grants, "
+      "rounded up; None for 'max' or malformed text.");
+  m.def(
+      "cpus_of_cfs_quota",
+      &cpu::cpus_of_cfs_quota,
+      "quota"_a,
+      "period"_a,
+      "Testing only: the CPUs cgroup v1's cpu.cfs_quota_us and "
+      "cpu.cfs_period_us texts grant, rounded up; None for -1 (no limit).");
 
   m.def(
       "trace_cpu_chunked_stages",

@@ -1,5 +1,6 @@
 """The benchmark's formulas, tables and robustness, and the command line (no timings here)."""
 
+import argparse
 import ast
 import dataclasses
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import mlx_gated_delta
 from mlx_gated_delta import __main__ as cli
 from mlx_gated_delta.bench import cli as bench_cli
-from mlx_gated_delta.bench import layer, machine, op, shapes, timing
+from mlx_gated_delta.bench import contended, layer, machine, op, shapes, timing
 
 QWEN_DECODE = shapes.qwen3_next(B=8, T=1, dtype="float32")
 QWEN_PREFILL_BF16 = shapes.qwen3_next(B=1, T=2048, dtype="bfloat16")
@@ -411,7 +412,12 @@ def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
 
 @pytest.mark.parametrize(
     "argv",
-    [["bench", "--no-such-option"], ["bench", "--filter", "T=("], ["selftest", "--examples", "0"]],
+    [
+        ["bench", "--no-such-option"],
+        ["bench", "--filter", "T=("],
+        ["bench", "--contended", "-2"],
+        ["selftest", "--examples", "0"],
+    ],
 )
 def test_cli_rejects_bad_arguments_with_a_usage_error(argv):
     with pytest.raises(SystemExit) as exited:
@@ -494,3 +500,51 @@ def test_examples_count_reaches_tests_already_decorated_by_given():
     property_under_test()
     assert len(plugin.tests) == 1
     assert 1 <= len(calls) <= 3
+
+
+def test_busy_processes_are_killed_when_the_block_raises():
+    with pytest.raises(RuntimeError), contended.busy_processes(2) as processes:
+        assert len(processes) == 2
+        assert all(p.poll() is None for p in processes)
+        raise RuntimeError("a row failed")
+    assert all(p.poll() is not None for p in processes)
+
+
+@pytest.mark.parametrize(
+    ("argv", "busy"),
+    [
+        ([], None),
+        (["--contended"], bench_cli.ONE_PER_USABLE_CPU),
+        (["--contended", "3"], 3),
+        (["--contended", "0"], 0),
+    ],
+)
+def test_contended_takes_an_optional_count_of_busy_processes(argv, busy):
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert parser.parse_args(argv).contended == busy
+
+
+def test_contended_report_gives_each_row_against_its_peer():
+    record = {
+        "machine": {"cpu_model": "cpu"},
+        "usable_cpus": 2,
+        "thread_count": 2,
+        "busy_processes": 2,
+        "load_average_1min_before": 2.0,
+        "load_average_1min_after": 4.0,
+        "rows": [
+            {
+                "name": "op decode",
+                "peer": "MLX core",
+                "ours_ms": 0.5,
+                "peer_ms": 2.0,
+                "speedup": 4.0,
+            }
+        ],
+        "notes": ["a note"],
+    }
+    text = contended.report_text(record)
+    assert "2 usable CPUs, our pool 2 threads; 2 busy processes" in text
+    assert "op decode" in text and "MLX core" in text and "4.00x" in text
+    assert "note: a note" in text

@@ -81,7 +81,13 @@ def _record():
         },
     }
     return {
-        "machine": {"cpu_model": "cpu", "cores": 2, "load_before": 1.0, "load_after": 2.0},
+        "machine": {
+            "cpu_model": "cpu",
+            "cores": 2,
+            "cpu_threads": 2,
+            "load_before": 1.0,
+            "load_after": 2.0,
+        },
         "roofline": {"gemm": {"flop_per_s": 2e11, "n": 2048}},
         "core_rows": [core],
         "layer_rows": [layer],

@@ -9,11 +9,14 @@ longer run of the reliability notes used 50.
 """
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import mlx.core as mx
 import numpy as np
+import pytest
 
 from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_segment
 from mlx_gated_delta.testing.grad_properties import cotangents
@@ -240,3 +243,139 @@ def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once(
     assert not any(thread.is_alive() for thread in threads), "a thread hung in parallel_for"
     assert not errors, errors
     assert not failures, f"(thread, round, count, errors): {failures[:10]}"
+
+
+# ---------------------------------------------------------------------------------------
+# How many threads: the affinity mask, the cgroup quota, MLX_GATED_DELTA_NUM_THREADS.
+# Each case runs in a fresh interpreter: the pool is sized once, when it starts.
+# ---------------------------------------------------------------------------------------
+
+
+def run_python(code, env=None, preexec_fn=None):
+    """stdout of ``code`` in a fresh interpreter (failing the test when it fails)."""
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        preexec_fn=preexec_fn,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+THREAD_COUNT = "import mlx_gated_delta; print(mlx_gated_delta.thread_count())"
+
+
+def without_thread_count_setting():
+    return {k: v for k, v in os.environ.items() if k != "MLX_GATED_DELTA_NUM_THREADS"}
+
+
+@pytest.mark.parametrize(
+    ("text", "cpus"),
+    [
+        ("max 100000\n", None),
+        ("200000 100000\n", 2),
+        ("150000 100000\n", 2),  # 1.5 CPUs: two threads, each part of the time
+        ("50000 100000\n", 1),
+        ("100000 100000", 1),
+        ("6400000 100000\n", 64),
+        ("200000\n", None),
+        ("200000 100000 7\n", None),
+        ("max\n", None),
+        ("", None),
+        ("2e5 100000\n", None),
+        ("200000 0\n", None),
+    ],
+)
+def test_cgroup_cpu_max_file_gives_the_quota_in_cpus(tmp_path, text, cpus):
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text)
+    assert _ext.cpus_of_cgroup_cpu_max(cpu_max.read_text()) == cpus
+
+
+@pytest.mark.parametrize(
+    ("quota", "period", "cpus"),
+    [("-1\n", "100000\n", None), ("400000\n", "100000\n", 4), ("30000\n", "100000\n", 1)],
+)
+def test_cgroup_v1_cfs_quota_gives_the_quota_in_cpus(quota, period, cpus):
+    assert _ext.cpus_of_cfs_quota(quota, period) == cpus
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity masks here")
+def test_a_one_cpu_affinity_mask_gives_one_thread():
+    one_cpu = min(os.sched_getaffinity(0))
+
+    def pin():
+        os.sched_setaffinity(0, {one_cpu})
+
+    env = without_thread_count_setting()
+    result = subprocess.run(
+        [sys.executable, "-c", THREAD_COUNT],
+        capture_output=True,
+        text=True,
+        env=env,
+        preexec_fn=pin,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1"]
+    unpinned = subprocess.run(
+        [sys.executable, "-c", THREAD_COUNT], capture_output=True, text=True, env=env, timeout=600
+    )
+    budget = _ext.cpu_thread_budget()
+    usable = min(budget["affinity_cpus"], budget["quota_cpus"] or budget["affinity_cpus"])
+    assert unpinned.stdout.split() == [str(usable)], unpinned.stderr
+
+
+def test_the_environment_variable_sets_the_thread_count():
+    assert run_python(THREAD_COUNT, {"MLX_GATED_DELTA_NUM_THREADS": "5"}).stdout.split() == ["5"]
+    ignored = run_python(THREAD_COUNT, {"MLX_GATED_DELTA_NUM_THREADS": "zero"})
+    default = run_python(THREAD_COUNT, {"MLX_GATED_DELTA_NUM_THREADS": ""})
+    assert ignored.stdout == default.stdout
+    assert "ignoring MLX_GATED_DELTA_NUM_THREADS=zero" in ignored.stderr
+
+
+# Prints a digest of every output of the calls below: prefill (both algorithms), decode, the
+# fused segment and the gradients, at sizes whose work spreads over every thread asked for.
+OUTPUT_DIGEST = """
+import hashlib
+import mlx.core as mx
+import numpy as np
+import mlx_gated_delta
+from mlx_gated_delta import gated_delta_rule, gated_delta_segment
+from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta.testing.strategies import make_core_case
+
+case = make_core_case(7, batch=2, tokens=150, key_heads=2, value_heads=4, key_dim=64,
+                      value_dim=32, decay="mixed", wipes="runs", mask_kind="random")
+segment = make_segment_case(8, batch=3, tokens=130, key_heads=2, value_heads=4, key_dim=32,
+                            value_dim=32, wipes="chunk_edges", mask_kind="left_padding")
+outputs = []
+for algorithm in ("recurrent", "chunked"):
+    outputs += gated_delta_rule(*case.args(), algorithm=algorithm, **case.options)
+step = [x[:, :1] for x in case.args()[:5]]
+outputs += gated_delta_rule(*step, case.state, **{**case.options, "mask": None})
+outputs += gated_delta_segment(*segment.args(), **segment.options)
+for algorithm in ("recurrent", "chunked"):
+    def loss(*args, algorithm=algorithm):
+        y, state = gated_delta_rule(*args, algorithm=algorithm, **case.options)
+        return (y * y).sum() + (state * state).sum()
+    outputs += mx.grad(loss, argnums=tuple(range(6)))(*case.args())
+mx.eval(outputs)
+digest = hashlib.sha256()
+for out in outputs:
+    digest.update(np.array(out.astype(mx.float32)).tobytes())
+print(mlx_gated_delta.thread_count(), digest.hexdigest())
+"""
+
+
+def test_results_are_bitwise_the_same_on_any_thread_count():
+    digests = {}
+    for threads in (1, 2, 3, 7):
+        result = run_python(OUTPUT_DIGEST, {"MLX_GATED_DELTA_NUM_THREADS": str(threads)})
+        count, digest = result.stdout.split()
+        assert int(count) == threads
+        digests[threads] = digest
+    assert len(set(digests.values())) == 1, digests

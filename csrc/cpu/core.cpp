@@ -19,7 +19,9 @@ void gated_delta_forward(
     Algorithm algorithm,
     const CoreBuffers<T>& buffers) {
   if (algorithm == Algorithm::Recurrent) {
-    parallel_for(p.batch * p.value_heads, [&](int problem) {
+    // Each token passes over the Dv x Dk state about four times.
+    const int64_t head_work = 4 * int64_t(p.tokens) * p.key_dim * p.value_dim;
+    parallel_for(p.batch * p.value_heads, head_work, [&](int problem) {
       const int batch = problem / p.value_heads;
       const int head = problem % p.value_heads;
       recurrent_head(p, head_view(p, buffers, batch, head));

@@ -79,7 +79,8 @@ void prepare_conv(
       weight_by_tap[int64_t(i) * C + c] = conv_weight[int64_t(c) * K + i];
     }
   }
-  parallel_for(p.batch, [&](int b) {
+  const int64_t row_work = int64_t(p.tokens) * C * K;
+  parallel_for(p.batch, row_work, [&](int b) {
     const std::vector<const T*> rows =
         conv_history(p, b, mixed, conv_state, mask);
     int kept = 0;  // unmasked tokens seen so far in this row

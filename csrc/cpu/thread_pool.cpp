@@ -4,45 +4,70 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <exception>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "cpu/usable_cores.h"
+
 namespace mlx_gated_delta::cpu {
 
 namespace {
 
-// Waits until ready() holds, first by spinning for a short while, then asleep
-// on the condition variable. Decode steps call the pool every few hundred
-// microseconds; waking a sleeping thread costs tens of microseconds on the
-// machines measured, so a short spin keeps the workers ready for the next call.
+// A worker is worth waking for at least this many multiply-adds (some 30
+// to 40 us of decode work on the 2-core EPYC measured): below it, the wake-up,
+// and on a busy machine the chance that the worker is preempted in the middle
+// of its task while the caller waits for it, cost more than the worker saves
+// (docs/cpu.md).
+constexpr int64_t kMinWorkPerThread = 512 * 1024;
+
+// An idle worker sleeps at once: on a busy machine a worker that polls for
+// the next job takes the core from the threads that make progress (the
+// caller, MLX's own), and the caller starts on the tasks itself while a woken
+// worker gets going. The caller, once the tasks are all taken, polls a little
+// for the workers still running one: that wait is a task long.
+constexpr auto kWorkerSpin = std::chrono::microseconds(0);
+constexpr auto kCallerSpin = std::chrono::microseconds(20);
+
+// Waits until ready() holds: polls for `spin` (giving the core away between
+// polls), then sleeps on the condition variable. Whoever makes ready() true
+// notifies under `mutex`, so the sleeper cannot miss it.
 template <typename Ready>
 void wait_until(
-    std::mutex& mutex, std::condition_variable& condition, Ready ready) {
-  constexpr auto kSpin = std::chrono::microseconds(200);
-  const auto spin_end = std::chrono::steady_clock::now() + kSpin;
-  while (!ready()) {
-    for (int i = 0; i < 64; ++i) {
-      if (ready()) {
-        return;
+    std::chrono::microseconds spin,
+    std::mutex& mutex,
+    std::condition_variable& condition,
+    Ready ready) {
+  if (spin.count() > 0) {
+    const auto spin_end = std::chrono::steady_clock::now() + spin;
+    do {
+      for (int i = 0; i < 16; ++i) {
+        if (ready()) {
+          return;
+        }
+        std::this_thread::yield();
       }
-      std::this_thread::yield();
-    }
-    if (std::chrono::steady_clock::now() > spin_end) {
-      std::unique_lock<std::mutex> lock(mutex);
-      condition.wait(lock, ready);
-      return;
-    }
+    } while (std::chrono::steady_clock::now() < spin_end);
   }
+  std::unique_lock<std::mutex> lock(mutex);
+  condition.wait(lock, ready);
 }
 
+// How a job is shared. The caller publishes the task and opens the job,
+// wakes as many workers as the work pays for, and takes task indices itself
+// like any worker: when the OS runs no worker, the caller does all of the work
+// and never waits for one. When the indices are exhausted it closes the job
+// and waits only for the workers that joined it (they may still be running a
+// task). A worker joins by counting itself in `joined_` and then checking
+// that the job is open; the caller closes and then reads `joined_`. Both are
+// sequentially consistent, so either the worker sees the job closed and
+// leaves, or the caller sees it and waits for it.
 class ThreadPool {
  public:
-  ThreadPool() {
-    const int workers =
-        std::max(1, static_cast<int>(std::thread::hardware_concurrency())) - 1;
-    for (int i = 0; i < workers; ++i) {
+  explicit ThreadPool(int threads) {
+    for (int i = 1; i < threads; ++i) {
       threads_.emplace_back([this] { worker_loop(); });
     }
   }
@@ -62,31 +87,44 @@ class ThreadPool {
     return static_cast<int>(threads_.size()) + 1;
   }
 
-  void run(int count, const std::function<void(int)>& task) {
+  void run(int count, int threads, const std::function<void(int)>& task) {
     if (count <= 0) {
       return;
     }
-    if (threads_.empty() || count == 1) {
+    threads = std::min({threads, count, thread_count()});
+    // One job at a time. A caller that finds the pool busy (another MLX
+    // stream's job) runs its own tasks rather than queueing: its thread is
+    // running anyway, and the workers stay with one job, so several streams
+    // never ask for more threads than the streams plus the pool.
+    std::unique_lock<std::mutex> job_lock(job_mutex_, std::defer_lock);
+    if (threads <= 1 || !job_lock.try_lock()) {
       for (int i = 0; i < count; ++i) {
         task(i);
       }
       return;
     }
-    // One job at a time: callers from several MLX streams queue up here.
-    std::lock_guard<std::mutex> job_lock(job_mutex_);
     task_ = &task;
     count_ = count;
     next_.store(0);
     error_ = nullptr;
-    active_workers_.store(static_cast<int>(threads_.size()));
+    seats_.store(threads - 1);
+    open_.store(true);
     {
       // Under the mutex, so that a worker about to sleep cannot miss it.
       std::lock_guard<std::mutex> lock(mutex_);
       generation_.fetch_add(1);
     }
-    wake_.notify_all();
+    if (threads - 1 == static_cast<int>(threads_.size())) {
+      wake_.notify_all();
+    } else {
+      for (int i = 1; i < threads; ++i) {
+        wake_.notify_one();
+      }
+    }
     drain();
-    wait_until(mutex_, done_, [this] { return active_workers_.load() == 0; });
+    open_.store(false);
+    wait_until(
+        kCallerSpin, mutex_, left_, [this] { return joined_.load() == 0; });
     task_ = nullptr;
     if (error_) {
       std::rethrow_exception(error_);
@@ -111,17 +149,22 @@ class ThreadPool {
   void worker_loop() {
     uint64_t seen = 0;
     while (true) {
-      wait_until(mutex_, wake_, [&] {
+      wait_until(kWorkerSpin, mutex_, wake_, [&] {
         return stopping_.load() || generation_.load() != seen;
       });
       if (stopping_.load()) {
         return;
       }
       seen = generation_.load();
-      drain();
-      if (active_workers_.fetch_sub(1) == 1) {
+      joined_.fetch_add(1);
+      // A worker woken late finds the job closed (or its seats taken) and
+      // goes back to waiting without touching it.
+      if (open_.load() && seats_.fetch_sub(1) > 0) {
+        drain();
+      }
+      if (joined_.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> lock(mutex_);
-        done_.notify_one();
+        left_.notify_one();
       }
     }
   }
@@ -130,25 +173,34 @@ class ThreadPool {
   std::mutex job_mutex_;
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::condition_variable done_;
+  std::condition_variable left_;
   const std::function<void(int)>* task_ = nullptr;
   int count_ = 0;
   std::atomic<int> next_{0};
-  std::atomic<int> active_workers_{0};
+  std::atomic<int> seats_{0};
+  std::atomic<int> joined_{0};
+  std::atomic<bool> open_{false};
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stopping_{false};
   std::exception_ptr error_;
 };
 
 ThreadPool& pool() {
-  static ThreadPool instance;
+  static ThreadPool instance(read_thread_budget().threads);
   return instance;
 }
 
 }  // namespace
 
 void parallel_for(int count, const std::function<void(int)>& task) {
-  pool().run(count, task);
+  pool().run(count, thread_count(), task);
+}
+
+void parallel_for(
+    int count, int64_t task_work, const std::function<void(int)>& task) {
+  const int64_t work = std::max<int64_t>(0, task_work) * std::max(count, 0);
+  const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
+  pool().run(count, static_cast<int>(std::min<int64_t>(threads, 4096)), task);
 }
 
 int thread_count() {

@@ -56,7 +56,8 @@ void dense_projection_by_dots(
     T* y) {
   constexpr int kRowsPerTask = 64;
   const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
-  parallel_for(tasks, [&](int task) {
+  const int64_t task_work = rows * kRowsPerTask * in_features;
+  parallel_for(tasks, task_work, [&](int task) {
     std::vector<float> w_row(in_features);
     const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
     for (int o = task * kRowsPerTask; o < out_end; ++o) {
@@ -94,7 +95,8 @@ void dense_projection_forward(
   }
 
   const int out_blocks = (out_features + kBlockOut - 1) / kBlockOut;
-  parallel_for(out_blocks, [&](int block) {
+  const int64_t block_work = rows * kBlockOut * in_features;
+  parallel_for(out_blocks, block_work, [&](int block) {
     const int out_start = block * kBlockOut;
     const int out_size = std::min(kBlockOut, out_features - out_start);
     std::vector<float> packed(int64_t(kBlockIn) * out_size);

@@ -16,7 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import layer, train
+from .. import thread_count
+from . import contended, layer, train
 from .machine import (
     best_rooflines,
     cpu_model,
@@ -25,6 +26,7 @@ from .machine import (
     load_average,
     measure_rooflines,
     package_version,
+    usable_cpus,
 )
 from .op import (
     IMPLEMENTATIONS,
@@ -52,6 +54,17 @@ def _regex(text: str) -> re.Pattern:
         return re.compile(text)
     except re.error as error:
         raise argparse.ArgumentTypeError(f"not a regular expression: {error}") from None
+
+
+# `--contended` without a count: one busy process per usable CPU (a count given is never
+# negative, and argparse converts a string constant with `type`, so the marker is an int).
+ONE_PER_USABLE_CPU = -1
+
+
+def _busy_count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"not a count of busy processes: {text!r}")
+    return int(text)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,6 +112,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefill (with --quick: T in {1, 512}); the whole-layer rows are left out",
     )
     parser.add_argument(
+        "--contended",
+        metavar="N",
+        nargs="?",
+        type=_busy_count,
+        const=ONE_PER_USABLE_CPU,
+        help="the CPU path on a busy machine instead (mlx_gated_delta/bench/contended.py): "
+        "N busy processes (default: one per usable CPU; 0 for none) run while the op's "
+        "decode and prefill take turns with MLX core's, the layer's decode and the demo "
+        "model's decode with stock mlx-lm's; --quick and --out apply",
+    )
+    parser.add_argument(
         "--out",
         metavar="DIR",
         default="benchmarks/out",
@@ -107,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if getattr(args, "contended", None) is not None:
+        busy = None if args.contended == ONE_PER_USABLE_CPU else args.contended
+        return contended.run(busy, args.quick, args.out)
     if getattr(args, "train", False):
         return train.run(args)
     if getattr(args, "cuda", False):
@@ -159,6 +186,8 @@ def run(args: argparse.Namespace) -> dict:
             "platform": platform.platform(),
             "cpu_model": cpu_model(),
             "cores": os.cpu_count(),
+            "usable_cpus": usable_cpus(),
+            "cpu_threads": thread_count(),
             "last_level_cache_bytes": llc,
             "mlx_default_device": str(mx.default_device()),
             "load_average_1min_before": load_before,

@@ -59,7 +59,7 @@ def qwen3_next_layers(dtype):
     return ours, stock
 
 
-def _inputs(dtype, batch, tokens):
+def layer_inputs(dtype, batch, tokens):
     from mlx_lm.models.cache import ArraysCache
 
     c = QWEN3_NEXT_LAYER
@@ -99,7 +99,7 @@ def run_layer_benchmark(quick: bool, progress: Callable | None = None) -> list[d
         label = f"{DTYPE_NAMES[dtype]} B={batch} T={tokens}"
         if progress is not None:
             progress(f"layer {label}")
-        x, fresh_cache = _inputs(dtype, batch, tokens)
+        x, fresh_cache = layer_inputs(dtype, batch, tokens)
 
         def call(layer, cache):
             mx.eval(layer(x, cache=cache), cache[0], cache[1])

@@ -21,7 +21,7 @@ MiB = 1 << 20
 def measure_copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 7) -> dict:
     """NumPy ``copyto`` of ``nbytes``: bytes read + written per second.
 
-    Measured on one thread and split over all cores (our kernels use all cores, so the
+    Measured on one thread and split over the usable CPUs (our kernels use them all, so the
     larger of the two is the roofline they are held to).
     """
     src = np.random.default_rng(0).random(nbytes // 4, dtype=np.float32)
@@ -29,7 +29,7 @@ def measure_copy_bandwidth(nbytes: int = 256 * MiB, repeats: int = 7) -> dict:
     moved = 2 * src.nbytes
     one_thread = moved / median_seconds(lambda: np.copyto(dst, src), repeats)
 
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     bounds = np.linspace(0, src.size, cores + 1).astype(np.int64)
     parts = [(dst[a:b], src[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
     with ThreadPoolExecutor(cores) as pool:  # copyto releases the GIL
@@ -89,6 +89,15 @@ def last_level_cache_bytes() -> int | None:
         value = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
         best = value if best is None else max(best, value)
     return best
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may use, as the CPU pool reads them: its affinity mask, bounded by
+    its cgroup's CPU quota (MLX_GATED_DELTA_NUM_THREADS aside)."""
+    from .. import _ext
+
+    budget = _ext.cpu_thread_budget()
+    return min(budget["affinity_cpus"], budget["quota_cpus"] or budget["affinity_cpus"])
 
 
 def available_memory_bytes() -> int | None:

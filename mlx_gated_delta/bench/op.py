@@ -411,7 +411,8 @@ def report_text(record: dict) -> str:
     rows = record["rows"]
     machine = record["machine"]
     parts = [
-        f"{machine['cpu_model']}, {machine['cores']} cores; 1-min load average "
+        f"{machine['cpu_model']}, {machine['cores']} cores ({machine['usable_cpus']} usable), "
+        f"our CPU pool {machine['cpu_threads']} threads; 1-min load average "
         f"{machine['load_average_1min_before']} before, {machine['load_average_1min_after']} after.",
         roofline_summary(record["roofline"]),
         "",

@@ -46,6 +46,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
+from .. import thread_count
 from ..ops import gated_delta_update
 from .layer import qwen3_next_layers
 from .machine import (
@@ -241,7 +242,7 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
         row["backward"] = {
             "ms": seconds * 1e3,
             "peak_bytes": peak,
-            "scratch_bytes": backward_scratch_bytes(tokens, os.cpu_count() or 1),
+            "scratch_bytes": backward_scratch_bytes(tokens, thread_count()),
             "product_flops": flops,
             "flop_per_s": flops / seconds,
         }
@@ -299,7 +300,8 @@ def report_text(record: dict) -> str:
     gemm = record["roofline"]["gemm"]["flop_per_s"]
     lines = [
         f"Training step (forward + backward), CPU: {record['machine']['cpu_model']}, "
-        f"{record['machine']['cores']} cores; load average {record['machine']['load_before']} "
+        f"{record['machine']['cores']} cores, our CPU pool {record['machine']['cpu_threads']} "
+        f"threads; load average {record['machine']['load_before']} "
         f"before, {record['machine']['load_after']} after",
         f"Core op, Qwen3-Next shape ({QWEN3_NEXT.text(', ')}, B=1), bf16 activations; "
         "median ms per step, peak MiB, (timed repeats)",
@@ -374,6 +376,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": {
             "cpu_model": cpu_model(),
             "cores": os.cpu_count(),
+            "cpu_threads": thread_count(),
             "load_before": load_before,
             "load_after": load_average(),
         },
