@@ -25,7 +25,7 @@ for sanitizer in "${SANITIZERS[@]}"; do
   out="$BUILD_DIR/$sanitizer"
   mkdir -p "$out"
   sources=("$EMULATOR/runtime.cpp" "$EMULATOR/launch.cpp" "$EMULATOR/executor.cpp"
-           "$ROOT/csrc/metal/plan.cpp" "$ROOT/csrc/core/core_params.cpp"
+           "$ROOT"/csrc/metal/plan/*.cpp "$ROOT/csrc/core/core_params.cpp"
            "$ROOT/csrc/core/dispatch.cpp" "$ROOT/csrc/validation/extents.cpp"
            "$ROOT/tests/metal/sanitizer_driver.cpp")
   for name in "${KERNELS[@]}"; do

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "metal/plan.h"
+#include "metal/plan/plan.h"
 
 namespace mlx_gated_delta::metal::emulator {
 

@@ -17,13 +17,15 @@ void check_limits(const Launch& launch) {
     throw std::invalid_argument(
         "metal emulator: " + launch.kernel + " asks for " +
         std::to_string(threads) +
-        " threads per threadgroup (Metal allows 1 to 1024)");
+        " threads per threadgroup (Metal allows 1 to " +
+        std::to_string(kMaxThreadsPerThreadgroup) + ")");
   }
   if (launch.threadgroup_memory_bytes > kMaxThreadgroupMemoryBytes) {
     throw std::invalid_argument(
         "metal emulator: " + launch.kernel + " declares " +
         std::to_string(launch.threadgroup_memory_bytes) +
-        " bytes of threadgroup memory (Metal allows 32768)");
+        " bytes of threadgroup memory (Metal allows " +
+        std::to_string(kMaxThreadgroupMemoryBytes) + ")");
   }
 }
 

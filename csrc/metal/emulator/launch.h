@@ -7,14 +7,15 @@
 #include <cstddef>
 #include <string>
 
+#include "metal/plan/plan.h"
 #include "runtime.h"
 
 namespace metal_emulator {
 
-// Metal's limits on Apple GPUs that a plan must respect.
-constexpr unsigned kMaxThreadsPerThreadgroup = 1024;
-constexpr size_t kMaxThreadgroupMemoryBytes = 32 * 1024;
-constexpr unsigned kMaxBufferIndex = 30;
+// Metal's limits, as the plans are held to them (metal/plan/plan.h).
+using mlx_gated_delta::metal::kMaxBufferIndex;
+using mlx_gated_delta::metal::kMaxThreadgroupMemoryBytes;
+using mlx_gated_delta::metal::kMaxThreadsPerThreadgroup;
 
 struct Launch {
   std::string kernel;  // host name

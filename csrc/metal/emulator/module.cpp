@@ -17,7 +17,7 @@
 #include "executor.h"
 #include "guarded_buffer.h"
 #include "launch.h"
-#include "metal/plan.h"
+#include "metal/plan/plan.h"
 
 namespace nb = nanobind;
 using namespace mlx_gated_delta;

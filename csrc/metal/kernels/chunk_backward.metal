@@ -167,7 +167,7 @@ template <typename T>
     // Every SIMD-group's partial sums are written before any thread adds them.
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // Thread tid reduces key column tid (kBackwardThreads == kMaxBackwardKeyDim,
-    // checked in plan.cpp): the column its own lane holds at m = simd_index,
+    // checked in plan/backward.cpp): the column its own lane holds at m = simd_index,
     // as tid = 32 simd_index + lane.
     if (tid < p.key_dim) {
       float dq_sum = 0.0f;
