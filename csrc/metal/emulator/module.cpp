@@ -14,9 +14,9 @@
 #include <span>
 #include <stdexcept>
 
+#include "dispatch.h"
 #include "executor.h"
 #include "guarded_buffer.h"
-#include "launch.h"
 #include "metal/plan/plan.h"
 
 namespace nb = nanobind;
@@ -664,20 +664,20 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          int barrier_timeout_ms) {
         metal_emulator::GuardedBuffer buffer("data", data.size());
         std::memcpy(buffer.data(), data.c_str(), data.size());
-        metal_emulator::Launch launch;
-        launch.kernel = kernel;
-        launch.buffers[0] = buffer.data();
-        launch.threadgroups = {
+        metal_emulator::Dispatch dispatch;
+        dispatch.kernel = kernel;
+        dispatch.buffers[0] = buffer.data();
+        dispatch.threadgroups = {
             std::get<0>(threadgroups),
             std::get<1>(threadgroups),
             std::get<2>(threadgroups)};
-        launch.threads_per_threadgroup = {
+        dispatch.threads_per_threadgroup = {
             std::get<0>(threads), std::get<1>(threads), std::get<2>(threads)};
-        launch.threadgroup_memory_bytes = threadgroup_memory_bytes;
+        dispatch.threadgroup_memory_bytes = threadgroup_memory_bytes;
         {
           nb::gil_scoped_release release;
-          metal_emulator::run_launch(
-              launch, std::chrono::milliseconds(barrier_timeout_ms));
+          metal_emulator::run_dispatch(
+              dispatch, std::chrono::milliseconds(barrier_timeout_ms));
         }
         buffer.check_guards(kernel);
         return nb::bytes(

@@ -1,5 +1,7 @@
 // One emulated dispatch (`dispatchThreadgroups`): Metal's limits, then every
-// threadgroup in turn, each as one OS thread per GPU thread.
+// threadgroup in turn, each as one OS thread per GPU thread. A plan's
+// Dispatch (metal/plan/plan.h) names its buffers; the emulator's binds them
+// to memory.
 #pragma once
 
 #include <array>
@@ -17,7 +19,7 @@ using mlx_gated_delta::metal::kMaxBufferIndex;
 using mlx_gated_delta::metal::kMaxThreadgroupMemoryBytes;
 using mlx_gated_delta::metal::kMaxThreadsPerThreadgroup;
 
-struct Launch {
+struct Dispatch {
   std::string kernel;  // host name
   std::array<void*, kMaxBufferIndex + 1> buffers{};
   Extent3 threadgroups;
@@ -25,13 +27,13 @@ struct Launch {
   size_t threadgroup_memory_bytes = 0;  // what the plan declares
 };
 
-// Throws std::invalid_argument for a launch over Metal's limits and
+// Throws std::invalid_argument for a dispatch over Metal's limits and
 // std::runtime_error for what went wrong inside the kernel (divergence,
 // deadlock, threadgroup memory over the declared amount, an exception).
-void run_launch(
-    const Launch& launch, std::chrono::milliseconds barrier_timeout);
+void run_dispatch(
+    const Dispatch& dispatch, std::chrono::milliseconds barrier_timeout);
 
-// Used by runtime.cpp and run_launch: threadgroup-array accounting.
+// Used by runtime.cpp and run_dispatch: threadgroup-array accounting.
 void begin_threadgroup_accounting();
 size_t threadgroup_bytes_used();
 void poison_threadgroup_memory();
