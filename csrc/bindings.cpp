@@ -17,6 +17,7 @@
 #include <thread>
 #include <utility>
 
+#include "core/activation_type.h"
 #include "core/core_op.h"
 #include "core/core_params.h"
 #include "core/dispatch.h"
@@ -78,21 +79,6 @@ std::vector<mx::array> test_inputs(
   }
   mx::eval(arrays);
   return arrays;
-}
-
-// run(T{}) with T the C++ type of the activation dtype (v's).
-template <typename Run>
-nb::tuple with_activation_type(mx::Dtype dtype, Run run) {
-  switch (dtype) {
-    case mx::float32:
-      return run(float{});
-    case mx::float16:
-      return run(mx::float16_t{});
-    case mx::bfloat16:
-      return run(mx::bfloat16_t{});
-    default:
-      throw std::domain_error("v must be float32, float16 or bfloat16");
-  }
 }
 
 // An output buffer of `shape` followed by kGuardWords sentinel values, for
@@ -467,7 +453,7 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
         }
         std::vector<mx::array> in =
             test_inputs({q, k, v, g, beta, state}, mask);
-        return with_activation_type(v.dtype(), [&](auto type) {
+        return with_activation_type(v.dtype(), "v", [&](auto type) {
           return run_guarded<decltype(type)>(p, a, in, sentinel);
         });
       },
@@ -518,7 +504,7 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
              mx::astype(y_cotangent, v.dtype(), mx::Device::cpu),
              mx::astype(state_cotangent, mx::float32, mx::Device::cpu)},
             mask);
-        return with_activation_type(v.dtype(), [&](auto type) {
+        return with_activation_type(v.dtype(), "v", [&](auto type) {
           return run_backward_guarded<decltype(type)>(p, a, in, sentinel);
         });
       },
