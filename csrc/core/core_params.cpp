@@ -72,15 +72,9 @@ GatedDeltaParams CoreOptions::params(
   return p;
 }
 
-GatedDeltaParams shape_params(
-    int batch,
-    int tokens,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim) {
+GatedDeltaParams shape_params(const ProblemShape& shape) {
   GatedDeltaParams p;
-  p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
+  p.set_shape(shape);
   return p;
 }
 

@@ -126,12 +126,6 @@ inline float default_scale(int key_dim) {
 
 // The params of a shape, with the default options (scale 1, grouped, no
 // normalisation, no mask).
-GatedDeltaParams shape_params(
-    int batch,
-    int tokens,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim);
+GatedDeltaParams shape_params(const ProblemShape& shape);
 
 }  // namespace mlx_gated_delta
