@@ -14,7 +14,7 @@ namespace {
 
 // Threadgroup memory each backward kernel declares (kernel_abi.h's layout
 // constants).
-constexpr size_t kChunkBackwardBytes =
+constexpr size_t kRecurrentChunkBackwardBytes =
     (3 * kBackwardSimdGroups * kMaxBackwardKeyDim + 2 * kBackwardSimdGroups) *
     kFloat;
 // The chunked backward's WY stages: a 64 x 64 tile (chunk_output_backward),
@@ -28,7 +28,8 @@ constexpr size_t kRecomputeWuBackwardBytes =
 constexpr size_t kKktInverseBackwardBytes = 2 * kChunkTileBytes;
 static_assert(kChunkThreads % kChunkSize == 0);
 static_assert((kChunkSize * kChunkSize) % kChunkThreads == 0);
-// chunk_backward: thread tid adds up the partial sums of key column tid.
+// recurrent_chunk_backward: thread tid adds up the partial sums of key column
+// tid.
 static_assert(kBackwardThreads == kMaxBackwardKeyDim);
 static_assert(kBackwardColumnsPerLane * 32 == kMaxBackwardKeyDim);
 
@@ -154,14 +155,14 @@ struct BackwardPlanBuilder : PlanBuilder {
     d.flops = 5.0 * B * Hv * (length - 1) * Dk * Dv;
   }
 
-  void chunk_backward(uint32_t chunk) {
+  void recurrent_chunk_backward(uint32_t chunk) {
     using enum PlanBuffer;
     Dispatch& d =
-        add("chunk_backward",
-            core_kernel("chunk_backward"),
+        add("recurrent_chunk_backward",
+            core_kernel("recurrent_chunk_backward"),
             {unsigned(Hv), unsigned(B), 1},
             kBackwardThreads,
-            kChunkBackwardBytes,
+            kRecurrentChunkBackwardBytes,
             {{0, Query},
              {1, Key},
              {2, Value},
@@ -406,7 +407,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     }
     for (uint64_t chunk = C; chunk-- > 0;) {
       chunk_states(uint32_t(chunk));
-      chunk_backward(uint32_t(chunk));
+      recurrent_chunk_backward(uint32_t(chunk));
       if (chunked())
         chunk_carry_backward(uint32_t(chunk));
     }

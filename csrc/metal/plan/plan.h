@@ -188,15 +188,15 @@ Plan make_segment_plan(
 // the recurrent form whatever was asked). plan.algorithm is the form the
 // gradient is taken in:
 // - Recurrent, as the CPU's recurrent reverse: boundary_states, then for
-//   every chunk from the last to the first chunk_states and chunk_backward
-//   (one dispatch each, the chunk in the dispatch's ChunkScalar), then
-//   qk_grad_reduce.
+//   every chunk from the last to the first chunk_states and
+//   recurrent_chunk_backward (one dispatch each, the chunk in the dispatch's
+//   ChunkScalar), then qk_grad_reduce.
 // - Chunked (WY): the forward's chunked stages through chunk_carry (T, W, V'),
 //   boundary_states, chunk_output_backward over all chunks, per chunk from the
-//   last chunk_states, chunk_backward (both only on chunks with a decay that
-//   is not a normal float, a wipe) and chunk_carry_backward (the others),
-//   then recompute_w_u_backward, kkt_inverse_backward, gate_cumsum_backward
-//   over all chunks, and qk_grad_reduce.
+//   last chunk_states, recurrent_chunk_backward (both only on chunks with a
+//   decay that is not a normal float, a wipe) and chunk_carry_backward (the
+//   others), then recompute_w_u_backward, kkt_inverse_backward,
+//   gate_cumsum_backward over all chunks, and qk_grad_reduce.
 // Inputs: q, k, v, g, beta, state_in [, mask], y_cotangent, state_cotangent;
 // outputs dq, dk, dv, dg, d_decay, dbeta, dstate. Key dims up to
 // kMaxBackwardKeyDim; no checkpoints or trees.
