@@ -1,4 +1,4 @@
-"""Command line: ``python -m mlx_gated_delta {demo,bench,selftest,fuzz}``."""
+"""Command line: ``python -m mlx_gated_delta {demo,bench,selftest,fuzz,lm}``."""
 
 from __future__ import annotations
 
@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python -m mlx_gated_delta",
-        description="Gated DeltaNet linear attention for MLX: demo, benchmark and self-test.",
+        description="Gated DeltaNet linear attention for MLX: demo, benchmark, self-test, and "
+        "mlx-lm's commands with our layers.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser(
@@ -148,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         add_help=False,
         help="end-to-end mlx-lm generation with and without our layer (no download); "
         "arguments after 'demo' go to the demo",
+    )
+    commands.add_parser(
+        "lm",
+        add_help=False,
+        help="mlx-lm's own commands (generate, chat, server, lora, ...) with every model "
+        "they load patched: 'lm COMMAND [ARGS]' runs 'mlx_lm COMMAND [ARGS]'",
     )
     bench = commands.add_parser(
         "bench",
@@ -196,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "lm":
+        # mlx-lm's arguments go to mlx-lm untouched (argparse would take "--").
+        from . import lm
+
+        return lm.main(argv[1:])
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":

@@ -15,6 +15,13 @@ _OURS = tuple(family.layer for family in FAMILIES)
 _RECURRENCE_NAMES = frozenset(("gated_delta_update", "gated_delta_ops", "gated_delta_kernel"))
 
 
+class NoGatedDeltaLayer(ValueError):
+    """What `patch_mlx_lm` raises for a model without any gated-delta layer
+    (a `ValueError`, as documented), told apart from a layer it refuses so
+    that a caller patching every model it loads can run such a model as it
+    is."""
+
+
 def _replacements() -> dict[type, Family]:
     """mlx-lm's layer classes and the family record of each (whose `layer`
     replaces it), in the order of FAMILIES."""
@@ -102,7 +109,8 @@ def patch_mlx_lm(model: nn.Module) -> int:
 
     Raises:
         ValueError: the model has a gated-delta layer of a class it does not
-            know, or no gated-delta layer at all, mlx-lm's or ours.
+            know, or no gated-delta layer at all, mlx-lm's or ours (then a
+            `NoGatedDeltaLayer`, a subclass).
     """
     replacements = _replacements()
     names = {id(module): name for name, module in model.named_modules()}
@@ -135,7 +143,7 @@ def patch_mlx_lm(model: nn.Module) -> int:
             f"{', '.join(_class_name(c) for c in replacements)}; nothing was replaced"
         )
     if not found and not already_ours:
-        raise ValueError(
+        raise NoGatedDeltaLayer(
             f"patch_mlx_lm: {type(model).__module__}.{type(model).__name__} has no "
             f"Gated DeltaNet layer (mlx-lm's "
             f"{', '.join(_class_name(c) for c in replacements)}); nothing to replace"

@@ -16,6 +16,9 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_segment
+from mlx_gated_delta.testing.grad_properties import cotangents
+from mlx_gated_delta.testing.guarded import run_core_backward_guarded
+from mlx_gated_delta.testing.properties import ALGORITHMS
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 from mlx_gated_delta.testing.strategies import make_core_case
 
@@ -133,6 +136,54 @@ def test_eight_threads_on_their_own_streams_give_the_serial_results():
     assert not mismatches, f"(thread, round, job, output) not bitwise serial: {mismatches[:10]}"
     assert len(jobs_done) == THREADS * ROUNDS * 3
     print(f"{len(jobs_done)} jobs, {sum(jobs_done)} outputs, bitwise the serial results")
+
+
+def test_the_backward_is_bitwise_the_same_from_any_thread():
+    # Each call allocates its scratch afresh, at addresses that differ from
+    # call to call and thread to thread, and the pool spreads the three (batch
+    # row, value head) problems over its workers. The compiler's loop versions
+    # once rounded differently (fused or not) by the buffers' addresses: the
+    # chunked backward's gate gradients then changed in the last bits from
+    # one call to the next (a tiny key dim and one token showed it best).
+    for state_scale in ("unit", "huge"):
+        case = make_core_case(
+            0,
+            batch=3,
+            tokens=1,
+            key_heads=1,
+            value_heads=3,
+            key_dim=3,
+            value_dim=3,
+            decay="none",
+            beta_max=1.0,
+            with_state=True,
+            normalize_qk=True,
+            state_scale=state_scale,
+        )
+        y_cotangent, state_cotangent = cotangents(case)
+        for algorithm in ALGORITHMS:
+            results = []
+
+            def call():
+                gradients, _ = run_core_backward_guarded(
+                    *case.args(),
+                    y_cotangent,
+                    state_cotangent,
+                    **case.options,
+                    algorithm=algorithm,
+                )
+                results.append(gradients)
+
+            for _ in range(40):
+                thread = threading.Thread(target=call)
+                thread.start()
+                thread.join(timeout=120)
+            assert len(results) == 40, "a backward call failed or hung"
+            for name, first in results[0].items():
+                differing = sum(
+                    not np.array_equal(r[name], first, equal_nan=True) for r in results[1:]
+                )
+                assert differing == 0, (state_scale, algorithm, name, differing)
 
 
 def test_the_stress_check_sees_a_wrong_result():

@@ -228,14 +228,12 @@ void chunk_backward(
           old_k += x.decays[c] * old_row[c] * x.k[c];
         }
       } else {
-#pragma omp simd reduction(+ : dd, old_k)
         for (int c = 0; c < dk; ++c) {
-          const float ds_c = ds_row[c] + dy_scaled * x.q[c];
-          ds_row[c] = ds_c;
+          ds_row[c] += dy_scaled * x.q[c];
           dq[c] += dy_scaled * new_row[c];
-          dd += ds_c * x.k[c];
-          old_k += old_row[c] * x.k[c];
         }
+        dd = dot(ds_row, x.k.data(), dk);
+        old_k = dot(old_row, x.k.data(), dk);
       }
       const float residual =
           x.v[r] - (p.per_key_gates ? old_k : x.decay * old_k);  // v - p
@@ -257,16 +255,15 @@ void chunk_backward(
         continue;
       }
       const float decayed_dp = x.decay * dp;
-      float da = 0.0f;
-#pragma omp simd reduction(+ : da)
       for (int c = 0; c < dk; ++c) {
         const float ds_c = ds_row[c];
         dk_acc[c] += delta * ds_c + decayed_dp * old_row[c];
-        const float dsd = ds_c + dp * x.k[c];
-        da += dsd * old_row[c];
-        ds_row[c] = x.decay * dsd;
+        ds_row[c] = ds_c + dp * x.k[c];  // dSd, scaled by the decay below
       }
-      d_decay += da;
+      d_decay += dot(ds_row, old_row, dk);
+      for (int c = 0; c < dk; ++c) {
+        ds_row[c] *= x.decay;
+      }
     }
     std::copy(dq.begin(), dq.end(), dq_out);
     std::copy(dk_acc.begin(), dk_acc.end(), dk_out);

@@ -139,24 +139,17 @@ class KeyChunkDecays {
   void decayed_grams(
       const float* q, const float* k, float* k_gram, float* qk) const {
     constexpr int C = kChunkSize;
-    std::vector<float> factor(dk_);
+    std::vector<float> decayed_k(dk_);
     for (int i = 0; i < length_; ++i) {
       const float* q_i = q + size_t(i) * dk_;
       const float* k_i = k + size_t(i) * dk_;
       for (int j = 0; j <= i; ++j) {
-        for (int c = 0; c < dk_; ++c) {
-          factor[c] = (*this)(i, j, c);
-        }
         const float* k_j = k + size_t(j) * dk_;
-        float kk = 0.0f, qk_sum = 0.0f;
-#pragma omp simd reduction(+ : kk, qk_sum)
         for (int c = 0; c < dk_; ++c) {
-          const float decayed_k = factor[c] * k_j[c];
-          kk += k_i[c] * decayed_k;
-          qk_sum += q_i[c] * decayed_k;
+          decayed_k[c] = (*this)(i, j, c) * k_j[c];
         }
-        k_gram[i * C + j] = j < i ? kk : 0.0f;
-        qk[i * C + j] = qk_sum;
+        k_gram[i * C + j] = j < i ? dot(k_i, decayed_k.data(), dk_) : 0.0f;
+        qk[i * C + j] = dot(q_i, decayed_k.data(), dk_);
       }
       for (int j = i + 1; j < length_; ++j) {
         k_gram[i * C + j] = 0.0f;

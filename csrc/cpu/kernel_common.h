@@ -7,24 +7,44 @@
 #include <cstring>
 
 #include "cpu/core.h"
+#include "cpu/multiply_add.h"
 #include "mlx/types/half_types.h"
 
 namespace mlx_gated_delta::cpu {
 
+// The sum of a[i] * b[i] in an order fixed by n alone: element i goes into
+// partial sum i % kDotLanes, and the partial sums are added in a fixed tree.
+// The compiler vectorises the lanes without reassociating anything. An
+// `omp simd` reduction leaves the order to the compiler, whose loop versions
+// (peeled for alignment, or scalar when two buffers lie close together)
+// summed differently: results then depended on where the scratch happened to
+// be allocated, that is on the thread that ran the problem.
+constexpr int kDotLanes = 16;
+
 inline float dot(const float* a, const float* b, int n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int i = 0; i < n; ++i) {
-    sum += a[i] * b[i];
+  float lanes[kDotLanes] = {};
+  const int whole = n - n % kDotLanes;
+  for (int i = 0; i < whole; i += kDotLanes) {
+    for (int l = 0; l < kDotLanes; ++l) {
+      lanes[l] = multiply_add(a[i + l], b[i + l], lanes[l]);
+    }
   }
-  return sum;
+  for (int i = whole; i < n; ++i) {
+    lanes[i - whole] = multiply_add(a[i], b[i], lanes[i - whole]);
+  }
+  for (int width = kDotLanes / 2; width > 0; width /= 2) {
+    for (int l = 0; l < width; ++l) {
+      lanes[l] += lanes[l + width];
+    }
+  }
+  return lanes[0];
 }
 
 // y += alpha * x
 inline void axpy(float alpha, const float* x, float* y, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) {
-    y[i] += alpha * x[i];
+    y[i] = multiply_add(alpha, x[i], y[i]);
   }
 }
 

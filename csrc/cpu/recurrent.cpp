@@ -47,23 +47,16 @@ void recurrent_step(
     const float predicted = p.per_key_gates ? dot(old_row, decayed_k, dk)
                                             : decay * dot(old_row, k, dk);
     const float delta = beta * (v[r] - predicted);
-    float readout = 0.0f;
     if (p.per_key_gates) {
-#pragma omp simd reduction(+ : readout)
       for (int c = 0; c < dk; ++c) {
-        const float updated = decays[c] * old_row[c] + delta * k[c];
-        row[c] = updated;
-        readout += updated * q[c];
+        row[c] = decays[c] * old_row[c] + delta * k[c];
       }
     } else {
-#pragma omp simd reduction(+ : readout)
       for (int c = 0; c < dk; ++c) {
-        const float updated = decay * old_row[c] + delta * k[c];
-        row[c] = updated;
-        readout += updated * q[c];
+        row[c] = decay * old_row[c] + delta * k[c];
       }
     }
-    y[r] = T(p.scale * readout);
+    y[r] = T(p.scale * dot(row, q, dk));
   }
 }
 

@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "cpu/multiply_add.h"
+
 namespace mlx_gated_delta::cpu {
 
 #if defined(__AVX512F__)
@@ -57,7 +59,7 @@ inline void gemm_tile(
       const float a_mk = a[m * a_row + k * a_k];
 #pragma omp simd
       for (int n = 0; n < NR; ++n) {
-        acc[m][n] += a_mk * b_row[n];
+        acc[m][n] = multiply_add(a_mk, b_row[n], acc[m][n]);
       }
     }
   }
@@ -65,7 +67,7 @@ inline void gemm_tile(
   for (int m = 0; m < MR; ++m) {
 #pragma omp simd
     for (int n = 0; n < NR; ++n) {
-      c[m * ldc + n] += alpha * acc[m][n];
+      c[m * ldc + n] = multiply_add(alpha, acc[m][n], c[m * ldc + n]);
     }
   }
 }

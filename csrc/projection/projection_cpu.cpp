@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu/kernel_common.h"
 #include "cpu/small_gemm.h"
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
@@ -60,36 +61,12 @@ void linear_by_dots(
     const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
     for (int o = task * kRowsPerTask; o < out_end; ++o) {
       widen(weight + int64_t(o) * in_features, in_features, w_row.data());
-      int64_t r = 0;
-      // Four rows of x per pass over the widened row of W: one load of W
-      // feeds four FMAs.
-      for (; r + 4 <= rows; r += 4) {
-        const float* x0 = x + r * in_features;
-        const float* x1 = x0 + in_features;
-        const float* x2 = x1 + in_features;
-        const float* x3 = x2 + in_features;
-        float s0 = 0.0f, s1 = 0.0f, s2 = 0.0f, s3 = 0.0f;
-#pragma omp simd reduction(+ : s0, s1, s2, s3)
-        for (int i = 0; i < in_features; ++i) {
-          const float w_i = w_row[i];
-          s0 += x0[i] * w_i;
-          s1 += x1[i] * w_i;
-          s2 += x2[i] * w_i;
-          s3 += x3[i] * w_i;
-        }
-        y[r * out_features + o] = static_cast<T>(s0);
-        y[(r + 1) * out_features + o] = static_cast<T>(s1);
-        y[(r + 2) * out_features + o] = static_cast<T>(s2);
-        y[(r + 3) * out_features + o] = static_cast<T>(s3);
-      }
-      for (; r < rows; ++r) {
-        const float* x_row = x + r * in_features;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int i = 0; i < in_features; ++i) {
-          sum += x_row[i] * w_row[i];
-        }
-        y[r * out_features + o] = static_cast<T>(sum);
+      // Each row on its own, through the fixed-order dot product: a row's
+      // result does not depend on how many rows come with it, nor on where
+      // the buffers lie.
+      for (int64_t r = 0; r < rows; ++r) {
+        y[r * out_features + o] =
+            static_cast<T>(dot(x + r * in_features, w_row.data(), in_features));
       }
     }
   });

@@ -1,0 +1,257 @@
+"""mlx-lm's own commands with our layers, end to end and offline:
+`python -m mlx_gated_delta lm generate | server | lora` as subprocesses on
+tiny random Qwen3-Next and Kimi-Linear checkpoints written to a temporary
+folder (with a word-level tokenizer built offline), the server spoken to
+over real HTTP on 127.0.0.1. Every answer is checked against mlx-lm's stock
+model (unpatched, no draft) run greedily in this process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mlx_lm")
+pytest.importorskip("tokenizers")
+pytest.importorskip("transformers")
+
+import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
+from mlx_lm import generate as mlx_lm_generate  # noqa: E402
+from mlx_lm import load  # noqa: E402
+
+from mlx_gated_delta import patch_mlx_lm  # noqa: E402
+from mlx_gated_delta.layers.families import kimi_linear, qwen3_next  # noqa: E402
+from mlx_gated_delta.lm import patch_loaded_model  # noqa: E402
+from mlx_gated_delta.testing.lm_checkpoints import (  # noqa: E402
+    save_checkpoint,
+    write_lora_data,
+)
+from mlx_gated_delta.testing.lm_server import LmServer, chat_of  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# Seconds any one command may take on a slow, shared CI machine.
+COMMAND_TIMEOUT = 120
+NEW_TOKENS = 8
+FAMILIES = {"qwen3_next": qwen3_next, "kimi_linear": kimi_linear}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Each family's target (seed 0) and draft (seed 1, other weights: its
+    drafts are mostly rejected, so every step trims the caches), and a
+    model without gated delta (Llama)."""
+    from mlx_lm.models import llama
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    paths = {}
+    for name, family in FAMILIES.items():
+        paths[name] = save_checkpoint(family.FAMILY.tiny_model(0), root / name)
+        paths[f"{name}_draft"] = save_checkpoint(family.FAMILY.tiny_model(1), root / f"{name}_d")
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-6,
+        vocab_size=128,
+        max_position_embeddings=512,
+    )
+    paths["llama"] = save_checkpoint(llama.Model(args), root / "llama")
+    return paths
+
+
+def stock_answer(path, messages=None, prompt=None, max_tokens=NEW_TOKENS, adapter_path=None):
+    """mlx-lm's stock model's greedy text for a chat or a raw prompt."""
+    model, tokenizer = load(str(path), adapter_path=adapter_path)
+    if messages is not None:
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return mlx_lm_generate(model, tokenizer, prompt, max_tokens=max_tokens)
+
+
+def run_lm(*args, timeout=COMMAND_TIMEOUT):
+    result = subprocess.run(
+        [sys.executable, "-m", "mlx_gated_delta", "lm", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def generated_text(stdout: str) -> str:
+    """The text `mlx_lm generate` prints between its two rules."""
+    return stdout.split("==========")[1].strip()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_and_without_draft_gives_the_stock_greedy_text(checkpoints, family):
+    target, draft = checkpoints[family], checkpoints[f"{family}_draft"]
+    common = ("generate", "--model", target, "--prompt", "w1 w2 w3 w4 w5")
+    common += ("--max-tokens", 12, "--temp", 0)
+    alone = run_lm(*common)
+    drafted = run_lm(*common, "--draft-model", draft, "--num-draft-tokens", 3)
+    expected = stock_answer(target, [{"role": "user", "content": "w1 w2 w3 w4 w5"}], max_tokens=12)
+    assert generated_text(alone.stdout) == expected
+    assert generated_text(drafted.stdout) == expected
+    replaced = [line for line in drafted.stderr.splitlines() if "gated-delta layer(s)" in line]
+    assert [str(target) in replaced[0], str(draft) in replaced[1]] == [True, True], replaced
+    assert all(": replaced 3 gated-delta layer(s): 3 x " in line for line in replaced)
+
+
+def test_generate_runs_a_model_without_gated_delta_unpatched(checkpoints):
+    prompt = ("--prompt", "w1 w2", "--max-tokens", NEW_TOKENS)
+    result = run_lm("generate", "--model", checkpoints["llama"], *prompt)
+    assert "has no gated-delta layer; it runs unpatched" in result.stderr
+    expected = stock_answer(checkpoints["llama"], [{"role": "user", "content": "w1 w2"}])
+    assert generated_text(result.stdout) == expected
+
+
+def test_an_unknown_gated_delta_layer_is_refused(checkpoints):
+    model, _ = load(str(checkpoints["qwen3_next"]))
+    layer = model.layers[0].linear_attn
+    layer.__class__ = type("CustomGatedDeltaNet", (type(layer),), {})
+    with pytest.raises(ValueError, match="of a class it does not know"):
+        patch_loaded_model(model, "custom")
+
+
+# The server.
+
+
+@pytest.fixture
+def server():
+    """Starts `lm server` with the given arguments; always stopped."""
+    started = []
+
+    def start(*args):
+        started.append(LmServer(*args, cwd=REPO, max_tokens=NEW_TOKENS))
+        return started[-1]
+
+    try:
+        yield start
+    finally:
+        for s in started:
+            s.stop()
+
+
+def answers_at_once(calls):
+    """Runs the calls in threads at the same time; their results in order."""
+    results = [None] * len(calls)
+
+    def run(i):
+        try:
+            results[i] = calls[i]()
+        except Exception as error:  # reported below, on the test's thread
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=COMMAND_TIMEOUT)
+    assert not any(thread.is_alive() for thread in threads), "a request did not finish in time"
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
+    return results
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_server_with_a_draft_model_gives_the_stock_greedy_answers(checkpoints, server, family):
+    target = checkpoints[family]
+    # mlx-lm's prompt cache is off here: with a draft model mlx-lm stores a
+    # cache that holds one token fewer than its key (the last token
+    # speculative decoding yields is never fed), and rewinds stored caches
+    # by more than our window; test_server_reuses_prompts covers reuse.
+    s = server(
+        "--model", target, "--draft-model", checkpoints[f"{family}_draft"],
+        "--num-draft-tokens", 3, "--prompt-cache-size", 0,
+    )  # fmt: skip
+    first = chat_of("w1 w2 w3", system="w9 w8 w7 w6")
+    answer = s.chat(first)["choices"][0]["message"]["content"]
+    assert answer == stock_answer(target, first)
+    assert s.chat_streamed(first) == answer
+    completion = s.complete("w5 w6 w7 w8")["choices"][0]["text"]
+    assert completion == stock_answer(target, prompt="w5 w6 w7 w8")
+    # Two clients at once.
+    second = chat_of("w40 w41 w42 w43 w44")
+    both = answers_at_once([lambda: s.chat(first), lambda: s.chat(second)])
+    assert [r["choices"][0]["message"]["content"] for r in both] == [
+        answer,
+        stock_answer(target, second),
+    ]
+    replaced = [line for line in s.stop().splitlines() if "gated-delta layer(s)" in line]
+    assert len(replaced) == 2, replaced
+
+
+def test_server_reuses_prompts(checkpoints, server):
+    """Without a draft model the server batches requests and keeps prompt
+    caches across them: a repeated system prompt is served from the cache,
+    and the answers stay the stock model's, two clients at once included;
+    a model loaded on demand is patched as well."""
+    target = checkpoints["qwen3_next"]
+    s = server("--model", target)
+    system = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10"
+    first, second = chat_of("w20 w21", system), chat_of("w30 w31 w32", system)
+    r1 = s.chat(first)
+    assert r1["choices"][0]["message"]["content"] == stock_answer(target, first)
+    r2 = s.chat(second)
+    assert r2["choices"][0]["message"]["content"] == stock_answer(target, second)
+    # The system prompt's tokens (at least) came from the cache.
+    assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(system.split())
+    both = answers_at_once([lambda: s.chat(first), lambda: s.chat(chat_of("w50", system))])
+    assert [r["choices"][0]["message"]["content"] for r in both] == [
+        stock_answer(target, first),
+        stock_answer(target, chat_of("w50", system)),
+    ]
+    assert s.chat_streamed(second) == r2["choices"][0]["message"]["content"]
+    # A model the server loads on demand, for a request that names it, is
+    # patched too.
+    other = checkpoints["kimi_linear"]
+    answer = s.chat(first, model=str(other))["choices"][0]["message"]["content"]
+    assert answer == stock_answer(other, first)
+    patched = [line for line in s.stop().splitlines() if "gated-delta layer(s)" in line]
+    assert [str(target) in patched[0], str(other) in patched[1]] == [True, True], patched
+
+
+# LoRA.
+
+
+def test_lora_trains_a_patched_model_and_its_adapters_load_into_the_stock_model(
+    checkpoints, tmp_path
+):
+    target = checkpoints["qwen3_next"]
+    data = write_lora_data(tmp_path / "data", size=128)
+    adapters = tmp_path / "adapters"
+    result = run_lm(
+        "lora", "--model", target, "--train", "--data", data, "--iters", 4,
+        "--batch-size", 2, "--num-layers", 2, "--max-seq-length", 32,
+        "--steps-per-report", 2, "--steps-per-eval", 4, "--val-batches", 1,
+        "--learning-rate", 1e-3, "--adapter-path", adapters,
+    )  # fmt: skip
+    assert "replaced 3 gated-delta layer(s)" in result.stderr
+    saved = mx.load(str(adapters / "adapters.safetensors"))
+    lora_b = [value for name, value in saved.items() if name.endswith("lora_b")]
+    assert lora_b and any(mx.abs(b).max().item() > 0 for b in lora_b), "nothing was trained"
+    # The stock model takes the adapters (a strict load), and gives the
+    # tokens the patched model gives with them.
+    stock, tokenizer = load(str(target), adapter_path=str(adapters))
+    loaded = dict(tree_flatten(stock.parameters()))
+    assert all(mx.array_equal(loaded[name], value).item() for name, value in saved.items())
+    patched, _ = load(str(target), adapter_path=str(adapters))
+    patch_mlx_lm(patched)
+    prompt = "w3 w4 w5 w6 w7"
+    assert mlx_lm_generate(patched, tokenizer, prompt, max_tokens=NEW_TOKENS) == (
+        mlx_lm_generate(stock, tokenizer, prompt, max_tokens=NEW_TOKENS)
+    )
