@@ -22,7 +22,7 @@
 #include "core/core_params.h"
 #include "core/dispatch.h"
 #include "cpu/backward.h"
-#include "cpu/core.h"
+#include "cpu/forward.h"
 #include "cpu/thread_pool.h"
 #include "metal/library.h"
 #include "mlx/ops.h"

@@ -6,7 +6,7 @@
 #include "core/backward_primitive.h"
 #include "core/dispatch.h"
 #include "core/vmap_fold.h"
-#include "cpu/core.h"
+#include "cpu/forward.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
