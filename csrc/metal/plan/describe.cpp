@@ -61,7 +61,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
   std::snprintf(
       line,
       sizeof(line),
-      "%-26s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
+      "%-30s %-48s %18s %8s %9s %10s %11s %10s %10s %6s\n",
       "stage",
       "kernel",
       "threadgroups",
@@ -90,7 +90,7 @@ std::string describe_plan(const Plan& plan, const Roofline& roofline) {
     std::snprintf(
         line,
         sizeof(line),
-        "%-26s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
+        "%-30s %-48s %18s %8llu %9zu %10.2f %11.3f %10.1f %10.1f %6s\n",
         stage.c_str(),
         d.kernel.c_str(),
         groups,
