@@ -5,7 +5,9 @@
 #include <optional>
 #include <stdexcept>
 
+#include "core/activation_type.h"
 #include "core/dispatch.h"
+#include "core/vmap_fold.h"
 #include "cpu/backward.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -79,27 +81,20 @@ std::vector<mx::Shape> gradient_shapes(const std::vector<mx::array>& inputs) {
 
 GatedDeltaParams GatedDeltaRuleVJP::params_for(
     const std::vector<mx::array>& inputs) const {
-  GatedDeltaParams p;
-  p.batch = inputs[kQ].shape(0);
-  p.tokens = inputs[kQ].shape(1);
-  p.key_heads = inputs[kQ].shape(2);
-  p.key_dim = inputs[kQ].shape(3);
-  p.value_heads = inputs[kV].shape(2);
-  p.value_dim = inputs[kV].shape(3);
-  p.scale = scale_;
-  p.head_mapping = head_mapping_;
-  p.normalize_qk = normalize_qk_;
-  p.has_mask = has_mask_;
-  p.per_key_gates = inputs[kG].ndim() == 4;
-  return p;
+  const auto& q = inputs[kQ];
+  const auto& v = inputs[kV];
+  return options_.params(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)},
+      0,
+      inputs[kG].ndim() == 4);
 }
 
 void GatedDeltaRuleVJP::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   const GatedDeltaParams p = params_for(inputs);
-  const Algorithm algorithm = algorithm_ == Algorithm::Auto
+  const Algorithm algorithm = options_.algorithm == Algorithm::Auto
       ? resolve_cpu_backward_algorithm(p)
-      : algorithm_;
+      : options_.algorithm;
   auto& encoder = mx::cpu::get_command_encoder(stream());
   for (const auto& input : inputs) {
     encoder.set_input_array(input);
@@ -116,20 +111,10 @@ void GatedDeltaRuleVJP::eval_cpu(
   }
   encoder.dispatch(
       [p, algorithm, in = std::move(in), out = std::move(out)]() mutable {
-        switch (in[kV].dtype()) {
-          case mx::float32:
-            run_cpu<float>(p, algorithm, in, out);
-            break;
-          case mx::float16:
-            run_cpu<mx::float16_t>(p, algorithm, in, out);
-            break;
-          case mx::bfloat16:
-            run_cpu<mx::bfloat16_t>(p, algorithm, in, out);
-            break;
-          default:
-            throw std::runtime_error(
-                "GatedDeltaRuleVJP: unsupported activation dtype");
-        }
+        with_activation_type(
+            in[kV].dtype(), "GatedDeltaRuleVJP", [&]<typename T>(T) {
+              run_cpu<T>(p, algorithm, in, out);
+            });
       });
 }
 
@@ -138,7 +123,7 @@ void GatedDeltaRuleVJP::eval_gpu(
     [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
   metal::eval_backward_gpu(
-      params_for(inputs), algorithm_, inputs, outputs, stream());
+      params_for(inputs), options_.algorithm, inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
@@ -146,57 +131,29 @@ void GatedDeltaRuleVJP::eval_gpu(
 #endif
 }
 
-// Folds the vmapped axis into the batch axis, as GatedDeltaRule::vmap does:
-// every input and output has the batch as its leading axis.
+// Folds the vmapped axis into the batch axis (core/vmap_fold.h), as
+// GatedDeltaRule::vmap does: every input and output has the batch as its
+// leading axis.
 std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRuleVJP::vmap(
     const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
-  int vmap_size = -1;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (axes[i] >= 0) {
-      vmap_size = inputs[i].shape(axes[i]);
-      break;
-    }
-  }
+  const int size = vmap_size(inputs, axes);
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
-    mx::array x = inputs[i];
-    if (axes[i] >= 0) {
-      x = mx::moveaxis(x, axes[i], 0, stream());
-    } else {
-      mx::Shape shape = x.shape();
-      shape.insert(shape.begin(), vmap_size);
-      x = mx::broadcast_to(mx::expand_dims(x, 0, stream()), shape, stream());
-    }
-    mx::Shape shape(x.shape().begin() + 1, x.shape().end());
-    shape[0] *= vmap_size;
-    folded.push_back(
-        mx::contiguous(mx::reshape(x, shape, stream()), false, stream()));
+    folded.push_back(fold_into_batch(inputs[i], axes[i], size, stream()));
   }
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
       output_dtypes(folded),
-      std::make_shared<GatedDeltaRuleVJP>(
-          stream(),
-          scale_,
-          head_mapping_,
-          normalize_qk_,
-          has_mask_,
-          algorithm_),
+      std::make_shared<GatedDeltaRuleVJP>(stream(), options_),
       folded);
   for (auto& out : outputs) {
-    mx::Shape shape = out.shape();
-    shape[0] /= vmap_size;
-    shape.insert(shape.begin(), vmap_size);
-    out = mx::reshape(out, shape, stream());
+    out = unfold_from_batch(out, size, stream());
   }
   return {outputs, std::vector<int>(outputs.size(), 0)};
 }
 
 bool GatedDeltaRuleVJP::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const GatedDeltaRuleVJP&>(other);
-  return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
-      normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
-      algorithm_ == o.algorithm_;
+  return options_ == static_cast<const GatedDeltaRuleVJP&>(other).options_;
 }
 
 std::vector<mx::Shape> GatedDeltaRuleVJP::output_shapes(
@@ -206,31 +163,31 @@ std::vector<mx::Shape> GatedDeltaRuleVJP::output_shapes(
 
 std::vector<mx::array> gated_delta_rule_vjp(
     mx::Stream stream,
-    float scale,
-    HeadMapping head_mapping,
-    bool normalize_qk,
-    bool has_mask,
-    Algorithm algorithm,
-    bool has_linear_gate,
+    const CoreOptions& options,
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums) {
   // The backward has no CUDA kernels yet (docs/cuda.md).
   stream = cpu_unless_cuda_kernels(stream, false);
   const mx::Dtype activation = primals[kV].dtype();
+  const bool has_mask = options.has_mask;
   std::vector<mx::array> inputs(
       primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));
   inputs.push_back(mx::contiguous(
       mx::astype(cotangents[0], activation, stream), false, stream));
   inputs.push_back(mx::contiguous(
       mx::astype(cotangents[1], mx::float32, stream), false, stream));
+  CoreOptions backward = options;
+  backward.has_checkpoints = false;
+  backward.has_tree = false;
+  backward.has_linear_gate = false;
   auto grads = mx::array::make_arrays(
       gradient_shapes(inputs),
       output_dtypes(inputs),
-      std::make_shared<GatedDeltaRuleVJP>(
-          stream, scale, head_mapping, normalize_qk, has_mask, algorithm),
+      std::make_shared<GatedDeltaRuleVJP>(stream, backward),
       inputs);
-  const int linear_gate = has_linear_gate ? (has_mask ? kMask + 1 : kMask) : -1;
+  const int linear_gate =
+      options.has_linear_gate ? (has_mask ? kMask + 1 : kMask) : -1;
   std::vector<mx::array> result;
   for (int argnum : argnums) {
     switch (argnum) {

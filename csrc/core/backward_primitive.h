@@ -9,27 +9,18 @@ namespace mlx_gated_delta {
 
 // Inputs: q, k, v, g, beta, state [, mask], then the cotangents of y (in v's
 // dtype) and of the final state (float32), all row-contiguous: the forward's
-// inputs, so the backward recomputes what it needs (see cpu/backward.cpp).
-// Outputs: dq, dk, dv (in their inputs' dtypes), dg, d_decay (the gradient of
-// the linear decay exp(g)), dbeta and dstate, float32.
-// `algorithm` picks the backward's form: Recurrent, Chunked, or Auto (the CPU
-// resolves it per shape, resolve_cpu_backward_algorithm in core/dispatch.h;
-// Metal through resolve_metal_backward_algorithm).
+// inputs, so the backward recomputes what it needs (see
+// cpu/recurrent_backward.cpp). Outputs: dq, dk, dv (in their inputs' dtypes),
+// dg, d_decay (the gradient of the linear decay exp(g)), dbeta and dstate,
+// float32. `options.algorithm` picks the backward's form: Recurrent, Chunked,
+// or Auto (the CPU resolves it per shape, resolve_cpu_backward_algorithm in
+// core/dispatch.h; Metal through resolve_metal_backward_algorithm).
 class GatedDeltaRuleVJP : public mlx::core::Primitive {
  public:
-  GatedDeltaRuleVJP(
-      mlx::core::Stream stream,
-      float scale,
-      HeadMapping head_mapping,
-      bool normalize_qk,
-      bool has_mask,
-      Algorithm algorithm)
-      : mlx::core::Primitive(stream),
-        scale_(scale),
-        head_mapping_(head_mapping),
-        normalize_qk_(normalize_qk),
-        has_mask_(has_mask),
-        algorithm_(algorithm) {}
+  // `options` as the forward's, without checkpoints, tree or linear gate
+  // (none of them is an input of the backward).
+  GatedDeltaRuleVJP(mlx::core::Stream stream, const CoreOptions& options)
+      : mlx::core::Primitive(stream), options_(options) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -52,11 +43,7 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
   GatedDeltaParams params_for(
       const std::vector<mlx::core::array>& inputs) const;
 
-  float scale_;
-  HeadMapping head_mapping_;
-  bool normalize_qk_;
-  bool has_mask_;
-  Algorithm algorithm_;
+  CoreOptions options_;
 };
 
 // GatedDeltaRule's vjp: the gradients of the requested primals. `primals`
@@ -64,15 +51,11 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
 // [, linear_gate]; the optional linear gate (gated_delta_update's gamma, of
 // which g = log(gamma) is the unread-for-gradient copy) receives the
 // gradient of the linear decay, finite and exact where gamma == 0.
-// `algorithm` is the one the forward call asked for (Auto unless explicit).
+// `options` are the forward call's (its algorithm the one it asked for, Auto
+// unless explicit).
 std::vector<mlx::core::array> gated_delta_rule_vjp(
     mlx::core::Stream stream,
-    float scale,
-    HeadMapping head_mapping,
-    bool normalize_qk,
-    bool has_mask,
-    Algorithm algorithm,
-    bool has_linear_gate,
+    const CoreOptions& options,
     const std::vector<mlx::core::array>& primals,
     const std::vector<mlx::core::array>& cotangents,
     const std::vector<int>& argnums);

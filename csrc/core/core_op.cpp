@@ -103,17 +103,19 @@ std::vector<mx::array> gated_delta_rule(
       dtypes,
       std::make_shared<GatedDeltaRule>(
           stream,
-          p.scale,
-          p.head_mapping,
-          p.normalize_qk,
-          p.has_mask,
-          // The requested algorithm, Auto included: eval_cpu and the Metal
-          // plan resolve Auto per shape, and the vjp passes an explicit
-          // choice on to the backward (Auto lets it choose its own form).
-          p.has_tree ? Algorithm::Recurrent : requested,
-          checkpoints.has_value(),
-          p.has_tree,
-          linear_gate.has_value()),
+          CoreOptions{
+              .scale = p.scale,
+              .head_mapping = p.head_mapping,
+              .normalize_qk = p.normalize_qk,
+              .has_mask = p.has_mask,
+              // The requested algorithm, Auto included: eval_cpu and the
+              // Metal plan resolve Auto per shape, and the vjp passes an
+              // explicit choice on to the backward (Auto lets it choose its
+              // own form).
+              .algorithm = p.has_tree ? Algorithm::Recurrent : requested,
+              .has_checkpoints = checkpoints.has_value(),
+              .has_tree = p.has_tree,
+              .has_linear_gate = linear_gate.has_value()}),
       inputs);
 }
 

@@ -58,15 +58,23 @@ const char* to_string(DecayParameterization parameterization) {
   return kDecayParameterizations[static_cast<int>(parameterization)].first;
 }
 
-GatedDeltaParams shape_params(
-    int batch,
-    int tokens,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim) {
+GatedDeltaParams CoreOptions::params(
+    const ProblemShape& shape, int checkpoint_count, bool per_key_gates) const {
   GatedDeltaParams p;
-  p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
+  p.set_shape(shape);
+  p.scale = scale;
+  p.head_mapping = head_mapping;
+  p.normalize_qk = normalize_qk;
+  p.has_mask = has_mask;
+  p.checkpoint_count = checkpoint_count;
+  p.has_tree = has_tree;
+  p.per_key_gates = per_key_gates;
+  return p;
+}
+
+GatedDeltaParams shape_params(const ProblemShape& shape) {
+  GatedDeltaParams p;
+  p.set_shape(shape);
   return p;
 }
 

@@ -93,6 +93,32 @@ struct GatedDeltaParams : ProblemShape {
   }
 };
 
+// The options of one core call that fix its result apart from its shape and
+// its data, as the op function read them: what the primitives carry (and
+// compare whole in is_equivalent). `algorithm` is the one requested, Auto
+// included; eval_cpu and the Metal plan resolve Auto per shape.
+struct CoreOptions {
+  float scale = 1.0f;
+  HeadMapping head_mapping = HeadMapping::Grouped;
+  bool normalize_qk = false;
+  bool has_mask = false;
+  Algorithm algorithm = Algorithm::Auto;
+  bool has_checkpoints = false;
+  bool has_tree = false;
+  // The linear decay gamma of which g = log(gamma) was taken follows the
+  // other inputs (core_primitive.h).
+  bool has_linear_gate = false;
+
+  bool operator==(const CoreOptions&) const = default;
+
+  // The params of a call with these options over `shape`, with
+  // `checkpoint_count` checkpoints and g per key channel or not.
+  GatedDeltaParams params(
+      const ProblemShape& shape,
+      int checkpoint_count,
+      bool per_key_gates) const;
+};
+
 // The readout scale when the caller gives none: Dk ** -0.5, in float32.
 inline float default_scale(int key_dim) {
   return 1.0f / std::sqrt(static_cast<float>(key_dim));
@@ -100,12 +126,6 @@ inline float default_scale(int key_dim) {
 
 // The params of a shape, with the default options (scale 1, grouped, no
 // normalisation, no mask).
-GatedDeltaParams shape_params(
-    int batch,
-    int tokens,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim);
+GatedDeltaParams shape_params(const ProblemShape& shape);
 
 }  // namespace mlx_gated_delta

@@ -2,10 +2,11 @@
 
 #include <stdexcept>
 
+#include "core/activation_type.h"
 #include "core/backward_primitive.h"
 #include "core/dispatch.h"
 #include "core/vmap_fold.h"
-#include "cpu/core.h"
+#include "cpu/forward.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -72,20 +73,14 @@ void run_cpu(
 
 GatedDeltaParams GatedDeltaRule::params_for(
     const std::vector<mx::array>& inputs) const {
-  GatedDeltaParams p;
   const auto& q = inputs[kQ];
   const auto& v = inputs[kV];
-  p.set_shape(
-      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
-  p.scale = scale_;
-  p.head_mapping = head_mapping_;
-  p.normalize_qk = normalize_qk_;
-  p.has_mask = has_mask_;
-  p.checkpoint_count =
-      has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
-  p.has_tree = has_tree_;
-  p.per_key_gates = inputs[kG].ndim() == 4;
-  return p;
+  return options_.params(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)},
+      options_.has_checkpoints
+          ? int(inputs[checkpoints_input(options_.has_mask)].size())
+          : 0,
+      inputs[kG].ndim() == 4);
 }
 
 void GatedDeltaRule::eval_cpu(
@@ -105,8 +100,9 @@ void GatedDeltaRule::eval_cpu(
     encoder.set_output_array(output);
   }
   const bool with_checkpoints = p.checkpoint_count > 0;
-  const Algorithm algorithm =
-      algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(p) : algorithm_;
+  const Algorithm algorithm = options_.algorithm == Algorithm::Auto
+      ? resolve_cpu_algorithm(p)
+      : options_.algorithm;
   encoder.dispatch(
       [p,
        algorithm,
@@ -130,7 +126,7 @@ void GatedDeltaRule::eval_cpu(
            : std::nullopt,
        parents = p.has_tree
            ? std::optional(mx::array::unsafe_weak_copy(
-                 inputs[parents_input(p.has_mask, has_checkpoints_)]))
+                 inputs[parents_input(p.has_mask, options_.has_checkpoints)]))
            : std::nullopt]() mutable {
         const mx::array* mask_ptr = mask ? &*mask : nullptr;
         const mx::array* checkpoints_ptr =
@@ -138,62 +134,23 @@ void GatedDeltaRule::eval_cpu(
         mx::array* checkpoint_states_ptr =
             checkpoint_states ? &*checkpoint_states : nullptr;
         const mx::array* parents_ptr = parents ? &*parents : nullptr;
-        switch (v.dtype()) {
-          case mx::float32:
-            run_cpu<float>(
-                p,
-                algorithm,
-                q,
-                k,
-                v,
-                g,
-                beta,
-                state,
-                mask_ptr,
-                checkpoints_ptr,
-                y,
-                state_out,
-                checkpoint_states_ptr,
-                parents_ptr);
-            break;
-          case mx::float16:
-            run_cpu<mx::float16_t>(
-                p,
-                algorithm,
-                q,
-                k,
-                v,
-                g,
-                beta,
-                state,
-                mask_ptr,
-                checkpoints_ptr,
-                y,
-                state_out,
-                checkpoint_states_ptr,
-                parents_ptr);
-            break;
-          case mx::bfloat16:
-            run_cpu<mx::bfloat16_t>(
-                p,
-                algorithm,
-                q,
-                k,
-                v,
-                g,
-                beta,
-                state,
-                mask_ptr,
-                checkpoints_ptr,
-                y,
-                state_out,
-                checkpoint_states_ptr,
-                parents_ptr);
-            break;
-          default:
-            throw std::runtime_error(
-                "GatedDeltaRule: unsupported activation dtype");
-        }
+        with_activation_type(v.dtype(), "GatedDeltaRule", [&]<typename T>(T) {
+          run_cpu<T>(
+              p,
+              algorithm,
+              q,
+              k,
+              v,
+              g,
+              beta,
+              state,
+              mask_ptr,
+              checkpoints_ptr,
+              y,
+              state_out,
+              checkpoint_states_ptr,
+              parents_ptr);
+        });
       });
 }
 
@@ -203,16 +160,15 @@ void GatedDeltaRule::eval_gpu(
 #ifdef _METAL_
   // The linear gate, when present, is the last input and for the vjp only.
   const std::vector<mx::array> kernel_inputs(
-      inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0));
+      inputs.begin(), inputs.end() - (options_.has_linear_gate ? 1 : 0));
   metal::eval_core_gpu(
-      params_for(inputs), algorithm_, kernel_inputs, outputs, stream());
+      params_for(inputs), options_.algorithm, kernel_inputs, outputs, stream());
 #elif defined(MLX_GATED_DELTA_CUDA)
   // As on Metal: the linear gate, the vjp's last input, is not the kernels'.
-  const GatedDeltaParams params = params_for(inputs);
   cuda::eval_core(
-      params,
-      algorithm_,
-      {inputs.begin(), inputs.end() - (has_linear_gate_ ? 1 : 0)},
+      params_for(inputs),
+      options_.algorithm,
+      {inputs.begin(), inputs.end() - (options_.has_linear_gate ? 1 : 0)},
       outputs,
       stream());
 #else
@@ -228,22 +184,12 @@ std::vector<mx::array> GatedDeltaRule::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  if (has_checkpoints_ || has_tree_) {
+  if (options_.has_checkpoints || options_.has_tree) {
     throw std::invalid_argument(
         "mlx_gated_delta.gated_delta_rule: no gradient through a call with "
         "checkpoints or parents (serving calls); differentiate a call without them.");
   }
-  return gated_delta_rule_vjp(
-      stream(),
-      scale_,
-      head_mapping_,
-      normalize_qk_,
-      has_mask_,
-      algorithm_,
-      has_linear_gate_,
-      primals,
-      cotangents,
-      argnums);
+  return gated_delta_rule_vjp(stream(), options_, primals, cotangents, argnums);
 }
 
 std::vector<mx::array> GatedDeltaRule::jvp(
@@ -263,10 +209,11 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
   // The checkpoint positions and the parents are the same for every mapped
   // call: they are not folded (and may not be mapped).
   std::vector<bool> unfolded(inputs.size(), false);
-  if (has_checkpoints_)
-    unfolded[checkpoints_input(has_mask_)] = true;
-  if (has_tree_)
-    unfolded[parents_input(has_mask_, has_checkpoints_)] = true;
+  const CoreOptions& o = options_;
+  if (o.has_checkpoints)
+    unfolded[checkpoints_input(o.has_mask)] = true;
+  if (o.has_tree)
+    unfolded[parents_input(o.has_mask, o.has_checkpoints)] = true;
   std::vector<mx::array> folded;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!unfolded[i]) {
@@ -280,21 +227,12 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
     }
   }
   std::vector<mx::Dtype> dtypes = {folded[kV].dtype(), mx::float32};
-  if (has_checkpoints_)
+  if (o.has_checkpoints)
     dtypes.push_back(mx::float32);
   auto outputs = mx::array::make_arrays(
       output_shapes(folded),
       dtypes,
-      std::make_shared<GatedDeltaRule>(
-          stream(),
-          scale_,
-          head_mapping_,
-          normalize_qk_,
-          has_mask_,
-          algorithm_,
-          has_checkpoints_,
-          has_tree_,
-          has_linear_gate_),
+      std::make_shared<GatedDeltaRule>(stream(), options_),
       folded);
   // y and the state lead with the batch; the checkpoint states with the
   // checkpoint, then the batch.
@@ -311,21 +249,17 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaRule::vmap(
 }
 
 bool GatedDeltaRule::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const GatedDeltaRule&>(other);
-  return scale_ == o.scale_ && head_mapping_ == o.head_mapping_ &&
-      normalize_qk_ == o.normalize_qk_ && has_mask_ == o.has_mask_ &&
-      algorithm_ == o.algorithm_ && has_checkpoints_ == o.has_checkpoints_ &&
-      has_tree_ == o.has_tree_ && has_linear_gate_ == o.has_linear_gate_;
+  return options_ == static_cast<const GatedDeltaRule&>(other).options_;
 }
 
 std::vector<mx::Shape> GatedDeltaRule::output_shapes(
     const std::vector<mx::array>& inputs) {
   std::vector<mx::Shape> shapes = {inputs[kV].shape(), inputs[kState].shape()};
-  if (has_checkpoints_) {
+  if (options_.has_checkpoints) {
     mx::Shape checkpoint_shape = inputs[kState].shape();
     checkpoint_shape.insert(
         checkpoint_shape.begin(),
-        inputs[checkpoints_input(has_mask_)].shape(0));
+        inputs[checkpoints_input(options_.has_mask)].shape(0));
     shapes.push_back(checkpoint_shape);
   }
   return shapes;

@@ -12,34 +12,17 @@ namespace mlx_gated_delta {
 // row-contiguous. Outputs: y
 // [B, T, Hv, Dv] in v's dtype, state [B, Hv, Dv, Dk] [, checkpoint states
 // [N, B, Hv, Dv, Dk]].
-// Carries only what changes the result: the shape-free options and the
-// requested algorithm (Auto: eval_cpu and the Metal plan resolve it per
-// shape; the vjp passes it to the backward, which resolves its own). With
+// Carries only what changes the result: its CoreOptions (the requested
+// algorithm among them; Auto: eval_cpu and the Metal plan resolve it per
+// shape, and the vjp passes it to the backward, which resolves its own). With
 // `has_linear_gate`, one last input follows: the linear decay gamma of which g
 // = log(gamma) was taken; the forward does not read it, the vjp gives it the
 // gradient of the linear decay (exact where gamma == 0, where the chain rule
 // through log would be 0 / 0).
 class GatedDeltaRule : public mlx::core::Primitive {
  public:
-  GatedDeltaRule(
-      mlx::core::Stream stream,
-      float scale,
-      HeadMapping head_mapping,
-      bool normalize_qk,
-      bool has_mask,
-      Algorithm algorithm,
-      bool has_checkpoints = false,
-      bool has_tree = false,
-      bool has_linear_gate = false)
-      : mlx::core::Primitive(stream),
-        scale_(scale),
-        head_mapping_(head_mapping),
-        normalize_qk_(normalize_qk),
-        has_mask_(has_mask),
-        algorithm_(algorithm),
-        has_checkpoints_(has_checkpoints),
-        has_tree_(has_tree),
-        has_linear_gate_(has_linear_gate) {}
+  GatedDeltaRule(mlx::core::Stream stream, const CoreOptions& options)
+      : mlx::core::Primitive(stream), options_(options) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -73,14 +56,7 @@ class GatedDeltaRule : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs) const;
 
  private:
-  float scale_;
-  HeadMapping head_mapping_;
-  bool normalize_qk_;
-  bool has_mask_;
-  Algorithm algorithm_;
-  bool has_checkpoints_;
-  bool has_tree_;
-  bool has_linear_gate_;
+  CoreOptions options_;
 };
 
 }  // namespace mlx_gated_delta

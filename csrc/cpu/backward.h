@@ -31,9 +31,9 @@ struct BackwardBuffers {
 // The gradients of every input for the cotangents of y and of the final
 // state. Keeps one state per chunk of kChunkSize tokens per (batch row, value
 // head) in flight, never one per token. `algorithm` (Recurrent or Chunked;
-// resolve Auto first) picks the recurrent form's reverse (backward.cpp) or the
-// chunked WY form's (chunked_backward.cpp); per-key gates always run the
-// recurrent one.
+// resolve Auto first) picks the recurrent form's reverse
+// (recurrent_backward.cpp) or the chunked WY form's (chunked_backward.cpp);
+// per-key gates always run the recurrent one.
 template <typename T>
 void gated_delta_backward(
     const GatedDeltaParams& params,

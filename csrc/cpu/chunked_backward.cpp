@@ -49,7 +49,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/backward_problem.h"
+#include "cpu/backward_head_view.h"
 #include "cpu/chunked_stages.h"
 
 namespace mlx_gated_delta::cpu {
@@ -129,7 +129,7 @@ struct ChunkStore {
 
 // The forward's view of one problem: what the forward stages read.
 template <typename T>
-HeadView<T> forward_view(const ProblemView<T>& h) {
+HeadView<T> forward_view(const BackwardHeadView<T>& h) {
   return HeadView<T>{
       h.q,
       h.k,
@@ -155,7 +155,7 @@ HeadView<T> forward_view(const ProblemView<T>& h) {
 // Whether every active token of the chunk decays by a normal float, the
 // condition for the chunked reverse (see the top of this file).
 template <typename T>
-bool normal_decays(const ProblemView<T>& h, int start, int L) {
+bool normal_decays(const BackwardHeadView<T>& h, int start, int L) {
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
     if ((!h.mask || h.mask[t]) &&
@@ -171,7 +171,7 @@ bool normal_decays(const ProblemView<T>& h, int start, int L) {
 template <typename T>
 void boundary_states(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     ChunkScratch& s,
     ChunkStore& store) {
   const int dk = p.key_dim, dv = p.value_dim;
@@ -215,7 +215,7 @@ void boundary_states(
 template <typename T>
 void load_output_cotangent(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int L,
     BackwardScratch& b) {
@@ -434,7 +434,7 @@ void chunk_carry_backward(
 template <typename T>
 void recompute_w_u_backward(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int L,
     BackwardScratch& b) {
@@ -604,7 +604,7 @@ void kkt_inverse_backward(
 template <typename T>
 void gate_cumsum_backward(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int L,
     BackwardScratch& b) {
@@ -636,8 +636,8 @@ void gate_cumsum_backward(
 }  // namespace
 
 template <typename T>
-void chunked_problem_backward(
-    const GatedDeltaParams& p, const ProblemView<T>& h) {
+void chunked_head_backward(
+    const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
   const int dk = p.key_dim, dv = p.value_dim;
   const int64_t size = int64_t(dk) * dv;
   BackwardScratch b(dk, dv);
@@ -656,7 +656,7 @@ void chunked_problem_backward(
     transpose(entry_t, dk, dv, dv, b.entry.data(), dk);
     transpose(b.ds_t.data(), dk, dv, dv, ds, dk);
     if (!normal_decays(h, start, L)) {
-      recurrent_chunk_backward(p, h, start, L, b.entry.data(), ds);
+      recurrent_chunk_backward_from_entry(p, h, start, L, b.entry.data(), ds);
       transpose(ds, dv, dk, dk, b.ds_t.data(), dv);
       continue;
     }
@@ -683,11 +683,11 @@ void chunked_problem_backward(
   transpose(b.ds_t.data(), dk, dv, dv, ds, dk);
 }
 
-template void chunked_problem_backward<float>(
-    const GatedDeltaParams&, const ProblemView<float>&);
-template void chunked_problem_backward<mlx::core::float16_t>(
-    const GatedDeltaParams&, const ProblemView<mlx::core::float16_t>&);
-template void chunked_problem_backward<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const ProblemView<mlx::core::bfloat16_t>&);
+template void chunked_head_backward<float>(
+    const GatedDeltaParams&, const BackwardHeadView<float>&);
+template void chunked_head_backward<mlx::core::float16_t>(
+    const GatedDeltaParams&, const BackwardHeadView<mlx::core::float16_t>&);
+template void chunked_head_backward<mlx::core::bfloat16_t>(
+    const GatedDeltaParams&, const BackwardHeadView<mlx::core::bfloat16_t>&);
 
 }  // namespace mlx_gated_delta::cpu

@@ -1,5 +1,5 @@
 // The stages of the chunked WY/UT form on the CPU, shared by the forward
-// (chunked.cpp) and the chunked backward (chunked_backward.cpp), which
+// (chunked_forward.cpp) and the chunked backward (chunked_backward.cpp), which
 // recomputes W, U and the deltas of each chunk with the same functions.
 #pragma once
 
@@ -219,7 +219,7 @@ inline void transpose(
   }
 }
 
-// The stages, in pipeline order (chunked.cpp has each one's comment).
+// The stages, in pipeline order (chunked_forward.cpp has each one's comment).
 template <typename T>
 void qk_norm(
     const GatedDeltaParams& p,

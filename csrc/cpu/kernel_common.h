@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "cpu/core.h"
+#include "cpu/forward.h"
 #include "cpu/multiply_add.h"
 #include "mlx/types/half_types.h"
 

@@ -5,7 +5,7 @@
 #include <cmath>
 #include <vector>
 
-#include "cpu/core.h"
+#include "cpu/forward.h"
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
 

@@ -1,6 +1,6 @@
 // The Metal executor (macOS): runs a core gated-delta call or a fused segment
-// call on MLX's Metal stream by encoding its plan (plan.h) on MLX's command
-// encoder. The primitives' eval_gpu call it under #ifdef _METAL_.
+// call on MLX's Metal stream by encoding its plan (plan/plan.h) on MLX's
+// command encoder. The primitives' eval_gpu call it under #ifdef _METAL_.
 #pragma once
 
 #include <vector>
@@ -35,8 +35,8 @@ void eval_segment_gpu(
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);
 
-// The backward of one core call (plan.h, make_backward_plan). inputs: q, k,
-// v, g, beta, state [, mask], y's cotangent (the activation dtype) and the
+// The backward of one core call (plan/plan.h, make_backward_plan). inputs: q,
+// k, v, g, beta, state [, mask], y's cotangent (the activation dtype) and the
 // final state's (float32), row-contiguous: GatedDeltaRuleVJP's inputs.
 // outputs: dq, dk, dv (activation dtype), dg, d_decay, dbeta, dstate
 // (float32); allocated here. `algorithm` may be Auto (the forward call's).

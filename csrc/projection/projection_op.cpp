@@ -3,6 +3,7 @@
 #include <sstream>
 #include <stdexcept>
 
+#include "core/activation_type.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -48,19 +49,9 @@ void DenseProjection::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   mx::array& out = outputs[0];
   out.set_data(mx::allocator::malloc(out.nbytes()));
-  switch (out.dtype()) {
-    case mx::float32:
-      dispatch_linear<float>(stream(), inputs, out);
-      break;
-    case mx::float16:
-      dispatch_linear<mx::float16_t>(stream(), inputs, out);
-      break;
-    case mx::bfloat16:
-      dispatch_linear<mx::bfloat16_t>(stream(), inputs, out);
-      break;
-    default:
-      throw std::runtime_error("DenseProjection: unsupported dtype");
-  }
+  with_activation_type(out.dtype(), "DenseProjection", [&]<typename T>(T) {
+    dispatch_linear<T>(stream(), inputs, out);
+  });
 }
 
 void DenseProjection::eval_gpu(

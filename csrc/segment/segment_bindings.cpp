@@ -6,6 +6,7 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include "bindings.h"
 #include "projection/projection_op.h"
 #include "segment/segment_op.h"
 

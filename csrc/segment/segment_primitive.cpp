@@ -2,6 +2,7 @@
 
 #include <stdexcept>
 
+#include "core/activation_type.h"
 #include "core/vmap_fold.h"
 #include "cpu/segment.h"
 #include "mlx/allocator.h"
@@ -120,21 +121,10 @@ void GatedDeltaSegment::eval_cpu(
     output.set_data(mx::allocator::malloc(output.nbytes()));
   }
   const SegmentParams p = params_for(inputs);
-  switch (inputs[kMixedQkvzba].dtype()) {
-    case mx::float32:
-      dispatch_segment<float>(stream(), p, algorithm_, inputs, outputs);
-      break;
-    case mx::float16:
-      dispatch_segment<mx::float16_t>(stream(), p, algorithm_, inputs, outputs);
-      break;
-    case mx::bfloat16:
-      dispatch_segment<mx::bfloat16_t>(
-          stream(), p, algorithm_, inputs, outputs);
-      break;
-    default:
-      throw std::runtime_error(
-          "GatedDeltaSegment: unsupported activation dtype");
-  }
+  with_activation_type(
+      inputs[kMixedQkvzba].dtype(), "GatedDeltaSegment", [&]<typename T>(T) {
+        dispatch_segment<T>(stream(), p, algorithm_, inputs, outputs);
+      });
 }
 
 void GatedDeltaSegment::eval_gpu(

@@ -11,7 +11,7 @@
 #      fails: it expands to [["name"("name")]], as Metal's compiler would see it
 #   6. boundary_states.metal with its row bound widened -> sentinel guard
 #   7. chunk_states.metal with its row bound widened    -> sentinel guard
-#   8. chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
+#   8. recurrent_chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   9. qk_grad_reduce.metal with its row bound widened  -> sentinel guard
 #  10. chunk_output_backward.metal with its first barrier deleted -> ThreadSanitizer
 #  11. kkt_inverse_backward.metal with the barrier before dA deleted -> ThreadSanitizer
@@ -83,7 +83,7 @@ mutate widened-bound-boundary-states boundary_states.metal address \
   "if (row >= p.value_dim) { ==> if (row > p.value_dim) {"
 mutate widened-bound-chunk-states chunk_states.metal address \
   "if (row >= p.value_dim) { ==> if (row > p.value_dim) {"
-mutate deleted-barrier-chunk-backward chunk_backward.metal thread \
+mutate deleted-barrier-recurrent-chunk-backward recurrent_chunk_backward.metal thread \
   "previous token's partial sums.
     $BARRIER ==> previous token's partial sums."
 mutate widened-bound-qk-grad-reduce qk_grad_reduce.metal address \

@@ -17,15 +17,15 @@ SANITIZERS=("$@")
 
 KERNELS=(recurrent qk_norm gate_cumsum k_gram kkt_inverse recompute_w_u chunk_qk chunk_carry
          chunk_output prepare_conv prepare_gates collect_conv_state gated_norm boundary_states
-         chunk_states chunk_backward qk_grad_reduce chunk_output_backward chunk_carry_backward
+         chunk_states recurrent_chunk_backward qk_grad_reduce chunk_output_backward chunk_carry_backward
          recompute_w_u_backward kkt_inverse_backward gate_cumsum_backward)
 EMULATOR="$ROOT/csrc/metal/emulator"
 
 for sanitizer in "${SANITIZERS[@]}"; do
   out="$BUILD_DIR/$sanitizer"
   mkdir -p "$out"
-  sources=("$EMULATOR/runtime.cpp" "$EMULATOR/launch.cpp" "$EMULATOR/executor.cpp"
-           "$ROOT/csrc/metal/plan.cpp" "$ROOT/csrc/core/core_params.cpp"
+  sources=("$EMULATOR/runtime.cpp" "$EMULATOR/dispatch.cpp" "$EMULATOR/executor.cpp"
+           "$ROOT"/csrc/metal/plan/*.cpp "$ROOT/csrc/core/core_params.cpp"
            "$ROOT/csrc/core/dispatch.cpp" "$ROOT/csrc/validation/extents.cpp"
            "$ROOT/tests/metal/sanitizer_driver.cpp")
   for name in "${KERNELS[@]}"; do
@@ -36,13 +36,16 @@ for sanitizer in "${SANITIZERS[@]}"; do
          -I"$EMULATOR/include" -I"$EMULATOR" -I"$KERNEL_DIR" -I"$ROOT/csrc")
   echo "== building the emulator with -fsanitize=$sanitizer"
   # Two compilers at a time (2 cores); each object is rebuilt only when its source is newer.
+  # Objects are named by folder and file (core/dispatch.cpp and emulator/dispatch.cpp both exist).
   printf '%s\n' "${sources[@]}" | xargs -P 2 -I{} sh -c '
-    object="$0/$(basename "{}" .cpp).o"
+    object="$0/$(basename "$(dirname "{}")")_$(basename "{}" .cpp).o"
     if [ ! -f "$object" ] || [ "{}" -nt "$object" ] || [ -n "$1" ]; then
       '"$CXX"' '"${flags[*]}"' -c "{}" -o "$object"
     fi' "$out" "${FORCE_REBUILD:-}"
   objects=()
-  for source in "${sources[@]}"; do objects+=("$out/$(basename "$source" .cpp).o"); done
+  for source in "${sources[@]}"; do
+    objects+=("$out/$(basename "$(dirname "$source")")_$(basename "$source" .cpp).o")
+  done
   "$CXX" "-fsanitize=$sanitizer" "${objects[@]}" -o "$out/sanitizer_driver" -lpthread
   echo "== running the driver under -fsanitize=$sanitizer"
   TSAN_OPTIONS="halt_on_error=1 exitcode=66 ${TSAN_OPTIONS:-}" \

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "executor.h"
-#include "metal/plan.h"
+#include "metal/plan/plan.h"
 
 using namespace mlx_gated_delta;
 using namespace mlx_gated_delta::metal;

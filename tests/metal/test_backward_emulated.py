@@ -1,6 +1,6 @@
 """The Metal backward's recurrent form (vjp of the core op), run by the
 emulator over the plan macOS encodes (`make_backward_plan`: boundary_states, chunk_states and
-chunk_backward per chunk from the last, qk_grad_reduce), against the float64
+recurrent_chunk_backward per chunk from the last, qk_grad_reduce), against the float64
 reference vjp under the core gradient contracts and against the CPU backward.
 docs/metal.md, backward; docs/numerics.md, the backward."""
 
@@ -160,7 +160,9 @@ def test_backward_matches_the_float64_reference_vjp(recipe):
     chunks = -(-recipe["tokens"] // CHUNK)
     stages = [name.rsplit("_", 1)[0].removeprefix("gated_delta_") for name in grads["kernels"]]
     assert stages == (
-        ["boundary_states"] + ["chunk_states", "chunk_backward"] * chunks + ["qk_grad_reduce"]
+        ["boundary_states"]
+        + ["chunk_states", "recurrent_chunk_backward"] * chunks
+        + ["qk_grad_reduce"]
     )
 
 

@@ -135,7 +135,7 @@ def test_every_buffer_a_dispatch_reads_was_written_before(shape):
 
 
 # The backward (make_backward_plan), recurrent form: boundary_states, then per
-# chunk from the last chunk_states and chunk_backward, then qk_grad_reduce.
+# chunk from the last chunk_states and recurrent_chunk_backward, then qk_grad_reduce.
 def backward_stages(algorithm="recurrent", **shape):
     plan = metal_emulated.backward_plan(algorithm=algorithm, **shape)
     return [d["stage"] for d in plan["dispatches"]]
@@ -145,7 +145,7 @@ def test_the_backward_walks_the_chunks_from_the_last():
     shape = dict(batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=16)
     dispatches = metal_emulated.backward_plan(algorithm="recurrent", **shape)["dispatches"]
     assert [d["stage"] for d in dispatches] == (
-        ["boundary_states"] + ["chunk_states", "chunk_backward"] * 3 + ["qk_grad_reduce"]
+        ["boundary_states"] + ["chunk_states", "recurrent_chunk_backward"] * 3 + ["qk_grad_reduce"]
     )
     # Each per-chunk dispatch reads its chunk from a scalar of its own, bound
     # past its buffers and its params block.
@@ -160,7 +160,7 @@ def test_the_backward_walks_the_chunks_from_the_last():
     assert backward_stages(**{**shape, "tokens": 64}) == [
         "boundary_states",
         "chunk_states",
-        "chunk_backward",
+        "recurrent_chunk_backward",
         "qk_grad_reduce",
     ]
     # No tokens: the state's cotangent still becomes dstate.
@@ -179,7 +179,7 @@ def test_the_chunked_backward_runs_its_wy_stages_around_one_walk_over_the_chunks
     assert [d["stage"] for d in dispatches] == (
         ["qk_norm", "gate_cumsum", "kkt_inverse", "recompute_w_u", "chunk_qk", "chunk_carry"]
         + ["boundary_states", "chunk_output_backward"]
-        + ["chunk_states", "chunk_backward", "chunk_carry_backward"] * 3
+        + ["chunk_states", "recurrent_chunk_backward", "chunk_carry_backward"] * 3
         + ["recompute_w_u_backward", "kkt_inverse_backward", "gate_cumsum_backward"]
         + ["qk_grad_reduce"]
     )
@@ -262,7 +262,7 @@ def test_the_qwen3_next_backward_plan_at_8192_tokens():
     assert sizes["query_head_grad"] == sizes["key_head_grad"] == 8192 * 32 * 128 * 4
     grids = {d["stage"]: d["threadgroups"] for d in dispatches}
     assert grids["boundary_states"] == (16, 32, 1)
-    assert grids["chunk_backward"] == (32, 1, 1)
+    assert grids["recurrent_chunk_backward"] == (32, 1, 1)
     assert grids["qk_grad_reduce"] == (8192 * 16 // 8, 1, 1)
     # FLOPs: the forward once more (5 per state entry and token, 127 chunks),
     # the states again (63 tokens of each chunk), and the reverse (20).
@@ -274,7 +274,7 @@ def test_the_qwen3_next_backward_plan_at_8192_tokens():
     )
     assert text.startswith("backward plan: recurrent, bfloat16")
     assert "dispatches: 258" in text
-    assert "chunk_backward x128" in text and "chunk_states x128" in text
+    assert "recurrent_chunk_backward x128" in text and "chunk_states x128" in text
 
 
 def test_the_qwen3_next_chunked_backward_plan_at_8192_tokens():

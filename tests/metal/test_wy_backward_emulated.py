@@ -1,7 +1,7 @@
 """The Metal chunked (WY) backward, run by the emulator over the plan macOS
 encodes (`make_backward_plan` with the chunked form: the forward's chunked
 stages through chunk_carry, boundary_states, chunk_output_backward, per chunk
-from the last chunk_states and chunk_backward (chunks with a wipe) and
+from the last chunk_states and recurrent_chunk_backward (chunks with a wipe) and
 chunk_carry_backward (the others), then recompute_w_u_backward,
 kkt_inverse_backward, gate_cumsum_backward and qk_grad_reduce), against the
 float64 reference vjp under the core gradient contracts and against the CPU's
@@ -168,7 +168,7 @@ def test_chunked_backward_matches_the_float64_reference_vjp(recipe):
     assert stages == (
         forward
         + ["boundary_states", "chunk_output_backward"]
-        + ["chunk_states", "chunk_backward", "chunk_carry_backward"] * chunks
+        + ["chunk_states", "recurrent_chunk_backward", "chunk_carry_backward"] * chunks
         + ["recompute_w_u_backward", "kkt_inverse_backward", "gate_cumsum_backward"]
         + ["qk_grad_reduce"]
     )

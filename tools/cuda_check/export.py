@@ -43,7 +43,7 @@ KERNELS = [
     "gated_norm",
     "boundary_states",
     "chunk_states",
-    "chunk_backward",
+    "recurrent_chunk_backward",
     "qk_grad_reduce",
     "chunk_output_backward",
     "chunk_carry_backward",
@@ -54,8 +54,8 @@ KERNELS = [
 BROKEN_BARRIER = (
     "staged before any output reads it.\n  threadgroup_barrier(mem_flags::mem_threadgroup);"
 )
-# chunk_backward's first barrier, deleted in the same broken copy (the
-# backward cases reach chunk_backward and not chunk_output).
+# recurrent_chunk_backward's first barrier, deleted in the same broken copy (the
+# backward cases reach recurrent_chunk_backward and not chunk_output).
 BROKEN_BACKWARD_BARRIER = (
     "previous token's partial sums.\n    threadgroup_barrier(mem_flags::mem_threadgroup);"
 )
@@ -240,7 +240,7 @@ def main(out_dir):
     shutil.copytree(kernel_dir, broken_dir, dirs_exist_ok=True)
     for file, barrier in (
         ("chunk_output.metal", BROKEN_BARRIER),
-        ("chunk_backward.metal", BROKEN_BACKWARD_BARRIER),
+        ("recurrent_chunk_backward.metal", BROKEN_BACKWARD_BARRIER),
     ):
         path = os.path.join(broken_dir, file)
         text = open(path).read()

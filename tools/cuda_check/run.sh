@@ -21,7 +21,7 @@ echo "=== compute-sanitizer --tool racecheck (chunk_output with its barrier dele
 compute-sanitizer --tool racecheck python3 "$HERE/run_cuda.py" "$HERE" --source kernels_broken \
   --cases chunked_bf16_norm > "$OUT/racecheck_broken.log" 2>&1
 echo "exit $?"; grep -m 3 -E "Race reported|hazard" "$OUT/racecheck_broken.log"; tail -n 3 "$OUT/racecheck_broken.log"
-echo "=== compute-sanitizer --tool racecheck (chunk_backward with its first barrier deleted)"
+echo "=== compute-sanitizer --tool racecheck (recurrent_chunk_backward with its first barrier deleted)"
 compute-sanitizer --tool racecheck python3 "$HERE/run_cuda.py" "$HERE" --source kernels_broken \
   --cases backward_f16_per_key > "$OUT/racecheck_broken_backward.log" 2>&1
 echo "exit $?"; grep -m 3 -E "Race reported|hazard" "$OUT/racecheck_broken_backward.log"; tail -n 3 "$OUT/racecheck_broken_backward.log"

@@ -5,8 +5,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "dispatch.h"
 #include "guarded_buffer.h"
-#include "launch.h"
 
 namespace mlx_gated_delta::metal::emulator {
 
@@ -59,29 +59,29 @@ BufferOutputs run_plan(
   SegmentKernelParams segment_params = plan.segment_params;
   for (size_t n = 0; n < dispatch_count; ++n) {
     const Dispatch& dispatch = plan.dispatches[n];
-    metal_emulator::Launch launch;
-    launch.kernel = dispatch.kernel;
+    metal_emulator::Dispatch emulated;
+    emulated.kernel = dispatch.kernel;
     for (const auto& [index, id, written] : dispatch.buffers) {
-      launch.buffers[index] = buffers.at(id).data();
+      emulated.buffers[index] = buffers.at(id).data();
     }
     // A per-chunk stage's chunk, bound like Metal's setBytes: a copy.
     uint32_t chunk = dispatch.chunk ? dispatch.chunk->chunk : 0;
     if (dispatch.chunk)
-      launch.buffers[dispatch.chunk->index] = &chunk;
-    launch.buffers[dispatch.params_index] =
+      emulated.buffers[dispatch.chunk->index] = &chunk;
+    emulated.buffers[dispatch.params_index] =
         dispatch.params_block == KernelParamsBlock::Core
         ? static_cast<void*>(&core_params)
         : static_cast<void*>(&segment_params);
-    launch.threadgroups = {
+    emulated.threadgroups = {
         dispatch.threadgroups.x,
         dispatch.threadgroups.y,
         dispatch.threadgroups.z};
-    launch.threads_per_threadgroup = {
+    emulated.threads_per_threadgroup = {
         dispatch.threads_per_threadgroup.x,
         dispatch.threads_per_threadgroup.y,
         dispatch.threads_per_threadgroup.z};
-    launch.threadgroup_memory_bytes = dispatch.threadgroup_memory_bytes;
-    metal_emulator::run_launch(launch, barrier_timeout);
+    emulated.threadgroup_memory_bytes = dispatch.threadgroup_memory_bytes;
+    metal_emulator::run_dispatch(emulated, barrier_timeout);
     for (const auto& [id, buffer] : buffers) {
       buffer.check_guards(dispatch.stage + " (" + dispatch.kernel + ")");
     }

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "metal/plan.h"
+#include "metal/plan/plan.h"
 
 namespace mlx_gated_delta::metal::emulator {
 
@@ -24,7 +24,7 @@ using BufferOutputs = std::map<PlanBuffer, std::vector<std::byte>>;
 // buffer are checked, and after the last one the inputs are compared with
 // what was passed in. Outputs and scratch start as NaN, so an element no
 // kernel writes shows. Throws std::runtime_error naming the dispatch and the
-// buffer on any violation, and whatever run_launch throws (limits,
+// buffer on any violation, and whatever run_dispatch throws (limits,
 // divergence, deadlock).
 //
 // With `through_stage`, only the dispatches up to and including the first of

@@ -1,112 +1,52 @@
 // _mlx_gated_delta_metal_emulator, imported as mlx_gated_delta._metal_emulator:
-// the Metal plans and kernels run on the CPU, for tests
-// (mlx_gated_delta/testing/metal_emulated.py wraps it). Not part of the op's
-// fast path; raw bytes in and out keep it free of MLX types.
+// the Metal plans and kernels run on the CPU, for tests. It binds the params
+// and the plan as classes, and a handful of functions over them: build a
+// plan, run a plan, run one kernel. mlx_gated_delta/_metal_emulator.py
+// composes them into the calls the tests make. Not part of the op's fast
+// path; raw bytes in and out keep it free of MLX types.
 #include <nanobind/nanobind.h>
-#include <nanobind/stl/optional.h>
+#include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <cstring>
-#include <optional>
 #include <span>
 #include <stdexcept>
+#include <string>
 
+#include "dispatch.h"
 #include "executor.h"
 #include "guarded_buffer.h"
-#include "launch.h"
-#include "metal/plan.h"
+#include "metal/plan/plan.h"
 
 namespace nb = nanobind;
+using namespace nb::literals;
 using namespace mlx_gated_delta;
 using namespace mlx_gated_delta::metal;
 
 namespace {
 
-metal::ActivationDtype parse_dtype(const std::string& name) {
-  if (name == "float32")
-    return ActivationDtype::Float32;
-  if (name == "float16")
-    return ActivationDtype::Float16;
-  if (name == "bfloat16")
-    return ActivationDtype::BFloat16;
+ActivationDtype parse_dtype(const std::string& name) {
+  for (ActivationDtype dtype :
+       {ActivationDtype::Float32,
+        ActivationDtype::Float16,
+        ActivationDtype::BFloat16}) {
+    if (name == to_string(dtype))
+      return dtype;
+  }
   throw std::invalid_argument(
       "dtype must be float32, float16 or bfloat16, got " + name);
 }
 
-GatedDeltaParams make_params(
-    int batch,
-    int tokens,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim,
-    float scale,
-    const std::string& head_mapping,
-    bool normalize_qk,
-    bool has_mask,
-    bool per_key_gates = false) {
-  GatedDeltaParams p =
-      shape_params(batch, tokens, key_heads, value_heads, key_dim, value_dim);
-  p.scale = scale;
-  p.head_mapping = parse_head_mapping(head_mapping);
-  p.normalize_qk = normalize_qk;
-  p.has_mask = has_mask;
-  p.per_key_gates = per_key_gates;
-  return p;
-}
-
-std::span<const std::byte> view(const nb::bytes& data) {
-  return {reinterpret_cast<const std::byte*>(data.c_str()), data.size()};
-}
-
-nb::bytes to_bytes(const std::vector<std::byte>& data) {
-  return nb::bytes(reinterpret_cast<const char*>(data.data()), data.size());
-}
-
-// The number of int32 positions in a checkpoints argument (0 without one).
-int checkpoint_count(const std::optional<nb::bytes>& checkpoints) {
-  return checkpoints ? int(checkpoints->size() / sizeof(int32_t)) : 0;
-}
-
-std::vector<std::string> kernels_of(const Plan& plan) {
-  std::vector<std::string> kernels;
-  for (const Dispatch& d : plan.dispatches)
-    kernels.push_back(d.kernel);
-  return kernels;
-}
-
-SegmentParams make_segment_params(
-    int batch,
-    int tokens,
-    int key_heads,
-    int value_heads,
-    int key_dim,
-    int value_dim,
-    int conv_kernel,
-    const std::string& decay_parameterization,
-    const std::string& head_mapping,
-    float norm_eps,
-    bool has_mask) {
-  SegmentParams p;
-  p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
-  p.conv_kernel = conv_kernel;
-  p.decay_parameterization =
-      parse_decay_parameterization(decay_parameterization);
-  p.head_mapping = parse_head_mapping(head_mapping);
-  p.norm_eps = norm_eps;
-  p.has_mask = has_mask;
-  return p;
-}
-
-// Every buffer run_plan returned, by its plan name.
-nb::dict buffers_as_dict(const emulator::BufferOutputs& outputs) {
-  nb::dict buffers;
-  for (const auto& [buffer, bytes] : outputs)
-    buffers[to_string(buffer)] = to_bytes(bytes);
-  return buffers;
+PlanBuffer parse_buffer(const std::string& name) {
+  for (int n = 0; n < int(PlanBuffer::Count); ++n) {
+    if (name == to_string(PlanBuffer(n)))
+      return PlanBuffer(n);
+  }
+  throw std::invalid_argument(
+      "metal emulator: no plan buffer is named " + name);
 }
 
 const char* to_string(BufferRole role) {
@@ -121,6 +61,48 @@ const char* to_string(BufferRole role) {
   return "?";
 }
 
+// The shape fields every params class binds, read and written by name.
+template <typename Params>
+void bind_shape(nb::class_<Params>& cls) {
+  cls.def_rw("batch", &Params::batch)
+      .def_rw("tokens", &Params::tokens)
+      .def_rw("key_heads", &Params::key_heads)
+      .def_rw("value_heads", &Params::value_heads)
+      .def_rw("key_dim", &Params::key_dim)
+      .def_rw("value_dim", &Params::value_dim);
+}
+
+template <typename Params>
+Params with_shape(
+    int batch,
+    int tokens,
+    int key_heads,
+    int value_heads,
+    int key_dim,
+    int value_dim) {
+  Params p;
+  p.set_shape({batch, tokens, key_heads, value_heads, key_dim, value_dim});
+  return p;
+}
+
+// An enum option of a params class, bound as its name.
+template <typename Params, typename Enum, Enum Params::* member>
+void bind_enum_name(
+    nb::class_<Params>& cls,
+    const char* name,
+    Enum (*parse)(const std::string&)) {
+  cls.def_prop_rw(
+      name,
+      [](const Params& p) { return std::string(to_string(p.*member)); },
+      [parse](Params& p, const std::string& value) {
+        p.*member = parse(value);
+      });
+}
+
+// The plan as the tests read it: every dispatch (stage, kernel, grid,
+// threads, threadgroup memory, bindings, scalar bytes, chunk, cost), the
+// resolved algorithm, the core scalar block's bytes and every buffer's size
+// and role.
 nb::dict plan_as_dict(const Plan& plan) {
   nb::list dispatches;
   for (const Dispatch& d : plan.dispatches) {
@@ -163,496 +145,154 @@ nb::dict plan_as_dict(const Plan& plan) {
   return result;
 }
 
+// run_plan over buffers named as the plan names them; returns every buffer
+// run_plan returned, by name.
+nb::dict run_named(
+    const Plan& plan,
+    const std::map<std::string, nb::bytes>& named,
+    int barrier_timeout_ms,
+    const std::string& through_stage) {
+  emulator::BufferInputs inputs;
+  for (const auto& [name, data] : named) {
+    inputs[parse_buffer(name)] = {
+        reinterpret_cast<const std::byte*>(data.c_str()), data.size()};
+  }
+  emulator::BufferOutputs outputs;
+  {
+    nb::gil_scoped_release release;
+    outputs = emulator::run_plan(
+        plan,
+        inputs,
+        std::chrono::milliseconds(barrier_timeout_ms),
+        through_stage);
+  }
+  nb::dict buffers;
+  for (const auto& [buffer, bytes] : outputs) {
+    buffers[to_string(buffer)] =
+        nb::bytes(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  }
+  return buffers;
+}
+
 }  // namespace
 
 NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
   m.doc() =
       "The Metal kernels and dispatch plans of mlx_gated_delta, run on the CPU.";
 
-  m.def(
-      "run_core",
-      [](nb::bytes q,
-         nb::bytes k,
-         nb::bytes v,
-         nb::bytes g,
-         nb::bytes beta,
-         nb::bytes state,
-         std::optional<nb::bytes> mask,
-         int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         float scale,
-         const std::string& head_mapping,
-         bool normalize_qk,
-         const std::string& algorithm,
-         const std::string& dtype,
-         int barrier_timeout_ms,
-         const std::string& through_stage,
-         std::optional<nb::bytes> checkpoints,
-         std::optional<nb::bytes> parents,
-         bool per_key_gates) {
-        GatedDeltaParams params = make_params(
-            batch,
-            tokens,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
-            scale,
-            head_mapping,
-            normalize_qk,
-            mask.has_value(),
-            per_key_gates);
-        params.checkpoint_count = checkpoint_count(checkpoints);
-        params.has_tree = parents.has_value();
-        Plan plan =
-            make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype));
-        emulator::BufferInputs inputs{
-            {PlanBuffer::Query, view(q)},
-            {PlanBuffer::Key, view(k)},
-            {PlanBuffer::Value, view(v)},
-            {PlanBuffer::Gate, view(g)},
-            {PlanBuffer::Beta, view(beta)},
-            {PlanBuffer::StateIn, view(state)}};
-        if (mask)
-          inputs[PlanBuffer::Mask] = view(*mask);
-        if (params.checkpoint_count > 0)
-          inputs[PlanBuffer::Checkpoints] = view(*checkpoints);
-        if (parents)
-          inputs[PlanBuffer::Parents] = view(*parents);
-        emulator::BufferOutputs outputs;
-        {
-          nb::gil_scoped_release release;
-          outputs = emulator::run_plan(
-              plan,
-              inputs,
-              std::chrono::milliseconds(barrier_timeout_ms),
-              through_stage);
-        }
-        return std::make_tuple(
-            to_bytes(outputs.at(PlanBuffer::Output)),
-            to_bytes(outputs.at(PlanBuffer::StateOut)),
-            std::string(to_string(plan.algorithm)),
-            kernels_of(plan),
-            buffers_as_dict(outputs));
-      },
-      nb::arg("q"),
-      nb::arg("k"),
-      nb::arg("v"),
-      nb::arg("g"),
-      nb::arg("beta"),
-      nb::arg("state"),
-      nb::arg("mask").none(),
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("scale"),
-      nb::arg("head_mapping"),
-      nb::arg("normalize_qk"),
-      nb::arg("algorithm"),
-      nb::arg("dtype"),
-      nb::arg("barrier_timeout_ms"),
-      nb::arg("through_stage") = "",
-      nb::arg("checkpoints").none() = nb::none(),
-      nb::arg("parents").none() = nb::none(),
-      nb::arg("per_key_gates") = false,
-      "Runs the Metal plan of one core call (g [B, T, Hv, Dk] with per_key_gates); returns (y bytes, state bytes, algorithm, kernels, "
-      "{buffer name: bytes}); with through_stage, only the dispatches through that stage run "
-      "and the dict holds the scratch buffers too. checkpoints: int32 bytes; the dict then "
-      "holds checkpoint_states. parents: int32 bytes (tree verification).");
+  nb::class_<GatedDeltaParams> core(
+      m, "CoreParams", "The params of one core call (core/core_params.h).");
+  core.def(
+      nb::new_(&with_shape<GatedDeltaParams>),
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a);
+  bind_shape(core);
+  core.def_rw("scale", &GatedDeltaParams::scale)
+      .def_rw("normalize_qk", &GatedDeltaParams::normalize_qk)
+      .def_rw("has_mask", &GatedDeltaParams::has_mask)
+      .def_rw("checkpoint_count", &GatedDeltaParams::checkpoint_count)
+      .def_rw("has_tree", &GatedDeltaParams::has_tree)
+      .def_rw("per_key_gates", &GatedDeltaParams::per_key_gates);
+  bind_enum_name<
+      GatedDeltaParams,
+      HeadMapping,
+      &GatedDeltaParams::head_mapping>(
+      core, "head_mapping", &parse_head_mapping);
+
+  nb::class_<SegmentParams> segment(
+      m,
+      "SegmentParams",
+      "The params of one fused segment call (segment/segment_params.h).");
+  segment.def(
+      nb::new_(&with_shape<SegmentParams>),
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a);
+  bind_shape(segment);
+  segment.def_rw("conv_kernel", &SegmentParams::conv_kernel)
+      .def_rw("norm_eps", &SegmentParams::norm_eps)
+      .def_rw("has_mask", &SegmentParams::has_mask)
+      .def_rw("checkpoint_count", &SegmentParams::checkpoint_count);
+  bind_enum_name<SegmentParams, HeadMapping, &SegmentParams::head_mapping>(
+      segment, "head_mapping", &parse_head_mapping);
+  bind_enum_name<
+      SegmentParams,
+      DecayParameterization,
+      &SegmentParams::decay_parameterization>(
+      segment, "decay_parameterization", &parse_decay_parameterization);
+
+  nb::class_<Plan>(m, "Plan", "A Metal dispatch plan (metal/plan/plan.h).")
+      .def_prop_ro(
+          "algorithm",
+          [](const Plan& plan) {
+            return std::string(to_string(plan.algorithm));
+          })
+      .def_prop_ro(
+          "kernels",
+          [](const Plan& plan) {
+            std::vector<std::string> kernels;
+            for (const Dispatch& d : plan.dispatches)
+              kernels.push_back(d.kernel);
+            return kernels;
+          })
+      .def("as_dict", &plan_as_dict, "The plan's data as plain Python values.")
+      .def(
+          "describe",
+          [](const Plan& plan) {
+            return describe_plan(plan, assumed_m_series_roofline());
+          },
+          "A readable table of the plan against an assumed M-series roofline.")
+      .def(
+          "run",
+          &run_named,
+          "inputs"_a,
+          "barrier_timeout_ms"_a,
+          "through_stage"_a = "",
+          "Runs the plan on the emulator over `inputs` ({buffer name: bytes}, "
+          "exactly the plan's inputs); returns {buffer name: bytes} of its "
+          "outputs, with through_stage only the dispatches through the first "
+          "of that stage and the scratch buffers too.");
 
   m.def(
-      "run_backward",
-      [](nb::bytes q,
-         nb::bytes k,
-         nb::bytes v,
-         nb::bytes g,
-         nb::bytes beta,
-         nb::bytes state,
-         std::optional<nb::bytes> mask,
-         nb::bytes y_cotangent,
-         nb::bytes state_cotangent,
-         int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         float scale,
-         const std::string& head_mapping,
-         bool normalize_qk,
-         bool per_key_gates,
+      "make_plan",
+      [](const GatedDeltaParams& params,
+         const std::string& algorithm,
+         const std::string& dtype) {
+        return make_plan(
+            params, parse_algorithm(algorithm), parse_dtype(dtype));
+      },
+      "params"_a,
+      "algorithm"_a = "auto",
+      "dtype"_a = "float32");
+  m.def(
+      "make_segment_plan",
+      [](const SegmentParams& params,
+         const std::string& algorithm,
+         const std::string& dtype) {
+        return make_segment_plan(
+            params, parse_algorithm(algorithm), parse_dtype(dtype));
+      },
+      "params"_a,
+      "algorithm"_a = "auto",
+      "dtype"_a = "float32");
+  m.def(
+      "make_backward_plan",
+      [](const GatedDeltaParams& params,
          const std::string& dtype,
-         int barrier_timeout_ms,
-         const std::string& through_stage,
          const std::string& algorithm) {
-        GatedDeltaParams params = make_params(
-            batch,
-            tokens,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
-            scale,
-            head_mapping,
-            normalize_qk,
-            mask.has_value(),
-            per_key_gates);
-        Plan plan = make_backward_plan(
+        return make_backward_plan(
             params, parse_dtype(dtype), parse_algorithm(algorithm));
-        emulator::BufferInputs inputs{
-            {PlanBuffer::Query, view(q)},
-            {PlanBuffer::Key, view(k)},
-            {PlanBuffer::Value, view(v)},
-            {PlanBuffer::Gate, view(g)},
-            {PlanBuffer::Beta, view(beta)},
-            {PlanBuffer::StateIn, view(state)},
-            {PlanBuffer::YCotangent, view(y_cotangent)},
-            {PlanBuffer::StateCotangent, view(state_cotangent)}};
-        if (mask)
-          inputs[PlanBuffer::Mask] = view(*mask);
-        emulator::BufferOutputs outputs;
-        {
-          nb::gil_scoped_release release;
-          outputs = emulator::run_plan(
-              plan,
-              inputs,
-              std::chrono::milliseconds(barrier_timeout_ms),
-              through_stage);
-        }
-        return std::make_tuple(kernels_of(plan), buffers_as_dict(outputs));
       },
-      nb::arg("q"),
-      nb::arg("k"),
-      nb::arg("v"),
-      nb::arg("g"),
-      nb::arg("beta"),
-      nb::arg("state"),
-      nb::arg("mask").none(),
-      nb::arg("y_cotangent"),
-      nb::arg("state_cotangent"),
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("scale"),
-      nb::arg("head_mapping"),
-      nb::arg("normalize_qk"),
-      nb::arg("per_key_gates"),
-      nb::arg("dtype"),
-      nb::arg("barrier_timeout_ms"),
-      nb::arg("through_stage") = "",
-      nb::arg("algorithm") = "auto",
-      "Runs the backward plan of one core call; returns (kernels, {buffer name: bytes}) with "
-      "every gradient (dq, dk, dv, dg, d_decay, dbeta, dstate); with through_stage, only the "
-      "dispatches through the first of that stage run and the dict holds the scratch too. "
-      "algorithm: the backward's form (auto, recurrent or chunked).");
-
-  m.def(
-      "backward_plan",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         const std::string& dtype,
-         const std::string& head_mapping,
-         bool normalize_qk,
-         bool has_mask,
-         bool per_key_gates,
-         float scale,
-         bool describe,
-         const std::string& algorithm) -> nb::object {
-        Plan plan = make_backward_plan(
-            make_params(
-                batch,
-                tokens,
-                key_heads,
-                value_heads,
-                key_dim,
-                value_dim,
-                scale,
-                head_mapping,
-                normalize_qk,
-                has_mask,
-                per_key_gates),
-            parse_dtype(dtype),
-            parse_algorithm(algorithm));
-        if (describe)
-          return nb::str(
-              describe_plan(plan, assumed_m_series_roofline()).c_str());
-        return plan_as_dict(plan);
-      },
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("dtype") = "float32",
-      nb::arg("head_mapping") = "grouped",
-      nb::arg("normalize_qk") = false,
-      nb::arg("has_mask") = false,
-      nb::arg("per_key_gates") = false,
-      nb::arg("scale") = 1.0f,
-      nb::arg("describe") = false,
-      nb::arg("algorithm") = "auto",
-      "The backward plan as a dict like plan()'s (each dispatch with its chunk, or None), or "
-      "with describe=True as a table.");
-
-  m.def(
-      "plan",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         const std::string& dtype,
-         const std::string& algorithm,
-         const std::string& head_mapping,
-         bool normalize_qk,
-         bool has_mask,
-         float scale,
-         int checkpoints,
-         bool tree,
-         bool per_key_gates) {
-        GatedDeltaParams params = make_params(
-            batch,
-            tokens,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
-            scale,
-            head_mapping,
-            normalize_qk,
-            has_mask,
-            per_key_gates);
-        params.checkpoint_count = checkpoints;
-        params.has_tree = tree;
-        return plan_as_dict(
-            make_plan(params, parse_algorithm(algorithm), parse_dtype(dtype)));
-      },
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("dtype") = "float32",
-      nb::arg("algorithm") = "auto",
-      nb::arg("head_mapping") = "grouped",
-      nb::arg("normalize_qk") = false,
-      nb::arg("has_mask") = false,
-      nb::arg("scale") = 1.0f,
-      nb::arg("checkpoints") = 0,
-      nb::arg("tree") = false,
-      nb::arg("per_key_gates") = false,
-      "The plan (with `checkpoints` positions, with parents for `tree`, g [B, T, Hv, Dk] with `per_key_gates`): resolved algorithm, the kernel params' bytes, every buffer's size and the "
-      "dispatches (stage, kernel, grid, threads, threadgroup memory, bindings, cost).");
-
-  m.def(
-      "describe_plan",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         const std::string& dtype,
-         const std::string& algorithm,
-         const std::string& head_mapping,
-         bool normalize_qk,
-         bool has_mask,
-         bool per_key_gates) {
-        Plan plan = make_plan(
-            make_params(
-                batch,
-                tokens,
-                key_heads,
-                value_heads,
-                key_dim,
-                value_dim,
-                1.0f,
-                head_mapping,
-                normalize_qk,
-                has_mask,
-                per_key_gates),
-            parse_algorithm(algorithm),
-            parse_dtype(dtype));
-        return describe_plan(plan, assumed_m_series_roofline());
-      },
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("dtype") = "float32",
-      nb::arg("algorithm") = "auto",
-      nb::arg("head_mapping") = "grouped",
-      nb::arg("normalize_qk") = false,
-      nb::arg("has_mask") = false,
-      nb::arg("per_key_gates") = false,
-      "A readable table of the plan against an assumed M-series roofline.");
-
-  m.def(
-      "run_segment",
-      [](nb::bytes mixed,
-         nb::bytes conv_weight,
-         nb::bytes decay_parameter,
-         nb::bytes dt_bias,
-         nb::bytes norm_weight,
-         nb::bytes conv_state,
-         nb::bytes state,
-         std::optional<nb::bytes> mask,
-         int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         int conv_kernel,
-         const std::string& decay_parameterization,
-         const std::string& head_mapping,
-         float norm_eps,
-         const std::string& algorithm,
-         const std::string& dtype,
-         int barrier_timeout_ms,
-         const std::string& through_stage,
-         std::optional<nb::bytes> checkpoints) {
-        SegmentParams params = make_segment_params(
-            batch,
-            tokens,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
-            conv_kernel,
-            decay_parameterization,
-            head_mapping,
-            norm_eps,
-            mask.has_value());
-        params.checkpoint_count = checkpoint_count(checkpoints);
-        Plan plan = make_segment_plan(
-            params, parse_algorithm(algorithm), parse_dtype(dtype));
-        emulator::BufferInputs inputs{
-            {PlanBuffer::Mixed, view(mixed)},
-            {PlanBuffer::ConvWeight, view(conv_weight)},
-            {PlanBuffer::DecayParameter, view(decay_parameter)},
-            {PlanBuffer::DtBias, view(dt_bias)},
-            {PlanBuffer::NormWeight, view(norm_weight)},
-            {PlanBuffer::ConvStateIn, view(conv_state)},
-            {PlanBuffer::StateIn, view(state)}};
-        if (mask)
-          inputs[PlanBuffer::Mask] = view(*mask);
-        if (params.checkpoint_count > 0)
-          inputs[PlanBuffer::Checkpoints] = view(*checkpoints);
-        emulator::BufferOutputs outputs;
-        {
-          nb::gil_scoped_release release;
-          outputs = emulator::run_plan(
-              plan,
-              inputs,
-              std::chrono::milliseconds(barrier_timeout_ms),
-              through_stage);
-        }
-        return std::make_tuple(
-            to_bytes(outputs.at(PlanBuffer::SegmentOutput)),
-            to_bytes(outputs.at(PlanBuffer::ConvStateOut)),
-            to_bytes(outputs.at(PlanBuffer::StateOut)),
-            std::string(to_string(plan.algorithm)),
-            kernels_of(plan),
-            buffers_as_dict(outputs));
-      },
-      nb::arg("mixed"),
-      nb::arg("conv_weight"),
-      nb::arg("decay_parameter"),
-      nb::arg("dt_bias"),
-      nb::arg("norm_weight"),
-      nb::arg("conv_state"),
-      nb::arg("state"),
-      nb::arg("mask").none(),
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("conv_kernel"),
-      nb::arg("decay_parameterization"),
-      nb::arg("head_mapping"),
-      nb::arg("norm_eps"),
-      nb::arg("algorithm"),
-      nb::arg("dtype"),
-      nb::arg("barrier_timeout_ms"),
-      nb::arg("through_stage") = "",
-      nb::arg("checkpoints").none() = nb::none(),
-      "Runs the Metal plan of one fused segment call; returns (out bytes, conv_state bytes, "
-      "state bytes, algorithm, kernels, {buffer name: bytes}); with through_stage, only the "
-      "dispatches through that stage run and the dict holds the scratch buffers too.");
-
-  m.def(
-      "segment_plan",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim,
-         int conv_kernel,
-         const std::string& dtype,
-         const std::string& algorithm,
-         const std::string& decay_parameterization,
-         const std::string& head_mapping,
-         bool has_mask,
-         bool describe,
-         int checkpoints) -> nb::object {
-        SegmentParams params = make_segment_params(
-            batch,
-            tokens,
-            key_heads,
-            value_heads,
-            key_dim,
-            value_dim,
-            conv_kernel,
-            decay_parameterization,
-            head_mapping,
-            1e-6f,
-            has_mask);
-        params.checkpoint_count = checkpoints;
-        Plan plan = make_segment_plan(
-            params, parse_algorithm(algorithm), parse_dtype(dtype));
-        if (describe)
-          return nb::str(
-              describe_plan(plan, assumed_m_series_roofline()).c_str());
-        return plan_as_dict(plan);
-      },
-      nb::arg("batch"),
-      nb::arg("tokens"),
-      nb::arg("key_heads"),
-      nb::arg("value_heads"),
-      nb::arg("key_dim"),
-      nb::arg("value_dim"),
-      nb::arg("conv_kernel"),
-      nb::arg("dtype") = "float32",
-      nb::arg("algorithm") = "auto",
-      nb::arg("decay_parameterization") = "log_rate",
-      nb::arg("head_mapping") = "grouped",
-      nb::arg("has_mask") = false,
-      nb::arg("describe") = false,
-      nb::arg("checkpoints") = 0,
-      "The fused segment's plan as a dict like plan()'s, or with describe=True as a table.");
+      "params"_a,
+      "dtype"_a = "float32",
+      "algorithm"_a = "auto");
 
   m.def(
       "run_kernel",
@@ -664,30 +304,25 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
          int barrier_timeout_ms) {
         metal_emulator::GuardedBuffer buffer("data", data.size());
         std::memcpy(buffer.data(), data.c_str(), data.size());
-        metal_emulator::Launch launch;
-        launch.kernel = kernel;
-        launch.buffers[0] = buffer.data();
-        launch.threadgroups = {
+        metal_emulator::Dispatch dispatch;
+        dispatch.kernel = kernel;
+        dispatch.buffers[0] = buffer.data();
+        dispatch.threadgroups = {
             std::get<0>(threadgroups),
             std::get<1>(threadgroups),
             std::get<2>(threadgroups)};
-        launch.threads_per_threadgroup = {
+        dispatch.threads_per_threadgroup = {
             std::get<0>(threads), std::get<1>(threads), std::get<2>(threads)};
-        launch.threadgroup_memory_bytes = threadgroup_memory_bytes;
+        dispatch.threadgroup_memory_bytes = threadgroup_memory_bytes;
         {
           nb::gil_scoped_release release;
-          metal_emulator::run_launch(
-              launch, std::chrono::milliseconds(barrier_timeout_ms));
+          metal_emulator::run_dispatch(
+              dispatch, std::chrono::milliseconds(barrier_timeout_ms));
         }
         buffer.check_guards(kernel);
         return nb::bytes(
             reinterpret_cast<const char*>(buffer.data()), buffer.size());
       },
-      nb::arg("kernel"),
-      nb::arg("threadgroups"),
-      nb::arg("threads"),
-      nb::arg("threadgroup_memory_bytes"),
-      nb::arg("data"),
-      nb::arg("barrier_timeout_ms"),
-      "Runs one kernel with a guarded copy of `data` bound at buffer(0); returns it afterwards.");
+      "Runs one kernel with a guarded copy of `data` bound at buffer(0); "
+      "returns it afterwards.");
 }

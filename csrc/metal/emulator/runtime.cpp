@@ -3,7 +3,7 @@
 #include <map>
 #include <sstream>
 
-#include "launch.h"
+#include "dispatch.h"
 
 namespace metal_emulator {
 

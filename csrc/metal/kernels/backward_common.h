@@ -1,5 +1,5 @@
 // Shared by the backward's stages (boundary_states, chunk_states,
-// chunk_backward, qk_grad_reduce): the stacks of saved states, one token's
+// recurrent_chunk_backward, qk_grad_reduce): the stacks of saved states, one token's
 // vectors spread over a SIMD-group's lanes, and one token of the forward for
 // one state row. Conservative MSL, like gated_delta_common.h.
 //
@@ -109,7 +109,7 @@ inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& 
 // The chunked (WY) backward's test, per chunk: whether every active token of
 // the chunk decays by a normal float. The WY stages run the chunks where it
 // holds (their linear-decay gradient is dg / exp(g)); chunk_states and
-// chunk_backward, the recurrent reverse, run the others (a wipe, gamma == 0,
+// recurrent_chunk_backward, the recurrent reverse, run the others (a wipe, gamma == 0,
 // or a subnormal decay), as the CPU decides (docs/numerics.md, "The chunked
 // backward"). Every kernel of the plan calls it on the same g and mask, so
 // each chunk goes to exactly one of the two forms. Uniform per threadgroup.

@@ -2,7 +2,7 @@
 // only the state entering each chunk of kChunkSize tokens (num_chunks states
 // per (batch, value head), the O(T / 64) memory of the backward), and the
 // seed of the carried state cotangent: dstate starts as the cotangent of the
-// final state, and chunk_backward takes it back through every token.
+// final state, and recurrent_chunk_backward takes it back through every token.
 //
 // Rows of the state evolve independently, so each SIMD-group owns one row
 // and walks the tokens with it in registers. The state leaving the last chunk

@@ -2,9 +2,9 @@
 // dispatch says which): the kChunkSize states inside that chunk, recomputed
 // from its boundary state: states[i] is the state before token
 // chunk * kChunkSize + i (states[0] the boundary state itself), for
-// chunk_backward to read. The state after the chunk's last token is never
-// needed: chunk_backward forms each state after a token from the one before
-// it (see chunk_backward.metal).
+// recurrent_chunk_backward to read. The state after the chunk's last token is never
+// needed: recurrent_chunk_backward forms each state after a token from the one before
+// it (see recurrent_chunk_backward.metal).
 //
 // One SIMD-group per state row, as in boundary_states.
 

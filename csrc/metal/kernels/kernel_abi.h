@@ -26,7 +26,7 @@ struct GatedDeltaKernelParams {
   unsigned int num_checkpoints;  // N: the states after checkpoints[n] tokens are kept
   unsigned int has_tree;  // 1: token t steps from token parents[t]'s state (recurrent only)
   unsigned int per_key_gates;  // 1: g is [B, T, Hv, Dk], a decay per key channel
-  // The chunked backward's plan: chunk_states and chunk_backward (the
+  // The chunked backward's plan: chunk_states and recurrent_chunk_backward (the
   // recurrent reverse) run only the chunks the WY stages leave to them
   // (chunk_decays_normal in backward_common.h is false).
   unsigned int recurrent_wipe_chunks_only;
@@ -66,7 +66,7 @@ GATED_DELTA_ABI_CONSTANT unsigned int kMaxGenericKeyDim = 1024;
 // The backward (docs/metal.md, backward). boundary_states and chunk_states:
 // one SIMD-group per state row, kBackwardRows rows per threadgroup, each lane
 // holding the key columns lane, lane + 32, ... of its row in registers.
-// chunk_backward: one threadgroup of kBackwardThreads per (batch, value head)
+// recurrent_chunk_backward: one threadgroup of kBackwardThreads per (batch, value head)
 // over every state row (SIMD-group s takes rows s, s + 8, ...), so that the
 // sums over rows (dq, dk, the gate gradients) stay inside it; its per-SIMD-
 // group partial sums are kMaxBackwardKeyDim wide in threadgroup memory.

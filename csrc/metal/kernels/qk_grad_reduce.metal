@@ -1,6 +1,6 @@
 // qk_grad_reduce, the backward's last stage: per (batch, token, key head), the
 // gradient c of the (normalised) q or k row, summed over the value heads that
-// read that key head (float32, from chunk_backward), then, with normalize_qk,
+// read that key head (float32, from recurrent_chunk_backward), then, with normalize_qk,
 // taken back through x / n, n = sqrt(x . x + eps), and written in the
 // activation dtype.
 //

@@ -1,4 +1,4 @@
-// chunk_backward, once per chunk from the last to the first (the plan's
+// recurrent_chunk_backward, once per chunk from the last to the first (the plan's
 // dispatch says which), right after chunk_states of that chunk: the reverse
 // of the chunk's tokens, last first, carrying dS (dstate) backward. Per
 // active token, with a = exp(g), S_prev the state before the token
@@ -25,7 +25,7 @@
 #include "backward_common.h"
 
 template <typename T>
-[[kernel]] void gated_delta_chunk_backward(
+[[kernel]] void gated_delta_recurrent_chunk_backward(
     const device T* q [[buffer(0)]],
     const device T* k [[buffer(1)]],
     const device T* v [[buffer(2)]],
@@ -167,7 +167,7 @@ template <typename T>
     // Every SIMD-group's partial sums are written before any thread adds them.
     threadgroup_barrier(mem_flags::mem_threadgroup);
     // Thread tid reduces key column tid (kBackwardThreads == kMaxBackwardKeyDim,
-    // checked in plan.cpp): the column its own lane holds at m = simd_index,
+    // checked in plan/backward.cpp): the column its own lane holds at m = simd_index,
     // as tid = 32 simd_index + lane.
     if (tid < p.key_dim) {
       float dq_sum = 0.0f;
@@ -202,6 +202,6 @@ template <typename T>
   }
 }
 
-instantiate_kernel("gated_delta_chunk_backward_float32", gated_delta_chunk_backward, float)
-instantiate_kernel("gated_delta_chunk_backward_float16", gated_delta_chunk_backward, half)
-instantiate_kernel("gated_delta_chunk_backward_bfloat16", gated_delta_chunk_backward, bfloat)
+instantiate_kernel("gated_delta_recurrent_chunk_backward_float32", gated_delta_recurrent_chunk_backward, float)
+instantiate_kernel("gated_delta_recurrent_chunk_backward_float16", gated_delta_recurrent_chunk_backward, half)
+instantiate_kernel("gated_delta_recurrent_chunk_backward_bfloat16", gated_delta_recurrent_chunk_backward, bfloat)

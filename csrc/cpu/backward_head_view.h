@@ -1,5 +1,6 @@
-// The pieces of the CPU backward shared by its two forms (backward.cpp, the
-// recurrent form; chunked_backward.cpp, the chunked WY form).
+// The pieces of the CPU backward shared by its two forms
+// (recurrent_backward.cpp, the recurrent form; chunked_backward.cpp, the
+// chunked WY form).
 #pragma once
 
 #include <cstdint>
@@ -8,9 +9,11 @@
 
 namespace mlx_gated_delta::cpu {
 
-// One (batch row, value head) problem: the addresses of its token 0.
+// The backward's view of one (batch row, value head) problem: the addresses
+// of its token 0, the forward's inputs (as HeadView, kernel_common.h, holds
+// them for the forward) with the cotangents and the gradients.
 template <typename T>
-struct ProblemView {
+struct BackwardHeadView {
   const T* q;
   const T* k;
   const T* v;
@@ -35,10 +38,10 @@ struct ProblemView {
 };
 
 // The chunked backward of one problem (chunked_backward.cpp): writes every
-// gradient of its tokens and its dstate, as problem_backward does.
+// gradient of its tokens and its dstate, as recurrent_head_backward does.
 template <typename T>
-void chunked_problem_backward(
-    const GatedDeltaParams& p, const ProblemView<T>& h);
+void chunked_head_backward(
+    const GatedDeltaParams& p, const BackwardHeadView<T>& h);
 
 // The recurrent form's reverse of the tokens [start, start + length) of one
 // problem, from the state entering them (`entry`, [Dv, Dk]); `ds` holds the
@@ -46,9 +49,9 @@ void chunked_problem_backward(
 // chunked backward runs a chunk this way when one of its decays is not a
 // normal float (a wipe), where its gate gradient would divide by the decay.
 template <typename T>
-void recurrent_chunk_backward(
+void recurrent_chunk_backward_from_entry(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int length,
     const float* entry,

@@ -1,4 +1,4 @@
-#include "launch.h"
+#include "dispatch.h"
 
 #include <memory>
 #include <mutex>
@@ -11,29 +11,31 @@ namespace metal_emulator {
 
 namespace {
 
-void check_limits(const Launch& launch) {
-  uint64_t threads = launch.threads_per_threadgroup.count();
+void check_limits(const Dispatch& dispatch) {
+  uint64_t threads = dispatch.threads_per_threadgroup.count();
   if (threads == 0 || threads > kMaxThreadsPerThreadgroup) {
     throw std::invalid_argument(
-        "metal emulator: " + launch.kernel + " asks for " +
+        "metal emulator: " + dispatch.kernel + " asks for " +
         std::to_string(threads) +
-        " threads per threadgroup (Metal allows 1 to 1024)");
+        " threads per threadgroup (Metal allows 1 to " +
+        std::to_string(kMaxThreadsPerThreadgroup) + ")");
   }
-  if (launch.threadgroup_memory_bytes > kMaxThreadgroupMemoryBytes) {
+  if (dispatch.threadgroup_memory_bytes > kMaxThreadgroupMemoryBytes) {
     throw std::invalid_argument(
-        "metal emulator: " + launch.kernel + " declares " +
-        std::to_string(launch.threadgroup_memory_bytes) +
-        " bytes of threadgroup memory (Metal allows 32768)");
+        "metal emulator: " + dispatch.kernel + " declares " +
+        std::to_string(dispatch.threadgroup_memory_bytes) +
+        " bytes of threadgroup memory (Metal allows " +
+        std::to_string(kMaxThreadgroupMemoryBytes) + ")");
   }
 }
 
 // Runs one threadgroup to completion; returns the first error or "".
 std::string run_threadgroup(
-    const Launch& launch,
+    const Dispatch& dispatch,
     KernelEntry entry,
     Extent3 group,
     std::chrono::milliseconds timeout) {
-  const Extent3 size = launch.threads_per_threadgroup;
+  const Extent3 size = dispatch.threads_per_threadgroup;
   const unsigned threads = unsigned(size.count());
   DispatchStatus status;
   Barrier barrier("threadgroup_barrier", threads, status, timeout);
@@ -50,7 +52,7 @@ std::string run_threadgroup(
     context.thread_position_in_threadgroup = local;
     context.threadgroup_position_in_grid = group;
     context.threads_per_threadgroup = size;
-    context.threadgroups_per_grid = launch.threadgroups;
+    context.threadgroups_per_grid = dispatch.threadgroups;
     context.thread_position_in_grid = {
         group.x * size.x + local.x,
         group.y * size.y + local.y,
@@ -58,7 +60,7 @@ std::string run_threadgroup(
     context.thread_index_in_threadgroup = index;
     context.thread_index_in_simdgroup = index % kSimdWidth;
     context.simdgroup_index_in_threadgroup = index / kSimdWidth;
-    context.buffers = launch.buffers.data();
+    context.buffers = dispatch.buffers.data();
     context.threadgroup_barrier = &barrier;
     context.simdgroup = simdgroups[index / kSimdWidth].get();
     context.threads_per_simdgroup = context.simdgroup->width();
@@ -73,7 +75,7 @@ std::string run_threadgroup(
         entry();
       } catch (const AbortDispatch&) {
       } catch (const std::exception& error) {
-        status.fail(launch.kernel + ": " + error.what());
+        status.fail(dispatch.kernel + ": " + error.what());
       }
       context.simdgroup->leave();
       barrier.leave();
@@ -87,35 +89,35 @@ std::string run_threadgroup(
 
 }  // namespace
 
-void run_launch(
-    const Launch& launch, std::chrono::milliseconds barrier_timeout) {
-  check_limits(launch);
-  KernelEntry entry = find_kernel(launch.kernel);
+void run_dispatch(
+    const Dispatch& dispatch, std::chrono::milliseconds barrier_timeout) {
+  check_limits(dispatch);
+  KernelEntry entry = find_kernel(dispatch.kernel);
   // Threadgroup arrays are process-wide statics: one threadgroup at a time in
-  // the whole process, even when several host threads launch.
-  static std::mutex one_launch_at_a_time;
-  std::lock_guard lock(one_launch_at_a_time);
+  // the whole process, even when several host threads dispatch.
+  static std::mutex one_dispatch_at_a_time;
+  std::lock_guard lock(one_dispatch_at_a_time);
   begin_threadgroup_accounting();
-  const Extent3 grid = launch.threadgroups;
+  const Extent3 grid = dispatch.threadgroups;
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
         poison_threadgroup_memory();
         std::string error =
-            run_threadgroup(launch, entry, {x, y, z}, barrier_timeout);
+            run_threadgroup(dispatch, entry, {x, y, z}, barrier_timeout);
         if (!error.empty()) {
           std::ostringstream text;
-          text << "metal emulator: " << launch.kernel << " threadgroup (" << x
+          text << "metal emulator: " << dispatch.kernel << " threadgroup (" << x
                << ", " << y << ", " << z << "): " << error;
           throw std::runtime_error(text.str());
         }
         size_t used = threadgroup_bytes_used();
-        if (used > launch.threadgroup_memory_bytes) {
+        if (used > dispatch.threadgroup_memory_bytes) {
           throw std::runtime_error(
-              "metal emulator: " + launch.kernel + " used " +
+              "metal emulator: " + dispatch.kernel + " used " +
               std::to_string(used) +
               " bytes of threadgroup memory but its plan declares " +
-              std::to_string(launch.threadgroup_memory_bytes));
+              std::to_string(dispatch.threadgroup_memory_bytes));
         }
       }
     }

@@ -1,6 +1,6 @@
 // Entry point of the CPU kernels: independent (batch row, head) problems
 // spread over the thread pool.
-#include "cpu/core.h"
+#include "cpu/forward.h"
 
 #include "core/dispatch.h"
 #include "cpu/kernel_common.h"

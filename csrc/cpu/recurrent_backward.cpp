@@ -25,7 +25,7 @@
 //                     each chunk of 64 tokens (T / 64 states);
 //   chunk_states:     per chunk, last to first: the 64 states inside it,
 //                     recomputed from the chunk's boundary state;
-//   chunk_backward:   the tokens of that chunk in reverse, carrying dS.
+//   recurrent_chunk_backward: the tokens of that chunk in reverse, carrying dS.
 // Then qk_grad_reduce sums the per-value-head gradients of q and k over the
 // value heads that read each key head and takes them through the L2 norm.
 //
@@ -41,7 +41,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "cpu/backward_problem.h"
+#include "cpu/backward_head_view.h"
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"
 
@@ -68,7 +68,7 @@ struct TokenInputs {
 template <typename T>
 void load_token(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int t,
     bool with_readout,
     TokenInputs& x) {
@@ -129,7 +129,7 @@ void forward_step(
 template <typename T>
 void boundary_states(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     TokenInputs& x,
     float* boundaries) {
   const int64_t size = int64_t(p.value_dim) * p.key_dim;
@@ -151,7 +151,7 @@ void boundary_states(
 template <typename T>
 void chunk_states(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int length,
     TokenInputs& x,
@@ -168,14 +168,14 @@ void chunk_states(
   }
 }
 
-// chunk_backward: the reverse of tokens [start, start + length), last first;
-// `ds` holds the cotangent of the state after the chunk on entry and before
-// it on return. The reverse of one token works row by row of the state, in
-// two passes over the row (see the top of this file for the formulas).
+// recurrent_chunk_backward: the reverse of tokens [start, start + length), last
+// first; `ds` holds the cotangent of the state after the chunk on entry and
+// before it on return. The reverse of one token works row by row of the state,
+// in two passes over the row (see the top of this file for the formulas).
 template <typename T>
-void chunk_backward(
+void recurrent_chunk_backward(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int length,
     TokenInputs& x,
@@ -281,7 +281,8 @@ void chunk_backward(
 }
 
 template <typename T>
-void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
+void recurrent_head_backward(
+    const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
   const int64_t size = int64_t(p.value_dim) * p.key_dim;
   TokenInputs x(p.key_dim, p.value_dim, p.per_key_gates);
   std::vector<float> boundaries(p.num_chunks() * size);
@@ -297,16 +298,16 @@ void problem_backward(const GatedDeltaParams& p, const ProblemView<T>& h) {
         boundaries.begin() + (c + 1) * size,
         states.begin());
     chunk_states(p, h, start, length, x, states.data());
-    chunk_backward(p, h, start, length, x, states.data(), h.dstate);
+    recurrent_chunk_backward(p, h, start, length, x, states.data(), h.dstate);
   }
 }
 
 }  // namespace
 
 template <typename T>
-void recurrent_chunk_backward(
+void recurrent_chunk_backward_from_entry(
     const GatedDeltaParams& p,
-    const ProblemView<T>& h,
+    const BackwardHeadView<T>& h,
     int start,
     int length,
     const float* entry,
@@ -316,7 +317,7 @@ void recurrent_chunk_backward(
   std::vector<float> states((length + 1) * size);
   std::copy(entry, entry + size, states.begin());
   chunk_states(p, h, start, length, x, states.data());
-  chunk_backward(p, h, start, length, x, states.data(), ds);
+  recurrent_chunk_backward(p, h, start, length, x, states.data(), ds);
 }
 
 namespace {
@@ -397,7 +398,7 @@ void gated_delta_backward(
         (int64_t(batch) * p.tokens * p.value_heads + head) * dk;
     const int64_t state_offset =
         (int64_t(batch) * p.value_heads + head) * dv * dk;
-    const ProblemView<T> view{
+    const BackwardHeadView<T> view{
         b.q + qk_offset,
         b.k + qk_offset,
         b.v + v_offset,
@@ -421,9 +422,9 @@ void gated_delta_backward(
         b.dstate + state_offset,
     };
     if (chunked) {
-      chunked_problem_backward(p, view);
+      chunked_head_backward(p, view);
     } else {
-      problem_backward(p, view);
+      recurrent_head_backward(p, view);
     }
   });
 
@@ -451,9 +452,9 @@ void gated_delta_backward(
 
 template void gated_delta_backward<float>(
     const GatedDeltaParams&, Algorithm, const BackwardBuffers<float>&);
-template void recurrent_chunk_backward<float>(
+template void recurrent_chunk_backward_from_entry<float>(
     const GatedDeltaParams&,
-    const ProblemView<float>&,
+    const BackwardHeadView<float>&,
     int,
     int,
     const float*,
@@ -462,9 +463,9 @@ template void gated_delta_backward<mlx::core::float16_t>(
     const GatedDeltaParams&,
     Algorithm,
     const BackwardBuffers<mlx::core::float16_t>&);
-template void recurrent_chunk_backward<mlx::core::float16_t>(
+template void recurrent_chunk_backward_from_entry<mlx::core::float16_t>(
     const GatedDeltaParams&,
-    const ProblemView<mlx::core::float16_t>&,
+    const BackwardHeadView<mlx::core::float16_t>&,
     int,
     int,
     const float*,
@@ -473,9 +474,9 @@ template void gated_delta_backward<mlx::core::bfloat16_t>(
     const GatedDeltaParams&,
     Algorithm,
     const BackwardBuffers<mlx::core::bfloat16_t>&);
-template void recurrent_chunk_backward<mlx::core::bfloat16_t>(
+template void recurrent_chunk_backward_from_entry<mlx::core::bfloat16_t>(
     const GatedDeltaParams&,
-    const ProblemView<mlx::core::bfloat16_t>&,
+    const BackwardHeadView<mlx::core::bfloat16_t>&,
     int,
     int,
     const float*,

@@ -1,10 +1,17 @@
 // Metal dispatch plans: from the shape and the algorithm, the ordered list of
 // dispatches (kernel, buffer bindings, scalar params, grid, threadgroup size,
-// threadgroup memory) that computes one core gated-delta call.
+// threadgroup memory) that computes one core gated-delta call, one fused
+// segment call or one core backward.
 //
-// Plain C++ compiled on every platform: the Metal executor (macOS) encodes a
-// plan on MLX's command encoder, and the emulator (Linux tests) runs the same
-// plan over the same .metal sources on the CPU.
+// Plain C++ compiled on every platform, and data only: the Metal executor
+// (macOS) encodes a plan on MLX's command encoder, the emulator (Linux tests)
+// runs the same plan over the same .metal sources on the CPU, and nothing
+// here names a backend's types, so another executor can run them too.
+//
+// This header holds the plan's types, Metal's limits and the entry points;
+// builder.h the primitives the builders share, forward.cpp, segment.cpp and
+// backward.cpp the three builders, validate.cpp and describe.cpp the checks
+// against the limits and the cost model.
 #pragma once
 
 #include <cstddef>
@@ -20,6 +27,13 @@
 #include "segment/segment_params.h"
 
 namespace mlx_gated_delta::metal {
+
+// Metal's limits on Apple GPUs: validate_plan holds every plan to them, and
+// the emulator refuses a dispatch over them, so that a plan that would fail
+// on a Mac fails on Linux too.
+constexpr unsigned kMaxThreadsPerThreadgroup = 1024;
+constexpr size_t kMaxThreadgroupMemoryBytes = 32 * 1024;
+constexpr unsigned kMaxBufferIndex = 30;
 
 enum class ActivationDtype : int { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 const char* to_string(ActivationDtype dtype);
@@ -174,15 +188,15 @@ Plan make_segment_plan(
 // the recurrent form whatever was asked). plan.algorithm is the form the
 // gradient is taken in:
 // - Recurrent, as the CPU's recurrent reverse: boundary_states, then for
-//   every chunk from the last to the first chunk_states and chunk_backward
-//   (one dispatch each, the chunk in the dispatch's ChunkScalar), then
-//   qk_grad_reduce.
+//   every chunk from the last to the first chunk_states and
+//   recurrent_chunk_backward (one dispatch each, the chunk in the dispatch's
+//   ChunkScalar), then qk_grad_reduce.
 // - Chunked (WY): the forward's chunked stages through chunk_carry (T, W, V'),
 //   boundary_states, chunk_output_backward over all chunks, per chunk from the
-//   last chunk_states, chunk_backward (both only on chunks with a decay that
-//   is not a normal float, a wipe) and chunk_carry_backward (the others),
-//   then recompute_w_u_backward, kkt_inverse_backward, gate_cumsum_backward
-//   over all chunks, and qk_grad_reduce.
+//   last chunk_states, recurrent_chunk_backward (both only on chunks with a
+//   decay that is not a normal float, a wipe) and chunk_carry_backward (the
+//   others), then recompute_w_u_backward, kkt_inverse_backward,
+//   gate_cumsum_backward over all chunks, and qk_grad_reduce.
 // Inputs: q, k, v, g, beta, state_in [, mask], y_cotangent, state_cotangent;
 // outputs dq, dk, dv, dg, d_decay, dbeta, dstate. Key dims up to
 // kMaxBackwardKeyDim; no checkpoints or trees.

@@ -1,0 +1,554 @@
+// The test hooks of _mlx_gated_delta_ext (bindings.h): what only the tests
+// call, to check the dispatch choices, the CPU kernels on guarded buffers,
+// the chunked form's stages one by one, the thread pool and the Metal
+// library's messages on any machine.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/string_view.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <numeric>
+#include <stdexcept>
+#include <thread>
+#include <utility>
+
+#include "bindings.h"
+#include "core/activation_type.h"
+#include "core/core_params.h"
+#include "core/dispatch.h"
+#include "cpu/backward.h"
+#include "cpu/forward.h"
+#include "cpu/thread_pool.h"
+#include "cpu/usable_cores.h"
+#include "metal/library.h"
+#include "mlx/ops.h"
+#include "mlx/transforms.h"
+#include "validation/extents.h"
+
+namespace nb = nanobind;
+namespace mx = mlx::core;
+using namespace nb::literals;
+
+namespace mlx_gated_delta {
+
+namespace {
+
+constexpr int kGuardWords = 16;
+
+// The parameters of a testing-only core call, from q [B, T, Hk, Dk],
+// v [B, T, Hv, Dv], g ([B, T, Hv], or [B, T, Hv, Dk] per key channel) and
+// the options.
+GatedDeltaParams test_params(
+    const mx::array& q,
+    const mx::array& v,
+    const mx::array& g,
+    const std::optional<mx::array>& mask,
+    std::optional<float> scale,
+    const std::string& head_mapping,
+    bool normalize_qk) {
+  GatedDeltaParams p = shape_params(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)});
+  p.scale = scale.value_or(default_scale(p.key_dim));
+  p.head_mapping = parse_head_mapping(head_mapping);
+  p.normalize_qk = normalize_qk;
+  p.has_mask = mask.has_value();
+  p.per_key_gates = g.ndim() == 4;
+  return p;
+}
+
+// A testing call's inputs as the CPU kernels read them, evaluated:
+// row-contiguous, g and beta (the arrays at 3 and 4) in float32, the others
+// as given, then the mask if any.
+std::vector<mx::array> test_inputs(
+    std::vector<mx::array> arrays, const std::optional<mx::array>& mask) {
+  arrays[3] = mx::astype(arrays[3], mx::float32, mx::Device::cpu);
+  arrays[4] = mx::astype(arrays[4], mx::float32, mx::Device::cpu);
+  if (mask) {
+    arrays.push_back(*mask);
+  }
+  for (auto& x : arrays) {
+    x = mx::contiguous(x, false, mx::Device::cpu);
+  }
+  mx::eval(arrays);
+  return arrays;
+}
+
+// An output buffer of `shape` followed by kGuardWords sentinel values, for
+// a kernel run directly on it.
+template <typename T>
+struct Guarded {
+  Guarded(mx::Shape shape, float sentinel)
+      : shape(std::move(shape)),
+        size(std::accumulate(
+            this->shape.begin(),
+            this->shape.end(),
+            size_t(1),
+            std::multiplies<size_t>())),
+        values(size + kGuardWords, T(sentinel)) {}
+  T* data() {
+    return values.data();
+  }
+  // The output, then the kGuardWords values past its end.
+  mx::array output(mx::Dtype dtype) const {
+    return mx::array(values.begin(), shape, dtype);
+  }
+  mx::array tail(mx::Dtype dtype) const {
+    return mx::array(values.begin() + size, {kGuardWords}, dtype);
+  }
+
+  mx::Shape shape;
+  size_t size;
+  std::vector<T> values;
+};
+
+// Runs the CPU kernel directly on output buffers followed by kGuardWords
+// sentinel values each, and returns what lies past the end, so a test can
+// prove no write lands past y or the state.
+template <typename T>
+nb::tuple run_guarded(
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    std::vector<mx::array> in,
+    float sentinel) {
+  const mx::Dtype dtype = in[2].dtype();
+  Guarded<T> y({p.batch, p.tokens, p.value_heads, p.value_dim}, sentinel);
+  Guarded<float> state(
+      {p.batch, p.value_heads, p.value_dim, p.key_dim}, sentinel);
+  cpu::gated_delta_forward<T>(
+      p,
+      algorithm,
+      cpu::contiguous_buffers<T>(
+          p,
+          in[0].data<T>(),
+          in[1].data<T>(),
+          in[2].data<T>(),
+          in[3].data<float>(),
+          in[4].data<float>(),
+          p.has_mask ? in[6].data<bool>() : nullptr,
+          in[5].data<float>(),
+          y.data(),
+          state.data()));
+  return nb::make_tuple(
+      y.output(dtype),
+      state.output(mx::float32),
+      y.tail(dtype),
+      state.tail(mx::float32));
+}
+
+// The backward's run_guarded: the CPU backward on gradient buffers followed
+// by sentinels. `in` holds q, k, v, g, beta, the state, the cotangents of y
+// and of the final state, then the mask if any. Returns two dicts by
+// gradient name (dq, dk, dv, dg, d_decay, dbeta, dstate): the gradients and
+// the words past each one's end.
+template <typename T>
+nb::tuple run_backward_guarded(
+    const GatedDeltaParams& p,
+    Algorithm algorithm,
+    std::vector<mx::array> in,
+    float sentinel) {
+  const mx::Dtype dtype = in[2].dtype();
+  Guarded<T> dq(in[0].shape(), sentinel);
+  Guarded<T> dk(in[1].shape(), sentinel);
+  Guarded<T> dv(in[2].shape(), sentinel);
+  Guarded<float> dg(in[3].shape(), sentinel);
+  Guarded<float> d_decay(in[3].shape(), sentinel);
+  Guarded<float> dbeta(in[4].shape(), sentinel);
+  Guarded<float> dstate(in[5].shape(), sentinel);
+  cpu::gated_delta_backward<T>(
+      p,
+      algorithm,
+      cpu::BackwardBuffers<T>{
+          in[0].data<T>(),
+          in[1].data<T>(),
+          in[2].data<T>(),
+          in[3].data<float>(),
+          in[4].data<float>(),
+          p.has_mask ? in[8].data<bool>() : nullptr,
+          in[5].data<float>(),
+          in[6].data<T>(),
+          in[7].data<float>(),
+          dq.data(),
+          dk.data(),
+          dv.data(),
+          dg.data(),
+          d_decay.data(),
+          dbeta.data(),
+          dstate.data()});
+  nb::dict gradients, tails;
+  for (auto [name, buffer] :
+       {std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}}) {
+    gradients[name] = buffer->output(dtype);
+    tails[name] = buffer->tail(dtype);
+  }
+  for (auto [name, buffer] :
+       {std::pair{"dg", &dg},
+        std::pair{"d_decay", &d_decay},
+        std::pair{"dbeta", &dbeta},
+        std::pair{"dstate", &dstate}}) {
+    gradients[name] = buffer->output(mx::float32);
+    tails[name] = buffer->tail(mx::float32);
+  }
+  return nb::make_tuple(gradients, tails);
+}
+
+// Runs the float32 chunked form on problem (batch, head) alone and returns
+// every stage's output by name (cpu::ChunkedTrace), with its y rows [T, Dv]
+// and final state [Dv, Dk].
+nb::dict trace_chunked(
+    const GatedDeltaParams& p,
+    const std::vector<mx::array>& in,
+    int batch,
+    int head) {
+  if (batch < 0 || batch >= p.batch || head < 0 || head >= p.value_heads) {
+    throw std::invalid_argument("no such batch row or value head");
+  }
+  std::vector<float> y(
+      size_t(p.batch) * p.tokens * p.value_heads * p.value_dim);
+  std::vector<float> state(
+      size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim);
+  const cpu::CoreBuffers<float> buffers = cpu::contiguous_buffers<float>(
+      p,
+      in[0].data<float>(),
+      in[1].data<float>(),
+      in[2].data<float>(),
+      in[3].data<float>(),
+      in[4].data<float>(),
+      p.has_mask ? in[6].data<bool>() : nullptr,
+      in[5].data<float>(),
+      y.data(),
+      state.data());
+  const cpu::ChunkedTrace t =
+      cpu::trace_chunked_stages(p, buffers, batch, head);
+  const int chunks = t.chunks, L = int(kChunkSize), dk = p.key_dim,
+            dv = p.value_dim;
+  auto f32 = [](const std::vector<float>& values, mx::Shape shape) {
+    return mx::array(values.begin(), std::move(shape), mx::float32);
+  };
+  nb::dict out;
+  out["q"] = f32(t.q, {chunks, L, dk});
+  out["k"] = f32(t.k, {chunks, L, dk});
+  out["log_cumsum"] = f32(t.log_cumsum, {chunks, L});
+  out["last_wipe"] = mx::array(t.last_wipe.begin(), {chunks, L}, mx::int32);
+  out["beta_effective"] = f32(t.beta, {chunks, L});
+  out["k_gram"] = f32(t.k_gram, {chunks, L, L});
+  out["qk"] = f32(t.qk, {chunks, L, L});
+  out["kkt_inverse"] = f32(t.inverse, {chunks, L, L});
+  out["w"] = f32(t.w, {chunks, L, dk});
+  out["u"] = f32(t.u, {chunks, L, dv});
+  out["corrected"] = f32(t.corrected, {chunks, L, dv});
+  out["output_inter"] = f32(t.output_inter, {chunks, L, dv});
+  out["exit_states"] = f32(t.state, {chunks, dv, dk});
+  // The problem's own rows of y and its final state.
+  std::vector<float> y_head(size_t(p.tokens) * dv);
+  for (int token = 0; token < p.tokens; ++token) {
+    const float* row = y.data() +
+        ((size_t(batch) * p.tokens + token) * p.value_heads + head) * dv;
+    std::copy(row, row + dv, y_head.begin() + size_t(token) * dv);
+  }
+  out["y"] = f32(y_head, {p.tokens, dv});
+  const float* final_state =
+      state.data() + (size_t(batch) * p.value_heads + head) * dv * dk;
+  out["state"] = mx::array(final_state, {dv, dk}, mx::float32);
+  return out;
+}
+
+}  // namespace
+
+void bind_test_hooks(nb::module_& m) {
+  m.def(
+      "supports_simd_delta",
+      [](int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         int simd_width) {
+        return supports_simd_delta(
+            shape_params({1, 1, key_heads, value_heads, key_dim, value_dim}),
+            simd_width);
+      },
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      "simd_width"_a);
+  m.def(
+      "uses_chunk_k_gram_k128",
+      [](int key_heads, int value_heads, int key_dim, int value_dim) {
+        return uses_chunk_k_gram_k128(
+            shape_params({1, 1, key_heads, value_heads, key_dim, value_dim}));
+      },
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a);
+  m.def(
+      "validate_launch_extents",
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim) {
+        validate_launch_extents(shape_params(
+            {batch, tokens, key_heads, value_heads, key_dim, value_dim}));
+      },
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a);
+  m.def(
+      "resolve_cpu_algorithm",
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim) {
+        return std::string(to_string(resolve_cpu_algorithm(shape_params(
+            {batch, tokens, key_heads, value_heads, key_dim, value_dim}))));
+      },
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a);
+
+  m.def(
+      "resolve_cpu_backward_algorithm",
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim,
+         bool per_key_gates) {
+        GatedDeltaParams p = shape_params(
+            {batch, tokens, key_heads, value_heads, key_dim, value_dim});
+        p.per_key_gates = per_key_gates;
+        return std::string(to_string(resolve_cpu_backward_algorithm(p)));
+      },
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      "per_key_gates"_a = false);
+  m.attr("CHUNKED_BACKWARD_MIN_TOKENS") = kChunkedBackwardMinTokens;
+
+  // The Metal library's test hook and failure message (metal/library.h),
+  // bound so that tests check them on machines without an Apple GPU.
+  m.def(
+      "metal_library_source",
+      [](const std::string& embedded) {
+        return metal::library_source(embedded.c_str());
+      },
+      "embedded"_a);
+  m.def(
+      "metal_library_failure_message",
+      &metal::library_failure_message,
+      "compiler_output"_a);
+
+  m.def(
+      "run_core_guarded",
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const std::optional<mx::array>& mask,
+         std::optional<float> scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         const std::string& algorithm,
+         float sentinel) {
+        GatedDeltaParams p =
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
+        Algorithm a = parse_algorithm(algorithm);
+        if (a == Algorithm::Auto) {
+          a = resolve_cpu_algorithm(p);
+        }
+        std::vector<mx::array> in =
+            test_inputs({q, k, v, g, beta, state}, mask);
+        return with_activation_type(v.dtype(), "v", [&](auto type) {
+          return run_guarded<decltype(type)>(p, a, in, sentinel);
+        });
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a.none(),
+      "scale"_a.none(),
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "algorithm"_a,
+      "sentinel"_a,
+      "Testing only: runs the CPU kernel with sentinel words past each output "
+      "and returns (y, state, y_tail, state_tail).");
+
+  m.def(
+      "run_core_backward_guarded",
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const mx::array& y_cotangent,
+         const mx::array& state_cotangent,
+         const std::optional<mx::array>& mask,
+         std::optional<float> scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         const std::string& algorithm,
+         float sentinel) {
+        GatedDeltaParams p =
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
+        Algorithm a = parse_algorithm(algorithm);
+        if (a == Algorithm::Auto) {
+          a = resolve_cpu_backward_algorithm(p);
+        }
+        std::vector<mx::array> in = test_inputs(
+            {q,
+             k,
+             v,
+             g,
+             beta,
+             state,
+             mx::astype(y_cotangent, v.dtype(), mx::Device::cpu),
+             mx::astype(state_cotangent, mx::float32, mx::Device::cpu)},
+            mask);
+        return with_activation_type(v.dtype(), "v", [&](auto type) {
+          return run_backward_guarded<decltype(type)>(p, a, in, sentinel);
+        });
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "y_cotangent"_a,
+      "state_cotangent"_a,
+      "mask"_a.none(),
+      "scale"_a.none(),
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "algorithm"_a,
+      "sentinel"_a,
+      "Testing only: runs the CPU backward with sentinel words past each "
+      "gradient and returns (gradients, tails), dicts by gradient name.");
+
+  // The CPU thread pool on its own: every kernel relies on parallel_for
+  // running each index exactly once, also while other streams call it. A
+  // task that sleeps keeps the pool busy long enough for callers from
+  // several Python threads to overlap.
+  m.def(
+      "run_cpu_parallel_for",
+      [](int count, int task_sleep_us) {
+        std::vector<std::atomic<int>> calls(std::max(count, 0));
+        std::atomic<int> strays{0};
+        {
+          nb::gil_scoped_release release;
+          cpu::parallel_for(count, [&](int i) {
+            if (i >= 0 && i < count) {
+              calls[i].fetch_add(1);
+            } else {
+              strays.fetch_add(1);
+            }
+            if (task_sleep_us > 0) {
+              std::this_thread::sleep_for(
+                  std::chrono::microseconds(task_sleep_us));
+            }
+          });
+        }
+        std::vector<int> counts(calls.begin(), calls.end());
+        return nb::make_tuple(counts, strays.load());
+      },
+      "count"_a,
+      "task_sleep_us"_a = 0,
+      "Testing only: runs the CPU thread pool's parallel_for(count) with a "
+      "task that counts its calls (then sleeps task_sleep_us), and returns "
+      "(calls per index, calls with an index outside [0, count)).");
+
+  m.def(
+      "cpus_of_cgroup_cpu_max",
+      &cpu::cpus_of_cgroup_cpu_max,
+      "text"_a,
+      "Testing only: the CPUs a cgroup v2 cpu.max file's text grants, "
+      "rounded up; None for 'max' or malformed text.");
+  m.def(
+      "cpus_of_cfs_quota",
+      &cpu::cpus_of_cfs_quota,
+      "quota"_a,
+      "period"_a,
+      "Testing only: the CPUs cgroup v1's cpu.cfs_quota_us and "
+      "cpu.cfs_period_us texts grant, rounded up; None for -1 (no limit).");
+
+  m.def(
+      "trace_cpu_chunked_stages",
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const std::optional<mx::array>& mask,
+         std::optional<float> scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         int batch,
+         int head) {
+        GatedDeltaParams p =
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
+        auto contiguous_f32 = [](const mx::array& x) {
+          return mx::contiguous(
+              mx::astype(x, mx::float32, mx::Device::cpu),
+              false,
+              mx::Device::cpu);
+        };
+        std::vector<mx::array> in = {
+            contiguous_f32(q),
+            contiguous_f32(k),
+            contiguous_f32(v),
+            contiguous_f32(g),
+            contiguous_f32(beta),
+            contiguous_f32(state)};
+        if (mask) {
+          in.push_back(mx::contiguous(
+              mx::astype(*mask, mx::bool_, mx::Device::cpu),
+              false,
+              mx::Device::cpu));
+        }
+        mx::eval(in);
+        return trace_chunked(p, in, batch, head);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "mask"_a.none(),
+      "scale"_a.none(),
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "batch"_a,
+      "head"_a,
+      "Testing only: runs the float32 CPU chunked form on one (batch, value "
+      "head) and returns every stage's output by name, chunk by chunk.");
+}
+
+}  // namespace mlx_gated_delta
