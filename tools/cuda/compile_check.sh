@@ -39,7 +39,8 @@ for source in csrc/cuda/*.cu; do
         echo "nvcc sm_$arch: $source"
     done
 done
-for source in csrc/cuda/executor.cpp csrc/cuda/module.cpp; do
+# The executor, and the primitives' CUDA branches (eval_gpu on a CUDA stream).
+for source in csrc/cuda/executor.cpp csrc/cuda/module.cpp $(grep -l MLX_GATED_DELTA_CUDA csrc/core/*.cpp); do
     "${CXX:-g++}" -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DMLX_GATED_DELTA_CUDA \
         -I csrc -I csrc/cuda/compat -isystem "$mlx_include" -isystem "$cuda/include" "$source"
     echo "host: $source"
