@@ -117,37 +117,21 @@ def run(
         if mask.shape != (batch, tokens):
             raise ValueError(f"mask must be {(batch, tokens)}, got {mask.shape}")
         mask_bytes = mask.astype(np.uint8).tobytes()
-    if scale is None:
-        scale = key_dim**-0.5
-
-    y, state_out, algorithm_run, kernels, buffers = _metal_emulator.run_core(
-        _activation_bytes(q, dtype),
-        _activation_bytes(k, dtype),
-        _activation_bytes(v, dtype),
-        g.tobytes(),
-        beta.tobytes(),
-        state.tobytes(),
+    params, inputs = _core_call(
+        (q, k, v, g, beta, state),
         mask_bytes,
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        float(scale),
-        head_mapping,
-        bool(normalize_qk),
-        algorithm,
-        dtype,
-        BARRIER_TIMEOUT_MS,
-        through_stage or "",
-        _checkpoint_bytes(checkpoints),
-        _checkpoint_bytes(parents),
-        per_key_gates,
+        dtype=dtype,
+        scale=scale,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        checkpoints=checkpoints,
+        parents=parents,
     )
-    y = _activation_values(y, dtype).reshape(batch, tokens, value_heads, value_dim)
-    state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    info = {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
+    forward = _metal_emulator.make_plan(params, algorithm, dtype)
+    buffers = _run(forward, inputs, through_stage)
+    y = _activation_values(buffers["y"], dtype).reshape(batch, tokens, value_heads, value_dim)
+    state_out = np.frombuffer(buffers["state_out"], np.float32).reshape(state_shape).copy()
+    info = {"algorithm": forward.algorithm, "kernels": forward.kernels, "buffers": buffers}
     if checkpoints is not None:
         info["checkpoint_states"] = (
             np.frombuffer(buffers.get("checkpoint_states", b""), np.float32)
@@ -204,34 +188,19 @@ def gated_delta_rule_vjp(
     mask_bytes = None
     if mask is not None:
         mask_bytes = np.asarray(mask, dtype=bool).astype(np.uint8).tobytes()
-    if scale is None:
-        scale = key_dim**-0.5
-    kernels, buffers = _metal_emulator.run_backward(
-        _activation_bytes(q, dtype),
-        _activation_bytes(k, dtype),
-        _activation_bytes(v, dtype),
-        g.tobytes(),
-        beta.tobytes(),
-        state.tobytes(),
+    params, inputs = _core_call(
+        (q, k, v, g, beta, state),
         mask_bytes,
-        _activation_bytes(_to_float32(y_cotangent), dtype),
-        _to_float32(state_cotangent).tobytes(),
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        float(scale),
-        head_mapping,
-        bool(normalize_qk),
-        g.ndim == 4,
-        dtype,
-        BARRIER_TIMEOUT_MS,
-        through_stage or "",
-        algorithm,
+        dtype=dtype,
+        scale=scale,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
     )
-    grads = {"kernels": kernels, "buffers": buffers}
+    inputs["y_cotangent"] = _activation_bytes(_to_float32(y_cotangent), dtype)
+    inputs["state_cotangent"] = _to_float32(state_cotangent).tobytes()
+    backward = _metal_emulator.make_backward_plan(params, dtype, algorithm)
+    buffers = _run(backward, inputs, through_stage)
+    grads = {"kernels": backward.kernels, "buffers": buffers}
     if through_stage is not None:
         return grads
     for name, buffer, shape in (("q", "dq", q.shape), ("k", "dk", k.shape), ("v", "dv", v.shape)):
@@ -267,23 +236,111 @@ def backward_plan(
     `chunk`: (buffer index, chunk) for the per-chunk stages, else None), or
     with `describe=True` as a table against the assumed roofline. `algorithm`
     as `gated_delta_rule_vjp`'s."""
-    scale = key_dim**-0.5 if scale is None else scale
-    return _metal_emulator.backward_plan(
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        dtype,
-        head_mapping,
-        normalize_qk,
-        mask,
-        per_key_gates,
-        float(scale),
-        describe,
-        algorithm,
+    params = _core_params(
+        (batch, tokens, key_heads, value_heads, key_dim, value_dim),
+        scale=scale,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        mask=mask,
+        per_key_gates=per_key_gates,
     )
+    backward = _metal_emulator.make_backward_plan(params, dtype, algorithm)
+    return backward.describe() if describe else backward.as_dict()
+
+
+def _core_call(
+    arrays,
+    mask_bytes,
+    *,
+    dtype,
+    scale,
+    head_mapping,
+    normalize_qk,
+    checkpoints=None,
+    parents=None,
+):
+    """A core call's CoreParams and its input buffers by plan name (None where
+    not given), from its float32 (q, k, v, g, beta, state) and options."""
+    q, k, v, g, beta, state = arrays
+    batch, tokens, key_heads, key_dim = q.shape
+    value_heads, value_dim = v.shape[2:]
+    checkpoint_count = 0 if checkpoints is None else np.size(checkpoints)
+    params = _core_params(
+        (batch, tokens, key_heads, value_heads, key_dim, value_dim),
+        scale=scale,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        mask=mask_bytes is not None,
+        per_key_gates=g.ndim == 4,
+        checkpoints=checkpoint_count,
+        tree=parents is not None,
+    )
+    inputs = {
+        "q": _activation_bytes(q, dtype),
+        "k": _activation_bytes(k, dtype),
+        "v": _activation_bytes(v, dtype),
+        "g": g.tobytes(),
+        "beta": beta.tobytes(),
+        "state_in": state.tobytes(),
+        "mask": mask_bytes,
+        "checkpoints": _checkpoint_bytes(checkpoints) if checkpoint_count else None,
+        "parents": _checkpoint_bytes(parents),
+    }
+    return params, inputs
+
+
+def _core_params(
+    shape,
+    *,
+    scale=None,
+    head_mapping="grouped",
+    normalize_qk=False,
+    mask=False,
+    per_key_gates=False,
+    checkpoints=0,
+    tree=False,
+):
+    """The CoreParams of one core call: shape (B, T, Hk, Hv, Dk, Dv), whether it
+    has a mask, how many checkpoints, whether a tree; scale None is Dk**-0.5."""
+    params = _metal_emulator.CoreParams(*shape)
+    params.scale = shape[4] ** -0.5 if scale is None else float(scale)
+    params.head_mapping = head_mapping
+    params.normalize_qk = bool(normalize_qk)
+    params.has_mask = bool(mask)
+    params.per_key_gates = bool(per_key_gates)
+    params.checkpoint_count = int(checkpoints)
+    params.has_tree = bool(tree)
+    return params
+
+
+def _segment_params(
+    shape,
+    conv_kernel,
+    *,
+    decay_parameterization="log_rate",
+    head_mapping="grouped",
+    mask=False,
+    norm_eps=None,
+    checkpoints=0,
+):
+    """The SegmentParams of one fused segment call, like `_core_params`; norm_eps
+    None keeps the params' default."""
+    params = _metal_emulator.SegmentParams(*shape)
+    params.conv_kernel = conv_kernel
+    params.decay_parameterization = decay_parameterization
+    params.head_mapping = head_mapping
+    params.has_mask = bool(mask)
+    if norm_eps is not None:
+        params.norm_eps = float(norm_eps)
+    params.checkpoint_count = int(checkpoints)
+    return params
+
+
+def _run(plan, inputs, through_stage):
+    """Runs `plan` on the emulator over the input buffers by name that are given
+    (None: no mask, checkpoints or parents); returns its buffers by name."""
+    given = {name: data for name, data in inputs.items() if data is not None}
+    return plan.run(given, BARRIER_TIMEOUT_MS, through_stage or "")
 
 
 def _checkpoint_bytes(indices):
@@ -412,35 +469,33 @@ def run_segment(
             raise ValueError(f"mask must be {(batch, tokens)}, got {mask.shape}")
         mask_bytes = mask.astype(np.uint8).tobytes()
 
-    out, conv_state_out, state_out, algorithm_run, kernels, buffers = _metal_emulator.run_segment(
-        _activation_bytes(mixed, dtype),
-        conv_weight.tobytes(),
-        _to_float32(decay_parameter).tobytes(),
-        _to_float32(dt_bias).tobytes(),
-        _to_float32(norm_weight).tobytes(),
-        _activation_bytes(conv_state, dtype),
-        state.tobytes(),
-        mask_bytes,
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
+    checkpoint_count = 0 if checkpoints is None else np.size(checkpoints)
+    params = _segment_params(
+        (batch, tokens, key_heads, value_heads, key_dim, value_dim),
         conv_kernel,
-        decay_parameterization,
-        head_mapping,
-        float(norm_eps),
-        algorithm,
-        dtype,
-        BARRIER_TIMEOUT_MS,
-        through_stage or "",
-        _checkpoint_bytes(checkpoints),
+        decay_parameterization=decay_parameterization,
+        head_mapping=head_mapping,
+        mask=mask is not None,
+        norm_eps=norm_eps,
+        checkpoints=checkpoint_count,
     )
-    out = _activation_values(out, dtype).reshape(batch, tokens, value_heads, value_dim)
-    conv_state_out = _activation_values(conv_state_out, dtype).reshape(conv_state_shape)
-    state_out = np.frombuffer(state_out, np.float32).reshape(state_shape).copy()
-    info = {"algorithm": algorithm_run, "kernels": kernels, "buffers": buffers}
+    segment = _metal_emulator.make_segment_plan(params, algorithm, dtype)
+    inputs = {
+        "mixed": _activation_bytes(mixed, dtype),
+        "conv_weight": conv_weight.tobytes(),
+        "decay_parameter": _to_float32(decay_parameter).tobytes(),
+        "dt_bias": _to_float32(dt_bias).tobytes(),
+        "norm_weight": _to_float32(norm_weight).tobytes(),
+        "conv_state_in": _activation_bytes(conv_state, dtype),
+        "state_in": state.tobytes(),
+        "mask": mask_bytes,
+        "checkpoints": _checkpoint_bytes(checkpoints) if checkpoint_count else None,
+    }
+    buffers = _run(segment, inputs, through_stage)
+    out = _activation_values(buffers["out"], dtype).reshape(batch, tokens, value_heads, value_dim)
+    conv_state_out = _activation_values(buffers["conv_state_out"], dtype).reshape(conv_state_shape)
+    state_out = np.frombuffer(buffers["state_out"], np.float32).reshape(state_shape).copy()
+    info = {"algorithm": segment.algorithm, "kernels": segment.kernels, "buffers": buffers}
     if checkpoints is not None:
         info["conv_checkpoint_states"] = _activation_values(
             buffers.get("conv_checkpoint_states", b""), dtype
@@ -472,22 +527,16 @@ def segment_plan(
 ):
     """The fused segment's plan: a dict like `plan`'s, or with `describe=True`
     the table against the assumed M-series roofline; `checkpoints`: how many."""
-    return _metal_emulator.segment_plan(
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
+    params = _segment_params(
+        (batch, tokens, key_heads, value_heads, key_dim, value_dim),
         conv_kernel,
-        dtype,
-        algorithm,
-        decay_parameterization,
-        head_mapping,
-        mask,
-        describe,
-        checkpoints,
+        decay_parameterization=decay_parameterization,
+        head_mapping=head_mapping,
+        mask=mask,
+        checkpoints=checkpoints,
     )
+    segment = _metal_emulator.make_segment_plan(params, algorithm, dtype)
+    return segment.describe() if describe else segment.as_dict()
 
 
 def describe_plan(
@@ -508,20 +557,15 @@ def describe_plan(
     """The plan as a table: dispatches, threadgroup memory, bytes and FLOPs
     per stage against an assumed Apple M-series roofline (stated in it).
     `per_key_gates`: g of shape [B, T, Hv, Dk]."""
-    return _metal_emulator.describe_plan(
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        dtype,
-        algorithm,
-        head_mapping,
-        normalize_qk,
-        mask,
-        per_key_gates,
+    params = _core_params(
+        (batch, tokens, key_heads, value_heads, key_dim, value_dim),
+        scale=1.0,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        mask=mask,
+        per_key_gates=per_key_gates,
     )
+    return _metal_emulator.make_plan(params, algorithm, dtype).describe()
 
 
 def plan(
@@ -546,24 +590,17 @@ def plan(
     every buffer's size, and the dispatches; `checkpoints`: how many, `tree`:
     with parents (tree verification), `per_key_gates`: g of shape
     [B, T, Hv, Dk]."""
-    scale = key_dim**-0.5 if scale is None else scale
-    return _metal_emulator.plan(
-        batch,
-        tokens,
-        key_heads,
-        value_heads,
-        key_dim,
-        value_dim,
-        dtype,
-        algorithm,
-        head_mapping,
-        normalize_qk,
-        mask,
-        float(scale),
-        checkpoints,
-        tree,
-        per_key_gates,
+    params = _core_params(
+        (batch, tokens, key_heads, value_heads, key_dim, value_dim),
+        scale=scale,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        mask=mask,
+        per_key_gates=per_key_gates,
+        checkpoints=checkpoints,
+        tree=tree,
     )
+    return _metal_emulator.make_plan(params, algorithm, dtype).as_dict()
 
 
 def plan_dispatches(batch, tokens, key_heads, value_heads, key_dim, value_dim, **options):
