@@ -2,8 +2,8 @@
 parity with mlx-lm's own layers, the cache (conv-state layout, batching with
 padding, prompt caches), weight loading and quantization, errors. The layer's
 property tests (patched vs mlx-lm's logits and greedy tokens, prefill + decode)
-live in the package, so that `python -m mlx_gated_delta selftest` runs them
-too; collected here by name. The tiny models are the family records'
+are shipped in mlx_gated_delta/tests/test_layers.py, so that
+`python -m mlx_gated_delta selftest` runs them too. The tiny models are the family records'
 (mlx_gated_delta.layers.FAMILIES)."""
 
 import mlx.core as mx
@@ -24,9 +24,8 @@ from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import *  # noqa: E402,F401,F403
-from mlx_gated_delta.testing.layer_properties import family_model, tokens  # noqa: E402
 from mlx_gated_delta.testing.segment_cases import segment_out_terms  # noqa: E402
+from mlx_gated_delta.tests.test_layers import family_model, tokens  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # The oracle is mlx-lm's layer math (checked independently of our C++).

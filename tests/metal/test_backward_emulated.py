@@ -16,10 +16,12 @@ from mlx_gated_delta.reference import (
     gated_delta_rule_reference_vjp,
     to_float64,
 )
-from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.grad_properties import KIND, cotangents
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
+from mlx_gated_delta.tests import test_core
+from mlx_gated_delta.tests.test_core_gradients import KIND, cotangents
+
+import metal_emulated
 
 GRADIENTS = ("q", "k", "v", "g", "beta", "state", "decay")
 CHUNK = 64
@@ -257,7 +259,7 @@ def test_boundary_states_are_the_states_entering_each_chunk():
             f"boundary state {chunk}",
             boundaries[:, :, chunk],
             expected,
-            properties.ORACLE_STATE_CONTRACTS["recurrent"],
+            test_core.ORACLE_STATE_CONTRACTS["recurrent"],
             terms=state_terms[:, cut],
         )
 

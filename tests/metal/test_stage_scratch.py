@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import reference
-from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches as check
+
+import metal_emulated
 
 # Dk = 128 with two value heads per key head: the plan runs every chunked
 # stage, k_gram included (uses_chunk_k_gram_k128). 150 tokens: two full

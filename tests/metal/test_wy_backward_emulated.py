@@ -14,10 +14,11 @@ import pytest
 
 from mlx_gated_delta import gated_delta_rule
 from mlx_gated_delta.reference import gated_delta_rule_reference_vjp, to_float64
-from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.grad_properties import KIND, cotangents
 from mlx_gated_delta.testing.strategies import make_core_case
+from mlx_gated_delta.tests.test_core_gradients import KIND, cotangents
+
+import metal_emulated
 
 GRADIENTS = ("q", "k", "v", "g", "beta", "state", "decay")
 CHUNK = 64
