@@ -6,7 +6,7 @@ whole layer, on the CPU.
 Core op, for the Qwen3-Next shape (Hk = 16, Hv = 32, Dk = Dv = 128, B = 1,
 bfloat16 activations, float32 gates and state): one training step is
 ``mx.value_and_grad`` of a loss on both outputs with respect to q, k, v, the
-linear gate, beta and the state, so the forward and the backward both run.
+linear decay gamma, beta and the state, so the forward and the backward both run.
 Three implementations:
 
 - ours: ``gated_delta_update`` ("auto": the chunked forward and backward);

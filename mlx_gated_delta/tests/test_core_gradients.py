@@ -329,7 +329,7 @@ def update_with_algorithm(q, k, v, gamma, beta, state, algorithm):
         mx.cpu,
         g_name="gamma",
         state_name="initial_state",
-        linear_gate=gamma,
+        gamma=gamma,
     )
 
 
