@@ -285,7 +285,7 @@ void eval_backward_gpu(
       PlanBuffer::GradKey,
       PlanBuffer::GradValue,
       PlanBuffer::GradGate,
-      PlanBuffer::GradDecay,
+      PlanBuffer::GradGamma,
       PlanBuffer::GradBeta,
       PlanBuffer::GradState};
   for (size_t i = 0; i < 7; ++i)

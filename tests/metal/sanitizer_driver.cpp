@@ -315,7 +315,7 @@ void run_backward(
       shape.name, "dv", outputs.at(PlanBuffer::GradValue), v, shape.dtype);
   const std::pair<PlanBuffer, size_t> float_outputs[] = {
       {PlanBuffer::GradGate, gates * p.gate_width()},
-      {PlanBuffer::GradDecay, gates * p.gate_width()},
+      {PlanBuffer::GradGamma, gates * p.gate_width()},
       {PlanBuffer::GradBeta, gates},
       {PlanBuffer::GradState, state}};
   for (const auto& [buffer, count] : float_outputs) {

@@ -86,7 +86,7 @@ enum class PlanBuffer : int {
   GradKey,  // [B, T, Hk, Dk]
   GradValue,  // [B, T, Hv, Dv]
   GradGate,  // the shape of g
-  GradDecay,  // the shape of g: wrt the linear decay exp(g)
+  GradGamma,  // the shape of g: wrt the linear decay exp(g)
   GradBeta,  // [B, T, Hv]
   GradState,  // [B, Hv, Dv, Dk], also the carried dS while chunks are walked
   BoundaryStates,  // [B, Hv, C, Dv, Dk] the state entering each chunk
