@@ -228,7 +228,7 @@ void eval_segment_gpu(
 
   std::map<PlanBuffer, mx::array> arrays;
   const PlanBuffer io[] = {
-      PlanBuffer::Mixed,
+      PlanBuffer::MixedQkvzba,
       PlanBuffer::ConvWeight,
       PlanBuffer::DecayParameter,
       PlanBuffer::DtBias,

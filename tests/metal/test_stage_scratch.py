@@ -230,7 +230,7 @@ def segment_case():
     f32 = np.float32
     batch, tokens, taps = 2, 9, 4
     layout = reference.SegmentLayout(**SEGMENT)
-    mixed = rng.standard_normal((batch, tokens, layout.packed_width)).astype(f32)
+    mixed = rng.standard_normal((batch, tokens, layout.mixed_qkvzba_width)).astype(f32)
     conv_weight = (0.5 * rng.standard_normal((layout.channels, taps))).astype(f32)
     decay_parameter = rng.standard_normal(SEGMENT["value_heads"]).astype(f32)
     dt_bias = rng.standard_normal(SEGMENT["value_heads"]).astype(f32)

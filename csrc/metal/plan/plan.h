@@ -64,7 +64,7 @@ enum class PlanBuffer : int {
   U,  // [B, Hv, C*64, Dv] U, then v' = U - W S^T (chunk_carry)
   QK,  // [B, Hk, C, 64, 64] q_i . k_j
   OutputInter,  // [B, Hv, C*64, Dv] scale * decay * S_chunk_entry q_i
-  Mixed,  // [B, T, F] packed [q | k | v | z | b | a], activation dtype
+  MixedQkvzba,  // [B, T, F] packed [q | k | v | z | b | a], activation dtype
   ConvWeight,  // [C, K]
   DecayParameter,  // [Hv]
   DtBias,  // [Hv]
