@@ -23,7 +23,7 @@ from mlx_gated_delta.tests.test_core_gradients import KIND, cotangents
 
 import metal_emulated
 
-GRADIENTS = ("q", "k", "v", "g", "beta", "state", "decay")
+GRADIENTS = ("q", "k", "v", "g", "beta", "state", "gamma")
 CHUNK = 64
 
 # make_core_case recipes: every dtype, scalar and per-key gates, masks, both
@@ -121,7 +121,7 @@ def dtype_of(case):
 def contract(name, dtype):
     # q, k and v come back in the activation dtype; the gates' and the
     # state's gradients are float32 (the kernels read g and beta as float32).
-    kind = KIND["g" if name == "decay" else name]
+    kind = KIND["g" if name == "gamma" else name]
     contract_id = f"core_grad.oracle.v1.{dtype if kind == 'activation_grad' else 'float32'}.{kind}"
     return contract_id
 
@@ -148,7 +148,7 @@ def check_against_the_reference(case, seed=0):
     mask = case.options["mask"]
     if mask is not None:
         skipped = ~np.asarray(mask)
-        for name in ("q", "k", "v", "g", "beta", "decay"):
+        for name in ("q", "k", "v", "g", "beta", "gamma"):
             assert np.all(grads[name][skipped] == 0.0), name
     wiped = np.isneginf(to_float64(case.g))
     assert np.all(grads["g"][wiped] == 0.0)
