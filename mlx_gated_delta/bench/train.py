@@ -25,7 +25,7 @@ backward computes (counted in ``backward_product_flops``) are divided by that
 time and compared with NumPy's float32 GEMM measured in the same run.
 
 Whole layer: one training step (``nn.value_and_grad`` over the layer's
-parameters, loss = sum of the output) of our ``nn.GatedDeltaNet`` against
+parameters, loss = sum of the output) of our ``nn.Qwen3NextGatedDeltaNet`` against
 mlx-lm's stock ``Qwen3NextGatedDeltaNet`` holding the same weights.
 
 Times are medians of the repeats after a warm-up call (the peers: no warm-up
