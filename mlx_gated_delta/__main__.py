@@ -7,16 +7,17 @@ import importlib.util
 import os
 import sys
 
-# The package's property modules that selftest runs, each with the name its verdict gives it.
+# The shipped suites (mlx_gated_delta/tests/) that selftest runs, each with the name its
+# verdict gives it (tests/test_bench_cli.py checks that every suite is here).
 PROPERTY_MODULES = {
-    "mlx_gated_delta.testing.properties": "core op",
-    "mlx_gated_delta.testing.per_key_properties": "per-key gates",
-    "mlx_gated_delta.testing.segment_properties": "segment",
-    "mlx_gated_delta.testing.layer_properties": "layer",
-    "mlx_gated_delta.testing.grad_properties": "gradients",
-    "mlx_gated_delta.testing.segment_grad_properties": "segment gradients",
-    "mlx_gated_delta.testing.checkpoint_properties": "checkpoints",
-    "mlx_gated_delta.testing.serving_properties": "serving",
+    "mlx_gated_delta.tests.test_core": "core op",
+    "mlx_gated_delta.tests.test_per_key": "per-key gates",
+    "mlx_gated_delta.tests.test_segment": "segment",
+    "mlx_gated_delta.tests.test_layers": "layer",
+    "mlx_gated_delta.tests.test_core_gradients": "gradients",
+    "mlx_gated_delta.tests.test_segment_gradients": "segment gradients",
+    "mlx_gated_delta.tests.test_checkpoints": "checkpoints",
+    "mlx_gated_delta.tests.test_serving": "serving",
 }
 
 

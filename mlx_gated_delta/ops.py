@@ -175,5 +175,5 @@ def gated_delta_update(
         stream,
         g_name="gamma",
         state_name="initial_state",
-        linear_gate=gamma,
+        gamma=gamma,
     )

@@ -3,6 +3,7 @@
 import argparse
 import ast
 import dataclasses
+import pkgutil
 import subprocess
 import sys
 from pathlib import Path
@@ -431,8 +432,19 @@ def test_selftest_without_hypothesis_asks_for_the_test_extra(monkeypatch, capsys
     assert 'pip install "mlx-gated-delta[test]"' in capsys.readouterr().err
 
 
+def test_selftest_runs_every_shipped_suite():
+    import mlx_gated_delta.tests as suites
+
+    shipped = {
+        f"{suites.__name__}.{module.name}"
+        for module in pkgutil.iter_modules(suites.__path__)
+        if module.name.startswith("test_")
+    }
+    assert shipped and set(cli.PROPERTY_MODULES) == shipped
+
+
 def test_selftest_says_fail_when_the_properties_do_not_run(monkeypatch, capsys):
-    monkeypatch.setattr(cli, "PROPERTY_MODULES", {"mlx_gated_delta.testing.no_such_module": "x"})
+    monkeypatch.setattr(cli, "PROPERTY_MODULES", {"mlx_gated_delta.tests.no_such_module": "x"})
     # selftest sets the Hypothesis profile variable; restore it for the tests after this one
     monkeypatch.delenv("MLX_GATED_DELTA_HYPOTHESIS_PROFILE", raising=False)
     assert cli.run_selftest(examples=None) == 1

@@ -1,6 +1,6 @@
 """Checkpoints of the core op and the segment (docs/contract.md,
 "Checkpoints"): the argument checks, the shapes at the edges, vmap. The
-equality with prefix calls is a property (tests/test_checkpoint_properties.py)."""
+equality with prefix calls is a property (mlx_gated_delta/tests/test_checkpoints.py)."""
 
 import mlx.core as mx
 import numpy as np

@@ -219,7 +219,7 @@ BAD_INPUTS = [
         ValueError,
         [word("mask"), shape(B, T), shape(B)],
     ),
-    # Zero-size B, T, Hv and Dv give empty results (test_properties); a zero
+    # Zero-size B, T, Hv and Dv give empty results (mlx_gated_delta/tests/test_core.py); a zero
     # key dim or no key head is named as such, not as a symptom of it (an
     # infinite default scale, a head count that does not divide).
     (

@@ -2,8 +2,8 @@
 parity with mlx-lm's own layers, the cache (conv-state layout, batching with
 padding, prompt caches), weight loading and quantization, errors. The layer's
 property tests (patched vs mlx-lm's logits and greedy tokens, prefill + decode)
-live in the package, so that `python -m mlx_gated_delta selftest` runs them
-too; collected here by name. The tiny models are the family records'
+are shipped in mlx_gated_delta/tests/test_layers.py, so that
+`python -m mlx_gated_delta selftest` runs them too. The tiny models are the family records'
 (mlx_gated_delta.layers.FAMILIES)."""
 
 import mlx.core as mx
@@ -18,19 +18,25 @@ from mlx_lm.generate import BatchGenerator, generate_step  # noqa: E402
 from mlx_lm.models import qwen3_next  # noqa: E402
 from mlx_lm.models.cache import ArraysCache, BatchKVCache  # noqa: E402
 
+from mlx_gated_delta import nn as our_nn  # noqa: E402
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.layers import FAMILIES  # noqa: E402
 from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
-from mlx_gated_delta.nn import GatedDeltaNet  # noqa: E402
+from mlx_gated_delta.nn import Qwen3NextGatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import *  # noqa: E402,F401,F403
-from mlx_gated_delta.testing.layer_properties import family_model, tokens  # noqa: E402
 from mlx_gated_delta.testing.segment_cases import segment_out_terms  # noqa: E402
+from mlx_gated_delta.tests.test_layers import family_model, tokens  # noqa: E402
 
 # ---------------------------------------------------------------------------
 # The oracle is mlx-lm's layer math (checked independently of our C++).
 # ---------------------------------------------------------------------------
+
+
+def test_gated_delta_net_is_the_documented_alias_of_the_qwen3_next_layer():
+    # docs/contract.md: code written against the old name keeps working.
+    assert our_nn.GatedDeltaNet is Qwen3NextGatedDeltaNet
+    assert "GatedDeltaNet" in our_nn.__all__
 
 
 def test_segment_oracle_reproduces_mlx_lm_layer():
@@ -196,7 +202,7 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     # projected inputs), states and valid outputs.
     mx.random.seed(7)
     stock = qwen3_next.Qwen3NextGatedDeltaNet(tiny_args())
-    ours = GatedDeltaNet(tiny_args())
+    ours = Qwen3NextGatedDeltaNet(tiny_args())
     ours.update(stock.parameters())
     x = mx.random.normal((2, 9, 64))
     stock_cache, our_cache = ArraysCache(2), ArraysCache(2)
@@ -227,7 +233,7 @@ def test_a_cache_filled_by_one_layer_continues_in_the_other(first):
     # with the other, and get what either gives alone.
     mx.random.seed(14)
     stock = qwen3_next.Qwen3NextGatedDeltaNet(tiny_args())
-    ours = GatedDeltaNet(tiny_args())
+    ours = Qwen3NextGatedDeltaNet(tiny_args())
     ours.update(stock.parameters())
     prefill, decode = mx.random.normal((2, 10, 64)), mx.random.normal((2, 3, 64))
     layers = {"ours": ours, "mlx-lm": stock}
@@ -313,7 +319,7 @@ def test_quantized_model_patched_matches_quantized_mlx_lm(patch_first):
         nn.quantize(patched, group_size=32, bits=8)
         patch_mlx_lm(patched)
     attention = patched.layers[0].linear_attn
-    assert isinstance(attention, GatedDeltaNet)
+    assert isinstance(attention, Qwen3NextGatedDeltaNet)
     assert isinstance(attention.in_proj_qkvz, nn.QuantizedLinear)
     assert isinstance(attention.out_proj, nn.QuantizedLinear)
     assert_matches("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
@@ -415,7 +421,9 @@ def test_patch_refuses_a_gated_delta_layer_it_does_not_know_naming_it(unknown, r
     assert name in message and reason in message
     assert "nothing was replaced" in message
     assert all(
-        type(layer.linear_attn) is not GatedDeltaNet for layer in model.layers if layer.is_linear
+        type(layer.linear_attn) is not Qwen3NextGatedDeltaNet
+        for layer in model.layers
+        if layer.is_linear
     )
 
 
@@ -437,4 +445,4 @@ def test_layer_rejects_head_counts_that_do_not_divide():
     args = tiny_args()
     args.linear_num_value_heads = 3
     with pytest.raises(ValueError, match="multiple"):
-        GatedDeltaNet(args)
+        Qwen3NextGatedDeltaNet(args)

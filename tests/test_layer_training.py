@@ -25,7 +25,7 @@ from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import GatedDeltaNet, Qwen35GatedDeltaNet  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import FAMILY, family_model, tokens  # noqa: E402
+from mlx_gated_delta.tests.test_layers import FAMILY, family_model, tokens  # noqa: E402
 
 KINDS = ("qwen3_next", "qwen3_5")
 LORA = {"rank": 4, "scale": 10.0, "dropout": 0.0}

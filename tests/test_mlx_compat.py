@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from mlx_gated_delta import gated_delta_rule, gated_delta_update
 from mlx_gated_delta.reference import gated_delta_update_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches, term_magnitudes
-from mlx_gated_delta.testing.properties import (
+from mlx_gated_delta.testing.strategies import make_core_case
+from mlx_gated_delta.tests.test_core import (
     ALGORITHMS,
     ORACLE_OUTPUT_CONTRACTS,
     ORACLE_STATE_CONTRACTS,
     assert_update_matches_oracle,
 )
-from mlx_gated_delta.testing.strategies import make_core_case
 
 CORE_BFLOAT16_OUTPUT = {a: ORACLE_OUTPUT_CONTRACTS[a, "bfloat16"] for a in ALGORITHMS}
 CORE_STATE = ORACLE_STATE_CONTRACTS

@@ -210,7 +210,7 @@ def test_a_wipe_has_finite_exact_gradients():
         assert np.all(np.isfinite(value)), name
     assert np.all(rule_grads["g"][gamma == 0.0] == 0.0)
     # exp(log(gamma)) rounds, so the decay's gradient is held to the same check.
-    assert_gradients_match({"gamma": rule_grads["decay"]}, {"gamma": expected["gamma"]})
+    assert_gradients_match({"gamma": rule_grads["gamma"]}, {"gamma": expected["gamma"]})
 
 
 @settings(max_examples=15)

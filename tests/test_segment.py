@@ -1,7 +1,7 @@
 """The fused layer segment (docs/contract.md): the errors for bad input and
 the checks tied to the CPU stream. Its property tests (oracle agreement, split
-continuity, masks, T == 0) live in the package, so that
-`python -m mlx_gated_delta selftest` runs them too; collected here by name."""
+continuity, masks, T == 0) are shipped in mlx_gated_delta/tests/test_segment.py,
+so that `python -m mlx_gated_delta selftest` runs them too."""
 
 import mlx.core as mx
 import numpy as np
@@ -9,8 +9,7 @@ import pytest
 
 from mlx_gated_delta import gated_delta_segment
 from mlx_gated_delta.testing.segment_cases import make_segment_case
-from mlx_gated_delta.testing.segment_properties import *  # noqa: F401,F403
-from mlx_gated_delta.testing.segment_properties import run
+from mlx_gated_delta.tests.test_segment import run
 
 # ---------------------------------------------------------------------------
 # Bad input: a clear error naming the argument, at graph construction.

@@ -1,7 +1,7 @@
 """Serving with a patched model: the trimmable cache (restores, window,
 errors, save/load, batching) and mlx-lm's speculative decoding. The
 properties (trim then re-feed, speculative = greedy) live in
-mlx_gated_delta/testing/serving_properties.py and are collected here."""
+mlx_gated_delta/tests/test_serving.py."""
 
 import mlx.core as mx
 import pytest
@@ -20,9 +20,8 @@ from mlx_lm.models.cache import (  # noqa: E402
 
 from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW, TrimmableArraysCache  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import tokens  # noqa: E402
-from mlx_gated_delta.testing.serving_properties import *  # noqa: E402,F401,F403
-from mlx_gated_delta.testing.serving_properties import (  # noqa: E402
+from mlx_gated_delta.tests.test_layers import tokens  # noqa: E402
+from mlx_gated_delta.tests.test_serving import (  # noqa: E402
     KINDS,
     argmax,
     attention_draft,

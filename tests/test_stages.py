@@ -105,7 +105,7 @@ def test_the_segment_oracle_is_its_stages():
     rng = np.random.default_rng(2)
     layout = reference.SegmentLayout(key_heads=1, value_heads=2, key_dim=4, value_dim=3)
     batch, tokens, taps = 2, 7, 3
-    x = rng.standard_normal((batch, tokens, layout.packed_width))
+    x = rng.standard_normal((batch, tokens, layout.mixed_qkvzba_width))
     weight = rng.standard_normal((layout.channels, taps))
     window = rng.standard_normal((batch, taps - 1, layout.channels))
     mask = np.array([[1, 0, 1, 1, 0, 1, 1], [0, 0, 0, 0, 0, 0, 1]], dtype=bool)

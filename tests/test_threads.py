@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_segment
-from mlx_gated_delta.testing.grad_properties import cotangents
 from mlx_gated_delta.testing.guarded import run_core_backward_guarded
-from mlx_gated_delta.testing.properties import ALGORITHMS
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 from mlx_gated_delta.testing.strategies import make_core_case
+from mlx_gated_delta.tests.test_core import ALGORITHMS
+from mlx_gated_delta.tests.test_core_gradients import cotangents
 
 THREADS = 8
 ROUNDS = int(os.environ.get("MLX_GATED_DELTA_THREAD_ROUNDS", "3"))

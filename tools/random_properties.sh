@@ -14,12 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 SUITES=(
-  tests/test_properties.py
-  tests/test_checkpoint_properties.py
-  tests/test_per_key.py
-  tests/test_segment.py
-  tests/test_grad.py
-  tests/test_segment_grad.py
+  mlx_gated_delta/tests/test_core.py
+  mlx_gated_delta/tests/test_checkpoints.py
+  mlx_gated_delta/tests/test_per_key.py
+  mlx_gated_delta/tests/test_segment.py
+  mlx_gated_delta/tests/test_core_gradients.py
+  mlx_gated_delta/tests/test_segment_gradients.py
 )
 seeds=("$@")
 if [ ${#seeds[@]} -eq 0 ]; then seeds=(1 2 3); fi

@@ -180,14 +180,14 @@ std::vector<mx::array> gated_delta_rule_vjp(
   CoreOptions backward = options;
   backward.has_checkpoints = false;
   backward.has_tree = false;
-  backward.has_linear_gate = false;
+  backward.has_gamma = false;
   auto grads = mx::array::make_arrays(
       gradient_shapes(inputs),
       output_dtypes(inputs),
       std::make_shared<GatedDeltaRuleVJP>(stream, backward),
       inputs);
-  const int linear_gate =
-      options.has_linear_gate ? (has_mask ? kMask + 1 : kMask) : -1;
+  const int gamma_argnum =
+      options.has_gamma ? (has_mask ? kMask + 1 : kMask) : -1;
   std::vector<mx::array> result;
   for (int argnum : argnums) {
     switch (argnum) {
@@ -210,7 +210,7 @@ std::vector<mx::array> gated_delta_rule_vjp(
         result.push_back(grads[kDstate]);
         break;
       default:
-        if (argnum == linear_gate) {
+        if (argnum == gamma_argnum) {
           result.push_back(grads[kDDecay]);
         } else {  // the mask: not differentiable
           result.push_back(mx::zeros_like(primals[argnum], stream));

@@ -17,7 +17,7 @@ namespace mlx_gated_delta {
 // core/dispatch.h; Metal through resolve_metal_backward_algorithm).
 class GatedDeltaRuleVJP : public mlx::core::Primitive {
  public:
-  // `options` as the forward's, without checkpoints, tree or linear gate
+  // `options` as the forward's, without checkpoints, tree or gamma
   // (none of them is an input of the backward).
   GatedDeltaRuleVJP(mlx::core::Stream stream, const CoreOptions& options)
       : mlx::core::Primitive(stream), options_(options) {}
@@ -48,7 +48,7 @@ class GatedDeltaRuleVJP : public mlx::core::Primitive {
 
 // GatedDeltaRule's vjp: the gradients of the requested primals. `primals`
 // are the forward primitive's inputs: q, k, v, g, beta, state [, mask]
-// [, linear_gate]; the optional linear gate (gated_delta_update's gamma, of
+// [, gamma]; the optional gamma (gated_delta_update's linear decay, of
 // which g = log(gamma) is the unread-for-gradient copy) receives the
 // gradient of the linear decay, finite and exact where gamma == 0.
 // `options` are the forward call's (its algorithm the one it asked for, Auto

@@ -33,7 +33,7 @@ void bind_core(nb::module_& m) {
          const std::string& state_name,
          const std::optional<mx::array>& checkpoints,
          const std::optional<mx::array>& parents,
-         const std::optional<mx::array>& linear_gate) {
+         const std::optional<mx::array>& gamma) {
         auto out = gated_delta_rule(
             q,
             k,
@@ -50,7 +50,7 @@ void bind_core(nb::module_& m) {
             CoreArgumentNames{g_name, state_name},
             checkpoints,
             parents,
-            linear_gate);
+            gamma);
         return checkpoints ? nb::make_tuple(out[0], out[1], out[2])
                            : nb::make_tuple(out[0], out[1]);
       },
@@ -70,7 +70,7 @@ void bind_core(nb::module_& m) {
       "state_name"_a = "state",
       "checkpoints"_a.none() = nb::none(),
       "parents"_a.none() = nb::none(),
-      "linear_gate"_a.none() = nb::none());
+      "gamma"_a.none() = nb::none());
 }
 
 }  // namespace mlx_gated_delta

@@ -30,7 +30,7 @@ std::vector<mx::array> gated_delta_rule(
     const CoreArgumentNames& names,
     const std::optional<mx::array>& checkpoints,
     const std::optional<mx::array>& parents,
-    const std::optional<mx::array>& linear_gate) {
+    const std::optional<mx::array>& gamma) {
   GatedDeltaParams p;
   p.head_mapping = parse_head_mapping(head_mapping);
   Algorithm requested = parse_algorithm(algorithm);
@@ -95,8 +95,8 @@ std::vector<mx::array> gated_delta_rule(
     inputs.push_back(mx::array(parent_indices.begin(), {p.tokens}, mx::int32));
   }
   // Last: read by the vjp only.
-  if (linear_gate) {
-    inputs.push_back(mx::astype(*linear_gate, mx::float32, stream));
+  if (gamma) {
+    inputs.push_back(mx::astype(*gamma, mx::float32, stream));
   }
   return mx::array::make_arrays(
       shapes,
@@ -115,7 +115,7 @@ std::vector<mx::array> gated_delta_rule(
               .algorithm = p.has_tree ? Algorithm::Recurrent : requested,
               .has_checkpoints = checkpoints.has_value(),
               .has_tree = p.has_tree,
-              .has_linear_gate = linear_gate.has_value()}),
+              .has_gamma = gamma.has_value()}),
       inputs);
 }
 

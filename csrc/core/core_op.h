@@ -12,7 +12,7 @@
 namespace mlx_gated_delta {
 
 // The core recurrence (docs/contract.md). Returns {y, state}, and with
-// checkpoints {y, state, checkpoint states}. `linear_gate`: the
+// checkpoints {y, state, checkpoint states}. `gamma`: the
 // MLX-compatible entry point's gamma, of which `g` is log(gamma) with its
 // gradient stopped; the gradient of the linear decay reaches gamma directly
 // through it.
@@ -32,6 +32,6 @@ std::vector<mlx::core::array> gated_delta_rule(
     const CoreArgumentNames& names = {},
     const std::optional<mlx::core::array>& checkpoints = std::nullopt,
     const std::optional<mlx::core::array>& parents = std::nullopt,
-    const std::optional<mlx::core::array>& linear_gate = std::nullopt);
+    const std::optional<mlx::core::array>& gamma = std::nullopt);
 
 }  // namespace mlx_gated_delta

@@ -107,7 +107,7 @@ struct CoreOptions {
   bool has_tree = false;
   // The linear decay gamma of which g = log(gamma) was taken follows the
   // other inputs (core_primitive.h).
-  bool has_linear_gate = false;
+  bool has_gamma = false;
 
   bool operator==(const CoreOptions&) const = default;
 

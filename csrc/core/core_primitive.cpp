@@ -158,17 +158,17 @@ void GatedDeltaRule::eval_gpu(
     [[maybe_unused]] const std::vector<mx::array>& inputs,
     [[maybe_unused]] std::vector<mx::array>& outputs) {
 #ifdef _METAL_
-  // The linear gate, when present, is the last input and for the vjp only.
+  // gamma, when present, is the last input and for the vjp only.
   const std::vector<mx::array> kernel_inputs(
-      inputs.begin(), inputs.end() - (options_.has_linear_gate ? 1 : 0));
+      inputs.begin(), inputs.end() - (options_.has_gamma ? 1 : 0));
   metal::eval_core_gpu(
       params_for(inputs), options_.algorithm, kernel_inputs, outputs, stream());
 #elif defined(MLX_GATED_DELTA_CUDA)
-  // As on Metal: the linear gate, the vjp's last input, is not the kernels'.
+  // As on Metal: gamma, the vjp's last input, is not the kernels'.
   cuda::eval_core(
       params_for(inputs),
       options_.algorithm,
-      {inputs.begin(), inputs.end() - (options_.has_linear_gate ? 1 : 0)},
+      {inputs.begin(), inputs.end() - (options_.has_gamma ? 1 : 0)},
       outputs,
       stream());
 #else

@@ -15,7 +15,7 @@ namespace mlx_gated_delta {
 // Carries only what changes the result: its CoreOptions (the requested
 // algorithm among them; Auto: eval_cpu and the Metal plan resolve it per
 // shape, and the vjp passes it to the backward, which resolves its own). With
-// `has_linear_gate`, one last input follows: the linear decay gamma of which g
+// `has_gamma`, one last input follows: the linear decay gamma of which g
 // = log(gamma) was taken; the forward does not read it, the vjp gives it the
 // gradient of the linear decay (exact where gamma == 0, where the chain rule
 // through log would be 0 / 0).

@@ -53,7 +53,8 @@ std::vector<const T*> conv_history(
   }
   for (int t = 0; t < p.tokens; ++t) {
     if (is_kept(mask, int64_t(b) * p.tokens + t)) {
-      rows.push_back(mixed + (int64_t(b) * p.tokens + t) * p.packed_width());
+      rows.push_back(
+          mixed + (int64_t(b) * p.tokens + t) * p.mixed_qkvzba_width());
     }
   }
   return rows;
@@ -176,7 +177,7 @@ void prepare_gates(
   }
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
-    const T* row = mixed + r * p.packed_width();
+    const T* row = mixed + r * p.mixed_qkvzba_width();
     for (int h = 0; h < Hv; ++h) {
       const float a = static_cast<float>(row[p.a_offset() + h]);
       const float b = static_cast<float>(row[p.b_offset() + h]);
@@ -203,7 +204,7 @@ void gated_norm(
       std::fill(dst_row, dst_row + int64_t(Hv) * Dv, T(0.0f));
       continue;
     }
-    const T* z_row = mixed + r * p.packed_width() + p.z_offset();
+    const T* z_row = mixed + r * p.mixed_qkvzba_width() + p.z_offset();
     for (int h = 0; h < Hv; ++h) {
       const float* y_head = y + (r * Hv + h) * Dv;
       float sum_squares = 0.0f;
@@ -233,19 +234,30 @@ void gated_delta_segment_forward(
   std::vector<float> y(rows * p.v_width());
 
   prepare_conv(
-      p, io.mixed, io.conv_weight, io.conv_state_in, io.mask, qkv.data());
-  collect_conv_state(p, io.mixed, io.conv_state_in, io.mask, io.conv_state_out);
+      p,
+      io.mixed_qkvzba,
+      io.conv_weight,
+      io.conv_state_in,
+      io.mask,
+      qkv.data());
+  collect_conv_state(
+      p, io.mixed_qkvzba, io.conv_state_in, io.mask, io.conv_state_out);
   if (p.checkpoint_count > 0) {
     collect_conv_checkpoints(
         p,
-        io.mixed,
+        io.mixed_qkvzba,
         io.conv_state_in,
         io.mask,
         io.checkpoints,
         io.conv_checkpoint_states);
   }
   prepare_gates(
-      p, io.mixed, io.decay_parameter, io.dt_bias, g.data(), beta.data());
+      p,
+      io.mixed_qkvzba,
+      io.decay_parameter,
+      io.dt_bias,
+      g.data(),
+      beta.data());
 
   CoreBuffers<float> core;
   core.q = qkv.data();
@@ -265,7 +277,7 @@ void gated_delta_segment_forward(
   core.checkpoint_states = io.checkpoint_states;
   gated_delta_forward<float>(p.core_params(), algorithm, core);
 
-  gated_norm(p, y.data(), io.mixed, io.norm_weight, io.mask, io.out);
+  gated_norm(p, y.data(), io.mixed_qkvzba, io.norm_weight, io.mask, io.out);
 }
 
 #define INSTANTIATE_SEGMENT(T)                  \

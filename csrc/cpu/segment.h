@@ -69,7 +69,7 @@ void gated_norm(
 // `algorithm` must be Recurrent or Chunked (resolve Auto first).
 template <typename T>
 struct SegmentBuffers {
-  const T* mixed;
+  const T* mixed_qkvzba;
   const float* conv_weight;
   const float* decay_parameter;
   const float* dt_bias;

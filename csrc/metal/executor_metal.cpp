@@ -228,7 +228,7 @@ void eval_segment_gpu(
 
   std::map<PlanBuffer, mx::array> arrays;
   const PlanBuffer io[] = {
-      PlanBuffer::Mixed,
+      PlanBuffer::MixedQkvzba,
       PlanBuffer::ConvWeight,
       PlanBuffer::DecayParameter,
       PlanBuffer::DtBias,
@@ -285,7 +285,7 @@ void eval_backward_gpu(
       PlanBuffer::GradKey,
       PlanBuffer::GradValue,
       PlanBuffer::GradGate,
-      PlanBuffer::GradDecay,
+      PlanBuffer::GradGamma,
       PlanBuffer::GradBeta,
       PlanBuffer::GradState};
   for (size_t i = 0; i < 7; ++i)

@@ -47,7 +47,7 @@ struct SegmentParams : ProblemShape {
   int a_offset() const {
     return b_offset() + value_heads;
   }
-  int packed_width() const {
+  int mixed_qkvzba_width() const {
     return a_offset() + value_heads;
   }
 

@@ -84,7 +84,7 @@ void dispatch_segment(
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs) {
   cpu::SegmentBuffers<T> io;
-  io.mixed = inputs[kMixedQkvzba].data<T>();
+  io.mixed_qkvzba = inputs[kMixedQkvzba].data<T>();
   io.conv_weight = inputs[kConvWeight].data<float>();
   io.decay_parameter = inputs[kDecayParameter].data<float>();
   io.dt_bias = inputs[kDtBias].data<float>();

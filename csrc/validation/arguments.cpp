@@ -291,10 +291,10 @@ void check_segment_arguments(
        value_heads,
        key_dim,
        value_dim});
-  if (mixed_qkvzba.shape(2) != p.packed_width()) {
+  if (mixed_qkvzba.shape(2) != p.mixed_qkvzba_width()) {
     std::ostringstream out;
     out << "mixed_qkvzba must have last dimension F = 2*Hk*Dk + 2*Hv*Dv + 2*Hv = "
-        << p.packed_width()
+        << p.mixed_qkvzba_width()
         << " (packed [q | k | v | z | b | a] for Hk=" << key_heads
         << ", Hv=" << value_heads << ", Dk=" << key_dim << ", Dv=" << value_dim
         << "), got shape " << shape_string(mixed_qkvzba.shape());

@@ -36,7 +36,7 @@ void validate_segment_extents(const SegmentParams& p) {
   const uint64_t b = p.batch, t = p.tokens, channels = p.conv_channels();
   check_launch_extent("QKV activation elements", b * t * channels);
   check_launch_extent(
-      "QKVZBA activation elements", b * t * uint64_t(p.packed_width()));
+      "QKVZBA activation elements", b * t * uint64_t(p.mixed_qkvzba_width()));
   check_launch_extent(
       "conv state elements", b * uint64_t(p.conv_state_rows()) * channels);
 }

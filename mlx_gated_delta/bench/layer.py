@@ -48,12 +48,12 @@ def qwen3_next_layers(dtype):
     weights (drawn with seed 0), in ``dtype``."""
     from mlx_lm.models import qwen3_next
 
-    from ..nn import GatedDeltaNet
+    from ..nn import Qwen3NextGatedDeltaNet
 
     mx.random.seed(0)
     stock = qwen3_next.Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
     stock.set_dtype(dtype)
-    ours = GatedDeltaNet(QWEN3_NEXT_LAYER)
+    ours = Qwen3NextGatedDeltaNet(QWEN3_NEXT_LAYER)
     ours.update(stock.parameters())
     mx.eval(stock.parameters())
     return ours, stock

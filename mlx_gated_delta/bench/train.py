@@ -6,7 +6,7 @@ whole layer, on the CPU.
 Core op, for the Qwen3-Next shape (Hk = 16, Hv = 32, Dk = Dv = 128, B = 1,
 bfloat16 activations, float32 gates and state): one training step is
 ``mx.value_and_grad`` of a loss on both outputs with respect to q, k, v, the
-linear gate, beta and the state, so the forward and the backward both run.
+linear decay gamma, beta and the state, so the forward and the backward both run.
 Three implementations:
 
 - ours: ``gated_delta_update`` ("auto": the chunked forward and backward);
@@ -25,7 +25,7 @@ backward computes (counted in ``backward_product_flops``) are divided by that
 time and compared with NumPy's float32 GEMM measured in the same run.
 
 Whole layer: one training step (``nn.value_and_grad`` over the layer's
-parameters, loss = sum of the output) of our ``nn.GatedDeltaNet`` against
+parameters, loss = sum of the output) of our ``nn.Qwen3NextGatedDeltaNet`` against
 mlx-lm's stock ``Qwen3NextGatedDeltaNet`` holding the same weights.
 
 Times are medians of the repeats after a warm-up call (the peers: no warm-up

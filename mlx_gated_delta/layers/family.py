@@ -33,7 +33,7 @@ class Family:
     - `splits_bitwise`: whether that model gives bitwise the same states and
       logits however a prompt is split into calls, so that the serving
       tests can compare a trimmed and re-fed cache with a fresh one bit for
-      bit (testing/serving_properties.py).
+      bit (mlx_gated_delta/tests/test_serving.py).
     """
 
     name: str

@@ -28,7 +28,7 @@ def gated_delta_rule_chunked_reference_vjp(
 ):
     """`gated_delta_rule_reference_vjp` computed by the chunked backward's
     stages (scalar gates, no wipes: the CPU hands a chunk with a wipe to the
-    recurrent reverse). Returns the same dict (without `decay`)."""
+    recurrent reverse). Returns the same dict (without `gamma`)."""
     g64 = to_float64(g)
     if g64.ndim == 4 or np.isneginf(g64).any():
         raise ValueError("the chunked backward reference has scalar gates and no wipes")

@@ -156,7 +156,7 @@ def gated_delta_rule_reference_vjp(
     Given the cotangents of `y` `[B, T, Hv, Dv]` and of the final state
     `[B, Hv, Dv, Dk]` (either may be None: zero), returns a dict of the
     gradients of the inputs: `q`, `k` `[B, T, Hk, Dk]` (summed over the value
-    heads that read each key head), `v`, `g`, `beta`, `state`, and `decay`, the
+    heads that read each key head), `v`, `g`, `beta`, `state`, and `gamma`, the
     gradient with respect to the linear decay `exp(g)` (what
     `gated_delta_update`'s `gamma` receives). At a wipe (`g = -inf`) the
     gradient of `g` is exactly 0 and that of the decay is finite.
@@ -185,7 +185,7 @@ def gated_delta_rule_reference_vjp(
         grads["q"] = qk_norm_backward(raw_q, grads["q"])
         grads["k"] = qk_norm_backward(raw_k, grads["k"])
     # d/dg exp(g) = exp(g): exactly 0 at a wipe, never 0 * inf.
-    grads["g"] = grads["decay"] * np.exp(g)
+    grads["g"] = grads["gamma"] * np.exp(g)
     return grads
 
 
@@ -203,9 +203,8 @@ def gated_delta_update_reference_vjp(
 ):
     """Reverse-mode gradient of `gated_delta_update_reference`, in float64.
 
-    Returns the dict of `gated_delta_rule_reference_vjp` with `gamma` (the
-    gradient of the linear decay, finite and exact at `gamma == 0`) in place
-    of `g` and `decay`.
+    Returns the dict of `gated_delta_rule_reference_vjp` without `g`: `gamma`
+    (the gradient of the linear decay) is finite and exact at `gamma == 0`.
     """
     q, k, v, gamma, beta = (to_float64(x) for x in (q, k, v, gamma, beta))
     grads = _delta_rule_recurrence_vjp(
@@ -221,7 +220,6 @@ def gated_delta_update_reference_vjp(
         "grouped",
         mask,
     )
-    grads["gamma"] = grads.pop("decay")
     return grads
 
 
@@ -322,7 +320,7 @@ def _delta_rule_recurrence_vjp(
         "q": dq_key,
         "k": dk_key,
         "v": dv,
-        "decay": da,
+        "gamma": da,
         "beta": dbeta,
         "state": dS,
     }

@@ -89,7 +89,7 @@ def segment_core_inputs(
     x = to_float64(mixed_qkvzba)
     batch, tokens, width = x.shape
     layout = SegmentLayout(key_heads, value_heads, key_dim, value_dim)
-    if width != layout.packed_width:
+    if width != layout.mixed_qkvzba_width:
         raise ValueError(f"packed width {width} does not match the head layout")
     weight = to_float64(conv_weight).reshape(layout.channels, -1)  # [C, K] or [C, K, 1]
     window = (
@@ -119,7 +119,7 @@ class SegmentLayout:
         self.z_offset = self.channels
         self.b_offset = self.z_offset + self.v_width
         self.a_offset = self.b_offset + value_heads
-        self.packed_width = self.a_offset + value_heads
+        self.mixed_qkvzba_width = self.a_offset + value_heads
 
 
 def prepare_conv(x, weight, window, active, layout):
@@ -161,7 +161,7 @@ def prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization="l
             f"{decay_parameterization!r}"
         )
     b = x[..., layout.b_offset : layout.a_offset]
-    a = x[..., layout.a_offset : layout.packed_width]
+    a = x[..., layout.a_offset : layout.mixed_qkvzba_width]
     g = rate * np.logaddexp(0.0, a + to_float64(dt_bias))  # softplus
     return g, _sigmoid(b)
 

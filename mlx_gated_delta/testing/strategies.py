@@ -16,7 +16,7 @@ Profiles, chosen by MLX_GATED_DELTA_HYPOTHESIS_PROFILE:
   examples each (default 500), every costly property included (`budget`);
   pytest's `--hypothesis-seed=N` picks the seed. The properties must hold for
   any draw, not only for those the derandomized profiles make:
-  `MLX_GATED_DELTA_HYPOTHESIS_PROFILE=random pytest tests/test_properties.py
+  `MLX_GATED_DELTA_HYPOTHESIS_PROFILE=random pytest mlx_gated_delta/tests/test_core.py
   --hypothesis-seed=1`.
 """
 

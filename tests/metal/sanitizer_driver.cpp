@@ -196,7 +196,8 @@ void run_segment(
   const size_t out = tokens * p.v_width();
   const size_t state =
       size_t(p.batch) * p.value_heads * p.value_dim * p.key_dim;
-  auto mixed = activations(rng, tokens * p.packed_width(), shape.dtype, 1.0f);
+  auto mixed =
+      activations(rng, tokens * p.mixed_qkvzba_width(), shape.dtype, 1.0f);
   auto conv_weight =
       floats(rng, size_t(p.conv_channels()) * p.conv_kernel, -0.5f, 0.5f);
   auto decay_parameter = shape.decay == DecayParameterization::LogRate
@@ -212,7 +213,7 @@ void run_segment(
       mask.push_back(std::byte(t % 4 != 1));
   }
   emulator::BufferInputs inputs{
-      {PlanBuffer::Mixed, mixed},
+      {PlanBuffer::MixedQkvzba, mixed},
       {PlanBuffer::ConvWeight, conv_weight},
       {PlanBuffer::DecayParameter, decay_parameter},
       {PlanBuffer::DtBias, dt_bias},
@@ -315,7 +316,7 @@ void run_backward(
       shape.name, "dv", outputs.at(PlanBuffer::GradValue), v, shape.dtype);
   const std::pair<PlanBuffer, size_t> float_outputs[] = {
       {PlanBuffer::GradGate, gates * p.gate_width()},
-      {PlanBuffer::GradDecay, gates * p.gate_width()},
+      {PlanBuffer::GradGamma, gates * p.gate_width()},
       {PlanBuffer::GradBeta, gates},
       {PlanBuffer::GradState, state}};
   for (const auto& [buffer, count] : float_outputs) {

@@ -16,12 +16,14 @@ from mlx_gated_delta.reference import (
     gated_delta_rule_reference_vjp,
     to_float64,
 )
-from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.grad_properties import KIND, cotangents
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
+from mlx_gated_delta.tests import test_core
+from mlx_gated_delta.tests.test_core_gradients import KIND, cotangents
 
-GRADIENTS = ("q", "k", "v", "g", "beta", "state", "decay")
+import metal_emulated
+
+GRADIENTS = ("q", "k", "v", "g", "beta", "state", "gamma")
 CHUNK = 64
 
 # make_core_case recipes: every dtype, scalar and per-key gates, masks, both
@@ -119,7 +121,7 @@ def dtype_of(case):
 def contract(name, dtype):
     # q, k and v come back in the activation dtype; the gates' and the
     # state's gradients are float32 (the kernels read g and beta as float32).
-    kind = KIND["g" if name == "decay" else name]
+    kind = KIND["g" if name == "gamma" else name]
     contract_id = f"core_grad.oracle.v1.{dtype if kind == 'activation_grad' else 'float32'}.{kind}"
     return contract_id
 
@@ -146,7 +148,7 @@ def check_against_the_reference(case, seed=0):
     mask = case.options["mask"]
     if mask is not None:
         skipped = ~np.asarray(mask)
-        for name in ("q", "k", "v", "g", "beta", "decay"):
+        for name in ("q", "k", "v", "g", "beta", "gamma"):
             assert np.all(grads[name][skipped] == 0.0), name
     wiped = np.isneginf(to_float64(case.g))
     assert np.all(grads["g"][wiped] == 0.0)
@@ -257,7 +259,7 @@ def test_boundary_states_are_the_states_entering_each_chunk():
             f"boundary state {chunk}",
             boundaries[:, :, chunk],
             expected,
-            properties.ORACLE_STATE_CONTRACTS["recurrent"],
+            test_core.ORACLE_STATE_CONTRACTS["recurrent"],
             terms=state_terms[:, cut],
         )
 

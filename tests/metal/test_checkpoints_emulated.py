@@ -5,7 +5,7 @@ segment's collect_conv_checkpoints stage collects the conv states; for tree
 verification the recurrent kernels start each token from its parent's kept
 state. Each is
 held to the CPU op's checkpoint states (themselves held to prefix calls by
-tests/test_checkpoint_properties.py), and y and the state to the plan
+mlx_gated_delta/tests/test_checkpoints.py), and y and the state to the plan
 without checkpoints."""
 
 import mlx.core as mx
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import gated_delta_rule, gated_delta_segment
-from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 from mlx_gated_delta.testing.strategies import make_core_case
+
+import metal_emulated
 
 # Float32 state, float32 inputs: the Metal kernels and the CPU kernels sum in
 # different orders, so they agree to rounding, relative to the state's size.

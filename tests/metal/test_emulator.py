@@ -3,10 +3,9 @@ Metal would refuse or what would be undefined on a GPU (divergent barriers,
 limits, writes past a buffer). The probe kernels are in
 csrc/metal/emulator/probes.metal."""
 
+import _mlx_gated_delta_metal_emulator as _metal_emulator
 import numpy as np
 import pytest
-
-from mlx_gated_delta import _metal_emulator
 
 TIMEOUT_MS = 10_000
 

@@ -16,16 +16,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
+from mlx_gated_delta.tests import test_core
+
+import metal_emulated
 
 # The reviewed (id, fingerprint) pairs of the core op's contracts: the Metal
 # kernels compute the same op, so they are held to the same contracts.
-OUTPUT_CONTRACTS = properties.ORACLE_OUTPUT_CONTRACTS
-STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
-SPLIT_CONTRACTS = properties.SPLIT_CONTRACTS
-CHUNKED_VS_RECURRENT = properties.ALGORITHMS_AGREE_CONTRACTS
+OUTPUT_CONTRACTS = test_core.ORACLE_OUTPUT_CONTRACTS
+STATE_CONTRACTS = test_core.ORACLE_STATE_CONTRACTS
+SPLIT_CONTRACTS = test_core.SPLIT_CONTRACTS
+CHUNKED_VS_RECURRENT = test_core.ALGORITHMS_AGREE_CONTRACTS
 
 # (algorithm, the kernel the case must reach, make_core_case arguments).
 ORACLE_CASES = [
@@ -237,7 +239,7 @@ def test_every_kernel_path_matches_the_float64_oracle(algorithm, kernel, recipe)
     y, state, info = emulate(case, algorithm)
     assert info["algorithm"] == algorithm
     assert any(kernel in name for name in info["kernels"]), info["kernels"]
-    properties.assert_matches_oracle(case, y, state, algorithm)
+    test_core.assert_matches_oracle(case, y, state, algorithm)
 
 
 @pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
@@ -253,7 +255,7 @@ def test_a_zero_decay_wipes_the_state_exactly(algorithm):
     case = dataclasses.replace(case, g=mx.array(g))
     y, state, _ = emulate(case, algorithm)
     assert np.isfinite(y).all() and np.isfinite(state).all()
-    properties.assert_matches_oracle(case, y, state, algorithm)
+    test_core.assert_matches_oracle(case, y, state, algorithm)
 
 
 def test_chunked_matches_recurrent():
@@ -270,7 +272,7 @@ def test_chunked_matches_recurrent():
     )
     recurrent_y, recurrent_state, _ = emulate(case, "recurrent")
     chunked_y, chunked_state, _ = emulate(case, "chunked")
-    output_terms, state_terms = properties.oracle_terms(case, "chunked")
+    output_terms, state_terms = test_core.oracle_terms(case, "chunked")
     output_contract, state_contract = CHUNKED_VS_RECURRENT
     assert_matches("y", chunked_y, recurrent_y, output_contract, terms=output_terms)
     assert_matches("state", chunked_state, recurrent_state, state_contract, terms=state_terms)
@@ -300,7 +302,7 @@ def test_split_continuity_any_split_points(algorithm, points, tokens):
             *part, state, scale=case.options["scale"], mask=mask[:, start:stop], algorithm=algorithm
         )
         pieces.append(y)
-    output_terms, state_terms = properties.split_terms(case, bounds, algorithm)
+    output_terms, state_terms = test_core.split_terms(case, bounds, algorithm)
     output_contract, state_contract = SPLIT_CONTRACTS[algorithm]
     y = np.concatenate(pieces, axis=1)
     assert_matches("y", y, whole_y, output_contract, terms=output_terms)
@@ -332,4 +334,4 @@ def test_bfloat16_rounding_matches_mlx():
 )
 def test_drawn_cases_match_the_float64_oracle(algorithm, case):
     y, state, _ = emulate(case, algorithm)
-    properties.assert_matches_oracle(case, y, state, algorithm)
+    test_core.assert_matches_oracle(case, y, state, algorithm)

@@ -14,13 +14,15 @@ from hypothesis import strategies as st
 
 from mlx_gated_delta import reference
 from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
-from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.per_key_properties import PER_KEY_VS_SCALAR
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
+from mlx_gated_delta.tests import test_core
+from mlx_gated_delta.tests.test_per_key import PER_KEY_VS_SCALAR
 
-OUTPUT_CONTRACTS = properties.ORACLE_OUTPUT_CONTRACTS
-STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
+import metal_emulated
+
+OUTPUT_CONTRACTS = test_core.ORACLE_OUTPUT_CONTRACTS
+STATE_CONTRACTS = test_core.ORACLE_STATE_CONTRACTS
 CHUNKED_STAGES = ("gate_cumsum", "kkt_inverse", "recompute_w_u", "chunk_qk", "chunk_carry")
 
 
@@ -38,7 +40,7 @@ def run_chunked(case, **overrides):
 
 def assert_matches_oracle(case, y, state):
     assert np.isfinite(y).all() and np.isfinite(state).all()
-    properties.assert_matches_oracle(case, y, state, "chunked")
+    test_core.assert_matches_oracle(case, y, state, "chunked")
 
 
 # Chunk edges (63, 64, 65, 128, 130 tokens), masks, both mappings, the three
@@ -136,7 +138,7 @@ def test_channel_wipes_at_chunk_edges_match_the_oracle(data):
     case = make_core_case(
         data.draw(st.integers(0, 2**32 - 1)),
         batch=data.draw(st.integers(1, 2)),
-        tokens=data.draw(st.sampled_from(properties.EDGE_TOKENS)),
+        tokens=data.draw(st.sampled_from(test_core.EDGE_TOKENS)),
         key_heads=1,
         value_heads=data.draw(st.sampled_from((1, 2))),
         key_dim=data.draw(st.sampled_from((16, 32))),
@@ -199,7 +201,7 @@ def test_equal_channels_give_the_scalar_gate_result(case):
         **case.options,
     )
     assert info["algorithm"] == "chunked"
-    output_terms, state_terms = properties.oracle_terms(case, "chunked")
+    output_terms, state_terms = test_core.oracle_terms(case, "chunked")
     assert_matches("y", per_key_y, scalar_y, PER_KEY_VS_SCALAR["output"], terms=output_terms)
     assert_matches(
         "state", per_key_state, scalar_state, PER_KEY_VS_SCALAR["state"], terms=state_terms
@@ -227,7 +229,7 @@ def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():
     wrong_y, wrong_state = gated_delta_rule_reference(
         case.q, case.k, case.v, channel_0, case.beta, case.state, **case.options
     )
-    output_terms, state_terms = properties.oracle_terms(case, "chunked")
+    output_terms, state_terms = test_core.oracle_terms(case, "chunked")
     with pytest.raises(AssertionError, match="violated"):
         assert_matches("y", y, wrong_y, OUTPUT_CONTRACTS["chunked", "float32"], terms=output_terms)
     with pytest.raises(AssertionError, match="violated"):
@@ -235,7 +237,7 @@ def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():
 
 
 def test_a_huge_entry_state_beside_severe_channels():
-    # The CPU's case (per_key_properties.py) on the Metal chunked stages: the
+    # The CPU's case (mlx_gated_delta/tests/test_per_key.py) on the Metal chunked stages: the
     # 1e18 entry state passes through terms far larger than the final state,
     # and the chunked contract measures against them (docs/numerics.md).
     case = make_core_case(

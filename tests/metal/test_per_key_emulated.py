@@ -10,12 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
-from mlx_gated_delta.testing import metal_emulated, properties
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.strategies import core_cases, make_core_case
+from mlx_gated_delta.tests import test_core
 
-OUTPUT_CONTRACTS = properties.ORACLE_OUTPUT_CONTRACTS
-STATE_CONTRACTS = properties.ORACLE_STATE_CONTRACTS
+import metal_emulated
+
+OUTPUT_CONTRACTS = test_core.ORACLE_OUTPUT_CONTRACTS
+STATE_CONTRACTS = test_core.ORACLE_STATE_CONTRACTS
 
 # (the kernel the case must reach, make_core_case arguments); T past one chunk
 # too, where scalar gates would run the chunked stages.
@@ -115,7 +117,7 @@ def test_per_key_gates_on_the_recurrent_kernels_match_the_oracle(kernel, recipe,
     assert info["algorithm"] == "recurrent"
     assert any(kernel in name for name in info["kernels"]), info["kernels"]
     assert not np.isnan(y).any() and not np.isnan(state).any()
-    properties.assert_matches_oracle(case, y, state, "recurrent")
+    test_core.assert_matches_oracle(case, y, state, "recurrent")
 
 
 @settings(max_examples=8)
@@ -123,7 +125,7 @@ def test_per_key_gates_on_the_recurrent_kernels_match_the_oracle(kernel, recipe,
 def test_per_key_gates_match_the_oracle_on_drawn_cases(case):
     y, state, info = metal_emulated.run(*case.args(), **case.options)
     assert info["algorithm"] == "recurrent"
-    properties.assert_matches_oracle(case, y, state, "recurrent")
+    test_core.assert_matches_oracle(case, y, state, "recurrent")
 
 
 def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():
@@ -151,7 +153,7 @@ def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():
         case.state,
         **case.options,
     )
-    output_terms, _ = properties.oracle_terms(case, "recurrent")
+    output_terms, _ = test_core.oracle_terms(case, "recurrent")
     with pytest.raises(AssertionError, match="violated"):
         assert_matches("y", y, wrong, OUTPUT_CONTRACTS["recurrent", "float32"], terms=output_terms)
 

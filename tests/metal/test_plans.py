@@ -4,7 +4,7 @@ Qwen3-Next prefill the design is sized for."""
 
 import pytest
 
-from mlx_gated_delta.testing import metal_emulated
+import metal_emulated
 
 QWEN3_NEXT = dict(batch=1, tokens=8192, key_heads=16, value_heads=32, key_dim=128, value_dim=128)
 CHUNKED_STAGES = [

@@ -12,13 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
-from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches as check
 from mlx_gated_delta.testing.segment_cases import (
     make_segment_case,
     segment_cases,
     segment_out_terms,
 )
+
+import metal_emulated
 
 SEGMENT_STAGES = ("prepare_conv", "prepare_gates", "collect_conv_state", "gated_norm")
 

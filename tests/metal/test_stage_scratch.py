@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import reference
-from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches as check
+
+import metal_emulated
 
 # Dk = 128 with two value heads per key head: the plan runs every chunked
 # stage, k_gram included (uses_chunk_k_gram_k128). 150 tokens: two full
@@ -229,7 +230,7 @@ def segment_case():
     f32 = np.float32
     batch, tokens, taps = 2, 9, 4
     layout = reference.SegmentLayout(**SEGMENT)
-    mixed = rng.standard_normal((batch, tokens, layout.packed_width)).astype(f32)
+    mixed = rng.standard_normal((batch, tokens, layout.mixed_qkvzba_width)).astype(f32)
     conv_weight = (0.5 * rng.standard_normal((layout.channels, taps))).astype(f32)
     decay_parameter = rng.standard_normal(SEGMENT["value_heads"]).astype(f32)
     dt_bias = rng.standard_normal(SEGMENT["value_heads"]).astype(f32)

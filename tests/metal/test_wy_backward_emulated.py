@@ -14,12 +14,13 @@ import pytest
 
 from mlx_gated_delta import gated_delta_rule
 from mlx_gated_delta.reference import gated_delta_rule_reference_vjp, to_float64
-from mlx_gated_delta.testing import metal_emulated
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.grad_properties import KIND, cotangents
 from mlx_gated_delta.testing.strategies import make_core_case
+from mlx_gated_delta.tests.test_core_gradients import KIND, cotangents
 
-GRADIENTS = ("q", "k", "v", "g", "beta", "state", "decay")
+import metal_emulated
+
+GRADIENTS = ("q", "k", "v", "g", "beta", "state", "gamma")
 CHUNK = 64
 
 # Scalar gates only (per-key gates keep the recurrent form): every dtype,
@@ -115,7 +116,7 @@ def dtype_of(case):
 
 
 def contract(name, dtype, family="oracle"):
-    kind = KIND["g" if name == "decay" else name]
+    kind = KIND["g" if name == "gamma" else name]
     precision = dtype if kind == "activation_grad" else "float32"
     contract_id = f"core_grad.{family}.v1.{precision}.{kind}"
     return contract_id
@@ -156,7 +157,7 @@ def test_chunked_backward_matches_the_float64_reference_vjp(recipe):
     mask = case.options["mask"]
     if mask is not None:
         skipped = ~np.asarray(mask)
-        for name in ("q", "k", "v", "g", "beta", "decay"):
+        for name in ("q", "k", "v", "g", "beta", "gamma"):
             assert np.all(grads[name][skipped] == 0.0), name
     assert np.all(grads["g"][np.isneginf(to_float64(case.g))] == 0.0)
 
@@ -220,8 +221,8 @@ def test_the_linear_decay_gradient_matches_the_reference():
         *case.args(), y_cotangent=wy, state_cotangent=ws, **case.options
     )
     assert np.isneginf(to_float64(case.g)).any()
-    assert np.isfinite(grads["decay"]).all()
-    assert_matches("d_decay", grads["decay"], expected["decay"], contract("decay", "float32"))
+    assert np.isfinite(grads["gamma"]).all()
+    assert_matches("d_decay", grads["gamma"], expected["gamma"], contract("gamma", "float32"))
 
 
 def test_auto_takes_the_chunked_form_from_8_tokens_with_scalar_gates():

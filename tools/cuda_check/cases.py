@@ -283,7 +283,7 @@ def backward_cotangents(case):
     state a backward case is run with, as float32 NumPy arrays."""
     import numpy as np
 
-    from mlx_gated_delta.testing import metal_emulated
+    import metal_emulated  # on the path export.py and compare.py set
 
     rng = np.random.default_rng(7)
     dtype = case.recipe["dtype"]

@@ -10,7 +10,10 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+# metal_emulated.py lives beside the emulator's tests, outside the package.
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "metal"))
 from cases import (  # noqa: E402
     BACKWARD_CASES,
     CASES,
@@ -21,13 +24,14 @@ from cases import (  # noqa: E402
 )
 
 from mlx_gated_delta.reference import gated_delta_rule_reference_vjp  # noqa: E402
-from mlx_gated_delta.testing import metal_emulated  # noqa: E402
 from mlx_gated_delta.testing.contracts import CONTRACTS, assert_matches  # noqa: E402
-from mlx_gated_delta.testing.properties import (  # noqa: E402
+from mlx_gated_delta.tests.test_core import (  # noqa: E402
     ORACLE_OUTPUT_CONTRACTS,
     ORACLE_STATE_CONTRACTS,
     oracle_terms,
 )
+
+import metal_emulated  # noqa: E402
 
 
 def compare_segment(name, results):
@@ -117,7 +121,7 @@ BACKWARD_GRADIENTS = {
     "dk": ("k", "activation_grad"),
     "dv": ("v", "activation_grad"),
     "dg": ("g", "gate_grad"),
-    "d_decay": ("decay", "gate_grad"),
+    "d_decay": ("gamma", "gate_grad"),
     "dbeta": ("beta", "gate_grad"),
     "dstate": ("state", "state_grad"),
 }

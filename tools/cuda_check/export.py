@@ -18,6 +18,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+# metal_emulated.py lives beside the emulator's tests, outside the package.
+sys.path.insert(0, os.path.join(ROOT, "tests", "metal"))
 from cases import (  # noqa: E402
     BACKWARD_CASES,
     CASES,
@@ -85,7 +87,7 @@ def json_ready(plan, dtype):
 
 
 def export_segment_case(name, algorithm, case, arrays, checkpoints=None):
-    from mlx_gated_delta.testing import metal_emulated
+    import metal_emulated
 
     recipe = case.recipe
     dtype = recipe["dtype"]
@@ -141,7 +143,7 @@ def export_segment_case(name, algorithm, case, arrays, checkpoints=None):
 
 
 def export_core_case(name, algorithm, case, arrays, checkpoints=None, parents=None):
-    from mlx_gated_delta.testing import metal_emulated
+    import metal_emulated
 
     recipe = case.recipe
     dtype = recipe["dtype"]
@@ -191,7 +193,7 @@ def export_core_case(name, algorithm, case, arrays, checkpoints=None, parents=No
 
 
 def export_backward_case(name, algorithm, case, arrays):
-    from mlx_gated_delta.testing import metal_emulated
+    import metal_emulated
 
     recipe = case.recipe
     dtype = recipe["dtype"]

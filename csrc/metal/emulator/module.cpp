@@ -1,9 +1,9 @@
-// _mlx_gated_delta_metal_emulator, imported as mlx_gated_delta._metal_emulator:
-// the Metal plans and kernels run on the CPU, for tests. It binds the params
-// and the plan as classes, and a handful of functions over them: build a
-// plan, run a plan, run one kernel. mlx_gated_delta/testing/metal_emulated.py
-// composes them into the calls the tests make. Not part of the op's fast
-// path; raw bytes in and out keep it free of MLX types.
+// _mlx_gated_delta_metal_emulator: the Metal plans and kernels run on the
+// CPU, for tests. It binds the params and the plan as classes, and a handful
+// of functions over them: build a plan, run a plan, run one kernel.
+// tests/metal/metal_emulated.py composes them into the calls the tests make.
+// Not part of the op's fast path; raw bytes in and out keep it free of MLX
+// types.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/string.h>

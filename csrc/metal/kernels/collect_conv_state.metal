@@ -25,7 +25,7 @@ inline T conv_state_entry(constant SegmentKernelParams& p, const device T* mixed
     }
   }
   if (token >= 0) {
-    return mixed[(b * p.tokens + uint(token)) * p.packed_width + c];
+    return mixed[(b * p.tokens + uint(token)) * p.mixed_qkvzba_width + c];
   }
   return conv_state_in[(b * rows + rows - wanted) * p.conv_channels + c];
 }

@@ -37,7 +37,7 @@ template <typename T>
   }
   squares = simd_sum(squares);
   const float inverse_rms = 1.0f / sqrt(squares / float(p.value_dim) + p.norm_eps);
-  const device T* z = mixed + token_row * p.packed_width + p.z_offset + h * p.value_dim;
+  const device T* z = mixed + token_row * p.mixed_qkvzba_width + p.z_offset + h * p.value_dim;
   for (uint d = lane; d < p.value_dim; d += 32) {
     destination[d] = T(y_row[d] * inverse_rms * norm_weight[d] * segment_silu(float(z[d])));
   }

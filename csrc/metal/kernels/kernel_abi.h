@@ -88,9 +88,9 @@ struct SegmentKernelParams {
   unsigned int value_heads;
   unsigned int key_dim;
   unsigned int value_dim;
-  unsigned int conv_kernel;    // K taps; the conv state keeps K - 1 rows
-  unsigned int conv_channels;  // C = 2 * Hk * Dk + Hv * Dv
-  unsigned int packed_width;   // F = C + Hv * Dv + 2 * Hv
+  unsigned int conv_kernel;         // K taps; the conv state keeps K - 1 rows
+  unsigned int conv_channels;       // C = 2 * Hk * Dk + Hv * Dv
+  unsigned int mixed_qkvzba_width;  // F = C + Hv * Dv + 2 * Hv
   unsigned int z_offset;
   unsigned int b_offset;
   unsigned int a_offset;

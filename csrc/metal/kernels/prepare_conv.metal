@@ -37,7 +37,7 @@ template <typename T>
       }
       float x;
       if (token >= 0) {
-        x = float(mixed[(b * p.tokens + uint(token)) * p.packed_width + c]);
+        x = float(mixed[(b * p.tokens + uint(token)) * p.mixed_qkvzba_width + c]);
         --token;
       } else {
         x = float(conv_state[(b * (p.conv_kernel - 1) + uint(state_row)) * p.conv_channels + c]);

@@ -19,10 +19,10 @@ template <typename T>
     return;
   }
   const uint h = index % p.value_heads;
-  const device T* packed = mixed + (index / p.value_heads) * p.packed_width;
+  const device T* row = mixed + (index / p.value_heads) * p.mixed_qkvzba_width;
   const float rate = p.log_rate != 0 ? -exp(decay_parameter[h]) : decay_parameter[h];
-  g[index] = rate * segment_softplus(float(packed[p.a_offset + h]) + dt_bias[h]);
-  beta[index] = segment_sigmoid(float(packed[p.b_offset + h]));
+  g[index] = rate * segment_softplus(float(row[p.a_offset + h]) + dt_bias[h]);
+  beta[index] = segment_sigmoid(float(row[p.b_offset + h]));
 }
 
 instantiate_kernel("gated_delta_segment_prepare_gates_float32", gated_delta_segment_prepare_gates, float)

@@ -58,7 +58,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     add_buffer(GradKey, B * T * Hk * Dk * e, output);
     add_buffer(GradValue, B * T * Hv * Dv * e, output);
     add_buffer(GradGate, gates * 4, output);
-    add_buffer(GradDecay, gates * 4, output);
+    add_buffer(GradGamma, gates * 4, output);
     add_buffer(GradBeta, B * T * Hv * 4, output);
     add_buffer(GradState, state * 4, output);
     add_scratch(BoundaryStates, "boundary state elements", C * state, 4);
@@ -176,7 +176,7 @@ struct BackwardPlanBuilder : PlanBuilder {
              {10, KeyHeadGrad},
              {11, GradValue},
              {12, GradGate},
-             {13, GradDecay},
+             {13, GradGamma},
              {14, GradBeta}},
             15,
             {GradState,
@@ -184,7 +184,7 @@ struct BackwardPlanBuilder : PlanBuilder {
              KeyHeadGrad,
              GradValue,
              GradGate,
-             GradDecay,
+             GradGamma,
              GradBeta});
     d.chunk = ChunkScalar{16, chunk};
     const double length = double(
@@ -385,12 +385,12 @@ struct BackwardPlanBuilder : PlanBuilder {
              {1, Mask},
              {2, GateCumsumGrad},
              {3, GradGate},
-             {4, GradDecay},
+             {4, GradGamma},
              {5, GradBeta},
              {6, QueryHeadGrad},
              {7, KeyHeadGrad}},
             8,
-            {GradGate, GradDecay, GradBeta, QueryHeadGrad, KeyHeadGrad});
+            {GradGate, GradGamma, GradBeta, QueryHeadGrad, KeyHeadGrad});
     // dG and g read, dg and d_decay written (masked tokens' rows cleared too:
     // not counted).
     d.bytes_moved = chunk_test_bytes(double(T)) + B * Hv * T * 16.0;

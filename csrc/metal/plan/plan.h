@@ -64,7 +64,7 @@ enum class PlanBuffer : int {
   U,  // [B, Hv, C*64, Dv] U, then v' = U - W S^T (chunk_carry)
   QK,  // [B, Hk, C, 64, 64] q_i . k_j
   OutputInter,  // [B, Hv, C*64, Dv] scale * decay * S_chunk_entry q_i
-  Mixed,  // [B, T, F] packed [q | k | v | z | b | a], activation dtype
+  MixedQkvzba,  // [B, T, F] packed [q | k | v | z | b | a], activation dtype
   ConvWeight,  // [C, K]
   DecayParameter,  // [Hv]
   DtBias,  // [Hv]
@@ -86,7 +86,7 @@ enum class PlanBuffer : int {
   GradKey,  // [B, T, Hk, Dk]
   GradValue,  // [B, T, Hv, Dv]
   GradGate,  // the shape of g
-  GradDecay,  // the shape of g: wrt the linear decay exp(g)
+  GradGamma,  // the shape of g: wrt the linear decay exp(g)
   GradBeta,  // [B, T, Hv]
   GradState,  // [B, Hv, Dv, Dk], also the carried dS while chunks are walked
   BoundaryStates,  // [B, Hv, C, Dv, Dk] the state entering each chunk

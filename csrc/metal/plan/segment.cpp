@@ -14,7 +14,7 @@ namespace {
 // float32 scratch between them, and the segment's own buffers are added.
 struct SegmentPlanBuilder : PlanBuilder {
   const SegmentParams& sp;
-  uint64_t channels, packed, taps, conv_rows, segment_e;
+  uint64_t channels, mixed_qkvzba_width, taps, conv_rows, segment_e;
   unsigned channel_threads, channel_groups;
 
   SegmentPlanBuilder(
@@ -27,7 +27,7 @@ struct SegmentPlanBuilder : PlanBuilder {
     using enum PlanBuffer;
     plan.dtype = dtype;
     channels = sp.conv_channels();
-    packed = sp.packed_width();
+    mixed_qkvzba_width = sp.mixed_qkvzba_width();
     taps = sp.conv_kernel;
     conv_rows = sp.conv_state_rows();
     segment_e = element_bytes(dtype);
@@ -44,9 +44,9 @@ struct SegmentPlanBuilder : PlanBuilder {
         spec.role = BufferRole::Scratch;
       }
     }
-    const uint64_t Fe = B * T * packed * segment_e,
+    const uint64_t Fe = B * T * mixed_qkvzba_width * segment_e,
                    state_bytes = B * conv_rows * channels * segment_e;
-    add_buffer(Mixed, Fe, BufferRole::Input);
+    add_buffer(MixedQkvzba, Fe, BufferRole::Input);
     add_buffer(ConvWeight, channels * taps * 4, BufferRole::Input);
     add_buffer(DecayParameter, Hv * 4, BufferRole::Input);
     add_buffer(DtBias, Hv * 4, BufferRole::Input);
@@ -68,7 +68,7 @@ struct SegmentPlanBuilder : PlanBuilder {
     set_kernel_shape(k, sp);
     k.conv_kernel = sp.conv_kernel;
     k.conv_channels = unsigned(channels);
-    k.packed_width = unsigned(packed);
+    k.mixed_qkvzba_width = unsigned(mixed_qkvzba_width);
     k.z_offset = sp.z_offset();
     k.b_offset = sp.b_offset();
     k.a_offset = sp.a_offset();
@@ -104,7 +104,7 @@ struct SegmentPlanBuilder : PlanBuilder {
         "prepare_conv",
         {channel_groups, unsigned(T), unsigned(B)},
         channel_threads,
-        {{0, Mixed},
+        {{0, MixedQkvzba},
          {1, ConvWeight},
          {2, ConvStateIn},
          {3, Mask},
@@ -126,7 +126,11 @@ struct SegmentPlanBuilder : PlanBuilder {
         "prepare_gates",
         {ceil_div(B * T * Hv, kSegmentThreads), 1, 1},
         kSegmentThreads,
-        {{0, Mixed}, {1, DecayParameter}, {2, DtBias}, {3, Gate}, {4, Beta}},
+        {{0, MixedQkvzba},
+         {1, DecayParameter},
+         {2, DtBias},
+         {3, Gate},
+         {4, Beta}},
         5,
         {Gate, Beta});
     d.bytes_moved = double(B * T * Hv * (2 * segment_e + 8));
@@ -139,7 +143,7 @@ struct SegmentPlanBuilder : PlanBuilder {
         "collect_conv_state",
         {channel_groups, unsigned(conv_rows), unsigned(B)},
         channel_threads,
-        {{0, Mixed}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}},
+        {{0, MixedQkvzba}, {1, ConvStateIn}, {2, Mask}, {3, ConvStateOut}},
         4,
         {ConvStateOut});
     d.bytes_moved = double(2 * B * conv_rows * channels * segment_e);
@@ -156,7 +160,7 @@ struct SegmentPlanBuilder : PlanBuilder {
          unsigned(conv_rows),
          unsigned(sp.checkpoint_count * B)},
         channel_threads,
-        {{0, Mixed},
+        {{0, MixedQkvzba},
          {1, ConvStateIn},
          {2, Mask},
          {3, Checkpoints},
@@ -174,7 +178,7 @@ struct SegmentPlanBuilder : PlanBuilder {
         {ceil_div(B * T * Hv, kGatedNormRowsPerThreadgroup), 1, 1},
         kGatedNormRowsPerThreadgroup * 32,
         {{0, Output},
-         {1, Mixed},
+         {1, MixedQkvzba},
          {2, NormWeight},
          {3, Mask},
          {4, SegmentOutput}},

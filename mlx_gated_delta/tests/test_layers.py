@@ -5,8 +5,8 @@ the same greedy tokens; prefill then token-by-token decode through the cache
 gives the full forward's logits. Probes show the parity checks catch the
 layer bugs each family invites.
 
-Ordinary pytest functions, run both by the repository's suite
-(`tests/test_layer.py`, which also uses the helpers here) and by
+Ordinary pytest functions, run both by the repository's `pytest` (whose
+`tests/test_layer.py` also uses the helpers here) and by
 `python -m mlx_gated_delta selftest`, on the default device. They need mlx-lm
 (`pip install "mlx-gated-delta[mlx-lm]"`) and are skipped without it.
 """

@@ -5,8 +5,8 @@ fed them, however the tokens were split into calls; and mlx-lm's
 speculative decoding yields exactly the greedy tokens, with a
 pure-attention draft and with a hybrid one, whatever the draft accepts.
 
-Run by the repository's suite (`tests/test_serving.py`) and by
-`python -m mlx_gated_delta selftest`, on the default device. They need mlx-lm
+Run by the repository's `pytest` and by `python -m mlx_gated_delta selftest`, on the
+default device. They need mlx-lm
 and are skipped without it.
 """
 
@@ -29,7 +29,7 @@ from mlx_gated_delta.cache import DEFAULT_TRIM_WINDOW  # noqa: E402
 from mlx_gated_delta.layers import FAMILIES  # noqa: E402
 from mlx_gated_delta.layers.families.tiny import VOCAB  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.layer_properties import (  # noqa: E402
+from mlx_gated_delta.tests.test_layers import (  # noqa: E402
     FAMILY,
     family_model,
     tokens,

@@ -3,9 +3,9 @@ agreement with the float64 oracle over both decay
 parameterizations, both head mappings, the activation dtypes and masks; split
 continuity of out, conv state and state; the skip semantics of masks; T == 0.
 
-Ordinary pytest functions, run both by the repository's suite
-(`tests/test_segment.py`, which keeps the bad-input errors and the checks tied
-to the CPU stream) and by `python -m mlx_gated_delta selftest`, on the default
+Ordinary pytest functions, run both by the repository's `pytest` (whose
+`tests/test_segment.py` keeps the bad-input errors and the checks tied to the
+CPU stream) and by `python -m mlx_gated_delta selftest`, on the default
 device. The budget comes from the Hypothesis profile chosen by
 MLX_GATED_DELTA_HYPOTHESIS_PROFILE (see `strategies`).
 """
@@ -349,7 +349,7 @@ def test_vmap_over_the_weights_is_refused_clearly():
 
 def test_jvp_through_the_segment_raises_a_clear_error():
     # No forward mode yet: refused, never silently wrong (or zero). The
-    # gradient (reverse mode) is tested in segment_grad_properties.
+    # gradient (reverse mode) is tested in test_segment_gradients.
     case = make_segment_case(
         7, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8, value_dim=8
     )

@@ -1,7 +1,7 @@
 """Property tests of the gradients of the core op (docs/contract.md, gradients).
 
-Ordinary pytest functions, collected by `tests/test_grad.py` (and runnable by
-`python -m mlx_gated_delta selftest` like the other property modules). Every
+Ordinary pytest functions, run by the repository's `pytest` and by
+`python -m mlx_gated_delta selftest` like the other property modules. Every
 gradient here is taken on the CPU stream; the Metal backward is held to the
 same contracts in the emulator (`tests/metal/test_backward_emulated.py`).
 The loss is <y, Wy> + <S_final, WS>: its gradient is the vjp with the
@@ -329,7 +329,7 @@ def update_with_algorithm(q, k, v, gamma, beta, state, algorithm):
         mx.cpu,
         g_name="gamma",
         state_name="initial_state",
-        linear_gate=gamma,
+        gamma=gamma,
     )
 
 

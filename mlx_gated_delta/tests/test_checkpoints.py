@@ -6,8 +6,8 @@ calls over the same prefixes, masks included, and y and the state are those
 of the call without checkpoints; a tree of tokens (`parents=...`) gives every
 token the output and state of the sequential call along its path.
 
-Run by the repository's suite (`tests/test_checkpoint_properties.py`) and by
-`python -m mlx_gated_delta selftest`, on the default device.
+Run by the repository's `pytest` and by `python -m mlx_gated_delta selftest`, on the
+default device.
 """
 
 import mlx.core as mx
@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_rule, gated_delta_segment
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.properties import (
+from mlx_gated_delta.testing.segment_cases import segment_cases
+from mlx_gated_delta.testing.strategies import core_cases
+from mlx_gated_delta.tests.test_core import (
     ALGORITHMS,
     SPLIT_CONTRACTS,
     SPLIT_DTYPES,
     assert_bitwise_equal,
 )
-from mlx_gated_delta.testing.segment_cases import segment_cases
-from mlx_gated_delta.testing.strategies import core_cases
 
 SEGMENT_SPLIT_STATE = "segment.chunked_split.v2.float32.state"
 

@@ -1,8 +1,7 @@
 """Property tests of the core op `gated_delta_rule` (docs/contract.md).
 
-Ordinary pytest functions, run both by the repository's suite
-(`tests/test_properties.py`) and by `python -m mlx_gated_delta selftest`, on
-the default device. The budget comes from the Hypothesis profile chosen by
+Ordinary pytest functions, run both by the repository's `pytest` and by
+`python -m mlx_gated_delta selftest`, on the default device. The budget comes from the Hypothesis profile chosen by
 MLX_GATED_DELTA_HYPOTHESIS_PROFILE (see `strategies`).
 """
 

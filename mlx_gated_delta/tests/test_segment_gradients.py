@@ -1,7 +1,7 @@
 """Property tests of the fused segment's gradients (docs/contract.md, gradients).
 
-Ordinary pytest functions, collected by `tests/test_segment_grad.py` and run
-by `python -m mlx_gated_delta selftest`. The backward runs on the CPU only so
+Ordinary pytest functions, run by the repository's `pytest` and by
+`python -m mlx_gated_delta selftest`. The backward runs on the CPU only so
 far, so every gradient here is taken on the CPU stream. The loss is
 <out, W_out> + <conv_state, W_conv> + <state, W_state> (each term optional):
 its gradient is the segment's vjp for those cotangents. The reference is the

@@ -2,8 +2,8 @@
 `[B, T, Hv, Dk]`, column c of the state decaying by `exp(g[t, h, c])`
 (docs/contract.md). The scalar gates' contracts hold unchanged.
 
-Run by the repository's suite (`tests/test_per_key.py`) and by
-`python -m mlx_gated_delta selftest`, on the default device.
+Run by the repository's `pytest` and by `python -m mlx_gated_delta selftest`, on the
+default device.
 """
 
 import dataclasses
@@ -22,13 +22,8 @@ from mlx_gated_delta.reference import (
     to_float64,
 )
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.grad_properties import (
-    SHORT_TOKENS,
-    assert_gradients_match,
-    case_gradients,
-    cotangents,
-)
-from mlx_gated_delta.testing.properties import (
+from mlx_gated_delta.testing.strategies import budget, core_cases, make_core_case
+from mlx_gated_delta.tests.test_core import (
     ALGORITHMS,
     ALGORITHMS_AGREE_CONTRACTS,
     EDGE_TOKENS,
@@ -42,7 +37,12 @@ from mlx_gated_delta.testing.properties import (
     run_in_calls,
     split_terms,
 )
-from mlx_gated_delta.testing.strategies import budget, core_cases, make_core_case
+from mlx_gated_delta.tests.test_core_gradients import (
+    SHORT_TOKENS,
+    assert_gradients_match,
+    case_gradients,
+    cotangents,
+)
 
 # Per-key gates whose channels are all equal against the scalar gate: y,
 # then the state (against the terms of the algorithm that ran both).

@@ -6,11 +6,18 @@ sentinel guards checked). For tests; the op itself never calls this.
 NumPy (or mlx) arrays in, NumPy out, with the meaning of the core op
 and of the fused layer segment (docs/contract.md). bfloat16, which NumPy lacks, comes in as mlx bfloat16
 arrays or as `dtype="bfloat16"` with float arrays that the wrapper rounds.
+
+The binary is csrc/metal/emulator/module.cpp, installed on Linux as the top-level
+module ``_mlx_gated_delta_metal_emulator`` (outside the package, so that a source
+checkout shadowing the installed package still reaches it). It binds the params
+(``CoreParams``, ``SegmentParams``) and the ``Plan`` as classes, with ``make_plan``,
+``make_segment_plan``, ``make_backward_plan``, ``Plan.run`` (buffers by name) and
+``run_kernel``; this module builds its calls on them. It lives beside the tests that
+use it (and tools/cuda_check, which puts this folder on its path), not in the wheel.
 """
 
+import _mlx_gated_delta_metal_emulator as _metal_emulator
 import numpy as np
-
-from mlx_gated_delta import _metal_emulator
 
 ACTIVATION_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -207,7 +214,7 @@ def gated_delta_rule_vjp(
         grads[name] = _activation_values(buffers[buffer], dtype).reshape(shape)
     for name, buffer, shape in (
         ("g", "dg", g.shape),
-        ("decay", "d_decay", g.shape),
+        ("gamma", "d_decay", g.shape),
         ("beta", "dbeta", beta.shape),
         ("state", "dstate", state_shape),
     ):
@@ -688,7 +695,7 @@ def _activation_values(data, dtype):
 
 
 def main(argv=None):
-    """`python -m mlx_gated_delta.testing.metal_emulated [B T Hk Hv Dk Dv] [--dtype D]
+    """`python tests/metal/metal_emulated.py [B T Hk Hv Dk Dv] [--dtype D]
     [--algorithm A] [--normalize-qk] [--segment K] [--backward]`: prints a plan
     (default: the Qwen3-Next prefill, B=1 T=8192 Hk=16 Hv=32 D=128, bfloat16);
     with `--segment K` the fused segment's plan with a K-tap conv, with

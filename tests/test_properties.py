@@ -1,4 +1,0 @@
-"""The property tests of the core op live in the package, so that
-`python -m mlx_gated_delta selftest` runs them too; collected here by name."""
-
-from mlx_gated_delta.testing.properties import *  # noqa: F401,F403
