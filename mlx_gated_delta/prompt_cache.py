@@ -15,20 +15,19 @@ break that for a patched model served with a draft model:
   (`TrimmableArraysCache.restorable_positions`): its window of recent tokens
   and its snapshots.
 
-`SnapshotPromptCache` mends both. It stores a cache under the tokens it
-holds (the key cut to the fewest tokens any of its layers holds, the other
-layers trimmed to that, within their window). It rewinds a stored cache to
-the deepest position all its layers can restore exactly, at most the shared
-prefix, and the server prefills the rest: exact, at the price of prefilling
-again the tokens between that position and the shared prefix. And it has the
-caches keep, during the prefill that follows, their states where a later
-request is likely to resume: at the ends of the prompt's segments (mlx-lm's
-own split of a chat prompt: the system prompt, the conversation, a thinking
-tail), where the prompt parted from the stored one nearest it, where the
-reused cache starts, and after the prompt's last token but one (where the
-same prompt asked again resumes). The snapshots are bounded per layer
-(`TrimmableArraysCache.max_snapshots`); one that was dropped only means a
-deeper rewind and a longer prefill.
+`SnapshotPromptCache` mends both when it fetches. It rewinds a stored cache
+to the deepest position that all its layers can restore exactly and that
+every one of them holds (so never past the tokens they were fed, whatever the
+key says) and the new prompt shares, and the server prefills the rest:
+exact, at the price of prefilling again the tokens between that position
+and the shared prefix. And it has the caches keep, during the prefill that
+follows, their states where a later request is likely to resume: at the
+ends of the prompt's segments (mlx-lm's own split of a chat prompt: the
+system prompt, the conversation, a thinking tail), where the prompt parted
+from the stored one nearest it, where the reused cache starts, and after the
+prompt's last token but one (where the same prompt asked again resumes). The
+snapshots are bounded per layer (`TrimmableArraysCache.max_snapshots`); one
+that was dropped only means a deeper rewind and a longer prefill.
 
 Entries of mlx-lm's own caches (a model without gated-delta layers, or the
 batched server's entries, which mlx-lm stores as its plain `ArraysCache`)
@@ -71,8 +70,8 @@ def shared_prefix(a: list, b: list) -> int:
 
 
 class SnapshotPromptCache(LRUPromptCache):
-    """mlx-lm's `LRUPromptCache` that stores and rewinds patched models' caches
-    exactly (the module's docstring says how)."""
+    """mlx-lm's `LRUPromptCache` that rewinds patched models' caches exactly
+    (the module's docstring says how)."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63):
         super().__init__(max_size, max_bytes)
@@ -122,18 +121,6 @@ class SnapshotPromptCache(LRUPromptCache):
             f"(shared with a stored prompt: {shared})"
         )
         return cache, tokens[reach:]
-
-    def insert_cache(self, model, tokens: list, prompt_cache: list, *, cache_type="assistant"):
-        points = rewind_points(prompt_cache)
-        if points is not None:
-            held = min(c.offset for c in prompt_cache)
-            if held > len(tokens) or held not in points:
-                # It cannot be brought to tokens it is known to hold: not stored.
-                return
-            for c in prompt_cache:
-                c.trim(c.offset - held)
-            tokens = tokens[:held]
-        super().insert_cache(model, tokens, prompt_cache, cache_type=cache_type)
 
 
 class SnapshotResponseGenerator(server.ResponseGenerator):
