@@ -88,20 +88,24 @@ class SnapshotPromptCache(LRUPromptCache):
         found = self._trie.search(model, tokens)
         keys = [key for key in (found.exact, found.shorter, found.longer) if key]
         entries = [(key, self._trie.get(found.model, key).prompt_cache) for key in keys]
-        if any(rewind_points(entry) is None for _, entry in entries):
+        if entries and all(rewind_points(entry) is None for _, entry in entries):
             return super().fetch_nearest_cache(model, tokens)
 
-        # At least one token of the prompt is left to feed.
-        reach, source = 0, None
+        # At least one token of the prompt is left to feed. An entry of
+        # mlx-lm's own caches beside ours (the batched server's) is used only
+        # as it is, when its tokens begin the prompt.
+        reach, source, rewind = 0, None, False
         for key, entry in entries:
             usable = min(shared_prefix(key, tokens), len(tokens) - 1)
-            best = max((p for p in rewind_points(entry) if p <= usable), default=0)
+            points = rewind_points(entry)
+            candidates = {len(key)} if points is None else points
+            best = max((p for p in candidates if p <= usable), default=0)
             if best > reach:
-                reach, source = best, entry
+                reach, source, rewind = best, entry, points is not None
         cache = None
         if source is not None:
             cache = copy.deepcopy(source)
-            for c in cache:
+            for c in cache if rewind else ():
                 c.trim(c.offset - reach)
         elif expected is not None and expected[2] is not None:
             cache = expected[2]()

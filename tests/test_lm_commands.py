@@ -319,6 +319,14 @@ def test_server_reuses_prompts(checkpoints, server):
         stock_answer(target, chat_of("w50", system)),
     ]
     assert s.chat_streamed(second) == r2["choices"][0]["message"]["content"]
+    # A request served on its own (a seed makes it unbatchable) from an
+    # empty cache stores our caches; a later batched request that shares its
+    # system prompt, more than 16 tokens back, is served exactly.
+    other_system = " ".join(f"w{i}" for i in range(100, 110))
+    seeded = chat_of(" ".join(f"w{i}" for i in range(60, 80)), other_system)
+    assert answer_of(s.chat(seeded, seed=0)) == stock_answer(target, seeded)
+    after = chat_of("w91", other_system)
+    assert answer_of(s.chat(after)) == stock_answer(target, after)
     # A model the server loads on demand, for a request that names it, is
     # patched too.
     other = checkpoints["kimi_linear"]
