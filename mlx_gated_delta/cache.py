@@ -35,6 +35,8 @@ wrong state.
 
 from __future__ import annotations
 
+import copy
+
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import ArraysCache
 
@@ -93,6 +95,21 @@ class TrimmableArraysCache(ArraysCache, LayerCache):
         obj.window = DEFAULT_TRIM_WINDOW
         obj._reset_history()
         return obj
+
+    def __deepcopy__(self, memo):
+        # A copy shares the slots and the kept states: they are never written
+        # in place (every call stores new arrays), so a server that copies a
+        # stored prompt cache for each request copies lists, not states.
+        # mlx-lm's lengths and padding are updated in place: they are copied.
+        other = copy.copy(self)
+        other.cache = list(self.cache)
+        other.history = [list(entry) for entry in self.history]
+        other.snapshots = {position: list(s) for position, s in self.snapshots.items()}
+        other.marked = set(self.marked)
+        other._pending = list(self._pending)
+        other.left_padding = copy.deepcopy(self.left_padding, memo)
+        other.lengths = copy.deepcopy(self.lengths, memo)
+        return other
 
     def keep_states_at(self, positions) -> None:
         """Asks the cache to snapshot the states after each of `positions`

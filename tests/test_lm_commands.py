@@ -7,6 +7,7 @@ model (unpatched, no draft) run greedily in this process."""
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -160,6 +161,23 @@ def test_the_snapshots_are_bounded_keeping_them_spread():
     feed(cache, [30])
     # 6 goes: 2 tokens after the snapshot before it, the smallest gap.
     assert cache.snapshot_positions() == [4, 20]
+
+
+def test_a_copy_shares_the_states_and_leaves_the_original_as_it_was():
+    cache = TrimmableArraysCache(2)
+    cache.keep_states_at([5])
+    feed(cache, [30])
+    copied = copy.deepcopy(cache)
+    assert copied[1] is cache[1]  # the states are shared, not copied
+    copied.trim(25)
+    feed(copied, [3])
+    assert (copied.offset, copied[0].item()) == (8, 8)
+    assert (cache.offset, cache[0].item(), cache.restorable_positions()) == (
+        30,
+        30,
+        [5, *range(14, 31)],
+    )
+    assert cache.trim(25) == 25 and cache[1].item() == 5
 
 
 def test_a_stored_cache_rewinds_no_further_than_all_its_layers_hold():
