@@ -1,14 +1,16 @@
 """mlx-lm's own commands with our layers, end to end and offline:
-`python -m mlx_gated_delta lm generate | server | lora` as subprocesses on
-tiny random Qwen3-Next and Kimi-Linear checkpoints written to a temporary
-folder (with a word-level tokenizer built offline), the server spoken to
-over real HTTP on 127.0.0.1. Every answer is checked against mlx-lm's stock
-model (unpatched, no draft) run greedily in this process."""
+`python -m mlx_gated_delta lm generate | chat | server | lora` as
+subprocesses on tiny random Qwen3-Next and Kimi-Linear checkpoints written to
+a temporary folder (with a word-level tokenizer built offline), the server
+spoken to over real HTTP on 127.0.0.1. Every answer is checked against
+mlx-lm's stock model (unpatched, no draft) run greedily in this process, the
+chat's against stock `mlx_lm chat` run as a subprocess."""
 
 from __future__ import annotations
 
 import copy
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -28,7 +30,7 @@ from mlx_lm import load  # noqa: E402
 from mlx_gated_delta import patch_mlx_lm  # noqa: E402
 from mlx_gated_delta.cache import TrimmableArraysCache  # noqa: E402
 from mlx_gated_delta.layers.families import kimi_linear, qwen3_next  # noqa: E402
-from mlx_gated_delta.lm import patch_loaded_model  # noqa: E402
+from mlx_gated_delta.lm import PREFIX, patch_loaded_model  # noqa: E402
 from mlx_gated_delta.prompt_cache import rewind_points, shared_prefix  # noqa: E402
 from mlx_gated_delta.testing.lm_checkpoints import (  # noqa: E402
     save_checkpoint,
@@ -80,17 +82,23 @@ def stock_answer(path, messages=None, prompt=None, max_tokens=NEW_TOKENS, adapte
     return mlx_lm_generate(model, tokenizer, prompt, max_tokens=max_tokens)
 
 
-def run_lm(*args, timeout=COMMAND_TIMEOUT):
+def run_module(module, *args, stdin=None):
+    """Runs `python -m module args` (feeding it `stdin`); it must succeed."""
     result = subprocess.run(
-        [sys.executable, "-m", "mlx_gated_delta", "lm", *map(str, args)],
+        [sys.executable, "-m", module, *map(str, args)],
         cwd=REPO,
+        input=stdin,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=COMMAND_TIMEOUT,
         env={**os.environ, "NO_COLOR": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def run_lm(*args, stdin=None):
+    return run_module("mlx_gated_delta", "lm", *args, stdin=stdin)
 
 
 def generated_text(stdout: str) -> str:
@@ -111,6 +119,35 @@ def test_generate_with_and_without_draft_gives_the_stock_greedy_text(checkpoints
     replaced = [line for line in drafted.stderr.splitlines() if "gated-delta layer(s)" in line]
     assert [str(target) in replaced[0], str(draft) in replaced[1]] == [True, True], replaced
     assert all(": replaced 3 gated-delta layer(s): 3 x " in line for line in replaced)
+
+
+# `mlx_lm chat`'s line of statistics after each answer: "  N tokens · ... tok/s ...".
+CHAT_STATISTICS = re.compile(r"^ +\d+ tokens .* tok/s")
+
+
+def chat_answers(stdout: str) -> list[str]:
+    """The answers `mlx_lm chat` streams: each is the line before its line of
+    statistics (the word-level tokenizer decodes to no newline)."""
+    lines = stdout.splitlines()
+    return [lines[i - 1] for i, line in enumerate(lines) if CHAT_STATISTICS.match(line)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_gives_stock_chats_answers_turn_after_turn(checkpoints, family):
+    """`mlx_lm chat` keeps one prompt cache for the whole chat, each turn
+    prefilled on top of the turns before it, until a reset (`r`) makes a new
+    one. Two turns, a reset, the first turn again and quit (`q`) on stdin:
+    every answer is stock `mlx_lm chat`'s greedy answer to the same input."""
+    target = checkpoints[family]
+    stdin = "w1 w2 w3 w4 w5\nw20 w21 w22 w23\nr\nw1 w2 w3 w4 w5\nq\n"
+    args = ("chat", "--model", target, "--max-tokens", 20, "--temp", 0, "--seed", 0)
+    ours = run_lm(*args, stdin=stdin)
+    stock = run_module("mlx_lm", *args, stdin=stdin)
+    answers = chat_answers(ours.stdout)
+    assert len(answers) == 3 and all(answers), ours.stdout[-3000:]
+    assert answers == chat_answers(stock.stdout)
+    assert f"{PREFIX}: {target}: replaced 3 gated-delta layer(s): 3 x " in ours.stderr
+    assert PREFIX not in stock.stderr
 
 
 def test_generate_runs_a_model_without_gated_delta_unpatched(checkpoints):
