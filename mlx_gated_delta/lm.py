@@ -85,20 +85,9 @@ Runs mlx-lm's command COMMAND (generate, chat, server, lora, evaluate,
 benchmark, cache_prompt, perplexity, ...) with mlx-lm's own arguments, exactly
 as `mlx_lm COMMAND [ARGS]` would, with every model it loads (the model, the
 draft model, the models the server loads on demand) patched by
-mlx_gated_delta.patch_mlx_lm. `python -m mlx_gated_delta lm COMMAND --help`
+mlx_gated_delta.patch_mlx_lm; the server's prompt cache reuses their caches
+exactly (mlx_gated_delta.prompt_cache). `python -m mlx_gated_delta lm COMMAND --help`
 shows mlx-lm's help for COMMAND."""
-
-
-# With a draft model, mlx-lm's server stores each request's cache under a key
-# one token longer than what the cache holds (the last token speculative
-# decoding yields is never fed), so a request that reuses it is answered
-# wrongly, whatever the model; and it trims stored caches by up to a whole
-# answer, beyond the window our cache can trim (which it refuses).
-DRAFT_SERVER_NOTE = (
-    f"{PREFIX}: note: with --draft-model, pass --prompt-cache-size 0: mlx-lm's server "
-    "reuses a speculative request's prompt cache one token off, and may trim it beyond "
-    "our cache's window (see the README)"
-)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,15 +95,20 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    if argv[0] == "server" and "--draft-model" in argv and "--prompt-cache-size" not in argv:
-        print(DRAFT_SERVER_NOTE, file=sys.stderr, flush=True)
     from mlx_lm import cli
 
     # mlx-lm's dispatcher reads the command and its arguments from sys.argv.
     saved = sys.argv
     sys.argv = ["mlx_lm", *argv]
     try:
-        with patched_loading():
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched_loading())
+            if argv[0] == "server":
+                # Its prompt cache reuses our caches exactly, with a draft
+                # model too.
+                from .prompt_cache import snapshot_prompt_cache
+
+                stack.enter_context(snapshot_prompt_cache())
             cli.main()
     finally:
         sys.argv = saved
