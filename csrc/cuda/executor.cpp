@@ -93,10 +93,14 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + 5 * kChunk);
 }
 int carry_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kCarryRows + 1;
+  const int kp = p.key_dim + 1, rp = kCarryRows + 1;
   return int(sizeof(float)) *
-      (kCarryRows * kp + 2 * kChunk * kp + kChunk * lp + kChunk * rp +
-       kDecayRows * kChunk);
+      (kCarryRows * kp + kChunk * kp + kChunk * rp + kDecayRows * kChunk);
+}
+int output_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kOutputRows + 1;
+  return int(sizeof(float)) *
+      (kChunk * kp + kChunk * lp + kOutputRows * kp + kChunk * rp + kChunk);
 }
 
 }  // namespace
@@ -187,18 +191,22 @@ void eval_core(
   }
   const int chunks = p.num_chunks();
   const int64_t problems = int64_t(p.batch) * p.value_heads * chunks;
+  // w, u (then v'), qk, decays, h: ChunkScratch's order.
   std::vector<mx::array> buffers = {
       scratch(encoder, problems * kChunk * p.key_dim),
       scratch(encoder, problems * kChunk * p.value_dim),
       scratch(encoder, problems * kChunk * kChunk),
-      scratch(encoder, problems * kDecayRows * kChunk)};
+      scratch(encoder, problems * kDecayRows * kChunk),
+      scratch(encoder, problems * p.value_dim * p.key_dim)};
   ChunkScratch s;
   s.w = mx::gpu_ptr<float>(buffers[0]);
   s.u = mx::gpu_ptr<float>(buffers[1]);
   s.qk = mx::gpu_ptr<float>(buffers[2]);
   s.decays = mx::gpu_ptr<float>(buffers[3]);
+  s.h = mx::gpu_ptr<float>(buffers[4]);
   void* params[] = {&a, &s};
-  set_arrays(encoder, inputs, buffers);
+  const std::vector<mx::array> prepared(buffers.begin(), buffers.begin() + 4);
+  set_arrays(encoder, inputs, prepared);
   launch(
       encoder,
       "chunked",
@@ -207,9 +215,13 @@ void eval_core(
       kChunkedThreads,
       prepare_shared_bytes(p),
       params);
+  // chunk_carry reads the prepared scratch and writes v' (over u), h, the
+  // final state and the checkpoints; chunk_output reads all of them.
   std::vector<mx::array> reads = inputs;
   reads.insert(reads.end(), buffers.begin(), buffers.end());
-  set_arrays(encoder, reads, outputs);
+  std::vector<mx::array> writes = {buffers[1], buffers[4]};
+  writes.insert(writes.end(), outputs.begin() + 1, outputs.end());
+  set_arrays(encoder, reads, writes);
   launch(
       encoder,
       "chunked",
@@ -217,6 +229,19 @@ void eval_core(
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,
       carry_shared_bytes(p),
+      params);
+  reads.insert(reads.end(), outputs.begin() + 1, outputs.end());
+  set_arrays(encoder, reads, {outputs[0]});
+  launch(
+      encoder,
+      "chunked",
+      "gd_chunk_output_" + dtype,
+      dim3(
+          chunks * ((p.value_dim + kOutputRows - 1) / kOutputRows),
+          p.value_heads,
+          p.batch),
+      kChunkedThreads,
+      output_shared_bytes(p),
       params);
 }
 
