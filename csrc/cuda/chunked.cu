@@ -412,15 +412,16 @@ __device__ __forceinline__ void chunk_carry(
         }
       }
     }
-    // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
-    // K then overwrites W that other threads may still be reading.
-#ifndef GD_SANITIZER_PROBE
     __syncthreads();
-#endif
     // W has been read: K takes its buffer.
     load_rows(
         k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
+    // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
+    // chunk_carry_state then reads rows of K that other warps may not have
+    // written yet.
+#ifndef GD_SANITIZER_PROBE
     __syncthreads();
+#endif
 
     // chunk_checkpoint: the state after the first i tokens of the chunk,
     // decay(i-1, -1) S + sum_{j < i} decay(i-1, j) v'_j k_j^T, for each
