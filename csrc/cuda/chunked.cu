@@ -125,6 +125,42 @@ __device__ void load_block(
   }
 }
 
+// Copies `count` consecutive floats of scratch, which hold rows of `columns`
+// floats, into shared rows of stride `stride`: 16-byte loads where the block
+// is 16-byte aligned and count a multiple of 4 (load_block otherwise),
+// kInFlight of them per thread issued before their stores.
+__device__ void load_contiguous(
+    const float* source, int count, int columns, float* shared_rows,
+    int stride) {
+  if (reinterpret_cast<uintptr_t>(source) % 16 != 0 || count % 4 != 0) {
+    load_block(source, columns, count / columns, columns, shared_rows, stride);
+    return;
+  }
+  constexpr int kInFlight = 4;
+  const float4* source4 = reinterpret_cast<const float4*>(source);
+  const int total4 = count / 4;
+  for (int base = 0; base < total4; base += kChunkedThreads * kInFlight) {
+    float4 x[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = base + u * kChunkedThreads + threadIdx.x;
+      x[u] = e < total4 ? source4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = 4 * (base + u * kChunkedThreads + threadIdx.x);
+      if (e < count) {
+        const float values[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          shared_rows[((e + w) / columns) * stride + (e + w) % columns] =
+              values[w];
+        }
+      }
+    }
+  }
+}
+
 struct ChunkPlace {
   int b, h, chunk, t0, length;
   int64_t index;  // (b * Hv + h) * chunks + chunk
@@ -316,6 +352,61 @@ __device__ __forceinline__ void chunk_prepare(
   }
 }
 
+// What chunk_carry reads of one chunk's scratch, W [kChunk, Dk], the U tile
+// [kChunk, kCarryRows] and the decays, held in registers: fetched during the
+// previous chunk's update (the loads are in flight while it computes), stored
+// to shared memory when the chunk starts.
+struct CarryTiles {
+  static constexpr int kW4 = kChunk * kChunkedMaxDim / 4 / kChunkedThreads;
+  static constexpr int kU = kChunk * kCarryRows / kChunkedThreads;
+  static_assert(kDecayRows * kChunk == kChunkedThreads, "one decay a thread");
+  float4 w[kW4];
+  float u[kU];
+  float decay;
+
+  __device__ void fetch(
+      const ChunkScratch& s, int64_t index, int dk, int dv, int row0,
+      int rows) {
+    // W is kChunk * dk consecutive floats, 16-byte aligned (dk * kChunk is
+    // a multiple of 4).
+    const float4* w4 = reinterpret_cast<const float4*>(s.w + index * kChunk * dk);
+#pragma unroll
+    for (int m = 0; m < kW4; ++m) {
+      const int e = m * kChunkedThreads + threadIdx.x;
+      w[m] = 4 * e < kChunk * dk ? w4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    const float* u_tile = s.u + index * kChunk * dv + row0;
+#pragma unroll
+    for (int m = 0; m < kU; ++m) {
+      const int e = m * kChunkedThreads + threadIdx.x;
+      const int i = e / kCarryRows, r = e % kCarryRows;
+      u[m] = r < rows ? u_tile[i * dv + r] : 0.0f;
+    }
+    decay = s.decays[index * kDecayRows * kChunk + threadIdx.x];
+  }
+
+  __device__ void store(
+      int dk, float* wk, int kp, float* deltas, int rp, float* decays) const {
+#pragma unroll
+    for (int m = 0; m < kW4; ++m) {
+      const int e = 4 * (m * kChunkedThreads + threadIdx.x);
+      if (e < kChunk * dk) {
+        const float values[4] = {w[m].x, w[m].y, w[m].z, w[m].w};
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          wk[((e + v) / dk) * kp + (e + v) % dk] = values[v];
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kU; ++m) {
+      const int e = m * kChunkedThreads + threadIdx.x;
+      deltas[(e / kCarryRows) * rp + e % kCarryRows] = u[m];
+    }
+    decays[threadIdx.x] = decay;
+  }
+};
+
 // chunk_carry: the only sequential pass. Per chunk it reads W, U, K and the
 // decays and does no more than the chain needs: v' = U - W S^T (written over
 // U), the state at the chunk's start (ChunkScratch::h) for chunk_output, the
@@ -362,16 +453,14 @@ __device__ __forceinline__ void chunk_carry(
   const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
   int next_checkpoint = 0;
+  CarryTiles next;
+  next.fetch(s, chunk_place(a, 0).index, dk, dv, row0, rows);
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
     const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
     float* u = s.u + place.index * kChunk * dv + row0;
-    load_block(s.w + place.index * kChunk * dk, dk, kChunk, dk, wk, kp);
-    load_block(u, dv, kChunk, rows, deltas, rp);
-    for (int e = threadIdx.x; e < kDecayRows * kChunk; e += kChunkedThreads) {
-      from_start[e] = s.decays[place.index * kDecayRows * kChunk + e];
-    }
+    next.store(dk, wk, kp, deltas, rp, from_start);
     // The state at the chunk's start, for chunk_output.
     float* h_out = s.h + place.index * dv * dk + int64_t(row0) * dk;
     for (int e = threadIdx.x; e < rows * dk; e += kChunkedThreads) {
@@ -416,6 +505,10 @@ __device__ __forceinline__ void chunk_carry(
     // W has been read: K takes its buffer.
     load_rows(
         k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
+    // The next chunk's tiles: in flight while this chunk's state is updated.
+    if (chunk + 1 < chunks) {
+      next.fetch(s, chunk_place(a, chunk + 1).index, dk, dv, row0, rows);
+    }
     // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
     // chunk_carry_state then reads rows of K that other warps may not have
     // written yet.
@@ -541,10 +634,10 @@ __device__ __forceinline__ void chunk_output(
   const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
   load_rows(
       q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
-  load_block(
-      s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
-  load_block(
-      s.h + place.index * dv * dk + int64_t(row0) * dk, dk, rows, dk, hs, kp);
+  load_contiguous(s.qk + place.index * kChunk * kChunk, kChunk * kChunk, kChunk,
+      ps, lp);
+  load_contiguous(
+      s.h + place.index * dv * dk + int64_t(row0) * dk, rows * dk, dk, hs, kp);
   load_block(
       s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
   for (int e = threadIdx.x; e < kRowTiles * 8 - rows; e += kChunkedThreads) {
