@@ -88,6 +88,11 @@ def _repeats(tokens: int) -> int:
 def time_mlx(call, state: mx.array, tokens: int, repeats: int | None = None) -> dict:
     """``call(state) -> (y, state)`` timed one call at a time and chained."""
     repeats = repeats or _repeats(tokens)
+    # MLX's CUDA buffers are unified memory: a new one faults its pages onto the GPU at
+    # first touch. Buffers cached by the rows and implementations before (MLX core's op
+    # loop leaves gigabytes of them) are released, so that the warm-up call leaves this
+    # implementation's own buffers in the cache for the timed calls to reuse.
+    mx.clear_cache()
     mx.eval(call(state))
     mx.synchronize()
     singles = []
