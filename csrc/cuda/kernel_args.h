@@ -63,4 +63,28 @@ struct ChunkScratch {
   float* h;
 };
 
+// The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,
+// the initial state and the dims): the cotangents, the gradients in the
+// layouts of their inputs, and the scratch of recurrent_backward.cu, float32:
+//   boundaries [B, Hv, chunks, Dv, Dk]: the state entering each chunk,
+//   chunk_states [B, Hv, kChunk, Dv, Dk]: the state before each token of the
+//   chunk being reversed,
+//   dq_heads, dk_heads [B, T, Hv, Dk]: the gradients of the normalised q and
+//   k per value head, which qk_grad_reduce sums over the value heads.
+struct BackwardArgs {
+  const void* dy;
+  const float* state_cotangent;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dg;
+  float* d_decay;
+  float* dbeta;
+  float* dstate;
+  float* boundaries;
+  float* chunk_states;
+  float* dq_heads;
+  float* dk_heads;
+};
+
 }  // namespace mlx_gated_delta::cuda

@@ -22,4 +22,14 @@ constexpr int kChunkedMaxDim = 128;
 constexpr int kCarryRows = 16;
 constexpr int kOutputRows = 32;
 
+// recurrent_backward: one block per (value head, batch row) holds the whole
+// state, kBackwardWarps warps of kBackwardRowsPerWarp rows (value dims up to
+// kBackwardMaxDim, key dims likewise); qk_grad_reduce: one warp per (batch
+// row, token, key head), kReduceWarps to a block.
+constexpr int kBackwardRowsPerWarp = 8;
+constexpr int kBackwardWarps = 16;
+constexpr int kBackwardThreads = 32 * kBackwardWarps;
+constexpr int kBackwardMaxDim = kBackwardRowsPerWarp * kBackwardWarps;
+constexpr int kReduceWarps = 4;
+
 }  // namespace mlx_gated_delta::cuda
