@@ -71,7 +71,11 @@ def test_table_sets_the_training_step_against_fla_forward_of_the_same_length():
                     "state_vs_ours": 1e-3,
                 },
             },
-            {"batch": 1, "tokens": 8192, "ours": {"call_ms": 9.0, "chained_ms": 8.0, "peak_mib": 1}},
+            {
+                "batch": 1,
+                "tokens": 8192,
+                "ours": {"call_ms": 9.0, "chained_ms": 8.0, "peak_mib": 1},
+            },
         ],
         "training": [
             {"tokens": 2048, "ours": {"call_ms": 6.0, "chained_ms": 5.0, "peak_mib": 700}},

@@ -127,8 +127,7 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
     activation = {mx.float32: 1e-3, mx.float16: 1.5e-3, mx.bfloat16: 5e-3}[dtype]
     names = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
     errors = [
-        relative(a, np.asarray(b.astype(mx.float32), dtype=np.float64))
-        for a, b in zip(gpu, cpu)
+        relative(a, np.asarray(b.astype(mx.float32), dtype=np.float64)) for a, b in zip(gpu, cpu)
     ]
     limits = [2 * activation] * 3 + [2e-3] * 3
     ok = all(np.isfinite(errors)) and all(e < t for e, t in zip(errors, limits))
