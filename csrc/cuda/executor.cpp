@@ -287,8 +287,8 @@ void eval_backward(
   o.dstate = mx::gpu_ptr<float>(outputs[kDstate]);
   const int64_t heads = int64_t(p.batch) * p.value_heads;
   const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
-  const int64_t head_grads = int64_t(p.batch) * p.tokens * p.value_heads *
-      p.key_dim;
+  const int64_t head_grads =
+      int64_t(p.batch) * p.tokens * p.value_heads * p.key_dim;
   // boundaries, chunk_states, dq_heads, dk_heads: BackwardArgs' order.
   std::vector<mx::array> buffers = {
       scratch(encoder, heads * p.num_chunks() * state_size),
