@@ -269,7 +269,9 @@ void eval_backward(
   for (auto& output : outputs) {
     output.set_data(mx::allocator::malloc(output.nbytes()));
   }
-  if (p.batch == 0 || p.value_heads == 0 || p.value_dim == 0) {
+  // With no value columns (Dv = 0) dq and dk still have elements: zeros,
+  // which the kernels write.
+  if (p.batch == 0 || p.value_heads == 0) {
     return;  // empty outputs: nothing to launch
   }
   enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
