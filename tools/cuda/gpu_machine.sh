@@ -15,7 +15,7 @@
 #   install    MLX and this checkout (nvcc builds the kernels) into SITE
 #   check      tools/cuda/check.py: the kernels against the CPU and the oracle
 #   selftest   python -m mlx_gated_delta selftest on the CUDA device (TF32 off)
-#   sanitize   compute-sanitizer memcheck and racecheck over tools/cuda/check.py
+#   sanitize   tools/cuda/sanitize.sh: memcheck, racecheck and the probes
 #   bench      python -m mlx_gated_delta bench --cuda
 #   stages     tools/cuda/stage_times.py: each chunked kernel's GPU time
 # Environment: SITE (default /tmp/gd-site), PYTHON (default python3),
