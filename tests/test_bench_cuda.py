@@ -54,6 +54,39 @@ def test_table_derives_bandwidth_flops_and_the_ratio_to_fla_from_the_chained_tim
     assert "| 200.000 |" in text and "| n/a | 99 | n/a |" in text  # no FLA: no ratio
 
 
+def test_table_sets_the_training_step_against_fla_forward_of_the_same_length():
+    record = {
+        "gpu": "test",
+        "copy_bandwidth_bytes_per_s": 4e12,
+        "rows": [
+            {
+                "batch": 1,
+                "tokens": 2048,
+                "ours": {"call_ms": 3.0, "chained_ms": 2.0, "peak_mib": 99},
+                "fla_chunk": {
+                    "call_ms": 0.5,
+                    "graph_ms": 0.25,
+                    "peak_mib": 50,
+                    "y_vs_ours": 1e-3,
+                    "state_vs_ours": 1e-3,
+                },
+            },
+            {
+                "batch": 1,
+                "tokens": 8192,
+                "ours": {"call_ms": 9.0, "chained_ms": 8.0, "peak_mib": 1},
+            },
+        ],
+        "training": [
+            {"tokens": 2048, "ours": {"call_ms": 6.0, "chained_ms": 5.0, "peak_mib": 700}},
+            {"tokens": 8192, "ours": {"call_ms": 21.0, "chained_ms": 20.0, "peak_mib": 900}},
+        ],
+    }
+    text = cuda.table(record)
+    assert "| 2048 | 6.000 | 5.000 | 700 | 0.250 | 24.0x |" in text  # 6 ms / 0.25 ms
+    assert "| 8192 | 21.000 | 20.000 | 900 | n/a | n/a |" in text  # no FLA row there
+
+
 @pytest.mark.skipif(mx.cuda.is_available(), reason="this machine has MLX's CUDA device")
 def test_refuses_to_run_without_mlx_cuda():
     with pytest.raises(SystemExit, match="CUDA build"):

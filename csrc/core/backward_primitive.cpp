@@ -15,6 +15,8 @@
 
 #ifdef _METAL_
 #include "metal/executor.h"
+#elif defined(MLX_GATED_DELTA_CUDA)
+#include "cuda/executor.h"
 #endif
 
 namespace mx = mlx::core;
@@ -77,16 +79,21 @@ std::vector<mx::Shape> gradient_shapes(const std::vector<mx::array>& inputs) {
       inputs[kState].shape()};
 }
 
+GatedDeltaParams backward_params(
+    const CoreOptions& options, const std::vector<mx::array>& inputs) {
+  const auto& q = inputs[kQ];
+  const auto& v = inputs[kV];
+  return options.params(
+      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)},
+      0,
+      inputs[kG].ndim() == 4);
+}
+
 }  // namespace
 
 GatedDeltaParams GatedDeltaRuleVJP::params_for(
     const std::vector<mx::array>& inputs) const {
-  const auto& q = inputs[kQ];
-  const auto& v = inputs[kV];
-  return options_.params(
-      {q.shape(0), q.shape(1), q.shape(2), v.shape(2), q.shape(3), v.shape(3)},
-      0,
-      inputs[kG].ndim() == 4);
+  return backward_params(options_, inputs);
 }
 
 void GatedDeltaRuleVJP::eval_cpu(
@@ -124,6 +131,8 @@ void GatedDeltaRuleVJP::eval_gpu(
 #ifdef _METAL_
   metal::eval_backward_gpu(
       params_for(inputs), options_.algorithm, inputs, outputs, stream());
+#elif defined(MLX_GATED_DELTA_CUDA)
+  cuda::eval_backward(params_for(inputs), inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "
@@ -167,20 +176,25 @@ std::vector<mx::array> gated_delta_rule_vjp(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums) {
-  // The backward has no CUDA kernels yet (docs/cuda.md).
-  stream = cpu_unless_cuda_kernels(stream, false);
   const mx::Dtype activation = primals[kV].dtype();
   const bool has_mask = options.has_mask;
   std::vector<mx::array> inputs(
       primals.begin(), primals.begin() + (has_mask ? kMask + 1 : kMask));
-  inputs.push_back(mx::contiguous(
-      mx::astype(cotangents[0], activation, stream), false, stream));
-  inputs.push_back(mx::contiguous(
-      mx::astype(cotangents[1], mx::float32, stream), false, stream));
   CoreOptions backward = options;
   backward.has_checkpoints = false;
   backward.has_tree = false;
   backward.has_gamma = false;
+#ifdef MLX_GATED_DELTA_CUDA
+  const bool has_cuda_kernels =
+      cuda::has_backward_kernels(backward_params(backward, inputs));
+#else
+  const bool has_cuda_kernels = false;
+#endif
+  stream = cpu_unless_cuda_kernels(stream, has_cuda_kernels);
+  inputs.push_back(mx::contiguous(
+      mx::astype(cotangents[0], activation, stream), false, stream));
+  inputs.push_back(mx::contiguous(
+      mx::astype(cotangents[1], mx::float32, stream), false, stream));
   auto grads = mx::array::make_arrays(
       gradient_shapes(inputs),
       output_dtypes(inputs),

@@ -1,13 +1,20 @@
-// The chunked WY form on CUDA (docs/stages.md), scalar gates, in two kernels:
+// The chunked WY form on CUDA (docs/stages.md), scalar gates, in three
+// kernels:
 //
 //   chunk_prepare  one block per (chunk, value head, batch row), all chunks at
 //                  once: qk_norm, gate_cumsum, k_gram, chunk_qk, kkt_inverse
 //                  and recompute_w_u of one chunk, writing W, U, the decayed
 //                  Q K^T and the chunk's decays to scratch (ChunkScratch).
 //   chunk_carry    one block per (kCarryRows state rows, value head, batch
-//                  row), the chunks in order: v' = U - W S^T, the output
-//                  (chunk_output: the inter-chunk readout plus the decayed
-//                  Q K^T times v'), then the next state (chunk_carry_state).
+//                  row), the chunks in order: v' = U - W S^T, the checkpoints
+//                  and the next state (chunk_carry_state); it writes v' and
+//                  each chunk's starting state to scratch.
+//   chunk_output   one block per (chunk, kOutputRows value columns, value
+//                  head, batch row), all chunks at once: the inter-chunk
+//                  readout S q_i plus the decayed Q K^T times v'.
+//
+// The sequential pass does only what the next chunk depends on; the output,
+// which nothing later reads, leaves the chain.
 //
 // Everything is float32 in shared memory (rows padded by one float so that a
 // column walk touches 32 banks); products are register-tiled FMA loops.
@@ -113,6 +120,42 @@ __device__ void load_block(
       const int e = base + u * kChunkedThreads + threadIdx.x;
       if (e < total) {
         shared_rows[(e / columns) * stride + e % columns] = x[u];
+      }
+    }
+  }
+}
+
+// Copies `count` consecutive floats of scratch, which hold rows of `columns`
+// floats, into shared rows of stride `stride`: 16-byte loads where the block
+// is 16-byte aligned and count a multiple of 4 (load_block otherwise),
+// kInFlight of them per thread issued before their stores.
+__device__ void load_contiguous(
+    const float* source, int count, int columns, float* shared_rows,
+    int stride) {
+  if (reinterpret_cast<uintptr_t>(source) % 16 != 0 || count % 4 != 0) {
+    load_block(source, columns, count / columns, columns, shared_rows, stride);
+    return;
+  }
+  constexpr int kInFlight = 4;
+  const float4* source4 = reinterpret_cast<const float4*>(source);
+  const int total4 = count / 4;
+  for (int base = 0; base < total4; base += kChunkedThreads * kInFlight) {
+    float4 x[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = base + u * kChunkedThreads + threadIdx.x;
+      x[u] = e < total4 ? source4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int e = 4 * (base + u * kChunkedThreads + threadIdx.x);
+      if (e < count) {
+        const float values[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          shared_rows[((e + w) / columns) * stride + (e + w) % columns] =
+              values[w];
+        }
       }
     }
   }
@@ -309,23 +352,79 @@ __device__ __forceinline__ void chunk_prepare(
   }
 }
 
+// What chunk_carry reads of one chunk's scratch, W [kChunk, Dk], the U tile
+// [kChunk, kCarryRows] and the decays, held in registers: fetched during the
+// previous chunk's update (the loads are in flight while it computes), stored
+// to shared memory when the chunk starts.
+struct CarryTiles {
+  static constexpr int kW4 = kChunk * kChunkedMaxDim / 4 / kChunkedThreads;
+  static constexpr int kU = kChunk * kCarryRows / kChunkedThreads;
+  static_assert(kDecayRows * kChunk == kChunkedThreads, "one decay a thread");
+  float4 w[kW4];
+  float u[kU];
+  float decay;
+
+  __device__ void fetch(
+      const ChunkScratch& s, int64_t index, int dk, int dv, int row0,
+      int rows) {
+    // W is kChunk * dk consecutive floats, 16-byte aligned (dk * kChunk is
+    // a multiple of 4).
+    const float4* w4 = reinterpret_cast<const float4*>(s.w + index * kChunk * dk);
+#pragma unroll
+    for (int m = 0; m < kW4; ++m) {
+      const int e = m * kChunkedThreads + threadIdx.x;
+      w[m] = 4 * e < kChunk * dk ? w4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    const float* u_tile = s.u + index * kChunk * dv + row0;
+#pragma unroll
+    for (int m = 0; m < kU; ++m) {
+      const int e = m * kChunkedThreads + threadIdx.x;
+      const int i = e / kCarryRows, r = e % kCarryRows;
+      u[m] = r < rows ? u_tile[i * dv + r] : 0.0f;
+    }
+    decay = s.decays[index * kDecayRows * kChunk + threadIdx.x];
+  }
+
+  __device__ void store(
+      int dk, float* wk, int kp, float* deltas, int rp, float* decays) const {
+#pragma unroll
+    for (int m = 0; m < kW4; ++m) {
+      const int e = 4 * (m * kChunkedThreads + threadIdx.x);
+      if (e < kChunk * dk) {
+        const float values[4] = {w[m].x, w[m].y, w[m].z, w[m].w};
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          wk[((e + v) / dk) * kp + (e + v) % dk] = values[v];
+        }
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kU; ++m) {
+      const int e = m * kChunkedThreads + threadIdx.x;
+      deltas[(e / kCarryRows) * rp + e % kCarryRows] = u[m];
+    }
+    decays[threadIdx.x] = decay;
+  }
+};
+
+// chunk_carry: the only sequential pass. Per chunk it reads W, U, K and the
+// decays and does no more than the chain needs: v' = U - W S^T (written over
+// U), the state at the chunk's start (ChunkScratch::h) for chunk_output, the
+// checkpoints and the next state. Tiles: v' gives each thread token rows
+// i = ti + 32 x (x < 2) and state rows r = tr + 8 y (y < kRowTiles);
+// chunk_checkpoint and chunk_carry_state state rows r = warp + 8 y and columns
+// c = lane + 32 z.
 template <typename T>
 __device__ __forceinline__ void chunk_carry(
     const CoreArgs& a, const ChunkScratch& s) {
-  // Tiles: chunk_carry and chunk_output give each thread token rows
-  // i = ti + 32 x (x < 2) and state rows r = tr + 8 y (y < kRowTiles);
-  // chunk_carry_state state rows r = warp + 8 y and columns c = lane + 32 z.
   constexpr int kRowTiles = kCarryRows / 8;
   extern __shared__ float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
-  const int kp = dk + 1, lp = kChunk + 1, rp = kCarryRows + 1;
+  const int kp = dk + 1, rp = kCarryRows + 1;
   float* state = shared;  // [kCarryRows][kp]
-  // W [kChunk][kp] for chunk_carry, then K for chunk_carry_state: one buffer,
-  // so that two blocks fit in a multiprocessor's shared memory.
+  // W [kChunk][kp] for v', then K for chunk_carry_state: one buffer.
   float* wk = state + kCarryRows * kp;
-  float* qs = wk + kChunk * kp;  // [kChunk][kp]
-  float* ps = qs + kChunk * kp;  // [kChunk][lp]: decayed Q K^T
-  float* deltas = ps + kChunk * lp;  // [kChunk][rp]: U, then v'
+  float* deltas = wk + kChunk * kp;  // [kChunk][rp]: U, then v'
   // The chunk's decays (ChunkScratch): from_start, to_end, then the
   // cumulative logs and last wipes of chunk_checkpoint's decay(i - 1, j).
   float* from_start = deltas + kChunk * rp;
@@ -353,27 +452,24 @@ __device__ __forceinline__ void chunk_carry(
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
-  T* y_all = static_cast<T*>(a.y);
   int next_checkpoint = 0;
+  CarryTiles next;
+  next.fetch(s, chunk_place(a, 0).index, dk, dv, row0, rows);
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
-    const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
     const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
-    load_rows(
-        q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
-    load_block(s.w + place.index * kChunk * dk, dk, kChunk, dk, wk, kp);
-    load_block(
-        s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
-    load_block(
-        s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
-    for (int e = threadIdx.x; e < kDecayRows * kChunk; e += kChunkedThreads) {
-      from_start[e] = s.decays[place.index * kDecayRows * kChunk + e];
+    float* u = s.u + place.index * kChunk * dv + row0;
+    next.store(dk, wk, kp, deltas, rp, from_start);
+    // The state at the chunk's start, for chunk_output.
+    float* h_out = s.h + place.index * dv * dk + int64_t(row0) * dk;
+    for (int e = threadIdx.x; e < rows * dk; e += kChunkedThreads) {
+      const int r = e / dk, c = e % dk;
+      h_out[int64_t(r) * dk + c] = state[r * kp + c];
     }
     __syncthreads();
 
-    // chunk_carry: v' = U - W S^T and the inter-chunk readout S q_i.
-    float inter[2][kRowTiles] = {};
+    // chunk_carry: v' = U - W S^T.
     {
       float ws_acc[2][kRowTiles] = {};
       for (int c = 0; c < dk; ++c) {
@@ -385,59 +481,40 @@ __device__ __forceinline__ void chunk_carry(
 #pragma unroll
         for (int x = 0; x < 2; ++x) {
           const float wi = wk[(ti + 32 * x) * kp + c];
-          const float qi = qs[(ti + 32 * x) * kp + c];
 #pragma unroll
           for (int y = 0; y < kRowTiles; ++y) {
             ws_acc[x][y] += wi * sr[y];
-            inter[x][y] += qi * sr[y];
           }
         }
       }
 #pragma unroll
       for (int x = 0; x < 2; ++x) {
+        const int i = ti + 32 * x;
 #pragma unroll
         for (int y = 0; y < kRowTiles; ++y) {
-          deltas[(ti + 32 * x) * rp + tr + 8 * y] -= ws_acc[x][y];
-        }
-      }
-    }
-    // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
-    // chunk_output then reads v' that other threads may not have written yet.
-#ifndef GD_SANITIZER_PROBE
-    __syncthreads();
-#endif
-    // W has been read: K takes its buffer for chunk_carry_state.
-    load_rows(
-        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
-
-    // chunk_output: y_i = scale (decay(i, -1) S q_i + sum_{j <= i} P_ij v'_j),
-    // 0 where masked.
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const int i = ti + 32 * x;
-      float intra[kRowTiles] = {};
-      for (int j = 0; j <= i; ++j) {
-        const float p = ps[i * lp + j];
-#pragma unroll
-        for (int y = 0; y < kRowTiles; ++y) {
-          intra[y] += p * deltas[j * rp + tr + 8 * y];
-        }
-      }
-      if (i < place.length) {
-        const int64_t bt = bt0 + i;
-        const bool active = a.mask == nullptr || a.mask[bt];
-        T* y_row = y_all + (bt * a.value_heads + h) * dv;
-#pragma unroll
-        for (int y = 0; y < kRowTiles; ++y) {
-          if (tr + 8 * y < rows) {
-            const float out =
-                a.scale * (from_start[i] * inter[x][y] + intra[y]);
-            y_row[row0 + tr + 8 * y] = from_float<T>(active ? out : 0.0f);
+          const int r = tr + 8 * y;
+          const float delta = deltas[i * rp + r] - ws_acc[x][y];
+          deltas[i * rp + r] = delta;
+          if (r < rows) {
+            u[i * dv + r] = delta;
           }
         }
       }
     }
     __syncthreads();
+    // W has been read: K takes its buffer.
+    load_rows(
+        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
+    // The next chunk's tiles: in flight while this chunk's state is updated.
+    if (chunk + 1 < chunks) {
+      next.fetch(s, chunk_place(a, chunk + 1).index, dk, dv, row0, rows);
+    }
+    // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
+    // chunk_carry_state then reads rows of K that other warps may not have
+    // written yet.
+#ifndef GD_SANITIZER_PROBE
+    __syncthreads();
+#endif
 
     // chunk_checkpoint: the state after the first i tokens of the chunk,
     // decay(i-1, -1) S + sum_{j < i} decay(i-1, j) v'_j k_j^T, for each
@@ -530,12 +607,106 @@ __device__ __forceinline__ void chunk_carry(
   }
 }
 
+// chunk_output, every chunk at once, one block per (chunk, kOutputRows value
+// columns, value head, batch row): y_i = scale (decay(i, -1) S q_i +
+// sum_{j <= i} P_ij v'_j), 0 where masked, from the chunk's starting state S
+// and v' that chunk_carry wrote. Tiles: token rows i = ti + 32 x (x < 2),
+// value columns r = tr + 8 y (y < kOutputRows / 8).
+template <typename T>
+__device__ __forceinline__ void chunk_output(
+    const CoreArgs& a, const ChunkScratch& s) {
+  constexpr int kRowTiles = kOutputRows / 8;
+  extern __shared__ float shared[];
+  const int dk = a.key_dim, dv = a.value_dim;
+  const int kp = dk + 1, lp = kChunk + 1, rp = kOutputRows + 1;
+  float* qs = shared;  // [kChunk][kp]
+  float* ps = qs + kChunk * kp;  // [kChunk][lp]: decayed Q K^T
+  float* hs = ps + kChunk * lp;  // [kOutputRows][kp]: S's rows
+  float* deltas = hs + kOutputRows * kp;  // [kChunk][rp]: v'
+  float* from_start = deltas + kChunk * rp;  // [kChunk]
+
+  const int tiles = (dv + kOutputRows - 1) / kOutputRows;
+  const ChunkPlace place = chunk_place(a, blockIdx.x / tiles);
+  const int row0 = (blockIdx.x % tiles) * kOutputRows;
+  const int rows = min(kOutputRows, dv - row0);
+  const int kh = key_head_of(a, place.h);
+  const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
+  const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
+  load_rows(
+      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
+  load_contiguous(s.qk + place.index * kChunk * kChunk, kChunk * kChunk, kChunk,
+      ps, lp);
+  load_contiguous(
+      s.h + place.index * dv * dk + int64_t(row0) * dk, rows * dk, dk, hs, kp);
+  load_block(
+      s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
+  for (int e = threadIdx.x; e < kRowTiles * 8 - rows; e += kChunkedThreads) {
+    // Rows of S past Dv (the last tile of a Dv that is not a multiple of
+    // kOutputRows) are 0; so are their v' columns.
+    for (int c = 0; c < dk; ++c) {
+      hs[(rows + e) * kp + c] = 0.0f;
+    }
+    for (int i = 0; i < kChunk; ++i) {
+      deltas[i * rp + rows + e] = 0.0f;
+    }
+  }
+  if (threadIdx.x < kChunk) {
+    from_start[threadIdx.x] =
+        s.decays[place.index * kDecayRows * kChunk + threadIdx.x];
+  }
+  __syncthreads();
+
+  const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
+  float acc[2][kRowTiles] = {};
+  for (int c = 0; c < dk; ++c) {
+    float sr[kRowTiles];
+#pragma unroll
+    for (int y = 0; y < kRowTiles; ++y) {
+      sr[y] = hs[(tr + 8 * y) * kp + c];
+    }
+#pragma unroll
+    for (int x = 0; x < 2; ++x) {
+      const float qi = qs[(ti + 32 * x) * kp + c];
+#pragma unroll
+      for (int y = 0; y < kRowTiles; ++y) {
+        acc[x][y] += qi * sr[y];
+      }
+    }
+  }
+  T* y_all = static_cast<T*>(a.y);
+#pragma unroll
+  for (int x = 0; x < 2; ++x) {
+    const int i = ti + 32 * x;
+    float intra[kRowTiles] = {};
+    for (int j = 0; j <= i; ++j) {
+      const float p = ps[i * lp + j];
+#pragma unroll
+      for (int y = 0; y < kRowTiles; ++y) {
+        intra[y] += p * deltas[j * rp + tr + 8 * y];
+      }
+    }
+    if (i < place.length) {
+      const int64_t bt = bt0 + i;
+      const bool active = a.mask == nullptr || a.mask[bt];
+      T* y_row = y_all + (bt * a.value_heads + place.h) * dv + row0;
+#pragma unroll
+      for (int y = 0; y < kRowTiles; ++y) {
+        const int r = tr + 8 * y;
+        if (r < rows) {
+          const float out = a.scale * (from_start[i] * acc[x][y] + intra[y]);
+          y_row[r] = from_float<T>(active ? out : 0.0f);
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 }  // namespace mlx_gated_delta::cuda
 
 // The entry points the executor looks up by name: gd_chunk_prepare_<dtype>,
-// gd_chunk_carry_<dtype>.
+// gd_chunk_carry_<dtype>, gd_chunk_output_<dtype>.
 #define GD_CHUNKED_ENTRIES(type, suffix)                 \
   extern "C" __global__ void __launch_bounds__(          \
       mlx_gated_delta::cuda::kChunkedThreads)            \
@@ -550,6 +721,13 @@ __device__ __forceinline__ void chunk_carry(
           const mlx_gated_delta::cuda::CoreArgs a,       \
           const mlx_gated_delta::cuda::ChunkScratch s) { \
     mlx_gated_delta::cuda::chunk_carry<type>(a, s);      \
+  }                                                      \
+  extern "C" __global__ void __launch_bounds__(          \
+      mlx_gated_delta::cuda::kChunkedThreads)            \
+      gd_chunk_output_##suffix(                          \
+          const mlx_gated_delta::cuda::CoreArgs a,       \
+          const mlx_gated_delta::cuda::ChunkScratch s) { \
+    mlx_gated_delta::cuda::chunk_output<type>(a, s);     \
   }
 GD_CHUNKED_ENTRIES(float, f32)
 GD_CHUNKED_ENTRIES(__half, f16)

@@ -26,14 +26,15 @@ message(STATUS "mlx_gated_delta: CUDA kernels with ${GD_NVCC}")
 set(MLX_GATED_DELTA_CUDA_ARCHS "90" CACHE STRING "CUDA architectures of the kernels")
 
 # The sanitizer probe (tools/cuda/sanitize.sh): one barrier of chunk_carry left
-# out, a race that racecheck must report. Never for use.
-option(MLX_GATED_DELTA_CUDA_PROBE "Build the kernels with the sanitizer's planted race" OFF)
+# out and recurrent_backward's per-token sums in one shared buffer, races that
+# racecheck must report. Never for use.
+option(MLX_GATED_DELTA_CUDA_PROBE "Build the kernels with the sanitizer's planted races" OFF)
 set(GD_NVCC_DEFINES)
 if(MLX_GATED_DELTA_CUDA_PROBE)
   set(GD_NVCC_DEFINES -DGD_SANITIZER_PROBE)
 endif()
 
-set(GD_CUDA_SOURCES recurrent chunked)
+set(GD_CUDA_SOURCES recurrent chunked recurrent_backward)
 set(GD_FATBINS)
 foreach(source ${GD_CUDA_SOURCES})
   set(gencode)

@@ -44,7 +44,10 @@ bool chunked_kernels_cover(const GatedDeltaParams& p) {
 
 // A float32 scratch buffer from MLX's allocator, kept alive until the
 // encoder's graph has run.
+// At least one float, so that an empty scratch (a call of no tokens) still
+// has an address to pass.
 mx::array scratch(mx::cu::CommandEncoder& encoder, int64_t floats) {
+  floats = std::max<int64_t>(floats, 1);
   mx::array buffer(
       mx::allocator::malloc(size_t(floats) * sizeof(float)),
       {int(floats)},
@@ -93,10 +96,39 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + 5 * kChunk);
 }
 int carry_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kCarryRows + 1;
+  const int kp = p.key_dim + 1, rp = kCarryRows + 1;
   return int(sizeof(float)) *
-      (kCarryRows * kp + 2 * kChunk * kp + kChunk * lp + kChunk * rp +
-       kDecayRows * kChunk);
+      (kCarryRows * kp + kChunk * kp + kChunk * rp + kDecayRows * kChunk);
+}
+int output_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kOutputRows + 1;
+  return int(sizeof(float)) *
+      (kChunk * kp + kChunk * lp + kOutputRows * kp + kChunk * rp + kChunk);
+}
+
+// The inputs and dims that the forward and the backward read alike.
+CoreArgs input_args(
+    const GatedDeltaParams& p, const std::vector<mx::array>& inputs) {
+  CoreArgs a{};
+  a.q = mx::gpu_ptr<void>(inputs[kQ]);
+  a.k = mx::gpu_ptr<void>(inputs[kK]);
+  a.v = mx::gpu_ptr<void>(inputs[kV]);
+  a.g = mx::gpu_ptr<float>(inputs[kG]);
+  a.beta = mx::gpu_ptr<float>(inputs[kBeta]);
+  a.state_in = mx::gpu_ptr<float>(inputs[kState]);
+  a.mask = p.has_mask ? mx::gpu_ptr<bool>(inputs[kMask]) : nullptr;
+  a.batch = p.batch;
+  a.tokens = p.tokens;
+  a.key_heads = p.key_heads;
+  a.value_heads = p.value_heads;
+  a.key_dim = p.key_dim;
+  a.value_dim = p.value_dim;
+  a.scale = p.scale;
+  a.grouped = p.head_mapping == HeadMapping::Grouped;
+  a.normalize_qk = p.normalize_qk;
+  a.per_key_gates = p.per_key_gates;
+  a.checkpoint_count = p.checkpoint_count;
+  return a;
 }
 
 }  // namespace
@@ -130,14 +162,7 @@ void eval_core(
     return;  // empty outputs: nothing to launch
   }
 
-  CoreArgs a{};
-  a.q = mx::gpu_ptr<void>(inputs[kQ]);
-  a.k = mx::gpu_ptr<void>(inputs[kK]);
-  a.v = mx::gpu_ptr<void>(inputs[kV]);
-  a.g = mx::gpu_ptr<float>(inputs[kG]);
-  a.beta = mx::gpu_ptr<float>(inputs[kBeta]);
-  a.state_in = mx::gpu_ptr<float>(inputs[kState]);
-  a.mask = p.has_mask ? mx::gpu_ptr<bool>(inputs[kMask]) : nullptr;
+  CoreArgs a = input_args(p, inputs);
   a.y = mx::gpu_ptr<void>(outputs[0]);
   a.state_out = mx::gpu_ptr<float>(outputs[1]);
   const int checkpoints_input = p.has_mask ? kMask + 1 : kMask;
@@ -145,17 +170,6 @@ void eval_core(
     a.checkpoints = mx::gpu_ptr<int>(inputs[checkpoints_input]);
     a.checkpoint_states = mx::gpu_ptr<float>(outputs[2]);
   }
-  a.batch = p.batch;
-  a.tokens = p.tokens;
-  a.key_heads = p.key_heads;
-  a.value_heads = p.value_heads;
-  a.key_dim = p.key_dim;
-  a.value_dim = p.value_dim;
-  a.scale = p.scale;
-  a.grouped = p.head_mapping == HeadMapping::Grouped;
-  a.normalize_qk = p.normalize_qk;
-  a.per_key_gates = p.per_key_gates;
-  a.checkpoint_count = p.checkpoint_count;
 
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
   if (resolve_cuda_algorithm(p, algorithm) == Algorithm::Recurrent) {
@@ -187,18 +201,22 @@ void eval_core(
   }
   const int chunks = p.num_chunks();
   const int64_t problems = int64_t(p.batch) * p.value_heads * chunks;
+  // w, u (then v'), qk, decays, h: ChunkScratch's order.
   std::vector<mx::array> buffers = {
       scratch(encoder, problems * kChunk * p.key_dim),
       scratch(encoder, problems * kChunk * p.value_dim),
       scratch(encoder, problems * kChunk * kChunk),
-      scratch(encoder, problems * kDecayRows * kChunk)};
+      scratch(encoder, problems * kDecayRows * kChunk),
+      scratch(encoder, problems * p.value_dim * p.key_dim)};
   ChunkScratch s;
   s.w = mx::gpu_ptr<float>(buffers[0]);
   s.u = mx::gpu_ptr<float>(buffers[1]);
   s.qk = mx::gpu_ptr<float>(buffers[2]);
   s.decays = mx::gpu_ptr<float>(buffers[3]);
+  s.h = mx::gpu_ptr<float>(buffers[4]);
   void* params[] = {&a, &s};
-  set_arrays(encoder, inputs, buffers);
+  const std::vector<mx::array> prepared(buffers.begin(), buffers.begin() + 4);
+  set_arrays(encoder, inputs, prepared);
   launch(
       encoder,
       "chunked",
@@ -207,9 +225,13 @@ void eval_core(
       kChunkedThreads,
       prepare_shared_bytes(p),
       params);
+  // chunk_carry reads the prepared scratch and writes v' (over u), h, the
+  // final state and the checkpoints; chunk_output reads all of them.
   std::vector<mx::array> reads = inputs;
   reads.insert(reads.end(), buffers.begin(), buffers.end());
-  set_arrays(encoder, reads, outputs);
+  std::vector<mx::array> writes = {buffers[1], buffers[4]};
+  writes.insert(writes.end(), outputs.begin() + 1, outputs.end());
+  set_arrays(encoder, reads, writes);
   launch(
       encoder,
       "chunked",
@@ -217,6 +239,96 @@ void eval_core(
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,
       carry_shared_bytes(p),
+      params);
+  reads.insert(reads.end(), outputs.begin() + 1, outputs.end());
+  set_arrays(encoder, reads, {outputs[0]});
+  launch(
+      encoder,
+      "chunked",
+      "gd_chunk_output_" + dtype,
+      dim3(
+          chunks * ((p.value_dim + kOutputRows - 1) / kOutputRows),
+          p.value_heads,
+          p.batch),
+      kChunkedThreads,
+      output_shared_bytes(p),
+      params);
+}
+
+bool has_backward_kernels(const GatedDeltaParams& p) {
+  return !p.per_key_gates && p.key_dim >= 1 && p.key_dim <= kBackwardMaxDim &&
+      p.value_dim <= kBackwardMaxDim;
+}
+
+void eval_backward(
+    const GatedDeltaParams& p,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    const mx::Stream& stream) {
+  auto& encoder = mx::cu::get_command_encoder(stream);
+  for (auto& output : outputs) {
+    output.set_data(mx::allocator::malloc(output.nbytes()));
+  }
+  // With no value columns (Dv = 0) dq and dk still have elements: zeros,
+  // which the kernels write.
+  if (p.batch == 0 || p.value_heads == 0) {
+    return;  // empty outputs: nothing to launch
+  }
+  enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
+  const int cotangents = p.has_mask ? kMask + 1 : kMask;
+  CoreArgs a = input_args(p, inputs);
+  BackwardArgs o{};
+  o.dy = mx::gpu_ptr<void>(inputs[cotangents]);
+  o.state_cotangent = mx::gpu_ptr<float>(inputs[cotangents + 1]);
+  o.dq = mx::gpu_ptr<void>(outputs[kDq]);
+  o.dk = mx::gpu_ptr<void>(outputs[kDk]);
+  o.dv = mx::gpu_ptr<void>(outputs[kDv]);
+  o.dg = mx::gpu_ptr<float>(outputs[kDg]);
+  o.d_decay = mx::gpu_ptr<float>(outputs[kDDecay]);
+  o.dbeta = mx::gpu_ptr<float>(outputs[kDbeta]);
+  o.dstate = mx::gpu_ptr<float>(outputs[kDstate]);
+  const int64_t heads = int64_t(p.batch) * p.value_heads;
+  const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
+  const int64_t head_grads =
+      int64_t(p.batch) * p.tokens * p.value_heads * p.key_dim;
+  // boundaries, chunk_states, dq_heads, dk_heads: BackwardArgs' order.
+  std::vector<mx::array> buffers = {
+      scratch(encoder, heads * p.num_chunks() * state_size),
+      scratch(encoder, heads * kChunk * state_size),
+      scratch(encoder, head_grads),
+      scratch(encoder, head_grads)};
+  o.boundaries = mx::gpu_ptr<float>(buffers[0]);
+  o.chunk_states = mx::gpu_ptr<float>(buffers[1]);
+  o.dq_heads = mx::gpu_ptr<float>(buffers[2]);
+  o.dk_heads = mx::gpu_ptr<float>(buffers[3]);
+  void* params[] = {&a, &o};
+  const std::string dtype = dtype_suffix(inputs[kV].dtype());
+  std::vector<mx::array> writes(outputs.begin() + kDv, outputs.end());
+  writes.insert(writes.end(), buffers.begin(), buffers.end());
+  set_arrays(encoder, inputs, writes);
+  launch(
+      encoder,
+      "recurrent_backward",
+      "gd_recurrent_backward_" + dtype + "_c" +
+          std::to_string((p.key_dim + 31) / 32),
+      dim3(p.value_heads, p.batch),
+      kBackwardThreads,
+      0,
+      params);
+  const int64_t rows = int64_t(p.batch) * p.tokens * p.key_heads;
+  if (rows == 0) {
+    return;
+  }
+  std::vector<mx::array> reads = inputs;
+  reads.insert(reads.end(), buffers.begin() + 2, buffers.end());
+  set_arrays(encoder, reads, {outputs[kDq], outputs[kDk]});
+  launch(
+      encoder,
+      "recurrent_backward",
+      "gd_qk_grad_reduce_" + dtype,
+      dim3(unsigned((rows + kReduceWarps - 1) / kReduceWarps)),
+      32 * kReduceWarps,
+      0,
       params);
 }
 

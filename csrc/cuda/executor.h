@@ -32,4 +32,19 @@ void eval_core(
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);
 
+// Whether the CUDA backward covers this call (recurrent_backward.cu): scalar
+// gates, key and value dims up to 128; the op runs the others on the CPU
+// stream.
+bool has_backward_kernels(const GatedDeltaParams& params);
+
+// The backward of the core op, whatever algorithm the call asked for (the
+// recurrent form's reverse, within the same gradient contracts).
+// inputs: q, k, v, g, beta, state [, mask], the cotangents of y and of the
+// final state; outputs: dq, dk, dv, dg, d_decay, dbeta, dstate.
+void eval_backward(
+    const GatedDeltaParams& params,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& stream);
+
 }  // namespace mlx_gated_delta::cuda

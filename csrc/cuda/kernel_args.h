@@ -45,18 +45,46 @@ struct CoreArgs {
   int checkpoint_count;
 };
 
-// The chunked form's scratch, written by chunk_prepare and read by
-// chunk_carry (docs/stages.md), per (batch row, value head, chunk):
-//   w [L, Dk] and u [L, Dv] of the WY form (float32),
-//   qk [L, L]: decay(i, j) q_i . k_j for j <= i, 0 above (float32),
+// The chunked form's scratch (docs/stages.md), float32, per (batch row,
+// value head, chunk):
+//   w [L, Dk] and u [L, Dv] of the WY form, from chunk_prepare; chunk_carry
+//   overwrites u with v' = U - W S^T,
+//   qk [L, L]: decay(i, j) q_i . k_j for j <= i, 0 above, from chunk_prepare,
 //   decays [kDecayRows, L]: decay(i, -1), decay(L - 1, j), the cumulative
-//   log decay and the last wipe (as a float) of gate_cumsum.
+//   log decay and the last wipe (as a float) of gate_cumsum, likewise,
+//   h [Dv, Dk]: the state at the chunk's start, from chunk_carry;
+// chunk_output reads qk, decays, h and v'.
 constexpr int kDecayRows = 4;
 struct ChunkScratch {
   float* w;
   float* u;
   float* qk;
   float* decays;
+  float* h;
+};
+
+// The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,
+// the initial state and the dims): the cotangents, the gradients in the
+// layouts of their inputs, and the scratch of recurrent_backward.cu, float32:
+//   boundaries [B, Hv, chunks, Dv, Dk]: the state entering each chunk,
+//   chunk_states [B, Hv, kChunk, Dv, Dk]: the state before each token of the
+//   chunk being reversed,
+//   dq_heads, dk_heads [B, T, Hv, Dk]: the gradients of the normalised q and
+//   k per value head, which qk_grad_reduce sums over the value heads.
+struct BackwardArgs {
+  const void* dy;
+  const float* state_cotangent;
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dg;
+  float* d_decay;
+  float* dbeta;
+  float* dstate;
+  float* boundaries;
+  float* chunk_states;
+  float* dq_heads;
+  float* dk_heads;
 };
 
 }  // namespace mlx_gated_delta::cuda

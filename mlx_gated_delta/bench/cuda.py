@@ -16,6 +16,14 @@ Times are medians of repeats after a warm-up call:
 - ``graph`` (FLA): one call captured in a CUDA graph, each replay timed by CUDA events: GPU
   time.
 
+The training step (``TRAINING_TOKENS``, B=1) is our forward and backward (``mx.vjp`` for the
+cotangents of y and of the final state; every input's gradient), timed one step at a time and
+``n`` independent steps to an evaluation. The backward's kernel fills one multiprocessor per
+value head, so independent steps in one graph run side by side: the ``n`` figure is a
+throughput, not one step's time, and the step's figure is the single call. FLA's backward does
+not run on the GPU machine's Triton, so the step is set against FLA's chunked forward
+(graph-replayed) of the prefill row of the same length.
+
 The comparison with FLA uses our chained figure against FLA's graph replay. Peak memory is the
 growth of each framework's allocator peak over one call. Bandwidth and FLOP/s use the copy
 bandwidth measured here (a device-to-device copy through PyTorch, bytes read + written) and
@@ -37,6 +45,7 @@ from .. import gated_delta_rule
 HK, HV, D = 16, 32, 128
 DECODE_BATCHES = (1, 8, 64)
 PREFILL_TOKENS = (2048, 8192, 32768)
+TRAINING_TOKENS = (2048, 8192)
 # MLX core's CUDA op is a per-token op loop (about 0.1 s per 1000 tokens): timed up to here.
 MLX_CORE_MAX_TOKENS = 8192
 CHAINED_CALLS = {1: 64, 2048: 8, 8192: 4, 32768: 2}
@@ -88,6 +97,11 @@ def _repeats(tokens: int) -> int:
 def time_mlx(call, state: mx.array, tokens: int, repeats: int | None = None) -> dict:
     """``call(state) -> (y, state)`` timed one call at a time and chained."""
     repeats = repeats or _repeats(tokens)
+    # MLX's CUDA buffers are unified memory: a new one faults its pages onto the GPU at
+    # first touch. Buffers cached by the rows and implementations before (MLX core's op
+    # loop leaves gigabytes of them) are released, so that the warm-up call leaves this
+    # implementation's own buffers in the cache for the timed calls to reuse.
+    mx.clear_cache()
     mx.eval(call(state))
     mx.synchronize()
     singles = []
@@ -163,6 +177,57 @@ def time_torch(call, tokens: int) -> dict:
         end.synchronize()
         replays.append(start.elapsed_time(end) / 1e3)
     return {"call_ms": _median_ms(singles), "graph_ms": _median_ms(replays), "peak_mib": peak}
+
+
+def time_training(step, tokens: int) -> dict:
+    """``step() -> arrays`` (one forward and backward) timed one at a time and ``n`` to
+    an evaluation, with the growth of MLX's peak memory over one step."""
+    mx.clear_cache()
+    mx.eval(step())
+    mx.synchronize()
+    singles = []
+    for _ in range(5):
+        start = time.perf_counter()
+        mx.eval(step())
+        mx.synchronize()
+        singles.append(time.perf_counter() - start)
+    n = CHAINED_CALLS[tokens]
+    chains = []
+    for _ in range(3):
+        start = time.perf_counter()
+        mx.eval([step() for _ in range(n)])
+        mx.synchronize()
+        chains.append((time.perf_counter() - start) / n)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    mx.eval(step())
+    mx.synchronize()
+    return {
+        "call_ms": _median_ms(singles),
+        "chained_ms": _median_ms(chains),
+        "chained_calls": n,
+        "peak_mib": (mx.get_peak_memory() - before) / 2**20,
+    }
+
+
+def training_row(tokens: int) -> dict:
+    x = draw(1, tokens)
+    q, k, v = (mx.array(x[n]).astype(mx.bfloat16) for n in ("q", "k", "v"))
+    g, beta, state = (mx.array(x[n]) for n in ("g", "beta", "state"))
+    rng = np.random.default_rng(1)
+    dy = mx.array(rng.standard_normal(x["v"].shape).astype(np.float32)).astype(mx.bfloat16)
+    dstate = mx.array(rng.standard_normal(x["state"].shape).astype(np.float32))
+    mx.eval(q, k, v, g, beta, state, dy, dstate)
+
+    def forward(*inputs):
+        return list(gated_delta_rule(*inputs, scale=D**-0.5))
+
+    def step():
+        outputs, grads = mx.vjp(forward, [q, k, v, g, beta, state], [dy, dstate])
+        return outputs + grads
+
+    return {"tokens": tokens, "ours": time_training(step, tokens)}
 
 
 def copy_bandwidth() -> float:
@@ -270,6 +335,24 @@ def table(record: dict) -> str:
             f"{core_cell} | {pair('fla_recurrent')} | {pair('fla_chunk')} | "
             f"{ratio} | {ours['peak_mib']:.0f} | {fla_peak} | {rate} |"
         )
+    lines += [
+        "",
+        "Training step (forward + backward, B=1):",
+        "",
+        "| T | ours call | ours per step, n steps to an evaluation | ours peak MiB | "
+        "FLA chunk forward graph | ours call / FLA forward |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in record.get("training", []):
+        ours = r["ours"]
+        prefill = next(p for p in record["rows"] if p["batch"] == 1 and p["tokens"] == r["tokens"])
+        fla = prefill.get("fla_chunk")
+        fla_cell = "n/a" if fla is None else f"{fla['graph_ms']:.3f}"
+        ratio = "n/a" if fla is None else f"{ours['call_ms'] / fla['graph_ms']:.1f}x"
+        lines.append(
+            f"| {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
+            f"{ours['peak_mib']:.0f} | {fla_cell} | {ratio} |"
+        )
     lines.append("")
     lines.append("ms: median. FLA's y and state against ours (norm ratio):")
     for r in record["rows"]:
@@ -301,6 +384,10 @@ def run(args) -> dict:
     for batch, tokens in shapes:
         print(f"bench --cuda: B={batch} T={tokens}", flush=True)
         record["rows"].append(row(batch, tokens, fla))
+    record["training"] = []
+    for tokens in TRAINING_TOKENS:
+        print(f"bench --cuda: training step T={tokens}", flush=True)
+        record["training"].append(training_row(tokens))
     text = table(record)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

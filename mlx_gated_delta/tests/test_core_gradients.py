@@ -1,9 +1,10 @@
 """Property tests of the gradients of the core op (docs/contract.md, gradients).
 
 Ordinary pytest functions, run by the repository's `pytest` and by
-`python -m mlx_gated_delta selftest` like the other property modules. Every
-gradient here is taken on the CPU stream; the Metal backward is held to the
-same contracts in the emulator (`tests/metal/test_backward_emulated.py`).
+`python -m mlx_gated_delta selftest` like the other property modules. The
+gradients are taken on the CPU stream, and against the float64 reference on
+the GPU too where MLX has one; the Metal backward is also held to the same
+contracts in the emulator (`tests/metal/test_backward_emulated.py`).
 The loss is <y, Wy> + <S_final, WS>: its gradient is the vjp with the
 cotangents Wy (in y's dtype, so the op and the reference see the same
 numbers) and WS.
@@ -87,8 +88,8 @@ def assert_gradients_match(prefix, grads, expected):
 
 
 # The backward's devices: the CPU, and the GPU where there is one (the Metal
-# backward runs its recurrent form whatever `algorithm` says).
-DEVICES = ("cpu", "gpu") if mx.metal.is_available() else ("cpu",)
+# and the CUDA backward run their recurrent form whatever `algorithm` says).
+DEVICES = ("cpu", "gpu") if mx.metal.is_available() or mx.cuda.is_available() else ("cpu",)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,6 +1,10 @@
 """Quick agreement check of the CUDA kernels against the CPU kernels and the
 float64 oracle, on shapes the property tests do not draw (the Qwen3-Next
-shape, long calls). Prints one line per case; exits 1 if any case is off.
+shape, long calls), and of the CUDA backward's gradients against the CPU
+backward's (every input's gradient, norm-wise per tensor, within twice the
+gradient contract that each meets against the float64 reference, as
+core_grad.algorithms compares two float32 computations). Prints one line per
+case; exits 1 if any case is off.
 
     python tools/cuda/check.py
 """
@@ -81,8 +85,59 @@ def main():
             f"state {errors[1]:.2e} (cpu {errors[3]:.2e})",
             flush=True,
         )
-    print(f"check: {len(cases) - failures} ok, {failures} failed")
+    gradient_cases = [
+        # B, T, Hk, Hv, Dk, Dv, dtype, options
+        (1, 300, 16, 32, 128, 128, mx.bfloat16, {}),
+        (2, 200, 4, 8, 128, 128, mx.float32, {}),
+        (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True}),
+        (2, 150, 2, 4, 64, 96, mx.float16, {"head_mapping": "interleaved"}),
+        (1, 70, 1, 2, 128, 128, mx.float32, {"normalize_qk": False}),
+        (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True}),  # the CPU's, routed
+    ]
+    for n, (B, T, Hk, Hv, Dk, Dv, dtype, options) in enumerate(gradient_cases):
+        failures += not check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options)
+    total = len(cases) + len(gradient_cases)
+    print(f"check: {total - failures} ok, {failures} failed")
     return 1 if failures else 0
+
+
+def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
+    per_key = options.get("per_key", False)
+    inputs = draw(B, T, Hk, Hv, Dk, Dv, dtype, per_key, 100 + n)
+    rng = np.random.default_rng(200 + n)
+    dy = mx.array(rng.standard_normal((B, T, Hv, Dv)).astype(np.float32)).astype(dtype)
+    dstate = mx.array(rng.standard_normal((B, Hv, Dv, Dk)).astype(np.float32))
+    kwargs = {
+        "head_mapping": options.get("head_mapping", "grouped"),
+        "normalize_qk": options.get("normalize_qk", True),
+    }
+    if options.get("mask"):
+        kwargs["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.8)
+
+    def gradients(stream):
+        def forward(*x):
+            return list(gated_delta_rule(*x, stream=stream, **kwargs))
+
+        _, grads = mx.vjp(forward, inputs, [dy, dstate])
+        mx.eval(grads)
+        return grads
+
+    gpu, cpu = gradients(mx.gpu), gradients(mx.cpu)
+    # q, k, v: the activation dtype's contract; g, beta, state: float32's.
+    activation = {mx.float32: 1e-3, mx.float16: 1.5e-3, mx.bfloat16: 5e-3}[dtype]
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+    errors = [
+        relative(a, np.asarray(b.astype(mx.float32), dtype=np.float64)) for a, b in zip(gpu, cpu)
+    ]
+    limits = [2 * activation] * 3 + [2e-3] * 3
+    ok = all(np.isfinite(errors)) and all(e < t for e, t in zip(errors, limits))
+    details = ", ".join(f"{name} {e:.1e}" for name, e in zip(names, errors))
+    print(
+        f"{'ok  ' if ok else 'FAIL'} gradients B={B} T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} "
+        f"{dtype} {options}: against the CPU {details}",
+        flush=True,
+    )
+    return ok
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@
 #   install    MLX and this checkout (nvcc builds the kernels) into SITE
 #   check      tools/cuda/check.py: the kernels against the CPU and the oracle
 #   selftest   python -m mlx_gated_delta selftest on the CUDA device (TF32 off)
-#   sanitize   compute-sanitizer memcheck and racecheck over tools/cuda/check.py
+#   sanitize   tools/cuda/sanitize.sh: memcheck, racecheck and the probes
 #   bench      python -m mlx_gated_delta bench --cuda
+#   stages     tools/cuda/stage_times.py: each chunked kernel's GPU time
 # Environment: SITE (default /tmp/gd-site), PYTHON (default python3),
 # SELFTEST_EXAMPLES (default 25).
 set -euo pipefail
@@ -72,6 +73,7 @@ for step in "$@"; do
             --examples "${SELFTEST_EXAMPLES:-25}" ;;
         sanitize) bash "$here/tools/cuda/sanitize.sh" ;;
         bench) "$python" -m mlx_gated_delta bench --cuda ;;
+        stages) "$python" "$here/tools/cuda/stage_times.py" ;;
         *) echo "unknown step $step" >&2; exit 2 ;;
     esac 2>&1 | tee "$out/$step.log"
 done

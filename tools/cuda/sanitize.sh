@@ -3,8 +3,10 @@
 # machine where tools/cuda/gpu_machine.sh has installed the package:
 #   memcheck   out-of-bounds and misaligned accesses;
 #   racecheck  shared-memory hazards between the threads of a block;
-# then the probe: the same build with one __syncthreads of chunk_carry left out
-# (CMake option MLX_GATED_DELTA_CUDA_PROBE), which racecheck must report.
+# then the probe build (CMake option MLX_GATED_DELTA_CUDA_PROBE): one
+# __syncthreads of chunk_carry left out, and recurrent_backward's per-token
+# sums in one shared buffer instead of two, races that racecheck must report
+# in both kernels.
 # Exits non-zero unless both checks are clean and the probe is caught.
 set -uo pipefail
 
@@ -13,33 +15,36 @@ python=${PYTHON:-python3}
 site=${SITE:-/tmp/gd-site}
 probe_site=${PROBE_SITE:-/tmp/gd-probe-site}
 sanitizer=${COMPUTE_SANITIZER:-compute-sanitizer}
-# Only our kernels (their names start with gd_), not MLX's.
-watch=(--kernel-name kns=gd_ --error-exitcode 3 --print-limit 20)
 status=0
 
-run() {  # name, then the tool's arguments
-    local name=$1
-    shift
+run() {  # name, the kernels watched (a name prefix), then the tool's arguments
+    local name=$1 kernels=$2
+    shift 2
     echo "== $name"
-    "$sanitizer" "${watch[@]}" "$@" "$python" "$here/tools/cuda/sanitize_case.py"
+    "$sanitizer" --kernel-name "kns=$kernels" --error-exitcode 3 --print-limit 20 "$@" \
+        "$python" "$here/tools/cuda/sanitize_case.py"
 }
 
-run memcheck --tool memcheck || status=1
-run racecheck --tool racecheck --racecheck-report all || status=1
+# Only our kernels (their names start with gd_), not MLX's.
+run memcheck gd_ --tool memcheck || status=1
+run racecheck gd_ --tool racecheck --racecheck-report all || status=1
 
-echo "== probe build (one __syncthreads of chunk_carry removed)"
+echo "== probe build (races planted in chunk_carry and recurrent_backward)"
 rm -rf "$probe_site"
 "$python" -m pip install --quiet --no-index --no-deps --no-build-isolation --target "$probe_site" \
     -Cbuild-dir=/tmp/gd-probe-build -Ccmake.define.MLX_GATED_DELTA_METAL_EMULATOR=OFF \
     -Ccmake.define.MLX_GATED_DELTA_CUDA_PROBE=ON "$here" || exit 1
-probe_log=$(mktemp)
-PYTHONPATH="$probe_site:$PYTHONPATH" run "racecheck of the probe" \
-    --tool racecheck --racecheck-report hazard 2>&1 | tee "$probe_log"
-if grep -qE "hazard detected|Race reported" "$probe_log"; then
-    echo "sanitize: the probe was caught (racecheck reported the hazard)"
-else
-    echo "sanitize: the probe was NOT caught"
-    status=1
-fi
+# One kernel at a time: the first hazards printed would all be chunk_carry's.
+for kernel in gd_chunk_carry gd_recurrent_backward; do
+    probe_log=$(mktemp)
+    PYTHONPATH="$probe_site:$PYTHONPATH" run "racecheck of the probe in $kernel" "$kernel" \
+        --tool racecheck --racecheck-report hazard 2>&1 | tee "$probe_log"
+    if grep -E "hazard detected|Race reported" -A 3 "$probe_log" | grep -q "$kernel"; then
+        echo "sanitize: the probe in $kernel was caught (racecheck reported the hazard)"
+    else
+        echo "sanitize: the probe in $kernel was NOT caught"
+        status=1
+    fi
+done
 [ $status -eq 0 ] && echo "sanitize: memcheck and racecheck clean, probe caught"
 exit $status
