@@ -3,13 +3,9 @@
 namespace mlx_gated_delta {
 
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
-  // Per-key gates: the chunked form builds its grams pair by pair (a decay
-  // per channel cannot be applied after the product), and its entry-state
-  // share is less accurate than the recurrence's when strong and weak
-  // channels meet a large state (docs/numerics.md).
-  if (params.per_key_gates) {
-    return Algorithm::Recurrent;
-  }
+  // Per-key gates take the same crossover: their grams are matrix products
+  // of sub-chunks too (docs/numerics.md, "Per-key-channel gates in the
+  // chunked form").
   constexpr int kChunkedMinTokens = 48;
   if (params.has_tree) {
     return Algorithm::Recurrent;  // a tree has no chunks

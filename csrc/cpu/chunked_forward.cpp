@@ -7,6 +7,172 @@
 
 namespace mlx_gated_delta::cpu {
 
+void KeyChunkDecays::compute(
+    const float* g,
+    int64_t token_stride,
+    const bool* active,
+    int length,
+    int dk) {
+  constexpr int C = kChunkSize;
+  length_ = length;
+  dk_ = dk;
+  const size_t size = size_t(C) * dk;
+  for (auto* values : {&log_sum_, &log_sum_t_, &from_start_, &to_end_}) {
+    values->resize(size);
+  }
+  last_wipe_.resize(size);
+  last_wipe_t_.resize(size);
+  for (int i = 0; i < length; ++i) {
+    for (int c = 0; c < dk; ++c) {
+      const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
+      const bool wipe = std::exp(gi) == 0.0f;
+      const size_t e = size_t(i) * dk + c;
+      const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
+      log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
+      last_wipe_[e] = wipe ? i : (i ? last_wipe_[e - dk] : -1);
+      log_sum_t_[size_t(c) * C + i] = log_sum_[e];
+      last_wipe_t_[size_t(c) * C + i] = last_wipe_[e];
+    }
+  }
+  const float* last_sum = &log_sum_[size_t(length - 1) * dk];
+  const int* last_wipe = &last_wipe_[size_t(length - 1) * dk];
+  for (int i = 0; i < length; ++i) {
+    const float* sum_i = &log_sum_[size_t(i) * dk];
+    const int* wipe_i = &last_wipe_[size_t(i) * dk];
+    float* from_start = &from_start_[size_t(i) * dk];
+    float* to_end = &to_end_[size_t(i) * dk];
+#pragma omp simd
+    for (int c = 0; c < dk; ++c) {
+      const float start_decay = std::exp(sum_i[c]);
+      from_start[c] = wipe_i[c] >= 0 ? 0.0f : start_decay;
+      const float end_decay = std::exp(last_sum[c] - sum_i[c]);
+      to_end[c] = last_wipe[c] > i ? 0.0f : end_decay;
+    }
+  }
+}
+
+// Per sub-chunk of rows [first, end) with reference row p = first, for
+// j < end: decay(i, j, c) = decay(i, p, c) decay(p, j, c) when j < p, both
+// factors at most 1 (a wipe in (j, i] lies in one of the two intervals and
+// zeroes that factor); on the diagonal block (p <= j <= i) the product
+// channels take exp(G_ic - G_pc) exp(G_pc - G_jc) (kProductLogLimit). So the
+// sub-chunk's rows of both grams are two products [n, Dk] x [Dk, end].
+void KeyChunkDecays::decayed_grams(
+    const float* q,
+    const float* k,
+    const float* k_transposed,
+    float* k_gram,
+    float* qk) {
+  constexpr int C = kChunkSize;
+  const int dk = dk_;
+  q_rows_.resize(size_t(kSubChunkSize) * dk);
+  k_rows_.resize(size_t(kSubChunkSize) * dk);
+  columns_.resize(size_t(dk) * C);
+  for (int first = 0; first < length_; first += kSubChunkSize) {
+    const int n = std::min(kSubChunkSize, length_ - first);
+    const int end = first + n;
+    const float* sum_p = &log_sum_[size_t(first) * dk];
+    for (int r = 0; r < n; ++r) {
+      const int i = first + r;
+      const float* sum_i = &log_sum_[size_t(i) * dk];
+      const int* wipe_i = &last_wipe_[size_t(i) * dk];
+      const float* q_i = q + size_t(i) * dk;
+      const float* k_i = k + size_t(i) * dk;
+      float* q_row = &q_rows_[size_t(r) * dk];
+      float* k_row = &k_rows_[size_t(r) * dk];
+#pragma omp simd
+      for (int c = 0; c < dk; ++c) {
+        const float decay = std::exp(sum_i[c] - sum_p[c]);
+        const float row_decay = wipe_i[c] > first ? 0.0f : decay;
+        q_row[c] = row_decay * q_i[c];
+        k_row[c] = row_decay * k_i[c];
+      }
+    }
+    pair_channels_.clear();
+    for (int c = 0; c < dk; ++c) {
+      const float* sum_c = &log_sum_t_[size_t(c) * C];
+      const int* wipe_c = &last_wipe_t_[size_t(c) * C];
+      const float* k_c = k_transposed + size_t(c) * C;
+      float* column = &columns_[size_t(c) * C];
+      const float sum_first = sum_c[first];
+      const int wipe_first = wipe_c[first];
+#pragma omp simd
+      for (int j = 0; j < first; ++j) {
+        const float decay = std::exp(sum_first - sum_c[j]);
+        column[j] = wipe_first > j ? 0.0f : decay * k_c[j];
+      }
+      float lowest = 0.0f, highest = 0.0f;
+      for (int j = first; j < end; ++j) {
+        lowest = std::min(lowest, sum_c[j] - sum_first);
+        highest = std::max(highest, sum_c[j] - sum_first);
+      }
+      const bool product = wipe_c[end - 1] <= first &&
+          lowest >= -kProductLogLimit && highest <= kProductLogLimit;
+      if (!product) {
+        pair_channels_.push_back(c);
+        std::fill(column + first, column + end, 0.0f);
+        continue;
+      }
+#pragma omp simd
+      for (int j = first; j < end; ++j) {
+        column[j] = std::exp(sum_first - sum_c[j]) * k_c[j];
+      }
+    }
+    for (int i = first; i < end; ++i) {
+      std::fill(qk + i * C, qk + i * C + C, 0.0f);
+      std::fill(k_gram + i * C, k_gram + i * C + C, 0.0f);
+    }
+    const float* columns = columns_.data();
+    gemm(n, end, dk, 1.0f, {q_rows_.data(), dk, 1}, columns, C, qk + first * C, C);
+    gemm(
+        n,
+        end,
+        dk,
+        1.0f,
+        {k_rows_.data(), dk, 1},
+        columns,
+        C,
+        k_gram + first * C,
+        C);
+    diagonal_pairs(q, k, first, n, pair_channels_, k_gram, qk);
+    // Above the diagonal the product left what the grams do not hold, and
+    // k_gram's diagonal is 0.
+    for (int i = first; i < end; ++i) {
+      std::fill(qk + i * C + i + 1, qk + i * C + C, 0.0f);
+      std::fill(k_gram + i * C + i, k_gram + i * C + C, 0.0f);
+    }
+  }
+}
+
+void KeyChunkDecays::diagonal_pairs(
+    const float* q,
+    const float* k,
+    int first,
+    int n,
+    const std::vector<int>& channels,
+    float* k_gram,
+    float* qk) const {
+  constexpr int C = kChunkSize;
+  if (channels.empty()) {
+    return;
+  }
+  for (int i = first; i < first + n; ++i) {
+    const float* q_i = q + size_t(i) * dk_;
+    const float* k_i = k + size_t(i) * dk_;
+    for (int j = first; j <= i; ++j) {
+      const float* k_j = k + size_t(j) * dk_;
+      float gram = 0.0f, query_gram = 0.0f;
+      for (const int c : channels) {
+        const float decayed_k = (*this)(i, j, c) * k_j[c];
+        gram = multiply_add(k_i[c], decayed_k, gram);
+        query_gram = multiply_add(q_i[c], decayed_k, query_gram);
+      }
+      k_gram[i * C + j] += gram;
+      qk[i * C + j] += query_gram;
+    }
+  }
+}
+
 // qk_norm: the chunk's q and k rows as float32, L2-normalised when asked.
 // The rows are copied first and normalised after: a copy loop keeps many
 // rows' loads in flight, where a per-row norm would wait on each row.
@@ -90,7 +256,11 @@ void gate_cumsum(
         L,
         p.key_dim);
     s.key_decays.decayed_grams(
-        s.q.data(), s.k.data(), s.k_gram.data(), s.qk_decayed.data());
+        s.q.data(),
+        s.k.data(),
+        s.k_transposed.data(),
+        s.k_gram.data(),
+        s.qk_decayed.data());
     return;
   }
   for (int i = 0; i < L; ++i) {
@@ -143,9 +313,9 @@ void recompute_w_u(
   }
   for (int i = 0; i < L; ++i) {
     if (p.per_key_gates) {
+      const float* from_start = s.key_decays.from_start() + i * dk;
       for (int c = 0; c < dk; ++c) {
-        s.scaled_k[i * dk + c] =
-            s.beta[i] * s.key_decays(i, -1, c) * s.k[i * dk + c];
+        s.scaled_k[i * dk + c] = s.beta[i] * from_start[c] * s.k[i * dk + c];
       }
       continue;
     }
@@ -193,10 +363,9 @@ void chunk_carry(
   if (p.per_key_gates) {
     // inter_i = S0 (decay(i, -1, :) * q_i): the decay scales q's channels.
     // scaled_k is free until chunk_carry_state.
-    for (int i = 0; i < L; ++i) {
-      for (int c = 0; c < dk; ++c) {
-        s.scaled_k[i * dk + c] = s.key_decays(i, -1, c) * s.q[i * dk + c];
-      }
+    const float* from_start = s.key_decays.from_start();
+    for (int e = 0; e < L * dk; ++e) {
+      s.scaled_k[e] = from_start[e] * s.q[e];
     }
     gemm(
         L,
@@ -227,16 +396,15 @@ void chunk_carry_state(
   const int dk = p.key_dim, dv = p.value_dim;
   if (p.per_key_gates) {
     // Row c of the transposed state is the state's column c.
+    const float* chunk_decays = s.key_decays.from_start() + (L - 1) * dk;
     for (int c = 0; c < dk; ++c) {
-      const float chunk_decay = s.key_decays(L - 1, -1, c);
       for (int e = 0; e < dv; ++e) {
-        state_t[int64_t(c) * dv + e] *= chunk_decay;
+        state_t[int64_t(c) * dv + e] *= chunk_decays[c];
       }
     }
-    for (int j = 0; j < L; ++j) {
-      for (int c = 0; c < dk; ++c) {
-        s.scaled_k[j * dk + c] = s.key_decays(L - 1, j, c) * s.k[j * dk + c];
-      }
+    const float* to_end = s.key_decays.to_end();
+    for (int e = 0; e < L * dk; ++e) {
+      s.scaled_k[e] = to_end[e] * s.k[e];
     }
   } else {
     const float chunk_decay = s.decays.from_start(L - 1);
@@ -541,7 +709,9 @@ void chunked_heads(
     traced(Stage::QkNorm, nullptr);
     // With per-key gates the grams depend on each value head's decays:
     // gate_cumsum builds them decayed, per value head.
-    if (!p.per_key_gates) {
+    if (p.per_key_gates) {
+      transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
+    } else {
       k_gram(dk, L, s);
       traced(Stage::KGram, nullptr);
       chunk_qk(dk, L, s);

@@ -95,33 +95,39 @@ class ChunkDecays {
 
 // Per-key gates: the same decays per key channel c, decay(i, j, c) =
 // exp(G_ic - G_jc) over the channel's finite g, 0 if a wipe of channel c lies
-// in (j, i]. Every factor is formed for one pair (j, i] directly, never as a
-// ratio exp(G_i) / exp(G_j) of two factors from the chunk's start, so its
-// exponent is the sum of the g in (j, i], at most 0 for decays: no factor
-// overflows however strong the decay (docs/numerics.md).
+// in (j, i]. No factor is formed as a ratio exp(G_i) / exp(G_j) of two factors
+// from the chunk's start: -G_j reaches +12800 for a channel at g = -200 over
+// 64 tokens, and exp of it is inf (docs/numerics.md).
+//
+// The decayed grams run as matrix products in sub-chunks of kSubChunkSize
+// rows (decayed_grams). Each factor's exponent is a sum of the g over one
+// interval; from_start and to_end are the chunk's interval factors that W,
+// the inter-chunk output and the carry read, formed once per value head.
+constexpr int kSubChunkSize = 16;
+
+// The diagonal block of a sub-chunk runs as a product too for every channel
+// whose log decay G moves by at most this much across the sub-chunk, from
+// its first row p: its factors exp(G_ic - G_pc) and exp(G_pc - G_jc) lie in
+// [exp(-80), exp(80)] = [1.8e-35, 5.5e34], so each term q_ic k_jc
+// exp(G_ic - G_jc) (p <= j <= i) is formed to a few float32 roundings of
+// itself. (Where |q_ic| < 1e-3 the row factor can be subnormal: the term's
+// error is then at most 2^-150 exp(80) |k_jc| = 4e-11 |k_jc|.) The entries the
+// product forms above the diagonal are discarded. KDA's gate with
+// lower_bound = -5 moves G by at most 75 over the 15 steps of a sub-chunk, so
+// such layers take this form for every channel; a channel beyond the limit,
+// or with a wipe inside the sub-chunk, takes the diagonal block pair by pair.
+// Nothing requires a bound.
+constexpr float kProductLogLimit = 80.0f;
+
 class KeyChunkDecays {
  public:
+  // g: token 0, channel 0 of the chunk; the active tokens' g (0 elsewhere).
   void compute(
       const float* g,
       int64_t token_stride,
       const bool* active,
       int length,
-      int dk) {
-    length_ = length;
-    dk_ = dk;
-    log_sum_.resize(size_t(kChunkSize) * dk);
-    last_wipe_.resize(size_t(kChunkSize) * dk);
-    for (int i = 0; i < length; ++i) {
-      for (int c = 0; c < dk; ++c) {
-        const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
-        const bool wipe = std::exp(gi) == 0.0f;
-        const size_t e = size_t(i) * dk + c;
-        const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
-        log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
-        last_wipe_[e] = wipe ? i : (i ? last_wipe_[e - dk] : -1);
-      }
-    }
-  }
+      int dk);
   // decay(i, j, c) for -1 <= j <= i.
   float operator()(int i, int j, int c) const {
     const size_t e = size_t(i) * dk_ + c;
@@ -131,38 +137,55 @@ class KeyChunkDecays {
     return std::exp(
         log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
   }
+  // [L, Dk]: decay(i, -1, c) and decay(L-1, j, c).
+  const float* from_start() const {
+    return from_start_.data();
+  }
+  const float* to_end() const {
+    return to_end_.data();
+  }
+  float log_sum(int i, int c) const {
+    return log_sum_[size_t(i) * dk_ + c];
+  }
+  int last_wipe(int i, int c) const {
+    return last_wipe_[size_t(i) * dk_ + c];
+  }
   // The decayed grams of the chunk, for j <= i (0 above the diagonal):
   //   k_gram[i, j] = sum_c k_ic k_jc decay(i, j, c)   (j < i; the diagonal 0)
   //   qk[i, j]     = sum_c q_ic k_jc decay(i, j, c)
-  // The decay cannot be applied after the products as with one decay per
-  // head, so each pair's factors are formed once and shared by both grams.
+  // q, k: [L, Dk] rows; k_transposed: [Dk, kChunkSize].
   void decayed_grams(
-      const float* q, const float* k, float* k_gram, float* qk) const {
-    constexpr int C = kChunkSize;
-    std::vector<float> decayed_k(dk_);
-    for (int i = 0; i < length_; ++i) {
-      const float* q_i = q + size_t(i) * dk_;
-      const float* k_i = k + size_t(i) * dk_;
-      for (int j = 0; j <= i; ++j) {
-        const float* k_j = k + size_t(j) * dk_;
-        for (int c = 0; c < dk_; ++c) {
-          decayed_k[c] = (*this)(i, j, c) * k_j[c];
-        }
-        k_gram[i * C + j] = j < i ? dot(k_i, decayed_k.data(), dk_) : 0.0f;
-        qk[i * C + j] = dot(q_i, decayed_k.data(), dk_);
-      }
-      for (int j = i + 1; j < length_; ++j) {
-        k_gram[i * C + j] = 0.0f;
-        qk[i * C + j] = 0.0f;
-      }
-    }
-  }
+      const float* q,
+      const float* k,
+      const float* k_transposed,
+      float* k_gram,
+      float* qk);
 
  private:
+  // Adds the pair-by-pair terms of the channels `channels` to the diagonal
+  // block of the sub-chunk starting at row `first` (n rows).
+  void diagonal_pairs(
+      const float* q,
+      const float* k,
+      int first,
+      int n,
+      const std::vector<int>& channels,
+      float* k_gram,
+      float* qk) const;
+
   int length_ = 0;
   int dk_ = 0;
   std::vector<float> log_sum_;  // [L, Dk]
   std::vector<int> last_wipe_;  // [L, Dk]
+  // Channel-major copies [Dk, kChunkSize], read along the tokens.
+  std::vector<float> log_sum_t_;
+  std::vector<int> last_wipe_t_;
+  std::vector<float> from_start_, to_end_;  // [L, Dk]
+  // decayed_grams' operands: one sub-chunk's rows relative to its first row
+  // ([kSubChunkSize, Dk]) and the columns up to its end relative to the same
+  // row ([Dk, kChunkSize]).
+  std::vector<float> q_rows_, k_rows_, columns_;
+  std::vector<int> pair_channels_;
 };
 
 // Scratch of one task. Row strides: Dk for [L, Dk], Dv for [L, Dv],
