@@ -25,7 +25,9 @@ void KeyChunkDecays::compute(
   for (int i = 0; i < length; ++i) {
     for (int c = 0; c < dk; ++c) {
       const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
-      const bool wipe = std::exp(gi) == 0.0f;
+      // exp(g) > 0 for g >= -100: the test costs a call only where it can
+      // underflow.
+      const bool wipe = gi < -100.0f && std::exp(gi) == 0.0f;
       const size_t e = size_t(i) * dk + c;
       const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
       log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
@@ -43,9 +45,9 @@ void KeyChunkDecays::compute(
     float* to_end = &to_end_[size_t(i) * dk];
 #pragma omp simd
     for (int c = 0; c < dk; ++c) {
-      const float start_decay = std::exp(sum_i[c]);
+      const float start_decay = decay_exp(sum_i[c]);
       from_start[c] = wipe_i[c] >= 0 ? 0.0f : start_decay;
-      const float end_decay = std::exp(last_sum[c] - sum_i[c]);
+      const float end_decay = decay_exp(last_sum[c] - sum_i[c]);
       to_end[c] = last_wipe[c] > i ? 0.0f : end_decay;
     }
   }
@@ -82,7 +84,7 @@ void KeyChunkDecays::decayed_grams(
       float* k_row = &k_rows_[size_t(r) * dk];
 #pragma omp simd
       for (int c = 0; c < dk; ++c) {
-        const float decay = std::exp(sum_i[c] - sum_p[c]);
+        const float decay = decay_exp(sum_i[c] - sum_p[c]);
         const float row_decay = wipe_i[c] > first ? 0.0f : decay;
         q_row[c] = row_decay * q_i[c];
         k_row[c] = row_decay * k_i[c];
@@ -98,7 +100,7 @@ void KeyChunkDecays::decayed_grams(
       const int wipe_first = wipe_c[first];
 #pragma omp simd
       for (int j = 0; j < first; ++j) {
-        const float decay = std::exp(sum_first - sum_c[j]);
+        const float decay = decay_exp(sum_first - sum_c[j]);
         column[j] = wipe_first > j ? 0.0f : decay * k_c[j];
       }
       float lowest = 0.0f, highest = 0.0f;
@@ -115,7 +117,7 @@ void KeyChunkDecays::decayed_grams(
       }
 #pragma omp simd
       for (int j = first; j < end; ++j) {
-        column[j] = std::exp(sum_first - sum_c[j]) * k_c[j];
+        column[j] = decay_exp(sum_first - sum_c[j]) * k_c[j];
       }
     }
     for (int i = first; i < end; ++i) {

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 #include "cpu/kernel_common.h"
@@ -93,6 +95,41 @@ class ChunkDecays {
   int last_wipe_[kChunkSize];
 };
 
+// exp(x) of a log decay, in float32 arithmetic that vectorises: the
+// per-key stages form Dk factors per row, and the library's expf is a scalar
+// call here (glibc has vector versions under -ffast-math only). x = n ln 2 + r
+// with |r| <= ln(2) / 2, ln 2 split so that n ln2_high is exact; exp(r) by
+// its Taylor polynomial to r^7 (truncation r^8 / 8! < 6e-9, below float32's
+// rounding); times 2^n through the exponent bits. Within a few ulp of exp down
+// to exp(-87), 0 below (a decay under 1.7e-38 weighs less than float32
+// keeps of any term it multiplies), inf above exp(88).
+inline float decay_exp(float x) {
+  constexpr float kLog2e = 1.44269504f;
+  constexpr float kLn2High = 0.693359375f;  // 355 / 512
+  constexpr float kLn2Low = -2.12194440e-4f;
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds
+  constexpr float kLowest = -87.0f, kHighest = 88.0f;
+  const float clamped = std::min(std::max(x, kLowest), kHighest);
+  const float n = (clamped * kLog2e + kRound) - kRound;
+  const float r =
+      multiply_add(-n, kLn2Low, multiply_add(-n, kLn2High, clamped));
+  float p = 1.0f / 5040.0f;
+  p = multiply_add(p, r, 1.0f / 720.0f);
+  p = multiply_add(p, r, 1.0f / 120.0f);
+  p = multiply_add(p, r, 1.0f / 24.0f);
+  p = multiply_add(p, r, 1.0f / 6.0f);
+  p = multiply_add(p, r, 0.5f);
+  p = multiply_add(p, r, 1.0f);
+  p = multiply_add(p, r, 1.0f);
+  const int32_t exponent_bits = (int32_t(n) + 127) << 23;
+  float two_to_n;
+  std::memcpy(&two_to_n, &exponent_bits, sizeof(two_to_n));
+  const float value = p * two_to_n;
+  return x < kLowest ? 0.0f
+                     : (x > kHighest ? std::numeric_limits<float>::infinity()
+                                     : value);
+}
+
 // Per-key gates: the same decays per key channel c, decay(i, j, c) =
 // exp(G_ic - G_jc) over the channel's finite g, 0 if a wipe of channel c lies
 // in (j, i]. No factor is formed as a ratio exp(G_i) / exp(G_j) of two factors
@@ -134,7 +171,7 @@ class KeyChunkDecays {
     if (last_wipe_[e] > j) {
       return 0.0f;
     }
-    return std::exp(
+    return decay_exp(
         log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
   }
   // [L, Dk]: decay(i, -1, c) and decay(L-1, j, c).
