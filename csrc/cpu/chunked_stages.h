@@ -20,7 +20,10 @@ namespace mlx_gated_delta::cpu {
 // math and the stage table):
 //   qk_norm        q, k rows loaded as float32 (and L2-normalised)
 //   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: the
-//                  chunk's start)
+//                  chunk's start); per-key gates: decay(i, j, c) per channel
+//   key_decayed_grams  (per-key gates, in place of k_gram and chunk_qk) the
+//                  decayed K K^T and Q K^T of one value head
+//                  (KeyChunkDecays::decayed_grams)
 //   k_gram         K K^T (lower triangle)
 //   chunk_qk       Q K^T (lower triangle)
 //   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i); T = (I + A)^-1
@@ -296,6 +299,7 @@ void gate_cumsum(
     int start,
     int L,
     ChunkScratch& s);
+void key_decayed_grams(ChunkScratch& s);
 void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s);
 template <typename T>
 void recompute_w_u(
