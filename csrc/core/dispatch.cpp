@@ -25,9 +25,10 @@ Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params) {
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
   // Trees: the recurrent kernels alone have them (docs/metal.md). Per-key
   // gates: the chunked stages take them when asked for, but `auto` keeps the
-  // recurrent form, as on the CPU: the chunked per-key form misses the state
-  // contract from a huge entry state (docs/numerics.md, "Choosing the
-  // algorithm"), and gated_delta_update runs `auto`.
+  // recurrent form: the Metal stages still form the decayed grams pair by
+  // pair (the CPU's sub-chunk products are not ported), and neither form's
+  // cost has been measured on an Apple GPU (docs/numerics.md, "Choosing the
+  // algorithm").
   if (params.has_tree || params.per_key_gates ||
       params.tokens <= int(kChunkSize) ||
       params.key_dim > int(kMaxChunkedKeyDim)) {
