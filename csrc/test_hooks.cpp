@@ -233,8 +233,8 @@ nb::dict trace_chunked(
   out["q"] = f32(t.q, {chunks, L, dk});
   out["k"] = f32(t.k, {chunks, L, dk});
   // Per-key gates: one cumulative log decay and last wipe per channel.
-  const mx::Shape gate_shape = p.per_key_gates ? mx::Shape{chunks, L, dk}
-                                               : mx::Shape{chunks, L};
+  const mx::Shape gate_shape =
+      p.per_key_gates ? mx::Shape{chunks, L, dk} : mx::Shape{chunks, L};
   out["log_cumsum"] = f32(t.log_cumsum, gate_shape);
   out["last_wipe"] = mx::array(t.last_wipe.begin(), gate_shape, mx::int32);
   out["beta_effective"] = f32(t.beta, {chunks, L});

@@ -125,7 +125,16 @@ void KeyChunkDecays::decayed_grams(
       std::fill(k_gram + i * C, k_gram + i * C + C, 0.0f);
     }
     const float* columns = columns_.data();
-    gemm(n, end, dk, 1.0f, {q_rows_.data(), dk, 1}, columns, C, qk + first * C, C);
+    gemm(
+        n,
+        end,
+        dk,
+        1.0f,
+        {q_rows_.data(), dk, 1},
+        columns,
+        C,
+        qk + first * C,
+        C);
     gemm(
         n,
         end,

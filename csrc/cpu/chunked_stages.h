@@ -128,9 +128,9 @@ inline float decay_exp(float x) {
   float two_to_n;
   std::memcpy(&two_to_n, &exponent_bits, sizeof(two_to_n));
   const float value = p * two_to_n;
-  return x < kLowest ? 0.0f
-                     : (x > kHighest ? std::numeric_limits<float>::infinity()
-                                     : value);
+  return x < kLowest
+      ? 0.0f
+      : (x > kHighest ? std::numeric_limits<float>::infinity() : value);
 }
 
 // Per-key gates: the same decays per key channel c, decay(i, j, c) =

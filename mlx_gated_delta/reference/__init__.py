@@ -37,13 +37,6 @@ from .chunked import (
     kkt_inverse,
     recompute_w_u,
 )
-from .chunked_per_key import (
-    key_chunk_carry,
-    key_chunk_decay,
-    key_decayed_grams,
-    key_gate_cumsum,
-    per_key_chunked_stages,
-)
 from .chunked_backward import (
     chunk_carry_backward,
     chunk_output_backward,
@@ -51,6 +44,13 @@ from .chunked_backward import (
     gated_delta_rule_chunked_reference_vjp,
     kkt_inverse_backward,
     recompute_w_u_backward,
+)
+from .chunked_per_key import (
+    key_chunk_carry,
+    key_chunk_decay,
+    key_decayed_grams,
+    key_gate_cumsum,
+    per_key_chunked_stages,
 )
 from .recurrent import (
     QK_NORM_EPS,

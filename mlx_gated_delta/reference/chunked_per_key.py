@@ -67,8 +67,8 @@ def per_key_chunked_stages(
     inverse = out["kkt_inverse"]
     out["u"] = inverse @ (beta_effective[..., None] * chunk_rows(v, chunk_size))
     out["w"] = inverse @ (beta_effective[..., None] * from_start * k_rows)
-    out["corrected"], out["output_inter"], out["entry_states"], out["state"] = (
-        key_chunk_carry(out["w"], out["u"], q_rows, k_rows, log_cumsum, last_wipe, state, scale)
+    out["corrected"], out["output_inter"], out["entry_states"], out["state"] = key_chunk_carry(
+        out["w"], out["u"], q_rows, k_rows, log_cumsum, last_wipe, state, scale
     )
     rows = out["output_inter"] + scale * out["qk"] @ out["corrected"]
     y = rows.reshape(batch, value_heads, -1, value_dim)[:, :, :tokens].transpose(0, 2, 1, 3)
