@@ -22,18 +22,44 @@ void KeyChunkDecays::compute(
   }
   last_wipe_.resize(size);
   last_wipe_t_.resize(size);
+  // exp(g) > 0 for g >= -100 (exp(-100) = 3.7e-44, a subnormal): a row
+  // without a lower g has no wipe and runs vectorised; a row with one asks
+  // expf channel by channel.
   for (int i = 0; i < length; ++i) {
+    const float* g_i = g + i * token_stride;
+    float* sum_i = &log_sum_[size_t(i) * dk];
+    int* wipe_i = &last_wipe_[size_t(i) * dk];
+    const float* previous_sum = i ? sum_i - dk : nullptr;
+    const int* previous_wipe = i ? wipe_i - dk : nullptr;
+    if (!active[i]) {
+      for (int c = 0; c < dk; ++c) {
+        sum_i[c] = i ? previous_sum[c] : 0.0f;
+        wipe_i[c] = i ? previous_wipe[c] : -1;
+      }
+      continue;
+    }
+    bool may_wipe = false;
     for (int c = 0; c < dk; ++c) {
-      const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
-      // exp(g) > 0 for g >= -100: the test costs a call only where it can
-      // underflow.
-      const bool wipe = gi < -100.0f && std::exp(gi) == 0.0f;
-      const size_t e = size_t(i) * dk + c;
-      const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
-      log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
-      last_wipe_[e] = wipe ? i : (i ? last_wipe_[e - dk] : -1);
-      log_sum_t_[size_t(c) * C + i] = log_sum_[e];
-      last_wipe_t_[size_t(c) * C + i] = last_wipe_[e];
+      may_wipe |= g_i[c] < -100.0f;
+    }
+    if (!may_wipe) {
+#pragma omp simd
+      for (int c = 0; c < dk; ++c) {
+        sum_i[c] = (i ? previous_sum[c] : 0.0f) + g_i[c];
+        wipe_i[c] = i ? previous_wipe[c] : -1;
+      }
+      continue;
+    }
+    for (int c = 0; c < dk; ++c) {
+      const bool wipe = std::exp(g_i[c]) == 0.0f;
+      sum_i[c] = (i ? previous_sum[c] : 0.0f) + (wipe ? 0.0f : g_i[c]);
+      wipe_i[c] = wipe ? i : (i ? previous_wipe[c] : -1);
+    }
+  }
+  for (int c = 0; c < dk; ++c) {
+    for (int i = 0; i < length; ++i) {
+      log_sum_t_[size_t(c) * C + i] = log_sum_[size_t(i) * dk + c];
+      last_wipe_t_[size_t(c) * C + i] = last_wipe_[size_t(i) * dk + c];
     }
   }
   const float* last_sum = &log_sum_[size_t(length - 1) * dk];
