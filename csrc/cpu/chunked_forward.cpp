@@ -21,7 +21,6 @@ void KeyChunkDecays::compute(
     values->resize(size);
   }
   last_wipe_.resize(size);
-  last_wipe_t_.resize(size);
   // exp(g) > 0 for g >= -100 (exp(-100) = 3.7e-44, a subnormal): a row
   // without a lower g has no wipe and runs vectorised; a row with one asks
   // expf channel by channel.
@@ -59,7 +58,6 @@ void KeyChunkDecays::compute(
   for (int c = 0; c < dk; ++c) {
     for (int i = 0; i < length; ++i) {
       log_sum_t_[size_t(c) * C + i] = log_sum_[size_t(i) * dk + c];
-      last_wipe_t_[size_t(c) * C + i] = last_wipe_[size_t(i) * dk + c];
     }
   }
   const float* last_sum = &log_sum_[size_t(length - 1) * dk];
@@ -119,23 +117,25 @@ void KeyChunkDecays::decayed_grams(
     pair_channels_.clear();
     for (int c = 0; c < dk; ++c) {
       const float* sum_c = &log_sum_t_[size_t(c) * C];
-      const int* wipe_c = &last_wipe_t_[size_t(c) * C];
       const float* k_c = k_transposed + size_t(c) * C;
       float* column = &columns_[size_t(c) * C];
       const float sum_first = sum_c[first];
-      const int wipe_first = wipe_c[first];
+      // A wipe in (j, first] for j < first; a wipe inside the sub-chunk.
+      const int wipe_first = last_wipe_[size_t(first) * dk + c];
+      const int wipe_end = last_wipe_[size_t(end - 1) * dk + c];
 #pragma omp simd
       for (int j = 0; j < first; ++j) {
         const float decay = decay_exp(sum_first - sum_c[j]);
         column[j] = wipe_first > j ? 0.0f : decay * k_c[j];
       }
       float lowest = 0.0f, highest = 0.0f;
+#pragma omp simd reduction(min : lowest) reduction(max : highest)
       for (int j = first; j < end; ++j) {
         lowest = std::min(lowest, sum_c[j] - sum_first);
         highest = std::max(highest, sum_c[j] - sum_first);
       }
-      const bool product = wipe_c[end - 1] <= first &&
-          lowest >= -kProductLogLimit && highest <= kProductLogLimit;
+      const bool product = wipe_end <= first && lowest >= -kProductLogLimit &&
+          highest <= kProductLogLimit;
       if (!product) {
         pair_channels_.push_back(c);
         std::fill(column + first, column + end, 0.0f);

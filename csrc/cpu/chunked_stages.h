@@ -217,9 +217,8 @@ class KeyChunkDecays {
   int dk_ = 0;
   std::vector<float> log_sum_;  // [L, Dk]
   std::vector<int> last_wipe_;  // [L, Dk]
-  // Channel-major copies [Dk, kChunkSize], read along the tokens.
+  // Channel-major copy [Dk, kChunkSize], read along the tokens.
   std::vector<float> log_sum_t_;
-  std::vector<int> last_wipe_t_;
   std::vector<float> from_start_, to_end_;  // [L, Dk]
   // decayed_grams' operands: one sub-chunk's rows relative to its first row
   // ([kSubChunkSize, Dk]) and the columns up to its end relative to the same
