@@ -21,6 +21,9 @@ void KeyChunkDecays::compute(
     values->resize(size);
   }
   last_wipe_.resize(size);
+  // Row -1: the chunk's entry, no decay and no wipe.
+  entry_sums_.assign(dk, 0.0f);
+  entry_wipes_.assign(dk, -1);
   // exp(g) > 0 for g >= -100 (exp(-100) = 3.7e-44, a subnormal): a row
   // without a lower g has no wipe and runs vectorised; a row with one asks
   // expf channel by channel.
@@ -28,13 +31,11 @@ void KeyChunkDecays::compute(
     const float* g_i = g + i * token_stride;
     float* sum_i = &log_sum_[size_t(i) * dk];
     int* wipe_i = &last_wipe_[size_t(i) * dk];
-    const float* previous_sum = i ? sum_i - dk : nullptr;
-    const int* previous_wipe = i ? wipe_i - dk : nullptr;
+    const float* previous_sum = i ? sum_i - dk : entry_sums_.data();
+    const int* previous_wipe = i ? wipe_i - dk : entry_wipes_.data();
     if (!active[i]) {
-      for (int c = 0; c < dk; ++c) {
-        sum_i[c] = i ? previous_sum[c] : 0.0f;
-        wipe_i[c] = i ? previous_wipe[c] : -1;
-      }
+      std::copy(previous_sum, previous_sum + dk, sum_i);
+      std::copy(previous_wipe, previous_wipe + dk, wipe_i);
       continue;
     }
     bool may_wipe = false;
@@ -44,15 +45,15 @@ void KeyChunkDecays::compute(
     if (!may_wipe) {
 #pragma omp simd
       for (int c = 0; c < dk; ++c) {
-        sum_i[c] = (i ? previous_sum[c] : 0.0f) + g_i[c];
-        wipe_i[c] = i ? previous_wipe[c] : -1;
+        sum_i[c] = previous_sum[c] + g_i[c];
+        wipe_i[c] = previous_wipe[c];
       }
       continue;
     }
     for (int c = 0; c < dk; ++c) {
       const bool wipe = std::exp(g_i[c]) == 0.0f;
-      sum_i[c] = (i ? previous_sum[c] : 0.0f) + (wipe ? 0.0f : g_i[c]);
-      wipe_i[c] = wipe ? i : (i ? previous_wipe[c] : -1);
+      sum_i[c] = previous_sum[c] + (wipe ? 0.0f : g_i[c]);
+      wipe_i[c] = wipe ? i : previous_wipe[c];
     }
   }
   for (int c = 0; c < dk; ++c) {

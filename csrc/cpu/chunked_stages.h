@@ -217,6 +217,8 @@ class KeyChunkDecays {
   int dk_ = 0;
   std::vector<float> log_sum_;  // [L, Dk]
   std::vector<int> last_wipe_;  // [L, Dk]
+  std::vector<float> entry_sums_;  // [Dk] zeros
+  std::vector<int> entry_wipes_;  // [Dk] -1
   // Channel-major copy [Dk, kChunkSize], read along the tokens.
   std::vector<float> log_sum_t_;
   std::vector<float> from_start_, to_end_;  // [L, Dk]
