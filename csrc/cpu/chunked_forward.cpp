@@ -24,35 +24,42 @@ void KeyChunkDecays::compute(
   // Row -1: the chunk's entry, no decay and no wipe.
   entry_sums_.assign(dk, 0.0f);
   entry_wipes_.assign(dk, -1);
-  // exp(g) > 0 for g >= -100 (exp(-100) = 3.7e-44, a subnormal): a row
-  // without a lower g has no wipe and runs vectorised; a row with one asks
-  // expf channel by channel.
+  // The chunk's g rows first, as one copy loop: the rows lie a token's
+  // gates apart (Hv Dk floats), and a copy keeps many of their loads in
+  // flight, where the sums would wait on each row. A masked token's g is 0.
   for (int i = 0; i < length; ++i) {
-    const float* g_i = g + i * token_stride;
+    float* row = &log_sum_[size_t(i) * dk];
+    if (active[i]) {
+      std::copy(g + i * token_stride, g + i * token_stride + dk, row);
+    } else {
+      std::fill(row, row + dk, 0.0f);
+    }
+  }
+  // Then the sums in place. exp(g) > 0 for g >= -100 (exp(-100) = 3.7e-44,
+  // a subnormal): a row without a lower g has no wipe and runs vectorised; a
+  // row with one asks expf channel by channel.
+  for (int i = 0; i < length; ++i) {
     float* sum_i = &log_sum_[size_t(i) * dk];
     int* wipe_i = &last_wipe_[size_t(i) * dk];
     const float* previous_sum = i ? sum_i - dk : entry_sums_.data();
     const int* previous_wipe = i ? wipe_i - dk : entry_wipes_.data();
-    if (!active[i]) {
-      std::copy(previous_sum, previous_sum + dk, sum_i);
-      std::copy(previous_wipe, previous_wipe + dk, wipe_i);
-      continue;
-    }
-    bool may_wipe = false;
+    float lowest = 0.0f;
+#pragma omp simd reduction(min : lowest)
     for (int c = 0; c < dk; ++c) {
-      may_wipe |= g_i[c] < -100.0f;
+      lowest = std::min(lowest, sum_i[c]);
     }
-    if (!may_wipe) {
+    if (lowest >= -100.0f) {
 #pragma omp simd
       for (int c = 0; c < dk; ++c) {
-        sum_i[c] = previous_sum[c] + g_i[c];
+        sum_i[c] = previous_sum[c] + sum_i[c];
         wipe_i[c] = previous_wipe[c];
       }
       continue;
     }
     for (int c = 0; c < dk; ++c) {
-      const bool wipe = std::exp(g_i[c]) == 0.0f;
-      sum_i[c] = previous_sum[c] + (wipe ? 0.0f : g_i[c]);
+      const float gi = sum_i[c];
+      const bool wipe = std::exp(gi) == 0.0f;
+      sum_i[c] = previous_sum[c] + (wipe ? 0.0f : gi);
       wipe_i[c] = wipe ? i : previous_wipe[c];
     }
   }
