@@ -232,8 +232,11 @@ nb::dict trace_chunked(
   nb::dict out;
   out["q"] = f32(t.q, {chunks, L, dk});
   out["k"] = f32(t.k, {chunks, L, dk});
-  out["log_cumsum"] = f32(t.log_cumsum, {chunks, L});
-  out["last_wipe"] = mx::array(t.last_wipe.begin(), {chunks, L}, mx::int32);
+  // Per-key gates: one cumulative log decay and last wipe per channel.
+  const mx::Shape gate_shape =
+      p.per_key_gates ? mx::Shape{chunks, L, dk} : mx::Shape{chunks, L};
+  out["log_cumsum"] = f32(t.log_cumsum, gate_shape);
+  out["last_wipe"] = mx::array(t.last_wipe.begin(), gate_shape, mx::int32);
   out["beta_effective"] = f32(t.beta, {chunks, L});
   out["k_gram"] = f32(t.k_gram, {chunks, L, L});
   out["qk"] = f32(t.qk, {chunks, L, L});

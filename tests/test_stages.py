@@ -121,3 +121,65 @@ def test_the_segment_oracle_is_its_stages():
         state[1], np.concatenate([window[1, 1:], x[1, 6:, : layout.channels]])
     )
     np.testing.assert_array_equal(state[0], x[0, [5, 6], : layout.channels])
+
+
+def per_key_inputs(seed, tokens=150, key_dim=16):
+    """`core_inputs` with a decay per key channel: g [B, T, Hv, Dk], some
+    channels strong (down to -30 a step) beside weak ones, and wipes of
+    single channels (one on a chunk's last token)."""
+    q, k, v, _, beta, state, mask = core_inputs(seed, tokens=tokens, key_dim=key_dim)
+    rng = np.random.default_rng(seed + 1)
+    g = -rng.uniform(0.0, 1.0, v.shape[:3] + (key_dim,))
+    g[..., ::3] *= 30.0
+    for b, t, h, c in ((0, 70, 1, 2), (1, 63, 0, 5), (1, 20, 3, 0)):
+        if t < tokens:
+            g[b, t, h, c] = -np.inf
+    return q, k, v, g, beta, state, mask
+
+
+@pytest.mark.parametrize("head_mapping", ["grouped", "interleaved"])
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("tokens", [1, 64, 150])
+def test_the_per_key_chunked_reference_is_the_recurrence(head_mapping, masked, tokens):
+    q, k, v, g, beta, state, mask = per_key_inputs(tokens, tokens=tokens)
+    options = dict(head_mapping=head_mapping, mask=mask if masked else None, normalize_qk=True)
+    stages = reference.per_key_chunked_stages(q, k, v, g, beta, state, **options)
+    expected_y, expected_state = reference.gated_delta_rule_reference(
+        q, k, v, g, beta, state, **options
+    )
+    assert_matches("y", stages["y"], expected_y, "reference.chunked.v1.float64.output")
+    assert_matches("state", stages["state"], expected_state, "reference.chunked.v1.float64.state")
+
+
+def test_per_key_stages_with_equal_channels_are_the_scalar_stages():
+    """A g whose channels all equal the scalar g: the per-key stages give the
+    scalar stages' decayed tiles, W and state (float64, up to rounding)."""
+    q, k, v, g, beta, state, mask = core_inputs(4)
+    per_key_g = np.repeat(g[..., None], q.shape[3], axis=-1)
+    scalar = reference.chunked_stages(q, k, v, g, beta, state, mask=mask, normalize_qk=True)
+    per_key = reference.per_key_chunked_stages(
+        q, k, v, per_key_g, beta, state, mask=mask, normalize_qk=True
+    )
+    key_head = reference.key_head_of(4, 2, "grouped")
+    decay = reference.chunk_decay(scalar["log_cumsum"], scalar["last_wipe"])
+    decayed_qk = decay * scalar["qk"][:, key_head]
+    np.testing.assert_allclose(per_key["qk"], decayed_qk, rtol=0, atol=1e-12)
+    for name in ("kkt_inverse", "w", "corrected", "state"):
+        np.testing.assert_allclose(per_key[name], scalar[name], rtol=0, atol=1e-10, err_msg=name)
+
+
+def test_key_decayed_grams_take_each_channel_s_own_decay():
+    """The probe: grams decayed by channel 0's decay alone (what a kernel
+    ignoring the channels would build) are not the stage's result."""
+    q, k, v, g, beta, state, mask = per_key_inputs(8)
+    stages = reference.per_key_chunked_stages(q, k, v, g, beta, state, mask=mask)
+    key_head = reference.key_head_of(4, 2, "grouped")
+    q_rows = reference.chunk_rows(q)[:, key_head]
+    k_rows = reference.chunk_rows(k)[:, key_head]
+    channel_0 = [
+        np.repeat(x[..., :1], x.shape[-1], axis=-1)
+        for x in (stages["log_cumsum"], stages["last_wipe"])
+    ]
+    wrong_k_gram, wrong_qk = reference.key_decayed_grams(q_rows, k_rows, *channel_0)
+    assert np.abs(wrong_qk - stages["qk"]).max() > 1e-2 * np.abs(stages["qk"]).max()
+    assert np.abs(wrong_k_gram - stages["k_gram"]).max() > 1e-2 * np.abs(stages["k_gram"]).max()

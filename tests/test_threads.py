@@ -41,7 +41,7 @@ POOL_TASK_SLEEP_US = 20
 
 def workloads(index):
     """Three jobs per thread index, on inputs of their own: a prefill (both
-    algorithms), a prefill then 6 decode steps, a segment call."""
+    algorithms, scalar and per-key gates), a prefill then 6 decode steps, a segment call."""
     case = make_core_case(
         index,
         batch=2,
@@ -66,12 +66,27 @@ def workloads(index):
         mask_kind="left_padding",
     )
 
+    per_key = make_core_case(
+        200 + index,
+        batch=2,
+        tokens=70 + index,
+        key_heads=2,
+        value_heads=4,
+        key_dim=32,
+        value_dim=16,
+        decay="mixed",
+        wipes="runs",
+        mask_kind="random",
+        per_key_gates=True,
+    )
+
     def prefill(stream):
         results = []
         for algorithm in ("recurrent", "chunked"):
-            results += gated_delta_rule(
-                *case.args(), algorithm=algorithm, stream=stream, **case.options
-            )
+            for c in (case, per_key):
+                results += gated_delta_rule(
+                    *c.args(), algorithm=algorithm, stream=stream, **c.options
+                )
         return results
 
     def decode(stream):
@@ -358,6 +373,10 @@ for algorithm in ("recurrent", "chunked"):
 step = [x[:, :1] for x in case.args()[:5]]
 outputs += gated_delta_rule(*step, case.state, **{**case.options, "mask": None})
 outputs += gated_delta_segment(*segment.args(), **segment.options)
+per_key = make_core_case(9, batch=2, tokens=150, key_heads=2, value_heads=4, key_dim=64,
+                         value_dim=32, decay="mixed", wipes="runs", mask_kind="random",
+                         per_key_gates=True)
+outputs += gated_delta_rule(*per_key.args(), algorithm="chunked", **per_key.options)
 for algorithm in ("recurrent", "chunked"):
     def loss(*args, algorithm=algorithm):
         y, state = gated_delta_rule(*args, algorithm=algorithm, **case.options)

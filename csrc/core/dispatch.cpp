@@ -3,13 +3,9 @@
 namespace mlx_gated_delta {
 
 Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
-  // Per-key gates: the chunked form builds its grams pair by pair (a decay
-  // per channel cannot be applied after the product), and its entry-state
-  // share is less accurate than the recurrence's when strong and weak
-  // channels meet a large state (docs/numerics.md).
-  if (params.per_key_gates) {
-    return Algorithm::Recurrent;
-  }
+  // Per-key gates take the same crossover: their grams are matrix products
+  // of sub-chunks too (docs/numerics.md, "Per-key-channel gates in the
+  // chunked form").
   constexpr int kChunkedMinTokens = 48;
   if (params.has_tree) {
     return Algorithm::Recurrent;  // a tree has no chunks
@@ -29,9 +25,10 @@ Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params) {
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
   // Trees: the recurrent kernels alone have them (docs/metal.md). Per-key
   // gates: the chunked stages take them when asked for, but `auto` keeps the
-  // recurrent form, as on the CPU: the chunked per-key form misses the state
-  // contract from a huge entry state (docs/numerics.md, "Choosing the
-  // algorithm"), and gated_delta_update runs `auto`.
+  // recurrent form: the Metal stages still form the decayed grams pair by
+  // pair (the CPU's sub-chunk products are not ported), and neither form's
+  // cost has been measured on an Apple GPU (docs/numerics.md, "Choosing the
+  // algorithm").
   if (params.has_tree || params.per_key_gates ||
       params.tokens <= int(kChunkSize) ||
       params.key_dim > int(kMaxChunkedKeyDim)) {

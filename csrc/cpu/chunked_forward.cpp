@@ -89,8 +89,6 @@ void gate_cumsum(
         s.active,
         L,
         p.key_dim);
-    s.key_decays.decayed_grams(
-        s.q.data(), s.k.data(), s.k_gram.data(), s.qk_decayed.data());
     return;
   }
   for (int i = 0; i < L; ++i) {
@@ -100,6 +98,19 @@ void gate_cumsum(
   s.decays.lower_matrix(s.decay.data());
 }
 
+// key_decayed_grams (per-key gates): one value head's decayed K K^T (A
+// before beta) in k_gram and decayed Q K^T in qk_decayed, from the decays
+// gate_cumsum formed; in place of k_gram and chunk_qk, whose undecayed grams
+// the per-channel decays cannot be applied to.
+void key_decayed_grams(ChunkScratch& s) {
+  s.key_decays.decayed_grams(
+      s.q.data(),
+      s.k.data(),
+      s.k_transposed.data(),
+      s.k_gram.data(),
+      s.qk_decayed.data());
+}
+
 // kkt_inverse: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal, then
 // T = (I + A)^-1 row by row: T_i = e_i - sum_{m<i} A_im T_m. Entries above
 // the diagonal stay 0.
@@ -107,7 +118,7 @@ void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   for (int i = 0; i < L; ++i) {
     for (int j = 0; j < L; ++j) {
-      // Per-key gates: k_gram already holds the decayed gram.
+      // Per-key gates: k_gram holds key_decayed_grams' decayed gram.
       const float decayed_gram = p.per_key_gates
           ? s.k_gram[i * C + j]
           : s.decay[i * C + j] * s.k_gram[i * C + j];
@@ -143,9 +154,9 @@ void recompute_w_u(
   }
   for (int i = 0; i < L; ++i) {
     if (p.per_key_gates) {
+      const float* from_start = s.key_decays.from_start() + i * dk;
       for (int c = 0; c < dk; ++c) {
-        s.scaled_k[i * dk + c] =
-            s.beta[i] * s.key_decays(i, -1, c) * s.k[i * dk + c];
+        s.scaled_k[i * dk + c] = s.beta[i] * from_start[c] * s.k[i * dk + c];
       }
       continue;
     }
@@ -193,10 +204,9 @@ void chunk_carry(
   if (p.per_key_gates) {
     // inter_i = S0 (decay(i, -1, :) * q_i): the decay scales q's channels.
     // scaled_k is free until chunk_carry_state.
-    for (int i = 0; i < L; ++i) {
-      for (int c = 0; c < dk; ++c) {
-        s.scaled_k[i * dk + c] = s.key_decays(i, -1, c) * s.q[i * dk + c];
-      }
+    const float* from_start = s.key_decays.from_start();
+    for (int e = 0; e < L * dk; ++e) {
+      s.scaled_k[e] = from_start[e] * s.q[e];
     }
     gemm(
         L,
@@ -227,16 +237,15 @@ void chunk_carry_state(
   const int dk = p.key_dim, dv = p.value_dim;
   if (p.per_key_gates) {
     // Row c of the transposed state is the state's column c.
+    const float* chunk_decays = s.key_decays.from_start() + (L - 1) * dk;
     for (int c = 0; c < dk; ++c) {
-      const float chunk_decay = s.key_decays(L - 1, -1, c);
       for (int e = 0; e < dv; ++e) {
-        state_t[int64_t(c) * dv + e] *= chunk_decay;
+        state_t[int64_t(c) * dv + e] *= chunk_decays[c];
       }
     }
-    for (int j = 0; j < L; ++j) {
-      for (int c = 0; c < dk; ++c) {
-        s.scaled_k[j * dk + c] = s.key_decays(L - 1, j, c) * s.k[j * dk + c];
-      }
+    const float* to_end = s.key_decays.to_end();
+    for (int e = 0; e < L * dk; ++e) {
+      s.scaled_k[e] = to_end[e] * s.k[e];
     }
   } else {
     const float chunk_decay = s.decays.from_start(L - 1);
@@ -310,7 +319,7 @@ void chunk_output(
     ChunkScratch& s) {
   const int dv = p.value_dim;
   constexpr int C = kChunkSize;
-  // Per-key gates: gate_cumsum built qk_decayed already.
+  // Per-key gates: key_decayed_grams built qk_decayed already.
   for (int i = 0; !p.per_key_gates && i < L; ++i) {
     for (int j = 0; j < L; ++j) {
       // The decay matrix is 0 above the diagonal.
@@ -406,6 +415,7 @@ int chunk_checkpoint(
 enum class Stage {
   QkNorm,
   GateCumsum,
+  KeyDecayedGrams,
   KGram,
   ChunkQk,
   KktInverse,
@@ -452,19 +462,31 @@ void record_stage(
       record_rows(t.k, chunk, C, dk, s.k.data(), L, dk);
       return;
     case Stage::GateCumsum: {
-      // Only the first L entries are the chunk's; the rest stay 0.
-      float log_sum[C] = {}, beta[C] = {};
-      int last_wipe[C] = {};
+      // Only the first L entries are the chunk's; the rest stay 0. Per-key
+      // gates: Dk of each.
+      const int width = p.per_key_gates ? dk : 1;
+      std::vector<float> log_sum(size_t(C) * width, 0.0f);
+      std::vector<int> last_wipe(size_t(C) * width, 0);
+      float beta[C] = {};
       for (int i = 0; i < L; ++i) {
-        log_sum[i] = s.decays.log_sum(i);
-        last_wipe[i] = s.decays.last_wipe(i);
+        for (int c = 0; c < width; ++c) {
+          const bool per_key = p.per_key_gates;
+          log_sum[i * width + c] =
+              per_key ? s.key_decays.log_sum(i, c) : s.decays.log_sum(i);
+          last_wipe[i * width + c] =
+              per_key ? s.key_decays.last_wipe(i, c) : s.decays.last_wipe(i);
+        }
         beta[i] = s.beta[i];
       }
-      record_rows(t.log_cumsum, chunk, 1, C, log_sum, 1, C);
-      record_rows(t.last_wipe, chunk, 1, C, last_wipe, 1, C);
+      record_rows(t.log_cumsum, chunk, C, width, log_sum.data(), C, width);
+      record_rows(t.last_wipe, chunk, C, width, last_wipe.data(), C, width);
       record_rows(t.beta, chunk, 1, C, beta, 1, C);
       return;
     }
+    case Stage::KeyDecayedGrams:
+      record_rows(t.k_gram, chunk, C, C, s.k_gram.data(), L, C);
+      record_rows(t.qk, chunk, C, C, s.qk_decayed.data(), L, C);
+      return;
     case Stage::KGram:
       record_rows(t.k_gram, chunk, C, C, s.k_gram.data(), L, C);
       return;
@@ -499,9 +521,8 @@ void chunked_heads(
     const HeadView<T>* heads,
     int head_count,
     ChunkedTrace* trace) {
-  if (trace && (head_count != 1 || p.per_key_gates)) {
-    throw std::invalid_argument(
-        "a chunked trace runs one head with scalar gates");
+  if (trace && head_count != 1) {
+    throw std::invalid_argument("a chunked trace runs one head");
   }
   ChunkScratch s(p.key_dim, p.value_dim);
   const int dk = p.key_dim, dv = p.value_dim;
@@ -541,7 +562,9 @@ void chunked_heads(
     traced(Stage::QkNorm, nullptr);
     // With per-key gates the grams depend on each value head's decays:
     // gate_cumsum builds them decayed, per value head.
-    if (!p.per_key_gates) {
+    if (p.per_key_gates) {
+      transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
+    } else {
       k_gram(dk, L, s);
       traced(Stage::KGram, nullptr);
       chunk_qk(dk, L, s);
@@ -552,6 +575,10 @@ void chunked_heads(
       float* state_t = &states[size_t(n) * dk * dv];
       gate_cumsum(p, h, start, L, s);
       traced(Stage::GateCumsum, nullptr);
+      if (p.per_key_gates) {
+        key_decayed_grams(s);
+        traced(Stage::KeyDecayedGrams, nullptr);
+      }
       kkt_inverse(p, L, s);
       traced(Stage::KktInverse, nullptr);
       recompute_w_u(p, h, start, L, s);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "cpu/kernel_common.h"
+#include "cpu/key_chunk_decays.h"
 #include "cpu/small_gemm.h"
 
 namespace mlx_gated_delta::cpu {
@@ -18,7 +19,10 @@ namespace mlx_gated_delta::cpu {
 // math and the stage table):
 //   qk_norm        q, k rows loaded as float32 (and L2-normalised)
 //   gate_cumsum    decay(i, j) = prod_{j < s <= i} exp(g_s)  (j = -1: the
-//                  chunk's start)
+//                  chunk's start); per-key gates: decay(i, j, c) per channel
+//   key_decayed_grams  (per-key gates, in place of k_gram and chunk_qk) the
+//                  decayed K K^T and Q K^T of one value head
+//                  (KeyChunkDecays::decayed_grams)
 //   k_gram         K K^T (lower triangle)
 //   chunk_qk       Q K^T (lower triangle)
 //   kkt_inverse    A_ij = beta_i decay(i, j) k_i.k_j (j < i); T = (I + A)^-1
@@ -93,78 +97,6 @@ class ChunkDecays {
   int last_wipe_[kChunkSize];
 };
 
-// Per-key gates: the same decays per key channel c, decay(i, j, c) =
-// exp(G_ic - G_jc) over the channel's finite g, 0 if a wipe of channel c lies
-// in (j, i]. Every factor is formed for one pair (j, i] directly, never as a
-// ratio exp(G_i) / exp(G_j) of two factors from the chunk's start, so its
-// exponent is the sum of the g in (j, i], at most 0 for decays: no factor
-// overflows however strong the decay (docs/numerics.md).
-class KeyChunkDecays {
- public:
-  void compute(
-      const float* g,
-      int64_t token_stride,
-      const bool* active,
-      int length,
-      int dk) {
-    length_ = length;
-    dk_ = dk;
-    log_sum_.resize(size_t(kChunkSize) * dk);
-    last_wipe_.resize(size_t(kChunkSize) * dk);
-    for (int i = 0; i < length; ++i) {
-      for (int c = 0; c < dk; ++c) {
-        const float gi = active[i] ? g[i * token_stride + c] : 0.0f;
-        const bool wipe = std::exp(gi) == 0.0f;
-        const size_t e = size_t(i) * dk + c;
-        const float previous_sum = i ? log_sum_[e - dk] : 0.0f;
-        log_sum_[e] = previous_sum + (wipe ? 0.0f : gi);
-        last_wipe_[e] = wipe ? i : (i ? last_wipe_[e - dk] : -1);
-      }
-    }
-  }
-  // decay(i, j, c) for -1 <= j <= i.
-  float operator()(int i, int j, int c) const {
-    const size_t e = size_t(i) * dk_ + c;
-    if (last_wipe_[e] > j) {
-      return 0.0f;
-    }
-    return std::exp(
-        log_sum_[e] - (j >= 0 ? log_sum_[size_t(j) * dk_ + c] : 0.0f));
-  }
-  // The decayed grams of the chunk, for j <= i (0 above the diagonal):
-  //   k_gram[i, j] = sum_c k_ic k_jc decay(i, j, c)   (j < i; the diagonal 0)
-  //   qk[i, j]     = sum_c q_ic k_jc decay(i, j, c)
-  // The decay cannot be applied after the products as with one decay per
-  // head, so each pair's factors are formed once and shared by both grams.
-  void decayed_grams(
-      const float* q, const float* k, float* k_gram, float* qk) const {
-    constexpr int C = kChunkSize;
-    std::vector<float> decayed_k(dk_);
-    for (int i = 0; i < length_; ++i) {
-      const float* q_i = q + size_t(i) * dk_;
-      const float* k_i = k + size_t(i) * dk_;
-      for (int j = 0; j <= i; ++j) {
-        const float* k_j = k + size_t(j) * dk_;
-        for (int c = 0; c < dk_; ++c) {
-          decayed_k[c] = (*this)(i, j, c) * k_j[c];
-        }
-        k_gram[i * C + j] = j < i ? dot(k_i, decayed_k.data(), dk_) : 0.0f;
-        qk[i * C + j] = dot(q_i, decayed_k.data(), dk_);
-      }
-      for (int j = i + 1; j < length_; ++j) {
-        k_gram[i * C + j] = 0.0f;
-        qk[i * C + j] = 0.0f;
-      }
-    }
-  }
-
- private:
-  int length_ = 0;
-  int dk_ = 0;
-  std::vector<float> log_sum_;  // [L, Dk]
-  std::vector<int> last_wipe_;  // [L, Dk]
-};
-
 // Scratch of one task. Row strides: Dk for [L, Dk], Dv for [L, Dv],
 // kChunkSize for [L, L] and for the transposed keys [Dk, L]. The first group
 // depends only on the key head and is shared by the value heads that read it;
@@ -236,6 +168,7 @@ void gate_cumsum(
     int start,
     int L,
     ChunkScratch& s);
+void key_decayed_grams(ChunkScratch& s);
 void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s);
 template <typename T>
 void recompute_w_u(

@@ -86,6 +86,8 @@ void gated_delta_forward(
 // slot is kChunkSize rows (tiles kChunkSize x kChunkSize); rows past a short
 // last chunk are 0, and so is what a stage leaves undefined above a tile's
 // diagonal.
+// With per-key gates, gate_cumsum's log_cumsum and last_wipe are [C, L, Dk],
+// and k_gram and qk hold key_decayed_grams' decayed tiles.
 struct ChunkedTrace {
   int chunks = 0;
   std::vector<float> q, k;  // qk_norm: [C, L, Dk]
@@ -98,7 +100,7 @@ struct ChunkedTrace {
   std::vector<float> state;  // chunk_carry_state: exit states, [C, Dv, Dk]
 };
 
-// Testing only: runs the float32 chunked form (scalar gates, no checkpoints)
+// Testing only: runs the float32 chunked form (no checkpoints)
 // on problem (batch, head) of `buffers` alone, writing its y rows and final
 // state there as the kernel does, and returns the trace of its stages.
 ChunkedTrace trace_chunked_stages(

@@ -108,7 +108,7 @@ def kda_shapes(quick: bool) -> list[Shape]:
     """The KDA rows (``--kda``): decode at B=1 and prefill, f32 and bf16, each with per-key
     gates and, measured in the same run, with scalar gates on the same shape (what the
     per-key decay costs); ``quick`` keeps T in {1, 512}."""
-    lengths = (1, 512) if quick else (1, 64, 512, 2048)
+    lengths = (1, 512) if quick else (1, 64, 512, 2048, 8192)
     return [
         kimi_linear(1, T, d, per_key) for d in DTYPES for T in lengths for per_key in (True, False)
     ]

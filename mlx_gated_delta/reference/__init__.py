@@ -17,6 +17,7 @@ One module per part, every name importable from here:
 
 - `recurrent`: the recurrent oracles, their gradients and the shared helpers;
 - `chunked`: the chunked form, stage by stage;
+- `chunked_per_key`: its stages with per-key-channel gates;
 - `chunked_backward`: the chunked backward, stage by stage;
 - `segment`: the fused layer segment, stage by stage.
 """
@@ -43,6 +44,13 @@ from .chunked_backward import (
     gated_delta_rule_chunked_reference_vjp,
     kkt_inverse_backward,
     recompute_w_u_backward,
+)
+from .chunked_per_key import (
+    key_chunk_carry,
+    key_chunk_decay,
+    key_decayed_grams,
+    key_gate_cumsum,
+    per_key_chunked_stages,
 )
 from .recurrent import (
     QK_NORM_EPS,
@@ -93,10 +101,15 @@ __all__ = [
     "gated_delta_update_reference_vjp",
     "gated_norm",
     "k_gram",
+    "key_chunk_carry",
+    "key_chunk_decay",
+    "key_decayed_grams",
+    "key_gate_cumsum",
     "key_head_of",
     "kkt_inverse",
     "kkt_inverse_backward",
     "prepare_conv",
+    "per_key_chunked_stages",
     "prepare_gates",
     "qk_norm",
     "qk_norm_backward",

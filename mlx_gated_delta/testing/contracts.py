@@ -285,6 +285,20 @@ _STAGE_CONTRACTS = (
     _relative("stage.chunk_carry.v1.float32.output_inter", _FLOAT32_RELATIVE, _ROWS),
     _relative("stage.chunk_carry.v1.float32.state", _FLOAT32_RELATIVE, _STATE),
     _relative("stage.chunk_output.v1.float32.output", _FLOAT32_RELATIVE, _OUTPUT),
+    # Per-key gates: gate_cumsum's arrays per channel ([B,H,C,L,Dk], the
+    # same 64-term float32 cumsum and copied wipe positions), and the
+    # decayed tiles of key_decayed_grams. Each tile entry is a Dk-long float32
+    # sum of terms q_ic k_jc decay(i, j, c) with decay <= 1, each decay the
+    # float32 exp of a difference of two such cumsums, or a product of two
+    # such exps that lie in [e^-80, e^80] (the sub-chunk form): a few float32
+    # roundings of each term, plus the rounding of the cumsums, a few 1e-7
+    # of their size times the decay, which stays under 1e-5 wherever the
+    # decay is not negligible for gates of at most 1 a step (a strong
+    # channel's cumsum grows large only where its decays are tiny). So the
+    # same 1e-4 as the tiles of the scalar gates.
+    _relative("stage.key_gate_cumsum.v1.float32.log_cumsum", _FLOAT32_RELATIVE, _ROWS),
+    Contract("stage.key_gate_cumsum.v1.int32.last_wipe", "max_abs", 0.0, _ROWS),
+    _relative("stage.key_decayed_grams.v1.float32.tile", _FLOAT32_RELATIVE, _TILE),
     # The segment's own stages: prepare_conv is a K-tap float32 dot product
     # and a SiLU, prepare_gates a softplus and a sigmoid of float32 values,
     # gated_norm an RMS over Dv; float32 rounding, far below 1e-4.
