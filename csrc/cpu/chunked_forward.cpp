@@ -5,7 +5,7 @@
 
 #include "cpu/chunked_stages.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // qk_norm: the chunk's q and k rows as float32, L2-normalised when asked.
 // The rows are copied first and normalised after: a copy loop keeps many
@@ -602,4 +602,4 @@ ChunkedTrace trace_chunked_stages(
   return trace;
 }
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL
