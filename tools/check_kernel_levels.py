@@ -54,7 +54,9 @@ def _input_sections(lines: list[str]) -> list[tuple[str, int, str]]:
     return sections
 
 
-def discarded_and_kept(map_text: str) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
+def discarded_and_kept(
+    map_text: str,
+) -> tuple[list[tuple[str, int, str]], list[tuple[str, int, str]]]:
     """The input sections the link threw away, and those it kept."""
     lines = map_text.splitlines()
     try:
@@ -81,7 +83,9 @@ def foreign_code(map_text: str) -> list[str]:
         # .text.<mangled name> holds one function that several objects may
         # define; .text, .text.unlikely and .text.hot an object's own code.
         if name.startswith(".text") and "._Z" in name:
-            lowest_discarded[name] = min(lowest_discarded.get(name, len(WIDE_LEVELS)), level_of(path))
+            lowest_discarded[name] = min(
+                lowest_discarded.get(name, len(WIDE_LEVELS)), level_of(path)
+            )
     problems = []
     for name, size, path in kept:
         level = level_of(path)

@@ -133,14 +133,14 @@ KernelLevel kernel_level() {
 #if defined(MLX_GATED_DELTA_NATIVE_KERNELS)
 #define CALL_CHOSEN_LEVEL(call) return native::call
 #elif defined(MLX_GATED_DELTA_X86_KERNEL_LEVELS)
-#define CALL_CHOSEN_LEVEL(call)           \
-  switch (kernel_level()) {               \
-    case KernelLevel::X86_64_V4:          \
-      return x86_64_v4::call;             \
-    case KernelLevel::X86_64_V3:          \
-      return x86_64_v3::call;             \
-    default:                              \
-      return baseline::call;              \
+#define CALL_CHOSEN_LEVEL(call)  \
+  switch (kernel_level()) {      \
+    case KernelLevel::X86_64_V4: \
+      return x86_64_v4::call;    \
+    case KernelLevel::X86_64_V3: \
+      return x86_64_v3::call;    \
+    default:                     \
+      return baseline::call;     \
   }
 #else
 #define CALL_CHOSEN_LEVEL(call) return baseline::call
@@ -175,8 +175,7 @@ void gated_delta_segment_forward(
     const SegmentParams& params,
     Algorithm algorithm,
     const SegmentBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(
-      gated_delta_segment_forward<T>(params, algorithm, buffers));
+  CALL_CHOSEN_LEVEL(gated_delta_segment_forward<T>(params, algorithm, buffers));
 }
 
 template <typename T>
@@ -191,14 +190,14 @@ void dense_projection_forward(
       rows, in_features, out_features, x, weight, y));
 }
 
-#define INSTANTIATE_ENTRY_POINTS(T)                                           \
-  template void gated_delta_forward<T>(                                       \
-      const GatedDeltaParams&, Algorithm, const CoreBuffers<T>&);             \
-  template void gated_delta_backward<T>(                                      \
-      const GatedDeltaParams&, Algorithm, const BackwardBuffers<T>&);         \
-  template void gated_delta_segment_forward<T>(                               \
-      const SegmentParams&, Algorithm, const SegmentBuffers<T>&);             \
-  template void dense_projection_forward<T>(                                  \
+#define INSTANTIATE_ENTRY_POINTS(T)                                   \
+  template void gated_delta_forward<T>(                               \
+      const GatedDeltaParams&, Algorithm, const CoreBuffers<T>&);     \
+  template void gated_delta_backward<T>(                              \
+      const GatedDeltaParams&, Algorithm, const BackwardBuffers<T>&); \
+  template void gated_delta_segment_forward<T>(                       \
+      const SegmentParams&, Algorithm, const SegmentBuffers<T>&);     \
+  template void dense_projection_forward<T>(                          \
       int64_t, int, int, const T*, const T*, T*);
 
 INSTANTIATE_ENTRY_POINTS(float)
