@@ -156,3 +156,45 @@ def test_a_level_the_build_does_not_hold_is_ignored_with_a_message():
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [RUNNABLE[-1]]
     assert "MLX_GATED_DELTA_CPU_LEVEL=x86_64_v9" in result.stderr
+
+
+def load_link_map_check():
+    """tools/check_kernel_levels.py, which the build runs on its link map."""
+    import importlib.util
+
+    path = TESTS.parent / "tools" / "check_kernel_levels.py"
+    spec = importlib.util.spec_from_file_location("check_kernel_levels", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def link_map(discarded, kept):
+    """A GNU ld map listing (section, object level) pairs as discarded and kept."""
+
+    def lines(sections):
+        return [
+            f" {name}\n                0x0000000000001000       0x40 "
+            f"CMakeFiles/gated_delta_kernels_{level}.dir/csrc/cpu/forward.cpp.o"
+            for name, level in sections
+        ]
+
+    return "\n".join(
+        ["Discarded input sections", "", *lines(discarded), "", "Memory Configuration", ""]
+        + ["Linker script and memory map", "", ".text           0x1000     0x4000", *lines(kept)]
+    )
+
+
+SHARED = ".text._ZNSt6vectorIfSaIfEE6resizeEm"  # std::vector<float>::resize, a shared template
+
+
+def test_the_link_map_check_finds_shared_code_kept_from_a_wide_level():
+    check = load_link_map_check()
+    in_order = link_map(discarded=[(SHARED, "x86_64_v4")], kept=[(SHARED, "baseline")])
+    assert check.foreign_code(in_order) == []
+    only_v4 = link_map(discarded=[], kept=[(SHARED, "x86_64_v4")])
+    assert check.foreign_code(only_v4) == []  # only the v4 copy calls it
+    reversed_order = link_map(discarded=[(SHARED, "baseline")], kept=[(SHARED, "x86_64_v4")])
+    assert len(check.foreign_code(reversed_order)) == 1
+    startup = link_map(discarded=[], kept=[(".text.startup", "x86_64_v3")])
+    assert len(check.foreign_code(startup)) == 1
