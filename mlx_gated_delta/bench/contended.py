@@ -163,7 +163,7 @@ def demo_rows(quick: bool, progress: Progress) -> list[dict]:
 def report_text(record: dict) -> str:
     lines = [
         f"{record['machine']['cpu_model']}: {record['usable_cpus']} usable CPUs, our pool "
-        f"{record['thread_count']} threads, kernels {record.get('cpu_kernel_level', '?')}; "
+        f"{record['thread_count']} threads, kernels {record['cpu_kernel_level']}; "
         f"{record['busy_processes']} busy processes; "
         f"1-min load average {record['load_average_1min_before']} before, "
         f"{record['load_average_1min_after']} after.",

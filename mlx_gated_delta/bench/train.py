@@ -301,7 +301,7 @@ def report_text(record: dict) -> str:
     lines = [
         f"Training step (forward + backward), CPU: {record['machine']['cpu_model']}, "
         f"{record['machine']['cores']} cores, our CPU pool {record['machine']['cpu_threads']} "
-        f"threads, kernels {record['machine'].get('cpu_kernel_level', '?')}; load average "
+        f"threads, kernels {record['machine']['cpu_kernel_level']}; load average "
         f"{record['machine']['load_before']} "
         f"before, {record['machine']['load_after']} after",
         f"Core op, Qwen3-Next shape ({QWEN3_NEXT.text(', ')}, B=1), bf16 activations; "
