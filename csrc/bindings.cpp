@@ -5,9 +5,14 @@
 #include "bindings.h"
 
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
+#include <string>
+#include <vector>
 
+#include "cpu/kernel_level.h"
 #include "cpu/thread_pool.h"
 #include "cpu/usable_cores.h"
 
@@ -38,6 +43,23 @@ NB_MODULE(_mlx_gated_delta_ext, m) {
       "How many threads the CPU kernels run on at most: "
       "MLX_GATED_DELTA_NUM_THREADS where set, else the CPUs of the affinity "
       "mask bounded by the cgroup's CPU quota. Fixed when the pool starts.");
+  // The compiled copy of the CPU kernels that runs (docs/cpu.md).
+  m.def(
+      "cpu_kernel_level",
+      [] { return cpu::kernel_level_name(cpu::kernel_level()); },
+      "The instruction-set level of the CPU kernels that run: "
+      "MLX_GATED_DELTA_CPU_LEVEL where it names a runnable level, else the "
+      "highest this build holds and this CPU runs. Fixed on the first call.");
+  m.def(
+      "cpu_kernel_levels",
+      [] {
+        std::vector<std::string> names;
+        for (cpu::KernelLevel level : cpu::runnable_kernel_levels()) {
+          names.push_back(cpu::kernel_level_name(level));
+        }
+        return names;
+      },
+      "The levels this build holds that this CPU runs, lowest first.");
   m.def(
       "cpu_thread_budget",
       [] {

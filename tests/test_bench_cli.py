@@ -542,6 +542,7 @@ def test_contended_report_gives_each_row_against_its_peer():
         "machine": {"cpu_model": "cpu"},
         "usable_cpus": 2,
         "thread_count": 2,
+        "cpu_kernel_level": "x86_64_v3",
         "busy_processes": 2,
         "load_average_1min_before": 2.0,
         "load_average_1min_after": 4.0,
@@ -557,6 +558,6 @@ def test_contended_report_gives_each_row_against_its_peer():
         "notes": ["a note"],
     }
     text = contended.report_text(record)
-    assert "2 usable CPUs, our pool 2 threads; 2 busy processes" in text
+    assert "2 usable CPUs, our pool 2 threads, kernels x86_64_v3; 2 busy processes" in text
     assert "op decode" in text and "MLX core" in text and "4.00x" in text
     assert "note: a note" in text

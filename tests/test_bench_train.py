@@ -85,6 +85,7 @@ def _record():
             "cpu_model": "cpu",
             "cores": 2,
             "cpu_threads": 2,
+            "cpu_kernel_level": "x86_64_v3",
             "load_before": 1.0,
             "load_after": 2.0,
         },

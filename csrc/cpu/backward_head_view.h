@@ -7,7 +7,7 @@
 
 #include "core/core_params.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // The backward's view of one (batch row, value head) problem: the addresses
 // of its token 0, the forward's inputs (as HeadView, kernel_common.h, holds
@@ -57,4 +57,4 @@ void recurrent_chunk_backward_from_entry(
     const float* entry,
     float* ds);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -52,7 +52,7 @@
 #include "cpu/backward_head_view.h"
 #include "cpu/chunked_stages.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 namespace {
 
@@ -690,4 +690,4 @@ template void chunked_head_backward<mlx::core::float16_t>(
 template void chunked_head_backward<mlx::core::bfloat16_t>(
     const GatedDeltaParams&, const BackwardHeadView<mlx::core::bfloat16_t>&);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

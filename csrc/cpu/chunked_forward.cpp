@@ -5,7 +5,7 @@
 
 #include "cpu/chunked_stages.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // qk_norm: the chunk's q and k rows as float32, L2-normalised when asked.
 // The rows are copied first and normalised after: a copy loop keeps many
@@ -112,8 +112,8 @@ void key_decayed_grams(ChunkScratch& s) {
 }
 
 // kkt_inverse: A_ij = beta_i decay(i, j) k_i.k_j below the diagonal, then
-// T = (I + A)^-1 row by row: T_i = e_i - sum_{m<i} A_im T_m. Entries above
-// the diagonal stay 0.
+// T = (I + A)^-1 row by row: T_i = e_i - sum_{m<i} A_im T_m, the terms added
+// in order of m. Entries above the diagonal stay 0.
 void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s) {
   constexpr int C = kChunkSize;
   for (int i = 0; i < L; ++i) {
@@ -125,13 +125,26 @@ void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s) {
       s.a[i * C + j] = j < i ? s.beta[i] * decayed_gram : 0.0f;
     }
   }
+  // Each row is built whole, C entries, in a local the compiler keeps in
+  // registers: a fixed length has no short tails, and no row waits on its own
+  // stores. Past its diagonal T_m is exactly +0, and -A_im * 0 added to an
+  // entry leaves it as it was, so the sums are those of the first m + 1
+  // entries alone, bit for bit.
   for (int i = 0; i < L; ++i) {
-    float* t_i = s.inverse.data() + i * C;
-    std::fill(t_i, t_i + C, 0.0f);
-    t_i[i] = 1.0f;
-    for (int m = 0; m < i; ++m) {
-      axpy(-s.a[i * C + m], s.inverse.data() + m * C, t_i, m + 1);
+    float row[C];
+#pragma omp simd
+    for (int j = 0; j < C; ++j) {
+      row[j] = j == i ? 1.0f : 0.0f;
     }
+    for (int m = 0; m < i; ++m) {
+      const float factor = -s.a[i * C + m];
+      const float* t_m = s.inverse.data() + m * C;
+#pragma omp simd
+      for (int j = 0; j < C; ++j) {
+        row[j] = multiply_add(factor, t_m[j], row[j]);
+      }
+    }
+    std::copy(row, row + C, s.inverse.data() + i * C);
   }
 }
 
@@ -629,4 +642,4 @@ ChunkedTrace trace_chunked_stages(
   return trace;
 }
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -10,7 +10,7 @@
 #include "cpu/key_chunk_decays.h"
 #include "cpu/small_gemm.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // ---------------------------------------------------------------------------
 // Chunked WY/UT form, per chunk of L tokens with entry state S0 ([Dv, Dk]), as
@@ -182,4 +182,4 @@ void chunk_carry(
 void chunk_carry_state(
     const GatedDeltaParams& p, int L, ChunkScratch& s, float* state_t);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -8,7 +8,7 @@
 
 #include <vector>
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 using mlx::core::bfloat16_t;
 using mlx::core::float16_t;
@@ -57,4 +57,4 @@ template void gated_delta_forward<float16_t>(
 template void gated_delta_forward<bfloat16_t>(
     const GatedDeltaParams&, Algorithm, const CoreBuffers<bfloat16_t>&);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -1,5 +1,7 @@
 // Helpers shared by the recurrent and the chunked CPU kernels: the addresses
 // of one (batch row, value head) problem and the float32 vector primitives.
+// Like every kernel header, it declares into the namespace of the level the
+// source is compiled for (kernel_level.h).
 #pragma once
 
 #include <cmath>
@@ -7,10 +9,11 @@
 #include <cstring>
 
 #include "cpu/forward.h"
+#include "cpu/kernel_entry_points.h"
 #include "cpu/multiply_add.h"
 #include "mlx/types/half_types.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // The sum of a[i] * b[i] in an order fixed by n alone: element i goes into
 // partial sum i % kDotLanes, and the partial sums are added in a fixed tree.
@@ -171,4 +174,4 @@ void chunked_heads(
     int head_count,
     ChunkedTrace* trace = nullptr);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

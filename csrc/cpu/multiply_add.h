@@ -6,7 +6,7 @@
 
 #include <cmath>
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 inline float multiply_add(float a, float b, float c) {
 #if defined(__FMA__) || defined(__aarch64__)
@@ -16,4 +16,4 @@ inline float multiply_add(float a, float b, float c) {
 #endif
 }
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

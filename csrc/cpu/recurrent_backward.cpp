@@ -45,7 +45,7 @@
 #include "cpu/kernel_common.h"
 #include "cpu/thread_pool.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 namespace {
 
@@ -482,4 +482,4 @@ template void recurrent_chunk_backward_from_entry<mlx::core::bfloat16_t>(
     const float*,
     float*);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -3,7 +3,7 @@
 
 #include "cpu/kernel_common.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // ---------------------------------------------------------------------------
 // Recurrent form: one pass over the state per token. For each state row r the
@@ -155,4 +155,4 @@ template void recurrent_head<mlx::core::float16_t>(
 template void recurrent_head<mlx::core::bfloat16_t>(
     const GatedDeltaParams&, const HeadView<mlx::core::bfloat16_t>&);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -6,10 +6,12 @@
 #include <vector>
 
 #include "cpu/forward.h"
+#include "cpu/kernel_entry_points.h"
+#include "cpu/segment_stages.h"
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 using mlx::core::bfloat16_t;
 using mlx::core::float16_t;
@@ -275,7 +277,10 @@ void gated_delta_segment_forward(
   core.state_out = io.state_out;
   core.checkpoints = io.checkpoints;
   core.checkpoint_states = io.checkpoint_states;
-  gated_delta_forward<float>(p.core_params(), algorithm, core);
+  // This copy's core, named in full: the argument types would otherwise find
+  // the dispatching cpu::gated_delta_forward too.
+  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
+      p.core_params(), algorithm, core);
 
   gated_norm(p, y.data(), io.mixed_qkvzba, io.norm_weight, io.mask, io.out);
 }
@@ -288,4 +293,4 @@ INSTANTIATE_SEGMENT(float)
 INSTANTIATE_SEGMENT(float16_t)
 INSTANTIATE_SEGMENT(bfloat16_t)
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -15,7 +15,7 @@
 
 #include "cpu/multiply_add.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 #if defined(__AVX512F__)
 constexpr int kVectorFloats = 16;
@@ -156,4 +156,4 @@ inline void gemm(
   }
 }
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

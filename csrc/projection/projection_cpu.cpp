@@ -11,7 +11,7 @@
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 using mlx::core::bfloat16_t;
 using mlx::core::float16_t;
@@ -139,4 +139,4 @@ template void dense_projection_forward<float16_t>(
 template void dense_projection_forward<bfloat16_t>(
     int64_t, int, int, const bfloat16_t*, const bfloat16_t*, bfloat16_t*);
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

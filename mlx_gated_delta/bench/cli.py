@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .. import thread_count
+from .. import _ext, thread_count
 from . import contended, layer, train
 from .machine import (
     best_rooflines,
@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> dict:
             "cores": os.cpu_count(),
             "usable_cpus": usable_cpus(),
             "cpu_threads": thread_count(),
+            "cpu_kernel_level": _ext.cpu_kernel_level(),
             "last_level_cache_bytes": llc,
             "mlx_default_device": str(mx.default_device()),
             "load_average_1min_before": load_before,

@@ -163,7 +163,8 @@ def demo_rows(quick: bool, progress: Progress) -> list[dict]:
 def report_text(record: dict) -> str:
     lines = [
         f"{record['machine']['cpu_model']}: {record['usable_cpus']} usable CPUs, our pool "
-        f"{record['thread_count']} threads; {record['busy_processes']} busy processes; "
+        f"{record['thread_count']} threads, kernels {record['cpu_kernel_level']}; "
+        f"{record['busy_processes']} busy processes; "
         f"1-min load average {record['load_average_1min_before']} before, "
         f"{record['load_average_1min_after']} after.",
         "",
@@ -184,7 +185,7 @@ def report_text(record: dict) -> str:
 
 
 def run(busy: int | None, quick: bool, out: str) -> dict:
-    from .. import thread_count
+    from .. import _ext, thread_count
 
     busy = usable_cpus() if busy is None else busy
     try:
@@ -208,6 +209,7 @@ def run(busy: int | None, quick: bool, out: str) -> dict:
         "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count()},
         "usable_cpus": usable_cpus(),
         "thread_count": thread_count(),
+        "cpu_kernel_level": _ext.cpu_kernel_level(),
         "busy_processes": busy,
         "load_average_1min_before": load_before,
         "load_average_1min_after": load_average(),

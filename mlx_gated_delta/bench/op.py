@@ -412,7 +412,8 @@ def report_text(record: dict) -> str:
     machine = record["machine"]
     parts = [
         f"{machine['cpu_model']}, {machine['cores']} cores ({machine['usable_cpus']} usable), "
-        f"our CPU pool {machine['cpu_threads']} threads; 1-min load average "
+        f"our CPU pool {machine['cpu_threads']} threads, kernels "
+        f"{machine['cpu_kernel_level']}; 1-min load average "
         f"{machine['load_average_1min_before']} before, {machine['load_average_1min_after']} after.",
         roofline_summary(record["roofline"]),
         "",

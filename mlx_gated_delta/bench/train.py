@@ -46,7 +46,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .. import thread_count
+from .. import _ext, thread_count
 from ..ops import gated_delta_update
 from .layer import qwen3_next_layers
 from .machine import (
@@ -301,7 +301,8 @@ def report_text(record: dict) -> str:
     lines = [
         f"Training step (forward + backward), CPU: {record['machine']['cpu_model']}, "
         f"{record['machine']['cores']} cores, our CPU pool {record['machine']['cpu_threads']} "
-        f"threads; load average {record['machine']['load_before']} "
+        f"threads, kernels {record['machine']['cpu_kernel_level']}; load average "
+        f"{record['machine']['load_before']} "
         f"before, {record['machine']['load_after']} after",
         f"Core op, Qwen3-Next shape ({QWEN3_NEXT.text(', ')}, B=1), bf16 activations; "
         "median ms per step, peak MiB, (timed repeats)",
@@ -377,6 +378,7 @@ def run(args: argparse.Namespace) -> dict:
             "cpu_model": cpu_model(),
             "cores": os.cpu_count(),
             "cpu_threads": thread_count(),
+            "cpu_kernel_level": _ext.cpu_kernel_level(),
             "load_before": load_before,
             "load_after": load_average(),
         },
