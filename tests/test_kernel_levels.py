@@ -20,17 +20,17 @@ import pytest
 from mlx_gated_delta import _ext
 
 RUNNABLE = _ext.cpu_kernel_levels()
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent
 # The oracle properties each level must meet, at the `selftest` profile's
 # budget (10 draws each): the full budget runs on the default level in the
 # rest of the suite.
 ORACLE_TESTS = (
-    "test_properties.py::test_matches_the_float64_oracle",
-    "test_properties.py::test_wipes_match_the_float64_oracle",
-    "test_per_key.py::test_per_key_gates_match_the_float64_oracle",
-    "test_grad.py::test_gradients_match_the_float64_reference",
-    "test_segment.py::test_segment_matches_oracle",
-    "test_projection.py::test_dense_projection_matches_float64",
+    "mlx_gated_delta/tests/test_core.py::test_matches_the_float64_oracle",
+    "mlx_gated_delta/tests/test_core.py::test_wipes_match_the_float64_oracle",
+    "mlx_gated_delta/tests/test_per_key.py::test_per_key_gates_match_the_float64_oracle",
+    "mlx_gated_delta/tests/test_core_gradients.py::test_gradients_match_the_float64_reference",
+    "mlx_gated_delta/tests/test_segment.py::test_segment_matches_oracle",
+    "tests/test_projection.py::test_dense_projection_matches_float64",
 )
 # Levels whose kernels write every a * b + c as one fused multiply-add.
 FUSED_LEVELS = ("x86_64_v3", "x86_64_v4")
@@ -73,7 +73,7 @@ def test_each_level_meets_the_oracle_contracts(level):
         "assert _ext.cpu_kernel_level() == sys.argv[1], _ext.cpu_kernel_level()\n"
         "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', *sys.argv[2:]]))\n"
     )
-    tests = [str(TESTS / test) for test in ORACLE_TESTS]
+    tests = [str(ROOT / test) for test in ORACLE_TESTS]
     run_at_level(level, code, level, *tests)
 
 
@@ -162,7 +162,7 @@ def load_link_map_check():
     """tools/check_kernel_levels.py, which the build runs on its link map."""
     import importlib.util
 
-    path = TESTS.parent / "tools" / "check_kernel_levels.py"
+    path = ROOT / "tools" / "check_kernel_levels.py"
     spec = importlib.util.spec_from_file_location("check_kernel_levels", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -14,7 +14,7 @@
 #include "cpu/kernel_common.h"
 #include "cpu/small_gemm.h"
 
-namespace mlx_gated_delta::cpu {
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // exp(x) of a log decay, in float32 arithmetic that vectorises: the
 // per-key stages form Dk factors per row, and the library's expf is a scalar
@@ -358,4 +358,4 @@ inline void KeyChunkDecays::diagonal_pairs(
   }
 }
 
-}  // namespace mlx_gated_delta::cpu
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL
