@@ -617,18 +617,18 @@ void gate_cumsum_backward(
     float* dq_out = h.dq_head + t * h.head_grad_token_stride;
     float* dk_out = h.dk_head + t * h.head_grad_token_stride;
     float* dg_out = h.dg + t * h.g_token_stride;
-    float* d_decay_out = h.d_decay + t * h.g_token_stride;
+    float* dgamma_out = h.dgamma + t * h.g_token_stride;
     float* dbeta_out = h.dbeta + t * h.gate_token_stride;
     if (!s.active[i]) {
       std::fill(dq_out, dq_out + dk, 0.0f);
       std::fill(dk_out, dk_out + dk, 0.0f);
-      *dg_out = *d_decay_out = *dbeta_out = 0.0f;
+      *dg_out = *dgamma_out = *dbeta_out = 0.0f;
       continue;
     }
     std::copy(&b.dq[i * dk], &b.dq[(i + 1) * dk], dq_out);
     std::copy(&b.dk[i * dk], &b.dk[(i + 1) * dk], dk_out);
     *dg_out = suffix;
-    *d_decay_out = suffix / std::exp(s.g[i]);
+    *dgamma_out = suffix / std::exp(s.g[i]);
     *dbeta_out = b.dbeta[i];
   }
 }
