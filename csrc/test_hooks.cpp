@@ -143,7 +143,7 @@ nb::tuple run_guarded(
 // The backward's run_guarded: the CPU backward on gradient buffers followed
 // by sentinels. `in` holds q, k, v, g, beta, the state, the cotangents of y
 // and of the final state, then the mask if any. Returns two dicts by
-// gradient name (dq, dk, dv, dg, d_decay, dbeta, dstate): the gradients and
+// gradient name (dq, dk, dv, dg, dgamma, dbeta, dstate): the gradients and
 // the words past each one's end.
 template <typename T>
 nb::tuple run_backward_guarded(
@@ -156,7 +156,7 @@ nb::tuple run_backward_guarded(
   Guarded<T> dk(in[1].shape(), sentinel);
   Guarded<T> dv(in[2].shape(), sentinel);
   Guarded<float> dg(in[3].shape(), sentinel);
-  Guarded<float> d_decay(in[3].shape(), sentinel);
+  Guarded<float> dgamma(in[3].shape(), sentinel);
   Guarded<float> dbeta(in[4].shape(), sentinel);
   Guarded<float> dstate(in[5].shape(), sentinel);
   cpu::gated_delta_backward<T>(
@@ -176,7 +176,7 @@ nb::tuple run_backward_guarded(
           dk.data(),
           dv.data(),
           dg.data(),
-          d_decay.data(),
+          dgamma.data(),
           dbeta.data(),
           dstate.data()});
   nb::dict gradients, tails;
@@ -187,7 +187,7 @@ nb::tuple run_backward_guarded(
   }
   for (auto [name, buffer] :
        {std::pair{"dg", &dg},
-        std::pair{"d_decay", &d_decay},
+        std::pair{"dgamma", &dgamma},
         std::pair{"dbeta", &dbeta},
         std::pair{"dstate", &dstate}}) {
     gradients[name] = buffer->output(mx::float32);

@@ -26,7 +26,7 @@ namespace mlx_gated_delta {
 namespace {
 
 enum Input { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
-enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
+enum Output { kDq = 0, kDk, kDv, kDg, kDgamma, kDbeta, kDstate };
 
 template <typename T>
 void run_cpu(
@@ -49,7 +49,7 @@ void run_cpu(
       out[kDk].data<T>(),
       out[kDv].data<T>(),
       out[kDg].data<float>(),
-      out[kDDecay].data<float>(),
+      out[kDgamma].data<float>(),
       out[kDbeta].data<float>(),
       out[kDstate].data<float>()};
   cpu::gated_delta_backward<T>(p, algorithm, buffers);
@@ -225,7 +225,7 @@ std::vector<mx::array> gated_delta_rule_vjp(
         break;
       default:
         if (argnum == gamma_argnum) {
-          result.push_back(grads[kDDecay]);
+          result.push_back(grads[kDgamma]);
         } else {  // the mask: not differentiable
           result.push_back(mx::zeros_like(primals[argnum], stream));
         }

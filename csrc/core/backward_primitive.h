@@ -11,7 +11,7 @@ namespace mlx_gated_delta {
 // dtype) and of the final state (float32), all row-contiguous: the forward's
 // inputs, so the backward recomputes what it needs (see
 // cpu/recurrent_backward.cpp). Outputs: dq, dk, dv (in their inputs' dtypes),
-// dg, d_decay (the gradient of the linear decay exp(g)), dbeta and dstate,
+// dg, dgamma (the gradient of the linear decay exp(g)), dbeta and dstate,
 // float32. `options.algorithm` picks the backward's form: Recurrent, Chunked,
 // or Auto (the CPU resolves it per shape, resolve_cpu_backward_algorithm in
 // core/dispatch.h; Metal through resolve_metal_backward_algorithm).

@@ -23,7 +23,7 @@ struct BackwardBuffers {
   T* dk;
   T* dv;  // [B, T, Hv, Dv]
   float* dg;  // the shape of g
-  float* d_decay;  // the shape of g, wrt the linear decay exp(g)
+  float* dgamma;  // the shape of g, wrt the linear decay exp(g)
   float* dbeta;  // [B, T, Hv]
   float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };

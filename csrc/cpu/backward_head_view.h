@@ -20,7 +20,7 @@ struct BackwardHeadView {
   const T* dy;
   int64_t qk_token_stride;
   int64_t v_token_stride;
-  const float* g;  // and dg, d_decay: [T, Hv] or, per key, [T, Hv, Dk]-strided
+  const float* g;  // and dg, dgamma: [T, Hv] or, per key, [T, Hv, Dk]-strided
   int64_t g_token_stride;
   const float* beta;
   const bool* mask;
@@ -32,7 +32,7 @@ struct BackwardHeadView {
   int64_t head_grad_token_stride;
   T* dv;
   float* dg;
-  float* d_decay;
+  float* dgamma;
   float* dbeta;
   float* dstate;
 };

@@ -2,23 +2,23 @@
 // O(T / 64) states in memory and every step a product of small matrices.
 //
 // Per chunk of L tokens with entry state S0 ([Dv, Dk]) the forward is
-// (chunked_stages.h; gamma_i = decay(i, -1), e_j = decay(L-1, j)):
+// (chunked_stages.h; Gamma_i = decay(i, -1), e_j = decay(L-1, j)):
 //   A_ij = beta_i decay(i, j) k_i.k_j (j < i);   T = (I + A)^-1
-//   U = T Vb,  Vb = diag(beta) V;   W = T Kb,  Kb = diag(beta gamma) K
+//   U = T Vb,  Vb = diag(beta) V;   W = T Kb,  Kb = diag(beta Gamma) K
 //   V' = U - W S0^T                                  (the deltas)
-//   O  = diag(gamma) Q S0^T + M V',  M = decay o Q K^T (lower, with the
+//   O  = diag(Gamma) Q S0^T + M V',  M = decay o Q K^T (lower, with the
 //        diagonal);  y = scale O
-//   S_end = gamma_{L-1} S0 + V'^T diag(e) K
+//   S_end = Gamma_{L-1} S0 + V'^T diag(e) K
 // Its reverse, given dO = scale dy and dS = the cotangent of S_end, runs as
 // these stages, each named after the forward stage it differentiates
 // (docs/stages.md):
 //   chunk_output_backward   dV' = M^T dO;  dM = dO V'^T;  with
 //                           dMd = dM o decay: dq = dMd K, dk = dMd^T Q
 //   chunk_carry_backward    the entry state's share of O and of S_end, and
-//                           V' = U - W S0^T:  dq += diag(gamma) dO S0;
+//                           V' = U - W S0^T:  dq += diag(Gamma) dO S0;
 //                           dV' += diag(e) K dS^T;  dk += diag(e) V' dS;
-//                           dU = dV';  dW = -dV' S0;  dS0 = gamma_{L-1} dS
-//                           + dO^T diag(gamma) Q - dV'^T W
+//                           dU = dV';  dW = -dV' S0;  dS0 = Gamma_{L-1} dS
+//                           + dO^T diag(Gamma) Q - dV'^T W
 //   recompute_w_u_backward  dT = dU Vb^T + dW Kb^T;  dVb = T^T dU;
 //                           dKb = T^T dW;  dv = diag(beta) dVb; dk, dbeta
 //   kkt_inverse_backward    dA = -T^T dT T^T (strictly lower);  dk from
@@ -38,7 +38,7 @@
 // states' worth per chunk; T / 64 chunks of one problem per thread). The
 // reverse recomputes only the cheap rest (qk_norm, chunk_qk, gate_cumsum).
 // The entry state's share of the output, decay(i, -1) S0 q_i, is never
-// formed: its gate term is gamma_i (dO_i S0) . q_i, from the product that
+// formed: its gate term is Gamma_i (dO_i S0) . q_i, from the product that
 // dq needs anyway. A chunk in which some decay is not a normal
 // float (a wipe, gamma == 0, or a subnormal decay) runs the recurrent form's
 // reverse instead: its gradient of the linear decay at a wipe is not
@@ -91,7 +91,7 @@ struct BackwardScratch {
   ChunkScratch s;  // the forward's stages' outputs for this chunk
   std::vector<float> entry;  // S0, [Dv, Dk]
   std::vector<float> ds_t, ds0_t;  // dS (exit) and dS0, transposed [Dk, Dv]
-  std::vector<float> d_out, scaled_d_out;  // dO and diag(gamma) dO
+  std::vector<float> d_out, scaled_d_out;  // dO and diag(Gamma) dO
   std::vector<float> d_corrected, corrected_t;  // dV' = dU; V'^T
   std::vector<float> out_state;  // dO S0
   std::vector<float> m, dm;  // M; dM, then dMd
@@ -333,8 +333,8 @@ void chunk_carry_backward(
   ChunkScratch& s = b.s;
   const int64_t size = int64_t(dk) * dv;
 
-  // The inter-chunk output diag(gamma) Q S0^T: with P = dO S0,
-  // dq_i += gamma_i P_i and the gate term gamma_i P_i . q_i.
+  // The inter-chunk output diag(Gamma) Q S0^T: with P = dO S0,
+  // dq_i += Gamma_i P_i and the gate term Gamma_i P_i . q_i.
   fill_zero(b.out_state);
   gemm(
       L,
@@ -347,12 +347,12 @@ void chunk_carry_backward(
       b.out_state.data(),
       dk);
   for (int i = 0; i < L; ++i) {
-    const float gamma = s.decays.from_start(i);
+    const float decay_from_start = s.decays.from_start(i);
     const float* out_state = &b.out_state[i * dk];
-    b.d_log[i] += gamma * dot(out_state, &s.q[i * dk], dk);
-    axpy(gamma, out_state, &b.dq[i * dk], dk);
+    b.d_log[i] += decay_from_start * dot(out_state, &s.q[i * dk], dk);
+    axpy(decay_from_start, out_state, &b.dq[i * dk], dk);
     for (int c = 0; c < dv; ++c) {
-      b.scaled_d_out[i * dv + c] = gamma * b.d_out[i * dv + c];
+      b.scaled_d_out[i * dv + c] = decay_from_start * b.d_out[i * dv + c];
     }
   }
   const float chunk_decay = s.decays.from_start(L - 1);
@@ -617,18 +617,18 @@ void gate_cumsum_backward(
     float* dq_out = h.dq_head + t * h.head_grad_token_stride;
     float* dk_out = h.dk_head + t * h.head_grad_token_stride;
     float* dg_out = h.dg + t * h.g_token_stride;
-    float* d_decay_out = h.d_decay + t * h.g_token_stride;
+    float* dgamma_out = h.dgamma + t * h.g_token_stride;
     float* dbeta_out = h.dbeta + t * h.gate_token_stride;
     if (!s.active[i]) {
       std::fill(dq_out, dq_out + dk, 0.0f);
       std::fill(dk_out, dk_out + dk, 0.0f);
-      *dg_out = *d_decay_out = *dbeta_out = 0.0f;
+      *dg_out = *dgamma_out = *dbeta_out = 0.0f;
       continue;
     }
     std::copy(&b.dq[i * dk], &b.dq[(i + 1) * dk], dq_out);
     std::copy(&b.dk[i * dk], &b.dk[(i + 1) * dk], dk_out);
     *dg_out = suffix;
-    *d_decay_out = suffix / std::exp(s.g[i]);
+    *dgamma_out = suffix / std::exp(s.g[i]);
     *dbeta_out = b.dbeta[i];
   }
 }

@@ -185,7 +185,7 @@ void recurrent_chunk_backward(
   const int64_t size = int64_t(dv) * dk;
   std::vector<float> dq(dk), dk_acc(dk);
   // Per-key gates: the gradient of each column's decay, summed over the rows.
-  std::vector<float> d_decays(p.per_key_gates ? dk : 0);
+  std::vector<float> dgammas(p.per_key_gates ? dk : 0);
   for (int i = length - 1; i >= 0; --i) {
     const int t = start + i;
     float* dq_out = h.dq_head + t * h.head_grad_token_stride;
@@ -193,7 +193,7 @@ void recurrent_chunk_backward(
     T* dv_out = h.dv + t * h.v_token_stride;
     const int64_t gate = t * h.gate_token_stride;
     float* dg_out = h.dg + t * h.g_token_stride;
-    float* d_decay_out = h.d_decay + t * h.g_token_stride;
+    float* dgamma_out = h.dgamma + t * h.g_token_stride;
     const int gate_width = p.gate_width();
     load_token(p, h, t, true, x);
     if (!x.active) {  // a skipped token: dS passes through, no gradients
@@ -201,7 +201,7 @@ void recurrent_chunk_backward(
       std::fill(dk_out, dk_out + dk, 0.0f);
       zero_output_row(dv_out, dv);
       std::fill(dg_out, dg_out + gate_width, 0.0f);
-      std::fill(d_decay_out, d_decay_out + gate_width, 0.0f);
+      std::fill(dgamma_out, dgamma_out + gate_width, 0.0f);
       h.dbeta[gate] = 0.0f;
       continue;
     }
@@ -209,8 +209,8 @@ void recurrent_chunk_backward(
     const float* updated = states + (i + 1) * size;
     std::fill(dq.begin(), dq.end(), 0.0f);
     std::fill(dk_acc.begin(), dk_acc.end(), 0.0f);
-    std::fill(d_decays.begin(), d_decays.end(), 0.0f);
-    float d_decay = 0.0f, dbeta = 0.0f;
+    std::fill(dgammas.begin(), dgammas.end(), 0.0f);
+    float dgamma = 0.0f, dbeta = 0.0f;
     for (int r = 0; r < dv; ++r) {
       const float* old_row = previous + int64_t(r) * dk;
       const float* new_row = updated + int64_t(r) * dk;
@@ -249,7 +249,7 @@ void recurrent_chunk_backward(
           const float ds_c = ds_row[c];
           dk_acc[c] += delta * ds_c + x.decays[c] * dp * old_row[c];
           const float dsd = ds_c + dp * x.k[c];
-          d_decays[c] += dsd * old_row[c];
+          dgammas[c] += dsd * old_row[c];
           ds_row[c] = x.decays[c] * dsd;
         }
         continue;
@@ -260,7 +260,7 @@ void recurrent_chunk_backward(
         dk_acc[c] += delta * ds_c + decayed_dp * old_row[c];
         ds_row[c] = ds_c + dp * x.k[c];  // dSd, scaled by the decay below
       }
-      d_decay += dot(ds_row, old_row, dk);
+      dgamma += dot(ds_row, old_row, dk);
       for (int c = 0; c < dk; ++c) {
         ds_row[c] *= x.decay;
       }
@@ -269,12 +269,12 @@ void recurrent_chunk_backward(
     std::copy(dk_acc.begin(), dk_acc.end(), dk_out);
     if (p.per_key_gates) {
       for (int c = 0; c < dk; ++c) {
-        d_decay_out[c] = d_decays[c];
-        dg_out[c] = x.decays[c] * d_decays[c];  // exactly 0 at a channel's wipe
+        dgamma_out[c] = dgammas[c];
+        dg_out[c] = x.decays[c] * dgammas[c];  // exactly 0 at a channel's wipe
       }
     } else {
-      d_decay_out[0] = d_decay;
-      dg_out[0] = x.decay * d_decay;  // exactly 0 at a wipe
+      dgamma_out[0] = dgamma;
+      dg_out[0] = x.decay * dgamma;  // exactly 0 at a wipe
     }
     h.dbeta[gate] = dbeta;
   }
@@ -417,7 +417,7 @@ void gated_delta_backward(
         int64_t(p.value_heads) * dk,
         b.dv + v_offset,
         b.dg + gate_offset * p.gate_width(),
-        b.d_decay + gate_offset * p.gate_width(),
+        b.dgamma + gate_offset * p.gate_width(),
         b.dbeta + gate_offset,
         b.dstate + state_offset,
     };

@@ -274,7 +274,7 @@ void eval_backward(
   if (p.batch == 0 || p.value_heads == 0) {
     return;  // empty outputs: nothing to launch
   }
-  enum Output { kDq = 0, kDk, kDv, kDg, kDDecay, kDbeta, kDstate };
+  enum Output { kDq = 0, kDk, kDv, kDg, kDgamma, kDbeta, kDstate };
   const int cotangents = p.has_mask ? kMask + 1 : kMask;
   CoreArgs a = input_args(p, inputs);
   BackwardArgs o{};
@@ -284,7 +284,7 @@ void eval_backward(
   o.dk = mx::gpu_ptr<void>(outputs[kDk]);
   o.dv = mx::gpu_ptr<void>(outputs[kDv]);
   o.dg = mx::gpu_ptr<float>(outputs[kDg]);
-  o.d_decay = mx::gpu_ptr<float>(outputs[kDDecay]);
+  o.dgamma = mx::gpu_ptr<float>(outputs[kDgamma]);
   o.dbeta = mx::gpu_ptr<float>(outputs[kDbeta]);
   o.dstate = mx::gpu_ptr<float>(outputs[kDstate]);
   const int64_t heads = int64_t(p.batch) * p.value_heads;

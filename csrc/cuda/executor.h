@@ -40,7 +40,7 @@ bool has_backward_kernels(const GatedDeltaParams& params);
 // The backward of the core op, whatever algorithm the call asked for (the
 // recurrent form's reverse, within the same gradient contracts).
 // inputs: q, k, v, g, beta, state [, mask], the cotangents of y and of the
-// final state; outputs: dq, dk, dv, dg, d_decay, dbeta, dstate.
+// final state; outputs: dq, dk, dv, dg, dgamma, dbeta, dstate.
 void eval_backward(
     const GatedDeltaParams& params,
     const std::vector<mlx::core::array>& inputs,

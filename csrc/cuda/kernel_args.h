@@ -78,7 +78,7 @@ struct BackwardArgs {
   void* dk;
   void* dv;
   float* dg;
-  float* d_decay;
+  float* dgamma;
   float* dbeta;
   float* dstate;
   float* boundaries;

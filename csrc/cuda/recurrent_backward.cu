@@ -214,7 +214,7 @@ __device__ __forceinline__ void recurrent_backward(
         }
         if (threadIdx.x == 0) {
           o.dg[gate] = 0.0f;
-          o.d_decay[gate] = 0.0f;
+          o.dgamma[gate] = 0.0f;
           o.dbeta[gate] = 0.0f;
         }
         continue;
@@ -229,7 +229,7 @@ __device__ __forceinline__ void recurrent_backward(
       const float beta = a.beta[gate];
       const float* previous = before + i * state_size;
       float dq[kColumns] = {}, dk_sum[kColumns] = {};
-      float d_decay = 0.0f, dbeta = 0.0f;
+      float dgamma = 0.0f, dbeta = 0.0f;
 #pragma unroll
       for (int n = 0; n < kRows; ++n) {
         const int r = row0 + n;
@@ -265,7 +265,7 @@ __device__ __forceinline__ void recurrent_backward(
           ds[n][j] = decay * dsd;
           s[n][j] = old[j];  // the state before this token
         }
-        d_decay += warp_sum(dsd_old);
+        dgamma += warp_sum(dsd_old);
       }
       float* mine = partials[parity][warp];
 #pragma unroll
@@ -277,7 +277,7 @@ __device__ __forceinline__ void recurrent_backward(
         }
       }
       if (lane == 0) {
-        mine[2 * kBackwardMaxDim] = d_decay;
+        mine[2 * kBackwardMaxDim] = dgamma;
         mine[2 * kBackwardMaxDim + 1] = dbeta;
       }
       __syncthreads();
@@ -293,7 +293,7 @@ __device__ __forceinline__ void recurrent_backward(
         } else if (column) {
           o.dk_heads[head_grad + x - kBackwardMaxDim] = sum;
         } else if (x == 2 * kBackwardMaxDim) {
-          o.d_decay[gate] = sum;
+          o.dgamma[gate] = sum;
           o.dg[gate] = decay * sum;  // exactly 0 at a wipe
         } else {
           o.dbeta[gate] = sum;

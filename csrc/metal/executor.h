@@ -38,7 +38,7 @@ void eval_segment_gpu(
 // The backward of one core call (plan/plan.h, make_backward_plan). inputs: q,
 // k, v, g, beta, state [, mask], y's cotangent (the activation dtype) and the
 // final state's (float32), row-contiguous: GatedDeltaRuleVJP's inputs.
-// outputs: dq, dk, dv (activation dtype), dg, d_decay, dbeta, dstate
+// outputs: dq, dk, dv (activation dtype), dg, dgamma, dbeta, dstate
 // (float32); allocated here. `algorithm` may be Auto (the forward call's).
 void eval_backward_gpu(
     const GatedDeltaParams& params,

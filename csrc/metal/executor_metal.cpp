@@ -260,7 +260,7 @@ void eval_backward_gpu(
   require(
       inputs.size() == cotangents + 2 && outputs.size() == 7,
       "eval_backward_gpu: expected q, k, v, g, beta, state [, mask], "
-      "y_cotangent, state_cotangent and dq, dk, dv, dg, d_decay, dbeta, dstate");
+      "y_cotangent, state_cotangent and dq, dk, dv, dg, dgamma, dbeta, dstate");
   for (const mx::array& input : inputs) {
     require(
         input.flags().row_contiguous,

@@ -71,7 +71,7 @@ def run_core_backward_guarded(
     for the cotangents of y and of the final state.
 
     Returns ``(gradients, tails)``, dicts of NumPy arrays by gradient name
-    (``dq``, ``dk``, ``dv``, ``dg``, ``d_decay``, ``dbeta``, ``dstate``): the
+    (``dq``, ``dk``, ``dv``, ``dg``, ``dgamma``, ``dbeta``, ``dstate``): the
     gradients, and the words past the end of each, which must still equal
     ``sentinel`` (in the activation dtype for dq, dk and dv).
     """

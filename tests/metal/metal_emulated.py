@@ -214,7 +214,7 @@ def gated_delta_rule_vjp(
         grads[name] = _activation_values(buffers[buffer], dtype).reshape(shape)
     for name, buffer, shape in (
         ("g", "dg", g.shape),
-        ("gamma", "d_decay", g.shape),
+        ("gamma", "dgamma", g.shape),
         ("beta", "dbeta", beta.shape),
         ("state", "dstate", state_shape),
     ):

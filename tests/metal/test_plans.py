@@ -224,7 +224,7 @@ def test_every_buffer_the_backward_reads_was_written_before(shape):
         {"mask"} if shape.get("mask") else set()
     )
     outputs = {name for name, role in roles.items() if role == "output"}
-    assert outputs == {"dq", "dk", "dv", "dg", "d_decay", "dbeta", "dstate"}
+    assert outputs == {"dq", "dk", "dv", "dg", "dgamma", "dbeta", "dstate"}
     written = set()
     for d in plan["dispatches"]:
         for _, name, writes in d["buffers"]:

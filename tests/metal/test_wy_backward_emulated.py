@@ -209,7 +209,7 @@ def test_chunked_backward_matches_the_cpu_chunked_backward(recipe):
 
 
 def test_the_linear_decay_gradient_matches_the_reference():
-    # gated_delta_update's gamma = exp(g): d_decay = dg / gamma on the chunks
+    # gated_delta_update's gamma = exp(g): dgamma = dg / gamma on the chunks
     # the WY stages take, exact from the recurrent reverse where gamma == 0.
     recipe = dict(
         batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=16, value_dim=4, wipes="runs"
@@ -222,7 +222,7 @@ def test_the_linear_decay_gradient_matches_the_reference():
     )
     assert np.isneginf(to_float64(case.g)).any()
     assert np.isfinite(grads["gamma"]).all()
-    assert_matches("d_decay", grads["gamma"], expected["gamma"], contract("gamma", "float32"))
+    assert_matches("dgamma", grads["gamma"], expected["gamma"], contract("gamma", "float32"))
 
 
 def test_auto_takes_the_chunked_form_from_8_tokens_with_scalar_gates():

@@ -121,7 +121,7 @@ BACKWARD_GRADIENTS = {
     "dk": ("k", "activation_grad"),
     "dv": ("v", "activation_grad"),
     "dg": ("g", "gate_grad"),
-    "d_decay": ("gamma", "gate_grad"),
+    "dgamma": ("gamma", "gate_grad"),
     "dbeta": ("beta", "gate_grad"),
     "dstate": ("state", "state_grad"),
 }

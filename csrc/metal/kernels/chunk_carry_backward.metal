@@ -1,14 +1,14 @@
 // chunk_carry_backward, once per chunk from the last to the first (the plan's
 // dispatch says which), carrying dS (dstate): the gradient of chunk_carry's
 // entry-state share of the output, of the exit state and of V' = U - W S0^T.
-// With S0 the state entering the chunk (boundary_states), gamma_i =
+// With S0 the state entering the chunk (boundary_states), Gamma_i =
 // decay(i, -1), e_j = decay(L-1, j) and dO = scale dy:
 //
-//   dq_i += gamma_i S0^T dO_i;           dG_i += gamma_i (S0^T dO_i) . q_i
+//   dq_i += Gamma_i S0^T dO_i;           dG_i += Gamma_i (S0^T dO_i) . q_i
 //   dV'_j += e_j dS k_j;  dk_j += e_j dS^T V'_j;  dG_{L-1} += t_j, dG_j -= t_j
 //                                        (t_j = e_j (dS^T V'_j) . k_j)
-//   dG_{L-1} += gamma_{L-1} <dS, S0>;    dW = -dV' S0
-//   dS0 = gamma_{L-1} dS + sum_i gamma_i dO_i q_i^T - sum_j dV'_j W_j^T
+//   dG_{L-1} += Gamma_{L-1} <dS, S0>;    dW = -dV' S0
+//   dS0 = Gamma_{L-1} dS + sum_i Gamma_i dO_i q_i^T - sum_j dV'_j W_j^T
 //
 // dS0 replaces dS in dstate. Chunks with a decay that is not a normal float
 // are left to the recurrent reverse (chunk_decays_normal).
@@ -68,7 +68,7 @@ template <typename T>
   if (row < length) {
     const uint t = start + row;
     const bool active = !token_is_masked(p, mask, b, t);
-    const float gamma = exp(cumsum[row]);
+    const float decay_from_start = exp(cumsum[row]);
     const float e = exp(end - cumsum[row]);
     const uint dy_row = v_offset(p, b, t, h);
     const uint head_grad = ((b * p.tokens + t) * p.value_heads + h) * p.key_dim;
@@ -87,9 +87,9 @@ template <typename T>
         out_state += d_out * entry[r * p.key_dim + c];
         back += ds[r * p.key_dim + c] * corrected[(rows + row) * p.value_dim + r];
       }
-      query_head_grad[head_grad + c] += gamma * out_state;
+      query_head_grad[head_grad + c] += decay_from_start * out_state;
       key_head_grad[head_grad + c] += e * back;
-      query_term += gamma * out_state * normalized_key(q, query_inverse_norm, p, b, t, kh, c);
+      query_term += decay_from_start * out_state * normalized_key(q, query_inverse_norm, p, b, t, kh, c);
       key_term += e * back * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
     }
   }

@@ -2,7 +2,7 @@
 // for every chunk at once: dg_t = sum_{i >= t} dG_i (a reverse cumulative
 // sum of d_log, which the other WY stages filled), and the linear decay's
 // gradient dg_t / exp(g_t). Masked tokens get exactly zero dq, dk (per value
-// head), dg, d_decay and dbeta. Chunks with a decay that is not a normal
+// head), dg, dgamma and dbeta. Chunks with a decay that is not a normal
 // float are left to the recurrent reverse (which writes their rows itself).
 //
 // One threadgroup of kChunkSize threads per (chunk, value head, batch): the
@@ -15,7 +15,7 @@
     const device bool* mask [[buffer(1)]],
     const device float* d_log [[buffer(2)]],
     device float* dg [[buffer(3)]],
-    device float* d_decay [[buffer(4)]],
+    device float* dgamma [[buffer(4)]],
     device float* dbeta [[buffer(5)]],
     device float* query_head_grad [[buffer(6)]],
     device float* key_head_grad [[buffer(7)]],
@@ -38,7 +38,7 @@
       const uint gate = gate_offset(p, b, start + i, h);
       const bool masked = token_is_masked(p, mask, b, start + i);
       dg[gate] = masked ? 0.0f : suffix;
-      d_decay[gate] = masked ? 0.0f : suffix / exp(g[gate]);
+      dgamma[gate] = masked ? 0.0f : suffix / exp(g[gate]);
     }
   }
   if (tid < length && token_is_masked(p, mask, b, start + tid)) {

@@ -1,11 +1,11 @@
 // recompute_w_u_backward: the gradient of U = T Vb and W = T Kb (Vb =
-// diag(beta) V, Kb = diag(beta gamma) K, gamma_i = decay(i, -1)), for every
+// diag(beta) V, Kb = diag(beta Gamma) K, Gamma_i = decay(i, -1)), for every
 // chunk at once, from dU = dV' and dW (chunk_output_backward and
 // chunk_carry_backward):
 //
 //   dT = dU Vb^T + dW Kb^T (lower, with the diagonal)
-//   dVb = T^T dU;  dKb = T^T dW;  dv = beta dVb;  dk += beta gamma dKb
-//   dbeta = dVb . v + gamma dKb . k;  dG_i += beta_i gamma_i dKb_i . k_i
+//   dVb = T^T dU;  dKb = T^T dW;  dv = beta dVb;  dk += beta Gamma dKb
+//   dbeta = dVb . v + Gamma dKb . k;  dG_i += beta_i Gamma_i dKb_i . k_i
 //
 // dT goes to kkt_inverse_backward. It writes dv and starts dbeta. Chunks with
 // a decay that is not a normal float are left to the recurrent reverse.
@@ -84,7 +84,7 @@ template <typename T>
   float value_term = 0.0f, key_term = 0.0f;
   if (row < length) {
     const uint t = start + row;
-    const float gamma = exp(cumsum[row]);
+    const float decay_from_start = exp(cumsum[row]);
     const uint values = v_offset(p, b, t, h);
     for (uint c = lane; c < p.value_dim; c += kWuLanesPerRow) {
       float sum = 0.0f;  // dVb
@@ -100,7 +100,7 @@ template <typename T>
       for (uint m = row; m < length; ++m) {
         sum += t_tile[m * kChunkSize + row] * dw[(rows + m) * p.key_dim + c];
       }
-      key_head_grad[head_grad + c] += beta[row] * gamma * sum;
+      key_head_grad[head_grad + c] += beta[row] * decay_from_start * sum;
       key_term += sum * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
     }
   }
@@ -114,9 +114,9 @@ template <typename T>
       value_sum += value_terms[tid * kWuLanesPerRow + l];
       key_sum += key_terms[tid * kWuLanesPerRow + l];
     }
-    const float gamma = exp(cumsum[tid]);
-    dbeta[gate_offset(p, b, start + tid, h)] = value_sum + gamma * key_sum;
-    d_log[rows + tid] += beta[tid] * gamma * key_sum;
+    const float decay_from_start = exp(cumsum[tid]);
+    dbeta[gate_offset(p, b, start + tid, h)] = value_sum + decay_from_start * key_sum;
+    d_log[rows + tid] += beta[tid] * decay_from_start * key_sum;
   }
 }
 

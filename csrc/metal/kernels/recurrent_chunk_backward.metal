@@ -39,7 +39,7 @@ template <typename T>
     device float* key_head_grad [[buffer(10)]],
     device T* dv [[buffer(11)]],
     device float* dg [[buffer(12)]],
-    device float* d_decay [[buffer(13)]],
+    device float* dgamma [[buffer(13)]],
     device float* dbeta [[buffer(14)]],
     constant GatedDeltaKernelParams& p [[buffer(15)]],
     constant uint& chunk [[buffer(16)]],
@@ -75,7 +75,7 @@ template <typename T>
         key_head_grad[head_grad + c] = 0.0f;
         if (per_key) {
           dg[key_gate_offset(p, gate, c)] = 0.0f;
-          d_decay[key_gate_offset(p, gate, c)] = 0.0f;
+          dgamma[key_gate_offset(p, gate, c)] = 0.0f;
         }
       }
       for (uint r = tid; r < p.value_dim; r += kBackwardThreads) {
@@ -85,7 +85,7 @@ template <typename T>
         dbeta[gate] = 0.0f;
         if (!per_key) {
           dg[gate] = 0.0f;
-          d_decay[gate] = 0.0f;
+          dgamma[gate] = 0.0f;
         }
       }
       continue;
@@ -181,7 +181,7 @@ template <typename T>
       query_head_grad[head_grad + tid] = dq_sum;
       key_head_grad[head_grad + tid] = dk_sum;
       if (per_key) {
-        d_decay[key_gate_offset(p, gate, tid)] = da_sum;
+        dgamma[key_gate_offset(p, gate, tid)] = da_sum;
         // Exactly 0 at a wipe.
         dg[key_gate_offset(p, gate, tid)] = decays[simd_index] * da_sum;
       }
@@ -195,7 +195,7 @@ template <typename T>
       }
       dbeta[gate] = dbeta_sum;
       if (!per_key) {
-        d_decay[gate] = da_sum;
+        dgamma[gate] = da_sum;
         dg[gate] = decays[0] * da_sum;  // exactly 0 at a wipe
       }
     }

@@ -391,7 +391,7 @@ struct BackwardPlanBuilder : PlanBuilder {
              {7, KeyHeadGrad}},
             8,
             {GradGate, GradGamma, GradBeta, QueryHeadGrad, KeyHeadGrad});
-    // dG and g read, dg and d_decay written (masked tokens' rows cleared too:
+    // dG and g read, dg and dgamma written (masked tokens' rows cleared too:
     // not counted).
     d.bytes_moved = chunk_test_bytes(double(T)) + B * Hv * T * 16.0;
     d.flops = 2.0 * B * Hv * T;

@@ -60,7 +60,7 @@ const char* to_string(PlanBuffer buffer) {
       "dk",
       "dv",
       "dg",
-      "d_decay",
+      "dgamma",
       "dbeta",
       "dstate",
       "boundary_states",

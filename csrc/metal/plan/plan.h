@@ -198,7 +198,7 @@ Plan make_segment_plan(
 //   others), then recompute_w_u_backward, kkt_inverse_backward,
 //   gate_cumsum_backward over all chunks, and qk_grad_reduce.
 // Inputs: q, k, v, g, beta, state_in [, mask], y_cotangent, state_cotangent;
-// outputs dq, dk, dv, dg, d_decay, dbeta, dstate. Key dims up to
+// outputs dq, dk, dv, dg, dgamma, dbeta, dstate. Key dims up to
 // kMaxBackwardKeyDim; no checkpoints or trees.
 Plan make_backward_plan(
     const GatedDeltaParams& params,
