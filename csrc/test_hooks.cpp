@@ -12,7 +12,9 @@
 #include <atomic>
 #include <chrono>
 #include <functional>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 #include <utility>
@@ -485,6 +487,54 @@ void bind_test_hooks(nb::module_& m) {
       "Testing only: runs the CPU thread pool's parallel_for(count) with a "
       "task that counts its calls (then sleeps task_sleep_us), and returns "
       "(calls per index, calls with an index outside [0, count)).");
+
+  // The pool's answer to a stalled worker. First jobs whose tasks sleep 20
+  // ms on a worker (as a worker preempted inside a task holds the caller up)
+  // and 50 us on the caller, until a worker has joined one; then at once a
+  // job that states a small work (a decode step's) but whose tasks sleep 200
+  // us, long enough for any woken worker to join. Returns (whether a worker
+  // joined the first kind, how many threads ran the second).
+  m.def(
+      "cpu_pool_threads_after_stall",
+      [](int count) {
+        // The Python objects are made after the GIL is taken back.
+        std::optional<nb::gil_scoped_release> release(std::in_place);
+        const auto caller = std::this_thread::get_id();
+        bool worker_joined = false;
+        for (int attempt = 0; attempt < 50 && !worker_joined; ++attempt) {
+          std::atomic<bool> joined{false};
+          cpu::parallel_for(count, [&](int) {
+            if (std::this_thread::get_id() == caller) {
+              std::this_thread::sleep_for(std::chrono::microseconds(50));
+            } else {
+              joined.store(true);
+              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+            }
+          });
+          worker_joined = joined.load();
+        }
+        // 64K multiply-adds a task: enough to ask for every thread of a
+        // small machine, far below a millisecond of work in all.
+        constexpr int64_t kSmallTaskWork = 64 * 1024;
+        std::mutex mutex;
+        std::vector<std::thread::id> threads;
+        cpu::parallel_for(count, kSmallTaskWork, [&](int) {
+          {
+            std::lock_guard<std::mutex> lock(mutex);
+            const auto self = std::this_thread::get_id();
+            if (std::find(threads.begin(), threads.end(), self) ==
+                threads.end()) {
+              threads.push_back(self);
+            }
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(200));
+        });
+        release.reset();
+        return nb::make_tuple(worker_joined, threads.size());
+      },
+      "count"_a,
+      "Testing only: after a job held up by a sleeping worker, how many "
+      "threads run a small job: (whether a worker joined, threads).");
 
   m.def(
       "cpus_of_cgroup_cpu_max",

@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_segment
+from mlx_gated_delta import _ext, gated_delta_rule, gated_delta_segment, thread_count
 from mlx_gated_delta.testing.guarded import run_core_backward_guarded
 from mlx_gated_delta.testing.segment_cases import make_segment_case
 from mlx_gated_delta.testing.strategies import make_core_case
@@ -228,6 +228,16 @@ def test_parallel_for_runs_each_index_exactly_once():
     for count in POOL_COUNTS:
         errors = parallel_for_errors(count)
         assert not errors, (count, errors)
+
+
+@pytest.mark.skipif(thread_count() < 2, reason="the pool has no worker to stall")
+def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone():
+    # A worker the OS preempts inside a task holds the caller up for the rest
+    # of a time slice; after that, small jobs (a decode step's) do not wait
+    # for workers, even when a woken worker would have joined in time.
+    worker_joined, threads = _ext.cpu_pool_threads_after_stall(64)
+    assert worker_joined, "no worker joined a job in 50 tries"
+    assert threads == 1, f"a small job ran on {threads} threads right after a stall"
 
 
 def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once():

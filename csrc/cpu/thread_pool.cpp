@@ -23,13 +23,30 @@ namespace {
 // (docs/cpu.md).
 constexpr int64_t kMinWorkPerThread = 512 * 1024;
 
-// An idle worker sleeps at once: on a busy machine a worker that polls for
-// the next job takes the core from the threads that make progress (the
-// caller, MLX's own), and the caller starts on the tasks itself while a woken
-// worker gets going. The caller, once the tasks are all taken, polls a little
-// for the workers still running one: that wait is a task long.
-constexpr auto kWorkerSpin = std::chrono::microseconds(0);
+// A worker that ran tasks in a job polls for the next job for kWorkerSpin
+// (giving the core away between polls) before it sleeps: a decode step calls
+// the pool once per layer, and waking a sleeping worker for each call made the
+// op's decode step on the quiet 2-core EPYC 1.25x slower than polling did
+// (docs/cpu.md). A worker that found nothing to do (it came late: the caller
+// had taken every task), or that works for a pool that stalled recently (see
+// below), sleeps at once: on a busy machine a polling worker takes the core
+// from the threads that make progress. The caller, once the tasks are all
+// taken, polls a little for the workers still running one: that wait is a
+// task long.
+constexpr auto kWorkerSpin = std::chrono::microseconds(200);
 constexpr auto kCallerSpin = std::chrono::microseconds(20);
+
+// A worker stalled when the caller, done with its own tasks, waited for it
+// longer than kStallWait and longer than its own tasks took: the OS had
+// preempted the worker inside a task, and the caller waits for the rest of
+// the time slice of whatever runs instead (milliseconds, for a job of a few
+// hundred microseconds). For kStallMemory after a stall, jobs of less than
+// kSmallJobWork multiply-adds (about a millisecond on one core, a decode
+// step's) run on the caller alone; larger jobs still pay for the workers.
+// After that the workers are tried again.
+constexpr auto kStallWait = std::chrono::microseconds(100);
+constexpr auto kStallMemory = std::chrono::milliseconds(100);
+constexpr int64_t kSmallJobWork = 32 * kMinWorkPerThread;
 
 // Waits until ready() holds: polls for `spin` (giving the core away between
 // polls), then sleeps on the condition variable. Whoever makes ready() true
@@ -87,11 +104,20 @@ class ThreadPool {
     return static_cast<int>(threads_.size()) + 1;
   }
 
-  void run(int count, int threads, const std::function<void(int)>& task) {
+  // work: the job's multiply-adds, or -1 when the caller did not say (then
+  // the job counts as large).
+  void run(
+      int count,
+      int threads,
+      int64_t work,
+      const std::function<void(int)>& task) {
     if (count <= 0) {
       return;
     }
     threads = std::min({threads, count, thread_count()});
+    if (work >= 0 && work < kSmallJobWork && stalled_recently()) {
+      threads = 1;
+    }
     // One job at a time. A caller that finds the pool busy (another MLX
     // stream's job) runs its own tasks rather than queueing: its thread is
     // running anyway, and the workers stay with one job, so several streams
@@ -121,10 +147,17 @@ class ThreadPool {
         wake_.notify_one();
       }
     }
+    const auto started = Clock::now();
     drain();
     open_.store(false);
+    const auto drained = Clock::now();
     wait_until(
         kCallerSpin, mutex_, left_, [this] { return joined_.load() == 0; });
+    const auto waited = Clock::now() - drained;
+    if (waited > kStallWait && waited > drained - started) {
+      const auto until = Clock::now() + kStallMemory;
+      small_jobs_alone_until_.store(until.time_since_epoch().count());
+    }
     task_ = nullptr;
     if (error_) {
       std::rethrow_exception(error_);
@@ -132,11 +165,20 @@ class ThreadPool {
   }
 
  private:
-  // Takes task indices until none are left.
-  void drain() {
+  using Clock = std::chrono::steady_clock;
+
+  bool stalled_recently() const {
+    return Clock::now().time_since_epoch().count() <
+        small_jobs_alone_until_.load();
+  }
+
+  // Takes task indices until none are left; returns how many it ran.
+  int drain() {
+    int ran = 0;
     for (int i = next_.fetch_add(1); i < count_; i = next_.fetch_add(1)) {
       try {
         (*task_)(i);
+        ++ran;
       } catch (...) {
         std::lock_guard<std::mutex> lock(mutex_);
         if (!error_) {
@@ -144,14 +186,19 @@ class ThreadPool {
         }
       }
     }
+    return ran;
   }
 
   void worker_loop() {
     uint64_t seen = 0;
+    bool worked = false;
     while (true) {
-      wait_until(kWorkerSpin, mutex_, wake_, [&] {
-        return stopping_.load() || generation_.load() != seen;
-      });
+      const bool poll = worked && !stalled_recently();
+      wait_until(
+          poll ? kWorkerSpin : std::chrono::microseconds(0),
+          mutex_,
+          wake_,
+          [&] { return stopping_.load() || generation_.load() != seen; });
       if (stopping_.load()) {
         return;
       }
@@ -159,8 +206,9 @@ class ThreadPool {
       joined_.fetch_add(1);
       // A worker woken late finds the job closed (or its seats taken) and
       // goes back to waiting without touching it.
+      worked = false;
       if (open_.load() && seats_.fetch_sub(1) > 0) {
-        drain();
+        worked = drain() > 0;
       }
       if (joined_.fetch_sub(1) == 1) {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -182,6 +230,10 @@ class ThreadPool {
   std::atomic<bool> open_{false};
   std::atomic<uint64_t> generation_{0};
   std::atomic<bool> stopping_{false};
+  // Until when, after a stall, small jobs run on the caller alone (Clock
+  // ticks since its epoch). Written by the job's caller only; callers that
+  // find the pool busy run alone anyway.
+  std::atomic<Clock::rep> small_jobs_alone_until_{0};
   std::exception_ptr error_;
 };
 
@@ -193,14 +245,15 @@ ThreadPool& pool() {
 }  // namespace
 
 void parallel_for(int count, const std::function<void(int)>& task) {
-  pool().run(count, thread_count(), task);
+  pool().run(count, thread_count(), -1, task);
 }
 
 void parallel_for(
     int count, int64_t task_work, const std::function<void(int)>& task) {
   const int64_t work = std::max<int64_t>(0, task_work) * std::max(count, 0);
   const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
-  pool().run(count, static_cast<int>(std::min<int64_t>(threads, 4096)), task);
+  pool().run(
+      count, static_cast<int>(std::min<int64_t>(threads, 4096)), work, task);
 }
 
 int thread_count() {
