@@ -386,10 +386,10 @@ int chunk_checkpoint(
       // As chunk_carry_state, cut after i tokens: row c of the transposed
       // state decays by its own channel's decay.
       for (int c = 0; c < dk; ++c) {
-        const float entry_decay = s.key_decays(i - 1, -1, c);
+        const float decay_from_start = s.key_decays(i - 1, -1, c);
         for (int e = 0; e < dv; ++e) {
           cut_t[int64_t(c) * dv + e] =
-              entry_decay * entry_t[int64_t(c) * dv + e];
+              decay_from_start * entry_t[int64_t(c) * dv + e];
         }
       }
       for (int j = 0; j < i; ++j) {
@@ -398,9 +398,9 @@ int chunk_checkpoint(
         }
       }
     } else {
-      const float entry_decay = s.decays.from_start(i - 1);
+      const float decay_from_start = s.decays.from_start(i - 1);
       for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
-        cut_t[e] = entry_decay * entry_t[e];
+        cut_t[e] = decay_from_start * entry_t[e];
       }
       for (int j = 0; j < i; ++j) {
         const float d = s.decays(i - 1, j);

@@ -110,7 +110,7 @@ template <typename T>
       if (owns_row) {
         const uint slot = checkpoint_offset(p, next_checkpoint) + state_row;
         for (uint c = lane; c < p.key_dim; c += kChunkSize) {
-          const float decay_entry = channel_decay(p, cumsum, wipe, cut - 1, -1, c);
+          const float channel_decay_from_start = channel_decay(p, cumsum, wipe, cut - 1, -1, c);
           float sum = 0.0f;
           for (uint j = 0; j < cut; ++j) {
             const uint token = first_token + j;
@@ -122,7 +122,7 @@ template <typename T>
                    corrected[local_row * kChunkSize + j] * key_scale *
                    float(k[qk_offset(p, b, token, kh) + c]);
           }
-          checkpoint_states[slot + c] = decay_entry * s[c] + sum;
+          checkpoint_states[slot + c] = channel_decay_from_start * s[c] + sum;
         }
       }
       ++next_checkpoint;

@@ -172,31 +172,31 @@ template <typename T>
     if (tid < p.key_dim) {
       float dq_sum = 0.0f;
       float dk_sum = 0.0f;
-      float da_sum = 0.0f;
+      float dgamma_sum = 0.0f;
       for (uint s = 0; s < kBackwardSimdGroups; ++s) {
         dq_sum += partial_dq[s * kMaxBackwardKeyDim + tid];
         dk_sum += partial_dk[s * kMaxBackwardKeyDim + tid];
-        da_sum += partial_da[s * kMaxBackwardKeyDim + tid];
+        dgamma_sum += partial_da[s * kMaxBackwardKeyDim + tid];
       }
       query_head_grad[head_grad + tid] = dq_sum;
       key_head_grad[head_grad + tid] = dk_sum;
       if (per_key) {
-        dgamma[key_gate_offset(p, gate, tid)] = da_sum;
+        dgamma[key_gate_offset(p, gate, tid)] = dgamma_sum;
         // Exactly 0 at a wipe.
-        dg[key_gate_offset(p, gate, tid)] = decays[simd_index] * da_sum;
+        dg[key_gate_offset(p, gate, tid)] = decays[simd_index] * dgamma_sum;
       }
     }
     if (tid == 0) {
       float dbeta_sum = 0.0f;
-      float da_sum = 0.0f;
+      float dgamma_sum = 0.0f;
       for (uint s = 0; s < kBackwardSimdGroups; ++s) {
         dbeta_sum += partial_scalars[s];
-        da_sum += partial_scalars[kBackwardSimdGroups + s];
+        dgamma_sum += partial_scalars[kBackwardSimdGroups + s];
       }
       dbeta[gate] = dbeta_sum;
       if (!per_key) {
-        dgamma[gate] = da_sum;
-        dg[gate] = decays[0] * da_sum;  // exactly 0 at a wipe
+        dgamma[gate] = dgamma_sum;
+        dg[gate] = decays[0] * dgamma_sum;  // exactly 0 at a wipe
       }
     }
   }
