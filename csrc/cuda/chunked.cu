@@ -19,7 +19,7 @@
 // Everything is float32 in shared memory, in rows of tile_stride floats
 // (launch_shapes.h). The matrix products run on tensor cores in 3xTF32
 // (tensor_core.cuh), one 16 x 16 output tile per warp at a time; gates,
-// decays and kkt_inverse's forward substitution are float32 FMA.
+// decays and kkt_inverse's diagonal blocks are float32 FMA.
 #include "cuda/device_common.cuh"
 #include "cuda/launch_shapes.h"
 #include "cuda/tensor_core.cuh"
@@ -118,67 +118,64 @@ __device__ void load_rows(
   chunk_rows.store(dim, length, normalize, row_scales, rows, stride);
 }
 
-// Copies a row-major [rows, columns] float32 block of scratch (row stride
-// `source_stride`) into shared rows of stride `stride`, kInFlight loads per
-// thread issued before their stores.
-__device__ void load_block(
+// Copies rows [0, rows) of a row-major float32 block of scratch (row stride
+// `source_stride`, columns <= kChunkedMaxDim) into shared rows of stride
+// `stride` (a multiple of 4, 16-byte aligned): warp w the rows w, w + 8, ...
+// (up to kMaxRows), each lane 16-byte loads of 4 columns where the rows allow
+// them, else single columns lane + 32 j; all loads issued before the first
+// store, no index divisions.
+template <int kMaxRows>
+__device__ void copy_rows(
     const float* source,
     int64_t source_stride,
     int rows,
     int columns,
     float* shared_rows,
     int stride) {
-  constexpr int kInFlight = 8;
-  const int total = rows * columns;
-  for (int base = 0; base < total; base += kChunkedThreads * kInFlight) {
-    float x[kInFlight];
+  constexpr int kWarps = kChunkedThreads / kWarp;
+  constexpr int kRowsPerWarp = kMaxRows / kWarps;
+  static_assert(kRowsPerWarp * kWarps == kMaxRows, "whole rows per warp");
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const bool vectors = columns % 4 == 0 && source_stride % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(source) % 16 == 0;
+  if (vectors) {
+    static_assert(4 * kWarp == kChunkedMaxDim, "one vector a lane per row");
+    const int c = 4 * lane;
+    float4 x[kRowsPerWarp];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = base + u * kChunkedThreads + threadIdx.x;
-      x[u] = e < total ? source[(e / columns) * source_stride + e % columns]
-                       : 0.0f;
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+      const int r = warp + kWarps * n;
+      x[n] = r < rows && c < columns
+          ? *reinterpret_cast<const float4*>(source + r * source_stride + c)
+          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = base + u * kChunkedThreads + threadIdx.x;
-      if (e < total) {
-        shared_rows[(e / columns) * stride + e % columns] = x[u];
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+      const int r = warp + kWarps * n;
+      if (r < rows && c < columns) {
+        *reinterpret_cast<float4*>(shared_rows + r * stride + c) = x[n];
       }
     }
-  }
-}
-
-// Copies `count` consecutive floats of scratch, which hold rows of `columns`
-// floats, into shared rows of stride `stride`: 16-byte loads where the block
-// is 16-byte aligned and count a multiple of 4 (load_block otherwise),
-// kInFlight of them per thread issued before their stores.
-__device__ void load_contiguous(
-    const float* source, int count, int columns, float* shared_rows,
-    int stride) {
-  if (reinterpret_cast<uintptr_t>(source) % 16 != 0 || count % 4 != 0) {
-    load_block(source, columns, count / columns, columns, shared_rows, stride);
     return;
   }
-  constexpr int kInFlight = 4;
-  const float4* source4 = reinterpret_cast<const float4*>(source);
-  const int total4 = count / 4;
-  for (int base = 0; base < total4; base += kChunkedThreads * kInFlight) {
-    float4 x[kInFlight];
+  float x[kRowsPerWarp][kColumnsPerLane];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = base + u * kChunkedThreads + threadIdx.x;
-      x[u] = e < total4 ? source4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int n = 0; n < kRowsPerWarp; ++n) {
+    const int r = warp + kWarps * n;
+#pragma unroll
+    for (int j = 0; j < kColumnsPerLane; ++j) {
+      const int c = lane + kWarp * j;
+      x[n][j] = r < rows && c < columns ? source[r * source_stride + c] : 0.0f;
     }
+  }
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = 4 * (base + u * kChunkedThreads + threadIdx.x);
-      if (e < count) {
-        const float values[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+  for (int n = 0; n < kRowsPerWarp; ++n) {
+    const int r = warp + kWarps * n;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          shared_rows[((e + w) / columns) * stride + (e + w) % columns] =
-              values[w];
-        }
+    for (int j = 0; j < kColumnsPerLane; ++j) {
+      const int c = lane + kWarp * j;
+      if (r < rows && c < columns) {
+        shared_rows[r * stride + c] = x[n][j];
       }
     }
   }
@@ -283,21 +280,19 @@ __device__ __forceinline__ void chunk_prepare(
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
       const int tj = 2 * (warp % 2) + n;
-      Accumulator kk, qk;
-      wmma::fill_fragment(kk, 0.0f);
-      wmma::fill_fragment(qk, 0.0f);
+      Product kk, qk;
       if (tj <= ti) {
         for (int c0 = 0; c0 < kw; c0 += 8) {
           const float* kj = ks + tj * kTile * kp + c0;
-          mma_3xtf32<wmma::row_major, wmma::col_major>(
-              kk, ks + ti * kTile * kp + c0, kp, kj, kp);
-          mma_3xtf32<wmma::row_major, wmma::col_major>(
-              qk, qs + ti * kTile * kp + c0, kp, kj, kp);
+          kk.add<wmma::row_major, wmma::col_major>(
+              ks + ti * kTile * kp + c0, kp, kj, kp);
+          qk.add<wmma::row_major, wmma::col_major>(
+              qs + ti * kTile * kp + c0, kp, kj, kp);
         }
       }
       const int tile = ti * kTile * lp + tj * kTile;
-      wmma::store_matrix_sync(as + tile, kk, lp, wmma::mem_row_major);
-      wmma::store_matrix_sync(ts + tile, qk, lp, wmma::mem_row_major);
+      wmma::store_matrix_sync(as + tile, kk.finish(), lp, wmma::mem_row_major);
+      wmma::store_matrix_sync(ts + tile, qk.finish(), lp, wmma::mem_row_major);
     }
   }
   __syncthreads();
@@ -322,9 +317,10 @@ __device__ __forceinline__ void chunk_prepare(
   // their coefficient (the barriers of kkt_inverse order these writes before
   // recompute_w_u reads them).
   load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, betas, vs, vp);
-  for (int e = threadIdx.x; e < kChunk * kw; e += kChunkedThreads) {
-    const int j = e / kw, c = e % kw;
-    ks[j * kp + c] *= coefficient[j];
+  for (int j = warp; j < kChunk; j += kChunkedThreads / kWarp) {
+    for (int c = threadIdx.x % kWarp; c < kw; c += kWarp) {
+      ks[j * kp + c] *= coefficient[j];
+    }
   }
 
   // kkt_inverse: T = (I + A)^-1, I + A lower triangular in 16 x 16 blocks.
@@ -352,26 +348,27 @@ __device__ __forceinline__ void chunk_prepare(
     const int i = distance + warp, j = warp;
     if (i < kChunk / kTile) {
       float* sum = sums + warp * kTile * tile_stride(kTile);
-      Accumulator acc;
-      wmma::fill_fragment(acc, 0.0f);
+      Product inner;
       for (int k0 = j * kTile; k0 < i * kTile; k0 += 8) {
-        mma_3xtf32<wmma::row_major, wmma::row_major>(
-            acc, as + i * kTile * lp + k0, lp, ts + k0 * lp + j * kTile, lp);
-      }
-      wmma::store_matrix_sync(sum, acc, tile_stride(kTile), wmma::mem_row_major);
-      __syncwarp();
-      wmma::fill_fragment(acc, 0.0f);
-      for (int k0 = 0; k0 < kTile; k0 += 8) {
-        mma_3xtf32<wmma::row_major, wmma::row_major>(
-            acc, ts + i * kTile * (lp + 1) + k0, lp,
-            sum + k0 * tile_stride(kTile), tile_stride(kTile));
-      }
-#pragma unroll
-      for (int e = 0; e < acc.num_elements; ++e) {
-        acc.x[e] = -acc.x[e];
+        inner.add<wmma::row_major, wmma::row_major>(
+            as + i * kTile * lp + k0, lp, ts + k0 * lp + j * kTile, lp);
       }
       wmma::store_matrix_sync(
-          ts + i * kTile * lp + j * kTile, acc, lp, wmma::mem_row_major);
+          sum, inner.finish(), tile_stride(kTile), wmma::mem_row_major);
+      __syncwarp();
+      Product outer;
+      for (int k0 = 0; k0 < kTile; k0 += 8) {
+        outer.add<wmma::row_major, wmma::row_major>(
+            ts + i * kTile * (lp + 1) + k0, lp, sum + k0 * tile_stride(kTile),
+            tile_stride(kTile));
+      }
+      Accumulator& t_ij = outer.finish();
+#pragma unroll
+      for (int e = 0; e < t_ij.num_elements; ++e) {
+        t_ij.x[e] = -t_ij.x[e];
+      }
+      wmma::store_matrix_sync(
+          ts + i * kTile * lp + j * kTile, t_ij, lp, wmma::mem_row_major);
     }
     __syncthreads();
   }
@@ -389,16 +386,15 @@ __device__ __forceinline__ void chunk_prepare(
       const int column = (is_w ? tile : tile - w_tiles) * kTile;
       const float* operand = (is_w ? ks : vs) + column;
       const int stride = is_w ? kp : vp;
-      Accumulator acc;
-      wmma::fill_fragment(acc, 0.0f);
+      Product product;
       for (int j0 = 0; j0 < (ti + 1) * kTile; j0 += 8) {
-        mma_3xtf32<wmma::row_major, wmma::row_major>(
-            acc, ts + ti * kTile * lp + j0, lp, operand + j0 * stride, stride);
+        product.add<wmma::row_major, wmma::row_major>(
+            ts + ti * kTile * lp + j0, lp, operand + j0 * stride, stride);
       }
       const int width = is_w ? kw : vw;
       float* out = (is_w ? s.w : s.u) + place.index * kChunk * width +
           ti * kTile * width + column;
-      wmma::store_matrix_sync(out, acc, width, wmma::mem_row_major);
+      wmma::store_matrix_sync(out, product.finish(), width, wmma::mem_row_major);
     }
   }
   if (threadIdx.x < kChunk) {
@@ -519,29 +515,26 @@ __device__ __forceinline__ void chunk_carry(
     const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
     float* u = s.u + place.index * kChunk * vw + row0;
     next.store(kw, wk, kp, deltas, rp, from_start);
-    // K's loads are in flight until W has been read and K takes its buffer.
-    ChunkRows keys;
-    keys.fetch(k, int64_t(a.key_heads) * dk, dk, place.length);
     // The state at the chunk's start, for chunk_output.
     float* h_out = s.h + place.index * dv * dk + int64_t(row0) * dk;
-    for (int e = threadIdx.x; e < rows * dk; e += kChunkedThreads) {
-      const int r = e / dk, c = e % dk;
-      h_out[int64_t(r) * dk + c] = state[r * kp + c];
+    for (int r = warp; r < rows; r += kChunkedThreads / kWarp) {
+      for (int c = lane; c < dk; c += kWarp) {
+        h_out[r * dk + c] = state[r * kp + c];
+      }
     }
     __syncthreads();
 
     // chunk_carry: W S^T, in two halves of Dk.
     {
       const int ti = warp % 4, half = warp / 4;
-      Accumulator acc;
-      wmma::fill_fragment(acc, 0.0f);
+      Product product;
       for (int c0 = half * kw / 2; c0 < (half + 1) * kw / 2; c0 += 8) {
-        mma_3xtf32<wmma::row_major, wmma::col_major>(
-            acc, wk + ti * kTile * kp + c0, kp, state + c0, kp);
+        product.add<wmma::row_major, wmma::col_major>(
+            wk + ti * kTile * kp + c0, kp, state + c0, kp);
       }
       wmma::store_matrix_sync(
-          (half == 0 ? carried : second_half) + ti * kTile * rp, acc, rp,
-          wmma::mem_row_major);
+          (half == 0 ? carried : second_half) + ti * kTile * rp,
+          product.finish(), rp, wmma::mem_row_major);
     }
     __syncthreads();
     // v' = U - W S^T, kept for chunk_output and the checkpoints, and
@@ -557,7 +550,9 @@ __device__ __forceinline__ void chunk_carry(
       }
     }
     // W has been read: K takes its buffer.
-    keys.store(dk, place.length, a.normalize_qk, nullptr, wk, kp);
+    load_rows(
+        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
+        nullptr, wk, kp);
     // The next chunk's tiles: in flight while this chunk's state is updated.
     if (chunk + 1 < chunks) {
       next.fetch(s, chunk_place(a, chunk + 1).index, kw, vw, row0, rows);
@@ -622,18 +617,18 @@ __device__ __forceinline__ void chunk_carry(
     // the state's columns [16 w, 16 w + 16) in warp w's accumulator.
     if (warp * kTile < kw) {
       float* tile = state + warp * kTile;
-      Accumulator acc;
-      wmma::load_matrix_sync(acc, tile, kp, wmma::mem_row_major);
+      Product update;
+      wmma::load_matrix_sync(update.sum, tile, kp, wmma::mem_row_major);
       const float last = from_start[place.length - 1];
 #pragma unroll
-      for (int e = 0; e < acc.num_elements; ++e) {
-        acc.x[e] *= last;
+      for (int e = 0; e < update.sum.num_elements; ++e) {
+        update.sum.x[e] *= last;
       }
       for (int j0 = 0; j0 < place.length; j0 += 8) {
-        mma_3xtf32<wmma::col_major, wmma::row_major>(
-            acc, carried + j0 * rp, rp, wk + j0 * kp + warp * kTile, kp);
+        update.add<wmma::col_major, wmma::row_major>(
+            carried + j0 * rp, rp, wk + j0 * kp + warp * kTile, kp);
       }
-      wmma::store_matrix_sync(tile, acc, kp, wmma::mem_row_major);
+      wmma::store_matrix_sync(tile, update.finish(), kp, wmma::mem_row_major);
     }
     __syncthreads();
   }
@@ -677,25 +672,30 @@ __device__ __forceinline__ void chunk_output(
   load_rows(
       q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
       from_start, qs, kp);
-  load_contiguous(s.qk + place.index * kChunk * kChunk, kChunk * kChunk, kChunk,
-      ps, lp);
-  load_contiguous(
-      s.h + place.index * dv * dk + int64_t(row0) * dk, rows * dk, dk, hs, kp);
-  load_block(
+  copy_rows<kChunk>(
+      s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
+  copy_rows<kOutputRows>(
+      s.h + place.index * dv * dk + int64_t(row0) * dk, dk, rows, dk, hs, kp);
+  copy_rows<kChunk>(
       s.u + place.index * kChunk * vw + row0, vw, kChunk, rows, deltas, rp);
-  // What the loads leave out is 0: S's rows past Dv (the last tile of a Dv
+  // What the copies leave out is 0: S's rows past Dv (the last tile of a Dv
   // that is not a multiple of kOutputRows) and columns past Dk, and the
   // matching v' columns.
-  for (int e = threadIdx.x; e < kOutputRows * kw; e += kChunkedThreads) {
-    const int r = e / kw, c = e % kw;
-    if (r >= rows || c >= dk) {
-      hs[r * kp + c] = 0.0f;
+  {
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+    for (int r = warp; r < kOutputRows; r += kChunkedThreads / kWarp) {
+      for (int c = lane; c < kw; c += kWarp) {
+        if (r >= rows || c >= dk) {
+          hs[r * kp + c] = 0.0f;
+        }
+      }
     }
-  }
-  for (int e = threadIdx.x; e < kChunk * kOutputRows; e += kChunkedThreads) {
-    const int i = e / kOutputRows, r = e % kOutputRows;
-    if (r >= rows) {
-      deltas[i * rp + r] = 0.0f;
+    for (int i = warp; i < kChunk; i += kChunkedThreads / kWarp) {
+      for (int r = lane; r < kOutputRows; r += kWarp) {
+        if (r >= rows) {
+          deltas[i * rp + r] = 0.0f;
+        }
+      }
     }
   }
   __syncthreads();
@@ -703,21 +703,19 @@ __device__ __forceinline__ void chunk_output(
   constexpr int kTiles = kChunk / kTile * (kOutputRows / kTile);
   constexpr int kTilesPerWarp = kTiles * kWarp / kChunkedThreads;
   static_assert(kTilesPerWarp * kChunkedThreads == kTiles * kWarp, "whole tiles");
-  Accumulator acc[kTilesPerWarp];
+  Product products[kTilesPerWarp];
 #pragma unroll
   for (int n = 0; n < kTilesPerWarp; ++n) {
     const int tile = threadIdx.x / kWarp + n * kChunkedThreads / kWarp;
     const int ti = tile % (kChunk / kTile), tr = tile / (kChunk / kTile);
-    wmma::fill_fragment(acc[n], 0.0f);
     for (int c0 = 0; c0 < kw; c0 += 8) {
-      mma_3xtf32<wmma::row_major, wmma::col_major>(
-          acc[n], qs + ti * kTile * kp + c0, kp, hs + tr * kTile * kp + c0, kp);
+      products[n].add<wmma::row_major, wmma::col_major>(
+          qs + ti * kTile * kp + c0, kp, hs + tr * kTile * kp + c0, kp);
     }
     // P is lower triangular: token tile ti needs v'_j for j < 16 (ti + 1).
     for (int j0 = 0; j0 < (ti + 1) * kTile; j0 += 8) {
-      mma_3xtf32<wmma::row_major, wmma::row_major>(
-          acc[n], ps + ti * kTile * lp + j0, lp, deltas + j0 * rp + tr * kTile,
-          rp);
+      products[n].add<wmma::row_major, wmma::row_major>(
+          ps + ti * kTile * lp + j0, lp, deltas + j0 * rp + tr * kTile, rp);
     }
   }
   __syncthreads();
@@ -726,7 +724,8 @@ __device__ __forceinline__ void chunk_output(
     const int tile = threadIdx.x / kWarp + n * kChunkedThreads / kWarp;
     const int ti = tile % (kChunk / kTile), tr = tile / (kChunk / kTile);
     wmma::store_matrix_sync(
-        ys + ti * kTile * rp + tr * kTile, acc[n], rp, wmma::mem_row_major);
+        ys + ti * kTile * rp + tr * kTile, products[n].finish(), rp,
+        wmma::mem_row_major);
   }
   __syncthreads();
 

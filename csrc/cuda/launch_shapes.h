@@ -22,12 +22,13 @@ constexpr int kRecurrentMaxKeyDim = 256;
 // The chunked form's kernels (chunk_prepare, chunk_carry, chunk_output):
 // 64-token chunks, 256 threads, key and value dims up to kChunkedMaxDim;
 // chunk_carry keeps kCarryRows rows of the state per block, chunk_output
-// writes kOutputRows value columns of a chunk per block (both multiples of 8).
+// writes kOutputRows value columns of a chunk per block (both multiples of
+// kTile below).
 constexpr int kChunk = 64;
 constexpr int kChunkedThreads = 256;
 constexpr int kChunkedMaxDim = 128;
 constexpr int kCarryRows = 16;
-constexpr int kOutputRows = 32;
+constexpr int kOutputRows = 64;
 
 // Their products run on tensor cores in 16 x 16 tiles (tensor_core.cuh): the
 // rows they keep in shared memory, and the W and U rows of their scratch, are

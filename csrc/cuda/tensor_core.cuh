@@ -40,20 +40,41 @@ __device__ __forceinline__ void split_tf32(Fragment& hi, Fragment& lo) {
   }
 }
 
-// acc += A B for A [16 x 8] at `a` and B [8 x 16] at `b`, in the layouts
-// given (row_major or col_major), 3xTF32.
-template <typename LayoutA, typename LayoutB>
-__device__ __forceinline__ void mma_3xtf32(
-    Accumulator& acc, const float* a, unsigned lda, const float* b, unsigned ldb) {
-  OperandA<LayoutA> a_hi, a_lo;
-  OperandB<LayoutB> b_hi, b_lo;
-  wmma::load_matrix_sync(a_hi, a, lda);
-  wmma::load_matrix_sync(b_hi, b, ldb);
-  split_tf32(a_hi, a_lo);
-  split_tf32(b_hi, b_lo);
-  wmma::mma_sync(acc, a_lo, b_hi, acc);
-  wmma::mma_sync(acc, a_hi, b_lo, acc);
-  wmma::mma_sync(acc, a_hi, b_hi, acc);
-}
+// A 16 x 16 float32 product accumulated in 3xTF32 (add: += A B for A
+// [16 x 8] at `a` and B [8 x 16] at `b`, in the layouts given, row_major or
+// col_major). The hi*hi terms, and any starting value, go to `sum`; the
+// hi*lo and lo*hi terms to `correction`, a second accumulator, so that only
+// one of a step's three tensor-core products waits for the previous step's.
+// finish() adds the two and returns the result.
+struct Product {
+  Accumulator sum, correction;
+
+  __device__ Product() {
+    wmma::fill_fragment(sum, 0.0f);
+    wmma::fill_fragment(correction, 0.0f);
+  }
+
+  template <typename LayoutA, typename LayoutB>
+  __device__ __forceinline__ void add(
+      const float* a, unsigned lda, const float* b, unsigned ldb) {
+    OperandA<LayoutA> a_hi, a_lo;
+    OperandB<LayoutB> b_hi, b_lo;
+    wmma::load_matrix_sync(a_hi, a, lda);
+    wmma::load_matrix_sync(b_hi, b, ldb);
+    split_tf32(a_hi, a_lo);
+    split_tf32(b_hi, b_lo);
+    wmma::mma_sync(correction, a_lo, b_hi, correction);
+    wmma::mma_sync(correction, a_hi, b_lo, correction);
+    wmma::mma_sync(sum, a_hi, b_hi, sum);
+  }
+
+  __device__ Accumulator& finish() {
+#pragma unroll
+    for (int e = 0; e < sum.num_elements; ++e) {
+      sum.x[e] += correction.x[e];
+    }
+    return sum;
+  }
+};
 
 }  // namespace mlx_gated_delta::cuda
