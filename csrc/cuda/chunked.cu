@@ -16,10 +16,13 @@
 // The sequential pass does only what the next chunk depends on; the output,
 // which nothing later reads, leaves the chain.
 //
-// Everything is float32 in shared memory (rows padded by one float so that a
-// column walk touches 32 banks); products are register-tiled FMA loops.
+// Everything is float32 in shared memory, in rows of tile_stride floats
+// (launch_shapes.h). The matrix products run on tensor cores in 3xTF32
+// (tensor_core.cuh), one 16 x 16 output tile per warp at a time; gates,
+// decays and kkt_inverse's diagonal blocks are float32 FMA.
 #include "cuda/device_common.cuh"
 #include "cuda/launch_shapes.h"
+#include "cuda/tensor_core.cuh"
 
 namespace mlx_gated_delta::cuda {
 
@@ -40,14 +43,65 @@ struct ChunkGates {
   }
 };
 
-// Loads rows [0, kChunk) of a [T, heads, dim] activation at token t0 and head
-// `head` into shared rows of stride `stride`, zero past the chunk's `length`
-// tokens, L2-normalised with `normalize`. Each warp takes kRowsPerLoad rows
-// at a time and issues all their loads before the first use (the loads'
-// latency, not their bytes, bounds this step); lane holds columns
-// lane + 32 j of a row, dim <= kChunkedMaxDim.
-constexpr int kRowsPerLoad = 4;
+// One chunk's rows [0, kChunk) of a [T, heads, dim] activation (token t's
+// row at source + t * token_stride), in registers: warp w holds rows
+// [kRowsPerWarp w, kRowsPerWarp (w + 1)), lane the columns lane + 32 j
+// (dim <= kChunkedMaxDim), 0 past the chunk's `length` tokens. fetch issues
+// every load before any is used (their latency, not their bytes, bounds this
+// step), so a kernel can fetch early and store once the shared rows are free.
 constexpr int kColumnsPerLane = kChunkedMaxDim / kWarp;
+
+struct ChunkRows {
+  static constexpr int kRowsPerWarp = kChunk * kWarp / kChunkedThreads;
+  float x[kRowsPerWarp][kColumnsPerLane];
+
+  template <typename T>
+  __device__ void fetch(
+      const T* source, int64_t token_stride, int dim, int length) {
+    const int lane = threadIdx.x % kWarp;
+    const int i0 = threadIdx.x / kWarp * kRowsPerWarp;
+#pragma unroll
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+#pragma unroll
+      for (int j = 0; j < kColumnsPerLane; ++j) {
+        const int c = lane + kWarp * j;
+        x[n][j] = (i0 + n < length && c < dim)
+            ? to_float(source[(i0 + n) * token_stride + c])
+            : 0.0f;
+      }
+    }
+  }
+
+  // Into shared rows of stride `stride`, columns [0, tile_padded(dim)),
+  // L2-normalised with `normalize`, row i times row_scales[i] unless
+  // row_scales is null.
+  __device__ void store(
+      int dim, int length, bool normalize, const float* row_scales,
+      float* rows, int stride) const {
+    const int lane = threadIdx.x % kWarp;
+    const int i0 = threadIdx.x / kWarp * kRowsPerWarp;
+    const int width = tile_padded(dim);
+#pragma unroll
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+      float scale = row_scales != nullptr ? row_scales[i0 + n] : 1.0f;
+      if (normalize) {
+        float squares = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kColumnsPerLane; ++j) {
+          squares += x[n][j] * x[n][j];
+        }
+        scale = i0 + n < length ? scale * inverse_norm(warp_sum(squares)) : 0.0f;
+      }
+#pragma unroll
+      for (int j = 0; j < kColumnsPerLane; ++j) {
+        const int c = lane + kWarp * j;
+        if (c < width) {
+          rows[(i0 + n) * stride + c] = x[n][j] * scale;
+        }
+      }
+    }
+  }
+};
 
 template <typename T>
 __device__ void load_rows(
@@ -56,106 +110,72 @@ __device__ void load_rows(
     int dim,
     int length,
     bool normalize,
+    const float* row_scales,
     float* rows,
     int stride) {
-  const int lane = threadIdx.x % kWarp;
-  const int warp = threadIdx.x / kWarp;
-  constexpr int warps = kChunkedThreads / kWarp;
-  for (int i0 = warp * kRowsPerLoad; i0 < kChunk; i0 += warps * kRowsPerLoad) {
-    float x[kRowsPerLoad][kColumnsPerLane];
-#pragma unroll
-    for (int r = 0; r < kRowsPerLoad; ++r) {
-#pragma unroll
-      for (int j = 0; j < kColumnsPerLane; ++j) {
-        const int c = lane + kWarp * j;
-        x[r][j] = (i0 + r < length && c < dim)
-            ? to_float(source[(i0 + r) * token_stride + c])
-            : 0.0f;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRowsPerLoad; ++r) {
-      float scale = 1.0f;
-      if (normalize) {
-        float squares = 0.0f;
-#pragma unroll
-        for (int j = 0; j < kColumnsPerLane; ++j) {
-          squares += x[r][j] * x[r][j];
-        }
-        scale = i0 + r < length ? inverse_norm(warp_sum(squares)) : 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kColumnsPerLane; ++j) {
-        const int c = lane + kWarp * j;
-        if (c < dim) {
-          rows[(i0 + r) * stride + c] = x[r][j] * scale;
-        }
-      }
-    }
-  }
+  ChunkRows chunk_rows;
+  chunk_rows.fetch(source, token_stride, dim, length);
+  chunk_rows.store(dim, length, normalize, row_scales, rows, stride);
 }
 
-// Copies a row-major [rows, columns] float32 block of scratch (row stride
-// `source_stride`) into shared rows of stride `stride`, kInFlight loads per
-// thread issued before their stores.
-__device__ void load_block(
+// Copies rows [0, rows) of a row-major float32 block of scratch (row stride
+// `source_stride`, columns <= kChunkedMaxDim) into shared rows of stride
+// `stride` (a multiple of 4, 16-byte aligned): warp w the rows w, w + 8, ...
+// (up to kMaxRows), each lane 16-byte loads of 4 columns where the rows allow
+// them, else single columns lane + 32 j; all loads issued before the first
+// store, no index divisions.
+template <int kMaxRows>
+__device__ void copy_rows(
     const float* source,
     int64_t source_stride,
     int rows,
     int columns,
     float* shared_rows,
     int stride) {
-  constexpr int kInFlight = 8;
-  const int total = rows * columns;
-  for (int base = 0; base < total; base += kChunkedThreads * kInFlight) {
-    float x[kInFlight];
+  constexpr int kWarps = kChunkedThreads / kWarp;
+  constexpr int kRowsPerWarp = kMaxRows / kWarps;
+  static_assert(kRowsPerWarp * kWarps == kMaxRows, "whole rows per warp");
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const bool vectors = columns % 4 == 0 && source_stride % 4 == 0 &&
+      reinterpret_cast<uintptr_t>(source) % 16 == 0;
+  if (vectors) {
+    static_assert(4 * kWarp == kChunkedMaxDim, "one vector a lane per row");
+    const int c = 4 * lane;
+    float4 x[kRowsPerWarp];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = base + u * kChunkedThreads + threadIdx.x;
-      x[u] = e < total ? source[(e / columns) * source_stride + e % columns]
-                       : 0.0f;
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+      const int r = warp + kWarps * n;
+      x[n] = r < rows && c < columns
+          ? *reinterpret_cast<const float4*>(source + r * source_stride + c)
+          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = base + u * kChunkedThreads + threadIdx.x;
-      if (e < total) {
-        shared_rows[(e / columns) * stride + e % columns] = x[u];
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+      const int r = warp + kWarps * n;
+      if (r < rows && c < columns) {
+        *reinterpret_cast<float4*>(shared_rows + r * stride + c) = x[n];
       }
     }
-  }
-}
-
-// Copies `count` consecutive floats of scratch, which hold rows of `columns`
-// floats, into shared rows of stride `stride`: 16-byte loads where the block
-// is 16-byte aligned and count a multiple of 4 (load_block otherwise),
-// kInFlight of them per thread issued before their stores.
-__device__ void load_contiguous(
-    const float* source, int count, int columns, float* shared_rows,
-    int stride) {
-  if (reinterpret_cast<uintptr_t>(source) % 16 != 0 || count % 4 != 0) {
-    load_block(source, columns, count / columns, columns, shared_rows, stride);
     return;
   }
-  constexpr int kInFlight = 4;
-  const float4* source4 = reinterpret_cast<const float4*>(source);
-  const int total4 = count / 4;
-  for (int base = 0; base < total4; base += kChunkedThreads * kInFlight) {
-    float4 x[kInFlight];
+  float x[kRowsPerWarp][kColumnsPerLane];
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = base + u * kChunkedThreads + threadIdx.x;
-      x[u] = e < total4 ? source4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int n = 0; n < kRowsPerWarp; ++n) {
+    const int r = warp + kWarps * n;
+#pragma unroll
+    for (int j = 0; j < kColumnsPerLane; ++j) {
+      const int c = lane + kWarp * j;
+      x[n][j] = r < rows && c < columns ? source[r * source_stride + c] : 0.0f;
     }
+  }
 #pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      const int e = 4 * (base + u * kChunkedThreads + threadIdx.x);
-      if (e < count) {
-        const float values[4] = {x[u].x, x[u].y, x[u].z, x[u].w};
+  for (int n = 0; n < kRowsPerWarp; ++n) {
+    const int r = warp + kWarps * n;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          shared_rows[((e + w) / columns) * stride + (e + w) % columns] =
-              values[w];
-        }
+    for (int j = 0; j < kColumnsPerLane; ++j) {
+      const int c = lane + kWarp * j;
+      if (r < rows && c < columns) {
+        shared_rows[r * stride + c] = x[n][j];
       }
     }
   }
@@ -212,9 +232,11 @@ __device__ void gate_cumsum(
 template <typename T>
 __device__ __forceinline__ void chunk_prepare(
     const CoreArgs& a, const ChunkScratch& s) {
-  extern __shared__ float shared[];
+  extern __shared__ __align__(128) float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
-  const int kp = dk + 1, vp = dv + 1, lp = kChunk + 1;
+  const int kw = tile_padded(dk), vw = tile_padded(dv);
+  const int kp = tile_stride(dk), vp = tile_stride(dv);
+  const int lp = tile_stride(kChunk);
   float* ks = shared;  // [kChunk][kp]
   // Q [kChunk][kp] for chunk_qk, then V [kChunk][vp] for recompute_w_u: one
   // buffer, so that two blocks fit in a multiprocessor's shared memory.
@@ -222,7 +244,10 @@ __device__ __forceinline__ void chunk_prepare(
   float* vs = qs;
   float* as = qs + kChunk * max(kp, vp);  // [kChunk][lp]: A, strictly lower
   float* ts = as + kChunk * lp;  // [kChunk][lp]: T = (I + A)^-1
-  float* gates = ts + kChunk * lp;
+  // kkt_inverse's sums, one [kTile][tile_stride(kTile)] tile per block of a
+  // distance from the diagonal.
+  float* sums = ts + kChunk * lp;
+  float* gates = sums + (kChunk / kTile - 1) * kTile * tile_stride(kTile);
   float* betas = gates + kChunk;
   float* log_sum = betas + kChunk;
   float* coefficient = log_sum + kChunk;  // beta_j decay(j, -1)
@@ -230,54 +255,57 @@ __device__ __forceinline__ void chunk_prepare(
   const ChunkGates decays{log_sum, last_wipe};
 
   const ChunkPlace place = chunk_place(a, blockIdx.x);
-  gate_cumsum(a, place, gates, betas, decays);
-
   const int kh = key_head_of(a, place.h);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
   const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
   const T* v =
       static_cast<const T*>(a.v) + (bt0 * a.value_heads + place.h) * dv;
-  load_rows(
-      k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, ks, kp);
-  load_rows(
-      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
+  const int64_t key_stride = int64_t(a.key_heads) * dk;
+  // K's and Q's loads are in flight during gate_cumsum.
+  ChunkRows keys, queries;
+  keys.fetch(k, key_stride, dk, place.length);
+  queries.fetch(q, key_stride, dk, place.length);
+  gate_cumsum(a, place, gates, betas, decays);
+  keys.store(dk, place.length, a.normalize_qk, nullptr, ks, kp);
+  queries.store(dk, place.length, a.normalize_qk, nullptr, qs, kp);
   __syncthreads();
 
-  // k_gram and chunk_qk: 4 x 4 tiles, rows i = 4 ti + x, columns j = tj + 16 y.
+  // k_gram and chunk_qk, K K^T and Q K^T: warp w the row tile w / 2 and the
+  // column tiles 2 (w % 2) and 2 (w % 2) + 1; tiles above the diagonal are 0.
+  // The products go to A's and T's buffers, which the next step rewrites.
+  const int warp = threadIdx.x / kWarp;
   {
-    const int ti = threadIdx.x / 16, tj = threadIdx.x % 16;
-    float kk[4][4] = {}, qk[4][4] = {};
-    for (int c = 0; c < dk; ++c) {
-      float kj[4];
+    const int ti = warp / 2;
 #pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        kj[y] = ks[(tj + 16 * y) * kp + c];
-      }
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        const float ki = ks[(4 * ti + x) * kp + c];
-        const float qi = qs[(4 * ti + x) * kp + c];
-#pragma unroll
-        for (int y = 0; y < 4; ++y) {
-          kk[x][y] += ki * kj[y];
-          qk[x][y] += qi * kj[y];
+    for (int n = 0; n < 2; ++n) {
+      const int tj = 2 * (warp % 2) + n;
+      Product kk, qk;
+      if (tj <= ti) {
+        for (int c0 = 0; c0 < kw; c0 += 8) {
+          const float* kj = ks + tj * kTile * kp + c0;
+          kk.add<wmma::row_major, wmma::col_major>(
+              ks + ti * kTile * kp + c0, kp, kj, kp);
+          qk.add<wmma::row_major, wmma::col_major>(
+              qs + ti * kTile * kp + c0, kp, kj, kp);
         }
       }
+      const int tile = ti * kTile * lp + tj * kTile;
+      wmma::store_matrix_sync(as + tile, kk.finish(), lp, wmma::mem_row_major);
+      wmma::store_matrix_sync(ts + tile, qk.finish(), lp, wmma::mem_row_major);
     }
+  }
+  __syncthreads();
+  // The decays: kkt_inverse's A (strictly lower), T's start (the identity)
+  // and the decayed Q K^T, each element read and written by one thread.
+  {
     float* qk_out = s.qk + place.index * kChunk * kChunk;
-#pragma unroll
-    for (int x = 0; x < 4; ++x) {
-      const int i = 4 * ti + x;
-#pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        const int j = tj + 16 * y;
-        const float decay = j <= i ? decays(i, j) : 0.0f;
-        // kkt_inverse's A (strictly lower) and T's start, the identity.
-        as[i * lp + j] = j < i ? betas[i] * decay * kk[x][y] : 0.0f;
-        ts[i * lp + j] = i == j ? 1.0f : 0.0f;
-        qk_out[i * kChunk + j] = decay * qk[x][y];
-      }
+    for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
+      const int i = e / kChunk, j = e % kChunk;
+      const float decay = j <= i ? decays(i, j) : 0.0f;
+      qk_out[e] = decay * ts[i * lp + j];
+      as[i * lp + j] = j < i ? betas[i] * decay * as[i * lp + j] : 0.0f;
+      ts[i * lp + j] = i == j ? 1.0f : 0.0f;
     }
   }
   if (threadIdx.x < kChunk) {
@@ -285,61 +313,88 @@ __device__ __forceinline__ void chunk_prepare(
     coefficient[i] = betas[i] * decays(i, -1);
   }
   __syncthreads();
-  // Q has been read: V takes its buffer (the barriers of kkt_inverse order
-  // these writes before recompute_w_u reads them).
-  load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, vs, vp);
+  // Q has been read: V takes its buffer, its rows times beta; K's rows take
+  // their coefficient (the barriers of kkt_inverse order these writes before
+  // recompute_w_u reads them).
+  load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, betas, vs, vp);
+  for (int j = warp; j < kChunk; j += kChunkedThreads / kWarp) {
+    for (int c = threadIdx.x % kWarp; c < kw; c += kWarp) {
+      ks[j * kp + c] *= coefficient[j];
+    }
+  }
 
-  // kkt_inverse: (I + A) T = I by forward substitution, one column of A at a
-  // time: once row m of T is final, every later row i > m subtracts
-  // A[i][m] T[m][j] (j <= m, where row m is not zero).
-  for (int m = 0; m < kChunk - 1; ++m) {
-    const int width = m + 1;
-    for (int e = threadIdx.x; e < (kChunk - 1 - m) * width;
-         e += kChunkedThreads) {
-      const int i = m + 1 + e / width, j = e % width;
-      ts[i * lp + j] -= as[i * lp + m] * ts[m * lp + j];
+  // kkt_inverse: T = (I + A)^-1, I + A lower triangular in 16 x 16 blocks.
+  // First each diagonal block, T_bb = (I + A_bb)^-1, by forward substitution
+  // in warp b: once row m of the block is final, every later row i > m
+  // subtracts A[i][m] T[m][j] (j <= m, where row m is not zero).
+  if (warp < kChunk / kTile) {
+    const int lane = threadIdx.x % kWarp;
+    float* t_block = ts + warp * kTile * (lp + 1);
+    const float* a_block = as + warp * kTile * (lp + 1);
+    for (int m = 0; m < kTile - 1; ++m) {
+      const int width = m + 1;
+      for (int e = lane; e < (kTile - 1 - m) * width; e += kWarp) {
+        const int i = m + 1 + e / width, j = e % width;
+        t_block[i * lp + j] -= a_block[i * lp + m] * t_block[m * lp + j];
+      }
+      __syncwarp();
+    }
+  }
+  __syncthreads();
+  // Then the blocks below the diagonal, nearest first:
+  // T_ij = -T_ii sum_{j <= k < i} A_ik T_kj, from blocks already final. Warp
+  // t takes the t-th block of a distance, the sum in its own tile of `sums`.
+  for (int distance = 1; distance < kChunk / kTile; ++distance) {
+    const int i = distance + warp, j = warp;
+    if (i < kChunk / kTile) {
+      float* sum = sums + warp * kTile * tile_stride(kTile);
+      Product inner;
+      for (int k0 = j * kTile; k0 < i * kTile; k0 += 8) {
+        inner.add<wmma::row_major, wmma::row_major>(
+            as + i * kTile * lp + k0, lp, ts + k0 * lp + j * kTile, lp);
+      }
+      wmma::store_matrix_sync(
+          sum, inner.finish(), tile_stride(kTile), wmma::mem_row_major);
+      __syncwarp();
+      Product outer;
+      for (int k0 = 0; k0 < kTile; k0 += 8) {
+        outer.add<wmma::row_major, wmma::row_major>(
+            ts + i * kTile * (lp + 1) + k0, lp, sum + k0 * tile_stride(kTile),
+            tile_stride(kTile));
+      }
+      Accumulator& t_ij = outer.finish();
+#pragma unroll
+      for (int e = 0; e < t_ij.num_elements; ++e) {
+        t_ij.x[e] = -t_ij.x[e];
+      }
+      wmma::store_matrix_sync(
+          ts + i * kTile * lp + j * kTile, t_ij, lp, wmma::mem_row_major);
     }
     __syncthreads();
   }
 
-  // recompute_w_u: W = T diag(beta decay(i, -1)) K, U = T diag(beta) V; rows
-  // i = warp + 8 x, columns c = lane + 32 y.
+  // recompute_w_u: W = T diag(beta decay(i, -1)) K, U = T diag(beta) V, the
+  // tiles of both straight to scratch (rows of tile_padded width): warp w
+  // the row tile w % 4 and every other column tile from w / 4, W's first.
+  // T is lower triangular, so row tile ti needs rows j < 16 (ti + 1) of K, V.
   {
-    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-    float w[8][4] = {}, u[8][4] = {};
-    for (int j = 0; j < kChunk; ++j) {
-      float kj[4], vj[4];
-#pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        const int c = lane + kWarp * y;
-        kj[y] = c < dk ? ks[j * kp + c] * coefficient[j] : 0.0f;
-        vj[y] = c < dv ? vs[j * vp + c] * betas[j] : 0.0f;
+    const int ti = warp % 4;
+    const int w_tiles = kw / kTile;
+    const int tiles = w_tiles + vw / kTile;
+    for (int tile = warp / 4; tile < tiles; tile += 2) {
+      const bool is_w = tile < w_tiles;
+      const int column = (is_w ? tile : tile - w_tiles) * kTile;
+      const float* operand = (is_w ? ks : vs) + column;
+      const int stride = is_w ? kp : vp;
+      Product product;
+      for (int j0 = 0; j0 < (ti + 1) * kTile; j0 += 8) {
+        product.add<wmma::row_major, wmma::row_major>(
+            ts + ti * kTile * lp + j0, lp, operand + j0 * stride, stride);
       }
-#pragma unroll
-      for (int x = 0; x < 8; ++x) {
-        const float t = ts[(warp + 8 * x) * lp + j];
-#pragma unroll
-        for (int y = 0; y < 4; ++y) {
-          w[x][y] += t * kj[y];
-          u[x][y] += t * vj[y];
-        }
-      }
-    }
-    float* w_out = s.w + place.index * kChunk * dk;
-    float* u_out = s.u + place.index * kChunk * dv;
-#pragma unroll
-    for (int x = 0; x < 8; ++x) {
-      const int i = warp + 8 * x;
-#pragma unroll
-      for (int y = 0; y < 4; ++y) {
-        const int c = lane + kWarp * y;
-        if (c < dk) {
-          w_out[i * dk + c] = w[x][y];
-        }
-        if (c < dv) {
-          u_out[i * dv + c] = u[x][y];
-        }
-      }
+      const int width = is_w ? kw : vw;
+      float* out = (is_w ? s.w : s.u) + place.index * kChunk * width +
+          ti * kTile * width + column;
+      wmma::store_matrix_sync(out, product.finish(), width, wmma::mem_row_major);
     }
   }
   if (threadIdx.x < kChunk) {
@@ -352,10 +407,10 @@ __device__ __forceinline__ void chunk_prepare(
   }
 }
 
-// What chunk_carry reads of one chunk's scratch, W [kChunk, Dk], the U tile
-// [kChunk, kCarryRows] and the decays, held in registers: fetched during the
-// previous chunk's update (the loads are in flight while it computes), stored
-// to shared memory when the chunk starts.
+// What chunk_carry reads of one chunk's scratch, W [kChunk, tile_padded(Dk)],
+// the U tile [kChunk, kCarryRows] and the decays, held in registers: fetched
+// during the previous chunk's update (the loads are in flight while it
+// computes), stored to shared memory when the chunk starts.
 struct CarryTiles {
   static constexpr int kW4 = kChunk * kChunkedMaxDim / 4 / kChunkedThreads;
   static constexpr int kU = kChunk * kCarryRows / kChunkedThreads;
@@ -365,37 +420,34 @@ struct CarryTiles {
   float decay;
 
   __device__ void fetch(
-      const ChunkScratch& s, int64_t index, int dk, int dv, int row0,
+      const ChunkScratch& s, int64_t index, int kw, int vw, int row0,
       int rows) {
-    // W is kChunk * dk consecutive floats, 16-byte aligned (dk * kChunk is
-    // a multiple of 4).
-    const float4* w4 = reinterpret_cast<const float4*>(s.w + index * kChunk * dk);
+    // W is kChunk * kw consecutive floats, 16-byte aligned (kw is a
+    // multiple of 16).
+    const float4* w4 = reinterpret_cast<const float4*>(s.w + index * kChunk * kw);
 #pragma unroll
     for (int m = 0; m < kW4; ++m) {
       const int e = m * kChunkedThreads + threadIdx.x;
-      w[m] = 4 * e < kChunk * dk ? w4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      w[m] = 4 * e < kChunk * kw ? w4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
-    const float* u_tile = s.u + index * kChunk * dv + row0;
+    const float* u_tile = s.u + index * kChunk * vw + row0;
 #pragma unroll
     for (int m = 0; m < kU; ++m) {
       const int e = m * kChunkedThreads + threadIdx.x;
       const int i = e / kCarryRows, r = e % kCarryRows;
-      u[m] = r < rows ? u_tile[i * dv + r] : 0.0f;
+      u[m] = r < rows ? u_tile[i * vw + r] : 0.0f;
     }
     decay = s.decays[index * kDecayRows * kChunk + threadIdx.x];
   }
 
   __device__ void store(
-      int dk, float* wk, int kp, float* deltas, int rp, float* decays) const {
+      int kw, float* wk, int kp, float* deltas, int rp, float* decays) const {
+    // Four floats of a row at a time: kw and kp are multiples of 4.
 #pragma unroll
     for (int m = 0; m < kW4; ++m) {
       const int e = 4 * (m * kChunkedThreads + threadIdx.x);
-      if (e < kChunk * dk) {
-        const float values[4] = {w[m].x, w[m].y, w[m].z, w[m].w};
-#pragma unroll
-        for (int v = 0; v < 4; ++v) {
-          wk[((e + v) / dk) * kp + (e + v) % dk] = values[v];
-        }
+      if (e < kChunk * kw) {
+        *reinterpret_cast<float4*>(wk + (e / kw) * kp + e % kw) = w[m];
       }
     }
 #pragma unroll
@@ -410,24 +462,30 @@ struct CarryTiles {
 // chunk_carry: the only sequential pass. Per chunk it reads W, U, K and the
 // decays and does no more than the chain needs: v' = U - W S^T (written over
 // U), the state at the chunk's start (ChunkScratch::h) for chunk_output, the
-// checkpoints and the next state. Tiles: v' gives each thread token rows
-// i = ti + 32 x (x < 2) and state rows r = tr + 8 y (y < kRowTiles);
-// chunk_checkpoint and chunk_carry_state state rows r = warp + 8 y and columns
+// checkpoints and the next state. The products on tensor cores: v' with warp
+// w the token tile w % 4 and half w / 4 of Dk (the halves added after), the
+// state update with warp w the state columns 16 w to 16 w + 15;
+// chunk_checkpoint (FMA) state rows r = warp + 8 y and columns
 // c = lane + 32 z.
 template <typename T>
 __device__ __forceinline__ void chunk_carry(
     const CoreArgs& a, const ChunkScratch& s) {
   constexpr int kRowTiles = kCarryRows / 8;
-  extern __shared__ float shared[];
+  extern __shared__ __align__(128) float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
-  const int kp = dk + 1, rp = kCarryRows + 1;
+  const int kw = tile_padded(dk), vw = tile_padded(dv);
+  const int kp = tile_stride(dk), rp = tile_stride(kCarryRows);
   float* state = shared;  // [kCarryRows][kp]
   // W [kChunk][kp] for v', then K for chunk_carry_state: one buffer.
   float* wk = state + kCarryRows * kp;
   float* deltas = wk + kChunk * kp;  // [kChunk][rp]: U, then v'
+  // [kChunk][rp]: W S^T over the first half of Dk, then decay(L-1, j) v'_j,
+  // chunk_carry_state's left operand.
+  float* carried = deltas + kChunk * rp;
+  float* second_half = carried + kChunk * rp;  // [kChunk][rp]: the other half
   // The chunk's decays (ChunkScratch): from_start, to_end, then the
   // cumulative logs and last wipes of chunk_checkpoint's decay(i - 1, j).
-  float* from_start = deltas + kChunk * rp;
+  float* from_start = second_half + kChunk * rp;
   float* to_end = from_start + kChunk;
   float* log_sum = to_end + kChunk;
   float* last_wipe = log_sum + kChunk;
@@ -437,77 +495,67 @@ __device__ __forceinline__ void chunk_carry(
   const int rows = min(kCarryRows, dv - row0);
   const int kh = key_head_of(a, h);
   const int64_t head_state = (int64_t(b) * a.value_heads + h) * dv * dk;
-  for (int e = threadIdx.x; e < kCarryRows * dk; e += kChunkedThreads) {
-    const int r = e / dk, c = e % dk;
-    state[r * kp + c] =
-        r < rows ? a.state_in[head_state + int64_t(row0 + r) * dk + c] : 0.0f;
-  }
-  // Columns of U past the last state row stay 0 (the last block of a Dv
-  // that is not a multiple of kCarryRows).
-  for (int e = threadIdx.x; e < kChunk * rp; e += kChunkedThreads) {
-    deltas[e] = 0.0f;
+  // Rows past Dv and columns past Dk are 0 (tile padding).
+  for (int e = threadIdx.x; e < kCarryRows * kw; e += kChunkedThreads) {
+    const int r = e / kw, c = e % kw;
+    state[r * kp + c] = r < rows && c < dk
+        ? a.state_in[head_state + int64_t(row0 + r) * dk + c]
+        : 0.0f;
   }
   __syncthreads();
 
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
   int next_checkpoint = 0;
   CarryTiles next;
-  next.fetch(s, chunk_place(a, 0).index, dk, dv, row0, rows);
+  next.fetch(s, chunk_place(a, 0).index, kw, vw, row0, rows);
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
     const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
-    float* u = s.u + place.index * kChunk * dv + row0;
-    next.store(dk, wk, kp, deltas, rp, from_start);
+    float* u = s.u + place.index * kChunk * vw + row0;
+    next.store(kw, wk, kp, deltas, rp, from_start);
     // The state at the chunk's start, for chunk_output.
     float* h_out = s.h + place.index * dv * dk + int64_t(row0) * dk;
-    for (int e = threadIdx.x; e < rows * dk; e += kChunkedThreads) {
-      const int r = e / dk, c = e % dk;
-      h_out[int64_t(r) * dk + c] = state[r * kp + c];
+    for (int r = warp; r < rows; r += kChunkedThreads / kWarp) {
+      for (int c = lane; c < dk; c += kWarp) {
+        h_out[r * dk + c] = state[r * kp + c];
+      }
     }
     __syncthreads();
 
-    // chunk_carry: v' = U - W S^T.
+    // chunk_carry: W S^T, in two halves of Dk.
     {
-      float ws_acc[2][kRowTiles] = {};
-      for (int c = 0; c < dk; ++c) {
-        float sr[kRowTiles];
-#pragma unroll
-        for (int y = 0; y < kRowTiles; ++y) {
-          sr[y] = state[(tr + 8 * y) * kp + c];
-        }
-#pragma unroll
-        for (int x = 0; x < 2; ++x) {
-          const float wi = wk[(ti + 32 * x) * kp + c];
-#pragma unroll
-          for (int y = 0; y < kRowTiles; ++y) {
-            ws_acc[x][y] += wi * sr[y];
-          }
-        }
+      const int ti = warp % 4, half = warp / 4;
+      Product product;
+      for (int c0 = half * kw / 2; c0 < (half + 1) * kw / 2; c0 += 8) {
+        product.add<wmma::row_major, wmma::col_major>(
+            wk + ti * kTile * kp + c0, kp, state + c0, kp);
       }
-#pragma unroll
-      for (int x = 0; x < 2; ++x) {
-        const int i = ti + 32 * x;
-#pragma unroll
-        for (int y = 0; y < kRowTiles; ++y) {
-          const int r = tr + 8 * y;
-          const float delta = deltas[i * rp + r] - ws_acc[x][y];
-          deltas[i * rp + r] = delta;
-          if (r < rows) {
-            u[i * dv + r] = delta;
-          }
-        }
-      }
+      wmma::store_matrix_sync(
+          (half == 0 ? carried : second_half) + ti * kTile * rp,
+          product.finish(), rp, wmma::mem_row_major);
     }
     __syncthreads();
+    // v' = U - W S^T, kept for chunk_output and the checkpoints, and
+    // chunk_carry_state's operand decay(L-1, j) v'_j.
+    for (int e = threadIdx.x; e < kChunk * kCarryRows; e += kChunkedThreads) {
+      const int i = e / kCarryRows, r = e % kCarryRows;
+      const float delta =
+          deltas[i * rp + r] - carried[i * rp + r] - second_half[i * rp + r];
+      deltas[i * rp + r] = delta;
+      carried[i * rp + r] = to_end[i] * delta;
+      if (r < rows) {
+        u[i * vw + r] = delta;
+      }
+    }
     // W has been read: K takes its buffer.
     load_rows(
-        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, wk, kp);
+        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
+        nullptr, wk, kp);
     // The next chunk's tiles: in flight while this chunk's state is updated.
     if (chunk + 1 < chunks) {
-      next.fetch(s, chunk_place(a, chunk + 1).index, dk, dv, row0, rows);
+      next.fetch(s, chunk_place(a, chunk + 1).index, kw, vw, row0, rows);
     }
     // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
     // chunk_carry_state then reads rows of K that other warps may not have
@@ -519,6 +567,7 @@ __device__ __forceinline__ void chunk_carry(
     // chunk_checkpoint: the state after the first i tokens of the chunk,
     // decay(i-1, -1) S + sum_{j < i} decay(i-1, j) v'_j k_j^T, for each
     // checkpoint in the chunk (chunk_carry_state's update cut at i).
+    bool checkpointed = false;
     while (next_checkpoint < a.checkpoint_count &&
            a.checkpoints[next_checkpoint] <= place.t0 + place.length) {
       const int i = a.checkpoints[next_checkpoint] - place.t0;
@@ -556,46 +605,30 @@ __device__ __forceinline__ void chunk_carry(
         }
       }
       ++next_checkpoint;
+      checkpointed = true;
+    }
+    // The checkpoints read every column of the state rows they own; the
+    // update below rewrites columns by warp.
+    if (checkpointed) {
+      __syncthreads();
     }
 
-    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T.
-    {
+    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T,
+    // the state's columns [16 w, 16 w + 16) in warp w's accumulator.
+    if (warp * kTile < kw) {
+      float* tile = state + warp * kTile;
+      Product update;
+      wmma::load_matrix_sync(update.sum, tile, kp, wmma::mem_row_major);
       const float last = from_start[place.length - 1];
-      float acc[kRowTiles][kColumnsPerLane];
 #pragma unroll
-      for (int y = 0; y < kRowTiles; ++y) {
-#pragma unroll
-        for (int z = 0; z < kColumnsPerLane; ++z) {
-          const int c = lane + kWarp * z;
-          acc[y][z] = c < dk ? last * state[(warp + 8 * y) * kp + c] : 0.0f;
-        }
+      for (int e = 0; e < update.sum.num_elements; ++e) {
+        update.sum.x[e] *= last;
       }
-      for (int j = 0; j < place.length; ++j) {
-        float kj[kColumnsPerLane];
-#pragma unroll
-        for (int z = 0; z < kColumnsPerLane; ++z) {
-          const int c = lane + kWarp * z;
-          kj[z] = c < dk ? wk[j * kp + c] : 0.0f;
-        }
-#pragma unroll
-        for (int y = 0; y < kRowTiles; ++y) {
-          const float d = to_end[j] * deltas[j * rp + warp + 8 * y];
-#pragma unroll
-          for (int z = 0; z < kColumnsPerLane; ++z) {
-            acc[y][z] += d * kj[z];
-          }
-        }
+      for (int j0 = 0; j0 < place.length; j0 += 8) {
+        update.add<wmma::col_major, wmma::row_major>(
+            carried + j0 * rp, rp, wk + j0 * kp + warp * kTile, kp);
       }
-#pragma unroll
-      for (int y = 0; y < kRowTiles; ++y) {
-#pragma unroll
-        for (int z = 0; z < kColumnsPerLane; ++z) {
-          const int c = lane + kWarp * z;
-          if (c < dk) {
-            state[(warp + 8 * y) * kp + c] = acc[y][z];
-          }
-        }
-      }
+      wmma::store_matrix_sync(tile, update.finish(), kp, wmma::mem_row_major);
     }
     __syncthreads();
   }
@@ -610,20 +643,23 @@ __device__ __forceinline__ void chunk_carry(
 // chunk_output, every chunk at once, one block per (chunk, kOutputRows value
 // columns, value head, batch row): y_i = scale (decay(i, -1) S q_i +
 // sum_{j <= i} P_ij v'_j), 0 where masked, from the chunk's starting state S
-// and v' that chunk_carry wrote. Tiles: token rows i = ti + 32 x (x < 2),
-// value columns r = tr + 8 y (y < kOutputRows / 8).
+// and v' that chunk_carry wrote. On tensor cores, (decay(i, -1) q_i) S^T and
+// P V' in one accumulator per 16 x 16 output tile, warp w the tiles w, w + 8,
+// ... (token tile t % 4, column tile t / 4).
 template <typename T>
 __device__ __forceinline__ void chunk_output(
     const CoreArgs& a, const ChunkScratch& s) {
-  constexpr int kRowTiles = kOutputRows / 8;
-  extern __shared__ float shared[];
+  extern __shared__ __align__(128) float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
-  const int kp = dk + 1, lp = kChunk + 1, rp = kOutputRows + 1;
-  float* qs = shared;  // [kChunk][kp]
-  float* ps = qs + kChunk * kp;  // [kChunk][lp]: decayed Q K^T
+  const int kw = tile_padded(dk), vw = tile_padded(dv);
+  const int kp = tile_stride(dk), lp = tile_stride(kChunk);
+  const int rp = tile_stride(kOutputRows);
+  float* qs = shared;  // [kChunk][kp]: decay(i, -1) q_i
+  float* ps = qs + kChunk * max(kp, rp);  // [kChunk][lp]: decayed Q K^T
   float* hs = ps + kChunk * lp;  // [kOutputRows][kp]: S's rows
   float* deltas = hs + kOutputRows * kp;  // [kChunk][rp]: v'
-  float* from_start = deltas + kChunk * rp;  // [kChunk]
+  // [kChunk][rp]: y before scale and mask, in Q's buffer once Q is read.
+  float* ys = qs;
 
   const int tiles = (dv + kOutputRows - 1) / kOutputRows;
   const ChunkPlace place = chunk_place(a, blockIdx.x / tiles);
@@ -632,71 +668,75 @@ __device__ __forceinline__ void chunk_output(
   const int kh = key_head_of(a, place.h);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
+  const float* from_start = s.decays + place.index * kDecayRows * kChunk;
   load_rows(
-      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk, qs, kp);
-  load_contiguous(s.qk + place.index * kChunk * kChunk, kChunk * kChunk, kChunk,
-      ps, lp);
-  load_contiguous(
-      s.h + place.index * dv * dk + int64_t(row0) * dk, rows * dk, dk, hs, kp);
-  load_block(
-      s.u + place.index * kChunk * dv + row0, dv, kChunk, rows, deltas, rp);
-  for (int e = threadIdx.x; e < kRowTiles * 8 - rows; e += kChunkedThreads) {
-    // Rows of S past Dv (the last tile of a Dv that is not a multiple of
-    // kOutputRows) are 0; so are their v' columns.
-    for (int c = 0; c < dk; ++c) {
-      hs[(rows + e) * kp + c] = 0.0f;
+      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
+      from_start, qs, kp);
+  copy_rows<kChunk>(
+      s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
+  copy_rows<kOutputRows>(
+      s.h + place.index * dv * dk + int64_t(row0) * dk, dk, rows, dk, hs, kp);
+  copy_rows<kChunk>(
+      s.u + place.index * kChunk * vw + row0, vw, kChunk, rows, deltas, rp);
+  // What the copies leave out is 0: S's rows past Dv (the last tile of a Dv
+  // that is not a multiple of kOutputRows) and columns past Dk, and the
+  // matching v' columns.
+  {
+    const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+    for (int r = warp; r < kOutputRows; r += kChunkedThreads / kWarp) {
+      for (int c = lane; c < kw; c += kWarp) {
+        if (r >= rows || c >= dk) {
+          hs[r * kp + c] = 0.0f;
+        }
+      }
     }
-    for (int i = 0; i < kChunk; ++i) {
-      deltas[i * rp + rows + e] = 0.0f;
+    for (int i = warp; i < kChunk; i += kChunkedThreads / kWarp) {
+      for (int r = lane; r < kOutputRows; r += kWarp) {
+        if (r >= rows) {
+          deltas[i * rp + r] = 0.0f;
+        }
+      }
     }
-  }
-  if (threadIdx.x < kChunk) {
-    from_start[threadIdx.x] =
-        s.decays[place.index * kDecayRows * kChunk + threadIdx.x];
   }
   __syncthreads();
 
-  const int ti = threadIdx.x / 8, tr = threadIdx.x % 8;
-  float acc[2][kRowTiles] = {};
-  for (int c = 0; c < dk; ++c) {
-    float sr[kRowTiles];
+  constexpr int kTiles = kChunk / kTile * (kOutputRows / kTile);
+  constexpr int kTilesPerWarp = kTiles * kWarp / kChunkedThreads;
+  static_assert(kTilesPerWarp * kChunkedThreads == kTiles * kWarp, "whole tiles");
+  Product products[kTilesPerWarp];
 #pragma unroll
-    for (int y = 0; y < kRowTiles; ++y) {
-      sr[y] = hs[(tr + 8 * y) * kp + c];
+  for (int n = 0; n < kTilesPerWarp; ++n) {
+    const int tile = threadIdx.x / kWarp + n * kChunkedThreads / kWarp;
+    const int ti = tile % (kChunk / kTile), tr = tile / (kChunk / kTile);
+    for (int c0 = 0; c0 < kw; c0 += 8) {
+      products[n].add<wmma::row_major, wmma::col_major>(
+          qs + ti * kTile * kp + c0, kp, hs + tr * kTile * kp + c0, kp);
     }
-#pragma unroll
-    for (int x = 0; x < 2; ++x) {
-      const float qi = qs[(ti + 32 * x) * kp + c];
-#pragma unroll
-      for (int y = 0; y < kRowTiles; ++y) {
-        acc[x][y] += qi * sr[y];
-      }
+    // P is lower triangular: token tile ti needs v'_j for j < 16 (ti + 1).
+    for (int j0 = 0; j0 < (ti + 1) * kTile; j0 += 8) {
+      products[n].add<wmma::row_major, wmma::row_major>(
+          ps + ti * kTile * lp + j0, lp, deltas + j0 * rp + tr * kTile, rp);
     }
   }
+  __syncthreads();
+#pragma unroll
+  for (int n = 0; n < kTilesPerWarp; ++n) {
+    const int tile = threadIdx.x / kWarp + n * kChunkedThreads / kWarp;
+    const int ti = tile % (kChunk / kTile), tr = tile / (kChunk / kTile);
+    wmma::store_matrix_sync(
+        ys + ti * kTile * rp + tr * kTile, products[n].finish(), rp,
+        wmma::mem_row_major);
+  }
+  __syncthreads();
+
   T* y_all = static_cast<T*>(a.y);
-#pragma unroll
-  for (int x = 0; x < 2; ++x) {
-    const int i = ti + 32 * x;
-    float intra[kRowTiles] = {};
-    for (int j = 0; j <= i; ++j) {
-      const float p = ps[i * lp + j];
-#pragma unroll
-      for (int y = 0; y < kRowTiles; ++y) {
-        intra[y] += p * deltas[j * rp + tr + 8 * y];
-      }
-    }
-    if (i < place.length) {
+  for (int e = threadIdx.x; e < kChunk * kOutputRows; e += kChunkedThreads) {
+    const int i = e / kOutputRows, r = e % kOutputRows;
+    if (i < place.length && r < rows) {
       const int64_t bt = bt0 + i;
       const bool active = a.mask == nullptr || a.mask[bt];
       T* y_row = y_all + (bt * a.value_heads + place.h) * dv + row0;
-#pragma unroll
-      for (int y = 0; y < kRowTiles; ++y) {
-        const int r = tr + 8 * y;
-        if (r < rows) {
-          const float out = a.scale * (from_start[i] * acc[x][y] + intra[y]);
-          y_row[r] = from_float<T>(active ? out : 0.0f);
-        }
-      }
+      y_row[r] = from_float<T>(active ? a.scale * ys[i * rp + r] : 0.0f);
     }
   }
 }
@@ -716,7 +756,7 @@ __device__ __forceinline__ void chunk_output(
     mlx_gated_delta::cuda::chunk_prepare<type>(a, s);    \
   }                                                      \
   extern "C" __global__ void __launch_bounds__(          \
-      mlx_gated_delta::cuda::kChunkedThreads)            \
+      mlx_gated_delta::cuda::kChunkedThreads, 2)         \
       gd_chunk_carry_##suffix(                           \
           const mlx_gated_delta::cuda::CoreArgs a,       \
           const mlx_gated_delta::cuda::ChunkScratch s) { \

@@ -51,6 +51,7 @@ foreach(source ${GD_CUDA_SOURCES})
             "${GD_CUDA_DIR}/device_common.cuh"
             "${GD_CUDA_DIR}/kernel_args.h"
             "${GD_CUDA_DIR}/launch_shapes.h"
+            "${GD_CUDA_DIR}/tensor_core.cuh"
     COMMENT "nvcc ${source}.cu"
     VERBATIM)
   list(APPEND GD_FATBINS "${fatbin}")

@@ -88,22 +88,27 @@ void launch(
       params);
 }
 
-// Shared memory of chunk_prepare and chunk_carry (their layouts in
-// chunked.cu).
+// Shared memory of chunk_prepare, chunk_carry and chunk_output (their
+// layouts in chunked.cu).
 int prepare_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = p.key_dim + 1, vp = p.value_dim + 1, lp = kChunk + 1;
+  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
+  const int lp = tile_stride(kChunk);
+  const int sums = (kChunk / kTile - 1) * kTile * tile_stride(kTile);
   return int(sizeof(float)) *
-      (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + 5 * kChunk);
+      (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + sums +
+       5 * kChunk);
 }
 int carry_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = p.key_dim + 1, rp = kCarryRows + 1;
+  const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
   return int(sizeof(float)) *
-      (kCarryRows * kp + kChunk * kp + kChunk * rp + kDecayRows * kChunk);
+      (kCarryRows * kp + kChunk * kp + 3 * kChunk * rp + kDecayRows * kChunk);
 }
 int output_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = p.key_dim + 1, lp = kChunk + 1, rp = kOutputRows + 1;
+  const int kp = tile_stride(p.key_dim), lp = tile_stride(kChunk);
+  const int rp = tile_stride(kOutputRows);
   return int(sizeof(float)) *
-      (kChunk * kp + kChunk * lp + kOutputRows * kp + kChunk * rp + kChunk);
+      (kChunk * std::max(kp, rp) + kChunk * lp + kOutputRows * kp +
+       kChunk * rp);
 }
 
 // The inputs and dims that the forward and the backward read alike.
@@ -203,8 +208,8 @@ void eval_core(
   const int64_t problems = int64_t(p.batch) * p.value_heads * chunks;
   // w, u (then v'), qk, decays, h: ChunkScratch's order.
   std::vector<mx::array> buffers = {
-      scratch(encoder, problems * kChunk * p.key_dim),
-      scratch(encoder, problems * kChunk * p.value_dim),
+      scratch(encoder, problems * kChunk * tile_padded(p.key_dim)),
+      scratch(encoder, problems * kChunk * tile_padded(p.value_dim)),
       scratch(encoder, problems * kChunk * kChunk),
       scratch(encoder, problems * kDecayRows * kChunk),
       scratch(encoder, problems * p.value_dim * p.key_dim)};

@@ -47,8 +47,9 @@ struct CoreArgs {
 
 // The chunked form's scratch (docs/stages.md), float32, per (batch row,
 // value head, chunk):
-//   w [L, Dk] and u [L, Dv] of the WY form, from chunk_prepare; chunk_carry
-//   overwrites u with v' = U - W S^T,
+//   w [L, tile_padded(Dk)] and u [L, tile_padded(Dv)] of the WY form
+//   (launch_shapes.h; the padding columns are 0), from chunk_prepare;
+//   chunk_carry overwrites u with v' = U - W S^T,
 //   qk [L, L]: decay(i, j) q_i . k_j for j <= i, 0 above, from chunk_prepare,
 //   decays [kDecayRows, L]: decay(i, -1), decay(L - 1, j), the cumulative
 //   log decay and the last wipe (as a float) of gate_cumsum, likewise,

@@ -2,6 +2,13 @@
 // executor that launches them (executor.cpp).
 #pragma once
 
+// The helpers below are for the kernels (nvcc) and the executor alike.
+#ifdef __CUDACC__
+#define GD_HOST_DEVICE __host__ __device__
+#else
+#define GD_HOST_DEVICE
+#endif
+
 namespace mlx_gated_delta::cuda {
 
 // recurrent: each warp owns kRowsPerWarp state rows, a block kRecurrentWarps
@@ -15,12 +22,27 @@ constexpr int kRecurrentMaxKeyDim = 256;
 // The chunked form's kernels (chunk_prepare, chunk_carry, chunk_output):
 // 64-token chunks, 256 threads, key and value dims up to kChunkedMaxDim;
 // chunk_carry keeps kCarryRows rows of the state per block, chunk_output
-// writes kOutputRows value columns of a chunk per block (both multiples of 8).
+// writes kOutputRows value columns of a chunk per block (both multiples of
+// kTile below).
 constexpr int kChunk = 64;
 constexpr int kChunkedThreads = 256;
 constexpr int kChunkedMaxDim = 128;
 constexpr int kCarryRows = 16;
-constexpr int kOutputRows = 32;
+constexpr int kOutputRows = 64;
+
+// Their products run on tensor cores in 16 x 16 tiles (tensor_core.cuh): the
+// rows they keep in shared memory, and the W and U rows of their scratch, are
+// padded with zeros to tile_padded(dim) columns; the shared rows' stride is
+// tile_stride(dim), kTileSkew floats more, so that the rows of a tile start
+// four banks apart and every tile starts 32-byte aligned (WMMA's loads).
+constexpr int kTile = 16;
+constexpr int kTileSkew = 4;
+GD_HOST_DEVICE constexpr int tile_padded(int dim) {
+  return (dim + kTile - 1) / kTile * kTile;
+}
+GD_HOST_DEVICE constexpr int tile_stride(int dim) {
+  return tile_padded(dim) + kTileSkew;
+}
 
 // recurrent_backward: one block per (value head, batch row) holds the whole
 // state, kBackwardWarps warps of kBackwardRowsPerWarp rows (value dims up to

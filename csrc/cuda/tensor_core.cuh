@@ -1,0 +1,80 @@
+// Float32 matrix products on tensor cores, through the CUDA WMMA API, for the
+// chunked kernels (chunked.cu).
+//
+// Tensor cores take float32 operands as TF32 (10 mantissa bits), which alone
+// would break the core op's float32 contracts. Each operand is therefore split
+// into its TF32 rounding and the TF32 rounding of the remainder, x = hi + lo,
+// and a product is hi*hi + hi*lo + lo*hi (3xTF32): what it leaves out,
+// lo*lo and the remainder's own rounding, is about 2^-22 of each term, near
+// float32's 2^-24. Accumulation is float32.
+//
+// A tile here is WMMA's m16n16k8 TF32 shape: A [16 x 8], B [8 x 16], the
+// accumulator [16 x 16]. The loads read float32 from memory with a row (or
+// column) stride `ld` that is a multiple of 4 and a start that is 32-byte
+// aligned (launch_shapes.h's tile_stride keeps both).
+#pragma once
+
+#include <mma.h>
+
+namespace mlx_gated_delta::cuda {
+
+namespace wmma = nvcuda::wmma;
+
+using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
+template <typename Layout>
+using OperandA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, Layout>;
+template <typename Layout>
+using OperandB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, Layout>;
+
+// hi holds float32 values; afterwards hi their TF32 rounding and lo the
+// TF32 rounding of the rest. Element-wise, so the fragment's (unspecified)
+// element order does not matter.
+template <typename Fragment>
+__device__ __forceinline__ void split_tf32(Fragment& hi, Fragment& lo) {
+#pragma unroll
+  for (int e = 0; e < hi.num_elements; ++e) {
+    const float x = hi.x[e];
+    const float rounded = wmma::__float_to_tf32(x);
+    hi.x[e] = rounded;
+    lo.x[e] = wmma::__float_to_tf32(x - rounded);
+  }
+}
+
+// A 16 x 16 float32 product accumulated in 3xTF32 (add: += A B for A
+// [16 x 8] at `a` and B [8 x 16] at `b`, in the layouts given, row_major or
+// col_major). The hi*hi terms, and any starting value, go to `sum`; the
+// hi*lo and lo*hi terms to `correction`, a second accumulator, so that only
+// one of a step's three tensor-core products waits for the previous step's.
+// finish() adds the two and returns the result.
+struct Product {
+  Accumulator sum, correction;
+
+  __device__ Product() {
+    wmma::fill_fragment(sum, 0.0f);
+    wmma::fill_fragment(correction, 0.0f);
+  }
+
+  template <typename LayoutA, typename LayoutB>
+  __device__ __forceinline__ void add(
+      const float* a, unsigned lda, const float* b, unsigned ldb) {
+    OperandA<LayoutA> a_hi, a_lo;
+    OperandB<LayoutB> b_hi, b_lo;
+    wmma::load_matrix_sync(a_hi, a, lda);
+    wmma::load_matrix_sync(b_hi, b, ldb);
+    split_tf32(a_hi, a_lo);
+    split_tf32(b_hi, b_lo);
+    wmma::mma_sync(correction, a_lo, b_hi, correction);
+    wmma::mma_sync(correction, a_hi, b_lo, correction);
+    wmma::mma_sync(sum, a_hi, b_hi, sum);
+  }
+
+  __device__ Accumulator& finish() {
+#pragma unroll
+    for (int e = 0; e < sum.num_elements; ++e) {
+      sum.x[e] += correction.x[e];
+    }
+    return sum;
+  }
+};
+
+}  // namespace mlx_gated_delta::cuda
