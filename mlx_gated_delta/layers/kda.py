@@ -51,8 +51,8 @@ class KimiDeltaAttention(nn.Module):
     Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
     softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
     channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
-    the core op's per-key gates. Convolutions and the output norm are
-    mlx-lm's MLX ops.
+    the core op's per-key gates. The convolutions run through `short_conv`;
+    the gates and the output norm are mlx-lm's MLX ops.
     """
 
     def __init__(self, config: Any):
@@ -134,8 +134,9 @@ class KimiK3DeltaAttention(nn.Module):
     v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
     gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
     sets `gate_lower_bound`, Kimi-Linear's otherwise. The recurrence is the
-    core op; the convolution, gates and norm are mlx-lm's MLX ops. (mlx-lm's
-    compiled one-token step on Metal computes the same thing.)
+    core op, the convolution `short_conv`; the gates and norm are mlx-lm's
+    MLX ops. (mlx-lm's compiled one-token step on Metal computes the same
+    thing.)
     """
 
     def __init__(self, config: Any):
@@ -221,8 +222,8 @@ class BailingKDA(nn.Module):
 
     Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
     `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
-    into the core op. Convolutions and the output norm are mlx-lm's MLX
-    ops. mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
+    into the core op. The convolutions run through `short_conv`; the output
+    norm is mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
     lower-bounded decay); other settings are refused as there.
     """
 

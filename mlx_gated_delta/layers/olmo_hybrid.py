@@ -21,14 +21,14 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
     The projections go through `apply_projection` (our CPU kernel for a
-    plain dense one, the module's own call otherwise). The three
-    convolutions and the gated norm are the MLX ops of mlx-lm's layer, with
-    one difference: the convolutions run through `short_conv`, which zeroes
+    plain dense one, the module's own call otherwise). The gated norm is the
+    MLX ops of mlx-lm's layer; the three convolutions run through
+    `short_conv` (on the CPU as shifted float32 sums), which also zeroes
     the tokens the mask leaves out and ends each row's conv state at its
     own length, so that a left-padded prompt in a batch gives the tokens it
     gives alone (mlx-lm's layer lets the padding into the convolutions and
-    does not). The recurrence is the core op
-    `gated_delta_rule` (normalize_qk, scale `Dk ** -0.5`), with
+    does not). The recurrence is the core op `gated_delta_rule`
+    (normalize_qk, scale `Dk ** -0.5`), with
     `beta = 2 sigmoid(b)` in `[0, 2]` where the model allows negative
     eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one
     convolution over packed q|k|v and beta in `[0, 1]`: not this layout.)
