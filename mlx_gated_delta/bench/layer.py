@@ -226,9 +226,9 @@ def core_op_layers(family: str, dtype=mx.bfloat16):
 def stock_training_skip_reason(tokens: int) -> str | None:
     """Why mlx-lm's layer is not trained at this length, or None to run it:
     its training path (``gated_delta_ops``, one MLX op loop per token) keeps
-    about four float32 states per token for its backward (4 GiB each per
-    state at T = 2048 here); it runs only where that fits in the memory
-    available now."""
+    about four float32 states per token for its backward (one state per
+    token is 4 GiB at T = 2048 here; the step peaked at 16 GiB); it runs
+    only where that fits in the memory available now."""
     needed = 4 * tokens * KIMI_LINEAR.Hv * KIMI_LINEAR.Dv * KIMI_LINEAR.Dk * 4
     available = available_memory_bytes()
     if available is not None and needed > available:
@@ -316,7 +316,7 @@ def run_core_op_layer_benchmark(rows: list[CoreOpRow], progress: Callable | None
             if progress is not None:
                 progress(f"layer {row.label}")
             results.append(time_core_op_row(row, ours, stock))
-        del ours, stock
+        del ours, stock  # one family's weights at a time
     return results
 
 
