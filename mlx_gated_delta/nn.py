@@ -16,7 +16,7 @@ layout (`ArraysCache`: the conv states, then the state).
 layer had while it was the only one: Qwen3-Next's layer, not a generic
 one.
 
-On the CPU the Qwen layers' plain dense projections run through our blocked
+On the CPU every layer's plain dense projections run through our blocked
 kernel (`dense_projection`) instead of MLX's CPU matmul, which is 10-100x
 slower on the machines measured. On a Mac's GPU the segment runs our Metal
 kernels.
@@ -33,15 +33,10 @@ decoding can trim it.
 """
 
 from .layers.cache_protocol import kept_positions, store_in_cache
-from .layers.common import GatedRMSNormWeight, recur_in_cache
+from .layers.common import GatedRMSNormWeight, dense_projection, recur_in_cache
 from .layers.kda import BailingKDA, KimiDeltaAttention, KimiK3DeltaAttention, kda_log_decay
 from .layers.olmo_hybrid import OlmoHybridGatedDeltaNet
-from .layers.qwen import (
-    GatedDeltaNet,
-    Qwen3NextGatedDeltaNet,
-    Qwen35GatedDeltaNet,
-    dense_projection,
-)
+from .layers.qwen import GatedDeltaNet, Qwen3NextGatedDeltaNet, Qwen35GatedDeltaNet
 from .layers.short_conv import KimiShortConv, conv_window, conv_windows, short_conv
 
 __all__ = [

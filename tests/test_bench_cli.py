@@ -334,6 +334,119 @@ def test_a_failing_layer_benchmark_becomes_a_note(monkeypatch):
     assert rows is None and "RuntimeError: no layer today" in note
 
 
+def parse_bench(argv):
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_kda_layer_rows_are_both_layers_prefill_and_training_by_mode():
+    def rows(quick, full):
+        return {(r.family, r.mode, r.T) for r in layer.core_op_layer_rows(quick, full)}
+
+    families = ("kimi_linear", "olmo_hybrid")
+    default = {(f, mode, T) for f in families for mode in ("prefill", "train") for T in (512, 2048)}
+    assert rows(quick=False, full=False) == default
+    assert rows(quick=True, full=False) == default - {(f, "train", 2048) for f in families}
+    assert rows(quick=False, full=True) == default | {(f, "prefill", 8192) for f in families}
+    assert all(r.stock_repeats == 1 for r in layer.core_op_layer_rows(True, False))
+    row = layer.CoreOpRow("kimi_linear", "prefill", 2048, 5, 2)
+    assert row.label == "kimi_linear bf16 B=1 T=2048 prefill"
+
+
+def test_kda_layers_flag_runs_the_core_op_layer_rows_its_filter_selects(monkeypatch, tmp_path):
+    seen = []
+
+    def run_core_op_layer_benchmark(rows, progress=None):
+        seen.extend(rows)
+        return [
+            {
+                "name": "Kimi",
+                "shape": r.label,
+                "mode": r.mode,
+                "T": r.T,
+                "ours_ms": 100.0,
+                "mlx_lm_ms": 1500.0,
+                "speedup": 15.0,
+                "ours_peak_bytes": 3 << 20,
+                "mlx_lm_peak_bytes": 7 << 20,
+                "mlx_lm_note": None,
+            }
+            for r in rows
+        ]
+
+    monkeypatch.setattr(layer, "run_core_op_layer_benchmark", run_core_op_layer_benchmark)
+    args = parse_bench(["--kda-layers", "--filter", "kimi.*T=2048 prefill", "--out", str(tmp_path)])
+    record = bench_cli.run(args)
+    assert [r.label for r in seen] == ["kimi_linear bf16 B=1 T=2048 prefill"]
+    assert record["rows"][0]["speedup"] == 15.0
+    text = (tmp_path / "layers_results.txt").read_text()
+    assert text.splitlines()[-1].split() == [
+        "Kimi",
+        "prefill",
+        "2048",
+        "100",
+        "1500",
+        "15.0x",
+        "3",
+        "7",
+    ]
+    assert (tmp_path / "layers_results.json").exists()
+    with pytest.raises(SystemExit, match="no layer row matches"):
+        bench_cli.run(parse_bench(["--kda-layers", "--filter", "qwen", "--out", str(tmp_path)]))
+
+
+def test_the_kda_layer_table_says_why_mlx_lm_was_not_trained():
+    row = {
+        "name": "OLMo",
+        "shape": "olmo_hybrid bf16 B=1 T=2048 train",
+        "mode": "train",
+        "T": 2048,
+        "ours_ms": 900.0,
+        "ours_peak_bytes": 5 << 20,
+        "speedup": None,
+        "mlx_lm_note": "skipped: needs about 16 GiB, 9 available",
+    }
+    lines = layer.core_op_layer_table([row]).splitlines()
+    assert lines[2].split() == ["OLMo", "train", "2048", "900", "-", "-", "5", "-"]
+    assert (
+        lines[3]
+        == "olmo_hybrid bf16 B=1 T=2048 train: mlx-lm skipped: needs about 16 GiB, 9 available"
+    )
+
+
+@pytest.mark.parametrize("family", sorted(layer.CORE_OP_LAYERS))
+def test_the_kda_layer_rows_time_ours_and_mlx_lms_layer_with_the_same_weights(family, monkeypatch):
+    pytest.importorskip("mlx_lm")
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    # Small heads (the rows' own shape takes seconds per mlx-lm call).
+    name, args = layer.CORE_OP_LAYERS[family]
+    small = argparse.Namespace(**vars(args))
+    small.hidden_size = 64
+    if family == "kimi_linear":
+        small.linear_attn_config = dict(num_heads=2, head_dim=32, short_conv_kernel_size=4)
+    else:
+        small.linear_num_key_heads = small.linear_num_value_heads = 2
+        small.linear_key_head_dim = small.linear_value_head_dim = 32
+    monkeypatch.setitem(layer.CORE_OP_LAYERS, family, (name, small))
+    ours, stock = layer.core_op_layers(family)
+    theirs = dict(tree_flatten(stock.parameters()))
+    mine = dict(tree_flatten(ours.parameters()))
+    assert mine.keys() == theirs.keys()
+    assert all(
+        mine[k].dtype == mx.bfloat16 or not mx.issubdtype(mine[k].dtype, mx.floating) for k in mine
+    )
+    assert all(mx.array_equal(mine[k], theirs[k]).item() for k in mine)
+    for mode in ("prefill", "train"):
+        result = layer.time_core_op_row(layer.CoreOpRow(family, mode, 8, 2, 1), ours, stock)
+        assert result["name"] == name and result["mlx_lm_note"] is None
+        assert result["ours_ms"] > 0 and result["mlx_lm_ms"] > 0
+        assert result["speedup"] == result["mlx_lm_ms"] / result["ours_ms"]
+        assert result["ours_peak_bytes"] > 0 and result["mlx_lm_peak_bytes"] > 0
+
+
 def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # makes `from tqdm import tqdm` fail
     progress = timing.Progress(total=4)
@@ -417,6 +530,7 @@ def test_cli_help_exits_zero_and_lists_the_commands(tmp_path):
         ["bench", "--no-such-option"],
         ["bench", "--filter", "T=("],
         ["bench", "--contended", "-2"],
+        ["bench", "--kda-layers", "--filter", "T=("],
         ["selftest", "--examples", "0"],
     ],
 )

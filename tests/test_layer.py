@@ -292,6 +292,43 @@ def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
     assert_matches("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
+@pytest.mark.parametrize("carried", (False, True))
+def test_short_conv_is_the_depthwise_conv_and_silu_of_float64(carried):
+    # On the CPU a plain depthwise conv runs as shifted float32 sums
+    # (short_conv.depthwise_conv), from zeros or a carried conv state.
+    rng = np.random.default_rng(5)
+    batch, length, channels, taps = 2, 9, 24, 4
+    mx.random.seed(5)
+    conv = nn.Conv1d(channels, channels, taps, bias=False, groups=channels, padding=0)
+    x = rng.standard_normal((batch, length, channels)).astype(np.float32)
+    state = rng.standard_normal((batch, taps - 1, channels)).astype(np.float32)
+    if not carried:
+        state[:] = 0.0
+    with mx.stream(mx.cpu):
+        out, new_state, _ = our_nn.short_conv(
+            conv, taps, mx.array(x), mx.array(state) if carried else None, None, None
+        )
+    padded = np.concatenate([state, x], axis=1).astype(np.float64)
+    weight = np.array(conv.weight)[:, :, 0].astype(np.float64)  # [channels, taps]
+    pre = sum(padded[:, j : j + length] * weight[:, j] for j in range(taps))
+    expected = pre / (1.0 + np.exp(-pre))
+    assert_matches("short_conv", out, expected, "stage.prepare_conv.v1.float32.qkv")
+    assert np.array_equal(np.array(new_state), padded[:, -(taps - 1) :].astype(np.float32))
+
+
+def test_a_conv_that_is_not_plain_depthwise_keeps_its_own_call():
+    # With a bias (or other groups, strides, ...) the module's call is the one
+    # that runs: the bias is not dropped.
+    from mlx_gated_delta.layers.short_conv import depthwise_conv
+
+    mx.random.seed(6)
+    conv = nn.Conv1d(8, 8, 4, bias=True, groups=8, padding=0)
+    conv.bias = mx.random.normal((8,))
+    padded = mx.random.normal((1, 10, 8))
+    with mx.stream(mx.cpu):
+        assert mx.array_equal(depthwise_conv(conv, padded), conv(padded)).item()
+
+
 def test_load_weights_after_patching_reaches_the_patched_layers():
     source = family_model("qwen3_next", 8)
     prompt = tokens(9, (1, 12))

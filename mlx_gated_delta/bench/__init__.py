@@ -4,7 +4,8 @@
   training step);
 - ``op``: the op against MLX core and mlx-lm, with rooflines measured in the same run;
 - ``layer``: the whole layer against mlx-lm's stock layer (the op run's last rows; alone,
-  ``python -m mlx_gated_delta.bench.layer``);
+  ``python -m mlx_gated_delta.bench.layer``), and with ``--kda-layers`` Kimi-Linear's and
+  OLMo-Hybrid's layers;
 - ``train``: forward plus backward of the op and of the whole layer;
 - ``serving``: the speculative verify step and prompt reuse
   (``python -m mlx_gated_delta.bench.serving``);

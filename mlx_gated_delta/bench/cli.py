@@ -112,6 +112,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefill (with --quick: T in {1, 512}); the whole-layer rows are left out",
     )
     parser.add_argument(
+        "--kda-layers",
+        action="store_true",
+        help="the whole-layer rows of the core-op layers instead (mlx_gated_delta/bench/"
+        "layer.py): Kimi-Linear's KimiDeltaAttention (per-key-channel gates) and "
+        "OLMo-Hybrid's GatedDeltaNet (the same layout, scalar gates) at Kimi-Linear's heads, "
+        "hidden 2048, bf16, each against mlx-lm's stock layer with the same weights: prefill "
+        "at T in {512, 2048} (8192 with --full) and the training step at T in {512, 2048} "
+        "(--quick: not at 2048); --filter selects rows by label, e.g. 'kimi_linear.*2048'",
+    )
+    parser.add_argument(
         "--contended",
         metavar="N",
         nargs="?",
@@ -136,6 +146,8 @@ def run(args: argparse.Namespace) -> dict:
         return contended.run(busy, args.quick, args.out)
     if getattr(args, "train", False):
         return train.run(args)
+    if getattr(args, "kda_layers", False):
+        return layer.run_core_op_layers(args)
     if getattr(args, "cuda", False):
         from . import cuda
 

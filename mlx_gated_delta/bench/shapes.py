@@ -42,6 +42,28 @@ QWEN3_NEXT_LAYER = SimpleNamespace(
     rms_norm_eps=1e-6,
 )
 
+# The layers that run the core op between their projections and separate q, k
+# and v convolutions, at Kimi-Linear's heads and hidden size: Kimi-Linear's
+# (per-key-channel gates) and OLMo-Hybrid's (the same layout with scalar
+# gates), in the names of mlx-lm's model arguments.
+KIMI_LINEAR_LAYER = SimpleNamespace(
+    hidden_size=2048,
+    linear_attn_config=dict(
+        num_heads=KIMI_LINEAR.Hv, head_dim=KIMI_LINEAR.Dk, short_conv_kernel_size=4
+    ),
+    rms_norm_eps=1e-6,
+)
+OLMO_HYBRID_LAYER = SimpleNamespace(
+    hidden_size=2048,
+    linear_num_key_heads=KIMI_LINEAR.Hk,
+    linear_num_value_heads=KIMI_LINEAR.Hv,
+    linear_key_head_dim=KIMI_LINEAR.Dk,
+    linear_value_head_dim=KIMI_LINEAR.Dv,
+    linear_conv_kernel_dim=4,
+    linear_allow_neg_eigval=True,
+    layer_norm_epsilon=1e-6,
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class Shape:

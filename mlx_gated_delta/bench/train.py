@@ -48,7 +48,7 @@ import numpy as np
 
 from .. import _ext, thread_count
 from ..ops import gated_delta_update
-from .layer import qwen3_next_layers
+from .layer import layer_step, qwen3_next_layers
 from .machine import (
     available_memory_bytes,
     best_rooflines,
@@ -249,16 +249,6 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
         rows.append(row)
         del inputs, args
     return rows
-
-
-def layer_step(layer):
-    import mlx.nn as nn
-
-    def loss(model, x):
-        return model(x).astype(mx.float32).sum()
-
-    grad = nn.value_and_grad(layer, loss)
-    return lambda x: grad(layer, x)
 
 
 def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:

@@ -1,14 +1,38 @@
-"""What several layer kinds share: the gated norm's weight (Qwen, OLMo-Hybrid)
-and the core op's recurrence through mlx-lm's cache layout (OLMo-Hybrid and
-the Kimi Delta Attention layers)."""
+"""What several layer kinds share: the projections (every layer), the gated
+norm's weight (Qwen, OLMo-Hybrid) and the core op's recurrence through
+mlx-lm's cache layout (OLMo-Hybrid and the Kimi Delta Attention layers)."""
 
 from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import _ext
 from ..ops import gated_delta_rule
 from .cache_protocol import layer_cache
+
+
+def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
+    """`x @ weight.T` (nn.Linear's product, weight `[out, in]`): on the CPU
+    through our blocked kernel (MLX's CPU matmul is 10-100x slower on the
+    machines measured), elsewhere MLX's matmul."""
+    if (
+        mx.default_device() == mx.cpu
+        and x.dtype == weight.dtype
+        and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    ):
+        return _ext.dense_projection(x, weight, None)
+    return x @ weight.T
+
+
+def apply_projection(module: nn.Module, x: mx.array) -> mx.array:
+    """One of a layer's projections: a plain bias-free Linear through
+    `dense_projection`, anything else (quantized, LoRA-wrapped, with bias)
+    by calling the module itself, so every wrapper mlx-lm's tools put there
+    is followed and its own forward (and gradient) is the one that runs."""
+    if type(module) is nn.Linear and "bias" not in module:
+        return dense_projection(x, module.weight)
+    return module(x)
 
 
 class GatedRMSNormWeight(nn.Module):

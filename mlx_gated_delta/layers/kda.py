@@ -1,6 +1,8 @@
 """The Kimi Delta Attention layers (Kimi-Linear's, Kimi-K3's and
 Bailing-MoE-V3's): the core op, with per-key-channel gates, between mlx-lm's
-projections and short convolutions."""
+projections and short convolutions. Every projection goes through
+`common.apply_projection` (our CPU kernel for a plain dense one, the
+module's own call otherwise)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache_protocol import layer_cache
-from .common import recur_in_cache
+from .common import apply_projection, recur_in_cache
 from .short_conv import KimiShortConv, short_conv
 
 
@@ -49,8 +51,8 @@ class KimiDeltaAttention(nn.Module):
     Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
     softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
     channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
-    the core op's per-key gates. Projections, convolutions and the output
-    norm are mlx-lm's MLX ops.
+    the core op's per-key gates. The convolutions run through `short_conv`;
+    the gates and the output norm are mlx-lm's MLX ops.
     """
 
     def __init__(self, config: Any):
@@ -90,20 +92,16 @@ class KimiDeltaAttention(nn.Module):
         positions = cache.checkpoints_for(T)
         q_state, k_state, v_state, lengths = cache[0], cache[1], cache[2], cache.lengths
         K = self.conv_kernel
-        q, q_state, q_kept = short_conv(
-            self.q_conv.conv, K, self.q_proj(x), q_state, mask, lengths, positions
-        )
-        k, k_state, k_kept = short_conv(
-            self.k_conv.conv, K, self.k_proj(x), k_state, mask, lengths, positions
-        )
-        v, v_state, v_kept = short_conv(
-            self.v_conv.conv, K, self.v_proj(x), v_state, mask, lengths, positions
-        )
+        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, q_state, q_kept = short_conv(self.q_conv.conv, K, q, q_state, mask, lengths, positions)
+        k, k_state, k_kept = short_conv(self.k_conv.conv, K, k, k_state, mask, lengths, positions)
+        v, v_state, v_kept = short_conv(self.v_conv.conv, K, v, v_state, mask, lengths, positions)
 
         # Per-key gates in float32: [B, T, H, Dk].
-        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
+        f = apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x))
+        f = f.reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias)
-        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
         out = recur_in_cache(
             cache,
@@ -119,9 +117,10 @@ class KimiDeltaAttention(nn.Module):
             positions=positions,
         )
 
-        output_gate = self.g_b_proj(self.g_a_proj(x)).reshape(B, T, H, D)
+        output_gate = apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x))
+        output_gate = output_gate.reshape(B, T, H, D)
         out = (self.o_norm(out) * mx.sigmoid(output_gate)).reshape(B, T, -1)
-        return self.o_proj(out)
+        return apply_projection(self.o_proj, out)
 
 
 class KimiK3DeltaAttention(nn.Module):
@@ -135,8 +134,9 @@ class KimiK3DeltaAttention(nn.Module):
     v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
     gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
     sets `gate_lower_bound`, Kimi-Linear's otherwise. The recurrence is the
-    core op; the rest are mlx-lm's MLX ops. (mlx-lm's compiled one-token
-    step on Metal computes the same thing.)
+    core op, the convolution `short_conv`; the gates and norm are mlx-lm's
+    MLX ops. (mlx-lm's compiled one-token step on Metal computes the same
+    thing.)
     """
 
     def __init__(self, config: Any):
@@ -179,7 +179,7 @@ class KimiK3DeltaAttention(nn.Module):
         qkv, conv_state, conv_kept = short_conv(
             self.qkv_conv.conv,
             self.conv_kernel,
-            self.qkv_proj(x),
+            apply_projection(self.qkv_proj, x),
             conv_state,
             mask,
             lengths,
@@ -187,9 +187,9 @@ class KimiK3DeltaAttention(nn.Module):
         )
         q, k, v = mx.split(qkv.reshape(B, T, 3, H, D), 3, axis=2)
 
-        f = self.f_b_proj(self.f_a_proj(x)).reshape(B, T, H, D)
-        g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        f = apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x))
+        g = kda_log_decay(f.reshape(B, T, H, D), self.A_log, self.dt_bias, self.lower_bound)
+        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
         q, k, v = (t.squeeze(2) for t in (q, k, v))
         out = recur_in_cache(
             cache,
@@ -206,11 +206,11 @@ class KimiK3DeltaAttention(nn.Module):
         )
 
         if self.use_full_rank_gate:
-            output_gate = self.g_proj(x)
+            output_gate = apply_projection(self.g_proj, x)
         else:
-            output_gate = self.g_b_proj(self.g_a_proj(x))
+            output_gate = apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x))
         out = self.o_norm(out) * mx.sigmoid(output_gate.reshape(B, T, H, D))
-        return self.o_proj(out.reshape(B, T, -1))
+        return apply_projection(self.o_proj, out.reshape(B, T, -1))
 
 
 class BailingKDA(nn.Module):
@@ -222,10 +222,9 @@ class BailingKDA(nn.Module):
 
     Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
     `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
-    into the core op. Convolutions, projections and the output norm are
-    mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and
-    `kda_safe_gate` (the lower-bounded decay); other settings are refused
-    as there.
+    into the core op. The convolutions run through `short_conv`; the output
+    norm is mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
+    lower-bounded decay); other settings are refused as there.
     """
 
     def __init__(self, config: Any):
@@ -273,14 +272,15 @@ class BailingKDA(nn.Module):
         H, D = self.num_heads, self.head_dim
         cache = layer_cache(cache)
         positions = cache.checkpoints_for(T)
-        q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
-        k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
-        v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)
+        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, q_state, q_kept = self._conv(q, self.q_conv1d, cache, 0, mask, positions)
+        k, k_state, k_kept = self._conv(k, self.k_conv1d, cache, 1, mask, positions)
+        v, v_state, v_kept = self._conv(v, self.v_conv1d, cache, 2, mask, positions)
         q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
 
-        f = self.f_proj(x).reshape(B, T, H, D)
+        f = apply_projection(self.f_proj, x).reshape(B, T, H, D)
         g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
         out = recur_in_cache(
             cache,
             [q_state, k_state, v_state],
@@ -295,10 +295,10 @@ class BailingKDA(nn.Module):
             positions=positions,
         )
 
-        output_gate = self.g_proj(x).reshape(B, T, H, D)
+        output_gate = apply_projection(self.g_proj, x).reshape(B, T, H, D)
         out = self.o_norm(out)
         out = out * mx.sigmoid(output_gate.astype(mx.float32)).astype(out.dtype)
-        return self.o_proj(out.reshape(B, T, -1))
+        return apply_projection(self.o_proj, out.reshape(B, T, -1))
 
 
 # The fields each layer's constructor reads, from a built mlx-lm layer of its

@@ -1,5 +1,5 @@
-"""OLMo-Hybrid's layer: the core op between mlx-lm's projections and its three
-short convolutions."""
+"""OLMo-Hybrid's layer: the core op between mlx-lm's projections (through
+`common.apply_projection`) and its three short convolutions."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .cache_protocol import layer_cache
-from .common import GatedRMSNormWeight, recur_in_cache
+from .common import GatedRMSNormWeight, apply_projection, recur_in_cache
 from .short_conv import short_conv
 
 
@@ -20,13 +20,15 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     `q_conv1d`, `k_conv1d`, `v_conv1d`, `A_log`, `dt_bias`, `o_norm`) and
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
-    The projections, the three convolutions and the gated norm are the MLX
-    ops of mlx-lm's layer, with one difference: the convolutions run through
-    `short_conv`, which zeroes the tokens the mask leaves out and ends each
-    row's conv state at its own length, so that a left-padded prompt in a
-    batch gives the tokens it gives alone (mlx-lm's layer lets the padding
-    into the convolutions and does not). The recurrence is the core op
-    `gated_delta_rule` (normalize_qk, scale `Dk ** -0.5`), with
+    The projections go through `apply_projection` (our CPU kernel for a
+    plain dense one, the module's own call otherwise). The gated norm is the
+    MLX ops of mlx-lm's layer; the three convolutions run through
+    `short_conv` (on the CPU as shifted float32 sums), which also zeroes
+    the tokens the mask leaves out and ends each row's conv state at its
+    own length, so that a left-padded prompt in a batch gives the tokens it
+    gives alone (mlx-lm's layer lets the padding into the convolutions and
+    does not). The recurrence is the core op `gated_delta_rule`
+    (normalize_qk, scale `Dk ** -0.5`), with
     `beta = 2 sigmoid(b)` in `[0, 2]` where the model allows negative
     eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one
     convolution over packed q|k|v and beta in `[0, 1]`: not this layout.)
@@ -80,18 +82,19 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         B, S, _ = x.shape
         cache = layer_cache(cache)
         positions = cache.checkpoints_for(S)
-        q, q_state, q_kept = self._conv(self.q_proj(x), self.q_conv1d, cache, 0, mask, positions)
-        k, k_state, k_kept = self._conv(self.k_proj(x), self.k_conv1d, cache, 1, mask, positions)
-        v, v_state, v_kept = self._conv(self.v_proj(x), self.v_conv1d, cache, 2, mask, positions)
+        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, q_state, q_kept = self._conv(q, self.q_conv1d, cache, 0, mask, positions)
+        k, k_state, k_kept = self._conv(k, self.k_conv1d, cache, 1, mask, positions)
+        v, v_state, v_kept = self._conv(v, self.v_conv1d, cache, 2, mask, positions)
         q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
         k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
         v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
 
         # The gates in float32: g = -exp(A_log) softplus(a + dt_bias) is the
         # log of mlx-lm's linear decay; beta in [0, 1], or [0, 2].
-        a = self.a_proj(x).astype(mx.float32)
+        a = apply_projection(self.a_proj, x).astype(mx.float32)
         g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
-        beta = mx.sigmoid(self.b_proj(x).astype(mx.float32))
+        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
         if self.allow_neg_eigval:
             beta = 2.0 * beta
         out = recur_in_cache(
@@ -109,11 +112,13 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         )
 
         # o_norm: rms_norm(out) weight, times silu(output gate), in float32.
-        output_gate = self.g_proj(x).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        output_gate = apply_projection(self.g_proj, x).reshape(
+            B, S, self.num_v_heads, self.head_v_dim
+        )
         output_gate = nn.silu(output_gate.astype(mx.float32))
         normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
         out = (output_gate * normed.astype(mx.float32)).astype(out.dtype)
-        return self.o_proj(out.reshape(B, S, -1))
+        return apply_projection(self.o_proj, out.reshape(B, S, -1))
 
 
 def config_from_layer(layer: nn.Module) -> SimpleNamespace:

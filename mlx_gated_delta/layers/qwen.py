@@ -16,9 +16,10 @@ optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
 that updates the parameter arrays in place, the next call reads the current
 weights.
 
-On the CPU the plain dense projections run through our blocked kernel instead
-of MLX's CPU matmul, which is 10-100x slower on the machines measured; other
-projections are the modules' own calls.
+Every projection goes through `common.apply_projection`: on the CPU a plain
+dense one runs our blocked kernel instead of MLX's CPU matmul, which is
+10-100x slower on the machines measured; other projections are the modules'
+own calls.
 """
 
 from __future__ import annotations
@@ -30,38 +31,9 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from .. import _ext
 from ..segment import gated_delta_segment
 from .cache_protocol import layer_cache
-from .common import GatedRMSNormWeight
-
-
-def dense_projection(x: mx.array, weight: mx.array) -> mx.array:
-    """`x @ weight.T` (nn.Linear's product, weight `[out, in]`): on the CPU
-    through our blocked kernel (MLX's CPU matmul is 10-100x slower on the
-    machines measured), elsewhere MLX's matmul."""
-    if (
-        mx.default_device() == mx.cpu
-        and x.dtype == weight.dtype
-        and x.dtype
-        in (
-            mx.float32,
-            mx.float16,
-            mx.bfloat16,
-        )
-    ):
-        return _ext.dense_projection(x, weight, None)
-    return x @ weight.T
-
-
-def _apply_projection(module: nn.Module, x: mx.array) -> mx.array:
-    """One input projection: a plain bias-free Linear through
-    `dense_projection`, anything else (quantized, LoRA-wrapped, with bias)
-    by calling the module itself, so every wrapper mlx-lm's tools put there
-    is followed."""
-    if type(module) is nn.Linear and "bias" not in module:
-        return dense_projection(x, module.weight)
-    return module(x)
+from .common import GatedRMSNormWeight, apply_projection
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -109,7 +81,7 @@ class _GatedDeltaNetBase(nn.Module):
     def mixed_qkvzba(self, x: mx.array) -> mx.array:
         """The segment's input `mixed_qkvzba` `[q | k | v | z | b | a]` for `x`,
         from the current projection modules."""
-        parts = [_apply_projection(m, x) for m in self._projection_modules()]
+        parts = [apply_projection(m, x) for m in self._projection_modules()]
         mixed = mx.concatenate(parts, axis=-1)
         columns = self._mixed_qkvzba_columns()
         return mixed if columns is None else mx.take(mixed, columns, axis=-1)
@@ -159,11 +131,7 @@ class _GatedDeltaNetBase(nn.Module):
         )
         cache.store([conv_state, state], S, checkpoints, kept)
 
-        out = out.reshape(B, S, -1)
-        if type(self.out_proj) is nn.Linear and "bias" not in self.out_proj:
-            out = dense_projection(out, self.out_proj.weight)
-        else:  # quantized (or otherwise replaced) output projection
-            out = self.out_proj(out)
+        out = apply_projection(self.out_proj, out.reshape(B, S, -1))
         if sharding_group is not None:
             out = mx.distributed.all_sum(out, group=sharding_group)
         return out
