@@ -253,9 +253,11 @@ void PlanBuilder::recompute_w_u() {
            {8, U}},
           9,
           {W, U});
+  // Per-key gates: K is decayed per channel, from the channels' decays.
   d.bytes_moved = B * Hv *
       (T * (Dk + Dv) * double(e) + chunk_tiles() * 4.0 +
-       padded_tokens * (Dk + Dv) * 4.0);
+       padded_tokens * (Dk + Dv) * 4.0 +
+       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
   d.flops = 2.0 * B * Hv * C * (tile() / 2) * (Dk + Dv);
 }
 
@@ -314,10 +316,12 @@ void PlanBuilder::chunk_carry() {
           {U, StateOut, OutputInter, CheckpointStates});
   // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
   // W, q and k rows (caches serve the repeats; counted once per head),
-  // U and writes v' and the inter-chunk output; the state once each way.
+  // U and writes v' and the inter-chunk output; the state once each way;
+  // per-key gates, the channels' decays.
   d.bytes_moved = B * Hv *
       (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
-       (2 + p.checkpoint_count) * Dv * Dk * 4.0);
+       (2 + p.checkpoint_count) * Dv * Dk * 4.0 +
+       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
   // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
   // and the state update (sum_j v'_j k_j^T): three Dk-long dot products;
   // a checkpoint cut in a chunk is at most one more update.
