@@ -29,7 +29,8 @@ constexpr size_t kSubChunks = kChunkSize / kSubChunkSize;
 constexpr size_t kFactoredRows = (kChunkSize - kSubChunkSize) +
     kSubChunkSize * kSubChunks * (kSubChunks - 1) / 2;
 static_assert(4 * kKeyDecayTileWidth <= 2 * kDotTileWidth);
-static_assert(kFactoredRows * kKeyDecayTileWidth <= 2 * kChunkSize * kDotTileWidth);
+static_assert(
+    kFactoredRows * kKeyDecayTileWidth <= 2 * kChunkSize * kDotTileWidth);
 static_assert(kSubChunks * kSubChunkSize * kSubChunkSize % kChunkThreads == 0);
 static_assert(kKeyDecayTileWidth % 8 == 0 && kSubChunkSize % 8 == 0);
 
@@ -43,8 +44,7 @@ double key_decayed_grams_flops(double Dk) {
       double(kSubChunkSize) * kSubChunkSize * kSubChunks * (kSubChunks - 1) / 2;
   const double diagonal_pairs =
       double(kSubChunks) * kSubChunkSize * (kSubChunkSize + 1) / 2;
-  return (2.0 * left_entries + 3.0 * kFactoredRows + 5.0 * diagonal_pairs) *
-      Dk;
+  return (2.0 * left_entries + 3.0 * kFactoredRows + 5.0 * diagonal_pairs) * Dk;
 }
 constexpr size_t kRecomputeWuBytes = kChunkTileBytes + 2 * kChunkSize * kFloat;
 constexpr size_t kChunkCarryBytes = (kCarryRows * kMaxChunkedKeyDim +
