@@ -171,7 +171,7 @@ void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row
 //   start instead forms exp(-G_j), inf for a strong channel), and a wipe in
 //   (j, i] lies in one of the two intervals and zeroes that factor. These
 //   entries are the product of the rows a_ic decay(i, p, c) and the columns
-//   b_jc decay(p, j, c): SIMD-group s multiplies its 8-row block by the
+//   b_jc decay(p, j, c): each SIMD-group multiplies its 8-row block by the
 //   8-column blocks left of its sub-chunk with 8 x 8 simdgroup matrices.
 // - p <= j <= i (the diagonal blocks): pair by pair in float32, each pair's
 //   decay exp(G_ic - G_jc) as channel_decay() forms it. (A bound on g would
