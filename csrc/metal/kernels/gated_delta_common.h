@@ -267,7 +267,9 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
           value = float(a_rows[i * row_stride + column]) * decay;
         }
       } else {
-        // b_jc decay(p, j, c): a wipe in (j, p] zeroes it.
+        // b_jc decay(p, j, c): a wipe in (j, p] zeroes it. Row p may lie past
+        // a short chunk's last token (gate_cumsum writes all 64 rows); the
+        // rows from p on are 0 in the product then.
         const uint r = row - kFactoredRows;
         uint s = 1;
         while (r >= kSub * s * (s + 1) / 2) {
@@ -275,7 +277,7 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
         }
         const uint j = r - kSub * s * (s - 1) / 2;
         const uint p = s * kSub;
-        if (p < rows && column < dim) {
+        if (j < rows && column < dim) {
           const uint at = p * dim + column;
           const float decay =
               wipe[at] > int(j) ? 0.0f : exp(cumsum[at] - cumsum[j * dim + column]);
