@@ -24,13 +24,11 @@ Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params) {
 
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
   // Trees: the recurrent kernels alone have them (docs/metal.md). Per-key
-  // gates: the chunked stages take them when asked for, but `auto` keeps the
-  // recurrent form: the Metal stages still form the decayed grams pair by
-  // pair (the CPU's sub-chunk products are not ported), and neither form's
-  // cost has been measured on an Apple GPU (docs/numerics.md, "Choosing the
-  // algorithm").
-  if (params.has_tree || params.per_key_gates ||
-      params.tokens <= int(kChunkSize) ||
+  // gates take the same crossover: their decayed grams are matrix products
+  // of sub-chunks too (key_decayed_grams), and the chunked stages meet the
+  // chunked contracts from every entry state (docs/numerics.md,
+  // "Per-key-channel gates in the chunked form").
+  if (params.has_tree || params.tokens <= int(kChunkSize) ||
       params.key_dim > int(kMaxChunkedKeyDim)) {
     return Algorithm::Recurrent;
   }

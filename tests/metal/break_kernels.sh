@@ -17,14 +17,20 @@
 #  11. kkt_inverse_backward.metal with the barrier before dA deleted -> ThreadSanitizer
 #  12. recompute_w_u_backward.metal with its row bound widened -> sentinel guard
 #  13. chunk_carry_backward.metal with its device barrier deleted -> ThreadSanitizer
-#  14. key_decayed_dot_products (per-key kkt_inverse, chunk_qk) with its
+#  14. key_decayed_grams (per-key kkt_inverse, chunk_qk) with its pairs'
 #      staging bound widened, writing past the tiles    -> AddressSanitizer
 #      (its column bound guards reads only: a read past a row lands in the
 #      next row or in a buffer's guard bytes, which are finite, so the net
 #      cannot see it; the oracle test at Dk = 17 does)
-#  15. key_decayed_dot_products with its second barrier deleted -> ThreadSanitizer: data race
+#  15. key_decayed_grams with the pairs' second barrier deleted -> ThreadSanitizer: data race
 #  16. gate_cumsum.metal with its scan bound widened (per-key: one scan per
 #      channel)                                         -> sentinel guard
+#  17. key_decayed_grams with the barrier after the factored tiles deleted
+#                                                      -> ThreadSanitizer: data race
+#  18. key_decayed_grams with its columns factored from the previous
+#      sub-chunk's first row (a wrong reference row)    -> the driver's
+#      strong channels (g = -60) overflow: outputs not finite
+#      (tests/metal/test_per_key_chunked_emulated.py's oracle tests fail too)
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -98,15 +104,16 @@ mutate widened-bound-recompute-w-u-backward recompute_w_u_backward.metal address
   "if (tid < length) { ==> if (tid <= length) {"
 mutate deleted-barrier-chunk-carry-backward chunk_carry_backward.metal thread \
   "threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup); ==> "
-mutate widened-bound-key-decayed-dot-products gated_delta_common.h address \
+mutate widened-bound-key-decayed-grams gated_delta_common.h address \
   "for (uint e = tid; e < kBlock; e += kChunkThreads) { ==> for (uint e = tid; e <= kBlock; e += kChunkThreads) {"
-mutate deleted-barrier-key-decayed-dot-products gated_delta_common.h thread \
-  "before the next columns overwrite the tiles.
-    $BARRIER
-  }
-  for (uint n = 0; n < kEntries; ++n) { ==> before the next columns overwrite the tiles.
-  }
-  for (uint n = 0; n < kEntries; ++n) {"
+mutate deleted-barrier-key-decayed-grams gated_delta_common.h thread \
+  "Every thread is done reading before the next columns overwrite the tiles.
+    $BARRIER ==> Every thread is done reading before the next columns overwrite the tiles."
 mutate widened-bound-gate-cumsum gate_cumsum.metal address \
   "if (index >= scans) { ==> if (index > scans) {"
+mutate deleted-barrier-key-decayed-grams-factored gated_delta_common.h thread \
+  "The factored tiles are complete before any SIMD-group reads them.
+    $BARRIER ==> The factored tiles are complete before any SIMD-group reads them."
+mutate wrong-reference-row-key-decayed-grams gated_delta_common.h address \
+  "const uint p = s * kSub; ==> const uint p = (s - 1) * kSub;"
 exit $status

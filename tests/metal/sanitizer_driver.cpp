@@ -29,6 +29,11 @@ struct Shape {
   int tokens, key_heads, value_heads, key_dim, value_dim;
   bool normalize_qk, mask;
   bool per_key_gates = false;  // g [T, Hv, Dk]
+  // Per-key gates: every other key channel at g = -60 (a decay of 9e-27 a
+  // step, not a wipe), beside the others' g in [-1, 0]. A decay factored
+  // from the wrong row of a chunk grows past float32 there (exp of +60 per
+  // step), and the outputs are not finite.
+  bool strong_channels = false;
 };
 
 uint16_t to_half_bits(float value) {
@@ -137,6 +142,11 @@ void run(const Shape& shape, std::set<std::string>& kernels_run) {
   auto k = activations(rng, qk, shape.dtype, shape.normalize_qk ? 2.0f : 0.15f);
   auto values = activations(rng, v, shape.dtype, 1.0f);
   auto g = floats(rng, gates * p.gate_width(), -1.0f, 0.0f);
+  if (shape.strong_channels) {
+    const float strong = -60.0f;
+    for (size_t i = 0; i < gates * p.gate_width(); i += 2)
+      std::memcpy(&g[i * sizeof(float)], &strong, sizeof(strong));
+  }
   auto beta = floats(rng, gates, 0.0f, 1.0f);
   auto state_in = floats(rng, state, -1.0f, 1.0f);
   std::vector<std::byte> mask;
@@ -400,6 +410,20 @@ int main() {
        4,
        false,
        false,
+       true},
+      // Two chunks whose every sub-chunk factors its decays from its own
+      // first row.
+      {"chunked, per-key gates, strong channels, float32",
+       Chunked,
+       Float32,
+       128,
+       1,
+       1,
+       16,
+       4,
+       false,
+       false,
+       true,
        true},
   };
   // Segment shapes: C = 48 conv channels (threadgroups of 64 threads, so the

@@ -1,8 +1,10 @@
 """Per-key-channel gates (g [B, T, Hv, Dk]) on the Metal chunked stages, run
 by the emulator over the plans macOS encodes, against the float64 oracle
-under the core op's chunked contracts: each pair's decay is formed per
-channel as exp(G_i - G_j) and a channel's wipe is decided by position
-(docs/numerics.md, "Per-key-channel gates in the chunked form")."""
+under the core op's chunked contracts: the decayed grams are built in
+sub-chunks of 16 rows, as products of factors relative to each sub-chunk's
+first row left of its diagonal block and pair by pair inside it, and a
+channel's wipe is decided by position (docs/numerics.md, "Per-key-channel
+gates in the chunked form")."""
 
 import dataclasses
 
@@ -132,9 +134,8 @@ def test_per_key_chunked_plan_matches_the_oracle_on_drawn_cases(case):
 @given(data=st.data())
 def test_channel_wipes_at_chunk_edges_match_the_oracle(data):
     # g = -inf on single channels, at chunk edges and in runs: that column of
-    # the state is wiped exactly, the others decay on. Unit-sized entry
-    # states, as the CPU's chunked form is held to (the huge one is the known
-    # gap below).
+    # the state is wiped exactly, the others decay on; from unit and huge
+    # entry states.
     case = make_core_case(
         data.draw(st.integers(0, 2**32 - 1)),
         batch=data.draw(st.integers(1, 2)),
@@ -148,17 +149,63 @@ def test_channel_wipes_at_chunk_edges_match_the_oracle(data):
         mask_kind=data.draw(st.sampled_from(("none", "random", "left_padding"))),
         head_mapping=data.draw(st.sampled_from(("grouped", "interleaved"))),
         wipes=data.draw(st.sampled_from(("chunk_edges", "runs", "random"))),
+        state_scale=data.draw(st.sampled_from(("unit", "huge"))),
         per_key_gates=True,
     )
     assert_matches_oracle(case, *run_chunked(case))
 
 
-@pytest.mark.parametrize("strong_g", (-200.0, -300.0))
+def run_chunked_in_calls(case, bounds):
+    """The tokens of a case in consecutive chunked calls [bounds[i],
+    bounds[i+1]), each passing its state to the next: (y, final state)."""
+    q, k, v, g, beta, state = case.args()
+    mask = case.options["mask"]
+    pieces = []
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        y, state, info = metal_emulated.run(
+            *(x[:, start:stop] for x in (q, k, v, g, beta)),
+            state,
+            algorithm="chunked",
+            **{**case.options, "mask": None if mask is None else mask[:, start:stop]},
+        )
+        assert info["algorithm"] == "chunked"
+        pieces.append(y)
+    return np.concatenate(pieces, axis=1), state
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    case=core_cases(
+        dtypes=("float32",),
+        tokens=st.sampled_from((65, 100, 128, 130, 150)),
+        per_key_gates=True,
+        several_chunks=False,
+    ),
+    data=st.data(),
+)
+def test_per_key_chunked_plan_in_calls_matches_one_call(case, data):
+    # Split points anywhere (chunk- and sub-chunk-unaligned): each call's
+    # chunks and sub-chunks start at its own first token.
+    tokens = case.q.shape[1]
+    points = data.draw(st.lists(st.integers(1, tokens - 1), min_size=1, max_size=3, unique=True))
+    bounds = [0, *sorted(points), tokens]
+    full_y, full_state = run_chunked(case)
+    split_y, split_state = run_chunked_in_calls(case, bounds)
+    output_terms, state_terms = test_core.split_terms(case, bounds)
+    output_contract, state_contract = test_core.SPLIT_CONTRACTS["chunked"]
+    assert_matches("y", split_y, full_y, output_contract, terms=output_terms)
+    assert_matches("state", split_state, full_state, state_contract, terms=state_terms)
+
+
+@pytest.mark.parametrize("strong_g", (-60.0, -200.0, -300.0))
 def test_strong_channel_decays_next_to_weak_ones_stay_exact(strong_g):
-    # Half the channels decay by exp(strong_g) per token, the others barely:
-    # over a chunk a strong channel's cumulative log decay reaches -19200, so
-    # a form that factored each decay as exp(G_i) / exp(G_j) from the chunk's
-    # start would form exp(+19200) = inf and NaN.
+    # Half the channels decay by exp(strong_g) per token, the others barely.
+    # At -60 (a decay of 9e-27, not a wipe) a strong channel's cumulative log
+    # decay reaches -3840 over a chunk, so a form that factored each decay as
+    # exp(G_i) / exp(G_j) from the chunk's start would form exp(+3840) = inf
+    # and NaN, and one with factors relative to a row past j's, exp(+60) per
+    # step between them. At -200 and -300 every step's decay underflows
+    # float32: a wipe per step.
     case = make_core_case(
         3,
         batch=1,
@@ -320,11 +367,14 @@ def test_the_per_key_chunked_plan_has_per_channel_scratch_and_no_shared_gram():
     assert "gated_delta_chunk_qk_float32" in table and "k_gram" not in table
 
 
-# --- Per-stage: the per-key scratch against float64 built here ---------------
-# (reference.chunked_stages has scalar gates only.) O(1) data as in
-# test_stage_scratch.py, with a channel wiped inside the second chunk and a
-# channel at g = -300 beside the others' g in [-1, 0]; normalize_qk, a mask
-# and a partial last chunk.
+# --- Per-stage: the per-key scratch against float64 ----------------------------
+# O(1) data as in test_stage_scratch.py, with a channel at g = -300 beside the
+# others' g in [-1, 0], and channels wiped inside the second chunk, on the
+# first row of a sub-chunk (the row its decays are relative to), on a
+# sub-chunk's last row and inside the partial last chunk; normalize_qk, a
+# mask and a partial last chunk. The decayed grams are the reference stage
+# key_decayed_grams of the same per-channel cumsum (an underflowed decay is a
+# wipe, as gate_cumsum keeps it).
 
 STAGE_SHAPE = dict(batch=1, tokens=150, key_heads=1, value_heads=2, key_dim=32, value_dim=8)
 
@@ -339,14 +389,16 @@ def stage_case():
     v = rng.standard_normal((B, T, Hv, Dv)).astype(f32)
     g = -rng.uniform(0.0, 1.0, (B, T, Hv, Dk)).astype(f32)
     g[:, :, :, 3] = -300.0
-    g[:, 70, 0, 5] = -np.inf
+    wipes = ((70, 0, 5), (64 + 32, 1, 7), (64 + 47, 0, 9), (128 + 16, 1, 11))
+    for token, head, channel in wipes:
+        g[:, token, head, channel] = -np.inf
     beta = rng.uniform(0.0, 1.0, (B, T, Hv)).astype(f32)
     state = (0.5 * rng.standard_normal((B, Hv, Dv, Dk))).astype(f32)
     mask = rng.uniform(size=(B, T)) > 0.2
-    mask[:, 70] = True
+    mask[:, [token for token, _, _ in wipes]] = True
 
     # float64: the per-channel cumsum (an underflowed decay is a wipe), the
-    # decay of every pair per channel, the decayed grams and T = (I + A)^-1.
+    # decayed grams and T = (I + A)^-1.
     chunk = metal_emulated.CHUNK_SIZE
     active = mask[:, :, None, None]
     g64 = reference.chunk_rows(np.where(active, g.astype(np.float64), 0.0))  # [B, Hv, C, L, Dk]
@@ -354,21 +406,21 @@ def stage_case():
     log_cumsum = np.cumsum(np.where(wipe, 0.0, g64), axis=3)
     index = np.arange(chunk)[None, None, None, :, None]
     last_wipe = np.maximum.accumulate(np.where(wipe, index, -1), axis=3)
-    i, j = np.arange(chunk)[:, None], np.arange(chunk)[None, :]
-    pair = (j <= i)[..., None] & (last_wipe[..., :, None, :] <= j[..., None])
-    with np.errstate(over="ignore"):
-        decay = np.exp(log_cumsum[..., :, None, :] - log_cumsum[..., None, :, :])
-    decay = np.where(pair, decay, 0.0)  # [B, Hv, C, L, L, Dk]
     qn = reference.chunk_rows(reference.qk_norm(q.astype(np.float64)))  # [B, Hk, C, L, Dk]
     kn = reference.chunk_rows(reference.qk_norm(k.astype(np.float64)))
     heads = np.arange(Hv) // (Hv // Hk)
     qn, kn = qn[:, heads], kn[:, heads]
-    qk = np.einsum("bhcid,bhcjd,bhcijd->bhcij", qn, kn, decay)
+    kk, qk = reference.key_decayed_grams(qn, kn, log_cumsum, last_wipe)
     # What a stage reading one decay per head (channel 0's) would build.
-    qk_one_decay = np.einsum("bhcid,bhcjd,bhcij->bhcij", qn, kn, decay[..., 0])
-    kk = np.einsum("bhcid,bhcjd,bhcijd->bhcij", kn, kn, decay)
+    channel_0 = reference.key_decayed_grams(
+        qn,
+        kn,
+        np.repeat(log_cumsum[..., :1], Dk, axis=-1),
+        np.repeat(last_wipe[..., :1], Dk, axis=-1),
+    )
+    qk_one_decay = channel_0[1]
     beta_rows = reference.chunk_rows(np.where(mask[:, :, None], beta, 0.0)[..., None])[..., 0]
-    a = np.where(j < i, beta_rows[..., :, None] * kk, 0.0)
+    a = beta_rows[..., :, None] * kk  # kk is 0 on and above the diagonal
     kkt_inverse = np.linalg.inv(np.eye(chunk) + a)
     expected = dict(
         log_cumsum=log_cumsum,
@@ -423,7 +475,7 @@ def test_per_key_gate_cumsum(stage_case):
 @pytest.mark.parametrize(
     "stage, buffer, contract",
     (
-        ("chunk_qk", "qk", "stage.chunk_qk.v1.float32.tile"),
+        ("chunk_qk", "qk", "stage.key_decayed_grams.v1.float32.tile"),
         ("kkt_inverse", "kkt_inverse", "stage.kkt_inverse.v1.float32.tile"),
     ),
 )
@@ -440,6 +492,7 @@ def test_the_per_key_tile_check_sees_one_decay_per_head(stage_case):
     inputs, expected = stage_case
     buffers = run_stage("chunk_qk", inputs)
     actual = real_tokens(buffers["qk"], expected["qk"], tile=True)
-    assert_matches("qk", actual, expected["qk"], "stage.chunk_qk.v1.float32.tile")
-    with pytest.raises(AssertionError, match="stage.chunk_qk"):
-        assert_matches("qk", actual, expected["qk_one_decay"], "stage.chunk_qk.v1.float32.tile")
+    contract = "stage.key_decayed_grams.v1.float32.tile"
+    assert_matches("qk", actual, expected["qk"], contract)
+    with pytest.raises(AssertionError, match="stage.key_decayed_grams"):
+        assert_matches("qk", actual, expected["qk_one_decay"], contract)

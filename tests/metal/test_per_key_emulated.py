@@ -1,7 +1,7 @@
 """Per-key-channel gates (g [B, T, Hv, Dk]) on the Metal kernels, run by the
 emulator over the plans macOS encodes, against the float64 oracle under the
-core op's contracts, on the recurrent kernels (SIMD and generic): what
-`auto` runs at any T (docs/numerics.md, "Choosing the algorithm"). The
+core op's contracts, on the recurrent kernels (SIMD and generic), and what
+`auto` picks: the algorithm it picks for scalar gates of the same shape. The
 chunked stages' per-key form is tested in test_per_key_chunked_emulated.py."""
 
 import numpy as np
@@ -20,7 +20,7 @@ OUTPUT_CONTRACTS = test_core.ORACLE_OUTPUT_CONTRACTS
 STATE_CONTRACTS = test_core.ORACLE_STATE_CONTRACTS
 
 # (the kernel the case must reach, make_core_case arguments); T past one chunk
-# too, where scalar gates would run the chunked stages.
+# too, where `auto` would run the chunked stages.
 CASES = [
     (
         "recurrent_simd",
@@ -107,25 +107,40 @@ def dtype_of(case):
     return str(case.v.dtype).rsplit(".", 1)[-1]
 
 
-@pytest.mark.parametrize("requested", ("auto", "recurrent"))
 @pytest.mark.parametrize(
     "kernel, recipe", CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CASES)]
 )
-def test_per_key_gates_on_the_recurrent_kernels_match_the_oracle(kernel, recipe, requested):
+def test_per_key_gates_on_the_recurrent_kernels_match_the_oracle(kernel, recipe):
     case = make_core_case(len(recipe) * 11 + recipe["tokens"], per_key_gates=True, **recipe)
-    y, state, info = metal_emulated.run(*case.args(), algorithm=requested, **case.options)
+    y, state, info = metal_emulated.run(*case.args(), algorithm="recurrent", **case.options)
     assert info["algorithm"] == "recurrent"
     assert any(kernel in name for name in info["kernels"]), info["kernels"]
     assert not np.isnan(y).any() and not np.isnan(state).any()
     test_core.assert_matches_oracle(case, y, state, "recurrent")
 
 
-@settings(max_examples=8)
+@settings(max_examples=8, deadline=None)
 @given(case=core_cases(tokens=st.integers(1, 80), per_key_gates=True, several_chunks=False))
-def test_per_key_gates_match_the_oracle_on_drawn_cases(case):
+def test_auto_with_per_key_gates_matches_the_oracle_on_drawn_cases(case):
     y, state, info = metal_emulated.run(*case.args(), **case.options)
-    assert info["algorithm"] == "recurrent"
-    test_core.assert_matches_oracle(case, y, state, "recurrent")
+    test_core.assert_matches_oracle(case, y, state, info["algorithm"])
+
+
+@pytest.mark.parametrize("tokens", (1, 64, 65, 130, 2048))
+@pytest.mark.parametrize("key_dim", (16, 128, 256, 257))
+def test_auto_picks_for_per_key_gates_what_it_picks_for_scalar_gates(tokens, key_dim):
+    # The same crossover (resolve_metal_algorithm): the chunked stages from
+    # T = 65 up to their widest key dim, the recurrent kernels otherwise.
+    shape = dict(batch=1, tokens=tokens, key_heads=2, value_heads=4, key_dim=key_dim, value_dim=8)
+    per_key = metal_emulated.plan(**shape, per_key_gates=True)["algorithm"]
+    assert per_key == metal_emulated.plan(**shape)["algorithm"]
+    chunked = tokens > metal_emulated.CHUNK_SIZE and key_dim <= 256
+    assert per_key == ("chunked" if chunked else "recurrent")
+
+
+def test_auto_keeps_trees_on_the_recurrent_kernels_with_per_key_gates():
+    shape = dict(batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=8)
+    assert metal_emulated.plan(**shape, per_key_gates=True, tree=True)["algorithm"] == "recurrent"
 
 
 def test_the_check_sees_a_kernel_that_reads_one_decay_per_head():

@@ -1,7 +1,7 @@
 // chunk_qk: Q K^T of one chunk of one key head (q and k normalised when
 // asked), for chunk_output's intra-chunk term. Only j <= i is read later.
 // Per-key gates: one tile per value head, decayed per key channel,
-// sum_c q_ic k_jc decay(i, j, c) (key_decayed_dot_products), so chunk_output
+// sum_c q_ic k_jc decay(i, j, c) (key_decayed_grams), so chunk_output
 // applies no decay of its own.
 
 #include "gated_delta_common.h"
@@ -37,8 +37,8 @@ template <typename T>
 
   if (per_key) {
     const uint rows = chunk_row(p, b, head, p.value_heads, chunk) * p.key_dim;
-    key_decayed_dot_products(q + offset, k + offset, row_stride, length, p.key_dim,
-                             gate_cumsum + rows, last_wipe + rows, tiles, products, tid);
+    key_decayed_grams(q + offset, k + offset, row_stride, length, p.key_dim, gate_cumsum + rows,
+                      last_wipe + rows, tiles, products, tid, simd_index);
   } else {
     chunk_dot_products<kDotTileWidth>(q + offset, k + offset, row_stride, length, p.key_dim,
                                       tiles, tiles + kChunkSize * kDotTileWidth, products, tid,

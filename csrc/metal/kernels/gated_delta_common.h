@@ -158,29 +158,51 @@ void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row
   threadgroup_barrier(mem_flags::mem_threadgroup);
 }
 
-// Per-key gates: result[i * 64 + j] = sum_c a_ic b_jc decay(i, j, c) for
-// j <= i < rows (0 elsewhere), the decay per channel as channel_decay() forms
-// it. It cannot be applied after the product as one decay per head can, so
-// each pair's factors are formed inside the sum. `tiles` stages four 64 x
-// kKeyDecayTileWidth blocks of the columns at hand: a, b, the cumulative log
-// decays and the last wipes (as floats: indices -1..63 are exact). Thread tid
-// keeps the entries tid, tid + 256, ... in registers. Ends with a barrier:
-// `result` is complete for every thread.
+// Per-key gates, the stage key_decayed_grams: result[i * 64 + j] =
+// sum_c a_ic b_jc decay(i, j, c) for j <= i < rows (0 elsewhere), in
+// sub-chunks of kSubChunkSize rows as the CPU forms it (docs/numerics.md,
+// "Per-key-channel gates in the chunked form"). A decay per channel cannot be
+// applied after the product as one decay per head can; with p the first row
+// of the sub-chunk that holds row i:
+//
+// - j < p (left of the sub-chunk): decay(i, j, c) = decay(i, p, c) decay(p,
+//   j, c), two factors whose exponents are sums of g over (p, i] and (j, p],
+//   so both are at most 1 at any gate strength (factoring from the chunk's
+//   start instead forms exp(-G_j), inf for a strong channel), and a wipe in
+//   (j, i] lies in one of the two intervals and zeroes that factor. These
+//   entries are the product of the rows a_ic decay(i, p, c) and the columns
+//   b_jc decay(p, j, c): each SIMD-group multiplies its 8-row block by the
+//   8-column blocks left of its sub-chunk with 8 x 8 simdgroup matrices.
+// - p <= j <= i (the diagonal blocks): pair by pair in float32, each pair's
+//   decay exp(G_ic - G_jc) as channel_decay() forms it. (A bound on g would
+//   allow a product here too; nothing in the params carries one.)
+//
+// `tiles` stages the columns at hand, kKeyDecayTileWidth at a time: for the
+// pairs, four 64-row blocks (a, b, the cumulative log decays and the last
+// wipes as floats: indices -1..63 are exact); for the products, the factored
+// rows of sub-chunks 1..3 and each sub-chunk's factored columns. Thread tid
+// keeps the diagonal entries tid, tid + 256, ... in registers. Ends with a
+// barrier: `result` is complete for every thread.
 template <typename T>
-void key_decayed_dot_products(const device T* a_rows, const device T* b_rows, uint row_stride,
-                              uint rows, uint dim, const device float* cumsum,
-                              const device int* wipe, threadgroup float* tiles,
-                              threadgroup float* result, uint tid) {
+void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_stride,
+                       uint rows, uint dim, const device float* cumsum,
+                       const device int* wipe, threadgroup float* tiles,
+                       threadgroup float* result, uint tid, uint simd_index) {
   constexpr uint kWidth = kKeyDecayTileWidth;
+  constexpr uint kSub = kSubChunkSize;
+  constexpr uint kSubChunks = kChunkSize / kSub;
   constexpr uint kBlock = kChunkSize * kWidth;
-  constexpr uint kEntries = kChunkSize * kChunkSize / kChunkThreads;
+  constexpr uint kEntries = kSubChunks * kSub * kSub / kChunkThreads;
+
+  // The diagonal blocks, pair by pair. Entry e is row e / kSub % kSub and
+  // column e % kSub of sub-chunk e / kSub^2.
   threadgroup float* a_tile = tiles;
   threadgroup float* b_tile = tiles + kBlock;
   threadgroup float* cumsum_tile = tiles + 2 * kBlock;
   threadgroup float* wipe_tile = tiles + 3 * kBlock;
-  float acc[kEntries];
+  float diagonal[kEntries];
   for (uint n = 0; n < kEntries; ++n) {
-    acc[n] = 0.0f;
+    diagonal[n] = 0.0f;
   }
   for (uint d0 = 0; d0 < dim; d0 += kWidth) {
     for (uint e = tid; e < kBlock; e += kChunkThreads) {
@@ -196,8 +218,9 @@ void key_decayed_dot_products(const device T* a_rows, const device T* b_rows, ui
     threadgroup_barrier(mem_flags::mem_threadgroup);
     for (uint n = 0; n < kEntries; ++n) {
       const uint e = tid + n * kChunkThreads;
-      const uint i = e / kChunkSize;
-      const uint j = e % kChunkSize;
+      const uint first = e / (kSub * kSub) * kSub;
+      const uint i = first + e / kSub % kSub;
+      const uint j = first + e % kSub;
       if (j > i) {
         continue;
       }
@@ -206,14 +229,103 @@ void key_decayed_dot_products(const device T* a_rows, const device T* b_rows, ui
         const uint at_j = j * kWidth + d;
         const float decay =
             wipe_tile[at_i] > float(j) ? 0.0f : exp(cumsum_tile[at_i] - cumsum_tile[at_j]);
-        acc[n] += a_tile[at_i] * decay * b_tile[at_j];
+        diagonal[n] += a_tile[at_i] * decay * b_tile[at_j];
       }
     }
     // Every thread is done reading before the next columns overwrite the tiles.
     threadgroup_barrier(mem_flags::mem_threadgroup);
   }
+
+  // Left of the diagonal blocks, the products. The staged rows: rows
+  // kSub..63 of a, each times decay(i, p, c) of its sub-chunk; then, for
+  // sub-chunk s = 1, 2, 3 in turn, rows 0..p-1 of b, each times decay(p, j,
+  // c) with p = s kSub (sub-chunk s's columns start at row kSub s (s - 1) / 2).
+  constexpr uint kFactoredRows = kChunkSize - kSub;
+  constexpr uint kFactoredColumns = kSub * kSubChunks * (kSubChunks - 1) / 2;
+  constexpr uint kFactored = (kFactoredRows + kFactoredColumns) * kWidth;
+  threadgroup float* row_tile = tiles;
+  threadgroup float* column_tile = tiles + kFactoredRows * kWidth;
+  const uint sub_chunk = simd_index * 8 / kSub;
+  const uint left_blocks = sub_chunk * kSub / 8;
+  simdgroup_matrix<float, 8, 8> acc[kFactoredRows / 8];
+  for (uint n = 0; n < kFactoredRows / 8; ++n) {
+    acc[n] = make_filled_simdgroup_matrix<float, 8, 8>(0.0f);
+  }
+  for (uint d0 = 0; d0 < dim; d0 += kWidth) {
+    for (uint e = tid; e < kFactored; e += kChunkThreads) {
+      const uint row = e / kWidth;
+      const uint column = d0 + e % kWidth;
+      float value = 0.0f;
+      if (row < kFactoredRows) {
+        // a_ic decay(i, p, c): a wipe in (p, i] zeroes it.
+        const uint i = kSub + row;
+        const uint p = i / kSub * kSub;
+        if (i < rows && column < dim) {
+          const uint at = i * dim + column;
+          const float decay =
+              wipe[at] > int(p) ? 0.0f : exp(cumsum[at] - cumsum[p * dim + column]);
+          value = float(a_rows[i * row_stride + column]) * decay;
+        }
+      } else {
+        // b_jc decay(p, j, c): a wipe in (j, p] zeroes it. Row p may lie past
+        // a short chunk's last token (gate_cumsum writes all 64 rows); the
+        // rows from p on are 0 in the product then.
+        const uint r = row - kFactoredRows;
+        uint s = 1;
+        while (r >= kSub * s * (s + 1) / 2) {
+          ++s;
+        }
+        const uint j = r - kSub * s * (s - 1) / 2;
+        const uint p = s * kSub;
+        if (j < rows && column < dim) {
+          const uint at = p * dim + column;
+          const float decay =
+              wipe[at] > int(j) ? 0.0f : exp(cumsum[at] - cumsum[j * dim + column]);
+          value = float(b_rows[j * row_stride + column]) * decay;
+        }
+      }
+      tiles[e] = value;
+    }
+    // The factored tiles are complete before any SIMD-group reads them.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (sub_chunk > 0) {
+      const threadgroup float* columns =
+          column_tile + kSub * sub_chunk * (sub_chunk - 1) / 2 * kWidth;
+      for (uint d = 0; d < kWidth; d += 8) {
+        simdgroup_matrix<float, 8, 8> a;
+        simdgroup_load(a, row_tile + (simd_index * 8 - kSub) * kWidth + d, kWidth);
+        for (uint n = 0; n < kFactoredRows / 8; ++n) {
+          if (n < left_blocks) {
+            // Columns n*8.. of sub-chunk s, read transposed.
+            simdgroup_matrix<float, 8, 8> b;
+            simdgroup_load(b, columns + n * 8 * kWidth + d, kWidth, ulong2(0, 0), true);
+            simdgroup_multiply_accumulate(acc[n], a, b, acc[n]);
+          }
+        }
+      }
+    }
+    // Every SIMD-group is done reading before the next columns overwrite the tiles.
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+
+  // Each entry written once: the products left of the diagonal blocks, the
+  // pairs in them, 0 right of them.
+  for (uint n = 0; n < kFactoredRows / 8; ++n) {
+    if (n < left_blocks) {
+      simdgroup_store(acc[n], result + simd_index * 8 * kChunkSize + n * 8, kChunkSize);
+    }
+  }
   for (uint n = 0; n < kEntries; ++n) {
-    result[tid + n * kChunkThreads] = acc[n];
+    const uint e = tid + n * kChunkThreads;
+    const uint first = e / (kSub * kSub) * kSub;
+    result[(first + e / kSub % kSub) * kChunkSize + first + e % kSub] = diagonal[n];
+  }
+  for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
+    const uint i = e / kChunkSize;
+    const uint j = e % kChunkSize;
+    if (j >= (i / kSub + 1) * kSub) {
+      result[e] = 0.0f;
+    }
   }
   // The result is complete before any thread reads it.
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -5,7 +5,7 @@
 //
 // T is what the WY form needs: U = T diag(beta) V, W = T diag(beta Gamma) K.
 // Per-key gates: A_ij = beta_i sum_c k_ic k_jc decay(i, j, c), the decayed
-// gram built here pair by pair (key_decayed_dot_products; k_gram does not run).
+// gram built here in sub-chunks (key_decayed_grams; k_gram does not run).
 
 #include "gated_delta_common.h"
 
@@ -40,8 +40,8 @@ template <typename T, bool kFromKGram>
   // The gram k_i . k_j first (per-key gates: decayed), in `a`.
   if (p.per_key_gates != 0) {
     const device T* key_rows = k + qk_offset(p, b, first_token, kh);
-    key_decayed_dot_products(key_rows, key_rows, p.key_heads * p.key_dim, length, p.key_dim,
-                             cumsum, wipe, tiles, a, tid);
+    key_decayed_grams(key_rows, key_rows, p.key_heads * p.key_dim, length, p.key_dim, cumsum,
+                      wipe, tiles, a, tid, simd_index);
   } else if (kFromKGram) {
     const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
     for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {

@@ -21,11 +21,31 @@ constexpr size_t kKktInverseBytes =
 static_assert(
     kDotTileWidth % 8 == 0,
     "simdgroup matrices step through the tiles 8 columns at a time");
-// key_decayed_dot_products: its four staging blocks reuse the two dot-product
-// tiles of kkt_inverse and chunk_qk, and each thread keeps a whole number of
-// the tile's entries.
+// key_decayed_grams: its four staging blocks for the pairs, and its factored
+// rows and columns for the products, reuse the two dot-product tiles of
+// kkt_inverse and chunk_qk; each thread keeps a whole number of the diagonal
+// blocks' entries; the products step 8 columns at a time.
+constexpr size_t kSubChunks = kChunkSize / kSubChunkSize;
+constexpr size_t kFactoredRows = (kChunkSize - kSubChunkSize) +
+    kSubChunkSize * kSubChunks * (kSubChunks - 1) / 2;
 static_assert(4 * kKeyDecayTileWidth <= 2 * kDotTileWidth);
-static_assert(kChunkSize * kChunkSize % kChunkThreads == 0);
+static_assert(
+    kFactoredRows * kKeyDecayTileWidth <= 2 * kChunkSize * kDotTileWidth);
+static_assert(kSubChunks * kSubChunkSize * kSubChunkSize % kChunkThreads == 0);
+static_assert(kKeyDecayTileWidth % 8 == 0 && kSubChunkSize % 8 == 0);
+
+// key_decayed_grams' flops per chunk of one value head, Dk channels: the
+// products left of the diagonal blocks (2 Dk per entry: 16 rows by 16, 32
+// and 48 columns), their factored rows and columns (an exp, a subtraction
+// and a product per channel) and the diagonal blocks' 4 x 136 pairs (four
+// flops and an exp per pair and channel).
+double key_decayed_grams_flops(double Dk) {
+  const double left_entries =
+      double(kSubChunkSize) * kSubChunkSize * kSubChunks * (kSubChunks - 1) / 2;
+  const double diagonal_pairs =
+      double(kSubChunks) * kSubChunkSize * (kSubChunkSize + 1) / 2;
+  return (2.0 * left_entries + 3.0 * kFactoredRows + 5.0 * diagonal_pairs) * Dk;
+}
 constexpr size_t kRecomputeWuBytes = kChunkTileBytes + 2 * kChunkSize * kFloat;
 constexpr size_t kChunkCarryBytes = (kCarryRows * kMaxChunkedKeyDim +
                                      kCarryRows * kChunkSize + 2 * kChunkSize) *
@@ -200,14 +220,14 @@ void PlanBuilder::kkt_inverse() {
           {KktInverse});
   // Gram (read, or built from K), the decays and beta, then the
   // triangular solve (about 64^3 / 3 flops per chunk); T written whole.
-  // Per-key gates: the decayed gram's lower half, four flops and an exp
-  // per pair and channel, from K and the per-channel decays.
+  // Per-key gates: the decayed gram (key_decayed_grams), from K and the
+  // per-channel decays.
   double gram_bytes =
       k_gram ? B * Hv * chunk_tiles() * 4.0 : B * Hv * T * Dk * double(e);
   double gram_flops = k_gram ? 0.0 : 2.0 * tile() * Dk;
   if (p.per_key_gates) {
     gram_bytes += B * Hv * padded_tokens * Dk * 8.0;
-    gram_flops = 5.0 * (tile() / 2) * Dk;
+    gram_flops = key_decayed_grams_flops(Dk);
   }
   d.bytes_moved =
       gram_bytes + B * Hv * padded_tokens * 12.0 + B * Hv * chunk_tiles() * 4.0;
@@ -233,9 +253,11 @@ void PlanBuilder::recompute_w_u() {
            {8, U}},
           9,
           {W, U});
+  // Per-key gates: K is decayed per channel, from the channels' decays.
   d.bytes_moved = B * Hv *
       (T * (Dk + Dv) * double(e) + chunk_tiles() * 4.0 +
-       padded_tokens * (Dk + Dv) * 4.0);
+       padded_tokens * (Dk + Dv) * 4.0 +
+       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
   d.flops = 2.0 * B * Hv * C * (tile() / 2) * (Dk + Dv);
 }
 
@@ -259,13 +281,13 @@ void PlanBuilder::chunk_qk() {
           bindings,
           5,
           {QK});
-  // Per-key gates: one decayed tile per value head (the lower half, four
-  // flops and an exp per pair and channel), reading the channels' decays.
+  // Per-key gates: one decayed tile per value head (key_decayed_grams),
+  // reading the channels' decays.
   const double heads = double(qk_heads());
   d.bytes_moved = B * heads *
       (2.0 * T * Dk * double(e) + chunk_tiles() * 4.0 +
        (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
-  d.flops = p.per_key_gates ? 5.0 * B * heads * C * (tile() / 2) * Dk
+  d.flops = p.per_key_gates ? B * heads * C * key_decayed_grams_flops(Dk)
                             : 2.0 * B * heads * C * tile() * Dk;
 }
 
@@ -294,10 +316,12 @@ void PlanBuilder::chunk_carry() {
           {U, StateOut, OutputInter, CheckpointStates});
   // Each of the Dv / kCarryRows threadgroups of a head reads the chunk's
   // W, q and k rows (caches serve the repeats; counted once per head),
-  // U and writes v' and the inter-chunk output; the state once each way.
+  // U and writes v' and the inter-chunk output; the state once each way;
+  // per-key gates, the channels' decays.
   d.bytes_moved = B * Hv *
       (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
-       (2 + p.checkpoint_count) * Dv * Dk * 4.0);
+       (2 + p.checkpoint_count) * Dv * Dk * 4.0 +
+       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
   // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
   // and the state update (sum_j v'_j k_j^T): three Dk-long dot products;
   // a checkpoint cut in a chunk is at most one more update.
