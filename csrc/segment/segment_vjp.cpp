@@ -32,6 +32,7 @@
 #include "core/core_op.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
+#include "segment/segment_prepare.h"
 #include "segment/segment_primitive.h"
 
 namespace mx = mlx::core;
@@ -246,52 +247,31 @@ std::vector<mx::array> conv_part_backward(
       mx::concatenate(d_taps, 1, s)};
 }
 
-// Every differentiable input's gradient, in kMixedQkvzba .. kState order.
-std::vector<mx::array> segment_gradients(
+// The slice [first, first + width) of every packed row, as float32.
+mx::array mixed_columns(
+    const SegmentParams& p,
+    const mx::array& mixed,
+    int first,
+    int width,
+    mx::Stream s) {
+  return mx::astype(
+      mx::slice(mixed, {0, 0, first}, {p.batch, p.tokens, first + width}, s),
+      mx::float32,
+      s);
+}
+
+// Steps 2 and 3 (see the top of this file), shared by both backends: from the
+// core's inputs, the core's gradients {dq, dk, dv, dg, dbeta, dstate}, then
+// the gated norm's dz [B, T, Hv*Dv] and d norm_weight (float32).
+std::vector<mx::array> norm_and_core_gradients(
     const SegmentParams& p,
     Algorithm algorithm,
     const std::optional<mx::array>& mask,
+    const std::vector<mx::array>& core_primals,
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     mx::Stream s) {
-  const int B = p.batch, T = p.tokens;
-  const int Hk = p.key_heads, Hv = p.value_heads;
-  const int Dk = p.key_dim, Dv = p.value_dim;
-  const int qk_width = p.qk_width(), v_width = p.v_width();
-  const int history = p.conv_state_rows();
-  const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
-  const mx::array& mixed = primals[kMixedQkvzba];
-  auto mixed_part = [&](int first, int width) {
-    return mx::astype(
-        mx::slice(mixed, {0, 0, first}, {B, T, first + width}, s),
-        mx::float32,
-        s);
-  };
-
-  // 1. The conv, SiLU and the gates.
-  const CompactPositions at = compact_positions(p, mask, s);
-  const int firsts[3] = {0, qk_width, 2 * qk_width};
-  const int widths[3] = {qk_width, qk_width, v_width};
-  std::vector<ConvPart> parts;
-  for (int i = 0; i < 3; ++i) {
-    parts.push_back(conv_part_forward(p, at, primals, firsts[i], widths[i], s));
-  }
-  auto act = [&](int i) { return parts[i].pre * mx::sigmoid(parts[i].pre, s); };
-  mx::array q = mx::reshape(act(0), {B, T, Hk, Dk}, s);
-  mx::array k = mx::reshape(act(1), {B, T, Hk, Dk}, s);
-  mx::array v = mx::reshape(act(2), {B, T, Hv, Dv}, s);
-
-  const mx::array& decay_parameter = primals[kDecayParameter];
-  const bool log_rate =
-      p.decay_parameterization == DecayParameterization::LogRate;
-  mx::array rate =
-      log_rate ? mx::negative(mx::exp(decay_parameter, s), s) : decay_parameter;
-  mx::array gate_input = mixed_part(p.a_offset(), Hv) + primals[kDtBias];
-  mx::array g = rate * mx::logaddexp(gate_input, mx::array(0.0f), s);
-  mx::array beta = mx::sigmoid(mixed_part(p.b_offset(), Hv), s);
-
-  // 2. y, and the gated RMSNorm's gradient:
-  //    out = n * w * silu(z) with n = y * inv_rms.
+  const int B = p.batch, T = p.tokens, Hv = p.value_heads, Dv = p.value_dim;
   auto core = [&](const std::vector<mx::array>& in) {
     return gated_delta_rule(
         in[0],
@@ -300,18 +280,19 @@ std::vector<mx::array> segment_gradients(
         in[3],
         in[4],
         in[5],
-        1.0f / std::sqrt(float(Dk)),
+        1.0f / std::sqrt(float(p.key_dim)),
         head_mapping_name(p.head_mapping),
         mask,
         /*normalize_qk=*/true,
         algorithm_name(algorithm),
         s);
   };
-  const std::vector<mx::array> core_primals = {
-      q, k, v, g, beta, primals[kState]};
+  // out = n * w * silu(z) with n = y * inv_rms.
   mx::array y = core(core_primals)[0];
-  mx::array z =
-      mx::reshape(mixed_part(p.z_offset(), v_width), {B, T, Hv, Dv}, s);
+  mx::array z = mx::reshape(
+      mixed_columns(p, primals[kMixedQkvzba], p.z_offset(), p.v_width(), s),
+      {B, T, Hv, Dv},
+      s);
   mx::array d_out = mx::astype(cotangents[0], mx::float32, s);
   if (mask) {
     d_out = mx::where(
@@ -329,9 +310,114 @@ std::vector<mx::array> segment_gradients(
   mx::array d_n = d_out * norm_weight * gate;
   mx::array d_y = inv_rms * (d_n - n * mx::mean(d_n * n, -1, true, s));
 
-  // 3. The core's backward.
   auto [_, d_core] = mx::vjp(core, core_primals, {d_y, cotangents[2]});
-  const mx::array& d_g = d_core[3];
+  d_core.push_back(mx::reshape(d_z, {B, T, p.v_width()}, s));
+  d_core.push_back(d_norm_weight);
+  return d_core;
+}
+
+// Every differentiable input's gradient, in kMixedQkvzba .. kState order,
+// through the CPU kernels of the prepare stage and its vjp.
+std::vector<mx::array> segment_gradients_cpu(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::optional<mx::array>& mask,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    mx::Stream s) {
+  const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
+  std::vector<mx::array> inputs = {
+      primals[kMixedQkvzba],
+      primals[kConvWeight],
+      primals[kDecayParameter],
+      primals[kDtBias],
+      primals[kConvState]};
+  auto prepare = std::make_shared<GatedDeltaSegmentPrepare>(s, p);
+  std::vector<mx::array> with_mask = inputs;
+  if (mask) {
+    with_mask.push_back(*mask);
+  }
+  std::vector<mx::array> core_primals = mx::array::make_arrays(
+      prepare->output_shapes(with_mask),
+      std::vector<mx::Dtype>(5, mx::float32),
+      prepare,
+      with_mask);
+  core_primals.push_back(primals[kState]);
+  const std::vector<mx::array> d = norm_and_core_gradients(
+      p, algorithm, mask, core_primals, primals, cotangents, s);
+
+  // The kernel reads every input row-contiguous.
+  for (int i = 0; i < 5; ++i) {
+    inputs.push_back(mx::contiguous(d[i], false, s));
+  }
+  inputs.push_back(mx::contiguous(d[6], false, s));  // dz
+  inputs.push_back(
+      mx::contiguous(mx::astype(cotangents[1], dtype, s), false, s));
+  if (mask) {
+    inputs.push_back(*mask);
+  }
+  auto prepare_vjp = std::make_shared<GatedDeltaSegmentPrepareVJP>(s, p);
+  std::vector<mx::array> grads = mx::array::make_arrays(
+      prepare_vjp->output_shapes(inputs),
+      {dtype, mx::float32, mx::float32, mx::float32, dtype},
+      prepare_vjp,
+      inputs);
+  return {
+      grads[0],
+      mx::sum(grads[1], 0, false, s),
+      mx::sum(grads[2], 0, false, s),
+      mx::sum(grads[3], 0, false, s),
+      d[7],
+      grads[4],
+      d[5]};
+}
+
+// Every differentiable input's gradient, in kMixedQkvzba .. kState order, as
+// MLX ops on any stream.
+std::vector<mx::array> segment_gradients(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::optional<mx::array>& mask,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens;
+  const int Hk = p.key_heads, Hv = p.value_heads;
+  const int Dk = p.key_dim, Dv = p.value_dim;
+  const int qk_width = p.qk_width(), v_width = p.v_width();
+  const int history = p.conv_state_rows();
+  const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
+  const mx::array& mixed = primals[kMixedQkvzba];
+
+  // 1. The conv, SiLU and the gates.
+  const CompactPositions at = compact_positions(p, mask, s);
+  const int firsts[3] = {0, qk_width, 2 * qk_width};
+  const int widths[3] = {qk_width, qk_width, v_width};
+  std::vector<ConvPart> parts;
+  for (int i = 0; i < 3; ++i) {
+    parts.push_back(conv_part_forward(p, at, primals, firsts[i], widths[i], s));
+  }
+  auto act = [&](int i) { return parts[i].pre * mx::sigmoid(parts[i].pre, s); };
+  const mx::array& decay_parameter = primals[kDecayParameter];
+  const bool log_rate =
+      p.decay_parameterization == DecayParameterization::LogRate;
+  mx::array rate =
+      log_rate ? mx::negative(mx::exp(decay_parameter, s), s) : decay_parameter;
+  mx::array gate_input =
+      mixed_columns(p, mixed, p.a_offset(), Hv, s) + primals[kDtBias];
+  mx::array beta = mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
+  const std::vector<mx::array> core_primals = {
+      mx::reshape(act(0), {B, T, Hk, Dk}, s),
+      mx::reshape(act(1), {B, T, Hk, Dk}, s),
+      mx::reshape(act(2), {B, T, Hv, Dv}, s),
+      rate * mx::logaddexp(gate_input, mx::array(0.0f), s),
+      beta,
+      primals[kState]};
+
+  // 2 and 3.
+  const std::vector<mx::array> d = norm_and_core_gradients(
+      p, algorithm, mask, core_primals, primals, cotangents, s);
+  const mx::array& d_g = d[3];
 
   // 4. The gates' and the conv's gradients.
   mx::array gate_sigmoid = mx::sigmoid(gate_input, s);
@@ -343,25 +429,24 @@ std::vector<mx::array> segment_gradients(
       s);
   mx::array d_decay_parameter = log_rate ? d_rate * rate : d_rate;
   mx::array d_dt_bias = mx::sum(d_gate_input, std::vector<int>{0, 1}, false, s);
-  mx::array d_b = d_core[4] * beta * (mx::array(1.0f) - beta);
+  mx::array d_b = d[4] * beta * (mx::array(1.0f) - beta);
 
   const mx::array& d_conv_state_out = cotangents[1];
   std::vector<mx::array> d_tokens, d_carried, d_weight;
   for (int i = 0; i < 3; ++i) {
-    mx::array d_act = mx::reshape(d_core[i], {B, T, widths[i]}, s);
+    mx::array d_act = mx::reshape(d[i], {B, T, widths[i]}, s);
     mx::array d_carried_out = mx::slice(
         d_conv_state_out,
         {0, 0, firsts[i]},
         {B, history, firsts[i] + widths[i]},
         s);
-    auto d =
+    auto d_part =
         conv_part_backward(p, at, parts[i], d_act, d_carried_out, dtype, s);
-    d_tokens.push_back(d[0]);
-    d_carried.push_back(d[1]);
-    d_weight.push_back(d[2]);
+    d_tokens.push_back(d_part[0]);
+    d_carried.push_back(d_part[1]);
+    d_weight.push_back(d_part[2]);
   }
-  d_tokens.push_back(
-      mx::astype(mx::reshape(d_z, {B, T, v_width}, s), dtype, s));
+  d_tokens.push_back(mx::astype(d[6], dtype, s));
   d_tokens.push_back(mx::astype(d_b, dtype, s));
   d_tokens.push_back(mx::astype(d_gate_input, dtype, s));
   return {
@@ -369,9 +454,9 @@ std::vector<mx::array> segment_gradients(
       mx::concatenate(d_weight, 0, s),
       d_decay_parameter,
       d_dt_bias,
-      d_norm_weight,
+      d[7],
       mx::concatenate(d_carried, 2, s),
-      d_core[5]};
+      d[5]};
 }
 
 }  // namespace
@@ -398,8 +483,9 @@ std::vector<mx::array> GatedDeltaSegment::vjp(
   }
   const std::optional<mx::array> mask =
       has_mask_ ? std::optional(primals[kMask]) : std::nullopt;
-  const std::vector<mx::array> grads =
-      segment_gradients(p, algorithm_, mask, primals, cotangents, s);
+  const std::vector<mx::array> grads = s.device == mx::Device::cpu
+      ? segment_gradients_cpu(p, algorithm_, mask, primals, cotangents, s)
+      : segment_gradients(p, algorithm_, mask, primals, cotangents, s);
   std::vector<mx::array> result;
   for (int arg : argnums) {
     result.push_back(
