@@ -168,7 +168,6 @@ struct PrepareGradients {
   const float* dv;
   const float* dg;
   const float* dbeta;
-  const float* dz;
   float* d_weight_rows;  // [B, C, K]
   float* d_decay_rows;  // [B, Hv]
   float* d_dt_bias_rows;  // [B, Hv]
@@ -185,6 +184,7 @@ void prepare_vjp(
     const T* d_conv_state_out,
     const bool* mask,
     const PrepareGradients& grad,
+    const T* dz,
     T* d_mixed,
     T* d_conv_state) {
   const int C = p.conv_channels(), K = p.conv_kernel, Hv = p.value_heads;
@@ -265,7 +265,7 @@ void prepare_vjp(
       const T* row = mixed + r * F;
       T* d_row = d_mixed + r * F;
       for (int c = 0; c < v_width; ++c) {
-        d_row[p.z_offset() + c] = static_cast<T>(grad.dz[r * v_width + c]);
+        d_row[p.z_offset() + c] = dz[r * v_width + c];
       }
       for (int h = 0; h < Hv; ++h) {
         const float rate = rate_of(p, decay_parameter[h]);
@@ -467,10 +467,10 @@ void GatedDeltaSegmentPrepareVJP::eval_cpu(
             inputs[d + 2].data<float>(),
             inputs[d + 3].data<float>(),
             inputs[d + 4].data<float>(),
-            inputs[d + 5].data<float>(),
             outputs[1].data<float>(),
             outputs[2].data<float>(),
             outputs[3].data<float>()};
+        const T* dz = inputs[d + 5].data<T>();
         T* d_mixed = outputs[0].data<T>();
         T* d_conv_state = outputs[4].data<T>();
         dispatch(stream(), inputs, outputs, [=]() {
@@ -484,6 +484,7 @@ void GatedDeltaSegmentPrepareVJP::eval_cpu(
               d_conv_state_out,
               mask,
               grad,
+              dz,
               d_mixed,
               d_conv_state);
         });

@@ -19,8 +19,8 @@ enum SegmentPrepareInput {
   kPrepareDtBias,  // [Hv] float32
   kPrepareConvState,  // [B, K-1, C] (activation dtype)
   // The vjp's: dq [B, T, Hk, Dk], dk, dv [B, T, Hv, Dv], dg, dbeta
-  // [B, T, Hv] (float32), the gated norm's dz [B, T, Hv*Dv] (float32) and the
-  // cotangent of the new conv state [B, K-1, C] (activation dtype).
+  // [B, T, Hv] (float32), the gated norm's dz [B, T, Hv*Dv] and the cotangent
+  // of the new conv state [B, K-1, C] (both in the activation dtype).
   kPrepareCotangents,
 };
 constexpr int kPrepareCotangentCount = 7;

@@ -25,6 +25,7 @@
 // On the GPU the same ops run on the GPU stream; the core's backward has
 // Metal kernels for key dims up to 256.
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -32,6 +33,7 @@
 #include "core/core_op.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
+#include "segment/segment_norm.h"
 #include "segment/segment_prepare.h"
 #include "segment/segment_primitive.h"
 
@@ -260,19 +262,15 @@ mx::array mixed_columns(
       s);
 }
 
-// Steps 2 and 3 (see the top of this file), shared by both backends: from the
-// core's inputs, the core's gradients {dq, dk, dv, dg, dbeta, dstate}, then
-// the gated norm's dz [B, T, Hv*Dv] and d norm_weight (float32).
-std::vector<mx::array> norm_and_core_gradients(
+// The core recurrence of the segment, as a function of its inputs
+// {q, k, v, g, beta, state}.
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)>
+core_function(
     const SegmentParams& p,
     Algorithm algorithm,
     const std::optional<mx::array>& mask,
-    const std::vector<mx::array>& core_primals,
-    const std::vector<mx::array>& primals,
-    const std::vector<mx::array>& cotangents,
     mx::Stream s) {
-  const int B = p.batch, T = p.tokens, Hv = p.value_heads, Dv = p.value_dim;
-  auto core = [&](const std::vector<mx::array>& in) {
+  return [p, algorithm, mask, s](const std::vector<mx::array>& in) {
     return gated_delta_rule(
         in[0],
         in[1],
@@ -287,6 +285,21 @@ std::vector<mx::array> norm_and_core_gradients(
         algorithm_name(algorithm),
         s);
   };
+}
+
+// Steps 2 and 3 (see the top of this file) as MLX ops: from the core's
+// inputs, the core's gradients {dq, dk, dv, dg, dbeta, dstate}, then the
+// gated norm's dz [B, T, Hv*Dv] and d norm_weight (float32).
+std::vector<mx::array> norm_and_core_gradients(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::optional<mx::array>& mask,
+    const std::vector<mx::array>& core_primals,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens, Hv = p.value_heads, Dv = p.value_dim;
+  const auto core = core_function(p, algorithm, mask, s);
   // out = n * w * silu(z) with n = y * inv_rms.
   mx::array y = core(core_primals)[0];
   mx::array z = mx::reshape(
@@ -343,14 +356,29 @@ std::vector<mx::array> segment_gradients_cpu(
       prepare,
       with_mask);
   core_primals.push_back(primals[kState]);
-  const std::vector<mx::array> d = norm_and_core_gradients(
-      p, algorithm, mask, core_primals, primals, cotangents, s);
+  const auto core = core_function(p, algorithm, mask, s);
 
-  // The kernel reads every input row-contiguous.
+  // The kernels read every input row-contiguous.
+  std::vector<mx::array> norm_inputs = {
+      core(core_primals)[0],
+      primals[kMixedQkvzba],
+      primals[kNormWeight],
+      mx::contiguous(mx::astype(cotangents[0], dtype, s), false, s)};
+  if (mask) {
+    norm_inputs.push_back(*mask);
+  }
+  auto norm_vjp = std::make_shared<GatedDeltaSegmentNormVJP>(s, p);
+  const std::vector<mx::array> d_norm = mx::array::make_arrays(
+      norm_vjp->output_shapes(norm_inputs),
+      {mx::float32, dtype, mx::float32},
+      norm_vjp,
+      norm_inputs);
+  auto [_, d] = mx::vjp(core, core_primals, {d_norm[0], cotangents[2]});
+
   for (int i = 0; i < 5; ++i) {
     inputs.push_back(mx::contiguous(d[i], false, s));
   }
-  inputs.push_back(mx::contiguous(d[6], false, s));  // dz
+  inputs.push_back(d_norm[1]);  // dz
   inputs.push_back(
       mx::contiguous(mx::astype(cotangents[1], dtype, s), false, s));
   if (mask) {
@@ -367,7 +395,7 @@ std::vector<mx::array> segment_gradients_cpu(
       mx::sum(grads[1], 0, false, s),
       mx::sum(grads[2], 0, false, s),
       mx::sum(grads[3], 0, false, s),
-      d[7],
+      mx::sum(d_norm[2], 0, false, s),
       grads[4],
       d[5]};
 }
