@@ -28,7 +28,7 @@ namespace {
 constexpr int kTokenBlock = 64;
 
 template <typename T>
-void norm_vjp(
+void gated_norm_backward(
     const SegmentParams& p,
     const float* y,
     const T* mixed,
@@ -151,7 +151,7 @@ void GatedDeltaSegmentNormVJP::eval_cpu(
           encoder.set_output_array(output);
         }
         encoder.dispatch([=]() {
-          norm_vjp<T>(
+          gated_norm_backward<T>(
               p,
               y,
               mixed,

@@ -1,9 +1,9 @@
 // The segment's prepare stage and its vjp on the CPU (segment_prepare.h).
 //
-// Both kernels walk each batch row's conv history (the K-1 carried conv-state
-// rows, then the unmasked tokens, as the forward's prepare_conv sees them)
-// split into blocks of channels, one block per task: the depthwise conv has
-// no dependency across channels, so every output element has one writer.
+// Both conv kernels walk each batch row's conv history (the K-1 carried
+// conv-state rows, then the unmasked tokens, as the forward's prepare_conv sees
+// them) split into blocks of channels, one block per task: the depthwise conv
+// has no dependency across channels, so every output element has one writer.
 #include "segment/segment_prepare.h"
 
 #include <algorithm>
@@ -72,36 +72,63 @@ std::vector<ConvHistory<T>> conv_histories(
   return histories;
 }
 
-// Where channel c of token row `index` lives in q, k or v (which are
-// [B*T, Hk*Dk], [B*T, Hk*Dk], [B*T, Hv*Dv]).
-struct QkvColumns {
-  int qk_width;
-  int v_width;
-  template <typename P>
-  P* at(P* q, P* k, P* v, int64_t index, int c) const {
-    if (c < qk_width) {
-      return q + index * qk_width + c;
-    }
-    if (c < 2 * qk_width) {
-      return k + index * qk_width + (c - qk_width);
-    }
-    return v + index * v_width + (c - 2 * qk_width);
-  }
+// A block of at most kChannelBlock conv channels [first, first + width)
+// inside one of q, k and v, which are [B*T, stride] with the block at column
+// `column`.
+struct ChannelBlock {
+  int first;
+  int width;
+  int part;  // 0, 1, 2: q, k, v
+  int column;
+  int stride;
 };
 
-// The conv output before SiLU at compact row r (ranks from 0) for channel c.
-template <typename T>
-float conv_at(
-    const std::vector<const T*>& rows,
-    const float* weight,
-    int K,
-    int r,
-    int c) {
-  float sum = 0.0f;  // in the order of the forward's prepare_conv
-  for (int i = 0; i < K; ++i) {
-    sum += static_cast<float>(rows[r + i][c]) * weight[int64_t(c) * K + i];
+std::vector<ChannelBlock> channel_blocks(const SegmentParams& p) {
+  std::vector<ChannelBlock> blocks;
+  const int widths[3] = {p.qk_width(), p.qk_width(), p.v_width()};
+  int first = 0;
+  for (int part = 0; part < 3; ++part) {
+    for (int column = 0; column < widths[part]; column += kChannelBlock) {
+      const int width = std::min(kChannelBlock, widths[part] - column);
+      blocks.push_back({first + column, width, part, column, widths[part]});
+    }
+    first += widths[part];
   }
-  return sum;
+  return blocks;
+}
+
+// The [C, K] conv weight tap-major ([K, C]), so that the channel loops read
+// every operand with unit stride.
+std::vector<float> weight_by_tap(const SegmentParams& p, const float* weight) {
+  const int C = p.conv_channels(), K = p.conv_kernel;
+  std::vector<float> by_tap(int64_t(K) * C);
+  for (int c = 0; c < C; ++c) {
+    for (int i = 0; i < K; ++i) {
+      by_tap[int64_t(i) * C + c] = weight[int64_t(c) * K + i];
+    }
+  }
+  return by_tap;
+}
+
+// The conv output before SiLU at compact row r (ranks from 0), for the
+// block's channels, in the order of the forward's prepare_conv.
+template <typename T>
+void conv_rows(
+    const std::vector<const T*>& rows,
+    const std::vector<float>& by_tap,
+    const SegmentParams& p,
+    const ChannelBlock& block,
+    int r,
+    float* pre) {
+  const int C = p.conv_channels();
+  std::fill(pre, pre + block.width, 0.0f);
+  for (int i = 0; i < p.conv_kernel; ++i) {
+    const T* src = rows[r + i] + block.first;
+    const float* w = by_tap.data() + int64_t(i) * C + block.first;
+    for (int c = 0; c < block.width; ++c) {
+      pre[c] += static_cast<float>(src[c]) * w[c];
+    }
+  }
 }
 
 float rate_of(const SegmentParams& p, float decay_parameter) {
@@ -118,38 +145,53 @@ struct PrepareOutputs {
   float* beta;
 };
 
+// prepare_conv, writing q, k and v apart: silu(causal conv) per token, 0 for
+// a masked token.
 template <typename T>
-void prepare(
+void prepare_conv(
     const SegmentParams& p,
     const T* mixed,
     const float* weight,
-    const float* decay_parameter,
-    const float* dt_bias,
     const T* conv_state,
     const bool* mask,
     const PrepareOutputs& out) {
-  const int C = p.conv_channels(), K = p.conv_kernel, Hv = p.value_heads;
   const auto histories = conv_histories(p, mixed, conv_state, mask);
-  const QkvColumns columns{p.qk_width(), p.v_width()};
-  const int blocks = (C + kChannelBlock - 1) / kChannelBlock;
-  const int64_t block_work = int64_t(p.batch) * p.tokens * kChannelBlock * K;
-  cpu::parallel_for(blocks, block_work, [&](int block) {
-    const int c0 = block * kChannelBlock;
-    const int c1 = std::min(C, c0 + kChannelBlock);
+  const std::vector<float> by_tap = weight_by_tap(p, weight);
+  const std::vector<ChannelBlock> blocks = channel_blocks(p);
+  float* parts[3] = {out.q, out.k, out.v};
+  const int64_t block_work =
+      int64_t(p.batch) * p.tokens * kChannelBlock * p.conv_kernel;
+  cpu::parallel_for(int(blocks.size()), block_work, [&](int i) {
+    const ChannelBlock& block = blocks[i];
+    float pre[kChannelBlock];
     for (int b = 0; b < p.batch; ++b) {
       int rank = 0;
       for (int t = 0; t < p.tokens; ++t) {
         const int64_t index = int64_t(b) * p.tokens + t;
-        const bool kept = is_kept(mask, index);
-        for (int c = c0; c < c1; ++c) {
-          const float pre =
-              kept ? conv_at(histories[b].rows, weight, K, rank, c) : 0.0f;
-          *columns.at(out.q, out.k, out.v, index, c) = pre * sigmoid(pre);
+        float* dst = parts[block.part] + index * block.stride + block.column;
+        if (!is_kept(mask, index)) {
+          std::fill(dst, dst + block.width, 0.0f);
+          continue;
         }
-        rank += kept ? 1 : 0;
+        conv_rows(histories[b].rows, by_tap, p, block, rank, pre);
+        for (int c = 0; c < block.width; ++c) {
+          dst[c] = pre[c] * sigmoid(pre[c]);
+        }
+        ++rank;
       }
     }
   });
+}
+
+// prepare_gates: g = rate * softplus(a + dt_bias), beta = sigmoid(b).
+template <typename T>
+void prepare_gates(
+    const SegmentParams& p,
+    const T* mixed,
+    const float* decay_parameter,
+    const float* dt_bias,
+    const PrepareOutputs& out) {
+  const int Hv = p.value_heads;
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = mixed + r * p.mixed_qkvzba_width();
@@ -173,100 +215,129 @@ struct PrepareGradients {
   float* d_dt_bias_rows;  // [B, Hv]
 };
 
+// prepare_conv_backward: the gradient of prepare_conv and collect_conv_state
+// into the packed rows' q|k|v columns, the conv state and the conv weight.
 template <typename T>
-void prepare_vjp(
+void prepare_conv_backward(
     const SegmentParams& p,
     const T* mixed,
     const float* weight,
-    const float* decay_parameter,
-    const float* dt_bias,
     const T* conv_state,
     const T* d_conv_state_out,
     const bool* mask,
     const PrepareGradients& grad,
-    const T* dz,
     T* d_mixed,
     T* d_conv_state) {
-  const int C = p.conv_channels(), K = p.conv_kernel, Hv = p.value_heads;
+  const int C = p.conv_channels(), K = p.conv_kernel;
   const int history = p.conv_state_rows();
   const int F = p.mixed_qkvzba_width();
   const auto histories = conv_histories(p, mixed, conv_state, mask);
-  const QkvColumns columns{p.qk_width(), p.v_width()};
-  const int blocks = (C + kChannelBlock - 1) / kChannelBlock;
+  const std::vector<float> by_tap = weight_by_tap(p, weight);
+  const std::vector<ChannelBlock> blocks = channel_blocks(p);
+  const float* d_parts[3] = {grad.dq, grad.dk, grad.dv};
   const int64_t block_work =
       int64_t(p.batch) * p.tokens * kChannelBlock * 3 * K;
-  cpu::parallel_for(blocks, block_work, [&](int block) {
-    const int c0 = block * kChannelBlock;
-    const int c1 = std::min(C, c0 + kChannelBlock);
-    const int width = c1 - c0;
+  cpu::parallel_for(int(blocks.size()), block_work, [&](int block_index) {
+    const ChannelBlock& block = blocks[block_index];
+    const int width = block.width;
     // d_pre of the last K compact rows, row r at slot r % K.
-    std::vector<float> recent(int64_t(K) * width);
+    std::vector<float> recent(int64_t(K) * kChannelBlock);
+    float pre[kChannelBlock];
     for (int b = 0; b < p.batch; ++b) {
       const ConvHistory<T>& h = histories[b];
       const int count = int(h.token_of_rank.size());
-      // This block's d conv_weight over the row, summed in double.
-      std::vector<double> d_weight(int64_t(width) * K, 0.0);
+      // This block's d conv_weight over the row, tap-major, summed in double.
+      std::vector<double> d_weight(int64_t(K) * kChannelBlock, 0.0);
       for (int t = 0; t < p.tokens; ++t) {  // masked tokens enter no window
         const int64_t index = int64_t(b) * p.tokens + t;
         if (!is_kept(mask, index)) {
-          std::fill(
-              d_mixed + index * F + c0, d_mixed + index * F + c1, T(0.0f));
+          T* dst = d_mixed + index * F + block.first;
+          std::fill(dst, dst + width, T(0.0f));
         }
       }
       // Compact position `at` is read by the conv rows at - j (tap j); its
       // gradient is sum_j d_pre[at - j] * weight[:, j] once d_pre[at] is known.
       for (int at = 0; at < history + count; ++at) {
-        float* d_pre = recent.data() + int64_t(at % K) * width;
+        float* d_pre = recent.data() + int64_t(at % K) * kChannelBlock;
         if (at < count) {
           const int64_t index = int64_t(b) * p.tokens + h.token_of_rank[at];
-          for (int c = c0; c < c1; ++c) {
-            const float pre = conv_at(h.rows, weight, K, at, c);
-            const float s = sigmoid(pre);
-            const float d_act =
-                *columns.at(grad.dq, grad.dk, grad.dv, index, c);
-            const float d = d_act * s * (1.0f + pre * (1.0f - s));
-            d_pre[c - c0] = d;
-            for (int i = 0; i < K; ++i) {
-              d_weight[int64_t(c - c0) * K + i] +=
-                  double(d) * static_cast<float>(h.rows[at + i][c]);
+          const float* d_act =
+              d_parts[block.part] + index * block.stride + block.column;
+          conv_rows(h.rows, by_tap, p, block, at, pre);
+          for (int c = 0; c < width; ++c) {
+            const float s = sigmoid(pre[c]);
+            d_pre[c] = d_act[c] * s * (1.0f + pre[c] * (1.0f - s));
+          }
+          for (int i = 0; i < K; ++i) {
+            const T* src = h.rows[at + i] + block.first;
+            double* dw = d_weight.data() + int64_t(i) * kChannelBlock;
+            for (int c = 0; c < width; ++c) {
+              dw[c] += double(d_pre[c]) * static_cast<float>(src[c]);
             }
           }
         } else {
           std::fill(d_pre, d_pre + width, 0.0f);
         }
         // The new conv state is compact positions count .. count+K-2.
-        const T* d_carried = at >= count
-            ? d_conv_state_out + (int64_t(b) * history + (at - count)) * C
-            : nullptr;
+        float sum[kChannelBlock];
+        if (at >= count) {
+          const T* d_carried = d_conv_state_out +
+              (int64_t(b) * history + (at - count)) * C + block.first;
+          for (int c = 0; c < width; ++c) {
+            sum[c] = static_cast<float>(d_carried[c]);
+          }
+        } else {
+          std::fill(sum, sum + width, 0.0f);
+        }
+        for (int j = 0; j < K && j <= at; ++j) {
+          const float* d_row =
+              recent.data() + int64_t((at - j) % K) * kChannelBlock;
+          const float* w = by_tap.data() + int64_t(j) * C + block.first;
+          for (int c = 0; c < width; ++c) {
+            sum[c] += d_row[c] * w[c];
+          }
+        }
         T* dst = at < history ? d_conv_state + (int64_t(b) * history + at) * C
                               : d_mixed +
                 (int64_t(b) * p.tokens + h.token_of_rank[at - history]) * F;
-        for (int c = c0; c < c1; ++c) {
-          float sum = d_carried ? static_cast<float>(d_carried[c]) : 0.0f;
-          for (int j = 0; j < K && j <= at; ++j) {
-            sum += recent[int64_t((at - j) % K) * width + (c - c0)] *
-                weight[int64_t(c) * K + j];
-          }
-          dst[c] = static_cast<T>(sum);
+        for (int c = 0; c < width; ++c) {
+          dst[block.first + c] = static_cast<T>(sum[c]);
         }
       }
       float* d_weight_row = grad.d_weight_rows + int64_t(b) * C * K;
-      for (int64_t i = 0; i < int64_t(width) * K; ++i) {
-        d_weight_row[int64_t(c0) * K + i] = float(d_weight[i]);
+      for (int c = 0; c < width; ++c) {
+        for (int i = 0; i < K; ++i) {
+          d_weight_row[int64_t(block.first + c) * K + i] =
+              float(d_weight[int64_t(i) * kChannelBlock + c]);
+        }
       }
     }
   });
-  // z is the gated norm's; b and a the gates'.
+}
+
+// prepare_gates_backward: the gradient of prepare_gates into the packed
+// rows' b and a columns, the decay parameter and dt_bias; the z columns take
+// the gated norm's dz.
+template <typename T>
+void prepare_gates_backward(
+    const SegmentParams& p,
+    const T* mixed,
+    const float* decay_parameter,
+    const float* dt_bias,
+    const PrepareGradients& grad,
+    const T* dz,
+    T* d_mixed) {
+  const int Hv = p.value_heads, F = p.mixed_qkvzba_width();
   const int v_width = p.v_width();
+  const bool log_rate =
+      p.decay_parameterization == DecayParameterization::LogRate;
   for (int b = 0; b < p.batch; ++b) {
     std::vector<double> d_rate(Hv, 0.0), d_dt_bias(Hv, 0.0);
     for (int t = 0; t < p.tokens; ++t) {
       const int64_t r = int64_t(b) * p.tokens + t;
       const T* row = mixed + r * F;
       T* d_row = d_mixed + r * F;
-      for (int c = 0; c < v_width; ++c) {
-        d_row[p.z_offset() + c] = dz[r * v_width + c];
-      }
+      std::copy(dz + r * v_width, dz + (r + 1) * v_width, d_row + p.z_offset());
       for (int h = 0; h < Hv; ++h) {
         const float rate = rate_of(p, decay_parameter[h]);
         const float gate_input =
@@ -281,8 +352,6 @@ void prepare_vjp(
             static_cast<T>(grad.dbeta[r * Hv + h] * beta * (1.0f - beta));
       }
     }
-    const bool log_rate =
-        p.decay_parameterization == DecayParameterization::LogRate;
     for (int h = 0; h < Hv; ++h) {  // d rate / d A_log = rate
       const double rate = rate_of(p, decay_parameter[h]);
       grad.d_decay_rows[b * Hv + h] =
@@ -394,7 +463,8 @@ void GatedDeltaSegmentPrepare::eval_cpu(
             outputs[3].data<float>(),
             outputs[4].data<float>()};
         dispatch(stream(), inputs, outputs, [=]() {
-          prepare<T>(p, mixed, weight, decay, dt_bias, conv_state, mask, out);
+          prepare_conv<T>(p, mixed, weight, conv_state, mask, out);
+          prepare_gates<T>(p, mixed, decay, dt_bias, out);
         });
       });
 }
@@ -474,19 +544,18 @@ void GatedDeltaSegmentPrepareVJP::eval_cpu(
         T* d_mixed = outputs[0].data<T>();
         T* d_conv_state = outputs[4].data<T>();
         dispatch(stream(), inputs, outputs, [=]() {
-          prepare_vjp<T>(
+          prepare_conv_backward<T>(
               p,
               mixed,
               weight,
-              decay,
-              dt_bias,
               conv_state,
               d_conv_state_out,
               mask,
               grad,
-              dz,
               d_mixed,
               d_conv_state);
+          prepare_gates_backward<T>(
+              p, mixed, decay, dt_bias, grad, dz, d_mixed);
         });
       });
 }
