@@ -69,9 +69,9 @@ def gated_delta_segment(
     input (the packed input, the conv weight, the decay parameter, dt_bias,
     the norm weight, the conv state and the state) for the cotangents of all
     three outputs, each in its input's dtype; skipped (masked) tokens get
-    zero gradient. The conv, gates and norm are differentiated as float32
-    MLX ops and the recurrence through the core op's backward, on the CPU
-    and on the GPU (Metal kernels for key dims up to 256).
+    zero gradient. The recurrence is differentiated through the core op's
+    backward; the conv, gates and norm in float32, by kernels on the CPU and
+    by MLX ops on the GPU (Metal kernels for the core, key dims up to 256).
     ``mx.vmap`` maps over the packed input, the states and the mask (not
     over the parameters).
     """

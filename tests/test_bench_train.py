@@ -75,6 +75,7 @@ def _record():
     }
     layer = {
         "T": 512,
+        "io_bytes": 80 * 2**20,
         "cells": {
             "ours (patched layer)": cell,
             "mlx-lm stock layer": {**cell, "ms": 1000.0},
@@ -104,6 +105,17 @@ def test_the_table_gives_speed_ups_the_fraction_of_gemm_and_skips():
     assert "50%" in text  # 100 GFLOP/s of a 200 GFLOP/s roofline
     assert "1.50" in text  # peak 130 MiB + 20 MiB of scratch over 100 MiB of inputs and outputs
     assert "10.0x" in text  # the layer: 1000 ms against 100
+    assert "2.50" in text  # the layer: peak 200 MiB over 80 MiB of io
+
+
+def test_layer_io_bytes_count_input_output_and_the_trainable_parameters_twice():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    layer = nn.Linear(4, 3)  # weight 12 floats, bias 3
+    layer.freeze(keys=["bias"])
+    x = mx.zeros((1, 2, 4))
+    assert train.layer_io_bytes(layer, x) == 2 * (2 * 4 * 4) + 2 * (12 * 4)
 
 
 def test_bench_train_flag_delegates_to_the_training_benchmark(monkeypatch):

@@ -1,19 +1,34 @@
 // The segment's gradient (GatedDeltaSegment::vjp).
 //
-// The vjp re-expresses the segment's forward as a composition of MLX ops
-// around the core op and returns the vjp of that composition:
-//   causal depthwise conv with the carried conv state and the skip semantics
-//   of the mask, SiLU, the gates, the core recurrence (gated_delta_rule, with
-//   q/k L2-normalized inside it), the gated RMSNorm.
-// Everything but the recurrence is elementwise or a gather, whose MLX
-// gradients are exact and cheap; the recurrence, the only heavy part, goes
-// through the core op's own backward primitive (one saved state per 64
-// tokens, not one per token). A dedicated fused backward kernel would save
-// the recomputation of the conv and the norms, a small fraction of the work;
-// this keeps a single source of truth for the math that the gradient tests
-// check against the float64 oracle. On the GPU the core's backward raises
-// (no Metal backward kernels yet) and asks for stream=mx.cpu.
+// The backward runs the segment's stages around the core op's own backward
+// primitive, which stays the one source of the recurrence's gradient (one
+// saved state per 64 tokens, not one per token):
+//   1. recompute q, k, v (causal depthwise conv with the carried conv state
+//      and the skip semantics of the mask, then SiLU), g and beta;
+//   2. recompute y through the core's forward, and take the gated RMSNorm's
+//      gradient (dy, dz, d norm_weight);
+//   3. the core's backward (gated_delta_rule's vjp): dq, dk, dv, dg, dbeta
+//      and dstate;
+//   4. the conv's and the gates' gradients into the packed row, the conv
+//      weight, the conv state, the decay parameter and dt_bias.
+// On the CPU, steps 1, 2 and 4 are one kernel each (segment_prepare.h,
+// segment_norm.h): the backward holds q, k, v, y, dy and the core's
+// gradients, not the float32 temporaries of an MLX op per elementwise step.
+// On other streams they are MLX ops, per part q, k, v so that no [B, T, F]
+// float32 copy of the packed row is made, with the conv's gradient as K
+// shifted multiply-adds like its forward (no [B, T, K, C] window tensor and
+// no scatter-add).
+//
+// Measured (benchmarks/RESULTS.md, "Training"; CPU, bf16, the Qwen3-Next
+// layer's shape): the vjp alone peaks at 330 MiB at T = 2048 and 1295 MiB at
+// T = 8192, against 1834 and 7315 MiB as the MLX vjp of the segment written
+// as MLX ops, and took 0.24x to 0.48x of its time; a whole patched layer's
+// training step peaks at 5x (T = 2048) and 12x (T = 8192) the bytes of its
+// input, output, parameters and gradients, against 13x and 38x. What is left
+// is the float32 q, k, v, y and their gradients, which the core's backward
+// reads whole, and the layer's input projections' backward.
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -21,6 +36,8 @@
 #include "core/core_op.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
+#include "segment/segment_norm.h"
+#include "segment/segment_prepare.h"
 #include "segment/segment_primitive.h"
 
 namespace mx = mlx::core;
@@ -44,167 +61,433 @@ const char* algorithm_name(Algorithm algorithm) {
   }
 }
 
-// Row indices into the extended sequence ext = [conv_state rows; tokens]
-// ([B, K-1+T] per row) of the elements the skip semantics puts at "compact"
-// positions: compact position c < K-1 is conv_state row c, and compact
-// position K-1+r is the r-th unmasked token of the row. Masked tokens have
-// no compact position, so they enter no conv window.
-class CompactIndex {
- public:
-  CompactIndex(
-      const SegmentParams& p,
-      const std::optional<mx::array>& mask,
-      mx::Stream s)
-      : p_(p), mask_(mask), s_(s) {
-    const int T = p.tokens;
-    if (mask) {
-      mx::array valid = mx::astype(*mask, mx::int32, s);
-      // rank[b, t]: unmasked tokens before t (exclusive count).
-      rank_ = mx::cumsum(valid, 1, false, false, std::nullopt, s);
-      count_ = mx::sum(valid, 1, true, s);  // [B, 1]
-      // token_of_rank[b, r]: the token of rank r; masked tokens all write
-      // the spare slot T, which no lookup reads.
-      mx::array slot = mx::where(*mask, rank_, mx::array(T, mx::int32), s);
-      mx::array tokens = mx::broadcast_to(
-          mx::reshape(mx::arange(T, s), {1, T}, s), {p.batch, T}, s);
-      token_of_rank_ = mx::put_along_axis(
-          mx::zeros({p.batch, T + 1}, mx::int32, s), slot, tokens, 1, s);
-    } else {
-      rank_ = mx::broadcast_to(
-          mx::reshape(mx::arange(T, s), {1, T}, s), {p.batch, T}, s);
-      count_ = mx::full({p.batch, 1}, T, mx::int32, s);
-    }
-  }
-
-  // ext rows of compact positions `c` ([B, n], int32, every c in
-  // [0, K-1 + unmasked count)).
-  mx::array ext_rows(const mx::array& c) const {
-    if (!mask_) {
-      return c;
-    }
-    const int history = p_.conv_state_rows();
-    mx::array r = mx::maximum(c - history, mx::array(0, mx::int32), s_);
-    mx::array token = mx::take_along_axis(token_of_rank_, r, 1, s_);
-    return mx::where(
-        mx::less(c, mx::array(history, mx::int32), s_), c, token + history, s_);
-  }
-
-  // Compact position of the newest input of token t's window: K-1 + rank.
-  const mx::array& rank() const {
-    return rank_;
-  }
-  const mx::array& count() const {
-    return count_;
-  }
-
- private:
-  SegmentParams p_;
-  std::optional<mx::array> mask_;
-  mx::Stream s_;
-  mx::array rank_ = mx::array(0);
-  mx::array count_ = mx::array(0);
-  mx::array token_of_rank_ = mx::array(0);
-};
-
-// Rows `rows` ([B, n], indices into each batch row's ext) of ext [B, L, C],
-// as [B, n, C]: one gather over the flattened rows (the index does not
-// depend on the channel).
-mx::array gather_rows(
-    const mx::array& ext, const mx::array& rows, mx::Stream s) {
-  const int B = ext.shape(0);
-  const int L = ext.shape(1);
-  const int C = ext.shape(2);
-  const int n = rows.shape(1);
-  mx::array base = mx::reshape(mx::arange(0, B * L, L, s), {B, 1}, s);
-  mx::array flat = mx::reshape(rows + base, {B * n}, s);
-  return mx::reshape(
-      mx::take(mx::reshape(ext, {B * L, C}, s), flat, 0, s), {B, n, C}, s);
+// d silu(x) / dx from x and sig = sigmoid(x).
+mx::array silu_derivative(const mx::array& x, const mx::array& sig) {
+  return sig * (mx::array(1.0f) + x * (mx::array(1.0f) - sig));
 }
 
-// The segment's forward as MLX ops (see the top of this file). `primals`
-// are the primitive's differentiable inputs (mixed_qkvzba ... state); returns
-// {out, conv_state, state} in the primitive's output dtypes.
-std::vector<mx::array> segment_composition(
+// Rows `rows` ([B, n], indices into each batch row of `a` [B, L, W]) of `a`,
+// as [B, n, W].
+mx::array take_rows(const mx::array& a, const mx::array& rows, mx::Stream s) {
+  const int B = a.shape(0);
+  const int n = rows.shape(1);
+  mx::array index = mx::reshape(rows, {B, n, 1}, s);
+  return mx::take_along_axis(
+      a, mx::broadcast_to(index, {B, n, a.shape(2)}, s), 1, s);
+}
+
+// The conv's positions under the skip semantics of the mask. The conv runs
+// over "compact" positions of each row: compact position c < K-1 is conv
+// state row c, and compact position K-1+r is the r-th unmasked token. Masked
+// tokens have no compact position, so they enter no conv window. Without a
+// mask, compact positions are the rows of ext = [conv_state; tokens].
+struct CompactPositions {
+  // Unmasked tokens before each token ([B, T], int32): token t's conv output
+  // is the compact conv's row rank[t].
+  mx::array rank;
+  // Unmasked tokens per row ([B, 1], int32).
+  mx::array count;
+  // With a mask only: the ext row of each compact position ([B, K-1+T];
+  // positions past the row's K-1+count read a real row, which no kept token
+  // uses), and the compact position of each ext row with whether it has one.
+  std::optional<mx::array> ext_of_compact;
+  std::optional<mx::array> compact_of_ext;
+  std::optional<mx::array> ext_is_kept;
+  // With a mask only: the token of each rank ([B, T]; ranks past the count
+  // name token 0) and whether the rank is below the count.
+  std::optional<mx::array> token_of_rank;
+  std::optional<mx::array> rank_is_kept;
+};
+
+CompactPositions compact_positions(
+    const SegmentParams& p,
+    const std::optional<mx::array>& mask,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens;
+  const int history = p.conv_state_rows();
+  auto row_arange = [&](int n) {
+    return mx::broadcast_to(
+        mx::reshape(mx::arange(n, s), {1, n}, s), {B, n}, s);
+  };
+  if (!mask) {
+    return {row_arange(T), mx::full({B, 1}, T, mx::int32, s)};
+  }
+  mx::array kept = mx::astype(*mask, mx::int32, s);
+  mx::array rank = mx::cumsum(kept, 1, false, false, std::nullopt, s);
+  mx::array count = mx::sum(kept, 1, true, s);
+  // Every masked token writes the spare slot T, which no lookup reads.
+  mx::array slot = mx::where(*mask, rank, mx::array(T, mx::int32), s);
+  mx::array token_of_rank = mx::slice(
+      mx::put_along_axis(
+          mx::zeros({B, T + 1}, mx::int32, s), slot, row_arange(T), 1, s),
+      {0, 0},
+      {B, T},
+      s);
+  mx::array state_rows = row_arange(history);
+  mx::array ext_of_compact = mx::concatenate(
+      {state_rows, token_of_rank + mx::array(history, mx::int32)}, 1, s);
+  mx::array compact_of_ext =
+      mx::concatenate({state_rows, rank + mx::array(history, mx::int32)}, 1, s);
+  mx::array ext_is_kept = mx::concatenate(
+      {mx::full({B, history}, true, mx::bool_, s), *mask}, 1, s);
+  mx::array rank_is_kept = mx::less(row_arange(T), count, s);
+  return {
+      rank,
+      count,
+      ext_of_compact,
+      compact_of_ext,
+      ext_is_kept,
+      token_of_rank,
+      rank_is_kept};
+}
+
+// One part (q, k or v) of the conv: the channels [first, first + width).
+struct ConvPart {
+  mx::array compact;  // [B, K-1+T, W], activation dtype: the conv's input
+  mx::array pre;  // [B, T, W] float32: the conv output before SiLU, per token
+  mx::array weight;  // [W, K] float32
+};
+
+ConvPart conv_part_forward(
+    const SegmentParams& p,
+    const CompactPositions& at,
+    const std::vector<mx::array>& primals,
+    int first,
+    int width,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens, K = p.conv_kernel;
+  const int history = p.conv_state_rows();
+  mx::array tokens =
+      mx::slice(primals[kMixedQkvzba], {0, 0, first}, {B, T, first + width}, s);
+  mx::array carried = mx::slice(
+      primals[kConvState], {0, 0, first}, {B, history, first + width}, s);
+  mx::array compact = mx::concatenate({carried, tokens}, 1, s);
+  if (at.ext_of_compact) {
+    compact = take_rows(compact, *at.ext_of_compact, s);
+  }
+  mx::array weight =
+      mx::slice(primals[kConvWeight], {first, 0}, {first + width, K}, s);
+  // Compact row r of the conv: sum_j compact[r + j] * weight[:, j].
+  mx::array pre = mx::zeros({B, T, width}, mx::float32, s);
+  for (int j = 0; j < K; ++j) {
+    mx::array tap = mx::reshape(
+        mx::slice(weight, {0, j}, {width, j + 1}, s), {1, 1, width}, s);
+    pre = pre + mx::slice(compact, {0, j, 0}, {B, j + T, width}, s) * tap;
+  }
+  if (at.token_of_rank) {
+    pre = take_rows(pre, at.rank, s);
+  }
+  return {compact, pre, weight};
+}
+
+// The gradients of one conv part from the gradient of its SiLU output
+// `d_act` [B, T, W] and the cotangent of its conv-state columns `d_carried_out`
+// [B, K-1, W]: {d_tokens [B, T, W] and d_conv_state [B, K-1, W] in the
+// activation dtype, d_weight [W, K] float32}.
+std::vector<mx::array> conv_part_backward(
+    const SegmentParams& p,
+    const CompactPositions& at,
+    const ConvPart& part,
+    const mx::array& d_act,
+    const mx::array& d_carried_out,
+    mx::Dtype dtype,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens, K = p.conv_kernel;
+  const int history = p.conv_state_rows();
+  const int length = history + T;
+  const int width = part.pre.shape(2);
+  mx::array d_pre = d_act * silu_derivative(part.pre, mx::sigmoid(part.pre, s));
+  if (at.token_of_rank) {  // per compact row: its token's, 0 past the count
+    d_pre = mx::where(
+        mx::reshape(*at.rank_is_kept, {B, T, 1}, s),
+        take_rows(d_pre, *at.token_of_rank, s),
+        mx::array(0.0f),
+        s);
+  }
+  // d_compact[c] = sum_j d_pre[c - j] * weight[:, j], over 0 <= c - j < T.
+  mx::array padded = mx::pad(
+      d_pre,
+      std::vector<int>{1},
+      mx::Shape{K - 1},
+      mx::Shape{K - 1},
+      mx::array(0.0f),
+      "constant",
+      s);
+  mx::array d_compact = mx::zeros({B, length, width}, mx::float32, s);
+  std::vector<mx::array> d_taps;
+  for (int j = 0; j < K; ++j) {
+    mx::array tap = mx::reshape(
+        mx::slice(part.weight, {0, j}, {width, j + 1}, s), {1, 1, width}, s);
+    mx::array shifted =
+        mx::slice(padded, {0, K - 1 - j, 0}, {B, K - 1 - j + length, width}, s);
+    d_compact = d_compact + shifted * tap;
+    mx::array window = mx::slice(part.compact, {0, j, 0}, {B, j + T, width}, s);
+    d_taps.push_back(mx::reshape(
+        mx::sum(d_pre * window, std::vector<int>{0, 1}, false, s),
+        {width, 1},
+        s));
+  }
+  // The new conv state is the compact rows count .. count+K-2.
+  if (history > 0) {
+    mx::array offsets = mx::reshape(mx::arange(history, s), {1, history}, s);
+    mx::array rows = mx::broadcast_to(
+        mx::reshape(at.count + offsets, {B, history, 1}, s),
+        {B, history, width},
+        s);
+    d_compact = mx::scatter_add_axis(
+        d_compact, rows, mx::astype(d_carried_out, mx::float32, s), 1, s);
+  }
+  mx::array d_ext = d_compact;
+  if (at.compact_of_ext) {
+    d_ext = mx::where(
+        mx::reshape(*at.ext_is_kept, {B, length, 1}, s),
+        take_rows(d_compact, *at.compact_of_ext, s),
+        mx::array(0.0f),
+        s);
+  }
+  d_ext = mx::astype(d_ext, dtype, s);
+  return {
+      mx::slice(d_ext, {0, history, 0}, {B, length, width}, s),
+      mx::slice(d_ext, {0, 0, 0}, {B, history, width}, s),
+      mx::concatenate(d_taps, 1, s)};
+}
+
+// The slice [first, first + width) of every packed row, as float32.
+mx::array mixed_columns(
+    const SegmentParams& p,
+    const mx::array& mixed,
+    int first,
+    int width,
+    mx::Stream s) {
+  return mx::astype(
+      mx::slice(mixed, {0, 0, first}, {p.batch, p.tokens, first + width}, s),
+      mx::float32,
+      s);
+}
+
+// The core recurrence of the segment, as a function of its inputs
+// {q, k, v, g, beta, state}.
+std::function<std::vector<mx::array>(const std::vector<mx::array>&)>
+core_function(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::optional<mx::array>& mask,
+    mx::Stream s) {
+  return [p, algorithm, mask, s](const std::vector<mx::array>& in) {
+    return gated_delta_rule(
+        in[0],
+        in[1],
+        in[2],
+        in[3],
+        in[4],
+        in[5],
+        1.0f / std::sqrt(float(p.key_dim)),
+        head_mapping_name(p.head_mapping),
+        mask,
+        /*normalize_qk=*/true,
+        algorithm_name(algorithm),
+        s);
+  };
+}
+
+// Steps 2 and 3 (see the top of this file) as MLX ops: from the core's
+// inputs, the core's gradients {dq, dk, dv, dg, dbeta, dstate}, then the
+// gated norm's dz [B, T, Hv*Dv] and d norm_weight (float32).
+std::vector<mx::array> norm_and_core_gradients(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::optional<mx::array>& mask,
+    const std::vector<mx::array>& core_primals,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens, Hv = p.value_heads, Dv = p.value_dim;
+  const auto core = core_function(p, algorithm, mask, s);
+  // out = n * w * silu(z) with n = y * inv_rms.
+  mx::array y = core(core_primals)[0];
+  mx::array z = mx::reshape(
+      mixed_columns(p, primals[kMixedQkvzba], p.z_offset(), p.v_width(), s),
+      {B, T, Hv, Dv},
+      s);
+  mx::array d_out = mx::astype(cotangents[0], mx::float32, s);
+  if (mask) {
+    d_out = mx::where(
+        mx::reshape(*mask, {B, T, 1, 1}, s), d_out, mx::array(0.0f), s);
+  }
+  mx::array inv_rms = mx::rsqrt(
+      mx::mean(mx::square(y, s), -1, true, s) + mx::array(p.norm_eps), s);
+  mx::array n = y * inv_rms;
+  mx::array z_sigmoid = mx::sigmoid(z, s);
+  mx::array gate = z * z_sigmoid;
+  const mx::array& norm_weight = primals[kNormWeight];
+  mx::array d_norm_weight =
+      mx::sum(d_out * n * gate, std::vector<int>{0, 1, 2}, false, s);
+  mx::array d_z = d_out * n * norm_weight * silu_derivative(z, z_sigmoid);
+  mx::array d_n = d_out * norm_weight * gate;
+  mx::array d_y = inv_rms * (d_n - n * mx::mean(d_n * n, -1, true, s));
+
+  auto [_, d_core] = mx::vjp(core, core_primals, {d_y, cotangents[2]});
+  d_core.push_back(mx::reshape(d_z, {B, T, p.v_width()}, s));
+  d_core.push_back(d_norm_weight);
+  return d_core;
+}
+
+// Every differentiable input's gradient, in kMixedQkvzba .. kState order,
+// through the CPU kernels of the prepare stage and its vjp.
+std::vector<mx::array> segment_gradients_cpu(
     const SegmentParams& p,
     Algorithm algorithm,
     const std::optional<mx::array>& mask,
     const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
     mx::Stream s) {
-  const int B = p.batch, T = p.tokens, K = p.conv_kernel;
-  const int C = p.conv_channels();
+  const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
+  std::vector<mx::array> inputs = {
+      primals[kMixedQkvzba],
+      primals[kConvWeight],
+      primals[kDecayParameter],
+      primals[kDtBias],
+      primals[kConvState]};
+  auto prepare = std::make_shared<GatedDeltaSegmentPrepare>(s, p);
+  std::vector<mx::array> with_mask = inputs;
+  if (mask) {
+    with_mask.push_back(*mask);
+  }
+  std::vector<mx::array> core_primals = mx::array::make_arrays(
+      prepare->output_shapes(with_mask),
+      std::vector<mx::Dtype>(5, mx::float32),
+      prepare,
+      with_mask);
+  core_primals.push_back(primals[kState]);
+  const auto core = core_function(p, algorithm, mask, s);
+
+  // The kernels read every input row-contiguous.
+  std::vector<mx::array> norm_inputs = {
+      core(core_primals)[0],
+      primals[kMixedQkvzba],
+      primals[kNormWeight],
+      mx::contiguous(mx::astype(cotangents[0], dtype, s), false, s)};
+  if (mask) {
+    norm_inputs.push_back(*mask);
+  }
+  auto norm_vjp = std::make_shared<GatedDeltaSegmentNormVJP>(s, p);
+  const std::vector<mx::array> d_norm = mx::array::make_arrays(
+      norm_vjp->output_shapes(norm_inputs),
+      {mx::float32, dtype, mx::float32},
+      norm_vjp,
+      norm_inputs);
+  auto [_, d] = mx::vjp(core, core_primals, {d_norm[0], cotangents[2]});
+
+  for (int i = 0; i < 5; ++i) {
+    inputs.push_back(mx::contiguous(d[i], false, s));
+  }
+  inputs.push_back(d_norm[1]);  // dz
+  inputs.push_back(
+      mx::contiguous(mx::astype(cotangents[1], dtype, s), false, s));
+  if (mask) {
+    inputs.push_back(*mask);
+  }
+  auto prepare_vjp = std::make_shared<GatedDeltaSegmentPrepareVJP>(s, p);
+  std::vector<mx::array> grads = mx::array::make_arrays(
+      prepare_vjp->output_shapes(inputs),
+      {dtype, mx::float32, mx::float32, mx::float32, dtype},
+      prepare_vjp,
+      inputs);
+  return {
+      grads[0],
+      mx::sum(grads[1], 0, false, s),
+      mx::sum(grads[2], 0, false, s),
+      mx::sum(grads[3], 0, false, s),
+      mx::sum(d_norm[2], 0, false, s),
+      grads[4],
+      d[5]};
+}
+
+// Every differentiable input's gradient, in kMixedQkvzba .. kState order, as
+// MLX ops on any stream.
+std::vector<mx::array> segment_gradients(
+    const SegmentParams& p,
+    Algorithm algorithm,
+    const std::optional<mx::array>& mask,
+    const std::vector<mx::array>& primals,
+    const std::vector<mx::array>& cotangents,
+    mx::Stream s) {
+  const int B = p.batch, T = p.tokens;
   const int Hk = p.key_heads, Hv = p.value_heads;
   const int Dk = p.key_dim, Dv = p.value_dim;
+  const int qk_width = p.qk_width(), v_width = p.v_width();
+  const int history = p.conv_state_rows();
   const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
+  const mx::array& mixed = primals[kMixedQkvzba];
 
-  mx::array x = mx::astype(primals[kMixedQkvzba], mx::float32, s);
-  auto part = [&](int start, int width) {
-    return mx::slice(x, {0, 0, start}, {B, T, start + width}, s);
-  };
-  mx::array conv_state = mx::astype(primals[kConvState], mx::float32, s);
-  mx::array ext =
-      mx::concatenate({conv_state, part(0, C)}, 1, s);  // [B, K-1+T, C]
-
-  // The causal depthwise conv over compact positions: tap j of token t
-  // reads compact position rank + j (tap K-1 is the token itself).
-  const CompactIndex index(p, mask, s);
-  mx::array conv = mx::zeros({B, T, C}, mx::float32, s);
-  for (int j = 0; j < K; ++j) {
-    mx::array rows = index.ext_rows(index.rank() + j);
-    mx::array tap = mx::slice(primals[kConvWeight], {0, j}, {C, j + 1}, s);
-    conv = conv + gather_rows(ext, rows, s) * mx::reshape(tap, {1, 1, C}, s);
+  // 1. The conv, SiLU and the gates.
+  const CompactPositions at = compact_positions(p, mask, s);
+  const int firsts[3] = {0, qk_width, 2 * qk_width};
+  const int widths[3] = {qk_width, qk_width, v_width};
+  std::vector<ConvPart> parts;
+  for (int i = 0; i < 3; ++i) {
+    parts.push_back(conv_part_forward(p, at, primals, firsts[i], widths[i], s));
   }
-  mx::array qkv = conv * mx::sigmoid(conv, s);
-
-  // The new conv state: the last K-1 compact positions.
-  mx::array conv_state_out = primals[kConvState];
-  if (K > 1) {
-    mx::array offsets = mx::reshape(mx::arange(K - 1, s), {1, K - 1}, s);
-    conv_state_out = mx::astype(
-        gather_rows(ext, index.ext_rows(index.count() + offsets), s), dtype, s);
-  }
-
-  const int qk_width = p.qk_width();
-  mx::array q = mx::reshape(
-      mx::slice(qkv, {0, 0, 0}, {B, T, qk_width}, s), {B, T, Hk, Dk}, s);
-  mx::array k = mx::reshape(
-      mx::slice(qkv, {0, 0, qk_width}, {B, T, 2 * qk_width}, s),
-      {B, T, Hk, Dk},
-      s);
-  mx::array v = mx::reshape(
-      mx::slice(qkv, {0, 0, 2 * qk_width}, {B, T, C}, s), {B, T, Hv, Dv}, s);
-
+  auto act = [&](int i) { return parts[i].pre * mx::sigmoid(parts[i].pre, s); };
   const mx::array& decay_parameter = primals[kDecayParameter];
-  mx::array rate = p.decay_parameterization == DecayParameterization::LogRate
-      ? mx::negative(mx::exp(decay_parameter, s), s)
-      : decay_parameter;
-  mx::array a = part(p.a_offset(), Hv) + primals[kDtBias];
-  mx::array g = rate * mx::logaddexp(a, mx::array(0.0f), s);  // rate * softplus
-  mx::array beta = mx::sigmoid(part(p.b_offset(), Hv), s);
-
-  auto core = gated_delta_rule(
-      q,
-      k,
-      v,
-      g,
+  const bool log_rate =
+      p.decay_parameterization == DecayParameterization::LogRate;
+  mx::array rate =
+      log_rate ? mx::negative(mx::exp(decay_parameter, s), s) : decay_parameter;
+  mx::array gate_input =
+      mixed_columns(p, mixed, p.a_offset(), Hv, s) + primals[kDtBias];
+  mx::array beta = mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
+  const std::vector<mx::array> core_primals = {
+      mx::reshape(act(0), {B, T, Hk, Dk}, s),
+      mx::reshape(act(1), {B, T, Hk, Dk}, s),
+      mx::reshape(act(2), {B, T, Hv, Dv}, s),
+      rate * mx::logaddexp(gate_input, mx::array(0.0f), s),
       beta,
-      primals[kState],
-      1.0f / std::sqrt(float(Dk)),
-      head_mapping_name(p.head_mapping),
-      mask,
-      /*normalize_qk=*/true,
-      algorithm_name(algorithm),
-      s);
-  const mx::array& y = core[0];  // float32: q, k and v are
+      primals[kState]};
 
-  mx::array z = mx::reshape(part(p.z_offset(), p.v_width()), {B, T, Hv, Dv}, s);
-  mx::array inv_rms = mx::rsqrt(
-      mx::mean(mx::square(y, s), -1, true, s) + mx::array(p.norm_eps), s);
-  mx::array out = y * inv_rms * primals[kNormWeight] * (z * mx::sigmoid(z, s));
-  if (mask) {
-    out =
-        mx::where(mx::reshape(*mask, {B, T, 1, 1}, s), out, mx::array(0.0f), s);
+  // 2 and 3.
+  const std::vector<mx::array> d = norm_and_core_gradients(
+      p, algorithm, mask, core_primals, primals, cotangents, s);
+  const mx::array& d_g = d[3];
+
+  // 4. The gates' and the conv's gradients.
+  mx::array gate_sigmoid = mx::sigmoid(gate_input, s);
+  mx::array d_gate_input = d_g * rate * gate_sigmoid;
+  mx::array d_rate = mx::sum(
+      d_g * mx::logaddexp(gate_input, mx::array(0.0f), s),
+      std::vector<int>{0, 1},
+      false,
+      s);
+  mx::array d_decay_parameter = log_rate ? d_rate * rate : d_rate;
+  mx::array d_dt_bias = mx::sum(d_gate_input, std::vector<int>{0, 1}, false, s);
+  mx::array d_b = d[4] * beta * (mx::array(1.0f) - beta);
+
+  const mx::array& d_conv_state_out = cotangents[1];
+  std::vector<mx::array> d_tokens, d_carried, d_weight;
+  for (int i = 0; i < 3; ++i) {
+    mx::array d_act = mx::reshape(d[i], {B, T, widths[i]}, s);
+    mx::array d_carried_out = mx::slice(
+        d_conv_state_out,
+        {0, 0, firsts[i]},
+        {B, history, firsts[i] + widths[i]},
+        s);
+    auto d_part =
+        conv_part_backward(p, at, parts[i], d_act, d_carried_out, dtype, s);
+    d_tokens.push_back(d_part[0]);
+    d_carried.push_back(d_part[1]);
+    d_weight.push_back(d_part[2]);
   }
-  return {mx::astype(out, dtype, s), conv_state_out, core[1]};
+  d_tokens.push_back(mx::astype(d[6], dtype, s));
+  d_tokens.push_back(mx::astype(d_b, dtype, s));
+  d_tokens.push_back(mx::astype(d_gate_input, dtype, s));
+  return {
+      mx::concatenate(d_tokens, 2, s),
+      mx::concatenate(d_weight, 0, s),
+      d_decay_parameter,
+      d_dt_bias,
+      d[7],
+      mx::concatenate(d_carried, 2, s),
+      d[5]};
 }
 
 }  // namespace
@@ -220,26 +503,20 @@ std::vector<mx::array> GatedDeltaSegment::vjp(
         "checkpoints (serving calls); differentiate a call without them.");
   }
   const SegmentParams p = params_for(primals);
+  const mx::Stream s = stream();
   if (p.batch == 0) {
-    // No batch row: every gradient is zero (the weights saw no data). The
-    // composition's row gather would differentiate into a scatter over an
-    // empty array, which MLX rejects.
+    // No batch row: every gradient is zero (the weights saw no data).
     std::vector<mx::array> zeros;
     for (int arg : argnums) {
-      zeros.push_back(mx::zeros_like(primals[arg], stream()));
+      zeros.push_back(mx::zeros_like(primals[arg], s));
     }
     return zeros;
   }
   const std::optional<mx::array> mask =
       has_mask_ ? std::optional(primals[kMask]) : std::nullopt;
-  const Algorithm algorithm = algorithm_;
-  const mx::Stream s = stream();
-  auto composition = [p, algorithm, mask, s](const std::vector<mx::array>& in) {
-    return segment_composition(p, algorithm, mask, in, s);
-  };
-  const std::vector<mx::array> differentiable(
-      primals.begin(), primals.begin() + kMask);
-  auto [_, grads] = mx::vjp(composition, differentiable, cotangents);
+  const std::vector<mx::array> grads = s.device == mx::Device::cpu
+      ? segment_gradients_cpu(p, algorithm_, mask, primals, cotangents, s)
+      : segment_gradients(p, algorithm_, mask, primals, cotangents, s);
   std::vector<mx::array> result;
   for (int arg : argnums) {
     result.push_back(

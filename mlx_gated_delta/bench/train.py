@@ -26,7 +26,9 @@ time and compared with NumPy's float32 GEMM measured in the same run.
 
 Whole layer: one training step (``nn.value_and_grad`` over the layer's
 parameters, loss = sum of the output) of our ``nn.Qwen3NextGatedDeltaNet`` against
-mlx-lm's stock ``Qwen3NextGatedDeltaNet`` holding the same weights.
+mlx-lm's stock ``Qwen3NextGatedDeltaNet`` holding the same weights. Each step's
+peak is also given over the bytes it cannot do without: its input and output,
+the parameters and their gradients (``layer_io_bytes``).
 
 Times are medians of the repeats after a warm-up call (the peers: no warm-up
 and few repeats, each call takes seconds to minutes); peak memory is
@@ -251,6 +253,16 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
     return rows
 
 
+def layer_io_bytes(layer, x: mx.array) -> int:
+    """The bytes a layer's training step cannot do without: the input x, the
+    output (x's shape and dtype), the trainable parameters and their
+    gradients (each the size of its parameter)."""
+    import mlx.nn as nn
+
+    parameters = sum(p.nbytes for _, p in nn.utils.tree_flatten(layer.trainable_parameters()))
+    return 2 * x.nbytes + 2 * parameters
+
+
 def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
     patched, stock = qwen3_next_layers(mx.bfloat16)
     rows = []
@@ -258,7 +270,7 @@ def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
     for tokens in tokens_list:
         x = mx.random.normal((1, tokens, QWEN3_NEXT_LAYER.hidden_size)).astype(mx.bfloat16)
         mx.eval(x)
-        row = {"T": tokens, "cells": {}}
+        row = {"T": tokens, "io_bytes": layer_io_bytes(patched, x), "cells": {}}
         for name, layer in (("ours (patched layer)", patched), ("mlx-lm stock layer", stock)):
             progress(f"layer T={tokens} {name}")
             is_ours = name.startswith("ours")
@@ -331,15 +343,19 @@ def report_text(record: dict) -> str:
         "",
         f"Whole layer (Qwen3-Next GatedDeltaNet, hidden {QWEN3_NEXT_LAYER.hidden_size}, bf16): "
         "one training step "
-        "(value_and_grad over the layer's parameters)",
-        f"{'T':>5}  {'ours (patched layer)':<30}{'mlx-lm stock layer':<40}{'speed-up':>10}",
+        "(value_and_grad over the layer's parameters); io: its input, output, parameters and "
+        "gradients (bench.train.layer_io_bytes)",
+        f"{'T':>5}  {'ours (patched layer)':<30}{'mlx-lm stock layer':<40}{'speed-up':>10}"
+        f"{'io MiB':>8}{'ours peak/io':>14}",
     ]
     for row in record["layer_rows"]:
         c = row["cells"]
+        ours = c["ours (patched layer)"]
         lines.append(
-            f"{row['T']:>5}  {_cell(c['ours (patched layer)']):<30}"
+            f"{row['T']:>5}  {_cell(ours):<30}"
             f"{_cell(c['mlx-lm stock layer']):<40}"
             f"{_speedup(row, 'mlx-lm stock layer', 'ours (patched layer)'):>10}"
+            f"{row['io_bytes'] / MiB:>8.0f}{ours['peak_bytes'] / row['io_bytes']:>14.2f}"
         )
     return "\n".join(lines)
 

@@ -159,8 +159,9 @@ USES = {
 }
 
 
-# The CPU, and the GPU where there is one: the segment's vjp is MLX ops around
-# the core's backward, which has Metal kernels.
+# The CPU, and the GPU where there is one: the segment's vjp runs its stages
+# as CPU kernels on the CPU and as MLX ops on the GPU, around the core's
+# backward, which has Metal kernels.
 DEVICES = ("cpu", "gpu") if mx.metal.is_available() else ("cpu",)
 
 

@@ -1,0 +1,95 @@
+// The segment's stages before the core recurrence, as primitives of their
+// own for the segment's backward on the CPU (segment_vjp.cpp): the prepare
+// stage (conv, SiLU, gates) recomputed into the core's inputs, and its vjp.
+// Each is one fused kernel, so the backward holds q, k, v, g and beta and
+// their gradients, not the float32 temporaries of an MLX op per step.
+#pragma once
+
+#include "mlx/primitives.h"
+#include "segment/segment_params.h"
+
+namespace mlx_gated_delta {
+
+// The order of the prepare stage's inputs; the vjp's inputs continue with
+// kPrepareCotangents.
+enum SegmentPrepareInput {
+  kPrepareMixed = 0,  // mixed_qkvzba [B, T, F] (activation dtype)
+  kPrepareConvWeight,  // [C, K] float32
+  kPrepareDecayParameter,  // [Hv] float32
+  kPrepareDtBias,  // [Hv] float32
+  kPrepareConvState,  // [B, K-1, C] (activation dtype)
+  // The vjp's: dq [B, T, Hk, Dk], dk, dv [B, T, Hv, Dv], dg, dbeta
+  // [B, T, Hv] (float32), the gated norm's dz [B, T, Hv*Dv] and the cotangent
+  // of the new conv state [B, K-1, C] (both in the activation dtype).
+  kPrepareCotangents,
+};
+constexpr int kPrepareCotangentCount = 7;
+
+// Outputs q [B, T, Hk, Dk], k, v [B, T, Hv, Dv], g, beta [B, T, Hv], float32,
+// exactly as the segment's forward computes them (cpu/segment_stages.h:
+// prepare_conv, prepare_gates); a masked token's q, k, v are 0. Inputs as
+// SegmentPrepareInput [, mask [B, T]]. CPU only.
+class GatedDeltaSegmentPrepare : public mlx::core::Primitive {
+ public:
+  // `options`: the segment's params; the batch and the tokens are read off
+  // the inputs.
+  GatedDeltaSegmentPrepare(
+      mlx::core::Stream stream, const SegmentParams& options)
+      : mlx::core::Primitive(stream), options_(options) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override {
+    return "GatedDeltaSegmentPrepare";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override;
+  std::vector<mlx::core::Shape> output_shapes(
+      const std::vector<mlx::core::array>& inputs) override;
+
+ private:
+  SegmentParams options_;
+};
+
+// The prepare stage's vjp. Inputs as SegmentPrepareInput, then the
+// cotangents [, mask]. Outputs: d mixed_qkvzba [B, T, F] (activation dtype;
+// its z columns are the given dz), and per batch row (summed by the caller,
+// so that vmap folds the mapped axis into the batch) d conv_weight
+// [B, C, K], d decay_parameter [B, Hv] and d dt_bias [B, Hv] (float32); and d
+// conv_state [B, K-1, C] (activation dtype). A masked token's packed conv
+// columns get 0. CPU only.
+class GatedDeltaSegmentPrepareVJP : public mlx::core::Primitive {
+ public:
+  GatedDeltaSegmentPrepareVJP(
+      mlx::core::Stream stream, const SegmentParams& options)
+      : mlx::core::Primitive(stream), options_(options) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override {
+    return "GatedDeltaSegmentPrepareVJP";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override;
+  std::vector<mlx::core::Shape> output_shapes(
+      const std::vector<mlx::core::array>& inputs) override;
+
+ private:
+  SegmentParams options_;
+};
+
+}  // namespace mlx_gated_delta
