@@ -179,6 +179,25 @@ void gated_delta_segment_forward(
 }
 
 template <typename T>
+void gated_delta_segment_prepare(
+    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers) {
+  CALL_CHOSEN_LEVEL(gated_delta_segment_prepare<T>(params, buffers));
+}
+
+template <typename T>
+void gated_delta_segment_prepare_backward(
+    const SegmentParams& params,
+    const SegmentPrepareBackwardBuffers<T>& buffers) {
+  CALL_CHOSEN_LEVEL(gated_delta_segment_prepare_backward<T>(params, buffers));
+}
+
+template <typename T>
+void gated_delta_segment_norm_backward(
+    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers) {
+  CALL_CHOSEN_LEVEL(gated_delta_segment_norm_backward<T>(params, buffers));
+}
+
+template <typename T>
 void dense_projection_forward(
     int64_t rows,
     int in_features,
@@ -197,6 +216,12 @@ void dense_projection_forward(
       const GatedDeltaParams&, Algorithm, const BackwardBuffers<T>&); \
   template void gated_delta_segment_forward<T>(                       \
       const SegmentParams&, Algorithm, const SegmentBuffers<T>&);     \
+  template void gated_delta_segment_prepare<T>(                       \
+      const SegmentParams&, const SegmentPrepareBuffers<T>&);         \
+  template void gated_delta_segment_prepare_backward<T>(              \
+      const SegmentParams&, const SegmentPrepareBackwardBuffers<T>&); \
+  template void gated_delta_segment_norm_backward<T>(                 \
+      const SegmentParams&, const SegmentNormBackwardBuffers<T>&);    \
   template void dense_projection_forward<T>(                          \
       int64_t, int, int, const T*, const T*, T*);
 

@@ -7,6 +7,7 @@
 
 #include "cpu/forward.h"
 #include "cpu/kernel_entry_points.h"
+#include "cpu/segment_common.h"
 #include "cpu/segment_stages.h"
 #include "cpu/thread_pool.h"
 #include "mlx/types/half_types.h"
@@ -16,54 +17,6 @@ namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 using mlx::core::bfloat16_t;
 using mlx::core::float16_t;
 
-namespace {
-
-float sigmoid(float x) {
-  return 1.0f / (1.0f + std::exp(-x));
-}
-
-float silu(float x) {
-  return x * sigmoid(x);
-}
-
-// log(1 + exp(x)) without overflow for large x and without losing the small
-// tail for very negative x.
-float softplus(float x) {
-  return std::fmax(x, 0.0f) + std::log1p(std::exp(-std::fabs(x)));
-}
-
-bool is_kept(const bool* mask, int64_t index) {
-  return mask == nullptr || mask[index];
-}
-
-// The pre-conv rows one batch row's convolution sees, oldest first: the
-// K-1 rows of the carried conv state, then every unmasked token of the call.
-// Rows are pointers into the caller's buffers, so nothing is copied.
-template <typename T>
-std::vector<const T*> conv_history(
-    const SegmentParams& p,
-    int b,
-    const T* mixed,
-    const T* conv_state,
-    const bool* mask) {
-  const int C = p.conv_channels();
-  std::vector<const T*> rows;
-  rows.reserve(p.conv_state_rows() + p.tokens);
-  const T* state_row = conv_state + int64_t(b) * p.conv_state_rows() * C;
-  for (int i = 0; i < p.conv_state_rows(); ++i) {
-    rows.push_back(state_row + int64_t(i) * C);
-  }
-  for (int t = 0; t < p.tokens; ++t) {
-    if (is_kept(mask, int64_t(b) * p.tokens + t)) {
-      rows.push_back(
-          mixed + (int64_t(b) * p.tokens + t) * p.mixed_qkvzba_width());
-    }
-  }
-  return rows;
-}
-
-}  // namespace
-
 template <typename T>
 void prepare_conv(
     const SegmentParams& p,
@@ -71,43 +24,31 @@ void prepare_conv(
     const float* conv_weight,
     const T* conv_state,
     const bool* mask,
-    float* qkv) {
-  const int C = p.conv_channels();
-  const int K = p.conv_kernel;
-  // Tap-major copy of the [C, K] weight so the channel loop below reads
-  // every operand with unit stride and vectorizes.
-  std::vector<float> weight_by_tap(int64_t(K) * C);
-  for (int c = 0; c < C; ++c) {
-    for (int i = 0; i < K; ++i) {
-      weight_by_tap[int64_t(i) * C + c] = conv_weight[int64_t(c) * K + i];
-    }
-  }
-  const int64_t row_work = int64_t(p.tokens) * C * K;
-  parallel_for(p.batch, row_work, [&](int b) {
-    const std::vector<const T*> rows =
-        conv_history(p, b, mixed, conv_state, mask);
-    int kept = 0;  // unmasked tokens seen so far in this row
-    for (int t = 0; t < p.tokens; ++t) {
-      float* dst = qkv + (int64_t(b) * p.tokens + t) * C;
-      if (!is_kept(mask, int64_t(b) * p.tokens + t)) {
-        std::fill(dst, dst + C, 0.0f);
-        continue;
-      }
-      // This token is rows[K-1 + kept]; its window starts K-1 rows earlier.
-      for (int c = 0; c < C; ++c) {
-        dst[c] = 0.0f;
-      }
-      for (int i = 0; i < K; ++i) {
-        const T* src = rows[kept + i];
-        const float* w = weight_by_tap.data() + int64_t(i) * C;
-        for (int c = 0; c < C; ++c) {
-          dst[c] += static_cast<float>(src[c]) * w[c];
+    const ConvOutputs& out) {
+  const auto histories = conv_histories(p, mixed, conv_state, mask);
+  const std::vector<float> by_tap = weight_by_tap(p, conv_weight);
+  const std::vector<ChannelBlock> blocks = channel_blocks(p);
+  const int64_t block_work =
+      int64_t(p.batch) * p.tokens * kChannelBlock * p.conv_kernel;
+  parallel_for(int(blocks.size()), block_work, [&](int i) {
+    const ChannelBlock& block = blocks[i];
+    float pre[kChannelBlock];
+    for (int b = 0; b < p.batch; ++b) {
+      int rank = 0;  // unmasked tokens seen so far in this row
+      for (int t = 0; t < p.tokens; ++t) {
+        const int64_t index = int64_t(b) * p.tokens + t;
+        float* dst = out.part[block.part] + index * out.row_stride[block.part] +
+            block.column;
+        if (!is_kept(mask, index)) {
+          std::fill(dst, dst + block.width, 0.0f);
+          continue;
         }
+        conv_before_silu(histories[b].rows, by_tap, p, block, rank, pre);
+        for (int c = 0; c < block.width; ++c) {
+          dst[c] = silu(pre[c]);
+        }
+        ++rank;
       }
-      for (int c = 0; c < C; ++c) {
-        dst[c] = silu(dst[c]);
-      }
-      ++kept;
     }
   });
 }
@@ -121,9 +62,9 @@ void collect_conv_state(
     T* conv_state_out) {
   const int C = p.conv_channels();
   const int rows_kept = p.conv_state_rows();
+  const auto histories = conv_histories(p, mixed, conv_state_in, mask);
   for (int b = 0; b < p.batch; ++b) {
-    const std::vector<const T*> rows =
-        conv_history(p, b, mixed, conv_state_in, mask);
+    const std::vector<const T*>& rows = histories[b].rows;
     const size_t first = rows.size() - rows_kept;
     T* dst = conv_state_out + int64_t(b) * rows_kept * C;
     for (int i = 0; i < rows_kept; ++i) {
@@ -142,9 +83,9 @@ void collect_conv_checkpoints(
     T* conv_checkpoint_states) {
   const int C = p.conv_channels();
   const int rows_kept = p.conv_state_rows();
+  const auto histories = conv_histories(p, mixed, conv_state_in, mask);
   for (int b = 0; b < p.batch; ++b) {
-    const std::vector<const T*> rows =
-        conv_history(p, b, mixed, conv_state_in, mask);
+    const std::vector<const T*>& rows = histories[b].rows;
     // history_length: the carried rows and the unmasked tokens before t.
     int t = 0;
     size_t history_length = rows_kept;
@@ -173,9 +114,7 @@ void prepare_gates(
   const int Hv = p.value_heads;
   std::vector<float> rate(Hv);
   for (int h = 0; h < Hv; ++h) {
-    rate[h] = p.decay_parameterization == DecayParameterization::LogRate
-        ? -std::exp(decay_parameter[h])
-        : decay_parameter[h];
+    rate[h] = rate_of(p, decay_parameter[h]);
   }
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
@@ -235,13 +174,11 @@ void gated_delta_segment_forward(
   std::vector<float> beta(rows * p.value_heads);
   std::vector<float> y(rows * p.v_width());
 
+  const ConvOutputs conv_out{
+      {qkv.data(), qkv.data() + p.qk_width(), qkv.data() + 2 * p.qk_width()},
+      {C, C, C}};
   prepare_conv(
-      p,
-      io.mixed_qkvzba,
-      io.conv_weight,
-      io.conv_state_in,
-      io.mask,
-      qkv.data());
+      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
   collect_conv_state(
       p, io.mixed_qkvzba, io.conv_state_in, io.mask, io.conv_state_out);
   if (p.checkpoint_count > 0) {
@@ -285,9 +222,22 @@ void gated_delta_segment_forward(
   gated_norm(p, y.data(), io.mixed_qkvzba, io.norm_weight, io.mask, io.out);
 }
 
-#define INSTANTIATE_SEGMENT(T)                  \
-  template void gated_delta_segment_forward<T>( \
-      const SegmentParams&, Algorithm, const SegmentBuffers<T>&);
+template <typename T>
+void gated_delta_segment_prepare(
+    const SegmentParams& p, const SegmentPrepareBuffers<T>& io) {
+  const ConvOutputs conv_out{
+      {io.q, io.k, io.v}, {p.qk_width(), p.qk_width(), p.v_width()}};
+  prepare_conv(
+      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
+  prepare_gates(
+      p, io.mixed_qkvzba, io.decay_parameter, io.dt_bias, io.g, io.beta);
+}
+
+#define INSTANTIATE_SEGMENT(T)                                    \
+  template void gated_delta_segment_forward<T>(                   \
+      const SegmentParams&, Algorithm, const SegmentBuffers<T>&); \
+  template void gated_delta_segment_prepare<T>(                   \
+      const SegmentParams&, const SegmentPrepareBuffers<T>&);
 
 INSTANTIATE_SEGMENT(float)
 INSTANTIATE_SEGMENT(float16_t)

@@ -41,4 +41,79 @@ void gated_delta_segment_forward(
     Algorithm algorithm,
     const SegmentBuffers<T>& buffers);
 
+// The segment's backward on the CPU is the core's backward between the
+// backward of the stages after it and of those before it; these are the
+// stages' parts (segment_backward.cpp), each a primitive of its own
+// (segment/segment_prepare.h, segment/segment_norm.h).
+
+// The prepare stage alone (prepare_conv, prepare_gates), recomputed for the
+// backward: q, k, v, g and beta exactly as the forward computes them, with
+// q, k and v as arrays of their own.
+template <typename T>
+struct SegmentPrepareBuffers {
+  const T* mixed_qkvzba;
+  const float* conv_weight;
+  const float* decay_parameter;
+  const float* dt_bias;
+  const T* conv_state_in;
+  const bool* mask;  // nullptr when the call has no mask
+  float* q;  // [B, T, Hk, Dk]
+  float* k;  // [B, T, Hk, Dk]
+  float* v;  // [B, T, Hv, Dv]
+  float* g;  // [B, T, Hv]
+  float* beta;  // [B, T, Hv]
+};
+
+template <typename T>
+void gated_delta_segment_prepare(
+    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers);
+
+// The prepare stage's backward: from the gradients of q, k, v, g, beta, the
+// gated norm's dz and the new conv state's cotangent, the gradient of the
+// packed row, of the carried conv state, and per batch row of the conv
+// weight, the decay parameter and dt_bias.
+template <typename T>
+struct SegmentPrepareBackwardBuffers {
+  const T* mixed_qkvzba;
+  const float* conv_weight;
+  const float* decay_parameter;
+  const float* dt_bias;
+  const T* conv_state_in;
+  const bool* mask;  // nullptr when the call has no mask
+  const float* dq;  // [B, T, Hk, Dk]
+  const float* dk;  // [B, T, Hk, Dk]
+  const float* dv;  // [B, T, Hv, Dv]
+  const float* dg;  // [B, T, Hv]
+  const float* dbeta;  // [B, T, Hv]
+  const T* dz;  // [B, T, Hv*Dv]
+  const T* d_conv_state_out;  // [B, K-1, C]
+  T* d_mixed_qkvzba;  // [B, T, F]
+  T* d_conv_state_in;  // [B, K-1, C]
+  float* d_conv_weight_rows;  // [B, C, K]
+  float* d_decay_parameter_rows;  // [B, Hv]
+  float* d_dt_bias_rows;  // [B, Hv]
+};
+
+template <typename T>
+void gated_delta_segment_prepare_backward(
+    const SegmentParams& params,
+    const SegmentPrepareBackwardBuffers<T>& buffers);
+
+// The gated norm's backward.
+template <typename T>
+struct SegmentNormBackwardBuffers {
+  const float* y;  // [B, T, Hv, Dv], the core's output
+  const T* mixed_qkvzba;  // z is read from here
+  const float* norm_weight;  // [Dv]
+  const T* d_out;  // [B, T, Hv, Dv]
+  const bool* mask;  // nullptr when the call has no mask
+  float* d_y;  // [B, T, Hv, Dv]
+  T* d_z;  // [B, T, Hv*Dv]
+  float* d_norm_weight_rows;  // [B, Dv]
+};
+
+template <typename T>
+void gated_delta_segment_norm_backward(
+    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers);
+
 }  // namespace mlx_gated_delta::cpu

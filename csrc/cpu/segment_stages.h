@@ -2,13 +2,24 @@
 // namespace of the kernels' compiled level (kernel_level.h).
 #pragma once
 
+#include <cstdint>
+
 #include "segment/segment_params.h"
 
 namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
-// qkv[b, t, :] = silu(sum_i window_i * conv_weight[:, i]) over the last K
-// unmasked inputs of row b (the carried conv state first), float32 [B, T, C].
-// A masked token is skipped: it is not in any window and its qkv row is 0.
+// Where prepare_conv writes q, k and v: the row of token index r (b * T + t)
+// of part i (0, 1, 2: q, k, v) starts at part[i] + r * row_stride[i]. The
+// forward writes the three as column ranges of one [B, T, C] buffer, the
+// backward's recomputation as three arrays.
+struct ConvOutputs {
+  float* part[3];
+  int64_t row_stride[3];
+};
+
+// q|k|v[b, t, :] = silu(sum_i window_i * conv_weight[:, i]) over the last K
+// unmasked inputs of row b (the carried conv state first), float32. A masked
+// token is skipped: it is not in any window and its rows are 0.
 template <typename T>
 void prepare_conv(
     const SegmentParams& params,
@@ -16,7 +27,7 @@ void prepare_conv(
     const float* conv_weight,  // [C, K]
     const T* conv_state,  // [B, K-1, C]
     const bool* mask,  // [B, T] or nullptr
-    float* qkv);  // [B, T, C]
+    const ConvOutputs& out);
 
 // The new conv state: the last K-1 unmasked pre-conv inputs of each row,
 // reaching back into the carried conv state when the call has fewer.
@@ -59,5 +70,62 @@ void gated_norm(
     const float* norm_weight,  // [Dv]
     const bool* mask,  // [B, T] or nullptr
     T* out);  // [B, T, Hv, Dv]
+
+// The backward's stages (segment_backward.cpp), in reverse order.
+
+// The gradient of gated_norm: dy [B, T, Hv, Dv] (float32), dz into its
+// [B, T, Hv*Dv] (activation dtype), and d norm_weight per batch row [B, Dv].
+// A masked token's cotangent counts as 0.
+template <typename T>
+void gated_norm_backward(
+    const SegmentParams& params,
+    const float* y,  // [B, T, Hv, Dv]
+    const T* mixed,  // [B, T, F] (z is read from here)
+    const float* norm_weight,  // [Dv]
+    const T* d_out,  // [B, T, Hv, Dv]
+    const bool* mask,  // [B, T] or nullptr
+    float* d_y,
+    T* d_z,
+    float* d_norm_weight_rows);
+
+// The gradients prepare_conv and prepare_gates receive, and what their
+// backward gives per batch row (the caller sums the rows, so that vmap folds
+// its mapped axis into the batch).
+struct PrepareGradients {
+  const float* dq;  // [B, T, Hk, Dk]
+  const float* dk;  // [B, T, Hk, Dk]
+  const float* dv;  // [B, T, Hv, Dv]
+  const float* dg;  // [B, T, Hv]
+  const float* dbeta;  // [B, T, Hv]
+  float* d_weight_rows;  // [B, C, K]
+  float* d_decay_rows;  // [B, Hv]
+  float* d_dt_bias_rows;  // [B, Hv]
+};
+
+// The gradient of prepare_conv and collect_conv_state into the packed rows'
+// q|k|v columns (0 for a masked token), the conv state and the conv weight.
+template <typename T>
+void prepare_conv_backward(
+    const SegmentParams& params,
+    const T* mixed,  // [B, T, F]
+    const float* conv_weight,  // [C, K]
+    const T* conv_state,  // [B, K-1, C]
+    const T* d_conv_state_out,  // [B, K-1, C]
+    const bool* mask,  // [B, T] or nullptr
+    const PrepareGradients& grad,
+    T* d_mixed,  // [B, T, F]
+    T* d_conv_state);  // [B, K-1, C]
+
+// The gradient of prepare_gates into the packed rows' b and a columns, the
+// decay parameter and dt_bias; the z columns take the gated norm's dz.
+template <typename T>
+void prepare_gates_backward(
+    const SegmentParams& params,
+    const T* mixed,  // [B, T, F]
+    const float* decay_parameter,  // [Hv]
+    const float* dt_bias,  // [Hv]
+    const PrepareGradients& grad,
+    const T* dz,  // [B, T, Hv*Dv]
+    T* d_mixed);  // [B, T, F]
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

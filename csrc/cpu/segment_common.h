@@ -1,0 +1,139 @@
+// What the segment's forward stages (segment.cpp) and their backward
+// (segment_backward.cpp) share: the elementwise functions, and how the causal
+// depthwise conv walks a batch row's history, split into blocks of channels.
+// In the namespace of the kernels' compiled level (kernel_level.h).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "segment/segment_params.h"
+
+namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
+
+inline float sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
+
+inline float silu(float x) {
+  return x * sigmoid(x);
+}
+
+// log(1 + exp(x)) without overflow for large x and without losing the small
+// tail for very negative x.
+inline float softplus(float x) {
+  return std::fmax(x, 0.0f) + std::log1p(std::exp(-std::fabs(x)));
+}
+
+inline bool is_kept(const bool* mask, int64_t index) {
+  return mask == nullptr || mask[index];
+}
+
+// The decay's rate from its parameter: -exp(A_log), or the rate itself.
+inline float rate_of(const SegmentParams& p, float decay_parameter) {
+  return p.decay_parameterization == DecayParameterization::LogRate
+      ? -std::exp(decay_parameter)
+      : decay_parameter;
+}
+
+// The pre-conv rows one batch row's convolution sees, oldest first: the K-1
+// rows of the carried conv state, then every unmasked token's packed row (its
+// first C columns are q|k|v), as pointers into the caller's buffers; and the
+// token of each unmasked rank.
+template <typename T>
+struct ConvHistory {
+  std::vector<const T*> rows;
+  std::vector<int> token_of_rank;
+};
+
+template <typename T>
+std::vector<ConvHistory<T>> conv_histories(
+    const SegmentParams& p,
+    const T* mixed,
+    const T* conv_state,
+    const bool* mask) {
+  const int C = p.conv_channels();
+  std::vector<ConvHistory<T>> histories(p.batch);
+  for (int b = 0; b < p.batch; ++b) {
+    ConvHistory<T>& h = histories[b];
+    h.rows.reserve(p.conv_state_rows() + p.tokens);
+    for (int i = 0; i < p.conv_state_rows(); ++i) {
+      h.rows.push_back(conv_state + (int64_t(b) * p.conv_state_rows() + i) * C);
+    }
+    for (int t = 0; t < p.tokens; ++t) {
+      const int64_t index = int64_t(b) * p.tokens + t;
+      if (is_kept(mask, index)) {
+        h.rows.push_back(mixed + index * p.mixed_qkvzba_width());
+        h.token_of_rank.push_back(t);
+      }
+    }
+  }
+  return histories;
+}
+
+// The conv runs in blocks of channels, one block per task: the depthwise
+// conv has no dependency across channels, so every output element has one
+// writer, and a call of one batch row still spreads over the threads.
+constexpr int kChannelBlock = 64;
+
+// A block of at most kChannelBlock conv channels [first, first + width),
+// columns [column, column + width) of one of q, k and v.
+struct ChannelBlock {
+  int first;
+  int width;
+  int part;  // 0, 1, 2: q, k, v
+  int column;
+};
+
+inline std::vector<ChannelBlock> channel_blocks(const SegmentParams& p) {
+  std::vector<ChannelBlock> blocks;
+  const int widths[3] = {p.qk_width(), p.qk_width(), p.v_width()};
+  int first = 0;
+  for (int part = 0; part < 3; ++part) {
+    for (int column = 0; column < widths[part]; column += kChannelBlock) {
+      const int width = std::min(kChannelBlock, widths[part] - column);
+      blocks.push_back({first + column, width, part, column});
+    }
+    first += widths[part];
+  }
+  return blocks;
+}
+
+// The [C, K] conv weight tap-major ([K, C]), so that the channel loops read
+// every operand with unit stride and vectorise.
+inline std::vector<float> weight_by_tap(
+    const SegmentParams& p, const float* weight) {
+  const int C = p.conv_channels(), K = p.conv_kernel;
+  std::vector<float> by_tap(int64_t(K) * C);
+  for (int c = 0; c < C; ++c) {
+    for (int i = 0; i < K; ++i) {
+      by_tap[int64_t(i) * C + c] = weight[int64_t(c) * K + i];
+    }
+  }
+  return by_tap;
+}
+
+// The conv output before SiLU of the unmasked token of rank r (its window is
+// rows r .. r+K-1), for the block's channels, the taps summed in order.
+template <typename T>
+void conv_before_silu(
+    const std::vector<const T*>& rows,
+    const std::vector<float>& by_tap,
+    const SegmentParams& p,
+    const ChannelBlock& block,
+    int r,
+    float* pre) {
+  const int C = p.conv_channels();
+  std::fill(pre, pre + block.width, 0.0f);
+  for (int i = 0; i < p.conv_kernel; ++i) {
+    const T* src = rows[r + i] + block.first;
+    const float* w = by_tap.data() + int64_t(i) * C + block.first;
+    for (int c = 0; c < block.width; ++c) {
+      pre[c] += static_cast<float>(src[c]) * w[c];
+    }
+  }
+}
+
+}  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL
