@@ -488,12 +488,14 @@ void bind_test_hooks(nb::module_& m) {
       "task that counts its calls (then sleeps task_sleep_us), and returns "
       "(calls per index, calls with an index outside [0, count)).");
 
-  // The pool's answer to a stalled worker. First jobs whose tasks sleep 20
-  // ms on a worker (as a worker preempted inside a task holds the caller up)
-  // and 50 us on the caller, until a worker has joined one; then at once a
-  // job that states a small work (a decode step's) but whose tasks sleep 200
-  // us, long enough for any woken worker to join. Returns (whether a worker
-  // joined the first kind, how many threads ran the second).
+  // The pool's answer to a stalled worker. First jobs in which a worker's
+  // task sleeps 50 ms (as a worker preempted inside a task holds the caller
+  // up) while the caller's tasks wait, up to 40 ms, only for a worker to
+  // join, so that the caller's own share always ends first, until a worker
+  // has joined one; then at once a job that states a small work (a decode
+  // step's) but whose tasks sleep 200 us, long enough for any woken worker to
+  // join. Returns (whether a worker joined the first kind, how many threads
+  // ran the second).
   m.def(
       "cpu_pool_threads_after_stall",
       [](int count) {
@@ -505,10 +507,15 @@ void bind_test_hooks(nb::module_& m) {
           std::atomic<bool> joined{false};
           cpu::parallel_for(count, [&](int) {
             if (std::this_thread::get_id() == caller) {
-              std::this_thread::sleep_for(std::chrono::microseconds(50));
+              const auto give_up = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(40);
+              while (!joined.load() &&
+                     std::chrono::steady_clock::now() < give_up) {
+                std::this_thread::yield();
+              }
             } else {
               joined.store(true);
-              std::this_thread::sleep_for(std::chrono::milliseconds(20));
+              std::this_thread::sleep_for(std::chrono::milliseconds(50));
             }
           });
           worker_joined = joined.load();
