@@ -44,7 +44,7 @@ void gated_delta_segment_forward(
 // The segment's backward on the CPU is the core's backward between the
 // backward of the stages after it and of those before it; these are the
 // stages' parts (segment_backward.cpp), each a primitive of its own
-// (segment/segment_prepare.h, segment/segment_norm.h).
+// (segment/segment_backward_primitives.h).
 
 // The prepare stage alone (prepare_conv, prepare_gates), recomputed for the
 // backward: q, k, v, g and beta exactly as the forward computes them, with

@@ -11,11 +11,11 @@
 //      and dstate;
 //   4. the conv's and the gates' gradients into the packed row, the conv
 //      weight, the conv state, the decay parameter and dt_bias.
-// On the CPU, steps 1, 2 and 4 are one kernel each (segment_prepare.h,
-// segment_norm.h): the backward holds q, k, v, y, dy and the core's
-// gradients, not the float32 temporaries of an MLX op per elementwise step.
-// On other streams they are MLX ops, per part q, k, v so that no [B, T, F]
-// float32 copy of the packed row is made, with the conv's gradient as K
+// On the CPU, steps 1, 2 and 4 are one kernel each
+// (segment_backward_primitives.h): the backward holds q, k, v, y, dy and the
+// core's gradients, not the float32 temporaries of an MLX op per elementwise
+// step. On other streams they are MLX ops, per part q, k, v so that no [B, T,
+// F] float32 copy of the packed row is made, with the conv's gradient as K
 // shifted multiply-adds like its forward (no [B, T, K, C] window tensor and
 // no scatter-add).
 //
@@ -36,8 +36,7 @@
 #include "core/core_op.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
-#include "segment/segment_norm.h"
-#include "segment/segment_prepare.h"
+#include "segment/segment_backward_primitives.h"
 #include "segment/segment_primitive.h"
 
 namespace mx = mlx::core;

@@ -1,9 +1,9 @@
-// The segment's prepare stage and its vjp as primitives (segment_prepare.h);
+// The primitives of the segment's backward (segment_backward_primitives.h);
 // their kernels are the CPU's (cpu/segment.h).
-#include "segment/segment_prepare.h"
+#include "segment/segment_backward_primitives.h"
 
 #include <algorithm>
-#include <cmath>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -56,28 +56,43 @@ void dispatch(
       " runs on the CPU only (the segment's backward builds it there).");
 }
 
-// vmap by folding: every input but the weights carries the batch.
-std::vector<mx::array> fold_batch_inputs(
+// vmap by folding the mapped axis into the batch: every input but the
+// layer's weights (`weights`, which may not be mapped) carries the batch.
+// Calls `primitive` once on the folded inputs and unfolds its outputs.
+std::pair<std::vector<mx::array>, std::vector<int>> vmap_by_folding(
+    const std::shared_ptr<mx::Primitive>& primitive,
     const std::vector<mx::array>& inputs,
     const std::vector<int>& axes,
-    int size,
-    mx::Stream s) {
-  for (int i : {kPrepareConvWeight, kPrepareDecayParameter, kPrepareDtBias}) {
+    const std::vector<int>& weights,
+    const std::vector<mx::Dtype>& dtypes) {
+  const auto is_weight = [&](int i) {
+    return std::find(weights.begin(), weights.end(), i) != weights.end();
+  };
+  for (int i : weights) {
     if (axes[i] >= 0) {
       throw std::invalid_argument(
           "mlx_gated_delta.gated_delta_segment: vmap over the layer's weights "
           "is not supported; map over the activations and the states only.");
     }
   }
+  const mx::Stream s = primitive->stream();
+  const int size = vmap_size(inputs, axes);
   std::vector<mx::array> folded = inputs;
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (i != kPrepareConvWeight && i != kPrepareDecayParameter &&
-        i != kPrepareDtBias) {
+  for (int i = 0; i < int(inputs.size()); ++i) {
+    if (!is_weight(i)) {
       folded[i] = fold_into_batch(inputs[i], axes[i], size, s);
     }
   }
-  return folded;
+  auto outputs = mx::array::make_arrays(
+      primitive->output_shapes(folded), dtypes, primitive, folded);
+  for (auto& out : outputs) {
+    out = unfold_from_batch(out, size, s);
+  }
+  return {outputs, std::vector<int>(outputs.size(), 0)};
 }
+
+const std::vector<int> kPrepareWeights = {
+    kPrepareConvWeight, kPrepareDecayParameter, kPrepareDtBias};
 
 }  // namespace
 
@@ -142,18 +157,12 @@ void GatedDeltaSegmentPrepare::eval_gpu(
 std::pair<std::vector<mx::array>, std::vector<int>>
 GatedDeltaSegmentPrepare::vmap(
     const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
-  const int size = vmap_size(inputs, axes);
-  const std::vector<mx::array> folded =
-      fold_batch_inputs(inputs, axes, size, stream());
-  auto outputs = mx::array::make_arrays(
-      output_shapes(folded),
-      std::vector<mx::Dtype>(5, mx::float32),
+  return vmap_by_folding(
       std::make_shared<GatedDeltaSegmentPrepare>(stream(), options_),
-      folded);
-  for (auto& out : outputs) {
-    out = unfold_from_batch(out, size, stream());
-  }
-  return {outputs, std::vector<int>(outputs.size(), 0)};
+      inputs,
+      axes,
+      kPrepareWeights,
+      std::vector<mx::Dtype>(5, mx::float32));
 }
 
 std::vector<mx::Shape> GatedDeltaSegmentPrepareVJP::output_shapes(
@@ -229,19 +238,68 @@ void GatedDeltaSegmentPrepareVJP::eval_gpu(
 std::pair<std::vector<mx::array>, std::vector<int>>
 GatedDeltaSegmentPrepareVJP::vmap(
     const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
-  const int size = vmap_size(inputs, axes);
-  const std::vector<mx::array> folded =
-      fold_batch_inputs(inputs, axes, size, stream());
-  const mx::Dtype dtype = folded[kPrepareMixed].dtype();
-  auto outputs = mx::array::make_arrays(
-      output_shapes(folded),
-      {dtype, mx::float32, mx::float32, mx::float32, dtype},
+  const mx::Dtype dtype = inputs[kPrepareMixed].dtype();
+  return vmap_by_folding(
       std::make_shared<GatedDeltaSegmentPrepareVJP>(stream(), options_),
-      folded);
-  for (auto& out : outputs) {
-    out = unfold_from_batch(out, size, stream());
-  }
-  return {outputs, std::vector<int>(outputs.size(), 0)};
+      inputs,
+      axes,
+      kPrepareWeights,
+      {dtype, mx::float32, mx::float32, mx::float32, dtype});
+}
+
+std::vector<mx::Shape> GatedDeltaSegmentNormVJP::output_shapes(
+    const std::vector<mx::array>& inputs) {
+  const SegmentParams p = params_of(options_, inputs[1]);
+  return {
+      {p.batch, p.tokens, p.value_heads, p.value_dim},
+      {p.batch, p.tokens, p.v_width()},
+      {p.batch, p.value_dim}};
+}
+
+bool GatedDeltaSegmentNormVJP::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDeltaSegmentNormVJP&>(other).options_;
+  return options_.key_heads == o.key_heads &&
+      options_.value_heads == o.value_heads && options_.key_dim == o.key_dim &&
+      options_.value_dim == o.value_dim && options_.norm_eps == o.norm_eps &&
+      options_.has_mask == o.has_mask;
+}
+
+void GatedDeltaSegmentNormVJP::eval_cpu(
+    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  allocate(outputs);
+  const SegmentParams p = params_of(options_, inputs[1]);
+  with_activation_type(
+      inputs[1].dtype(), "GatedDeltaSegmentNormVJP", [&]<typename T>(T) {
+        const cpu::SegmentNormBackwardBuffers<T> io{
+            inputs[0].data<float>(),
+            inputs[1].data<T>(),
+            inputs[2].data<float>(),
+            inputs[3].data<T>(),
+            p.has_mask ? inputs[4].data<bool>() : nullptr,
+            outputs[0].data<float>(),
+            outputs[1].data<T>(),
+            outputs[2].data<float>()};
+        dispatch(stream(), inputs, outputs, [=]() {
+          cpu::gated_delta_segment_norm_backward<T>(p, io);
+        });
+      });
+}
+
+void GatedDeltaSegmentNormVJP::eval_gpu(
+    const std::vector<mx::array>&, std::vector<mx::array>&) {
+  cpu_only(name());
+}
+
+// Every input but the norm weight carries the batch.
+std::pair<std::vector<mx::array>, std::vector<int>>
+GatedDeltaSegmentNormVJP::vmap(
+    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
+  return vmap_by_folding(
+      std::make_shared<GatedDeltaSegmentNormVJP>(stream(), options_),
+      inputs,
+      axes,
+      {2},
+      {mx::float32, inputs[1].dtype(), mx::float32});
 }
 
 }  // namespace mlx_gated_delta

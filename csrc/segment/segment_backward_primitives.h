@@ -1,8 +1,8 @@
-// The segment's stages before the core recurrence, as primitives of their
-// own for the segment's backward on the CPU (segment_vjp.cpp): the prepare
-// stage (conv, SiLU, gates) recomputed into the core's inputs, and its vjp.
-// Each is one fused kernel, so the backward holds q, k, v, g and beta and
-// their gradients, not the float32 temporaries of an MLX op per step.
+// The primitives of the segment's backward on the CPU (segment_vjp.cpp): the
+// prepare stage (conv, SiLU, gates) recomputed into the core's inputs, its
+// vjp, and the gated RMSNorm's vjp. Each is one fused kernel (cpu/segment.h),
+// so the backward holds q, k, v, g, beta, y and their gradients, not the
+// float32 temporaries of an MLX op per elementwise step.
 #pragma once
 
 #include "mlx/primitives.h"
@@ -83,6 +83,40 @@ class GatedDeltaSegmentPrepareVJP : public mlx::core::Primitive {
 
   const char* name() const override {
     return "GatedDeltaSegmentPrepareVJP";
+  }
+  bool is_equivalent(const mlx::core::Primitive& other) const override;
+  std::vector<mlx::core::Shape> output_shapes(
+      const std::vector<mlx::core::array>& inputs) override;
+
+ private:
+  SegmentParams options_;
+};
+
+// Inputs: y [B, T, Hv, Dv] (float32, the core's output), mixed_qkvzba
+// [B, T, F] (its z columns are read), norm_weight [Dv] (float32), the
+// cotangent of out [B, T, Hv, Dv] (activation dtype) [, mask [B, T]].
+// Outputs: dy [B, T, Hv, Dv] (float32), dz [B, T, Hv*Dv] (activation dtype)
+// and d norm_weight per batch row [B, Dv] (float32; the caller sums it, so
+// that vmap folds the mapped axis into the batch). A masked token's
+// cotangent counts as 0. CPU only.
+class GatedDeltaSegmentNormVJP : public mlx::core::Primitive {
+ public:
+  GatedDeltaSegmentNormVJP(
+      mlx::core::Stream stream, const SegmentParams& options)
+      : mlx::core::Primitive(stream), options_(options) {}
+
+  void eval_cpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  void eval_gpu(
+      const std::vector<mlx::core::array>& inputs,
+      std::vector<mlx::core::array>& outputs) override;
+  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
+      const std::vector<mlx::core::array>& inputs,
+      const std::vector<int>& axes) override;
+
+  const char* name() const override {
+    return "GatedDeltaSegmentNormVJP";
   }
   bool is_equivalent(const mlx::core::Primitive& other) const override;
   std::vector<mlx::core::Shape> output_shapes(
