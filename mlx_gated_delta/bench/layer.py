@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -36,8 +34,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .. import _ext, thread_count
-from .machine import MiB, available_memory_bytes, cpu_model, git_commit, load_average
+from .machine import MiB, available_memory_bytes, cpu_run_record, load_average
 from .op import format_table
 from .shapes import KIMI_LINEAR, KIMI_LINEAR_LAYER, OLMO_HYBRID_LAYER, QWEN3_NEXT_LAYER
 from .timing import time_rounds
@@ -363,18 +360,7 @@ def run_core_op_layers(args: argparse.Namespace) -> dict:
     load_before = load_average()
     results = run_core_op_layer_benchmark(rows, progress)
     record = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "machine": {
-            "cpu_model": cpu_model(),
-            "cores": os.cpu_count(),
-            "cpu_threads": thread_count(),
-            "cpu_kernel_level": _ext.cpu_kernel_level(),
-            "load_before": load_before,
-            "load_after": load_average(),
-        },
-        "versions": {"mlx": mx.__version__},
-        "git_commit": git_commit(),
+        **cpu_run_record(load_before),
         "rows": results,
     }
     m = record["machine"]

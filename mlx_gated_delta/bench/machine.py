@@ -4,6 +4,7 @@ keeps (CPU, load, commit, versions)."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import platform
 import subprocess
@@ -11,8 +12,10 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
+from .. import _ext, thread_count
 from .timing import median_seconds
 
 MiB = 1 << 20
@@ -151,6 +154,26 @@ def git_commit() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return commit + ("+dirty" if dirty else "")
+
+
+def cpu_run_record(load_before: float | None) -> dict:
+    """The head of a CPU benchmark's record, taken when its rows are done: when, the
+    command, the machine (cores, the pool's threads, the kernel level, the load before and
+    now), MLX's version and the commit."""
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "machine": {
+            "cpu_model": cpu_model(),
+            "cores": os.cpu_count(),
+            "cpu_threads": thread_count(),
+            "cpu_kernel_level": _ext.cpu_kernel_level(),
+            "load_before": load_before,
+            "load_after": load_average(),
+        },
+        "versions": {"mlx": mx.__version__},
+        "git_commit": git_commit(),
+    }
 
 
 def package_version(name: str) -> str | None:

@@ -39,23 +39,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
-import os
 import sys
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
-from .. import _ext, thread_count
+from .. import thread_count
 from ..ops import gated_delta_update
 from .layer import layer_step, qwen3_next_layers
 from .machine import (
     available_memory_bytes,
     best_rooflines,
-    cpu_model,
-    git_commit,
+    cpu_run_record,
     load_average,
     measure_rooflines,
 )
@@ -378,18 +375,7 @@ def run(args: argparse.Namespace) -> dict:
     progress("GEMM roofline (after the rows)")
     roofline = best_rooflines(before, measure_rooflines())
     record = {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "machine": {
-            "cpu_model": cpu_model(),
-            "cores": os.cpu_count(),
-            "cpu_threads": thread_count(),
-            "cpu_kernel_level": _ext.cpu_kernel_level(),
-            "load_before": load_before,
-            "load_after": load_average(),
-        },
-        "versions": {"mlx": mx.__version__},
-        "git_commit": git_commit(),
+        **cpu_run_record(load_before),
         "roofline": roofline,
         "core_rows": core,
         "layer_rows": layer,
