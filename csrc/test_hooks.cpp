@@ -30,6 +30,7 @@
 #include "metal/library.h"
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
+#include "segment/segment_op.h"
 #include "validation/extents.h"
 
 namespace nb = nanobind;
@@ -542,6 +543,13 @@ void bind_test_hooks(nb::module_& m) {
       "count"_a,
       "Testing only: after a job held up by a sleeping worker, how many "
       "threads run a small job: (whether a worker joined, threads).");
+
+  m.def(
+      "set_segment_as_ops_on_every_stream",
+      &set_segment_as_ops_on_every_stream,
+      "on"_a,
+      "Testing only: run gated_delta_segment as MLX ops around the core op on "
+      "every stream, as on MLX's CUDA backend, instead of its primitive.");
 
   m.def(
       "cpus_of_cgroup_cpu_max",

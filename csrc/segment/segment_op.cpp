@@ -1,8 +1,10 @@
 #include "segment/segment_op.h"
 
+#include <atomic>
+
 #include "core/dispatch.h"
-#include "core/stream_routing.h"
 #include "mlx/ops.h"
+#include "segment/segment_ops.h"
 #include "segment/segment_params.h"
 #include "segment/segment_primitive.h"
 #include "validation/arguments.h"
@@ -10,6 +12,30 @@
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
+
+namespace {
+
+// Set by a test hook (test_hooks.cpp) so that the CPU's tests check the
+// segment as MLX ops, the path MLX's CUDA backend takes.
+std::atomic<bool> segment_as_ops_on_every_stream{false};
+
+// MLX's CUDA backend has kernels for the core op but none for the segment's
+// own stages (docs/cuda.md): there the segment runs as MLX ops on the GPU
+// around the core op, instead of on another device.
+bool segment_runs_as_ops([[maybe_unused]] mx::Stream stream) {
+#ifdef MLX_GATED_DELTA_CUDA
+  if (stream.device == mx::Device::gpu) {
+    return true;
+  }
+#endif
+  return segment_as_ops_on_every_stream;
+}
+
+}  // namespace
+
+void set_segment_as_ops_on_every_stream(bool on) {
+  segment_as_ops_on_every_stream = on;
+}
 
 std::vector<mx::array> gated_delta_segment(
     const mx::array& mixed_qkvzba,
@@ -59,8 +85,7 @@ std::vector<mx::array> gated_delta_segment(
   const mx::Shape conv_state_shape = {p.batch, p.conv_state_rows(), C};
   const mx::Shape state_shape = {p.batch, value_heads, value_dim, key_dim};
 
-  // The segment has no CUDA kernels yet (docs/cuda.md).
-  auto stream = cpu_unless_cuda_kernels(mx::to_stream(s), false);
+  const mx::Stream stream = mx::to_stream(s);
   mx::array conv_state_in =
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =
@@ -98,6 +123,15 @@ std::vector<mx::array> gated_delta_segment(
       mx::contiguous(state_in, false, stream)};
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
+  }
+  if (segment_runs_as_ops(stream)) {
+    return segment_as_ops(
+        p,
+        requested,
+        std::vector<mx::array>(inputs.begin(), inputs.begin() + kMask),
+        mask ? std::optional(inputs[kMask]) : std::nullopt,
+        positions,
+        stream);
   }
   std::vector<mx::Shape> shapes = {
       {p.batch, p.tokens, value_heads, value_dim},

@@ -33,4 +33,8 @@ std::vector<mlx::core::array> gated_delta_segment(
     mlx::core::StreamOrDevice s = {},
     const std::optional<mlx::core::array>& checkpoints = std::nullopt);
 
+// Test hook: run the segment as MLX ops around the core op on every stream
+// (segment_ops.h), as it runs on MLX's CUDA backend, instead of its primitive.
+void set_segment_as_ops_on_every_stream(bool on);
+
 }  // namespace mlx_gated_delta

@@ -14,10 +14,10 @@
 // On the CPU, steps 1, 2 and 4 are one kernel each
 // (segment_backward_primitives.h): the backward holds q, k, v, y, dy and the
 // core's gradients, not the float32 temporaries of an MLX op per elementwise
-// step. On other streams they are MLX ops, per part q, k, v so that no [B, T,
-// F] float32 copy of the packed row is made, with the conv's gradient as K
-// shifted multiply-adds like its forward (no [B, T, K, C] window tensor and
-// no scatter-add).
+// step. On other streams they are MLX ops (segment_ops.h), per part q, k, v
+// so that no [B, T, F] float32 copy of the packed row is made, with the conv's
+// gradient as K shifted multiply-adds like its forward (no [B, T, K, C] window
+// tensor and no scatter-add).
 //
 // Measured (benchmarks/RESULTS.md, "Training"; CPU, bf16, the Qwen3-Next
 // layer's shape): the vjp alone peaks at 330 MiB at T = 2048 and 1295 MiB at
@@ -37,6 +37,7 @@
 #include "mlx/ops.h"
 #include "mlx/transforms.h"
 #include "segment/segment_backward_primitives.h"
+#include "segment/segment_ops.h"
 #include "segment/segment_primitive.h"
 
 namespace mx = mlx::core;
@@ -45,138 +46,9 @@ namespace mlx_gated_delta {
 
 namespace {
 
-const char* head_mapping_name(HeadMapping mapping) {
-  return mapping == HeadMapping::Grouped ? "grouped" : "interleaved";
-}
-
-const char* algorithm_name(Algorithm algorithm) {
-  switch (algorithm) {
-    case Algorithm::Recurrent:
-      return "recurrent";
-    case Algorithm::Chunked:
-      return "chunked";
-    default:
-      return "auto";
-  }
-}
-
 // d silu(x) / dx from x and sig = sigmoid(x).
 mx::array silu_derivative(const mx::array& x, const mx::array& sig) {
   return sig * (mx::array(1.0f) + x * (mx::array(1.0f) - sig));
-}
-
-// Rows `rows` ([B, n], indices into each batch row of `a` [B, L, W]) of `a`,
-// as [B, n, W].
-mx::array take_rows(const mx::array& a, const mx::array& rows, mx::Stream s) {
-  const int B = a.shape(0);
-  const int n = rows.shape(1);
-  mx::array index = mx::reshape(rows, {B, n, 1}, s);
-  return mx::take_along_axis(
-      a, mx::broadcast_to(index, {B, n, a.shape(2)}, s), 1, s);
-}
-
-// The conv's positions under the skip semantics of the mask. The conv runs
-// over "compact" positions of each row: compact position c < K-1 is conv
-// state row c, and compact position K-1+r is the r-th unmasked token. Masked
-// tokens have no compact position, so they enter no conv window. Without a
-// mask, compact positions are the rows of ext = [conv_state; tokens].
-struct CompactPositions {
-  // Unmasked tokens before each token ([B, T], int32): token t's conv output
-  // is the compact conv's row rank[t].
-  mx::array rank;
-  // Unmasked tokens per row ([B, 1], int32).
-  mx::array count;
-  // With a mask only: the ext row of each compact position ([B, K-1+T];
-  // positions past the row's K-1+count read a real row, which no kept token
-  // uses), and the compact position of each ext row with whether it has one.
-  std::optional<mx::array> ext_of_compact;
-  std::optional<mx::array> compact_of_ext;
-  std::optional<mx::array> ext_is_kept;
-  // With a mask only: the token of each rank ([B, T]; ranks past the count
-  // name token 0) and whether the rank is below the count.
-  std::optional<mx::array> token_of_rank;
-  std::optional<mx::array> rank_is_kept;
-};
-
-CompactPositions compact_positions(
-    const SegmentParams& p,
-    const std::optional<mx::array>& mask,
-    mx::Stream s) {
-  const int B = p.batch, T = p.tokens;
-  const int history = p.conv_state_rows();
-  auto row_arange = [&](int n) {
-    return mx::broadcast_to(
-        mx::reshape(mx::arange(n, s), {1, n}, s), {B, n}, s);
-  };
-  if (!mask) {
-    return {row_arange(T), mx::full({B, 1}, T, mx::int32, s)};
-  }
-  mx::array kept = mx::astype(*mask, mx::int32, s);
-  mx::array rank = mx::cumsum(kept, 1, false, false, std::nullopt, s);
-  mx::array count = mx::sum(kept, 1, true, s);
-  // Every masked token writes the spare slot T, which no lookup reads.
-  mx::array slot = mx::where(*mask, rank, mx::array(T, mx::int32), s);
-  mx::array token_of_rank = mx::slice(
-      mx::put_along_axis(
-          mx::zeros({B, T + 1}, mx::int32, s), slot, row_arange(T), 1, s),
-      {0, 0},
-      {B, T},
-      s);
-  mx::array state_rows = row_arange(history);
-  mx::array ext_of_compact = mx::concatenate(
-      {state_rows, token_of_rank + mx::array(history, mx::int32)}, 1, s);
-  mx::array compact_of_ext =
-      mx::concatenate({state_rows, rank + mx::array(history, mx::int32)}, 1, s);
-  mx::array ext_is_kept = mx::concatenate(
-      {mx::full({B, history}, true, mx::bool_, s), *mask}, 1, s);
-  mx::array rank_is_kept = mx::less(row_arange(T), count, s);
-  return {
-      rank,
-      count,
-      ext_of_compact,
-      compact_of_ext,
-      ext_is_kept,
-      token_of_rank,
-      rank_is_kept};
-}
-
-// One part (q, k or v) of the conv: the channels [first, first + width).
-struct ConvPart {
-  mx::array compact;  // [B, K-1+T, W], activation dtype: the conv's input
-  mx::array pre;  // [B, T, W] float32: the conv output before SiLU, per token
-  mx::array weight;  // [W, K] float32
-};
-
-ConvPart conv_part_forward(
-    const SegmentParams& p,
-    const CompactPositions& at,
-    const std::vector<mx::array>& primals,
-    int first,
-    int width,
-    mx::Stream s) {
-  const int B = p.batch, T = p.tokens, K = p.conv_kernel;
-  const int history = p.conv_state_rows();
-  mx::array tokens =
-      mx::slice(primals[kMixedQkvzba], {0, 0, first}, {B, T, first + width}, s);
-  mx::array carried = mx::slice(
-      primals[kConvState], {0, 0, first}, {B, history, first + width}, s);
-  mx::array compact = mx::concatenate({carried, tokens}, 1, s);
-  if (at.ext_of_compact) {
-    compact = take_rows(compact, *at.ext_of_compact, s);
-  }
-  mx::array weight =
-      mx::slice(primals[kConvWeight], {first, 0}, {first + width, K}, s);
-  // Compact row r of the conv: sum_j compact[r + j] * weight[:, j].
-  mx::array pre = mx::zeros({B, T, width}, mx::float32, s);
-  for (int j = 0; j < K; ++j) {
-    mx::array tap = mx::reshape(
-        mx::slice(weight, {0, j}, {width, j + 1}, s), {1, 1, width}, s);
-    pre = pre + mx::slice(compact, {0, j, 0}, {B, j + T, width}, s) * tap;
-  }
-  if (at.token_of_rank) {
-    pre = take_rows(pre, at.rank, s);
-  }
-  return {compact, pre, weight};
 }
 
 // The gradients of one conv part from the gradient of its SiLU output
@@ -249,44 +121,6 @@ std::vector<mx::array> conv_part_backward(
       mx::slice(d_ext, {0, history, 0}, {B, length, width}, s),
       mx::slice(d_ext, {0, 0, 0}, {B, history, width}, s),
       mx::concatenate(d_taps, 1, s)};
-}
-
-// The slice [first, first + width) of every packed row, as float32.
-mx::array mixed_columns(
-    const SegmentParams& p,
-    const mx::array& mixed,
-    int first,
-    int width,
-    mx::Stream s) {
-  return mx::astype(
-      mx::slice(mixed, {0, 0, first}, {p.batch, p.tokens, first + width}, s),
-      mx::float32,
-      s);
-}
-
-// The core recurrence of the segment, as a function of its inputs
-// {q, k, v, g, beta, state}.
-std::function<std::vector<mx::array>(const std::vector<mx::array>&)>
-core_function(
-    const SegmentParams& p,
-    Algorithm algorithm,
-    const std::optional<mx::array>& mask,
-    mx::Stream s) {
-  return [p, algorithm, mask, s](const std::vector<mx::array>& in) {
-    return gated_delta_rule(
-        in[0],
-        in[1],
-        in[2],
-        in[3],
-        in[4],
-        in[5],
-        1.0f / std::sqrt(float(p.key_dim)),
-        head_mapping_name(p.head_mapping),
-        mask,
-        /*normalize_qk=*/true,
-        algorithm_name(algorithm),
-        s);
-  };
 }
 
 // Steps 2 and 3 (see the top of this file) as MLX ops: from the core's
@@ -412,37 +246,21 @@ std::vector<mx::array> segment_gradients(
     const std::vector<mx::array>& cotangents,
     mx::Stream s) {
   const int B = p.batch, T = p.tokens;
-  const int Hk = p.key_heads, Hv = p.value_heads;
-  const int Dk = p.key_dim, Dv = p.value_dim;
-  const int qk_width = p.qk_width(), v_width = p.v_width();
   const int history = p.conv_state_rows();
   const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
-  const mx::array& mixed = primals[kMixedQkvzba];
 
   // 1. The conv, SiLU and the gates.
-  const CompactPositions at = compact_positions(p, mask, s);
-  const int firsts[3] = {0, qk_width, 2 * qk_width};
-  const int widths[3] = {qk_width, qk_width, v_width};
-  std::vector<ConvPart> parts;
-  for (int i = 0; i < 3; ++i) {
-    parts.push_back(conv_part_forward(p, at, primals, firsts[i], widths[i], s));
-  }
-  auto act = [&](int i) { return parts[i].pre * mx::sigmoid(parts[i].pre, s); };
-  const mx::array& decay_parameter = primals[kDecayParameter];
+  const CoreInputs in = core_inputs(p, mask, primals, s);
+  const CompactPositions& at = in.at;
+  const std::vector<ConvPart>& parts = in.parts;
+  const std::vector<mx::array>& core_primals = in.core_primals;
+  const mx::array& rate = in.rate;
+  const mx::array& gate_input = in.gate_input;
+  const mx::array& beta = in.beta;
+  const std::array<int, 3> firsts = conv_part_firsts(p);
+  const std::array<int, 3> widths = conv_part_widths(p);
   const bool log_rate =
       p.decay_parameterization == DecayParameterization::LogRate;
-  mx::array rate =
-      log_rate ? mx::negative(mx::exp(decay_parameter, s), s) : decay_parameter;
-  mx::array gate_input =
-      mixed_columns(p, mixed, p.a_offset(), Hv, s) + primals[kDtBias];
-  mx::array beta = mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
-  const std::vector<mx::array> core_primals = {
-      mx::reshape(act(0), {B, T, Hk, Dk}, s),
-      mx::reshape(act(1), {B, T, Hk, Dk}, s),
-      mx::reshape(act(2), {B, T, Hv, Dv}, s),
-      rate * mx::logaddexp(gate_input, mx::array(0.0f), s),
-      beta,
-      primals[kState]};
 
   // 2 and 3.
   const std::vector<mx::array> d = norm_and_core_gradients(

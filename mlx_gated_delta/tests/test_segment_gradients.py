@@ -161,8 +161,8 @@ USES = {
 
 # The CPU, and the GPU where there is one: the segment's vjp runs its stages
 # as CPU kernels on the CPU and as MLX ops on the GPU, around the core's
-# backward, which has Metal kernels.
-DEVICES = ("cpu", "gpu") if mx.metal.is_available() else ("cpu",)
+# backward, which has Metal and CUDA kernels.
+DEVICES = ("cpu", "gpu") if mx.metal.is_available() or mx.cuda.is_available() else ("cpu",)
 
 
 @pytest.mark.parametrize("device", DEVICES)
