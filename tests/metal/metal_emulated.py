@@ -624,12 +624,13 @@ def stage_buffers(
 ):
     """The chunked stages' scratch in the dict `run(..., through_stage=...)`
     returns, as NumPy arrays in the layouts of `reference.chunked_stages`:
-    inverse norms `[B, T, Hk]`; gate_cumsum, last_wipe (int32) and
-    beta_effective `[B, Hv, C, L]`; k_gram and qk `[B, Hk, C, L, L]`;
-    kkt_inverse `[B, Hv, C, L, L]`; w, u and output_inter `[B, Hv, C, L, D]`.
-    With `per_key_gates`, gate_cumsum and last_wipe are `[B, Hv, C, L, Dk]`
-    and qk (decayed per channel) `[B, Hv, C, L, L]`. Buffers the plan does not
-    have are left out."""
+    inverse norms `[B, T, Hk]`; gate_cumsum, last_wipe (int32: the last wipe
+    at or before each row, or -1, decoded from the kernels' wipe masks, one
+    64-bit mask per chunk) and beta_effective `[B, Hv, C, L]`; k_gram and qk
+    `[B, Hk, C, L, L]`; kkt_inverse `[B, Hv, C, L, L]`; w, u and output_inter
+    `[B, Hv, C, L, D]`. With `per_key_gates`, gate_cumsum and last_wipe are
+    `[B, Hv, C, L, Dk]` and qk (decayed per channel) `[B, Hv, C, L, L]`.
+    Buffers the plan does not have are left out."""
     chunks = -(-tokens // CHUNK_SIZE)
     tiles = (chunks, CHUNK_SIZE, CHUNK_SIZE)
     rows = (batch, value_heads, chunks, CHUNK_SIZE)
@@ -638,7 +639,6 @@ def stage_buffers(
         "query_inverse_norm": (batch, tokens, key_heads),
         "key_inverse_norm": (batch, tokens, key_heads),
         "gate_cumsum": gate_rows,
-        "last_wipe": gate_rows,
         "beta_effective": rows,
         "k_gram": (batch, key_heads) + tiles,
         "qk": (batch, value_heads if per_key_gates else key_heads) + tiles,
@@ -647,13 +647,32 @@ def stage_buffers(
         "u": rows + (value_dim,),
         "output_inter": rows + (value_dim,),
     }
-    return {
-        name: np.frombuffer(buffers[name], np.int32 if name == "last_wipe" else np.float32).reshape(
-            shape
-        )
+    out = {
+        name: np.frombuffer(buffers[name], np.float32).reshape(shape)
         for name, shape in shapes.items()
         if name in buffers
     }
+    if "wipe_mask" in buffers:
+        masks = np.frombuffer(buffers["wipe_mask"], np.uint64).reshape(
+            (batch, value_heads, chunks) + ((key_dim,) if per_key_gates else ())
+        )
+        out["last_wipe"] = last_wipe_of_masks(masks, per_key_gates)
+    return out
+
+
+def last_wipe_of_masks(masks, per_key_gates):
+    """The last wipe at or before each row of a chunk (-1 for none), `[..., C,
+    L]` (per-key: `[..., C, L, Dk]`), from the chunks' wipe masks `[..., C]`
+    (`[..., C, Dk]`) whose bit i marks row i."""
+    rows = np.arange(CHUNK_SIZE, dtype=np.uint64)
+    if per_key_gates:
+        bits = (masks[..., None, :] >> rows[:, None]) & np.uint64(1)  # [..., C, L, Dk]
+        axis = -2
+    else:
+        bits = (masks[..., None] >> rows) & np.uint64(1)  # [..., C, L]
+        axis = -1
+    index = np.arange(CHUNK_SIZE).reshape((-1, 1) if per_key_gates else (-1,))
+    return np.maximum.accumulate(np.where(bits == 1, index, -1), axis=axis).astype(np.int32)
 
 
 def round_to_bfloat16(x):

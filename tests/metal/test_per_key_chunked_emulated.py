@@ -360,11 +360,33 @@ def test_the_per_key_chunked_plan_has_per_channel_scratch_and_no_shared_gram():
     padded = 3 * 64
     sizes = plan["buffer_bytes"]
     assert sizes["gate_cumsum"] == B * Hv * padded * Dk * 4
-    assert sizes["last_wipe"] == B * Hv * padded * Dk * 4
+    assert sizes["wipe_mask"] == B * Hv * 3 * Dk * 8
     assert sizes["beta_effective"] == B * Hv * padded * 4
     assert sizes["qk"] == B * Hv * 3 * 64 * 64 * 4
     table = metal_emulated.describe_plan(**SHAPE, algorithm="chunked", per_key_gates=True)
     assert "gated_delta_chunk_qk_float32" in table and "k_gram" not in table
+
+
+@pytest.mark.parametrize("dtype", ("bfloat16", "float32"))
+def test_the_per_key_plan_costs_at_most_1_5x_the_scalar_plan_on_paper(dtype):
+    # The cost model's bytes and FLOPs (describe_plan), Kimi-Linear's heads:
+    # the per-channel decays are the per-key plan's extra traffic, written
+    # once by gate_cumsum and read by four stages; one wipe mask per chunk and
+    # channel instead of a wipe position per row keeps them to 4 bytes a row.
+    shape = dict(batch=1, tokens=2048, key_heads=32, value_heads=32, key_dim=128, value_dim=128)
+
+    def totals(per_key_gates):
+        dispatches = metal_emulated.plan_dispatches(
+            **shape, algorithm="chunked", per_key_gates=per_key_gates, dtype=dtype
+        )
+        return (
+            sum(d["bytes_moved"] for d in dispatches),
+            sum(d["flops"] for d in dispatches),
+        )
+
+    (scalar_bytes, scalar_flops), (key_bytes, key_flops) = totals(False), totals(True)
+    assert key_bytes <= 1.5 * scalar_bytes
+    assert key_flops <= 1.5 * scalar_flops
 
 
 # --- Per-stage: the per-key scratch against float64 ----------------------------

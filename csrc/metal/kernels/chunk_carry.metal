@@ -31,7 +31,7 @@ template <typename T>
     const device float* query_inverse_norm [[buffer(2)]],
     const device float* key_inverse_norm [[buffer(3)]],
     const device float* gate_cumsum [[buffer(4)]],
-    const device int* last_wipe [[buffer(5)]],
+    const device ulong* wipe_mask [[buffer(5)]],
     const device float* w [[buffer(6)]],
     device float* u [[buffer(7)]],
     const device float* state_in [[buffer(8)]],
@@ -68,7 +68,7 @@ template <typename T>
     const uint first_token = chunk * kChunkSize;
     const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
     const device float* cumsum = gate_cumsum + rows * gate_width(p);
-    const device int* wipe = last_wipe + rows * gate_width(p);
+    const device ulong* wipe = wipe_mask + rows / kChunkSize * gate_width(p);
     // Scalar gates: the head's decays, staged once per chunk (per-key gates
     // form each column's where it is used).
     if (!per_key && tid < kChunkSize) {

@@ -12,7 +12,7 @@ template <typename T>
 [[kernel]] void gated_delta_chunk_output(
     const device float* qk [[buffer(0)]],
     const device float* gate_cumsum [[buffer(1)]],
-    const device int* last_wipe [[buffer(2)]],
+    const device ulong* wipe_mask [[buffer(2)]],
     const device bool* mask [[buffer(3)]],
     const device float* corrected [[buffer(4)]],
     const device float* output_inter [[buffer(5)]],
@@ -38,7 +38,7 @@ template <typename T>
     float weight = 0.0f;
     if (j <= i && i < length) {
       const float decay =
-          per_key ? 1.0f : chunk_decay(gate_cumsum + rows, last_wipe + rows, i, j);
+          per_key ? 1.0f : chunk_decay(gate_cumsum + rows, wipe_mask + rows / kChunkSize, i, j);
       weight = p.scale * decay * qk[tile + e];
     }
     weights[e] = weight;

@@ -16,7 +16,7 @@ template <typename T>
     device float* qk [[buffer(4)]],
     constant GatedDeltaKernelParams& p [[buffer(5)]],
     const device float* gate_cumsum [[buffer(6)]],
-    const device int* last_wipe [[buffer(7)]],
+    const device ulong* wipe_mask [[buffer(7)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]]) {
@@ -36,9 +36,10 @@ template <typename T>
   const uint out = chunk_row(p, b, head, heads, chunk) * kChunkSize;
 
   if (per_key) {
-    const uint rows = chunk_row(p, b, head, p.value_heads, chunk) * p.key_dim;
-    key_decayed_grams(q + offset, k + offset, row_stride, length, p.key_dim, gate_cumsum + rows,
-                      last_wipe + rows, tiles, products, tid, simd_index);
+    const uint rows = chunk_row(p, b, head, p.value_heads, chunk);
+    key_decayed_grams(q + offset, k + offset, row_stride, length, p.key_dim,
+                      gate_cumsum + rows * p.key_dim, wipe_mask + rows / kChunkSize * p.key_dim,
+                      tiles, products, tid, simd_index);
   } else {
     chunk_dot_products<kDotTileWidth>(q + offset, k + offset, row_stride, length, p.key_dim,
                                       tiles, tiles + kChunkSize * kDotTileWidth, products, tid,

@@ -1,10 +1,11 @@
 // gate_cumsum: per chunk of one (batch, value head), the inclusive cumsum of
-// the log decays, the last wipe (exp(g) == 0: gamma == 0, or a decay below
-// float32's range) and beta, with masked tokens turned into no-ops (g = 0,
-// beta = 0). Every later stage
-// derives its decays from these three through chunk_decay() or
-// channel_decay(). Per-key gates: the cumsum and the last wipe per key channel
-// ([B, Hv, C*64, Dk]), beta once per token.
+// the log decays, the wipe mask (bit i: exp(g_i) == 0, gamma == 0 or a decay
+// below float32's range) and beta, with masked tokens turned into no-ops
+// (g = 0, beta = 0). Every later stage derives its decays from these three
+// through chunk_decay() or channel_decay(). Per-key gates: the cumsum per key
+// channel ([B, Hv, C*64, Dk]) and one mask per chunk and key channel ([B, Hv,
+// C, Dk]: 8 bytes a chunk instead of a wipe position per token), beta once
+// per token.
 
 #include "gated_delta_common.h"
 
@@ -15,7 +16,7 @@
     const device float* beta [[buffer(1)]],
     const device bool* mask [[buffer(2)]],
     device float* gate_cumsum [[buffer(3)]],
-    device int* last_wipe [[buffer(4)]],
+    device ulong* wipe_mask [[buffer(4)]],
     device float* beta_effective [[buffer(5)]],
     constant GatedDeltaKernelParams& p [[buffer(6)]],
     uint index [[thread_position_in_grid]]) {
@@ -32,7 +33,7 @@
   const uint first = chunk_row(p, b, h, p.value_heads, chunk);
   const uint length = chunk_length(p, chunk);
   float cumsum = 0.0f;
-  int wipe = -1;
+  ulong wipes = 0ul;
   for (uint i = 0; i < kChunkSize; ++i) {
     float g_i = 0.0f;
     float beta_i = 0.0f;
@@ -48,15 +49,15 @@
     // a -300 step would otherwise leave the later differences of that
     // channel's sums rounding at the size of 300.
     if (exp(g_i) == 0.0f) {
-      wipe = int(i);
+      wipes |= 1ul << i;
     } else {
       cumsum += g_i;
     }
     gate_cumsum[(first + i) * width + channel] = cumsum;
-    last_wipe[(first + i) * width + channel] = wipe;
     // Beta has one column: the scan of channel 0 writes it.
     if (channel == 0) {
       beta_effective[first + i] = beta_i;
     }
   }
+  wipe_mask[first / kChunkSize * width + channel] = wipes;
 }

@@ -77,40 +77,51 @@ inline uint tree_state_row(constant GatedDeltaKernelParams& p, uint b, uint h, u
   return (((b * p.value_heads + h) * p.tokens + t) * p.value_dim + row) * p.key_dim;
 }
 
+// Whether a wipe lies in steps (j, i] of a chunk (none when j >= i; j == -1:
+// from the chunk's entry state), from the chunk's wipe mask, whose bit m is
+// set when step m's decay is 0 (gate_cumsum).
+inline bool wiped_between(ulong wipe_mask, int j, uint i) {
+  const ulong through_i = i >= kChunkSize - 1 ? ~0ul : (1ul << (i + 1)) - 1ul;
+  const ulong through_j =
+      j < 0 ? 0ul : (uint(j) >= kChunkSize - 1 ? ~0ul : (1ul << (uint(j) + 1)) - 1ul);
+  return (wipe_mask & through_i & ~through_j) != 0ul;
+}
+
 // Decay from token j to token i (j <= i) of one chunk: prod_{j < m <= i} exp(g_m).
-// `gate_cumsum` sums only finite g inside the chunk and `last_wipe` is the last
-// index <= i whose g is -inf (gamma == 0), or -1: a wipe in (j, i] gives
-// exactly 0, and the difference of two cumsums is never formed across one, so
-// no inf - inf NaN can arise.
-inline float chunk_decay(const device float* gate_cumsum, const device int* last_wipe,
+// `gate_cumsum` sums only finite g inside the chunk and `wipe_mask` (the
+// chunk's) marks the steps whose decay is 0 (gamma == 0): a wipe in (j, i]
+// gives exactly 0, and the difference of two cumsums is never formed across
+// one, so no inf - inf NaN can arise.
+inline float chunk_decay(const device float* gate_cumsum, const device ulong* wipe_mask,
                          uint i, uint j) {
-  return last_wipe[i] > int(j) ? 0.0f : exp(gate_cumsum[i] - gate_cumsum[j]);
+  return wiped_between(wipe_mask[0], int(j), i) ? 0.0f : exp(gate_cumsum[i] - gate_cumsum[j]);
 }
 // Decay from the chunk's entry state to token i (inclusive).
 inline float decay_from_chunk_start(const device float* gate_cumsum,
-                                    const device int* last_wipe, uint i) {
-  return last_wipe[i] >= 0 ? 0.0f : exp(gate_cumsum[i]);
+                                    const device ulong* wipe_mask, uint i) {
+  return wiped_between(wipe_mask[0], -1, i) ? 0.0f : exp(gate_cumsum[i]);
 }
 
-// Per-key gates: gate_cumsum and last_wipe keep one column per key channel,
-// [B, Hv, C*64, Dk] (scalar gates: one, [B, Hv, C*64]).
+// Per-key gates: gate_cumsum keeps one column per key channel, [B, Hv, C*64,
+// Dk], and there is one wipe mask per chunk and key channel, [B, Hv, C, Dk]
+// (scalar gates: one, [B, Hv, C*64] and [B, Hv, C]).
 inline uint gate_width(constant GatedDeltaKernelParams& p) {
   return p.per_key_gates != 0 ? p.key_dim : 1;
 }
 // The decay of key column c from token j to token i (j <= i) of one chunk, or
-// from the chunk's entry state when j == -1; `cumsum` and `wipe` point at the
-// chunk's first row. Scalar gates give chunk_decay() for every column. Per-key
-// gates: exp(G_ic - G_jc), formed for the pair directly (its exponent is the
-// sum of the channel's g over (j, i], never a positive number for decays),
-// and exactly 0 when a wipe of channel c lies in (j, i], decided by position.
+// from the chunk's entry state when j == -1; `cumsum` points at the chunk's
+// first row and `wipe_mask` at its masks. Scalar gates give chunk_decay() for
+// every column. Per-key gates: exp(G_ic - G_jc), formed for the pair directly
+// (its exponent is the sum of the channel's g over (j, i], never a positive
+// number for decays), and exactly 0 when a wipe of channel c lies in (j, i].
 inline float channel_decay(constant GatedDeltaKernelParams& p, const device float* cumsum,
-                           const device int* wipe, uint i, int j, uint c) {
+                           const device ulong* wipe_mask, uint i, int j, uint c) {
   const uint width = gate_width(p);
   const uint column = p.per_key_gates != 0 ? c : 0;
-  const uint at = i * width + column;
-  if (wipe[at] > j) {
+  if (wiped_between(wipe_mask[column], j, i)) {
     return 0.0f;
   }
+  const uint at = i * width + column;
   return exp(cumsum[at] - (j >= 0 ? cumsum[uint(j) * width + column] : 0.0f));
 }
 
@@ -178,15 +189,15 @@ void chunk_dot_products(const device T* a_rows, const device T* b_rows, uint row
 //   allow a product here too; nothing in the params carries one.)
 //
 // `tiles` stages the columns at hand, kKeyDecayTileWidth at a time: for the
-// pairs, four 64-row blocks (a, b, the cumulative log decays and the last
-// wipes as floats: indices -1..63 are exact); for the products, the factored
+// pairs, three 64-row blocks (a, b and the cumulative log decays; each thread
+// keeps the columns' wipe masks in registers); for the products, the factored
 // rows of sub-chunks 1..3 and each sub-chunk's factored columns. Thread tid
 // keeps the diagonal entries tid, tid + 256, ... in registers. Ends with a
 // barrier: `result` is complete for every thread.
 template <typename T>
 void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_stride,
                        uint rows, uint dim, const device float* cumsum,
-                       const device int* wipe, threadgroup float* tiles,
+                       const device ulong* wipe_mask, threadgroup float* tiles,
                        threadgroup float* result, uint tid, uint simd_index) {
   constexpr uint kWidth = kKeyDecayTileWidth;
   constexpr uint kSub = kSubChunkSize;
@@ -199,7 +210,6 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
   threadgroup float* a_tile = tiles;
   threadgroup float* b_tile = tiles + kBlock;
   threadgroup float* cumsum_tile = tiles + 2 * kBlock;
-  threadgroup float* wipe_tile = tiles + 3 * kBlock;
   float diagonal[kEntries];
   for (uint n = 0; n < kEntries; ++n) {
     diagonal[n] = 0.0f;
@@ -212,7 +222,10 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
       a_tile[e] = inside ? float(a_rows[row * row_stride + column]) : 0.0f;
       b_tile[e] = inside ? float(b_rows[row * row_stride + column]) : 0.0f;
       cumsum_tile[e] = inside ? cumsum[row * dim + column] : 0.0f;
-      wipe_tile[e] = inside ? float(wipe[row * dim + column]) : -1.0f;
+    }
+    ulong column_wipes[kWidth];
+    for (uint d = 0; d < kWidth; ++d) {
+      column_wipes[d] = d0 + d < dim ? wipe_mask[d0 + d] : 0ul;
     }
     // The tiles are complete before any thread reads them.
     threadgroup_barrier(mem_flags::mem_threadgroup);
@@ -227,8 +240,9 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
       for (uint d = 0; d < kWidth; ++d) {
         const uint at_i = i * kWidth + d;
         const uint at_j = j * kWidth + d;
-        const float decay =
-            wipe_tile[at_i] > float(j) ? 0.0f : exp(cumsum_tile[at_i] - cumsum_tile[at_j]);
+        const float decay = wiped_between(column_wipes[d], int(j), i)
+                                ? 0.0f
+                                : exp(cumsum_tile[at_i] - cumsum_tile[at_j]);
         diagonal[n] += a_tile[at_i] * decay * b_tile[at_j];
       }
     }
@@ -262,8 +276,9 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
         const uint p = i / kSub * kSub;
         if (i < rows && column < dim) {
           const uint at = i * dim + column;
-          const float decay =
-              wipe[at] > int(p) ? 0.0f : exp(cumsum[at] - cumsum[p * dim + column]);
+          const float decay = wiped_between(wipe_mask[column], int(p), i)
+                                  ? 0.0f
+                                  : exp(cumsum[at] - cumsum[p * dim + column]);
           value = float(a_rows[i * row_stride + column]) * decay;
         }
       } else {
@@ -279,8 +294,9 @@ void key_decayed_grams(const device T* a_rows, const device T* b_rows, uint row_
         const uint p = s * kSub;
         if (j < rows && column < dim) {
           const uint at = p * dim + column;
-          const float decay =
-              wipe[at] > int(j) ? 0.0f : exp(cumsum[at] - cumsum[j * dim + column]);
+          const float decay = wiped_between(wipe_mask[column], int(j), p)
+                                  ? 0.0f
+                                  : exp(cumsum[at] - cumsum[j * dim + column]);
           value = float(b_rows[j * row_stride + column]) * decay;
         }
       }

@@ -42,10 +42,10 @@ GATED_DELTA_ABI_CONSTANT unsigned int kChunkThreads = 256;
 // 32 KiB per threadgroup with room to spare.
 GATED_DELTA_ABI_CONSTANT unsigned int kDotTileWidth = 16;
 // Per-key gates: key columns staged per step when kkt_inverse and chunk_qk
-// build a decayed 64 x 64 tile (key_decayed_grams). Four 64 x 8 tiles (k or
-// q rows, k rows, the cumulative log decays, the last wipes) fill the same
-// 8 KiB as the two dot-product tiles; the factored rows and columns of the
-// sub-chunk products ((48 + 96) x 8) fit in them too.
+// build a decayed 64 x 64 tile (key_decayed_grams). Three 64 x 8 tiles (k or
+// q rows, k rows, the cumulative log decays) fit in the 8 KiB of the two
+// dot-product tiles; so do the factored rows and columns of the sub-chunk
+// products ((48 + 96) x 8).
 GATED_DELTA_ABI_CONSTANT unsigned int kKeyDecayTileWidth = 8;
 // Per-key gates: the rows of a sub-chunk of key_decayed_grams, whose decays
 // are taken relative to its first row (as on the CPU).

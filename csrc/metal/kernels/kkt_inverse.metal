@@ -17,7 +17,7 @@ template <typename T, bool kFromKGram>
     const device float* key_inverse_norm [[buffer(1)]],
     const device float* k_gram [[buffer(2)]],
     const device float* gate_cumsum [[buffer(3)]],
-    const device int* last_wipe [[buffer(4)]],
+    const device ulong* wipe_mask [[buffer(4)]],
     const device float* beta_effective [[buffer(5)]],
     device float* kkt_inverse [[buffer(6)]],
     constant GatedDeltaKernelParams& p [[buffer(7)]],
@@ -35,7 +35,7 @@ template <typename T, bool kFromKGram>
   const uint first_token = chunk * kChunkSize;
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
   const device float* cumsum = gate_cumsum + rows * gate_width(p);
-  const device int* wipe = last_wipe + rows * gate_width(p);
+  const device ulong* wipe = wipe_mask + rows / kChunkSize * gate_width(p);
 
   // The gram k_i . k_j first (per-key gates: decayed), in `a`.
   if (p.per_key_gates != 0) {

@@ -16,7 +16,7 @@ template <typename T>
     const device T* v [[buffer(1)]],
     const device float* key_inverse_norm [[buffer(2)]],
     const device float* gate_cumsum [[buffer(3)]],
-    const device int* last_wipe [[buffer(4)]],
+    const device ulong* wipe_mask [[buffer(4)]],
     const device float* beta_effective [[buffer(5)]],
     const device float* kkt_inverse [[buffer(6)]],
     device float* w [[buffer(7)]],
@@ -36,7 +36,7 @@ template <typename T>
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
   const bool per_key = p.per_key_gates != 0;
   const device float* cumsum = gate_cumsum + rows * gate_width(p);
-  const device int* wipe = last_wipe + rows * gate_width(p);
+  const device ulong* wipe = wipe_mask + rows / kChunkSize * gate_width(p);
 
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
     t_tile[e] = kkt_inverse[rows * kChunkSize + e];

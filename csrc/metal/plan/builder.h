@@ -52,6 +52,13 @@ struct PlanBuilder {
       Algorithm algorithm,
       ActivationDtype dtype);
 
+  // The in-chunk decays of one (batch, value head) for `width` gate columns,
+  // in bytes: the cumulative log decays (4 a row) and the wipe masks (8 a
+  // chunk) that gate_cumsum writes and the later stages read.
+  double decay_bytes_per_head(double width) const {
+    return (padded_tokens * 4.0 + C * 8.0) * width;
+  }
+
   void add_buffer(PlanBuffer buffer, uint64_t bytes, BufferRole role) {
     plan.buffers.push_back({buffer, bytes, role});
   }

@@ -128,11 +128,11 @@ void PlanBuilder::chunked_scratch() {
     add_scratch(QueryInverseNorm, "query norm elements", B * T * Hk, 4);
     add_scratch(KeyInverseNorm, "key norm elements", B * T * Hk, 4);
   }
-  // Per-key gates: the cumulative log decay and last wipe per key channel,
-  // [B, Hv, C, 64, Dk].
+  // Per-key gates: the cumulative log decay per key channel, [B, Hv, C, 64,
+  // Dk], and a 64-bit wipe mask per chunk and key channel, [B, Hv, C, Dk].
   const uint64_t gate_rows = B * Hv * padded_tokens * uint64_t(p.gate_width());
   add_scratch(GateCumsum, "gate cumsum elements", gate_rows, 4);
-  add_scratch(LastWipe, "last wipe elements", gate_rows, 4);
+  add_scratch(WipeMask, "wipe mask elements", gate_rows / kChunkSize, 8);
   add_scratch(BetaEffective, "beta elements", B * Hv * padded_tokens, 4);
   if (uses_k_gram())
     add_scratch(KGram, "k gram elements", B * Hk * chunk_tiles(), 4);
@@ -174,14 +174,14 @@ void PlanBuilder::gate_cumsum() {
        {1, Beta},
        {2, Mask},
        {3, GateCumsum},
-       {4, LastWipe},
+       {4, WipeMask},
        {5, BetaEffective}},
       6,
-      {GateCumsum, LastWipe, BetaEffective});
+      {GateCumsum, WipeMask, BetaEffective});
   const double width = p.gate_width();
   d.bytes_moved = B * T * Hv * (width + 1) * 4.0 +
       B * T * (p.has_mask ? 1 : 0) +
-      B * Hv * padded_tokens * (2 * width + 1) * 4.0;
+      B * Hv * (decay_bytes_per_head(width) + padded_tokens * 4.0);
   d.flops = B * T * Hv * width;
 }
 
@@ -213,7 +213,7 @@ void PlanBuilder::kkt_inverse() {
            {1, KeyInverseNorm},
            {2, KGram},
            {3, GateCumsum},
-           {4, LastWipe},
+           {4, WipeMask},
            {5, BetaEffective},
            {6, KktInverse}},
           7,
@@ -226,11 +226,12 @@ void PlanBuilder::kkt_inverse() {
       k_gram ? B * Hv * chunk_tiles() * 4.0 : B * Hv * T * Dk * double(e);
   double gram_flops = k_gram ? 0.0 : 2.0 * tile() * Dk;
   if (p.per_key_gates) {
-    gram_bytes += B * Hv * padded_tokens * Dk * 8.0;
+    gram_bytes += B * Hv * decay_bytes_per_head(Dk);
     gram_flops = key_decayed_grams_flops(Dk);
   }
-  d.bytes_moved =
-      gram_bytes + B * Hv * padded_tokens * 12.0 + B * Hv * chunk_tiles() * 4.0;
+  d.bytes_moved = gram_bytes +
+      B * Hv * (padded_tokens * 4.0 + decay_bytes_per_head(1)) +
+      B * Hv * chunk_tiles() * 4.0;
   d.flops = B * Hv * C * (gram_flops + 3 * tile() + tile() * kChunkSize / 3);
 }
 
@@ -246,7 +247,7 @@ void PlanBuilder::recompute_w_u() {
            {1, Value},
            {2, KeyInverseNorm},
            {3, GateCumsum},
-           {4, LastWipe},
+           {4, WipeMask},
            {5, BetaEffective},
            {6, KktInverse},
            {7, W},
@@ -257,7 +258,7 @@ void PlanBuilder::recompute_w_u() {
   d.bytes_moved = B * Hv *
       (T * (Dk + Dv) * double(e) + chunk_tiles() * 4.0 +
        padded_tokens * (Dk + Dv) * 4.0 +
-       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
+       (p.per_key_gates ? decay_bytes_per_head(Dk) : 0.0));
   d.flops = 2.0 * B * Hv * C * (tile() / 2) * (Dk + Dv);
 }
 
@@ -270,7 +271,7 @@ void PlanBuilder::chunk_qk() {
       {3, KeyInverseNorm},
       {4, QK}};
   if (p.per_key_gates) {
-    bindings.insert(bindings.end(), {{6, GateCumsum}, {7, LastWipe}});
+    bindings.insert(bindings.end(), {{6, GateCumsum}, {7, WipeMask}});
   }
   Dispatch& d =
       add("chunk_qk",
@@ -286,7 +287,7 @@ void PlanBuilder::chunk_qk() {
   const double heads = double(qk_heads());
   d.bytes_moved = B * heads *
       (2.0 * T * Dk * double(e) + chunk_tiles() * 4.0 +
-       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
+       (p.per_key_gates ? decay_bytes_per_head(Dk) : 0.0));
   d.flops = p.per_key_gates ? B * heads * C * key_decayed_grams_flops(Dk)
                             : 2.0 * B * heads * C * tile() * Dk;
 }
@@ -304,7 +305,7 @@ void PlanBuilder::chunk_carry() {
            {2, QueryInverseNorm},
            {3, KeyInverseNorm},
            {4, GateCumsum},
-           {5, LastWipe},
+           {5, WipeMask},
            {6, W},
            {7, U},
            {8, StateIn},
@@ -321,7 +322,7 @@ void PlanBuilder::chunk_carry() {
   d.bytes_moved = B * Hv *
       (padded_tokens * (Dk + 3 * Dv) * 4.0 + 2 * T * Dk * double(e) +
        (2 + p.checkpoint_count) * Dv * Dk * 4.0 +
-       (p.per_key_gates ? padded_tokens * Dk * 8.0 : 0.0));
+       (p.per_key_gates ? decay_bytes_per_head(Dk) : 0.0));
   // Per token and state row: v' (W S^T), the inter-chunk readout (S q)
   // and the state update (sum_j v'_j k_j^T): three Dk-long dot products;
   // a checkpoint cut in a chunk is at most one more update.
@@ -339,7 +340,7 @@ void PlanBuilder::chunk_output() {
           kChunkOutputBytes,
           {{0, QK},
            {1, GateCumsum},
-           {2, LastWipe},
+           {2, WipeMask},
            {3, Mask},
            {4, U},
            {5, OutputInter},
@@ -347,8 +348,8 @@ void PlanBuilder::chunk_output() {
           7,
           {Output});
   d.bytes_moved = B * Hv *
-      (chunk_tiles() * 4.0 + padded_tokens * (2 * Dv * 4.0 + 8) +
-       T * Dv * double(e));
+      (chunk_tiles() * 4.0 + padded_tokens * 2 * Dv * 4.0 +
+       (p.per_key_gates ? 0.0 : decay_bytes_per_head(1)) + T * Dv * double(e));
   d.flops = 2.0 * B * Hv * C * (tile() / 2) * Dv;
 }
 

@@ -33,7 +33,7 @@ const char* to_string(PlanBuffer buffer) {
       "query_inverse_norm",
       "key_inverse_norm",
       "gate_cumsum",
-      "last_wipe",
+      "wipe_mask",
       "beta_effective",
       "k_gram",
       "kkt_inverse",

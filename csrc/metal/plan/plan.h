@@ -56,7 +56,7 @@ enum class PlanBuffer : int {
   QueryInverseNorm,  // [B, T, Hk]   1 / |q| when normalize_qk
   KeyInverseNorm,  // [B, T, Hk]
   GateCumsum,  // [B, Hv, C*64] inclusive cumsum of finite g in a chunk
-  LastWipe,  // [B, Hv, C*64] int32: last index <= i with g = -inf, or -1
+  WipeMask,  // [B, Hv, C] uint64: bit i set where step i's decay is 0 (a wipe)
   BetaEffective,  // [B, Hv, C*64] beta, 0 on masked tokens
   KGram,  // [B, Hk, C, 64, 64] k_i . k_j
   KktInverse,  // [B, Hv, C, 64, 64] (I + A)^-1
