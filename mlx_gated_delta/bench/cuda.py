@@ -16,6 +16,9 @@ Times are medians of repeats after a warm-up call:
 - ``graph`` (FLA): one call captured in a CUDA graph, each replay timed by CUDA events: GPU
   time.
 
+The whole-layer rows (``cuda_layer``) set the patched Qwen3-Next layer against mlx-lm's stock
+layer on MLX's CUDA device.
+
 The training step (``TRAINING_TOKENS``, B=1) is our forward and backward (``mx.vjp`` for the
 cotangents of y and of the final state; every input's gradient), timed one step at a time and
 ``n`` independent steps to an evaluation. The backward's kernel fills one multiprocessor per
@@ -41,6 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from .. import gated_delta_rule
+from . import cuda_layer
 
 HK, HV, D = 16, 32, 128
 DECODE_BATCHES = (1, 8, 64)
@@ -388,7 +392,8 @@ def run(args) -> dict:
     for tokens in TRAINING_TOKENS:
         print(f"bench --cuda: training step T={tokens}", flush=True)
         record["training"].append(training_row(tokens))
-    text = table(record)
+    record["layer"] = cuda_layer.run(lambda what: print(f"bench --cuda: {what}", flush=True))
+    text = table(record) + "\n\n" + cuda_layer.table(record["layer"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "cuda.json").write_text(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,28 @@
+"""The whole-layer rows of ``bench --cuda`` (mlx_gated_delta/bench/cuda_layer.py): the
+table they print, from a record (the rows themselves run on the GPU machine)."""
+
+from mlx_gated_delta.bench import cuda_layer
+
+
+def test_table_lists_every_forward_and_training_row_with_its_speed_up():
+    record = {
+        "forward": [
+            {"shape": "bf16 B=1 T=1 decode", "ours_ms": 0.5, "mlx_lm_ms": 1.0, "speedup": 2.0},
+            {"shape": "bf16 B=1 T=2048 prefill", "ours_ms": 4.0, "mlx_lm_ms": 300.0, "speedup": 75},
+        ],
+        "training": [
+            {
+                "T": 2048,
+                "ours": {"ms": 20.0, "peak_mib": 900.0},
+                "mlx-lm": {"ms": 2000.0, "peak_mib": 9000.0},
+                "speedup": 100.0,
+            }
+        ],
+    }
+    text = cuda_layer.table(record)
+    assert "| bf16 B=1 T=1 decode | 0.50 | 1.00 | 2.0x |" in text
+    assert "| bf16 B=1 T=2048 prefill | 4.00 | 300.00 | 75.0x |" in text
+    assert (
+        "| training step B=1 T=2048 | 20.00 (peak 900 MiB) | 2000.00 (peak 9000 MiB) | 100.0x |"
+        in text
+    )
