@@ -196,7 +196,8 @@ void eval_core(
         "recurrent",
         "gd_recurrent_" + dtype + "_c" + std::to_string(columns),
         dim3(
-            (p.value_dim + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock,
+            (p.value_dim + recurrent_rows_per_block(columns) - 1) /
+                recurrent_rows_per_block(columns),
             p.value_heads,
             p.batch),
         kRecurrentThreads,
