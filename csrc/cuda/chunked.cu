@@ -121,65 +121,30 @@ __device__ void load_rows(
   chunk_rows.store(dim, length, normalize, row_scales, rows, stride);
 }
 
-// Copies rows [0, rows) of a row-major float32 block of scratch (row stride
-// `source_stride`, columns <= kChunkedMaxDim) into shared rows of stride
-// `stride` (a multiple of 4, 16-byte aligned): warp w the rows w, w + 8, ...
-// (up to kMaxRows), each lane 16-byte loads of 4 columns where the rows allow
-// them, else single columns lane + 32 j; all loads issued before the first
-// store, no index divisions.
-template <int kMaxRows>
-__device__ void copy_rows(
+// Asynchronous copies of float32 scratch into shared memory (cp.async
+// through CUDA's pipeline primitives): rows [0, rows) of `width` columns of a
+// row-major block (row stride `source_stride`) into shared rows of stride
+// `stride` (a multiple of 4, 16-byte aligned); warp w the rows w, w + 8, ...,
+// each lane 4 floats at a time where the rows allow 16-byte copies, else
+// single floats. The copies land once the thread has waited for them
+// (__pipeline_wait_prior) and the block has passed a barrier.
+__device__ void copy_rows_async(
     const float* source,
     int64_t source_stride,
     int rows,
-    int columns,
+    int width,
     float* shared_rows,
     int stride) {
-  constexpr int kWarps = kChunkedThreads / kWarp;
-  constexpr int kRowsPerWarp = kMaxRows / kWarps;
-  static_assert(kRowsPerWarp * kWarps == kMaxRows, "whole rows per warp");
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const bool vectors = columns % 4 == 0 && source_stride % 4 == 0 &&
+  const int lane = threadIdx.x % kWarp;
+  const bool vectors = width % 4 == 0 && source_stride % 4 == 0 &&
       reinterpret_cast<uintptr_t>(source) % 16 == 0;
-  if (vectors) {
-    static_assert(4 * kWarp == kChunkedMaxDim, "one vector a lane per row");
-    const int c = 4 * lane;
-    float4 x[kRowsPerWarp];
-#pragma unroll
-    for (int n = 0; n < kRowsPerWarp; ++n) {
-      const int r = warp + kWarps * n;
-      x[n] = r < rows && c < columns
-          ? *reinterpret_cast<const float4*>(source + r * source_stride + c)
-          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int n = 0; n < kRowsPerWarp; ++n) {
-      const int r = warp + kWarps * n;
-      if (r < rows && c < columns) {
-        *reinterpret_cast<float4*>(shared_rows + r * stride + c) = x[n];
-      }
-    }
-    return;
-  }
-  float x[kRowsPerWarp][kColumnsPerLane];
-#pragma unroll
-  for (int n = 0; n < kRowsPerWarp; ++n) {
-    const int r = warp + kWarps * n;
-#pragma unroll
-    for (int j = 0; j < kColumnsPerLane; ++j) {
-      const int c = lane + kWarp * j;
-      x[n][j] = r < rows && c < columns ? source[r * source_stride + c] : 0.0f;
-    }
-  }
-#pragma unroll
-  for (int n = 0; n < kRowsPerWarp; ++n) {
-    const int r = warp + kWarps * n;
-#pragma unroll
-    for (int j = 0; j < kColumnsPerLane; ++j) {
-      const int c = lane + kWarp * j;
-      if (r < rows && c < columns) {
-        shared_rows[r * stride + c] = x[n][j];
-      }
+  const int step = vectors ? 4 : 1;
+  for (int r = threadIdx.x / kWarp; r < rows; r += kChunkedThreads / kWarp) {
+    for (int c = step * lane; c < width; c += step * kWarp) {
+      __pipeline_memcpy_async(
+          shared_rows + r * stride + c,
+          source + r * source_stride + c,
+          sizeof(float) * step);
     }
   }
 }
@@ -299,6 +264,9 @@ __device__ __forceinline__ void chunk_prepare(
   // k_gram and chunk_qk, K K^T and Q K^T: warp w the row tile w / 2 and the
   // column tiles 2 (w % 2) and 2 (w % 2) + 1; tiles above the diagonal are 0.
   // The products go to A's and T's buffers, which the next step rewrites.
+  // V's loads are in flight meanwhile (V takes Q's buffer once Q is read).
+  ChunkRows values;
+  values.fetch(v, int64_t(a.value_heads) * dv, dv, place.length);
   const int warp = threadIdx.x / kWarp;
   {
     const int ti = warp / 2;
@@ -341,7 +309,7 @@ __device__ __forceinline__ void chunk_prepare(
   // Q has been read: V takes its buffer, its rows times beta; K's rows take
   // their coefficient (the barriers of kkt_inverse order these writes before
   // recompute_w_u reads them).
-  load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, betas, vs, vp);
+  values.store(dv, place.length, false, betas, vs, vp);
   for (int j = warp; j < kChunk; j += kChunkedThreads / kWarp) {
     for (int c = threadIdx.x % kWarp; c < kw; c += kWarp) {
       ks[j * kp + c] *= coefficient[j];
@@ -429,28 +397,6 @@ __device__ __forceinline__ void chunk_prepare(
     out[kChunk + i] = i < place.length ? decays(place.length - 1, i) : 0.0f;
     out[2 * kChunk + i] = log_sum[i];
     out[3 * kChunk + i] = float(last_wipe[i]);
-  }
-}
-
-// chunk_carry's asynchronous copies (cp.async through CUDA's pipeline
-// primitives): `rows` rows of `width` floats (a multiple of 4) of row-major
-// scratch, 16-byte aligned rows of stride `source_stride`, into shared rows
-// of stride `stride`; warp w the rows w, w + 8, ..., each lane 4 floats at a
-// time. The copies land once the thread has waited for them
-// (__pipeline_wait_prior) and the block has passed a barrier.
-__device__ void copy_rows_async(
-    const float* source,
-    int source_stride,
-    int rows,
-    int width,
-    float* shared_rows,
-    int stride) {
-  const int lane = threadIdx.x % kWarp;
-  for (int r = threadIdx.x / kWarp; r < rows; r += kChunkedThreads / kWarp) {
-    for (int c = 4 * lane; c < width; c += 4 * kWarp) {
-      __pipeline_memcpy_async(
-          shared_rows + r * stride + c, source + r * source_stride + c, 16);
-    }
   }
 }
 
@@ -735,15 +681,23 @@ __device__ __forceinline__ void chunk_output(
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
   const float* from_start = s.decays + place.index * kDecayRows * kChunk;
-  load_rows(
-      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
-      from_start, qs, kp);
-  copy_rows<kChunk>(
+  // The scratch is copied asynchronously while Q is loaded and normalised.
+  copy_rows_async(
       s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
-  copy_rows<kOutputRows>(
+  copy_rows_async(
       s.h + place.index * dv * dk + int64_t(row0) * dk, dk, rows, dk, hs, kp);
-  copy_rows<kChunk>(
+  copy_rows_async(
       s.u + place.index * kChunk * vw + row0, vw, kChunk, rows, deltas, rp);
+  __pipeline_commit();
+  load_rows(
+      q,
+      int64_t(a.key_heads) * dk,
+      dk,
+      place.length,
+      a.normalize_qk,
+      from_start,
+      qs,
+      kp);
   // What the copies leave out is 0: S's rows past Dv (the last tile of a Dv
   // that is not a multiple of kOutputRows) and columns past Dk, and the
   // matching v' columns.
@@ -764,6 +718,7 @@ __device__ __forceinline__ void chunk_output(
       }
     }
   }
+  __pipeline_wait_prior(0);
   __syncthreads();
 
   constexpr int kTiles = kChunk / kTile * (kOutputRows / kTile);
