@@ -54,6 +54,27 @@ def test_table_derives_bandwidth_flops_and_the_ratio_to_fla_from_the_chained_tim
     assert "| 200.000 |" in text and "| n/a | 99 | n/a |" in text  # no FLA: no ratio
 
 
+def test_table_gives_the_gpu_time_its_own_rate_and_ratio_to_fla():
+    row = {
+        "batch": 64,
+        "tokens": 1,
+        "ours": {"call_ms": 0.3, "chained_ms": 0.2, "gpu_ms": 0.08, "peak_mib": 128},
+        "fla_recurrent": {
+            "call_ms": 0.2,
+            "graph_ms": 0.1,
+            "peak_mib": 128,
+            "y_vs_ours": 1e-5,
+            "state_vs_ours": 1e-7,
+        },
+    }
+    text = cuda.table({"gpu": "test", "copy_bandwidth_bytes_per_s": 4e12, "rows": [row]})
+    state_bytes = 2 * 64 * 32 * 128 * 128 * 4
+    assert "| 0.200 | 0.080 |" in text  # chained, then GPU
+    assert "| 2.00x | 0.80x |" in text  # each against FLA's 0.1 ms graph replay
+    per_s = state_bytes / 0.08e-3
+    assert f"; GPU {per_s / 1e12:.2f} TB/s ({100 * per_s / 4e12:.0f}% of copy)" in text
+
+
 def test_table_sets_the_training_step_against_fla_forward_of_the_same_length():
     record = {
         "gpu": "test",

@@ -4,7 +4,8 @@
 //   chunk_prepare  one block per (chunk, value head, batch row), all chunks at
 //                  once: qk_norm, gate_cumsum, k_gram, chunk_qk, kkt_inverse
 //                  and recompute_w_u of one chunk, writing W, U, the decayed
-//                  Q K^T and the chunk's decays to scratch (ChunkScratch).
+//                  Q K^T, the chunk's decays and its normalised K to scratch
+//                  (ChunkScratch).
 //   chunk_carry    one block per (kCarryRows state rows, value head, batch
 //                  row), the chunks in order: v' = U - W S^T, the checkpoints
 //                  and the next state (chunk_carry_state); it writes v' and
@@ -20,6 +21,8 @@
 // (launch_shapes.h). The matrix products run on tensor cores in 3xTF32
 // (tensor_core.cuh), one 16 x 16 output tile per warp at a time; gates,
 // decays and kkt_inverse's diagonal blocks are float32 FMA.
+#include <cuda_pipeline.h>
+
 #include "cuda/device_common.cuh"
 #include "cuda/launch_shapes.h"
 #include "cuda/tensor_core.cuh"
@@ -118,67 +121,38 @@ __device__ void load_rows(
   chunk_rows.store(dim, length, normalize, row_scales, rows, stride);
 }
 
-// Copies rows [0, rows) of a row-major float32 block of scratch (row stride
-// `source_stride`, columns <= kChunkedMaxDim) into shared rows of stride
-// `stride` (a multiple of 4, 16-byte aligned): warp w the rows w, w + 8, ...
-// (up to kMaxRows), each lane 16-byte loads of 4 columns where the rows allow
-// them, else single columns lane + 32 j; all loads issued before the first
-// store, no index divisions.
-template <int kMaxRows>
-__device__ void copy_rows(
+// Asynchronous copies of float32 scratch into shared memory (cp.async
+// through CUDA's pipeline primitives): rows [0, rows) of `width` columns of a
+// row-major block (row stride `source_stride`) into shared rows of stride
+// `stride` (a multiple of 4, 16-byte aligned); warp w the rows w, w + 8, ...,
+// each lane 4 floats at a time where the rows allow 16-byte copies, else
+// single floats. The copies land once the thread has waited for them
+// (__pipeline_wait_prior) and the block has passed a barrier.
+__device__ void copy_rows_async(
     const float* source,
     int64_t source_stride,
     int rows,
-    int columns,
+    int width,
     float* shared_rows,
     int stride) {
-  constexpr int kWarps = kChunkedThreads / kWarp;
-  constexpr int kRowsPerWarp = kMaxRows / kWarps;
-  static_assert(kRowsPerWarp * kWarps == kMaxRows, "whole rows per warp");
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const bool vectors = columns % 4 == 0 && source_stride % 4 == 0 &&
+  const int lane = threadIdx.x % kWarp;
+  const bool vectors = width % 4 == 0 && source_stride % 4 == 0 &&
       reinterpret_cast<uintptr_t>(source) % 16 == 0;
-  if (vectors) {
-    static_assert(4 * kWarp == kChunkedMaxDim, "one vector a lane per row");
-    const int c = 4 * lane;
-    float4 x[kRowsPerWarp];
-#pragma unroll
-    for (int n = 0; n < kRowsPerWarp; ++n) {
-      const int r = warp + kWarps * n;
-      x[n] = r < rows && c < columns
-          ? *reinterpret_cast<const float4*>(source + r * source_stride + c)
-          : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-#pragma unroll
-    for (int n = 0; n < kRowsPerWarp; ++n) {
-      const int r = warp + kWarps * n;
-      if (r < rows && c < columns) {
-        *reinterpret_cast<float4*>(shared_rows + r * stride + c) = x[n];
-      }
-    }
-    return;
-  }
-  float x[kRowsPerWarp][kColumnsPerLane];
-#pragma unroll
-  for (int n = 0; n < kRowsPerWarp; ++n) {
-    const int r = warp + kWarps * n;
-#pragma unroll
-    for (int j = 0; j < kColumnsPerLane; ++j) {
-      const int c = lane + kWarp * j;
-      x[n][j] = r < rows && c < columns ? source[r * source_stride + c] : 0.0f;
+  const int step = vectors ? 4 : 1;
+  for (int r = threadIdx.x / kWarp; r < rows; r += kChunkedThreads / kWarp) {
+    for (int c = step * lane; c < width; c += step * kWarp) {
+      __pipeline_memcpy_async(
+          shared_rows + r * stride + c,
+          source + r * source_stride + c,
+          sizeof(float) * step);
     }
   }
-#pragma unroll
-  for (int n = 0; n < kRowsPerWarp; ++n) {
-    const int r = warp + kWarps * n;
-#pragma unroll
-    for (int j = 0; j < kColumnsPerLane; ++j) {
-      const int c = lane + kWarp * j;
-      if (r < rows && c < columns) {
-        shared_rows[r * stride + c] = x[n][j];
-      }
-    }
-  }
+}
+
+// Whether value head h is the first of those that read its key head (the
+// one that writes the key head's scratch).
+__device__ bool first_of_key_head(const CoreArgs& a, int h) {
+  return a.grouped ? h % (a.value_heads / a.key_heads) == 0 : h < a.key_heads;
 }
 
 struct ChunkPlace {
@@ -270,10 +244,29 @@ __device__ __forceinline__ void chunk_prepare(
   keys.store(dk, place.length, a.normalize_qk, nullptr, ks, kp);
   queries.store(dk, place.length, a.normalize_qk, nullptr, qs, kp);
   __syncthreads();
+  // K's rows as they are now, for chunk_carry: once per key head, by the
+  // block of its first value head.
+  if (first_of_key_head(a, place.h)) {
+    const int chunks = (a.tokens + kChunk - 1) / kChunk;
+    float* k_out = s.k +
+        ((int64_t(place.b) * a.key_heads + kh) * chunks + place.chunk) *
+            kChunk * kw;
+    const int lane = threadIdx.x % kWarp;
+    for (int i = threadIdx.x / kWarp; i < kChunk;
+         i += kChunkedThreads / kWarp) {
+      for (int c = 4 * lane; c < kw; c += 4 * kWarp) {
+        *reinterpret_cast<float4*>(k_out + i * kw + c) =
+            *reinterpret_cast<const float4*>(ks + i * kp + c);
+      }
+    }
+  }
 
   // k_gram and chunk_qk, K K^T and Q K^T: warp w the row tile w / 2 and the
   // column tiles 2 (w % 2) and 2 (w % 2) + 1; tiles above the diagonal are 0.
   // The products go to A's and T's buffers, which the next step rewrites.
+  // V's loads are in flight meanwhile (V takes Q's buffer once Q is read).
+  ChunkRows values;
+  values.fetch(v, int64_t(a.value_heads) * dv, dv, place.length);
   const int warp = threadIdx.x / kWarp;
   {
     const int ti = warp / 2;
@@ -316,7 +309,7 @@ __device__ __forceinline__ void chunk_prepare(
   // Q has been read: V takes its buffer, its rows times beta; K's rows take
   // their coefficient (the barriers of kkt_inverse order these writes before
   // recompute_w_u reads them).
-  load_rows(v, int64_t(a.value_heads) * dv, dv, place.length, false, betas, vs, vp);
+  values.store(dv, place.length, false, betas, vs, vp);
   for (int j = warp; j < kChunk; j += kChunkedThreads / kWarp) {
     for (int c = threadIdx.x % kWarp; c < kw; c += kWarp) {
       ks[j * kp + c] *= coefficient[j];
@@ -407,57 +400,37 @@ __device__ __forceinline__ void chunk_prepare(
   }
 }
 
-// What chunk_carry reads of one chunk's scratch, W [kChunk, tile_padded(Dk)],
-// the U tile [kChunk, kCarryRows] and the decays, held in registers: fetched
-// during the previous chunk's update (the loads are in flight while it
-// computes), stored to shared memory when the chunk starts.
-struct CarryTiles {
-  static constexpr int kW4 = kChunk * kChunkedMaxDim / 4 / kChunkedThreads;
-  static constexpr int kU = kChunk * kCarryRows / kChunkedThreads;
-  static_assert(kDecayRows * kChunk == kChunkedThreads, "one decay a thread");
-  float4 w[kW4];
-  float u[kU];
-  float decay;
-
-  __device__ void fetch(
-      const ChunkScratch& s, int64_t index, int kw, int vw, int row0,
-      int rows) {
-    // W is kChunk * kw consecutive floats, 16-byte aligned (kw is a
-    // multiple of 16).
-    const float4* w4 = reinterpret_cast<const float4*>(s.w + index * kChunk * kw);
-#pragma unroll
-    for (int m = 0; m < kW4; ++m) {
-      const int e = m * kChunkedThreads + threadIdx.x;
-      w[m] = 4 * e < kChunk * kw ? w4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-    }
-    const float* u_tile = s.u + index * kChunk * vw + row0;
-#pragma unroll
-    for (int m = 0; m < kU; ++m) {
-      const int e = m * kChunkedThreads + threadIdx.x;
-      const int i = e / kCarryRows, r = e % kCarryRows;
-      u[m] = r < rows ? u_tile[i * vw + r] : 0.0f;
-    }
-    decay = s.decays[index * kDecayRows * kChunk + threadIdx.x];
+// One chunk's W, U tile (kCarryRows columns of U from row0; U's rows are
+// tile_padded(Dv) wide and 0 past Dv, so the tile is whole) and decays.
+__device__ void copy_chunk_async(
+    const ChunkScratch& s,
+    int64_t index,
+    int kw,
+    int vw,
+    int row0,
+    float* ws,
+    int kp,
+    float* us,
+    int rp,
+    float* decays) {
+  copy_rows_async(s.w + index * kChunk * kw, kw, kChunk, kw, ws, kp);
+  static_assert(
+      kChunk * kCarryRows / 4 == kChunkedThreads, "one U vector a thread");
+  {
+    const int i = threadIdx.x / (kCarryRows / 4);
+    const int c = 4 * (threadIdx.x % (kCarryRows / 4));
+    __pipeline_memcpy_async(
+        us + i * rp + c, s.u + (index * kChunk + i) * vw + row0 + c, 16);
   }
-
-  __device__ void store(
-      int kw, float* wk, int kp, float* deltas, int rp, float* decays) const {
-    // Four floats of a row at a time: kw and kp are multiples of 4.
-#pragma unroll
-    for (int m = 0; m < kW4; ++m) {
-      const int e = 4 * (m * kChunkedThreads + threadIdx.x);
-      if (e < kChunk * kw) {
-        *reinterpret_cast<float4*>(wk + (e / kw) * kp + e % kw) = w[m];
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < kU; ++m) {
-      const int e = m * kChunkedThreads + threadIdx.x;
-      deltas[(e / kCarryRows) * rp + e % kCarryRows] = u[m];
-    }
-    decays[threadIdx.x] = decay;
+  static_assert(
+      kDecayRows * kChunk <= 4 * kChunkedThreads, "one decay vector a thread");
+  if (4 * threadIdx.x < kDecayRows * kChunk) {
+    __pipeline_memcpy_async(
+        decays + 4 * threadIdx.x,
+        s.decays + index * kDecayRows * kChunk + 4 * threadIdx.x,
+        16);
   }
-};
+}
 
 // chunk_carry: the only sequential pass. Per chunk it reads W, U, K and the
 // decays and does no more than the chain needs: v' = U - W S^T (written over
@@ -467,7 +440,13 @@ struct CarryTiles {
 // state update with warp w the state columns 16 w to 16 w + 15;
 // chunk_checkpoint (FMA) state rows r = warp + 8 y and columns
 // c = lane + 32 z.
-template <typename T>
+//
+// Nothing of the chain waits for global memory: the inputs are copied into
+// shared memory asynchronously, each as soon as its buffer is free. The next
+// chunk's W, U tile and decays (U and the decays double-buffered) from the
+// end of W S^T, in flight during v' and the update; the next chunk's K (from
+// chunk_prepare's scratch, normalised there once per key head) from the end
+// of the update, in flight during the next W S^T and v'.
 __device__ __forceinline__ void chunk_carry(
     const CoreArgs& a, const ChunkScratch& s) {
   constexpr int kRowTiles = kCarryRows / 8;
@@ -476,25 +455,40 @@ __device__ __forceinline__ void chunk_carry(
   const int kw = tile_padded(dk), vw = tile_padded(dv);
   const int kp = tile_stride(dk), rp = tile_stride(kCarryRows);
   float* state = shared;  // [kCarryRows][kp]
-  // W [kChunk][kp] for v', then K for chunk_carry_state: one buffer.
-  float* wk = state + kCarryRows * kp;
-  float* deltas = wk + kChunk * kp;  // [kChunk][rp]: U, then v'
+  float* ws = state + kCarryRows * kp;  // [kChunk][kp]: W
+  float* ks = ws + kChunk * kp;  // [kChunk][kp]: K
+  // [2][kChunk][rp]: U, then v', of even and odd chunks.
+  float* u_buffers = ks + kChunk * kp;
   // [kChunk][rp]: W S^T over the first half of Dk, then decay(L-1, j) v'_j,
   // chunk_carry_state's left operand.
-  float* carried = deltas + kChunk * rp;
+  float* carried = u_buffers + 2 * kChunk * rp;
   float* second_half = carried + kChunk * rp;  // [kChunk][rp]: the other half
-  // The chunk's decays (ChunkScratch): from_start, to_end, then the
-  // cumulative logs and last wipes of chunk_checkpoint's decay(i - 1, j).
-  float* from_start = second_half + kChunk * rp;
-  float* to_end = from_start + kChunk;
-  float* log_sum = to_end + kChunk;
-  float* last_wipe = log_sum + kChunk;
+  // [2][kDecayRows][kChunk]: the decays (ChunkScratch) of even and odd
+  // chunks: from_start, to_end, then the cumulative logs and last wipes of
+  // chunk_checkpoint's decay(i - 1, j).
+  float* decay_buffers = second_half + kChunk * rp;
 
   const int b = blockIdx.z, h = blockIdx.y;
   const int row0 = blockIdx.x * kCarryRows;
   const int rows = min(kCarryRows, dv - row0);
   const int kh = key_head_of(a, h);
   const int64_t head_state = (int64_t(b) * a.value_heads + h) * dv * dk;
+  const int chunks = (a.tokens + kChunk - 1) / kChunk;
+  const int64_t key_chunks = (int64_t(b) * a.key_heads + kh) * chunks;
+  copy_chunk_async(
+      s,
+      chunk_place(a, 0).index,
+      kw,
+      vw,
+      row0,
+      ws,
+      kp,
+      u_buffers,
+      rp,
+      decay_buffers);
+  __pipeline_commit();
+  copy_rows_async(s.k + key_chunks * kChunk * kw, kw, kChunk, kw, ks, kp);
+  __pipeline_commit();
   // Rows past Dv and columns past Dk are 0 (tile padding).
   for (int e = threadIdx.x; e < kCarryRows * kw; e += kChunkedThreads) {
     const int r = e / kw, c = e % kw;
@@ -502,19 +496,21 @@ __device__ __forceinline__ void chunk_carry(
         ? a.state_in[head_state + int64_t(row0 + r) * dk + c]
         : 0.0f;
   }
-  __syncthreads();
 
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  const int chunks = (a.tokens + kChunk - 1) / kChunk;
   int next_checkpoint = 0;
-  CarryTiles next;
-  next.fetch(s, chunk_place(a, 0).index, kw, vw, row0, rows);
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
-    const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
-    const T* k = static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk;
     float* u = s.u + place.index * kChunk * vw + row0;
-    next.store(kw, wk, kp, deltas, rp, from_start);
+    float* deltas = u_buffers + (chunk % 2) * kChunk * rp;  // U, then v'
+    const float* decays = decay_buffers + (chunk % 2) * kDecayRows * kChunk;
+    const float* from_start = decays;
+    const float* to_end = decays + kChunk;
+    const float* log_sum = decays + 2 * kChunk;
+    const float* last_wipe = decays + 3 * kChunk;
+    // This chunk's W, U and decays have landed (its K may not have).
+    __pipeline_wait_prior(1);
+    __syncthreads();
     // The state at the chunk's start, for chunk_output.
     float* h_out = s.h + place.index * dv * dk + int64_t(row0) * dk;
     for (int r = warp; r < rows; r += kChunkedThreads / kWarp) {
@@ -522,7 +518,6 @@ __device__ __forceinline__ void chunk_carry(
         h_out[r * dk + c] = state[r * kp + c];
       }
     }
-    __syncthreads();
 
     // chunk_carry: W S^T, in two halves of Dk.
     {
@@ -530,13 +525,30 @@ __device__ __forceinline__ void chunk_carry(
       Product product;
       for (int c0 = half * kw / 2; c0 < (half + 1) * kw / 2; c0 += 8) {
         product.add<wmma::row_major, wmma::col_major>(
-            wk + ti * kTile * kp + c0, kp, state + c0, kp);
+            ws + ti * kTile * kp + c0, kp, state + c0, kp);
       }
       wmma::store_matrix_sync(
           (half == 0 ? carried : second_half) + ti * kTile * rp,
           product.finish(), rp, wmma::mem_row_major);
     }
     __syncthreads();
+    // W has been read, and the other U and decay buffers were last read by
+    // the chunk before: the next chunk's copies start (an empty group after
+    // the last chunk, so that the waits count the same).
+    if (chunk + 1 < chunks) {
+      copy_chunk_async(
+          s,
+          chunk_place(a, chunk + 1).index,
+          kw,
+          vw,
+          row0,
+          ws,
+          kp,
+          u_buffers + ((chunk + 1) % 2) * kChunk * rp,
+          rp,
+          decay_buffers + ((chunk + 1) % 2) * kDecayRows * kChunk);
+    }
+    __pipeline_commit();
     // v' = U - W S^T, kept for chunk_output and the checkpoints, and
     // chunk_carry_state's operand decay(L-1, j) v'_j.
     for (int e = threadIdx.x; e < kChunk * kCarryRows; e += kChunkedThreads) {
@@ -549,17 +561,11 @@ __device__ __forceinline__ void chunk_carry(
         u[i * vw + r] = delta;
       }
     }
-    // W has been read: K takes its buffer.
-    load_rows(
-        k, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
-        nullptr, wk, kp);
-    // The next chunk's tiles: in flight while this chunk's state is updated.
-    if (chunk + 1 < chunks) {
-      next.fetch(s, chunk_place(a, chunk + 1).index, kw, vw, row0, rows);
-    }
+    // This chunk's K has landed.
+    __pipeline_wait_prior(1);
     // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
-    // chunk_carry_state then reads rows of K that other warps may not have
-    // written yet.
+    // chunk_carry_state then reads rows of K, and v' scaled for the update,
+    // that other threads may not have written yet.
 #ifndef GD_SANITIZER_PROBE
     __syncthreads();
 #endif
@@ -591,7 +597,7 @@ __device__ __forceinline__ void chunk_carry(
 #pragma unroll
           for (int z = 0; z < kColumnsPerLane; ++z) {
             const int c = lane + kWarp * z;
-            acc[z] += d * (c < dk ? wk[j * kp + c] : 0.0f);
+            acc[z] += d * (c < dk ? ks[j * kp + c] : 0.0f);
           }
         }
         if (r < rows) {
@@ -626,11 +632,17 @@ __device__ __forceinline__ void chunk_carry(
       }
       for (int j0 = 0; j0 < place.length; j0 += 8) {
         update.add<wmma::col_major, wmma::row_major>(
-            carried + j0 * rp, rp, wk + j0 * kp + warp * kTile, kp);
+            carried + j0 * rp, rp, ks + j0 * kp + warp * kTile, kp);
       }
       wmma::store_matrix_sync(tile, update.finish(), kp, wmma::mem_row_major);
     }
     __syncthreads();
+    // K has been read: the next chunk's K starts.
+    if (chunk + 1 < chunks) {
+      copy_rows_async(
+          s.k + (key_chunks + chunk + 1) * kChunk * kw, kw, kChunk, kw, ks, kp);
+    }
+    __pipeline_commit();
   }
   for (int e = threadIdx.x; e < kCarryRows * dk; e += kChunkedThreads) {
     const int r = e / dk, c = e % dk;
@@ -669,15 +681,23 @@ __device__ __forceinline__ void chunk_output(
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
   const float* from_start = s.decays + place.index * kDecayRows * kChunk;
-  load_rows(
-      q, int64_t(a.key_heads) * dk, dk, place.length, a.normalize_qk,
-      from_start, qs, kp);
-  copy_rows<kChunk>(
+  // The scratch is copied asynchronously while Q is loaded and normalised.
+  copy_rows_async(
       s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ps, lp);
-  copy_rows<kOutputRows>(
+  copy_rows_async(
       s.h + place.index * dv * dk + int64_t(row0) * dk, dk, rows, dk, hs, kp);
-  copy_rows<kChunk>(
+  copy_rows_async(
       s.u + place.index * kChunk * vw + row0, vw, kChunk, rows, deltas, rp);
+  __pipeline_commit();
+  load_rows(
+      q,
+      int64_t(a.key_heads) * dk,
+      dk,
+      place.length,
+      a.normalize_qk,
+      from_start,
+      qs,
+      kp);
   // What the copies leave out is 0: S's rows past Dv (the last tile of a Dv
   // that is not a multiple of kOutputRows) and columns past Dk, and the
   // matching v' columns.
@@ -698,6 +718,7 @@ __device__ __forceinline__ void chunk_output(
       }
     }
   }
+  __pipeline_wait_prior(0);
   __syncthreads();
 
   constexpr int kTiles = kChunk / kTile * (kOutputRows / kTile);
@@ -746,7 +767,7 @@ __device__ __forceinline__ void chunk_output(
 }  // namespace mlx_gated_delta::cuda
 
 // The entry points the executor looks up by name: gd_chunk_prepare_<dtype>,
-// gd_chunk_carry_<dtype>, gd_chunk_output_<dtype>.
+// gd_chunk_carry (which reads only float32 scratch), gd_chunk_output_<dtype>.
 #define GD_CHUNKED_ENTRIES(type, suffix)                 \
   extern "C" __global__ void __launch_bounds__(          \
       mlx_gated_delta::cuda::kChunkedThreads)            \
@@ -754,13 +775,6 @@ __device__ __forceinline__ void chunk_output(
           const mlx_gated_delta::cuda::CoreArgs a,       \
           const mlx_gated_delta::cuda::ChunkScratch s) { \
     mlx_gated_delta::cuda::chunk_prepare<type>(a, s);    \
-  }                                                      \
-  extern "C" __global__ void __launch_bounds__(          \
-      mlx_gated_delta::cuda::kChunkedThreads, 2)         \
-      gd_chunk_carry_##suffix(                           \
-          const mlx_gated_delta::cuda::CoreArgs a,       \
-          const mlx_gated_delta::cuda::ChunkScratch s) { \
-    mlx_gated_delta::cuda::chunk_carry<type>(a, s);      \
   }                                                      \
   extern "C" __global__ void __launch_bounds__(          \
       mlx_gated_delta::cuda::kChunkedThreads)            \
@@ -772,3 +786,10 @@ __device__ __forceinline__ void chunk_output(
 GD_CHUNKED_ENTRIES(float, f32)
 GD_CHUNKED_ENTRIES(__half, f16)
 GD_CHUNKED_ENTRIES(__nv_bfloat16, bf16)
+extern "C" __global__ void __launch_bounds__(
+    mlx_gated_delta::cuda::kChunkedThreads, 2)
+    gd_chunk_carry(
+        const mlx_gated_delta::cuda::CoreArgs a,
+        const mlx_gated_delta::cuda::ChunkScratch s) {
+  mlx_gated_delta::cuda::chunk_carry(a, s);
+}

@@ -45,6 +45,36 @@ __device__ inline float warp_sum(float x) {
   return x;
 }
 
+// The sums over the warp of kRows rows at once, x[i] a lane's share of row i:
+// each butterfly step halves the rows a lane carries (it keeps one half and
+// sends the other to its partner, which keeps that half), so the warp shuffles
+// kRows - 1 + log2(32 / kRows) times instead of 5 kRows. Returns, in lane l,
+// the sum of row l / (32 / kRows); x is spent. A fixed order, as warp_sum.
+template <int kRows>
+__device__ inline float warp_sum_rows(float (&x)[kRows]) {
+  static_assert(
+      kRows >= 1 && kRows <= kWarp && (kRows & (kRows - 1)) == 0,
+      "a power of two rows, at most one a lane");
+  const int lane = threadIdx.x % kWarp;
+#pragma unroll
+  for (int half = kRows / 2; half >= 1; half /= 2) {
+    const int offset = kWarp / kRows * half;
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int i = 0; i < half; ++i) {
+      const float keep = upper ? x[i + half] : x[i];
+      const float send = upper ? x[i] : x[i + half];
+      x[i] = keep + __shfl_xor_sync(0xffffffffu, send, offset);
+    }
+  }
+  float sum = x[0];
+#pragma unroll
+  for (int offset = kWarp / kRows / 2; offset > 0; offset /= 2) {
+    sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  }
+  return sum;
+}
+
 __device__ inline int key_head_of(const CoreArgs& a, int value_head) {
   return a.grouped ? value_head / (a.value_heads / a.key_heads)
                    : value_head % a.key_heads;

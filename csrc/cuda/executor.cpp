@@ -101,7 +101,8 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
 int carry_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
   return int(sizeof(float)) *
-      (kCarryRows * kp + kChunk * kp + 3 * kChunk * rp + kDecayRows * kChunk);
+      (kCarryRows * kp + 2 * kChunk * kp + 4 * kChunk * rp +
+       2 * kDecayRows * kChunk);
 }
 int output_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), lp = tile_stride(kChunk);
@@ -196,7 +197,8 @@ void eval_core(
         "recurrent",
         "gd_recurrent_" + dtype + "_c" + std::to_string(columns),
         dim3(
-            (p.value_dim + kRecurrentRowsPerBlock - 1) / kRecurrentRowsPerBlock,
+            (p.value_dim + recurrent_rows_per_block(columns) - 1) /
+                recurrent_rows_per_block(columns),
             p.value_heads,
             p.batch),
         kRecurrentThreads,
@@ -206,21 +208,26 @@ void eval_core(
   }
   const int chunks = p.num_chunks();
   const int64_t problems = int64_t(p.batch) * p.value_heads * chunks;
-  // w, u (then v'), qk, decays, h: ChunkScratch's order.
+  const int64_t key_problems = int64_t(p.batch) * p.key_heads * chunks;
+  // w, u (then v'), qk, decays, h, k: ChunkScratch's order.
   std::vector<mx::array> buffers = {
       scratch(encoder, problems * kChunk * tile_padded(p.key_dim)),
       scratch(encoder, problems * kChunk * tile_padded(p.value_dim)),
       scratch(encoder, problems * kChunk * kChunk),
       scratch(encoder, problems * kDecayRows * kChunk),
-      scratch(encoder, problems * p.value_dim * p.key_dim)};
+      scratch(encoder, problems * p.value_dim * p.key_dim),
+      scratch(encoder, key_problems * kChunk * tile_padded(p.key_dim))};
   ChunkScratch s;
   s.w = mx::gpu_ptr<float>(buffers[0]);
   s.u = mx::gpu_ptr<float>(buffers[1]);
   s.qk = mx::gpu_ptr<float>(buffers[2]);
   s.decays = mx::gpu_ptr<float>(buffers[3]);
   s.h = mx::gpu_ptr<float>(buffers[4]);
+  s.k = mx::gpu_ptr<float>(buffers[5]);
   void* params[] = {&a, &s};
-  const std::vector<mx::array> prepared(buffers.begin(), buffers.begin() + 4);
+  // chunk_prepare writes everything but h.
+  std::vector<mx::array> prepared(buffers.begin(), buffers.begin() + 4);
+  prepared.push_back(buffers[5]);
   set_arrays(encoder, inputs, prepared);
   launch(
       encoder,
@@ -240,7 +247,7 @@ void eval_core(
   launch(
       encoder,
       "chunked",
-      "gd_chunk_carry_" + dtype,
+      "gd_chunk_carry",
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,
       carry_shared_bytes(p),

@@ -54,7 +54,10 @@ struct CoreArgs {
 //   decays [kDecayRows, L]: decay(i, -1), decay(L - 1, j), the cumulative
 //   log decay and the last wipe (as a float) of gate_cumsum, likewise,
 //   h [Dv, Dk]: the state at the chunk's start, from chunk_carry;
-// chunk_output reads qk, decays, h and v'.
+// chunk_output reads qk, decays, h and v'. Per (batch row, key head, chunk):
+//   k [L, tile_padded(Dk)]: the chunk's K rows as chunk_carry's state update
+//   takes them (L2-normalised with normalize_qk, 0 past the chunk's tokens),
+//   from chunk_prepare.
 constexpr int kDecayRows = 4;
 struct ChunkScratch {
   float* w;
@@ -62,6 +65,7 @@ struct ChunkScratch {
   float* qk;
   float* decays;
   float* h;
+  float* k;
 };
 
 // The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,

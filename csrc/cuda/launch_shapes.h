@@ -11,13 +11,19 @@
 
 namespace mlx_gated_delta::cuda {
 
-// recurrent: each warp owns kRowsPerWarp state rows, a block kRecurrentWarps
-// warps; each lane holds ceil(Dk / 32) columns (up to kRecurrentMaxKeyDim).
-constexpr int kRowsPerWarp = 4;
+// recurrent: a block of kRecurrentWarps warps, each lane of a warp holding
+// `columns` = ceil(Dk / 32) columns (Dk up to kRecurrentMaxKeyDim) of each of
+// the warp's recurrent_rows_per_warp(columns) state rows: 8 rows up to
+// Dk = 128, 4 above, at most 32 state values a lane.
 constexpr int kRecurrentWarps = 4;
 constexpr int kRecurrentThreads = 32 * kRecurrentWarps;
-constexpr int kRecurrentRowsPerBlock = kRowsPerWarp * kRecurrentWarps;
 constexpr int kRecurrentMaxKeyDim = 256;
+GD_HOST_DEVICE constexpr int recurrent_rows_per_warp(int columns) {
+  return columns <= 4 ? 8 : 4;
+}
+GD_HOST_DEVICE constexpr int recurrent_rows_per_block(int columns) {
+  return kRecurrentWarps * recurrent_rows_per_warp(columns);
+}
 
 // The chunked form's kernels (chunk_prepare, chunk_carry, chunk_output):
 // 64-token chunks, 256 threads, key and value dims up to kChunkedMaxDim;

@@ -13,6 +13,8 @@ Times are medians of repeats after a warm-up call:
 - ``per call, n chained`` (MLX): ``n`` calls in one graph, the state passed from each to the
   next, one evaluation, divided by ``n``: the launch and graph overheads amortised, the
   nearest MLX figure to GPU time;
+- ``GPU`` (MLX): the GPU time of one call, the kernels' times that CUPTI records (through
+  PyTorch's profiler, which sees the kernels of MLX's CUDA graphs) summed per call;
 - ``graph`` (FLA): one call captured in a CUDA graph, each replay timed by CUDA events: GPU
   time.
 
@@ -27,7 +29,8 @@ throughput, not one step's time, and the step's figure is the single call. FLA's
 not run on the GPU machine's Triton, so the step is set against FLA's chunked forward
 (graph-replayed) of the prefill row of the same length.
 
-The comparison with FLA uses our chained figure against FLA's graph replay. Peak memory is the
+The comparison with FLA uses our chained figure against FLA's graph replay, and our GPU
+time against it (GPU time on both sides). Peak memory is the
 growth of each framework's allocator peak over one call. Bandwidth and FLOP/s use the copy
 bandwidth measured here (a device-to-device copy through PyTorch, bytes read + written) and
 the "useful" FLOP count 8 B T Hv Dk Dv of FLA's reports.
@@ -98,6 +101,20 @@ def _repeats(tokens: int) -> int:
     return 50 if tokens == 1 else (20 if tokens <= 8192 else 8)
 
 
+def gpu_ms(call, repeats: int) -> float:
+    """GPU time per call: every kernel (and copy) CUPTI records over ``repeats`` calls."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    _torch().cuda.init()
+    with profile(activities=[ProfilerActivity.CUDA]) as trace:
+        for _ in range(repeats):
+            mx.eval(call())
+            mx.synchronize()
+    total_us = sum(e.device_time for e in trace.events() if e.device_type == DeviceType.CUDA)
+    return total_us / 1e3 / repeats
+
+
 def time_mlx(call, state: mx.array, tokens: int, repeats: int | None = None) -> dict:
     """``call(state) -> (y, state)`` timed one call at a time and chained."""
     repeats = repeats or _repeats(tokens)
@@ -132,6 +149,7 @@ def time_mlx(call, state: mx.array, tokens: int, repeats: int | None = None) -> 
         mx.synchronize()
         chains.append((time.perf_counter() - start) / n)
     mx.synchronize()
+    gpu = gpu_ms(lambda: call(state), repeats)
     mx.reset_peak_memory()
     before = mx.get_active_memory()
     mx.eval(call(state))
@@ -140,6 +158,7 @@ def time_mlx(call, state: mx.array, tokens: int, repeats: int | None = None) -> 
         "call_ms": _median_ms(singles),
         "chained_ms": _median_ms(chains),
         "chained_calls": n,
+        "gpu_ms": gpu,
         "peak_mib": (mx.get_peak_memory() - before) / 2**20,
     }
 
@@ -310,34 +329,45 @@ def table(record: dict) -> str:
     lines = [
         f"GPU: {record['gpu']}; copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write)",
         "",
-        "| B | T | ours call | ours per call (chained) | MLX core call | FLA fused_recurrent "
-        "eager / graph | FLA chunk eager / graph | ours / FLA best graph | ours peak MiB | "
-        "FLA peak MiB | ours: state TB/s or TFLOP/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| B | T | ours call | ours per call (chained) | ours GPU | MLX core call | "
+        "FLA fused_recurrent eager / graph | FLA chunk eager / graph | ours / FLA best graph "
+        "| ours GPU / FLA best graph | ours peak MiB | FLA peak MiB | "
+        "ours: state TB/s or TFLOP/s (chained; GPU) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record["rows"]:
         ours = r["ours"]
         core = r.get("mlx_core")
         fla = [r[n] for n in ("fla_recurrent", "fla_chunk") if n in r]
         best = min((f["graph_ms"] for f in fla), default=None)
+        gpu = ours.get("gpu_ms")
         if r["tokens"] == 1:
             state_bytes = 2 * r["batch"] * HV * D * D * 4
-            rate = f"{state_bytes / (ours['chained_ms'] / 1e3) / 1e12:.2f} TB/s"
-            rate += f" ({100 * state_bytes / (ours['chained_ms'] / 1e3) / bandwidth:.0f}% of copy)"
+
+            def rate_of(ms, state_bytes=state_bytes):
+                per_s = state_bytes / (ms / 1e3)
+                return f"{per_s / 1e12:.2f} TB/s ({100 * per_s / bandwidth:.0f}% of copy)"
+
         else:
             flop = 8 * r["batch"] * r["tokens"] * HV * D * D
-            rate = f"{flop / (ours['chained_ms'] / 1e3) / 1e12:.1f} TFLOP/s"
+
+            def rate_of(ms, flop=flop):
+                return f"{flop / (ms / 1e3) / 1e12:.1f} TFLOP/s"
+
+        rate = rate_of(ours["chained_ms"]) + (f"; GPU {rate_of(gpu)}" if gpu else "")
 
         def pair(name):
             return f"{r[name]['call_ms']:.3f} / {r[name]['graph_ms']:.3f}" if name in r else "n/a"
 
         core_cell = "n/a (op loop)" if core is None else f"{core['call_ms']:.3f}"
         ratio = f"{ours['chained_ms'] / best:.2f}x" if fla else "n/a"
+        gpu_ratio = f"{gpu / best:.2f}x" if fla and gpu else "n/a"
+        gpu_cell = f"{gpu:.3f}" if gpu else "n/a"
         fla_peak = f"{max(f['peak_mib'] for f in fla):.0f}" if fla else "n/a"
         lines.append(
             f"| {r['batch']} | {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
-            f"{core_cell} | {pair('fla_recurrent')} | {pair('fla_chunk')} | "
-            f"{ratio} | {ours['peak_mib']:.0f} | {fla_peak} | {rate} |"
+            f"{gpu_cell} | {core_cell} | {pair('fla_recurrent')} | {pair('fla_chunk')} | "
+            f"{ratio} | {gpu_ratio} | {ours['peak_mib']:.0f} | {fla_peak} | {rate} |"
         )
     lines += [
         "",

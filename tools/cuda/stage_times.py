@@ -1,14 +1,19 @@
-"""Where the chunked forward's time goes on the GPU: the time of each of our
-kernels (chunk_prepare, chunk_carry, chunk_output) as CUPTI records it through
-PyTorch's profiler, and the wall time of one call with MLX's buffer cache warm
-against one after ``mx.clear_cache()`` (fresh managed memory for the outputs
-and the scratch). Qwen3-Next shape, B=1, bf16, float32 gates.
+"""Where the forward's time goes on the GPU: the time of each of our kernels as CUPTI
+records it through PyTorch's profiler, Qwen3-Next shape, bf16, float32 gates.
 
-    python tools/cuda/stage_times.py [T ...]      (default 2048 8192 32768)
+- prefill (B=1, T tokens): chunk_prepare, chunk_carry and chunk_output, and the wall time
+  of one call with MLX's buffer cache warm against one after ``mx.clear_cache()`` (fresh
+  managed memory for the outputs and the scratch);
+- decode (T=1, B batch rows): the recurrent kernel, and the rate at which it moves the
+  state (read once, written once) against a device-to-device copy through PyTorch
+  measured in the same run.
+
+    python tools/cuda/stage_times.py [T ...] [--decode B ...]
+    (defaults: T = 2048 8192 32768, B = 1 8 64; --decode with no B skips decode)
 """
 
+import argparse
 import statistics
-import sys
 import time
 
 import mlx.core as mx
@@ -20,22 +25,34 @@ from mlx_gated_delta import gated_delta_rule
 
 HK, HV, D = 16, 32, 128
 REPEATS = 10
+DECODE_REPEATS = 50
 
 
-def inputs(tokens):
+def inputs(batch, tokens):
     rng = np.random.default_rng(0)
 
     def normal(*shape):
         return mx.array(rng.standard_normal(shape).astype(np.float32))
 
-    q = normal(1, tokens, HK, D).astype(mx.bfloat16)
-    k = normal(1, tokens, HK, D).astype(mx.bfloat16)
-    v = normal(1, tokens, HV, D).astype(mx.bfloat16)
-    g = mx.array(-rng.uniform(0.01, 0.3, (1, tokens, HV)).astype(np.float32))
-    beta = mx.array(rng.uniform(0.0, 1.0, (1, tokens, HV)).astype(np.float32))
-    state = 0.1 * normal(1, HV, D, D)
+    q = normal(batch, tokens, HK, D).astype(mx.bfloat16)
+    k = normal(batch, tokens, HK, D).astype(mx.bfloat16)
+    v = normal(batch, tokens, HV, D).astype(mx.bfloat16)
+    g = mx.array(-rng.uniform(0.01, 0.3, (batch, tokens, HV)).astype(np.float32))
+    beta = mx.array(rng.uniform(0.0, 1.0, (batch, tokens, HV)).astype(np.float32))
+    state = 0.1 * normal(batch, HV, D, D)
     mx.eval(q, k, v, g, beta, state)
     return q, k, v, g, beta, state
+
+
+def op(batch, tokens):
+    q, k, v, g, beta, state = inputs(batch, tokens)
+
+    def call():
+        return gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True)
+
+    mx.eval(call())
+    mx.synchronize()
+    return call
 
 
 def wall_ms(call, clear):
@@ -50,11 +67,11 @@ def wall_ms(call, clear):
     return statistics.median(samples)
 
 
-def kernel_ms(call):
+def kernel_ms(call, repeats=REPEATS):
     """Median GPU time per call of each gd_ kernel, from CUPTI's records."""
     torch.cuda.init()
     with profile(activities=[ProfilerActivity.CUDA]) as trace:
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             mx.eval(call())
             mx.synchronize()
     times = {}
@@ -64,24 +81,61 @@ def kernel_ms(call):
     return {name: statistics.median(t) for name, t in sorted(times.items())}
 
 
+def copy_bytes_per_s():
+    """Bytes read + written per second by a 4 GiB device-to-device copy (as bench --cuda)."""
+    src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    samples = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    rate = 2 * src.numel() * 4 / statistics.median(samples)
+    del src, dst
+    torch.cuda.empty_cache()
+    return rate
+
+
+def prefill(tokens):
+    call = op(1, tokens)
+    warm = wall_ms(call, clear=False)
+    cleared = wall_ms(call, clear=True)
+    kernels = kernel_ms(call)
+    split = ", ".join(f"{name} {ms:.3f}" for name, ms in kernels.items())
+    print(
+        f"T={tokens}: one call {warm:.3f} ms (cache warm), {cleared:.3f} ms "
+        f"(after clear_cache); kernels (ms, median of {REPEATS}): {split or 'none seen'}",
+        flush=True,
+    )
+
+
+def decode(batch, copy_rate):
+    kernels = kernel_ms(op(batch, 1), DECODE_REPEATS)
+    state_bytes = 2 * batch * HV * D * D * 4
+    split = ", ".join(
+        f"{name} {1e3 * ms:.1f} us ({state_bytes / (ms / 1e3) / 1e12:.2f} TB/s, "
+        f"{100 * state_bytes / (ms / 1e3) / copy_rate:.0f}% of copy)"
+        for name, ms in kernels.items()
+    )
+    print(f"decode B={batch}: kernels (median of {DECODE_REPEATS}): {split or 'none seen'}")
+
+
 def main():
-    for tokens in [int(t) for t in sys.argv[1:]] or [2048, 8192, 32768]:
-        q, k, v, g, beta, state = inputs(tokens)
-
-        def call(q=q, k=k, v=v, g=g, beta=beta, state=state):
-            return gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True)
-
-        mx.eval(call())
-        mx.synchronize()
-        warm = wall_ms(call, clear=False)
-        cleared = wall_ms(call, clear=True)
-        kernels = kernel_ms(call)
-        split = ", ".join(f"{name} {ms:.3f}" for name, ms in kernels.items())
-        print(
-            f"T={tokens}: one call {warm:.3f} ms (cache warm), {cleared:.3f} ms "
-            f"(after clear_cache); kernels (ms, median of {REPEATS}): {split or 'none seen'}",
-            flush=True,
-        )
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("tokens", type=int, nargs="*", default=[2048, 8192, 32768])
+    parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 64])
+    args = parser.parse_args()
+    if args.decode:
+        copy_rate = copy_bytes_per_s()
+        print(f"copy: {copy_rate / 1e12:.2f} TB/s (read + write)", flush=True)
+        for batch in args.decode:
+            decode(batch, copy_rate)
+    for tokens in args.tokens:
+        prefill(tokens)
 
 
 if __name__ == "__main__":
