@@ -268,7 +268,7 @@ void eval_core(
 }
 
 bool has_backward_kernels(const GatedDeltaParams& p) {
-  return !p.per_key_gates && p.key_dim >= 1 && p.key_dim <= kBackwardMaxDim &&
+  return p.key_dim >= 1 && p.key_dim <= kBackwardMaxDim &&
       p.value_dim <= kBackwardMaxDim;
 }
 
@@ -299,41 +299,51 @@ void eval_backward(
   o.dgamma = mx::gpu_ptr<float>(outputs[kDgamma]);
   o.dbeta = mx::gpu_ptr<float>(outputs[kDbeta]);
   o.dstate = mx::gpu_ptr<float>(outputs[kDstate]);
-  const int64_t heads = int64_t(p.batch) * p.value_heads;
-  const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
-  const int64_t head_grads =
-      int64_t(p.batch) * p.tokens * p.value_heads * p.key_dim;
-  // boundaries, chunk_states, dq_heads, dk_heads: BackwardArgs' order.
+  const int columns = (p.key_dim + 31) / 32;
+  const int row_blocks = backward_row_blocks(p.value_dim);
+  // One block's rows of a state in scratch, the columns padded to whole
+  // warps (kernel_args.h).
+  const int64_t tile = int64_t(kBackwardRowsPerBlock) * columns * 32;
+  const int64_t blocks = int64_t(p.batch) * p.value_heads * row_blocks;
+  // boundaries, chunk_states, partials: BackwardArgs' order.
   std::vector<mx::array> buffers = {
-      scratch(encoder, heads * p.num_chunks() * state_size),
-      scratch(encoder, heads * kChunk * state_size),
-      scratch(encoder, head_grads),
-      scratch(encoder, head_grads)};
+      scratch(encoder, blocks * p.num_chunks() * tile),
+      scratch(encoder, blocks * kChunk * tile),
+      scratch(
+          encoder,
+          int64_t(p.batch) * p.tokens * p.value_heads * row_blocks *
+              backward_partial_width(p.key_dim, p.per_key_gates))};
   o.boundaries = mx::gpu_ptr<float>(buffers[0]);
   o.chunk_states = mx::gpu_ptr<float>(buffers[1]);
-  o.dq_heads = mx::gpu_ptr<float>(buffers[2]);
-  o.dk_heads = mx::gpu_ptr<float>(buffers[3]);
+  o.partials = mx::gpu_ptr<float>(buffers[2]);
   void* params[] = {&a, &o};
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
-  std::vector<mx::array> writes(outputs.begin() + kDv, outputs.end());
+  std::vector<mx::array> writes = {outputs[kDv], outputs[kDstate]};
   writes.insert(writes.end(), buffers.begin(), buffers.end());
   set_arrays(encoder, inputs, writes);
   launch(
       encoder,
       "recurrent_backward",
-      "gd_recurrent_backward_" + dtype + "_c" +
-          std::to_string((p.key_dim + 31) / 32),
-      dim3(p.value_heads, p.batch),
+      "gd_recurrent_backward_" + dtype + "_c" + std::to_string(columns) +
+          (p.per_key_gates ? "_per_key" : ""),
+      dim3(row_blocks, p.value_heads, p.batch),
       kBackwardThreads,
-      0,
+      int(sizeof(float)) * backward_shared_floats(p.key_dim, p.per_key_gates),
       params);
   const int64_t rows = int64_t(p.batch) * p.tokens * p.key_heads;
   if (rows == 0) {
     return;
   }
   std::vector<mx::array> reads = inputs;
-  reads.insert(reads.end(), buffers.begin() + 2, buffers.end());
-  set_arrays(encoder, reads, {outputs[kDq], outputs[kDk]});
+  reads.push_back(buffers[2]);
+  set_arrays(
+      encoder,
+      reads,
+      {outputs[kDq],
+       outputs[kDk],
+       outputs[kDg],
+       outputs[kDgamma],
+       outputs[kDbeta]});
   launch(
       encoder,
       "recurrent_backward",

@@ -70,12 +70,16 @@ struct ChunkScratch {
 
 // The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,
 // the initial state and the dims): the cotangents, the gradients in the
-// layouts of their inputs, and the scratch of recurrent_backward.cu, float32:
-//   boundaries [B, Hv, chunks, Dv, Dk]: the state entering each chunk,
-//   chunk_states [B, Hv, kChunk, Dv, Dk]: the state before each token of the
-//   chunk being reversed,
-//   dq_heads, dk_heads [B, T, Hv, Dk]: the gradients of the normalised q and
-//   k per value head, which qk_grad_reduce sums over the value heads.
+// layouts of their inputs, and the scratch of recurrent_backward.cu, float32,
+// with R = backward_row_blocks(Dv) blocks of kBackwardRowsPerBlock rows per
+// head and P = kColumns * 32 (Dk rounded up to whole warps):
+//   boundaries [B, Hv, R, chunks, kBackwardRowsPerBlock, P]: the state
+//   entering each chunk,
+//   chunk_states [B, Hv, R, kChunk, kBackwardRowsPerBlock, P]: the state
+//   before each token of the chunk being reversed,
+//   partials [B, T, Hv, R, backward_partial_width(Dk)]: each row block's
+//   share of the sums over rows (dq, dk of the normalised q and k, da,
+//   dbeta), which qk_grad_reduce adds up.
 struct BackwardArgs {
   const void* dy;
   const float* state_cotangent;
@@ -88,8 +92,7 @@ struct BackwardArgs {
   float* dstate;
   float* boundaries;
   float* chunk_states;
-  float* dq_heads;
-  float* dk_heads;
+  float* partials;
 };
 
 }  // namespace mlx_gated_delta::cuda

@@ -50,14 +50,38 @@ GD_HOST_DEVICE constexpr int tile_stride(int dim) {
   return tile_padded(dim) + kTileSkew;
 }
 
-// recurrent_backward: one block per (value head, batch row) holds the whole
-// state, kBackwardWarps warps of kBackwardRowsPerWarp rows (value dims up to
-// kBackwardMaxDim, key dims likewise); qk_grad_reduce: one warp per (batch
-// row, token, key head), kReduceWarps to a block.
-constexpr int kBackwardRowsPerWarp = 8;
-constexpr int kBackwardWarps = 16;
+// recurrent_backward: each (value head, batch row) spread over
+// backward_row_blocks(Dv) blocks of kBackwardWarps warps, each warp
+// kBackwardRowsPerWarp rows of the state (key and value dims up to
+// kBackwardMaxDim); qk_grad_reduce: one warp per (batch row, token, key
+// head), kReduceWarps to a block.
+constexpr int kBackwardRowsPerWarp = 4;
+constexpr int kBackwardWarps = 8;
 constexpr int kBackwardThreads = 32 * kBackwardWarps;
-constexpr int kBackwardMaxDim = kBackwardRowsPerWarp * kBackwardWarps;
+constexpr int kBackwardRowsPerBlock = kBackwardRowsPerWarp * kBackwardWarps;
+constexpr int kBackwardMaxDim = 128;
 constexpr int kReduceWarps = 4;
+
+// At least one block, so that a call with no value rows (Dv = 0) still writes
+// its zero gradients of q and k.
+GD_HOST_DEVICE constexpr int backward_row_blocks(int value_dim) {
+  return value_dim > kBackwardRowsPerBlock
+      ? (value_dim + kBackwardRowsPerBlock - 1) / kBackwardRowsPerBlock
+      : 1;
+}
+// The floats of one token's sums of one row block (kernel_args.h's
+// BackwardArgs::partials): dq, dk, da (per key with per-key gates), dbeta.
+GD_HOST_DEVICE constexpr int backward_partial_width(int key_dim, bool per_key) {
+  return 2 * key_dim + (per_key ? key_dim : 1) + 1;
+}
+// recurrent_backward's shared memory in floats (its Staged layout): a chunk
+// of q, k (rows of whole warps of columns) and decays, beta, the mask, the
+// block's rows of v and dy, and the warps' sums of two tokens.
+GD_HOST_DEVICE constexpr int backward_shared_floats(int key_dim, bool per_key) {
+  const int stride = (key_dim + 31) / 32 * 32;
+  return kChunk * (2 * stride + (per_key ? stride : 1) + 2) +
+      2 * kChunk * kBackwardRowsPerBlock +
+      2 * kBackwardWarps * backward_partial_width(key_dim, per_key);
+}
 
 }  // namespace mlx_gated_delta::cuda

@@ -3,8 +3,11 @@ float64 oracle, on shapes the property tests do not draw (the Qwen3-Next
 shape, long calls), and of the CUDA backward's gradients against the CPU
 backward's (every input's gradient, norm-wise per tensor, within twice the
 gradient contract that each meets against the float64 reference, as
-core_grad.algorithms compares two float32 computations). Prints one line per
-case; exits 1 if any case is off.
+core_grad.algorithms compares two float32 computations), with the exact zeros
+the gradients owe (dg at a wipe, g = -inf; every gradient of a masked token)
+and, for the float32 cases marked "oracle", the CUDA gradients against the
+float64 reference under that contract. Prints one line per case; exits 1 if
+any case is off.
 
     python tools/cuda/check.py
 """
@@ -15,7 +18,11 @@ import mlx.core as mx
 import numpy as np
 
 from mlx_gated_delta import gated_delta_rule
-from mlx_gated_delta.reference import gated_delta_rule_reference, to_float64
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference,
+    gated_delta_rule_reference_vjp,
+    to_float64,
+)
 
 
 def draw(B, T, Hk, Hv, Dk, Dv, dtype, per_key, seed):
@@ -92,7 +99,26 @@ def main():
         (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True}),
         (2, 150, 2, 4, 64, 96, mx.float16, {"head_mapping": "interleaved"}),
         (1, 70, 1, 2, 128, 128, mx.float32, {"normalize_qk": False}),
-        (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True}),  # the CPU's, routed
+        # Per-key gates: a decay per key channel.
+        (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True, "oracle": True}),
+        (1, 300, 16, 32, 128, 128, mx.bfloat16, {"per_key": True, "mask": True}),
+        (
+            2,
+            130,
+            2,
+            4,
+            48,
+            40,
+            mx.float32,
+            {
+                "per_key": True,
+                "mask": True,
+                "head_mapping": "interleaved",
+                "wipes": True,
+                "oracle": True,
+            },
+        ),
+        (1, 200, 1, 3, 32, 100, mx.float32, {"wipes": True, "oracle": True}),
     ]
     for n, (B, T, Hk, Hv, Dk, Dv, dtype, options) in enumerate(gradient_cases):
         failures += not check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options)
@@ -113,6 +139,12 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
     }
     if options.get("mask"):
         kwargs["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.8)
+    if options.get("wipes"):
+        # g = -inf (a decay of 0) on some entries: their dg must be exactly 0.
+        g = np.array(inputs[3])
+        wiped = rng.uniform(size=g.shape) < 0.05
+        g[wiped] = -np.inf
+        inputs[3] = mx.array(g)
 
     def gradients(stream):
         def forward(*x):
@@ -132,9 +164,32 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
     limits = [2 * activation] * 3 + [2e-3] * 3
     ok = all(np.isfinite(errors)) and all(e < t for e, t in zip(errors, limits))
     details = ", ".join(f"{name} {e:.1e}" for name, e in zip(names, errors))
+    # Exact zeros where they are owed: dg at a wipe, every gradient of a masked token.
+    g = np.asarray(inputs[3])
+    dg = np.asarray(gpu[3])
+    zeros = [dg[np.isneginf(g)]]
+    if "mask" in kwargs:
+        skipped = ~np.asarray(kwargs["mask"])
+        zeros += [np.asarray(x.astype(mx.float32))[skipped] for x in gpu[:5]]
+    exact = all(np.all(z == 0.0) for z in zeros)
+    ok = ok and exact
+    if options.get("oracle"):
+        # The float64 reference, under the float32 gradient contract (core_grad.oracle.v1).
+        expected = gated_delta_rule_reference_vjp(
+            *[to_float64(x) for x in inputs],
+            y_cotangent=to_float64(dy),
+            state_cotangent=to_float64(dstate),
+            **{key: (np.asarray(x) if key == "mask" else x) for key, x in kwargs.items()},
+        )
+        oracle = [
+            relative(a, expected[name])
+            for a, name in zip(gpu, ("q", "k", "v", "g", "beta", "state"))
+        ]
+        ok = ok and all(np.isfinite(oracle)) and max(oracle) < 1e-3
+        details += f"; against float64 at most {max(oracle):.1e}"
     print(
         f"{'ok  ' if ok else 'FAIL'} gradients B={B} T={T} Hk={Hk} Hv={Hv} Dk={Dk} Dv={Dv} "
-        f"{dtype} {options}: against the CPU {details}",
+        f"{dtype} {options}: against the CPU {details}; exact zeros {'kept' if exact else 'LOST'}",
         flush=True,
     )
     return ok

@@ -1,8 +1,8 @@
 """The calls compute-sanitizer watches (tools/cuda/sanitize.sh): every CUDA kernel of the
 core op once, on small shapes (two chunks and a partial one, a mask, checkpoints, per-key
-gates, a tree), the backward with a mask, and checks of the chunked result against the
-recurrent one and of the backward's gradients against the CPU's, so that a race that changes
-the numbers also fails the run."""
+gates, a tree), the backward with a mask (scalar and per-key gates), and checks of the
+chunked result against the recurrent one and of the backward's gradients against the
+CPU's, so that a race that changes the numbers also fails the run."""
 
 import sys
 
@@ -67,17 +67,19 @@ def main():
     dy = arr(B, T, Hv, D)
     dstate = arr(B, Hv, D, D)
 
-    def gradients(stream):
+    def gradients(stream, gates):
         def forward(*x):
             return list(gated_delta_rule(*x, normalize_qk=True, mask=mask, stream=stream))
 
-        _, grads = mx.vjp(forward, [q, k, v.astype(mx.float32), g, beta, state], [dy, dstate])
+        _, grads = mx.vjp(forward, [q, k, v.astype(mx.float32), gates, beta, state], [dy, dstate])
         mx.eval(grads)
         return [np.asarray(x) for x in grads]
 
+    # Scalar and per-key gates: the backward's two kernels.
     worst_grad = max(
         float(np.linalg.norm(a - b) / np.linalg.norm(b))
-        for a, b in zip(gradients(mx.gpu), gradients(mx.cpu))
+        for gates in (g, per_key * (1.0 + 0.1 * arr(B, T, Hv, D)))
+        for a, b in zip(gradients(mx.gpu, gates), gradients(mx.cpu, gates))
     )
     print(f"sanitize_case: backward against the CPU's, max relative difference {worst_grad:.2e}")
     return 0 if worst < 1e-4 and worst_grad < 2e-3 else 1
