@@ -23,9 +23,9 @@ layer on MLX's CUDA device.
 
 The training step (``TRAINING_TOKENS``, B=1) is our forward and backward (``mx.vjp`` for the
 cotangents of y and of the final state; every input's gradient), timed one step at a time and
-``n`` independent steps to an evaluation. The backward's kernel fills one multiprocessor per
-value head, so independent steps in one graph run side by side: the ``n`` figure is a
-throughput, not one step's time, and the step's figure is the single call. FLA's backward does
+``n`` independent steps to an evaluation: the ``n`` figure is a throughput (independent steps
+in one graph may run side by side where one leaves the GPU idle), not one step's time, and the
+step's figure is the single call. FLA's backward does
 not run on the GPU machine's Triton, so the step is set against FLA's chunked forward
 (graph-replayed) of the prefill row of the same length.
 
