@@ -67,9 +67,16 @@ void step_rows(
     const float predicted = PerKey ? sum : x.decay * sum;
     delta[r] = x.beta * (v[r] - predicted);
   }
+  // The row's stores could alias x's fields as far as the compiler knows:
+  // copies in registers spare a reload per vector.
+  const float decay = x.decay;
+  const float* decays = x.decays;
+  const float* k = x.k;
+  const float* q = x.q;
   for (int r = 0; r < Rows; ++r) {
     const float* old_row = old_rows + r * dk;
     float* row = rows + r * dk;
+    const float row_delta = delta[r];
     float readout[kDotLanes] = {};
     // Each c reads old_row[c] before it writes row[c], and no other: an
     // update in place (row == old_row) vectorises as well.
@@ -78,17 +85,17 @@ void step_rows(
       for (int l = 0; l < kDotLanes; ++l) {
         const int c = i + l;
         const float value =
-            (PerKey ? x.decays[c] : x.decay) * old_row[c] + delta[r] * x.k[c];
+            (PerKey ? decays[c] : decay) * old_row[c] + row_delta * k[c];
         row[c] = value;
-        readout[l] = multiply_add(value, x.q[c], readout[l]);
+        readout[l] = multiply_add(value, q[c], readout[l]);
       }
     }
     if constexpr (Tail) {
       for (int c = whole; c < dk; ++c) {
         const float value =
-            (PerKey ? x.decays[c] : x.decay) * old_row[c] + delta[r] * x.k[c];
+            (PerKey ? decays[c] : decay) * old_row[c] + row_delta * k[c];
         row[c] = value;
-        readout[c - whole] = multiply_add(value, x.q[c], readout[c - whole]);
+        readout[c - whole] = multiply_add(value, q[c], readout[c - whole]);
       }
     }
     y[r] = T(x.scale * sum_lanes(readout));
