@@ -101,6 +101,18 @@ for dtype in ("float32", "bfloat16"):
         (_, (y, state)), grads = mx.value_and_grad(loss, argnums=(0, 1, 2))(*case.args()[:3])
         for name, value in (("y", y), ("state", state), *zip(("dq", "dk", "dv"), grads)):
             out[f"{dtype}.{algorithm}.{name}"] = np.array(value.astype(mx.float32))
+# The recurrent step in each of its forms: rows in blocks with rows left over
+# (Dv = 7), and a key size that is no multiple of the dot product's 16 lanes
+# (Dk = 40); decode steps and a short prefill, scalar and per-key gates.
+for index, (key_dim, value_dim, tokens, per_key) in enumerate(
+    [(128, 7, 1, False), (128, 7, 1, True), (40, 6, 5, False), (40, 6, 5, True)]
+):
+    step = make_core_case(
+        11 + index, batch=2, tokens=tokens, key_heads=1, value_heads=2, key_dim=key_dim,
+        value_dim=value_dim, per_key_gates=per_key,
+    )
+    y, state = gated_delta_rule(*step.args(), algorithm="recurrent", **step.options)
+    out[f"step{index}.y"], out[f"step{index}.state"] = np.array(y), np.array(state)
 segment = make_segment_case(
     3, batch=1, tokens=70, key_heads=1, value_heads=2, key_dim=16, value_dim=8,
     wipes="none", mask_kind="none",
@@ -128,10 +140,12 @@ def test_the_levels_that_fuse_multiply_adds_give_bitwise_equal_results(tmp_path)
     fused = [level for level in FUSED_LEVELS if level in RUNNABLE]
     if len(fused) < 2:
         pytest.skip(f"this CPU runs {len(fused)} of {FUSED_LEVELS} in this build")
-    first, second = (results_at(level, tmp_path) for level in fused[:2])
-    assert first.keys() == second.keys()
-    for name in first:
-        assert np.array_equal(first[name], second[name], equal_nan=True), name
+    first = results_at(fused[0], tmp_path)
+    for level in fused[1:]:
+        other = results_at(level, tmp_path)
+        assert first.keys() == other.keys()
+        for name in first:
+            assert np.array_equal(first[name], other[name], equal_nan=True), (level, name)
 
 
 def test_forcing_the_baseline_runs_other_code(tmp_path):

@@ -19,7 +19,8 @@ void gated_delta_forward(
     Algorithm algorithm,
     const CoreBuffers<T>& buffers) {
   if (algorithm == Algorithm::Recurrent) {
-    // Each token passes over the Dv x Dk state about four times.
+    // Each token does about four multiply-adds per state element (the
+    // prediction, the decay, the update, the readout).
     const int64_t head_work = 4 * int64_t(p.tokens) * p.key_dim * p.value_dim;
     parallel_for(p.batch * p.value_heads, head_work, [&](int problem) {
       const int batch = problem / p.value_heads;

@@ -24,6 +24,24 @@ namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 // be allocated, that is on the thread that ran the problem.
 constexpr int kDotLanes = 16;
 
+// The partial sums of `dot` added in its fixed tree: lane l + w into lane l,
+// for w = 8, 4, 2, 1. Written out step by step, so that each step is a whole
+// vector operation in registers (a loop over the widths left the lanes on
+// the stack, one store and reload per step).
+inline float sum_lanes(float* lanes) {
+  static_assert(kDotLanes == 16);
+  for (int l = 0; l < 8; ++l) {
+    lanes[l] += lanes[l + 8];
+  }
+  for (int l = 0; l < 4; ++l) {
+    lanes[l] += lanes[l + 4];
+  }
+  for (int l = 0; l < 2; ++l) {
+    lanes[l] += lanes[l + 2];
+  }
+  return lanes[0] + lanes[1];
+}
+
 inline float dot(const float* a, const float* b, int n) {
   float lanes[kDotLanes] = {};
   const int whole = n - n % kDotLanes;
@@ -35,12 +53,7 @@ inline float dot(const float* a, const float* b, int n) {
   for (int i = whole; i < n; ++i) {
     lanes[i - whole] = multiply_add(a[i], b[i], lanes[i - whole]);
   }
-  for (int width = kDotLanes / 2; width > 0; width /= 2) {
-    for (int l = 0; l < width; ++l) {
-      lanes[l] += lanes[l + width];
-    }
-  }
-  return lanes[0];
+  return sum_lanes(lanes);
 }
 
 // y += alpha * x

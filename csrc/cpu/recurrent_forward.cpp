@@ -6,15 +6,164 @@
 namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
 // ---------------------------------------------------------------------------
-// Recurrent form: one pass over the state per token. For each state row r the
-// decay, the prediction S k, the delta update and the readout S q are fused,
-// so the row is read and written once while it sits in L1. The first step
-// reads the initial state where it lies and writes the output state, so a
-// decode step moves the state exactly once (read + write).
+// Recurrent form: one pass over the state per token. The first step reads the
+// initial state where it lies and writes the output state, so a decode step
+// moves the state exactly once (read + write).
+
+// One token's inputs, as every state row reads them.
+struct TokenStep {
+  const float* q;
+  const float* k;
+  const float* decays;  // per-key gates: exp(g) of each column, else unused
+  const float* predict_k;  // the prediction's: decays * k per key, else k
+  float decay;  // scalar gates: exp(g)
+  float beta;
+  float scale;
+};
+
+// State rows whose predictions one call of step_rows sums together.
+constexpr int kRowBlock = 4;
+
+// `Rows` consecutive state rows of one token's step, from old_rows into rows
+// (the same rows for an update in place), and their outputs y. A row's
+// prediction S k and readout S q are chains of dependent multiply-adds, each
+// waiting on the one before. The predictions of a block's rows are summed
+// side by side, independent chains that the core overlaps; each row's update
+// then sums its readout as it writes the new values, so a row is read twice
+// (from memory, then from L1) and written once. Every row's sums are dot's:
+// its lanes, its order, so neither the block nor the fusion changes a bit.
+// Tail: Dk is not a multiple of kDotLanes (the loops over the lanes then
+// index them by a variable, which leaves them on the stack rather than in
+// registers, so the common sizes compile without it).
+template <bool PerKey, int Rows, bool Tail, typename T>
+void step_rows(
+    const TokenStep& x,
+    int dk,
+    const float* old_rows,
+    float* rows,
+    const float* v,
+    T* y) {
+  const int whole = Tail ? dk - dk % kDotLanes : dk;
+  float lanes[Rows][kDotLanes] = {};
+  for (int i = 0; i < whole; i += kDotLanes) {
+    for (int r = 0; r < Rows; ++r) {
+      for (int l = 0; l < kDotLanes; ++l) {
+        lanes[r][l] = multiply_add(
+            old_rows[r * dk + i + l], x.predict_k[i + l], lanes[r][l]);
+      }
+    }
+  }
+  if constexpr (Tail) {
+    for (int r = 0; r < Rows; ++r) {
+      for (int c = whole; c < dk; ++c) {
+        lanes[r][c - whole] = multiply_add(
+            old_rows[r * dk + c], x.predict_k[c], lanes[r][c - whole]);
+      }
+    }
+  }
+  float delta[Rows];
+  for (int r = 0; r < Rows; ++r) {
+    const float sum = sum_lanes(lanes[r]);
+    const float predicted = PerKey ? sum : x.decay * sum;
+    delta[r] = x.beta * (v[r] - predicted);
+  }
+  // The row's stores could alias x's fields as far as the compiler knows:
+  // copies in registers spare a reload per vector.
+  const float decay = x.decay;
+  const float* decays = x.decays;
+  const float* k = x.k;
+  const float* q = x.q;
+  for (int r = 0; r < Rows; ++r) {
+    const float* old_row = old_rows + r * dk;
+    float* row = rows + r * dk;
+    const float row_delta = delta[r];
+    float readout[kDotLanes] = {};
+    // Each c reads old_row[c] before it writes row[c], and no other: an
+    // update in place (row == old_row) vectorises as well.
+    for (int i = 0; i < whole; i += kDotLanes) {
+#pragma omp simd
+      for (int l = 0; l < kDotLanes; ++l) {
+        const int c = i + l;
+        const float value =
+            (PerKey ? decays[c] : decay) * old_row[c] + row_delta * k[c];
+        row[c] = value;
+        readout[l] = multiply_add(value, q[c], readout[l]);
+      }
+    }
+    if constexpr (Tail) {
+      for (int c = whole; c < dk; ++c) {
+        const float value =
+            (PerKey ? decays[c] : decay) * old_row[c] + row_delta * k[c];
+        row[c] = value;
+        readout[c - whole] = multiply_add(value, q[c], readout[c - whole]);
+      }
+    }
+    y[r] = T(x.scale * sum_lanes(readout));
+  }
+}
+
+template <bool PerKey, typename T>
+void step_state(
+    const TokenStep& x,
+    int dk,
+    int dv,
+    const float* source,
+    float* destination,
+    const float* v,
+    T* y) {
+  int r = 0;
+  if (dk % kDotLanes == 0) {
+    for (; r + kRowBlock <= dv; r += kRowBlock) {
+      step_rows<PerKey, kRowBlock, false>(
+          x,
+          dk,
+          source + int64_t(r) * dk,
+          destination + int64_t(r) * dk,
+          v + r,
+          y + r);
+    }
+  }
+  for (; r < dv; ++r) {
+    step_rows<PerKey, 1, true>(
+        x,
+        dk,
+        source + int64_t(r) * dk,
+        destination + int64_t(r) * dk,
+        v + r,
+        y + r);
+  }
+}
+
+// The float32 inputs of one token, which recurrent_step loads: q, k (Dk
+// each), v (Dv) and, with per-key gates, the decays and k scaled by them (Dk
+// each; the prediction reads the decayed state: sum_c S_rc exp(g_c) k_c).
+class StepScratch {
+ public:
+  explicit StepScratch(const GatedDeltaParams& p)
+      : floats_(
+            3 * p.key_dim + p.value_dim +
+            (p.per_key_gates ? 2 * p.key_dim : 0)),
+        q(floats_.data()),
+        k(q + p.key_dim),
+        v(k + p.key_dim),
+        decays(v + p.value_dim),
+        decayed_k(decays + p.key_dim) {}
+  StepScratch(const StepScratch&) = delete;
+  StepScratch& operator=(const StepScratch&) = delete;
+
+ private:
+  std::vector<float> floats_;
+
+ public:
+  float* const q;
+  float* const k;
+  float* const v;
+  float* const decays;  // per-key gates only
+  float* const decayed_k;  // per-key gates only
+};
+
 // One token's step: from the state at `source` to the state at `destination`
-// (they may be the same buffer), writing the token's output row. q, k, v and,
-// with per-key gates, decays and decayed_k are the caller's scratch (Dk, Dk,
-// Dv, Dk, Dk floats).
+// (they may be the same buffer), writing the token's output row.
 template <typename T>
 void recurrent_step(
     const GatedDeltaParams& p,
@@ -22,41 +171,30 @@ void recurrent_step(
     int t,
     const float* source,
     float* destination,
-    float* q,
-    float* k,
-    float* v,
-    float* decays,
-    float* decayed_k) {
+    StepScratch& scratch) {
   const int dk = p.key_dim, dv = p.value_dim;
-  T* y = h.y + t * h.y_token_stride;
+  float* q = scratch.q;
+  float* k = scratch.k;
+  float* v = scratch.v;
   load_qk_vector(h.q + t * h.qk_token_stride, q, dk, p.normalize_qk);
   load_qk_vector(h.k + t * h.qk_token_stride, k, dk, p.normalize_qk);
   load_vector(h.v + t * h.v_token_stride, v, dv);
   const float* g = h.g + t * h.g_token_stride;
-  const float beta = h.beta[t * h.gate_token_stride];
+  TokenStep x{q, k, nullptr, k, 0.0f, h.beta[t * h.gate_token_stride], p.scale};
+  T* y = h.y + t * h.y_token_stride;
   if (p.per_key_gates) {
+    float* decays = scratch.decays;
+    float* decayed_k = scratch.decayed_k;
     for (int c = 0; c < dk; ++c) {
       decays[c] = std::exp(g[c]);  // g = -inf: exactly 0, a wipe of column c
       decayed_k[c] = decays[c] * k[c];
     }
-  }
-  const float decay = p.per_key_gates ? 0.0f : std::exp(g[0]);
-  for (int r = 0; r < dv; ++r) {
-    const float* old_row = source + int64_t(r) * dk;
-    float* row = destination + int64_t(r) * dk;
-    const float predicted = p.per_key_gates ? dot(old_row, decayed_k, dk)
-                                            : decay * dot(old_row, k, dk);
-    const float delta = beta * (v[r] - predicted);
-    if (p.per_key_gates) {
-      for (int c = 0; c < dk; ++c) {
-        row[c] = decays[c] * old_row[c] + delta * k[c];
-      }
-    } else {
-      for (int c = 0; c < dk; ++c) {
-        row[c] = decay * old_row[c] + delta * k[c];
-      }
-    }
-    y[r] = T(p.scale * dot(row, q, dk));
+    x.decays = decays;
+    x.predict_k = decayed_k;
+    step_state<true>(x, dk, dv, source, destination, v, y);
+  } else {
+    x.decay = std::exp(g[0]);
+    step_state<false>(x, dk, dv, source, destination, v, y);
   }
 }
 
@@ -67,9 +205,7 @@ template <typename T>
 void tree_head(const GatedDeltaParams& p, const HeadView<T>& h) {
   const int dk = p.key_dim, dv = p.value_dim;
   const int64_t state_size = int64_t(dv) * dk;
-  std::vector<float> q(dk), k(dk), v(dv);
-  std::vector<float> decays(p.per_key_gates ? dk : 0);
-  std::vector<float> decayed_k(p.per_key_gates ? dk : 0);
+  StepScratch scratch(p);
   std::vector<float> initial(state_size), nodes(p.tokens * state_size);
   copy_state(p, h.state_in, initial.data());
   int next_checkpoint = 0;
@@ -81,17 +217,7 @@ void tree_head(const GatedDeltaParams& p, const HeadView<T>& h) {
       zero_output_row(h.y + t * h.y_token_stride, dv);
       copy_state(p, source, node);
     } else {
-      recurrent_step(
-          p,
-          h,
-          t,
-          source,
-          node,
-          q.data(),
-          k.data(),
-          v.data(),
-          decays.data(),
-          decayed_k.data());
+      recurrent_step(p, h, t, source, node, scratch);
     }
     if (next_checkpoint < h.checkpoint_count &&
         h.checkpoints[next_checkpoint] == t + 1) {
@@ -108,12 +234,8 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     tree_head(p, h);
     return;
   }
-  const int dk = p.key_dim, dv = p.value_dim;
-  std::vector<float> q(dk), k(dk), v(dv);
-  // Per-key gates: the decay of each state column, and k scaled by it (the
-  // prediction reads the decayed state: sum_c S_rc exp(g_c) k_c).
-  std::vector<float> decays(p.per_key_gates ? dk : 0);
-  std::vector<float> decayed_k(p.per_key_gates ? dk : 0);
+  const int dv = p.value_dim;
+  StepScratch scratch(p);
   if (!h.state_in) {
     copy_state(p, nullptr, h.state);
   }
@@ -123,17 +245,7 @@ void recurrent_head(const GatedDeltaParams& p, const HeadView<T>& h) {
     if (h.mask && !h.mask[t]) {
       zero_output_row(h.y + t * h.y_token_stride, dv);
     } else {
-      recurrent_step(
-          p,
-          h,
-          t,
-          source,
-          h.state,
-          q.data(),
-          k.data(),
-          v.data(),
-          decays.data(),
-          decayed_k.data());
+      recurrent_step(p, h, t, source, h.state, scratch);
       source = h.state;
     }
     // A checkpoint is a copy of the state after its token, masked or not.
