@@ -103,8 +103,8 @@ def gated_delta_rule(
     dtype (accumulated in float32); masked steps get zero gradient. The
     backward recomputes the forward from one saved state per 64 tokens, so its
     memory grows with ``T / 64`` states, not ``T``. ``algorithm`` picks the
-    CPU backward's form too (the chunked WY form or the recurrent one; per-key
-    gates always run the recurrent one). On the GPU it runs the Metal kernels
+    CPU backward's form too (the chunked WY form or the recurrent one, for
+    scalar and per-key gates alike). On the GPU it runs the Metal kernels
     of the recurrent form (key dims up to 256; docs/stages.md, docs/metal.md).
     """
     _check_core_arguments(q, k, v, beta, mask)

@@ -64,6 +64,7 @@ def _record():
             "ours": cell,
             "mx.fast vjp": {**cell, "ms": 3000.0, "repeats": 2},
             "mlx-lm ops": {"skipped": "skipped: T > 2048 needs --full"},
+            train.PER_KEY: {**cell, "ms": 175.0},
         },
         "backward": {
             "ms": 50.0,
@@ -106,6 +107,7 @@ def test_the_table_gives_speed_ups_the_fraction_of_gemm_and_skips():
     assert "1.50" in text  # peak 130 MiB + 20 MiB of scratch over 100 MiB of inputs and outputs
     assert "10.0x" in text  # the layer: 1000 ms against 100
     assert "2.50" in text  # the layer: peak 200 MiB over 80 MiB of io
+    assert "1.75x" in text  # per-key gates: 175 ms against the scalar gates' 100
 
 
 def test_layer_io_bytes_count_input_output_and_the_trainable_parameters_twice():

@@ -29,6 +29,7 @@ ORACLE_TESTS = (
     "mlx_gated_delta/tests/test_core.py::test_wipes_match_the_float64_oracle",
     "mlx_gated_delta/tests/test_per_key.py::test_per_key_gates_match_the_float64_oracle",
     "mlx_gated_delta/tests/test_core_gradients.py::test_gradients_match_the_float64_reference",
+    "mlx_gated_delta/tests/test_per_key.py::test_per_key_gradients_match_the_float64_reference",
     "mlx_gated_delta/tests/test_segment.py::test_segment_matches_oracle",
     "tests/test_projection.py::test_dense_projection_matches_float64",
 )

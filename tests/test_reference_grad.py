@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mlx_gated_delta import reference
 from mlx_gated_delta.reference import (
     gated_delta_rule_chunked_reference_vjp,
+    gated_delta_rule_per_key_chunked_reference_vjp,
     gated_delta_rule_reference,
     gated_delta_rule_reference_vjp,
     gated_delta_update_reference,
@@ -356,3 +357,117 @@ def test_the_chunked_reference_refuses_wipes():
     inputs["g"][0, 1, 0] = -np.inf
     with pytest.raises(ValueError, match="no wipes"):
         gated_delta_rule_chunked_reference_vjp(**inputs)
+
+
+def per_key_chunked_and_recurrent(seed, tokens, chunk_size, gates="weak", **options):
+    """The per-key chunked backward's stages and the recurrent backward on one
+    problem. `gates`: "weak" (g in [-1, 0]), "strong" (every other channel at
+    g in [-30, -20], whose decay leaves float32 within a few tokens) or
+    "wipes" (weak, with single channels wiped, g = -inf)."""
+    inputs, mask, weights = make_inputs(
+        seed,
+        batch=2,
+        tokens=tokens,
+        key_heads=2,
+        ratio=2,
+        key_dim=5,
+        value_dim=3,
+        mask_kind=options.pop("mask_kind", "none"),
+    )
+    rng = np.random.default_rng(seed + 1)
+    g = rng.uniform(-1.0, 0.0, inputs["g"].shape + (5,))
+    if gates == "strong":
+        g[..., ::2] = rng.uniform(-30.0, -20.0, g[..., ::2].shape)
+    elif gates == "wipes":
+        wiped = rng.uniform(size=g.shape) < 0.03
+        g[wiped] = -np.inf
+    inputs["g"] = g
+    options = dict(options, mask=mask, y_cotangent=weights["y"], state_cotangent=weights["state"])
+    chunked = gated_delta_rule_per_key_chunked_reference_vjp(
+        **inputs, **options, chunk_size=chunk_size
+    )
+    recurrent = gated_delta_rule_reference_vjp(**inputs, **options)
+    return chunked, recurrent
+
+
+@settings(max_examples=25)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.integers(1, 40),
+    chunk_size=st.sampled_from((1, 4, 7, 64)),
+    gates=st.sampled_from(("weak", "strong", "wipes")),
+    head_mapping=st.sampled_from(("grouped", "interleaved")),
+    normalize_qk=st.booleans(),
+    mask_kind=st.sampled_from(("none", "random")),
+    scale=st.sampled_from((None, 0.7)),
+)
+def test_per_key_chunked_backward_stages_match_the_recurrent_backward(
+    seed, tokens, chunk_size, gates, head_mapping, normalize_qk, mask_kind, scale
+):
+    """The float64 stages of the per-key chunked backward give the
+    recurrence's gradient, the linear decay's included; a chunk with a wipe
+    runs the recurrent reverse, as on the CPU."""
+    chunked, recurrent = per_key_chunked_and_recurrent(
+        seed,
+        tokens,
+        chunk_size,
+        gates,
+        head_mapping=head_mapping,
+        normalize_qk=normalize_qk,
+        mask_kind=mask_kind,
+        scale=scale,
+    )
+    assert set(chunked) == {"q", "k", "v", "g", "gamma", "beta", "state"}
+    assert chunked["g"].shape == recurrent["g"].shape
+    if gates == "strong":
+        # The chunked form's linear-decay gradient is dg / decay: a decay of
+        # exp(-30) multiplies dg's rounding by 1e13 (as with scalar gates).
+        # dg itself is held to the contract.
+        del chunked["gamma"]
+    assert_chunked_matches(chunked, recurrent)
+
+
+def without_key_gram_terms(original):
+    """kkt_inverse_backward (per key) broken: the decayed gram's terms dropped."""
+
+    def stage(*args):
+        dk, dbeta, d_log = original(*args)
+        return dk, dbeta, np.zeros_like(d_log)
+
+    return stage
+
+
+def channels_lumped(original):
+    """gate_cumsum_backward (per key) broken: every channel given their mean."""
+
+    def stage(d_log, g_rows):
+        lumped = np.broadcast_to(d_log.mean(axis=-1, keepdims=True), d_log.shape)
+        return original(lumped, g_rows)
+
+    return stage
+
+
+def without_recurrent_reverse(original):
+    """chunk_carry_backward (per key) broken: no chunk runs the recurrent
+    reverse, so a wipe's linear-decay gradient is dg / 0."""
+
+    def stage(*args):
+        return original(*args[:-2], np.zeros_like(args[-2]), args[-1])
+
+    return stage
+
+
+@pytest.mark.parametrize(
+    "stage, breaking, gates",
+    (
+        ("key_gate_cumsum_backward", channels_lumped, "weak"),
+        ("key_kkt_inverse_backward", without_key_gram_terms, "weak"),
+        ("key_chunk_carry_backward", without_recurrent_reverse, "wipes"),
+    ),
+)
+def test_the_per_key_chunked_check_sees_a_broken_stage(monkeypatch, stage, breaking, gates):
+    backward = reference.chunked_backward_per_key
+    monkeypatch.setattr(backward, stage, breaking(getattr(backward, stage)))
+    chunked, recurrent = per_key_chunked_and_recurrent(5, 30, 8, gates)
+    with pytest.raises(AssertionError, match="dg|dgamma"):
+        assert_chunked_matches(chunked, recurrent)

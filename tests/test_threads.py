@@ -387,11 +387,12 @@ per_key = make_core_case(9, batch=2, tokens=150, key_heads=2, value_heads=4, key
                          value_dim=32, decay="mixed", wipes="runs", mask_kind="random",
                          per_key_gates=True)
 outputs += gated_delta_rule(*per_key.args(), algorithm="chunked", **per_key.options)
-for algorithm in ("recurrent", "chunked"):
-    def loss(*args, algorithm=algorithm):
-        y, state = gated_delta_rule(*args, algorithm=algorithm, **case.options)
-        return (y * y).sum() + (state * state).sum()
-    outputs += mx.grad(loss, argnums=tuple(range(6)))(*case.args())
+for c in (case, per_key):
+    for algorithm in ("recurrent", "chunked"):
+        def loss(*args, algorithm=algorithm, options=c.options):
+            y, state = gated_delta_rule(*args, algorithm=algorithm, **options)
+            return (y * y).sum() + (state * state).sum()
+        outputs += mx.grad(loss, argnums=tuple(range(6)))(*c.args())
 mx.eval(outputs)
 digest = hashlib.sha256()
 for out in outputs:

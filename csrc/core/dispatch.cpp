@@ -15,9 +15,8 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params) {
 }
 
 Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params) {
-  if (params.per_key_gates) {
-    return Algorithm::Recurrent;  // the chunked backward has scalar gates only
-  }
+  // Per-key gates take the same crossover: their decayed products run in
+  // sub-chunks as matrix products (csrc/cpu/key_chunked_backward.cpp).
   return params.tokens < kChunkedBackwardMinTokens ? Algorithm::Recurrent
                                                    : Algorithm::Chunked;
 }

@@ -17,7 +17,7 @@ Algorithm resolve_cpu_algorithm(const GatedDeltaParams& params);
 // The backward's "auto" on the CPU: the recurrent form's reverse below
 // kChunkedBackwardMinTokens, the chunked WY form's from there on (the
 // crossover, measured on the Qwen3-Next shape: see docs/numerics.md,
-// "Choosing the algorithm"); per-key gates always run the recurrent reverse.
+// "Choosing the algorithm"), for scalar and per-key gates alike.
 constexpr int kChunkedBackwardMinTokens = 8;
 Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params);
 

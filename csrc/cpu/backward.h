@@ -32,8 +32,8 @@ struct BackwardBuffers {
 // state. Keeps one state per chunk of kChunkSize tokens per (batch row, value
 // head) in flight, never one per token. `algorithm` (Recurrent or Chunked;
 // resolve Auto first) picks the recurrent form's reverse
-// (recurrent_backward.cpp) or the chunked WY form's (chunked_backward.cpp);
-// per-key gates always run the recurrent one.
+// (recurrent_backward.cpp) or the chunked WY form's (chunked_backward.cpp,
+// with key_chunked_backward.cpp's stages for per-key gates).
 template <typename T>
 void gated_delta_backward(
     const GatedDeltaParams& params,

@@ -1,5 +1,7 @@
-// The backward pass of the chunked WY/UT form on the CPU (scalar gates), with
-// O(T / 64) states in memory and every step a product of small matrices.
+// The backward pass of the chunked WY/UT form on the CPU, with O(T / 64)
+// states in memory and every step a product of small matrices. The stages
+// below are the scalar gates'; per-key gates run key_chunked_backward.cpp's
+// in their place, from the same boundary_states and chunk loop.
 //
 // Per chunk of L tokens with entry state S0 ([Dv, Dk]) the forward is
 // (chunked_stages.h; Gamma_i = decay(i, -1), e_j = decay(L-1, j)):
@@ -49,8 +51,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/backward_head_view.h"
-#include "cpu/chunked_stages.h"
+#include "cpu/chunked_backward_stages.h"
 
 namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
@@ -58,74 +59,118 @@ namespace {
 
 constexpr int C = kChunkSize;
 
-// The backward's own scratch, beside the forward's ChunkScratch. Row strides
-// as there: Dk for [L, Dk], Dv for [L, Dv], C for [L, L] and for transposed
-// rows ([Dk, L], [Dv, L]).
-struct BackwardScratch {
-  BackwardScratch(int dk, int dv)
-      : s(dk, dv),
-        entry(size_t(dv) * dk),
-        ds_t(size_t(dk) * dv),
-        ds0_t(size_t(dk) * dv),
-        d_out(C * dv),
-        scaled_d_out(C * dv),
-        d_corrected(C * dv),
-        out_state(C * dk),
-        corrected_t(size_t(dv) * C),
-        m(C * C),
-        dm(C * C),
-        dq(C * dk),
-        dk(C * dk),
-        dw(C * dk),
-        end_keys(C * dk),
-        row_tmp(C * dk),
-        dt(C * C),
-        scaled_v_t(size_t(dv) * C),
-        scaled_k_t(size_t(dk) * C),
-        d_scaled_v(C * dv),
-        d_scaled_k(C * dk),
-        inverse_t(C * C),
-        x(C * C),
-        da(C * C),
-        v_rows(C * dv) {}
-  ChunkScratch s;  // the forward's stages' outputs for this chunk
-  std::vector<float> entry;  // S0, [Dv, Dk]
-  std::vector<float> ds_t, ds0_t;  // dS (exit) and dS0, transposed [Dk, Dv]
-  std::vector<float> d_out, scaled_d_out;  // dO and diag(Gamma) dO
-  std::vector<float> d_corrected, corrected_t;  // dV' = dU; V'^T
-  std::vector<float> out_state;  // dO S0
-  std::vector<float> m, dm;  // M; dM, then dMd
-  std::vector<float> dq, dk;  // this value head's dq, dk of the chunk
-  std::vector<float> dw, end_keys, row_tmp;  // dW; diag(e) K; V' dS
-  std::vector<float> dt, scaled_v_t, scaled_k_t;  // dT; Vb^T; Kb^T
-  std::vector<float> d_scaled_v, d_scaled_k;  // dVb, dKb
-  std::vector<float> inverse_t, x, da;  // T^T; dT T^T; dA, then dA o beta decay
-  std::vector<float> v_rows;  // the chunk's v, float32
-  float d_log[C];  // dG
-  float dbeta[C];
-  // This chunk's slices of the ChunkStore.
-  const float* k_gram = nullptr;
-  const float* inverse = nullptr;
-  const float* w = nullptr;
-  const float* corrected = nullptr;
-};
+}  // namespace
 
-// What boundary_states keeps of each chunk for the reverse: the entry state
-// (transposed, [Dk, Dv]), K K^T and T ([L, L], row stride C), W ([L, Dk])
-// and V' ([L, Dv]).
-struct ChunkStore {
-  ChunkStore(int chunks, int dk, int dv)
-      : state_size(size_t(dk) * dv),
-        w_size(size_t(C) * dk),
-        v_size(size_t(C) * dv),
-        entry_t(chunks * state_size),
-        k_gram(size_t(chunks) * C * C),
-        inverse(size_t(chunks) * C * C),
-        w(chunks * w_size),
-        corrected(chunks * v_size) {}
-  size_t state_size, w_size, v_size;
-  std::vector<float> entry_t, k_gram, inverse, w, corrected;
-};
+void delta_backward(const GatedDeltaParams& p, int L, BackwardScratch& b) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  // V' = U - W S0^T.
+  fill_zero(b.dw);
+  gemm(
+      L,
+      dk,
+      dv,
+      -1.0f,
+      {b.d_corrected.data(), dv, 1},
+      b.entry.data(),
+      dk,
+      b.dw.data(),
+      dk);
+  gemm(
+      dk,
+      dv,
+      L,
+      -1.0f,
+      {b.w, 1, dk},
+      b.d_corrected.data(),
+      dv,
+      b.ds0_t.data(),
+      dv);
+}
+
+void w_u_products(const GatedDeltaParams& p, int L, BackwardScratch& b) {
+  const int dk = p.key_dim, dv = p.value_dim;
+  fill_zero(b.dt);
+  gemm(
+      L,
+      L,
+      dv,
+      1.0f,
+      {b.d_corrected.data(), dv, 1},
+      b.scaled_v_t.data(),
+      C,
+      b.dt.data(),
+      C,
+      Triangle::LowerC);
+  gemm(
+      L,
+      L,
+      dk,
+      1.0f,
+      {b.dw.data(), dk, 1},
+      b.scaled_k_t.data(),
+      C,
+      b.dt.data(),
+      C,
+      Triangle::LowerC);
+  for (int i = 0; i < L; ++i) {  // T is lower: its gradient is too
+    std::fill(&b.dt[i * C + i + 1], &b.dt[i * C + C], 0.0f);
+  }
+  const MatrixA inverse_t{b.inverse, 1, C};
+  fill_zero(b.d_scaled_v);
+  gemm(
+      L,
+      dv,
+      L,
+      1.0f,
+      inverse_t,
+      b.d_corrected.data(),
+      dv,
+      b.d_scaled_v.data(),
+      dv,
+      Triangle::UpperA);
+  fill_zero(b.d_scaled_k);
+  gemm(
+      L,
+      dk,
+      L,
+      1.0f,
+      inverse_t,
+      b.dw.data(),
+      dk,
+      b.d_scaled_k.data(),
+      dk,
+      Triangle::UpperA);
+}
+
+void inverse_gradient(int L, BackwardScratch& b) {
+  transpose(b.inverse, L, L, C, b.inverse_t.data(), C);
+  fill_zero(b.x);
+  gemm(
+      L,
+      L,
+      L,
+      1.0f,
+      {b.dt.data(), C, 1},
+      b.inverse_t.data(),
+      C,
+      b.x.data(),
+      C,
+      Triangle::LowerA);
+  fill_zero(b.da);
+  gemm(
+      L,
+      L,
+      L,
+      -1.0f,
+      {b.inverse, 1, C},
+      b.x.data(),
+      C,
+      b.da.data(),
+      C,
+      Triangle::UpperA);
+}
+
+namespace {
 
 // The forward's view of one problem: what the forward stages read.
 template <typename T>
@@ -154,20 +199,28 @@ HeadView<T> forward_view(const BackwardHeadView<T>& h) {
 
 // Whether every active token of the chunk decays by a normal float, the
 // condition for the chunked reverse (see the top of this file).
+// Per-key gates: every channel's.
 template <typename T>
-bool normal_decays(const BackwardHeadView<T>& h, int start, int L) {
+bool normal_decays(
+    const GatedDeltaParams& p, const BackwardHeadView<T>& h, int start, int L) {
+  const int width = p.gate_width();
   for (int i = 0; i < L; ++i) {
     const int t = start + i;
-    if ((!h.mask || h.mask[t]) &&
-        !(std::exp(h.g[t * h.g_token_stride]) >= FLT_MIN)) {
-      return false;
+    if (h.mask && !h.mask[t]) {
+      continue;
+    }
+    const float* g = h.g + t * h.g_token_stride;
+    for (int c = 0; c < width; ++c) {
+      if (!(std::exp(g[c]) >= FLT_MIN)) {
+        return false;
+      }
     }
   }
   return true;
 }
 
 // boundary_states: the forward's stages over the chunks, keeping what
-// ChunkStore holds.
+// ChunkStore holds (per-key gates: key_decayed_grams in place of k_gram).
 template <typename T>
 void boundary_states(
     const GatedDeltaParams& p,
@@ -184,8 +237,18 @@ void boundary_states(
     std::copy(
         state_t.begin(), state_t.end(), &store.entry_t[c * store.state_size]);
     qk_norm(p, view, start, L, s);
-    k_gram(dk, L, s);
-    gate_cumsum(p, view, start, L, s);
+    if (p.per_key_gates) {
+      transpose(s.k.data(), L, dk, dk, s.k_transposed.data(), C);
+      gate_cumsum(p, view, start, L, s);
+      key_decayed_grams(s);
+      std::copy(
+          s.qk_decayed.begin(),
+          s.qk_decayed.end(),
+          &store.qk[size_t(c) * C * C]);
+    } else {
+      k_gram(dk, L, s);
+      gate_cumsum(p, view, start, L, s);
+    }
     kkt_inverse(p, L, s);
     recompute_w_u(p, view, start, L, s);
     // chunk_carry's deltas V' = U - W S0^T only: the output is not needed.
@@ -404,28 +467,7 @@ void chunk_carry_backward(
     b.d_log[j] -= term;
   }
 
-  // V' = U - W S0^T.
-  fill_zero(b.dw);
-  gemm(
-      L,
-      dk,
-      dv,
-      -1.0f,
-      {b.d_corrected.data(), dv, 1},
-      b.entry.data(),
-      dk,
-      b.dw.data(),
-      dk);
-  gemm(
-      dk,
-      dv,
-      L,
-      -1.0f,
-      {b.w, 1, dk},
-      b.d_corrected.data(),
-      dv,
-      b.ds0_t.data(),
-      dv);
+  delta_backward(p, L, b);
 }
 
 // recompute_w_u_backward: dT = dU Vb^T + dW Kb^T (lower), dVb = T^T dU,
@@ -452,57 +494,7 @@ void recompute_w_u_backward(
       b.scaled_k_t[c * C + i] = w_scale * s.k[i * dk + c];
     }
   }
-  fill_zero(b.dt);
-  gemm(
-      L,
-      L,
-      dv,
-      1.0f,
-      {b.d_corrected.data(), dv, 1},
-      b.scaled_v_t.data(),
-      C,
-      b.dt.data(),
-      C,
-      Triangle::LowerC);
-  gemm(
-      L,
-      L,
-      dk,
-      1.0f,
-      {b.dw.data(), dk, 1},
-      b.scaled_k_t.data(),
-      C,
-      b.dt.data(),
-      C,
-      Triangle::LowerC);
-  for (int i = 0; i < L; ++i) {  // T is lower: its gradient is too
-    std::fill(&b.dt[i * C + i + 1], &b.dt[i * C + C], 0.0f);
-  }
-  const MatrixA inverse_t{b.inverse, 1, C};
-  fill_zero(b.d_scaled_v);
-  gemm(
-      L,
-      dv,
-      L,
-      1.0f,
-      inverse_t,
-      b.d_corrected.data(),
-      dv,
-      b.d_scaled_v.data(),
-      dv,
-      Triangle::UpperA);
-  fill_zero(b.d_scaled_k);
-  gemm(
-      L,
-      dk,
-      L,
-      1.0f,
-      inverse_t,
-      b.dw.data(),
-      dk,
-      b.d_scaled_k.data(),
-      dk,
-      Triangle::UpperA);
+  w_u_products(p, L, b);
   for (int i = 0; i < L; ++i) {
     T* dv_out = h.dv + (start + i) * h.v_token_stride;
     if (!s.active[i]) {
@@ -531,31 +523,7 @@ void kkt_inverse_backward(
     const GatedDeltaParams& p, int L, BackwardScratch& b) {
   const int dk = p.key_dim;
   ChunkScratch& s = b.s;
-  transpose(b.inverse, L, L, C, b.inverse_t.data(), C);
-  fill_zero(b.x);
-  gemm(
-      L,
-      L,
-      L,
-      1.0f,
-      {b.dt.data(), C, 1},
-      b.inverse_t.data(),
-      C,
-      b.x.data(),
-      C,
-      Triangle::LowerA);
-  fill_zero(b.da);
-  gemm(
-      L,
-      L,
-      L,
-      -1.0f,
-      {b.inverse, 1, C},
-      b.x.data(),
-      C,
-      b.da.data(),
-      C,
-      Triangle::UpperA);
+  inverse_gradient(L, b);
   // A's terms: with t_ij = dA_ij decay(i, j) k_i.k_j, dbeta_i gains t_ij
   // and the decay term is dA_ij A_ij = beta_i t_ij.
   for (int i = 0; i < L; ++i) {
@@ -639,9 +607,9 @@ template <typename T>
 void chunked_head_backward(
     const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
   const int dk = p.key_dim, dv = p.value_dim;
-  const int64_t size = int64_t(dk) * dv;
-  BackwardScratch b(dk, dv);
-  ChunkStore store(p.num_chunks(), dk, dv);
+  const bool per_key = p.per_key_gates;
+  BackwardScratch b(dk, dv, per_key);
+  ChunkStore store(p.num_chunks(), dk, dv, per_key);
   boundary_states(p, h, b.s, store);
 
   const HeadView<T> view = forward_view(h);
@@ -655,17 +623,20 @@ void chunked_head_backward(
     const float* entry_t = &store.entry_t[c * store.state_size];
     transpose(entry_t, dk, dv, dv, b.entry.data(), dk);
     transpose(b.ds_t.data(), dk, dv, dv, ds, dk);
-    if (!normal_decays(h, start, L)) {
+    if (!normal_decays(p, h, start, L)) {
       recurrent_chunk_backward_from_entry(p, h, start, L, b.entry.data(), ds);
       transpose(ds, dv, dk, dk, b.ds_t.data(), dv);
       continue;
     }
     // The forward's cheap stages again; the rest from the store.
     qk_norm(p, view, start, L, b.s);
-    transpose(b.s.k.data(), L, dk, dk, b.s.k_transposed.data(), C);
-    chunk_qk(dk, L, b.s);
+    if (!per_key) {
+      transpose(b.s.k.data(), L, dk, dk, b.s.k_transposed.data(), C);
+      chunk_qk(dk, L, b.s);
+    }
     gate_cumsum(p, view, start, L, b.s);
     b.k_gram = &store.k_gram[size_t(c) * C * C];
+    b.qk = per_key ? &store.qk[size_t(c) * C * C] : nullptr;
     b.inverse = &store.inverse[size_t(c) * C * C];
     b.w = &store.w[c * store.w_size];
     b.corrected = &store.corrected[c * store.v_size];
@@ -673,11 +644,20 @@ void chunked_head_backward(
     std::fill(b.d_log, b.d_log + C, 0.0f);
     std::fill(b.dbeta, b.dbeta + C, 0.0f);
 
-    chunk_output_backward(p, L, b);
-    chunk_carry_backward(p, L, b, entry_t, ds);
-    recompute_w_u_backward(p, h, start, L, b);
-    kkt_inverse_backward(p, L, b);
-    gate_cumsum_backward(p, h, start, L, b);
+    if (per_key) {
+      fill_zero(b.key_d_log);
+      key_chunk_output_backward(p, L, b);
+      key_chunk_carry_backward(p, L, b, entry_t, ds);
+      key_recompute_w_u_backward(p, h, start, L, b);
+      key_kkt_inverse_backward(p, L, b);
+      key_gate_cumsum_backward(p, h, start, L, b);
+    } else {
+      chunk_output_backward(p, L, b);
+      chunk_carry_backward(p, L, b, entry_t, ds);
+      recompute_w_u_backward(p, h, start, L, b);
+      kkt_inverse_backward(p, L, b);
+      gate_cumsum_backward(p, h, start, L, b);
+    }
     std::swap(b.ds_t, b.ds0_t);
   }
   transpose(b.ds_t.data(), dk, dv, dv, ds, dk);

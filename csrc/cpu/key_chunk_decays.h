@@ -105,6 +105,10 @@ class KeyChunkDecays {
   float log_sum(int i, int c) const {
     return log_sum_[size_t(i) * dk_ + c];
   }
+  // [L, Dk]: the cumulative log decays, G_ic.
+  const float* log_sums() const {
+    return log_sum_.data();
+  }
   int last_wipe(int i, int c) const {
     return last_wipe_[size_t(i) * dk_ + c];
   }

@@ -1,5 +1,5 @@
 // The backward pass of the gated delta rule on the CPU in the recurrent form
-// (algorithm "recurrent", short calls and per-key gates), with O(T / 64)
+// (algorithm "recurrent", short calls), with O(T / 64)
 // states in memory; chunked_backward.cpp has the chunked WY form. Both end
 // in qk_grad_reduce, here.
 //
@@ -375,9 +375,7 @@ void gated_delta_backward(
   if (algorithm == Algorithm::Auto) {
     throw std::invalid_argument("gated_delta_backward: resolve Auto first");
   }
-  // Per-key gates have the recurrent backward only (as in the forward, a
-  // decay per channel cannot be applied after the chunk's products).
-  const bool chunked = algorithm == Algorithm::Chunked && !p.per_key_gates;
+  const bool chunked = algorithm == Algorithm::Chunked;
   const int dk = p.key_dim, dv = p.value_dim;
   // The per-value-head gradients of the normalised q and k, float32.
   const int64_t head_grad_size =

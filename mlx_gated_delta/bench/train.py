@@ -9,7 +9,9 @@ bfloat16 activations, float32 gates and state): one training step is
 linear decay gamma, beta and the state, so the forward and the backward both run.
 Three implementations:
 
-- ours: ``gated_delta_update`` ("auto": the chunked forward and backward);
+- ours: ``gated_delta_update`` ("auto": the chunked forward and backward),
+  and beside it the same call with per-key-channel gates (gamma
+  ``[B, T, Hv, Dk]``, Kimi Delta Attention's form);
 - ``mx.fast.gated_delta_update``, whose vjp runs through MLX's op loop;
 - mlx-lm's training path (``use_kernel=False``: ``gated_delta_ops``, a loop
   of MLX ops per token).
@@ -85,6 +87,7 @@ def make_inputs(tokens: int, seed: int = 0):
         gamma=array(np.exp(rng.uniform(-2.0, 0.0, (1, tokens, Hv))), mx.float32),
         beta=array(rng.uniform(0.0, 1.0, (1, tokens, Hv)), mx.float32),
         state=array(rng.standard_normal((1, Hv, Dv, Dk)) * 0.1, mx.float32),
+        key_gamma=array(np.exp(rng.uniform(-2.0, 0.0, (1, tokens, Hv, Dk))), mx.float32),
     )
 
 
@@ -110,6 +113,8 @@ IMPLEMENTATIONS = (
     ("mx.fast vjp", mlx_fast),
     ("mlx-lm ops", mlx_lm_ops),
 )
+# Ours again with per-key-channel gates, same shape and inputs but gamma.
+PER_KEY = "ours, per-key gates"
 
 
 def _loss(op):
@@ -235,6 +240,10 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
             n = repeats if is_ours else peer_repeats(tokens, quick)
             seconds, peak = measure(training_step(op), args, n, warm_up=is_ours)
             row["cells"][name] = {"ms": seconds * 1e3, "peak_bytes": peak, "repeats": n}
+        progress(f"core T={tokens} {PER_KEY}")
+        key_args = [inputs["key_gamma" if n == "gamma" else n] for n in NAMES]
+        seconds, peak = measure(training_step(ours), key_args, repeats)
+        row["cells"][PER_KEY] = {"ms": seconds * 1e3, "peak_bytes": peak, "repeats": repeats}
         progress(f"core T={tokens} ours backward alone")
         seconds, peak = measure(backward_step(ours), args, repeats)
         flops = backward_product_flops(tokens)
@@ -316,6 +325,15 @@ def report_text(record: dict) -> str:
             f"{_cell(c['mlx-lm ops']):<40}{_speedup(row, 'mx.fast vjp'):>11}"
             f"{_speedup(row, 'mlx-lm ops'):>11}"
         )
+    lines += [
+        "",
+        "Ours with per-key-channel gates (gamma [B, T, Hv, Dk]), the same inputs otherwise",
+        f"{'T':>5}  {PER_KEY:<26}{'per-key / scalar':>18}",
+    ]
+    for row in record["core_rows"]:
+        c = row["cells"]
+        ratio = c[PER_KEY]["ms"] / c["ours"]["ms"]
+        lines.append(f"{row['T']:>5}  {_cell(c[PER_KEY]):<26}{ratio:>17.2f}x")
     lines += [
         "",
         "Our backward alone (mx.grad: the forward is not evaluated): its matrix products' "

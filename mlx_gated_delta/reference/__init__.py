@@ -19,6 +19,7 @@ One module per part, every name importable from here:
 - `chunked`: the chunked form, stage by stage;
 - `chunked_per_key`: its stages with per-key-channel gates;
 - `chunked_backward`: the chunked backward, stage by stage;
+- `chunked_backward_per_key`: its stages with per-key-channel gates;
 - `segment`: the fused layer segment, stage by stage.
 """
 
@@ -44,6 +45,14 @@ from .chunked_backward import (
     gated_delta_rule_chunked_reference_vjp,
     kkt_inverse_backward,
     recompute_w_u_backward,
+)
+from .chunked_backward_per_key import (
+    gated_delta_rule_per_key_chunked_reference_vjp,
+    key_chunk_carry_backward,
+    key_chunk_output_backward,
+    key_gate_cumsum_backward,
+    key_kkt_inverse_backward,
+    key_recompute_w_u_backward,
 )
 from .chunked_per_key import (
     key_chunk_carry,
@@ -94,6 +103,7 @@ __all__ = [
     "gate_cumsum_backward",
     "gated_delta_rule_chunked_reference",
     "gated_delta_rule_chunked_reference_vjp",
+    "gated_delta_rule_per_key_chunked_reference_vjp",
     "gated_delta_rule_reference",
     "gated_delta_rule_reference_vjp",
     "gated_delta_segment_reference",
@@ -102,10 +112,15 @@ __all__ = [
     "gated_norm",
     "k_gram",
     "key_chunk_carry",
+    "key_chunk_carry_backward",
+    "key_chunk_output_backward",
     "key_chunk_decay",
     "key_decayed_grams",
     "key_gate_cumsum",
+    "key_gate_cumsum_backward",
     "key_head_of",
+    "key_kkt_inverse_backward",
+    "key_recompute_w_u_backward",
     "kkt_inverse",
     "kkt_inverse_backward",
     "prepare_conv",

@@ -233,15 +233,13 @@ def test_backward_guard_no_write_past_the_gradients(algorithm, per_key_gates, da
 
 def test_auto_backward_resolves_by_length():
     """The backward's "auto" on the CPU: recurrent below its crossover length,
-    chunked from it on, per-key gates recurrent (core/dispatch.cpp)."""
+    chunked from it on, per-key gates as scalar ones (core/dispatch.cpp)."""
     shape = dict(batch=1, key_heads=16, value_heads=32, key_dim=128, value_dim=128)
     crossover = _ext.CHUNKED_BACKWARD_MIN_TOKENS
-    assert _ext.resolve_cpu_backward_algorithm(tokens=crossover - 1, **shape) == "recurrent"
-    assert _ext.resolve_cpu_backward_algorithm(tokens=crossover, **shape) == "chunked"
-    assert (
-        _ext.resolve_cpu_backward_algorithm(tokens=4 * crossover, per_key_gates=True, **shape)
-        == "recurrent"
-    )
+    for per_key_gates in (False, True):
+        resolve = _ext.resolve_cpu_backward_algorithm
+        assert resolve(tokens=crossover - 1, per_key_gates=per_key_gates, **shape) == "recurrent"
+        assert resolve(tokens=crossover, per_key_gates=per_key_gates, **shape) == "chunked"
 
 
 @pytest.mark.parametrize("transform", ("compile", "vmap_of_grad", "grad_of_vmap"))

@@ -1,0 +1,269 @@
+"""The chunked backward with per-key-channel gates, stage by stage
+(docs/stages.md, "Backward: the core recurrence"): the float64 counterpart
+of csrc/cpu/key_chunked_backward.cpp.
+
+The stages are those of the scalar gates (`chunked_backward`) with the decay
+of channel c, decay(i, j, c), in place of decay(i, j), so the gradient of
+the in-chunk cumulative log decay, d_log, is `[B, Hv, C, L, Dk]`.
+A decayed gram's terms come out of the gradients of its two operands: with
+R_ic = sum_j X_ij decay(i, j, c) b_jc (the row side) and C_jc = sum_i X_ij
+decay(i, j, c) a_ic (the column side), the term of X's entry (i, j) in
+channel c is a_ic X_ij decay(i, j, c) b_jc, so d_log gains a_ic R_ic at i
+and loses b_jc C_jc at j.
+
+A chunk of one (batch row, value head) in which the decay of some active
+token and channel is not a normal float32 (a wipe) runs the recurrent
+reverse from its entry state, as the CPU does (and as for scalar gates).
+"""
+
+import numpy as np
+
+from .chunked import CHUNK_SIZE, chunk_rows, decay_from_start
+from .chunked_per_key import key_chunk_decay, per_key_chunked_stages
+from .recurrent import gated_delta_rule_reference_vjp, key_head_of, qk_norm_backward, to_float64
+
+# The smallest normal float32: a decay below it sends the chunk to the
+# recurrent reverse.
+SMALLEST_NORMAL_DECAY = float(np.finfo(np.float32).tiny)
+
+
+def gated_delta_rule_per_key_chunked_reference_vjp(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    state=None,
+    *,
+    y_cotangent=None,
+    state_cotangent=None,
+    scale=None,
+    head_mapping="grouped",
+    mask=None,
+    normalize_qk=False,
+    chunk_size=CHUNK_SIZE,
+):
+    """`gated_delta_rule_reference_vjp` with per-key gates (g `[B, T, Hv,
+    Dk]`) computed by the per-key chunked backward's stages. Returns the same
+    dict, `gamma` included."""
+    g64 = to_float64(g)
+    if g64.ndim != 4:
+        raise ValueError("the per-key chunked backward takes g of shape [B, T, Hv, Dk]")
+    options = dict(scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk)
+    f = per_key_chunked_stages(q, k, v, g, beta, state, chunk_size=chunk_size, **options)
+    batch, tokens, key_heads, key_dim = f["q"].shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = key_dim**-0.5
+    key_head = key_head_of(value_heads, key_heads, head_mapping)
+    q_rows = chunk_rows(f["q"], chunk_size)[:, key_head]
+    k_rows = chunk_rows(f["k"], chunk_size)[:, key_head]
+    v_rows = chunk_rows(to_float64(v), chunk_size)
+    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    g_rows = chunk_rows(np.where(active[..., None, None], g64, 0.0), chunk_size)
+    dy = np.zeros(v.shape) if y_cotangent is None else to_float64(y_cotangent)
+    d_out = scale * chunk_rows(np.where(active[..., None, None], dy, 0.0), chunk_size)
+    d_state = (
+        np.zeros((batch, value_heads, value_dim, key_dim))
+        if state_cotangent is None
+        else to_float64(state_cotangent)
+    )
+    log_cumsum, last_wipe = f["log_cumsum"], f["last_wipe"]
+    decay = key_chunk_decay(log_cumsum, last_wipe)  # [B, Hv, C, L, L, Dk]
+    from_start = decay_from_start(log_cumsum, last_wipe)  # [B, Hv, C, L, Dk]
+    beta_effective = f["beta_effective"]
+
+    # The chunks that run the recurrent reverse, and what it gives them.
+    with np.errstate(over="ignore"):
+        normal = np.exp(g_rows) >= SMALLEST_NORMAL_DECAY
+    active_rows = chunk_rows(active[..., None, None].astype(float), chunk_size)[:, 0, ..., 0] > 0
+    recurrent = np.any(active_rows[:, None, :, :, None] & ~normal, axis=(-2, -1))
+    recurrent_grads = {}
+
+    def recurrent_reverse(b, h, c, entry, d_exit):
+        """The recurrent form's reverse of chunk c of (b, h) from its entry
+        state; returns dS entering it and keeps the chunk's gradients."""
+
+        def rows(x):  # this chunk's rows as one problem [1, L, 1(, D)]
+            return x[b, h, c][None, :, None]
+
+        grads = gated_delta_rule_reference_vjp(
+            rows(q_rows),
+            rows(k_rows),
+            rows(v_rows),
+            rows(g_rows),
+            beta_effective[b, h, c][None, :, None],
+            entry[None, None],
+            y_cotangent=rows(d_out),
+            state_cotangent=d_exit[None, None],
+            scale=1.0,  # d_out is scale dy already
+            mask=active_rows[b, c][None],
+        )
+        recurrent_grads[b, h, c] = {
+            name: value[0, :, 0] for name, value in grads.items() if name != "state"
+        }
+        return grads["state"][0, 0]
+
+    d_corrected, dq, dk, d_log = key_chunk_output_backward(
+        d_out, f["corrected"], f["qk"], decay, q_rows, k_rows
+    )
+    d_entry, dw, carry = key_chunk_carry_backward(
+        d_out,
+        d_state,
+        d_corrected,
+        f["w"],
+        f["corrected"],
+        f["entry_states"],
+        q_rows,
+        k_rows,
+        from_start,
+        decay[..., -1, :, :],
+        recurrent,
+        recurrent_reverse,
+    )
+    d_corrected = d_corrected + carry["d_corrected"]
+    dq, dk, d_log = dq + carry["dq"], dk + carry["dk"], d_log + carry["d_log"]
+    dt, dv, dbeta, dk_w_u, d_log_w_u = key_recompute_w_u_backward(
+        d_corrected, dw, f["kkt_inverse"], v_rows, k_rows, beta_effective, from_start
+    )
+    dk_kkt, dbeta_kkt, d_log_kkt = key_kkt_inverse_backward(
+        dt, f["kkt_inverse"], k_rows, decay, beta_effective, f["k_gram"]
+    )
+    dg, dgamma = key_gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt, g_rows)
+    per_token = {
+        "q": dq,
+        "k": dk + dk_w_u + dk_kkt,
+        "v": dv,
+        "g": dg,
+        "gamma": dgamma,
+        "beta": dbeta + dbeta_kkt,
+    }
+    for (b, h, c), grads in recurrent_grads.items():
+        for name, value in grads.items():
+            per_token[name][b, h, c] = value
+
+    def token_rows(x):  # [B, Hv, C, L(, D)] -> [B, T, Hv(, D)], 0 where masked
+        x = np.moveaxis(x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :tokens], 1, 2)
+        where = active.reshape(active.shape + (1,) * (x.ndim - 2))
+        return np.where(where, x, 0.0)
+
+    grads = {name: token_rows(per_token[name]) for name in ("v", "g", "gamma", "beta")}
+    grads["state"] = d_entry
+    for name, raw in (("q", q), ("k", k)):
+        summed = np.zeros((batch, tokens, key_heads, key_dim))
+        np.add.at(summed, (slice(None), slice(None), key_head), token_rows(per_token[name]))
+        grads[name] = qk_norm_backward(to_float64(raw), summed) if normalize_qk else summed
+    return grads
+
+
+def decayed_rows(x, decay, b_rows):
+    """R_ic = sum_j X_ij decay(i, j, c) b_jc: X `[..., L, L]` decayed per
+    channel, times b `[..., L, Dk]`."""
+    return np.einsum("...ij,...ijc,...jc->...ic", x, decay, b_rows)
+
+
+def decayed_columns(x, decay, a_rows):
+    """C_jc = sum_i X_ij decay(i, j, c) a_ic: X^T decayed per channel, times a."""
+    return np.einsum("...ij,...ijc,...ic->...jc", x, decay, a_rows)
+
+
+def key_chunk_output_backward(d_out, corrected, qk_tiles, decay, q_rows, k_rows):
+    """Stage chunk_output_backward with per-key gates: O = M V', M the decayed
+    Q K^T (key_decayed_grams). Returns (dV', dq, dk, d_log)."""
+    d_corrected = np.swapaxes(qk_tiles, -1, -2) @ d_out
+    dm = np.tril(d_out @ np.swapaxes(corrected, -1, -2))
+    dq = decayed_rows(dm, decay, k_rows)
+    dk = decayed_columns(dm, decay, q_rows)
+    return d_corrected, dq, dk, q_rows * dq - k_rows * dk
+
+
+def key_chunk_carry_backward(
+    d_out,
+    d_state,
+    d_corrected,
+    w,
+    corrected,
+    entry_states,
+    q_rows,
+    k_rows,
+    from_start,
+    to_end,
+    recurrent,
+    recurrent_reverse,
+):
+    """Stage chunk_carry_backward with per-key gates: the chunks last to
+    first, carrying dS through the entry state's share of the output
+    (S (decay(i, -1, :) q_i)), the exit state S diag(decay(L-1, -1, :)) +
+    V'^T (decay(L-1, j, :) K) and V' = U - W S^T. A chunk marked in
+    `recurrent` ([B, Hv, C]) takes dS entering it from
+    `recurrent_reverse(b, h, c, entry, d_exit)`. Returns (dS of the initial
+    state, dW, and a dict of the additions to dV', dq, dk and d_log)."""
+    chunks = w.shape[2]
+    out = {
+        "d_corrected": np.zeros_like(d_corrected),
+        "dq": np.zeros(q_rows.shape),
+        "dk": np.zeros(k_rows.shape),
+        "d_log": np.zeros(from_start.shape),
+    }
+    dw = np.zeros_like(w)
+    dS = d_state
+    for c in reversed(range(chunks)):
+        S, dO = entry_states[:, :, c], d_out[:, :, c]
+        gamma, e, q_c, k_c = from_start[:, :, c], to_end[:, :, c], q_rows[:, :, c], k_rows[:, :, c]
+        dq = gamma * (dO @ S)
+        d_log = dq * q_c
+        dV = d_corrected[:, :, c] + (e * k_c) @ np.swapaxes(dS, -1, -2)
+        dk_end = e * (corrected[:, :, c] @ dS)
+        end_terms = dk_end * k_c
+        chunk_decay = gamma[..., -1, :]
+        d_log[..., -1, :] += chunk_decay * np.einsum("bhvk,bhvk->bhk", dS, S) + end_terms.sum(-2)
+        d_log -= end_terms
+        dw[:, :, c] = -dV @ S
+        d_entry = (
+            chunk_decay[..., None, :] * dS
+            + np.swapaxes(dO, -1, -2) @ (gamma * q_c)
+            - np.swapaxes(dV, -1, -2) @ w[:, :, c]
+        )
+        for b, h in zip(*np.nonzero(recurrent[:, :, c])):
+            d_entry[b, h] = recurrent_reverse(b, h, c, S[b, h], dS[b, h])
+        dS = d_entry
+        out["d_corrected"][:, :, c] = dV - d_corrected[:, :, c]
+        out["dq"][:, :, c], out["dk"][:, :, c], out["d_log"][:, :, c] = dq, dk_end, d_log
+    return dS, dw, out
+
+
+def key_recompute_w_u_backward(d_u, dw, inverse, v_rows, k_rows, beta_effective, from_start):
+    """Stage recompute_w_u_backward with per-key gates: U = T diag(beta) V,
+    W = T Kb, Kb_ic = beta_i decay(i, -1, c) k_ic. Returns (dT, dv, dbeta,
+    dk, d_log)."""
+    beta = beta_effective[..., None]
+    dt = np.tril(
+        d_u @ np.swapaxes(beta * v_rows, -1, -2)
+        + dw @ np.swapaxes(beta * from_start * k_rows, -1, -2)
+    )
+    d_scaled_v = np.swapaxes(inverse, -1, -2) @ d_u
+    d_scaled_k = np.swapaxes(inverse, -1, -2) @ dw
+    dbeta = np.sum(d_scaled_v * v_rows, axis=-1) + np.sum(d_scaled_k * from_start * k_rows, axis=-1)
+    dk = beta * from_start * d_scaled_k
+    return dt, beta * d_scaled_v, dbeta, dk, dk * k_rows
+
+
+def key_kkt_inverse_backward(dt, inverse, k_rows, decay, beta_effective, k_gram):
+    """Stage kkt_inverse_backward with per-key gates: A_ij = beta_i
+    k_gram_ij, k_gram the decayed K K^T (key_decayed_grams); dA = -T^T dT
+    T^T on the strictly lower triangle. Returns (dk, dbeta, d_log)."""
+    inverse_t = np.swapaxes(inverse, -1, -2)
+    da = np.tril(-inverse_t @ dt @ inverse_t, k=-1)
+    dbeta = np.sum(da * k_gram, axis=-1)
+    d_gram = beta_effective[..., None] * da
+    rows = decayed_rows(d_gram, decay, k_rows)
+    columns = decayed_columns(d_gram, decay, k_rows)
+    return rows + columns, dbeta, k_rows * (rows - columns)
+
+
+def key_gate_cumsum_backward(d_log, g_rows):
+    """Stage gate_cumsum_backward with per-key gates: dg_tc = sum_{i >= t}
+    dG_ic per channel, and the linear decay's gradient dg / exp(g)."""
+    dg = np.flip(np.cumsum(np.flip(d_log, -2), axis=-2), -2)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        return dg, dg / np.exp(g_rows)
