@@ -1,5 +1,8 @@
 #include "segment/segment_op.h"
 
+#include <cmath>
+#include <stdexcept>
+
 #include "core/dispatch.h"
 #include "core/stream_routing.h"
 #include "mlx/ops.h"
@@ -10,6 +13,37 @@
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
+
+namespace {
+
+SegmentGateOptions parse_gate_options(
+    std::optional<float> lower_bound,
+    bool allow_neg_eigval,
+    const std::string& output_gate) {
+  SegmentGateOptions gates;
+  if (lower_bound) {
+    if (!std::isfinite(*lower_bound) || *lower_bound > 0.0f) {
+      throw std::invalid_argument(
+          "lower_bound must be finite and <= 0 (the least log decay per "
+          "token), got " +
+          std::to_string(*lower_bound));
+    }
+    gates.has_lower_bound = true;
+    gates.lower_bound = *lower_bound;
+  }
+  gates.allow_neg_eigval = allow_neg_eigval;
+  if (output_gate == "silu") {
+    gates.output_gate = OutputGate::Silu;
+  } else if (output_gate == "sigmoid") {
+    gates.output_gate = OutputGate::Sigmoid;
+  } else {
+    throw std::invalid_argument(
+        "output_gate must be 'silu' or 'sigmoid', got '" + output_gate + "'");
+  }
+  return gates;
+}
+
+}  // namespace
 
 std::vector<mx::array> gated_delta_segment(
     const mx::array& mixed_qkvzba,
@@ -29,8 +63,12 @@ std::vector<mx::array> gated_delta_segment(
     const std::optional<mx::array>& mask,
     const std::string& algorithm,
     mx::StreamOrDevice s,
-    const std::optional<mx::array>& checkpoints) {
+    const std::optional<mx::array>& checkpoints,
+    std::optional<float> lower_bound,
+    bool allow_neg_eigval,
+    const std::string& output_gate) {
   SegmentParams p;
+  p.gates = parse_gate_options(lower_bound, allow_neg_eigval, output_gate);
   p.decay_parameterization =
       parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
@@ -61,6 +99,13 @@ std::vector<mx::array> gated_delta_segment(
 
   // The segment has no CUDA kernels yet (docs/cuda.md).
   auto stream = cpu_unless_cuda_kernels(mx::to_stream(s), false);
+  if (stream.device == mx::Device::gpu &&
+      (p.per_key_gates || !(p.gates == SegmentGateOptions{}))) {
+    throw std::invalid_argument(
+        "gated_delta_segment: per-key gates (dt_bias [Hv, Dk]), lower_bound, "
+        "allow_neg_eigval and output_gate='sigmoid' run on the CPU only so "
+        "far; pass stream=mx.cpu.");
+  }
   mx::array conv_state_in =
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =
@@ -127,7 +172,8 @@ std::vector<mx::array> gated_delta_segment(
           p.norm_eps,
           p.has_mask,
           resolved,
-          checkpoints.has_value()),
+          checkpoints.has_value(),
+          p.gates),
       inputs);
 }
 

@@ -302,7 +302,7 @@ std::vector<mx::array> norm_and_core_gradients(
     mx::Stream s) {
   const int B = p.batch, T = p.tokens, Hv = p.value_heads, Dv = p.value_dim;
   const auto core = core_function(p, algorithm, mask, s);
-  // out = n * w * silu(z) with n = y * inv_rms.
+  // out = n * w * o(z) with n = y * inv_rms and o the output gate.
   mx::array y = core(core_primals)[0];
   mx::array z = mx::reshape(
       mixed_columns(p, primals[kMixedQkvzba], p.z_offset(), p.v_width(), s),
@@ -317,11 +317,14 @@ std::vector<mx::array> norm_and_core_gradients(
       mx::mean(mx::square(y, s), -1, true, s) + mx::array(p.norm_eps), s);
   mx::array n = y * inv_rms;
   mx::array z_sigmoid = mx::sigmoid(z, s);
-  mx::array gate = z * z_sigmoid;
+  const bool sigmoid_gate = p.gates.output_gate == OutputGate::Sigmoid;
+  mx::array gate = sigmoid_gate ? z_sigmoid : z * z_sigmoid;
+  mx::array d_gate = sigmoid_gate ? z_sigmoid * (mx::array(1.0f) - z_sigmoid)
+                                  : silu_derivative(z, z_sigmoid);
   const mx::array& norm_weight = primals[kNormWeight];
   mx::array d_norm_weight =
       mx::sum(d_out * n * gate, std::vector<int>{0, 1, 2}, false, s);
-  mx::array d_z = d_out * n * norm_weight * silu_derivative(z, z_sigmoid);
+  mx::array d_z = d_out * n * norm_weight * d_gate;
   mx::array d_n = d_out * norm_weight * gate;
   mx::array d_y = inv_rms * (d_n - n * mx::mean(d_n * n, -1, true, s));
 
@@ -396,7 +399,7 @@ std::vector<mx::array> segment_gradients_cpu(
       grads[0],
       mx::sum(grads[1], 0, false, s),
       mx::sum(grads[2], 0, false, s),
-      mx::sum(grads[3], 0, false, s),
+      mx::reshape(mx::sum(grads[3], 0, false, s), primals[kDtBias].shape(), s),
       mx::sum(d_norm[2], 0, false, s),
       grads[4],
       d[5]};
@@ -433,15 +436,34 @@ std::vector<mx::array> segment_gradients(
       p.decay_parameterization == DecayParameterization::LogRate;
   mx::array rate =
       log_rate ? mx::negative(mx::exp(decay_parameter, s), s) : decay_parameter;
+  // Per key channel, a, dt_bias and g are [B, T, Hv, Dk] and the rate is
+  // read per head.
+  const mx::Shape gate_shape =
+      p.per_key_gates ? mx::Shape{B, T, Hv, Dk} : mx::Shape{B, T, Hv};
+  if (p.per_key_gates) {
+    rate = mx::reshape(rate, {Hv, 1}, s);
+  }
   mx::array gate_input =
-      mixed_columns(p, mixed, p.a_offset(), Hv, s) + primals[kDtBias];
-  mx::array beta = mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
+      mx::reshape(
+          mixed_columns(p, mixed, p.a_offset(), p.gate_width(), s),
+          gate_shape,
+          s) +
+      primals[kDtBias];
+  const float beta_scale = p.gates.allow_neg_eigval ? 2.0f : 1.0f;
+  mx::array b_sigmoid =
+      mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
+  // g = rate softplus(u), or lower_bound sigmoid(-rate u); u = a + dt_bias.
+  const bool bounded = p.gates.has_lower_bound;
+  const mx::array lower_bound(p.gates.lower_bound);
+  mx::array decay_sigmoid =
+      mx::sigmoid(bounded ? mx::negative(rate, s) * gate_input : gate_input, s);
+  mx::array softplus = mx::logaddexp(gate_input, mx::array(0.0f), s);
   const std::vector<mx::array> core_primals = {
       mx::reshape(act(0), {B, T, Hk, Dk}, s),
       mx::reshape(act(1), {B, T, Hk, Dk}, s),
       mx::reshape(act(2), {B, T, Hv, Dv}, s),
-      rate * mx::logaddexp(gate_input, mx::array(0.0f), s),
-      beta,
+      bounded ? lower_bound * decay_sigmoid : rate * softplus,
+      mx::array(beta_scale) * b_sigmoid,
       primals[kState]};
 
   // 2 and 3.
@@ -450,16 +472,25 @@ std::vector<mx::array> segment_gradients(
   const mx::array& d_g = d[3];
 
   // 4. The gates' and the conv's gradients.
-  mx::array gate_sigmoid = mx::sigmoid(gate_input, s);
-  mx::array d_gate_input = d_g * rate * gate_sigmoid;
+  mx::array d_gate_input = d_g * rate * decay_sigmoid;
+  mx::array d_g_d_rate = softplus;
+  if (bounded) {
+    mx::array scaled =
+        lower_bound * decay_sigmoid * (mx::array(1.0f) - decay_sigmoid);
+    d_gate_input = d_g * mx::negative(rate, s) * scaled;
+    d_g_d_rate = mx::negative(gate_input, s) * scaled;
+  }
+  // Summed over the batch, the tokens and (per key) the key channels.
   mx::array d_rate = mx::sum(
-      d_g * mx::logaddexp(gate_input, mx::array(0.0f), s),
-      std::vector<int>{0, 1},
+      mx::reshape(d_g * d_g_d_rate, {B * T, Hv, -1}, s),
+      std::vector<int>{0, 2},
       false,
       s);
-  mx::array d_decay_parameter = log_rate ? d_rate * rate : d_rate;
+  mx::array d_decay_parameter =
+      log_rate ? d_rate * mx::reshape(rate, {Hv}, s) : d_rate;
   mx::array d_dt_bias = mx::sum(d_gate_input, std::vector<int>{0, 1}, false, s);
-  mx::array d_b = d[4] * beta * (mx::array(1.0f) - beta);
+  mx::array d_b =
+      d[4] * mx::array(beta_scale) * b_sigmoid * (mx::array(1.0f) - b_sigmoid);
 
   const mx::array& d_conv_state_out = cotangents[1];
   std::vector<mx::array> d_tokens, d_carried, d_weight;
@@ -478,7 +509,8 @@ std::vector<mx::array> segment_gradients(
   }
   d_tokens.push_back(mx::astype(d[6], dtype, s));
   d_tokens.push_back(mx::astype(d_b, dtype, s));
-  d_tokens.push_back(mx::astype(d_gate_input, dtype, s));
+  d_tokens.push_back(mx::astype(
+      mx::reshape(d_gate_input, {B, T, p.gate_width()}, s), dtype, s));
   return {
       mx::concatenate(d_tokens, 2, s),
       mx::concatenate(d_weight, 0, s),

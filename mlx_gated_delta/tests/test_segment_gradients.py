@@ -11,13 +11,13 @@ central finite difference of the float64 segment oracle, so shapes stay small.
 import mlx.core as mx
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_segment
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta.testing.segment_cases import gate_variant_options, make_segment_case
 from mlx_gated_delta.testing.strategies import budget
 
 INPUTS = (
@@ -148,6 +148,7 @@ def small_segment_cases(draw, dtypes=("float32", "float16", "bfloat16")):
         with_state=draw(st.booleans()),
         mask_kind=draw(st.sampled_from(("none", "random", "left_padding"))),
         conv1d_layout=draw(st.booleans()),
+        **draw(gate_variant_options()),
     )
 
 
@@ -169,6 +170,7 @@ DEVICES = ("cpu", "gpu") if mx.metal.is_available() else ("cpu",)
 @FD_BUDGET
 @given(case=small_segment_cases(), which=st.sampled_from(tuple(USES)))
 def test_segment_gradients_match_finite_differences_of_the_oracle(device, case, which):
+    assume(device == "cpu" or not case.gate_variant)  # the variants run on the CPU
     weights = cotangents(case)
     grads = segment_gradients(case, weights, USES[which], stream=getattr(mx, device))
     expected = finite_difference_gradients(case, weights, USES[which])
@@ -234,6 +236,7 @@ def test_split_gradients_equal_the_gradient_of_one_call(case_seed, tokens, data)
         decay_parameterization=data.draw(
             st.sampled_from(("log_rate", "negative_rate")), label="decay"
         ),
+        **data.draw(gate_variant_options(), label="gates"),
     )
     cut = data.draw(st.integers(0, tokens), label="cut")
     weights = cotangents(case)

@@ -1,6 +1,7 @@
 // The fused layer segment's plan (plan.h, make_segment_plan): its own stages
 // around the core's (builder.h).
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 
 #include "metal/plan/builder.h"
@@ -25,6 +26,12 @@ struct SegmentPlanBuilder : PlanBuilder {
       : PlanBuilder(core_params, algorithm, ActivationDtype::Float32),
         sp(params) {
     using enum PlanBuffer;
+    // The Metal kernels compute the Qwen layout's gates and output gate.
+    if (sp.per_key_gates || !(sp.gates == SegmentGateOptions{})) {
+      throw std::invalid_argument(
+          "the Metal segment plan has no per-key gates, lower_bound, "
+          "allow_neg_eigval or sigmoid output gate; run on the CPU");
+    }
     plan.dtype = dtype;
     channels = sp.conv_channels();
     mixed_qkvzba_width = sp.mixed_qkvzba_width();
