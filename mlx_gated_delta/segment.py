@@ -73,8 +73,6 @@ def gated_delta_segment(
         output_gate: ``"silu"`` (``out = rms_norm(y) * norm_weight *
             silu(z)``) or ``"sigmoid"`` (``... * sigmoid(z)``, Kimi Delta
             Attention's ``o_norm(y) * sigmoid(gate)``).
-        The per-key gates and these three options run on the CPU only so
-        far: a GPU stream raises ValueError.
 
     Returns:
         ``out`` ``[B, T, Hv, Dv]`` in the activation dtype, the new

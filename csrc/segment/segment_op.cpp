@@ -99,13 +99,6 @@ std::vector<mx::array> gated_delta_segment(
 
   // The segment has no CUDA kernels yet (docs/cuda.md).
   auto stream = cpu_unless_cuda_kernels(mx::to_stream(s), false);
-  if (stream.device == mx::Device::gpu &&
-      (p.per_key_gates || !(p.gates == SegmentGateOptions{}))) {
-    throw std::invalid_argument(
-        "gated_delta_segment: per-key gates (dt_bias [Hv, Dk]), lower_bound, "
-        "allow_neg_eigval and output_gate='sigmoid' run on the CPU only so "
-        "far; pass stream=mx.cpu.");
-  }
   mx::array conv_state_in =
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =

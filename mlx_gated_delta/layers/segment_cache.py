@@ -19,9 +19,10 @@ from .cache_protocol import layer_cache
 
 
 def runs_on_segment() -> bool:
-    """Whether the layers run the fused segment: its per-key gates and gate
-    variants have CPU kernels only so far, so on another default device the
-    layers run the core op between MLX ops instead."""
+    """Whether the layers run the fused segment: on the CPU. The segment's
+    GPU path with the gate variants (Metal kernels, MLX ops for their
+    backward) has been checked in the Metal emulator only, so on another
+    default device the layers run the core op between MLX ops instead."""
     return mx.default_device() == mx.cpu
 
 

@@ -43,7 +43,7 @@ SEGMENT_DECAY_KINDS = ("model", "mild", "severe", "mixed")
 SEGMENT_STATE_SCALES = {"unit": 0.5, "tiny": 1e-30, "huge": 1e15}
 # The gated norm's epsilon, the segment's default (docs/contract.md).
 NORM_EPS = 1e-6
-# The gate variants' option values (SegmentCase.gate_variant): the lower
+# The gate variants' option values (`gate_variant_options`): the lower
 # bounds are those of the mlx-lm families' configs' range.
 LOWER_BOUNDS = (-5.0, -1.0)
 OUTPUT_GATES = ("silu", "sigmoid")
@@ -63,19 +63,6 @@ class SegmentCase:
     state: mx.array | None
     options: dict  # heads, dims, decay_parameterization, head_mapping, mask
     recipe: dict
-
-    @property
-    def gate_variant(self):
-        """Whether the case uses the gate options beyond the Qwen layout
-        (per-key gates, lower_bound, allow_neg_eigval, a sigmoid output
-        gate), which run on the CPU only so far."""
-        o = self.options
-        return (
-            self.dt_bias.ndim == 2
-            or o.get("lower_bound") is not None
-            or o.get("allow_neg_eigval", False)
-            or o.get("output_gate", "silu") != "silu"
-        )
 
     def args(self):
         return (
@@ -243,18 +230,21 @@ def make_segment_case(
             decay_parameterization=decay_parameterization,
             head_mapping=head_mapping,
             mask=mask,
-            lower_bound=lower_bound,
-            allow_neg_eigval=allow_neg_eigval,
-            output_gate=output_gate,
+            **gate_options(lower_bound, allow_neg_eigval, output_gate),
         ),
         recipe=recipe,
     )
 
 
-def gate_variants_run_here():
-    """Whether the default device runs the gate variants (the CPU only so
-    far): the strategies draw them only then."""
-    return mx.default_device() == mx.cpu
+def gate_options(lower_bound=None, allow_neg_eigval=False, output_gate="silu"):
+    """The segment's gate keywords that differ from their defaults (the
+    Qwen layout's), so that a case without variants has the options it
+    always had."""
+    options = dict(
+        lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval, output_gate=output_gate
+    )
+    defaults = dict(lower_bound=None, allow_neg_eigval=False, output_gate="silu")
+    return {name: value for name, value in options.items() if value != defaults[name]}
 
 
 @st.composite
@@ -278,12 +268,10 @@ def segment_cases(
     dtypes=tuple(DTYPES),
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(0, 100)),
     mask_kinds=MASK_KINDS,
-    variants=None,
+    variants=True,
 ):
     """A segment call over the shapes and options of docs/contract.md;
-    `variants` (default: where they run, `gate_variants_run_here`) draws the
-    gate options too."""
-    variants = gate_variants_run_here() if variants is None else variants
+    `variants` draws the gate options too."""
     gates = draw(gate_variant_options(variants))
     key_heads = draw(st.integers(1, 2))
     return make_segment_case(

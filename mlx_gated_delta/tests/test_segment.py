@@ -2,7 +2,7 @@
 agreement with the float64 oracle over both decay
 parameterizations, both head mappings, the activation dtypes, masks and the
 gate variants (per-key gates, lower_bound, allow_neg_eigval, the sigmoid
-output gate; drawn where they run, the CPU so far); split continuity of out,
+output gate); split continuity of out,
 conv state and state; the skip semantics of masks; T == 0.
 
 Ordinary pytest functions, run both by the repository's `pytest` (whose
@@ -23,7 +23,6 @@ from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.segment_cases import (
     gate_variant_options,
-    gate_variants_run_here,
     make_segment_case,
     segment_cases,
 )
@@ -280,7 +279,7 @@ def test_segment_wipes_match_oracle(wipes, data, algorithm):
             st.sampled_from(("none", "random", "left_padding", "right_padding")), label="mask"
         ),
         wipes=wipes,
-        **data.draw(gate_variant_options(gate_variants_run_here()), label="gates"),
+        **data.draw(gate_variant_options(), label="gates"),
     )
     out, conv_state, state = run(case, algorithm=algorithm)
     expected_out, expected_conv_state, expected_state = case.reference()
@@ -371,7 +370,6 @@ def test_jvp_through_the_segment_raises_a_clear_error():
     assert "gated_delta_segment" in str(failure.value) and "jvp" in str(failure.value)
 
 
-@pytest.mark.skipif(not gate_variants_run_here(), reason="the gate variants run on the CPU")
 @given(case=segment_cases(dtypes=("float32",), variants=False), data=st.data())
 def test_per_key_gates_with_equal_channels_meet_the_per_head_oracle(case, data):
     # a and dt_bias repeated over the key channels (a's columns head-major:
