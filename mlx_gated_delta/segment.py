@@ -27,6 +27,9 @@ def gated_delta_segment(
     mask: mx.array | None = None,
     algorithm: str = "auto",
     checkpoints=None,
+    lower_bound: float | None = None,
+    allow_neg_eigval: bool = False,
+    output_gate: str = "silu",
     stream: StreamOrDevice = None,
 ) -> tuple[mx.array, ...]:
     """A Gated DeltaNet token mixer from its packed input projection to the
@@ -46,7 +49,11 @@ def gated_delta_segment(
             ``C = 2*Hk*Dk + Hv*Dv`` channels q|k|v.
         decay_parameter: ``[Hv]``: ``A_log`` for ``"log_rate"`` (rate =
             ``-exp(A_log)``) or the negative rate for ``"negative_rate"``.
-        dt_bias: ``[Hv]``. norm_weight: ``[Dv]``.
+        dt_bias: ``[Hv]``, or ``[Hv, Dk]`` for gates per key channel (Kimi
+            Delta Attention): then ``a`` is ``Hv*Dk`` wide (``F = 2*Hk*Dk +
+            2*Hv*Dv + Hv + Hv*Dk``) and ``g`` is ``[B, T, Hv, Dk]``, with
+            ``a``, ``dt_bias`` and ``g`` read per head and key channel.
+        norm_weight: ``[Dv]``.
         conv_state: ``[B, K-1, C]`` in the activation dtype (mlx-lm's cache
             layout: the last K-1 pre-conv inputs), or ``None`` for zeros.
         state: ``[B, Hv, Dv, Dk]`` float32, or ``None`` for zeros.
@@ -58,6 +65,14 @@ def gated_delta_segment(
         checkpoints: strictly increasing token counts ``1 <= p <= T``, as for
             ``gated_delta_rule``: the conv state and the state after the
             first ``p`` tokens of the call.
+        lower_bound: ``None``, or a float ``<= 0``: then ``g = lower_bound *
+            sigmoid(-rate * (a + dt_bias))`` (in ``[lower_bound, 0]``; with
+            ``"log_rate"``, ``-rate = exp(A_log)``), the lower-bounded decay
+            of Kimi-K3 and Bailing-MoE-V3.
+        allow_neg_eigval: ``beta = 2 sigmoid(b)``, in ``[0, 2]`` (OLMo-Hybrid).
+        output_gate: ``"silu"`` (``out = rms_norm(y) * norm_weight *
+            silu(z)``) or ``"sigmoid"`` (``... * sigmoid(z)``, Kimi Delta
+            Attention's ``o_norm(y) * sigmoid(gate)``).
 
     Returns:
         ``out`` ``[B, T, Hv, Dv]`` in the activation dtype, the new
@@ -90,6 +105,7 @@ def gated_delta_segment(
         ("decay_parameterization", decay_parameterization),
         ("head_mapping", head_mapping),
         ("algorithm", algorithm),
+        ("output_gate", output_gate),
     ):
         if not isinstance(value, str):
             raise TypeError(f"{name} must be a str, got {type(value).__name__}")
@@ -112,4 +128,7 @@ def gated_delta_segment(
         algorithm,
         stream,
         checkpoints=_checkpoints_array(checkpoints),
+        lower_bound=None if lower_bound is None else float(lower_bound),
+        allow_neg_eigval=bool(allow_neg_eigval),
+        output_gate=output_gate,
     )

@@ -80,6 +80,13 @@ def test_good_arguments_pass():
         (dict(key_dim=0), ValueError, ["key_dim"]),
         (dict(norm_eps=-1.0), ValueError, ["norm_eps"]),
         (dict(mixed_qkvzba=np.zeros((1, 3, 104))), TypeError, ["mixed_qkvzba"]),
+        # Per-key gates: dt_bias [Hv, Dk] makes a Hv*Dk wide, F = 104 - 4 + 32.
+        (dict(dt_bias=mx.zeros((4, 8))), ValueError, ["mixed_qkvzba", "132", "Hv*Dk"]),
+        (dict(dt_bias=mx.zeros((4, 8, 1))), ValueError, ["dt_bias", "(4, 8, 1)"]),
+        (dict(lower_bound=0.5), ValueError, ["lower_bound", "0.5"]),
+        (dict(lower_bound=float("nan")), ValueError, ["lower_bound"]),
+        (dict(output_gate="relu"), ValueError, ["output_gate", "relu"]),
+        (dict(output_gate=1), TypeError, ["output_gate"]),
     ],
 )
 def test_bad_input_is_rejected_with_a_clear_error(change, error, words):
@@ -128,3 +135,11 @@ def test_segment_under_compile_and_on_another_stream_gives_the_same_result():
     streamed = run(case, stream=mx.new_stream(mx.cpu))
     for a, b, c in zip(expected, compiled, streamed):
         assert mx.array_equal(a, b) and mx.array_equal(a, c)
+
+
+def test_per_key_gates_take_a_per_key_packed_row():
+    # F = 64 + 32 + 4 + 4*8: dt_bias [Hv, Dk] and a per key channel.
+    arguments = dict(good_args(), **HEADS)
+    arguments.update(mixed_qkvzba=mx.zeros((1, 3, 132)), dt_bias=mx.zeros((4, 8)))
+    out, conv_state, state = gated_delta_segment(**arguments, lower_bound=-5.0)
+    assert out.shape == (1, 3, 4, 8) and state.shape == (1, 4, 8, 8)

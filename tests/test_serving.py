@@ -192,7 +192,7 @@ def test_nbytes_counts_the_kept_states():
     assert layer.nbytes == current + 7 * current
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5", "kimi_k3", "bailing_moe_v3"])
+@pytest.mark.parametrize("kind", ["qwen3_5", "kimi_k3", "bailing_moe_v3", "olmo_hybrid"])
 def test_prompt_reuse_restores_the_longest_snapshotted_prefix(kind):
     from mlx_gated_delta.cache import enable_prefix_snapshots, restore_prefix, reusable_prefix
 

@@ -112,6 +112,7 @@ void prepare_gates(
     float* g,
     float* beta) {
   const int Hv = p.value_heads;
+  const int per_head = p.gate_width() / Hv;  // 1, or Dk per key channel
   std::vector<float> rate(Hv);
   for (int h = 0; h < Hv; ++h) {
     rate[h] = rate_of(p, decay_parameter[h]);
@@ -119,11 +120,13 @@ void prepare_gates(
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = mixed + r * p.mixed_qkvzba_width();
+    const T* a = row + p.a_offset();
+    float* g_row = g + r * p.gate_width();
     for (int h = 0; h < Hv; ++h) {
-      const float a = static_cast<float>(row[p.a_offset() + h]);
-      const float b = static_cast<float>(row[p.b_offset() + h]);
-      g[r * Hv + h] = rate[h] * softplus(a + dt_bias[h]);
-      beta[r * Hv + h] = sigmoid(b);
+      for (int c = h * per_head; c < (h + 1) * per_head; ++c) {
+        g_row[c] = log_decay(p, rate[h], static_cast<float>(a[c]) + dt_bias[c]);
+      }
+      beta[r * Hv + h] = beta_of(p, static_cast<float>(row[p.b_offset() + h]));
     }
   }
 }
@@ -155,8 +158,8 @@ void gated_norm(
       const float inv_rms = 1.0f / std::sqrt(sum_squares / Dv + p.norm_eps);
       for (int d = 0; d < Dv; ++d) {
         const float z = static_cast<float>(z_row[h * Dv + d]);
-        dst_row[h * Dv + d] =
-            static_cast<T>(y_head[d] * inv_rms * norm_weight[d] * silu(z));
+        dst_row[h * Dv + d] = static_cast<T>(
+            y_head[d] * inv_rms * norm_weight[d] * output_gate(p, z));
       }
     }
   }
@@ -170,7 +173,7 @@ void gated_delta_segment_forward(
   // The conv output stays float32 (never rounded to T) and feeds the core in
   // place: q, k and v are column ranges of its rows.
   std::vector<float> qkv(rows * C);
-  std::vector<float> g(rows * p.value_heads);
+  std::vector<float> g(rows * p.gate_width());
   std::vector<float> beta(rows * p.value_heads);
   std::vector<float> y(rows * p.v_width());
 

@@ -60,7 +60,7 @@ struct SegmentPrepareBuffers {
   float* q;  // [B, T, Hk, Dk]
   float* k;  // [B, T, Hk, Dk]
   float* v;  // [B, T, Hv, Dv]
-  float* g;  // [B, T, Hv]
+  float* g;  // [B, T, Hv], or [B, T, Hv, Dk] with per-key gates
   float* beta;  // [B, T, Hv]
 };
 
@@ -83,7 +83,7 @@ struct SegmentPrepareBackwardBuffers {
   const float* dq;  // [B, T, Hk, Dk]
   const float* dk;  // [B, T, Hk, Dk]
   const float* dv;  // [B, T, Hv, Dv]
-  const float* dg;  // [B, T, Hv]
+  const float* dg;  // as g
   const float* dbeta;  // [B, T, Hv]
   const T* dz;  // [B, T, Hv*Dv]
   const T* d_conv_state_out;  // [B, K-1, C]
@@ -91,7 +91,7 @@ struct SegmentPrepareBackwardBuffers {
   T* d_conv_state_in;  // [B, K-1, C]
   float* d_conv_weight_rows;  // [B, C, K]
   float* d_decay_parameter_rows;  // [B, Hv]
-  float* d_dt_bias_rows;  // [B, Hv]
+  float* d_dt_bias_rows;  // [B, Hv], or [B, Hv*Dk] with per-key gates
 };
 
 template <typename T>

@@ -2,11 +2,11 @@
 // (segment_stages.h), and the entry points of the segment's backward
 // primitives (segment.h): the core's backward runs between them.
 //
-// gated_norm: out = n * w * silu(z) with n = y * inv_rms per (token, value
-// head), so
-//   d w  = sum over tokens and heads of d_out * n * silu(z)
-//   d z  = d_out * n * w * silu'(z)
-//   d y  = inv_rms * (d_n - n * mean(d_n * n)),  d_n = d_out * w * silu(z).
+// gated_norm: out = n * w * o(z) with n = y * inv_rms per (token, value
+// head) and o the output gate (silu or sigmoid), so
+//   d w  = sum over tokens and heads of d_out * n * o(z)
+//   d z  = d_out * n * w * o'(z)
+//   d y  = inv_rms * (d_n - n * mean(d_n * n)),  d_n = d_out * w * o(z).
 // prepare_conv: each block of channels walks each batch row's conv history
 // (segment_common.h) backwards through the taps, keeping the gradient of the
 // last K rows before SiLU.
@@ -78,14 +78,13 @@ void gated_norm_backward(
         float dn_dot_n = 0.0f;
         for (int d = 0; d < Dv; ++d) {
           const float z = static_cast<float>(z_row[h * Dv + d]);
-          const float s = sigmoid(z);
-          const float silu_z = z * s;
+          const float gate = output_gate(p, z);
           const float n = yh[d] * inv_rms;
           const float g = static_cast<float>(d_out[at + d]);
-          d_w[d] += double(g) * n * silu_z;
+          d_w[d] += double(g) * n * gate;
           dz[d] = static_cast<T>(
-              g * n * norm_weight[d] * (s * (1.0f + z * (1.0f - s))));
-          d_n[d] = g * norm_weight[d] * silu_z;
+              g * n * norm_weight[d] * output_gate_derivative(p, z));
+          d_n[d] = g * norm_weight[d] * gate;
           dn_dot_n += d_n[d] * n;
         }
         const float mean = dn_dot_n / Dv;
@@ -215,35 +214,44 @@ void prepare_gates_backward(
     const T* dz,
     T* d_mixed) {
   const int Hv = p.value_heads, F = p.mixed_qkvzba_width();
+  const int gate_width = p.gate_width();
+  const int per_head = gate_width / Hv;  // 1, or Dk per key channel
   const int v_width = p.v_width();
   const bool log_rate =
       p.decay_parameterization == DecayParameterization::LogRate;
+  std::vector<float> rate(Hv);
+  for (int h = 0; h < Hv; ++h) {
+    rate[h] = rate_of(p, decay_parameter[h]);
+  }
   for (int b = 0; b < p.batch; ++b) {
-    std::vector<double> d_rate(Hv, 0.0), d_dt_bias(Hv, 0.0);
+    std::vector<double> d_rate(Hv, 0.0), d_dt_bias(gate_width, 0.0);
     for (int t = 0; t < p.tokens; ++t) {
       const int64_t r = int64_t(b) * p.tokens + t;
       const T* row = mixed + r * F;
       T* d_row = d_mixed + r * F;
       std::copy(dz + r * v_width, dz + (r + 1) * v_width, d_row + p.z_offset());
+      const float* dg = grad.dg + r * gate_width;
       for (int h = 0; h < Hv; ++h) {
-        const float rate = rate_of(p, decay_parameter[h]);
-        const float gate_input =
-            static_cast<float>(row[p.a_offset() + h]) + dt_bias[h];
-        const float dg = grad.dg[r * Hv + h];
-        const float d_a = dg * rate * sigmoid(gate_input);
-        d_row[p.a_offset() + h] = static_cast<T>(d_a);
-        d_dt_bias[h] += d_a;
-        d_rate[h] += double(dg) * softplus(gate_input);
-        const float beta = sigmoid(static_cast<float>(row[p.b_offset() + h]));
+        for (int c = h * per_head; c < (h + 1) * per_head; ++c) {
+          const float u =
+              static_cast<float>(row[p.a_offset() + c]) + dt_bias[c];
+          const LogDecayPartials partial = log_decay_partials(p, rate[h], u);
+          const float d_a = dg[c] * partial.d_u;
+          d_row[p.a_offset() + c] = static_cast<T>(d_a);
+          d_dt_bias[c] += d_a;
+          d_rate[h] += double(dg[c]) * partial.d_rate;
+        }
+        const float b_in = static_cast<float>(row[p.b_offset() + h]);
         d_row[p.b_offset() + h] =
-            static_cast<T>(grad.dbeta[r * Hv + h] * beta * (1.0f - beta));
+            static_cast<T>(grad.dbeta[r * Hv + h] * beta_derivative(p, b_in));
       }
     }
     for (int h = 0; h < Hv; ++h) {  // d rate / d A_log = rate
-      const double rate = rate_of(p, decay_parameter[h]);
       grad.d_decay_rows[b * Hv + h] =
-          float(log_rate ? d_rate[h] * rate : d_rate[h]);
-      grad.d_dt_bias_rows[b * Hv + h] = float(d_dt_bias[h]);
+          float(log_rate ? d_rate[h] * rate[h] : d_rate[h]);
+    }
+    for (int c = 0; c < gate_width; ++c) {
+      grad.d_dt_bias_rows[int64_t(b) * gate_width + c] = float(d_dt_bias[c]);
     }
   }
 }

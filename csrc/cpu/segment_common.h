@@ -38,6 +38,52 @@ inline float rate_of(const SegmentParams& p, float decay_parameter) {
       : decay_parameter;
 }
 
+// The log decay g of a token from its head's rate and u = a + dt_bias:
+// rate * softplus(u), or lower_bound * sigmoid(-rate * u) with a lower bound.
+inline float log_decay(const SegmentParams& p, float rate, float u) {
+  return p.gates.has_lower_bound ? p.gates.lower_bound * sigmoid(-rate * u)
+                                 : rate * softplus(u);
+}
+
+// d g / d u and d g / d rate of log_decay.
+struct LogDecayPartials {
+  float d_u;
+  float d_rate;
+};
+
+inline LogDecayPartials log_decay_partials(
+    const SegmentParams& p, float rate, float u) {
+  if (p.gates.has_lower_bound) {
+    const float s = sigmoid(-rate * u);
+    const float scaled = p.gates.lower_bound * s * (1.0f - s);
+    return {-rate * scaled, -u * scaled};
+  }
+  return {rate * sigmoid(u), softplus(u)};
+}
+
+// beta = sigmoid(b), in [0, 2] with allow_neg_eigval, and d beta / d b.
+inline float beta_of(const SegmentParams& p, float b) {
+  return (p.gates.allow_neg_eigval ? 2.0f : 1.0f) * sigmoid(b);
+}
+
+inline float beta_derivative(const SegmentParams& p, float b) {
+  const float s = sigmoid(b);
+  return (p.gates.allow_neg_eigval ? 2.0f : 1.0f) * s * (1.0f - s);
+}
+
+// What multiplies the normed output: silu(z) or sigmoid(z) (OutputGate),
+// and its derivative.
+inline float output_gate(const SegmentParams& p, float z) {
+  return p.gates.output_gate == OutputGate::Sigmoid ? sigmoid(z) : silu(z);
+}
+
+inline float output_gate_derivative(const SegmentParams& p, float z) {
+  const float s = sigmoid(z);
+  return p.gates.output_gate == OutputGate::Sigmoid
+      ? s * (1.0f - s)
+      : s * (1.0f + z * (1.0f - s));
+}
+
 // The pre-conv rows one batch row's convolution sees, oldest first: the K-1
 // rows of the carried conv state, then every unmasked token's packed row (its
 // first C columns are q|k|v), as pointers into the caller's buffers; and the

@@ -50,17 +50,20 @@ void collect_conv_checkpoints(
     const int* checkpoints,  // [N]
     T* conv_checkpoint_states);  // [N, B, K-1, C]
 
-// g = rate * softplus(a + dt_bias) (log-space decay), beta = sigmoid(b).
+// g = rate * softplus(a + dt_bias) (log-space decay), or with a lower bound
+// lower_bound * sigmoid(-rate * (a + dt_bias)), per value head or per value
+// head and key channel; beta = sigmoid(b), times 2 with allow_neg_eigval.
 template <typename T>
 void prepare_gates(
     const SegmentParams& params,
     const T* mixed,  // [B, T, F]
     const float* decay_parameter,  // [Hv]
-    const float* dt_bias,  // [Hv]
-    float* g,  // [B, T, Hv]
+    const float* dt_bias,  // [Hv], or [Hv, Dk] with per-key gates
+    float* g,  // [B, T, Hv], or [B, T, Hv, Dk] with per-key gates
     float* beta);  // [B, T, Hv]
 
-// out = rms_norm(y, eps) * norm_weight * silu(z), per (token, value head);
+// out = rms_norm(y, eps) * norm_weight * silu(z) (or sigmoid(z), as the
+// params' output gate), per (token, value head);
 // masked tokens get 0.
 template <typename T>
 void gated_norm(
@@ -95,11 +98,11 @@ struct PrepareGradients {
   const float* dq;  // [B, T, Hk, Dk]
   const float* dk;  // [B, T, Hk, Dk]
   const float* dv;  // [B, T, Hv, Dv]
-  const float* dg;  // [B, T, Hv]
+  const float* dg;  // as g
   const float* dbeta;  // [B, T, Hv]
   float* d_weight_rows;  // [B, C, K]
   float* d_decay_rows;  // [B, Hv]
-  float* d_dt_bias_rows;  // [B, Hv]
+  float* d_dt_bias_rows;  // [B, Hv], or [B, Hv*Dk] with per-key gates
 };
 
 // The gradient of prepare_conv and collect_conv_state into the packed rows'
@@ -123,7 +126,7 @@ void prepare_gates_backward(
     const SegmentParams& params,
     const T* mixed,  // [B, T, F]
     const float* decay_parameter,  // [Hv]
-    const float* dt_bias,  // [Hv]
+    const float* dt_bias,  // [Hv], or [Hv, Dk] with per-key gates
     const PrepareGradients& grad,
     const T* dz,  // [B, T, Hv*Dv]
     T* d_mixed);  // [B, T, F]

@@ -28,6 +28,17 @@ SegmentParams params_of(const SegmentParams& options, const mx::array& mixed) {
   return p;
 }
 
+// Whether two primitives built from these options compute the same thing
+// (the batch and the tokens come from the inputs).
+bool same_options(const SegmentParams& a, const SegmentParams& b) {
+  return a.key_heads == b.key_heads && a.value_heads == b.value_heads &&
+      a.key_dim == b.key_dim && a.value_dim == b.value_dim &&
+      a.conv_kernel == b.conv_kernel &&
+      a.decay_parameterization == b.decay_parameterization &&
+      a.norm_eps == b.norm_eps && a.has_mask == b.has_mask &&
+      a.per_key_gates == b.per_key_gates && a.gates == b.gates;
+}
+
 void allocate(std::vector<mx::array>& outputs) {
   for (auto& output : outputs) {
     output.set_data(mx::allocator::malloc(output.nbytes()));
@@ -103,17 +114,14 @@ std::vector<mx::Shape> GatedDeltaSegmentPrepare::output_shapes(
       {p.batch, p.tokens, p.key_heads, p.key_dim},
       {p.batch, p.tokens, p.key_heads, p.key_dim},
       {p.batch, p.tokens, p.value_heads, p.value_dim},
-      {p.batch, p.tokens, p.value_heads},
+      p.per_key_gates ? mx::Shape{p.batch, p.tokens, p.value_heads, p.key_dim}
+                      : mx::Shape{p.batch, p.tokens, p.value_heads},
       {p.batch, p.tokens, p.value_heads}};
 }
 
 bool GatedDeltaSegmentPrepare::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const GatedDeltaSegmentPrepare&>(other).options_;
-  return options_.key_heads == o.key_heads &&
-      options_.value_heads == o.value_heads && options_.key_dim == o.key_dim &&
-      options_.value_dim == o.value_dim &&
-      options_.decay_parameterization == o.decay_parameterization &&
-      options_.has_mask == o.has_mask;
+  return same_options(
+      options_, static_cast<const GatedDeltaSegmentPrepare&>(other).options_);
 }
 
 void GatedDeltaSegmentPrepare::eval_cpu(
@@ -172,19 +180,15 @@ std::vector<mx::Shape> GatedDeltaSegmentPrepareVJP::output_shapes(
       {p.batch, p.tokens, p.mixed_qkvzba_width()},
       {p.batch, p.conv_channels(), p.conv_kernel},
       {p.batch, p.value_heads},
-      {p.batch, p.value_heads},
+      {p.batch, p.gate_width()},
       {p.batch, p.conv_state_rows(), p.conv_channels()}};
 }
 
 bool GatedDeltaSegmentPrepareVJP::is_equivalent(
     const mx::Primitive& other) const {
-  const auto& o =
-      static_cast<const GatedDeltaSegmentPrepareVJP&>(other).options_;
-  return options_.key_heads == o.key_heads &&
-      options_.value_heads == o.value_heads && options_.key_dim == o.key_dim &&
-      options_.value_dim == o.value_dim &&
-      options_.decay_parameterization == o.decay_parameterization &&
-      options_.has_mask == o.has_mask;
+  return same_options(
+      options_,
+      static_cast<const GatedDeltaSegmentPrepareVJP&>(other).options_);
 }
 
 void GatedDeltaSegmentPrepareVJP::eval_cpu(
@@ -257,11 +261,8 @@ std::vector<mx::Shape> GatedDeltaSegmentNormVJP::output_shapes(
 }
 
 bool GatedDeltaSegmentNormVJP::is_equivalent(const mx::Primitive& other) const {
-  const auto& o = static_cast<const GatedDeltaSegmentNormVJP&>(other).options_;
-  return options_.key_heads == o.key_heads &&
-      options_.value_heads == o.value_heads && options_.key_dim == o.key_dim &&
-      options_.value_dim == o.value_dim && options_.norm_eps == o.norm_eps &&
-      options_.has_mask == o.has_mask;
+  return same_options(
+      options_, static_cast<const GatedDeltaSegmentNormVJP&>(other).options_);
 }
 
 void GatedDeltaSegmentNormVJP::eval_cpu(

@@ -16,16 +16,17 @@ enum SegmentPrepareInput {
   kPrepareMixed = 0,  // mixed_qkvzba [B, T, F] (activation dtype)
   kPrepareConvWeight,  // [C, K] float32
   kPrepareDecayParameter,  // [Hv] float32
-  kPrepareDtBias,  // [Hv] float32
+  kPrepareDtBias,  // [Hv] or [Hv, Dk] (per-key gates) float32
   kPrepareConvState,  // [B, K-1, C] (activation dtype)
-  // The vjp's: dq [B, T, Hk, Dk], dk, dv [B, T, Hv, Dv], dg, dbeta
+  // The vjp's: dq [B, T, Hk, Dk], dk, dv [B, T, Hv, Dv], dg (as g), dbeta
   // [B, T, Hv] (float32), the gated norm's dz [B, T, Hv*Dv] and the cotangent
   // of the new conv state [B, K-1, C] (both in the activation dtype).
   kPrepareCotangents,
 };
 constexpr int kPrepareCotangentCount = 7;
 
-// Outputs q [B, T, Hk, Dk], k, v [B, T, Hv, Dv], g, beta [B, T, Hv], float32,
+// Outputs q [B, T, Hk, Dk], k, v [B, T, Hv, Dv], g [B, T, Hv] (or
+// [B, T, Hv, Dk] with per-key gates), beta [B, T, Hv], float32,
 // exactly as the segment's forward computes them (cpu/segment_stages.h:
 // prepare_conv, prepare_gates); a masked token's q, k, v are 0. Inputs as
 // SegmentPrepareInput [, mask [B, T]]. CPU only.
@@ -62,9 +63,9 @@ class GatedDeltaSegmentPrepare : public mlx::core::Primitive {
 // cotangents [, mask]. Outputs: d mixed_qkvzba [B, T, F] (activation dtype;
 // its z columns are the given dz), and per batch row (summed by the caller,
 // so that vmap folds the mapped axis into the batch) d conv_weight
-// [B, C, K], d decay_parameter [B, Hv] and d dt_bias [B, Hv] (float32); and d
-// conv_state [B, K-1, C] (activation dtype). A masked token's packed conv
-// columns get 0. CPU only.
+// [B, C, K], d decay_parameter [B, Hv] and d dt_bias [B, Hv] or [B, Hv*Dk]
+// (float32); and d conv_state [B, K-1, C] (activation dtype). A masked token's
+// packed conv columns get 0. CPU only.
 class GatedDeltaSegmentPrepareVJP : public mlx::core::Primitive {
  public:
   GatedDeltaSegmentPrepareVJP(

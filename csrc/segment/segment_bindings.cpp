@@ -35,7 +35,10 @@ void bind_segment(nb::module_& m) {
          const std::optional<mlx::core::array>& mask,
          const std::string& algorithm,
          mlx::core::StreamOrDevice s,
-         const std::optional<mlx::core::array>& checkpoints) {
+         const std::optional<mlx::core::array>& checkpoints,
+         std::optional<float> lower_bound,
+         bool allow_neg_eigval,
+         const std::string& output_gate) {
         auto outputs = gated_delta_segment(
             mixed_qkvzba,
             conv_weight,
@@ -54,7 +57,10 @@ void bind_segment(nb::module_& m) {
             mask,
             algorithm,
             s,
-            checkpoints);
+            checkpoints,
+            lower_bound,
+            allow_neg_eigval,
+            output_gate);
         return checkpoints
             ? nb::make_tuple(
                   outputs[0], outputs[1], outputs[2], outputs[3], outputs[4])
@@ -77,7 +83,10 @@ void bind_segment(nb::module_& m) {
       "mask"_a.none(),
       "algorithm"_a,
       "stream"_a.none(),
-      "checkpoints"_a.none() = nb::none());
+      "checkpoints"_a.none() = nb::none(),
+      "lower_bound"_a.none() = nb::none(),
+      "allow_neg_eigval"_a = false,
+      "output_gate"_a = "silu");
   m.def(
       "dense_projection",
       [](const mlx::core::array& x,

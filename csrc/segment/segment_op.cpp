@@ -1,6 +1,8 @@
 #include "segment/segment_op.h"
 
 #include <atomic>
+#include <cmath>
+#include <stdexcept>
 
 #include "core/dispatch.h"
 #include "mlx/ops.h"
@@ -31,6 +33,33 @@ bool segment_runs_as_ops([[maybe_unused]] mx::Stream stream) {
   return segment_as_ops_on_every_stream;
 }
 
+SegmentGateOptions parse_gate_options(
+    std::optional<float> lower_bound,
+    bool allow_neg_eigval,
+    const std::string& output_gate) {
+  SegmentGateOptions gates;
+  if (lower_bound) {
+    if (!std::isfinite(*lower_bound) || *lower_bound > 0.0f) {
+      throw std::invalid_argument(
+          "lower_bound must be finite and <= 0 (the least log decay per "
+          "token), got " +
+          std::to_string(*lower_bound));
+    }
+    gates.has_lower_bound = true;
+    gates.lower_bound = *lower_bound;
+  }
+  gates.allow_neg_eigval = allow_neg_eigval;
+  if (output_gate == "silu") {
+    gates.output_gate = OutputGate::Silu;
+  } else if (output_gate == "sigmoid") {
+    gates.output_gate = OutputGate::Sigmoid;
+  } else {
+    throw std::invalid_argument(
+        "output_gate must be 'silu' or 'sigmoid', got '" + output_gate + "'");
+  }
+  return gates;
+}
+
 }  // namespace
 
 void set_segment_as_ops_on_every_stream(bool on) {
@@ -55,8 +84,12 @@ std::vector<mx::array> gated_delta_segment(
     const std::optional<mx::array>& mask,
     const std::string& algorithm,
     mx::StreamOrDevice s,
-    const std::optional<mx::array>& checkpoints) {
+    const std::optional<mx::array>& checkpoints,
+    std::optional<float> lower_bound,
+    bool allow_neg_eigval,
+    const std::string& output_gate) {
   SegmentParams p;
+  p.gates = parse_gate_options(lower_bound, allow_neg_eigval, output_gate);
   p.decay_parameterization =
       parse_decay_parameterization(decay_parameterization);
   p.head_mapping = parse_head_mapping(head_mapping);
@@ -161,7 +194,8 @@ std::vector<mx::array> gated_delta_segment(
           p.norm_eps,
           p.has_mask,
           resolved,
-          checkpoints.has_value()),
+          checkpoints.has_value(),
+          p.gates),
       inputs);
 }
 

@@ -10,7 +10,9 @@
 
 namespace mlx_gated_delta {
 
-// docs/contract.md. Returns {out, conv_state, state}.
+// docs/contract.md. Returns {out, conv_state, state}. `lower_bound`,
+// `allow_neg_eigval` and `output_gate` ("silu" or "sigmoid") are the gate
+// variants of SegmentGateOptions; the defaults are the Qwen layout's.
 // Bad input raises std::invalid_argument (ValueError in Python) or
 // std::domain_error (TypeError) naming the argument, before any allocation.
 std::vector<mlx::core::array> gated_delta_segment(
@@ -31,7 +33,10 @@ std::vector<mlx::core::array> gated_delta_segment(
     const std::optional<mlx::core::array>& mask,
     const std::string& algorithm,
     mlx::core::StreamOrDevice s = {},
-    const std::optional<mlx::core::array>& checkpoints = std::nullopt);
+    const std::optional<mlx::core::array>& checkpoints = std::nullopt,
+    std::optional<float> lower_bound = std::nullopt,
+    bool allow_neg_eigval = false,
+    const std::string& output_gate = "silu");
 
 // Test hook: run the segment as MLX ops around the core op on every stream
 // (segment_ops.h), as it runs on MLX's CUDA backend, instead of its primitive.

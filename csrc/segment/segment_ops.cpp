@@ -171,22 +171,40 @@ CoreInputs core_inputs(
   mx::array rate = p.decay_parameterization == DecayParameterization::LogRate
       ? mx::negative(mx::exp(decay_parameter, s), s)
       : decay_parameter;
+  const mx::Shape gate_shape =
+      p.per_key_gates ? mx::Shape{B, T, Hv, Dk} : mx::Shape{B, T, Hv};
+  if (p.per_key_gates) {
+    rate = mx::reshape(rate, {Hv, 1}, s);
+  }
   mx::array gate_input =
-      mixed_columns(p, mixed, p.a_offset(), Hv, s) + primals[kDtBias];
-  mx::array beta = mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
+      mx::reshape(
+          mixed_columns(p, mixed, p.a_offset(), p.gate_width(), s),
+          gate_shape,
+          s) +
+      primals[kDtBias];
+  const bool bounded = p.gates.has_lower_bound;
+  mx::array decay_sigmoid =
+      mx::sigmoid(bounded ? mx::negative(rate, s) * gate_input : gate_input, s);
+  mx::array softplus = mx::logaddexp(gate_input, mx::array(0.0f), s);
+  mx::array b_sigmoid =
+      mx::sigmoid(mixed_columns(p, mixed, p.b_offset(), Hv, s), s);
+  const float beta_scale = p.gates.allow_neg_eigval ? 2.0f : 1.0f;
   std::vector<mx::array> core_primals = {
       mx::reshape(act(0), {B, T, Hk, Dk}, s),
       mx::reshape(act(1), {B, T, Hk, Dk}, s),
       mx::reshape(act(2), {B, T, Hv, Dv}, s),
-      rate * mx::logaddexp(gate_input, mx::array(0.0f), s),
-      beta,
+      bounded ? mx::array(p.gates.lower_bound) * decay_sigmoid
+              : rate * softplus,
+      mx::array(beta_scale) * b_sigmoid,
       primals[kState]};
   return {
       std::move(at),
       std::move(parts),
       rate,
       gate_input,
-      beta,
+      decay_sigmoid,
+      softplus,
+      b_sigmoid,
       std::move(core_primals)};
 }
 
@@ -242,14 +260,18 @@ std::vector<mx::array> segment_as_ops(
       {},
       positions);
 
-  // out = rms_norm(y) * norm_weight * silu(z); a masked token's row is 0.
+  // out = rms_norm(y) * norm_weight * o(z), o the output gate (SiLU or
+  // sigmoid); a masked token's row is 0.
   const mx::array& y = core[0];
   mx::array z = mx::reshape(
       mixed_columns(p, mixed, p.z_offset(), p.v_width(), s), {B, T, Hv, Dv}, s);
   mx::array n = y *
       mx::rsqrt(mx::mean(mx::square(y, s), -1, true, s) + mx::array(p.norm_eps),
                 s);
-  mx::array out = n * primals[kNormWeight] * z * mx::sigmoid(z, s);
+  mx::array z_sigmoid = mx::sigmoid(z, s);
+  mx::array gate =
+      p.gates.output_gate == OutputGate::Sigmoid ? z_sigmoid : z * z_sigmoid;
+  mx::array out = n * primals[kNormWeight] * gate;
   if (mask) {
     out =
         mx::where(mx::reshape(*mask, {B, T, 1, 1}, s), out, mx::array(0.0f), s);

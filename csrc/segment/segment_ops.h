@@ -98,13 +98,18 @@ core_function(
     mlx::core::Stream s);
 
 // The stages before the recurrence: the conv parts, SiLU and the gates, and
-// from them the core's inputs {q, k, v, g, beta, state}.
+// from them the core's inputs {q, k, v, g, beta, state}. g = rate softplus(u),
+// or lower_bound sigmoid(-rate u) with a lower bound, u = a + dt_bias; beta =
+// sigmoid(b), twice that with allow_neg_eigval. Per key channel, u and g are
+// [B, T, Hv, Dk] and the rate [Hv, 1].
 struct CoreInputs {
   CompactPositions at;
   std::vector<ConvPart> parts;  // q, k, v
-  mlx::core::array rate;  // [Hv] float32: the decay rate
-  mlx::core::array gate_input;  // [B, T, Hv] float32: a + dt_bias
-  mlx::core::array beta;  // [B, T, Hv] float32
+  mlx::core::array rate;  // [Hv] (per key: [Hv, 1]) float32: the decay rate
+  mlx::core::array gate_input;  // [B, T, Hv] (per key: [B, T, Hv, Dk]): u
+  mlx::core::array decay_sigmoid;  // sigmoid(u), or sigmoid(-rate u) bounded
+  mlx::core::array softplus;  // softplus(u)
+  mlx::core::array b_sigmoid;  // [B, T, Hv] float32: sigmoid(b)
   std::vector<mlx::core::array> core_primals;
 };
 

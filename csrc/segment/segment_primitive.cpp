@@ -43,6 +43,8 @@ SegmentParams GatedDeltaSegment::params_for(
   p.head_mapping = head_mapping_;
   p.norm_eps = norm_eps_;
   p.has_mask = has_mask_;
+  p.per_key_gates = inputs[kDtBias].ndim() == 2;
+  p.gates = gates_;
   p.checkpoint_count =
       has_checkpoints_ ? inputs[checkpoints_input(has_mask_)].size() : 0;
   return p;
@@ -71,7 +73,7 @@ bool GatedDeltaSegment::is_equivalent(const mx::Primitive& other) const {
       decay_parameterization_ == o.decay_parameterization_ &&
       head_mapping_ == o.head_mapping_ && norm_eps_ == o.norm_eps_ &&
       has_mask_ == o.has_mask_ && algorithm_ == o.algorithm_ &&
-      has_checkpoints_ == o.has_checkpoints_;
+      has_checkpoints_ == o.has_checkpoints_ && gates_ == o.gates_;
 }
 
 namespace {
@@ -188,7 +190,9 @@ std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegment::vmap(
           head_mapping_,
           norm_eps_,
           has_mask_,
-          algorithm_),
+          algorithm_,
+          /*has_checkpoints=*/false,
+          gates_),
       folded);
   for (auto& out : outputs) {
     out = unfold_from_batch(out, size, stream());

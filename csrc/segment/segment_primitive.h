@@ -19,14 +19,14 @@ enum SegmentInput {
 };
 
 // Inputs: mixed_qkvzba [B, T, F], conv_weight [C, K] (float32),
-// decay_parameter [Hv] (float32), dt_bias [Hv] (float32), norm_weight [Dv]
-// (float32), conv_state [B, K-1, C] (activation dtype), state [B, Hv, Dv, Dk]
-// (float32) [, mask [B, T] (bool)] [, checkpoints [N] (int32, validated)], all
-// row-contiguous. Outputs: out [B, T, Hv, Dv] (activation dtype), conv_state,
-// state [, conv checkpoint states [N, B, K-1, C], checkpoint states
-// [N, B, Hv, Dv, Dk]].
-// Carries the head layout (not recoverable from mixed_qkvzba's width alone) and
-// the options that change the result.
+// decay_parameter [Hv] (float32), dt_bias [Hv] or [Hv, Dk] (float32),
+// norm_weight [Dv] (float32), conv_state [B, K-1, C] (activation dtype), state
+// [B, Hv, Dv, Dk] (float32) [, mask [B, T] (bool)] [, checkpoints [N] (int32,
+// validated)], all row-contiguous. Outputs: out [B, T, Hv, Dv] (activation
+// dtype), conv_state, state [, conv checkpoint states [N, B, K-1, C],
+// checkpoint states [N, B, Hv, Dv, Dk]]. Carries the head layout (not
+// recoverable from mixed_qkvzba's width alone) and the options that change the
+// result.
 class GatedDeltaSegment : public mlx::core::Primitive {
  public:
   GatedDeltaSegment(
@@ -40,7 +40,8 @@ class GatedDeltaSegment : public mlx::core::Primitive {
       float norm_eps,
       bool has_mask,
       Algorithm algorithm,
-      bool has_checkpoints = false)
+      bool has_checkpoints = false,
+      SegmentGateOptions gates = {})
       : mlx::core::Primitive(stream),
         key_heads_(key_heads),
         value_heads_(value_heads),
@@ -51,7 +52,8 @@ class GatedDeltaSegment : public mlx::core::Primitive {
         norm_eps_(norm_eps),
         has_mask_(has_mask),
         algorithm_(algorithm),
-        has_checkpoints_(has_checkpoints) {}
+        has_checkpoints_(has_checkpoints),
+        gates_(gates) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -96,6 +98,7 @@ class GatedDeltaSegment : public mlx::core::Primitive {
   bool has_mask_;
   Algorithm algorithm_;
   bool has_checkpoints_;
+  SegmentGateOptions gates_;
 };
 
 }  // namespace mlx_gated_delta

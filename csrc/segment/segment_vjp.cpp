@@ -136,7 +136,7 @@ std::vector<mx::array> norm_and_core_gradients(
     mx::Stream s) {
   const int B = p.batch, T = p.tokens, Hv = p.value_heads, Dv = p.value_dim;
   const auto core = core_function(p, algorithm, mask, s);
-  // out = n * w * silu(z) with n = y * inv_rms.
+  // out = n * w * o(z) with n = y * inv_rms and o the output gate.
   mx::array y = core(core_primals)[0];
   mx::array z = mx::reshape(
       mixed_columns(p, primals[kMixedQkvzba], p.z_offset(), p.v_width(), s),
@@ -151,11 +151,14 @@ std::vector<mx::array> norm_and_core_gradients(
       mx::mean(mx::square(y, s), -1, true, s) + mx::array(p.norm_eps), s);
   mx::array n = y * inv_rms;
   mx::array z_sigmoid = mx::sigmoid(z, s);
-  mx::array gate = z * z_sigmoid;
+  const bool sigmoid_gate = p.gates.output_gate == OutputGate::Sigmoid;
+  mx::array gate = sigmoid_gate ? z_sigmoid : z * z_sigmoid;
+  mx::array d_gate = sigmoid_gate ? z_sigmoid * (mx::array(1.0f) - z_sigmoid)
+                                  : silu_derivative(z, z_sigmoid);
   const mx::array& norm_weight = primals[kNormWeight];
   mx::array d_norm_weight =
       mx::sum(d_out * n * gate, std::vector<int>{0, 1, 2}, false, s);
-  mx::array d_z = d_out * n * norm_weight * silu_derivative(z, z_sigmoid);
+  mx::array d_z = d_out * n * norm_weight * d_gate;
   mx::array d_n = d_out * norm_weight * gate;
   mx::array d_y = inv_rms * (d_n - n * mx::mean(d_n * n, -1, true, s));
 
@@ -230,7 +233,7 @@ std::vector<mx::array> segment_gradients_cpu(
       grads[0],
       mx::sum(grads[1], 0, false, s),
       mx::sum(grads[2], 0, false, s),
-      mx::sum(grads[3], 0, false, s),
+      mx::reshape(mx::sum(grads[3], 0, false, s), primals[kDtBias].shape(), s),
       mx::sum(d_norm[2], 0, false, s),
       grads[4],
       d[5]};
@@ -245,7 +248,7 @@ std::vector<mx::array> segment_gradients(
     const std::vector<mx::array>& primals,
     const std::vector<mx::array>& cotangents,
     mx::Stream s) {
-  const int B = p.batch, T = p.tokens;
+  const int B = p.batch, T = p.tokens, Hv = p.value_heads;
   const int history = p.conv_state_rows();
   const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
 
@@ -256,11 +259,16 @@ std::vector<mx::array> segment_gradients(
   const std::vector<mx::array>& core_primals = in.core_primals;
   const mx::array& rate = in.rate;
   const mx::array& gate_input = in.gate_input;
-  const mx::array& beta = in.beta;
+  const mx::array& decay_sigmoid = in.decay_sigmoid;
+  const mx::array& softplus = in.softplus;
+  const mx::array& b_sigmoid = in.b_sigmoid;
   const std::array<int, 3> firsts = conv_part_firsts(p);
   const std::array<int, 3> widths = conv_part_widths(p);
   const bool log_rate =
       p.decay_parameterization == DecayParameterization::LogRate;
+  const bool bounded = p.gates.has_lower_bound;
+  const mx::array lower_bound(p.gates.lower_bound);
+  const float beta_scale = p.gates.allow_neg_eigval ? 2.0f : 1.0f;
 
   // 2 and 3.
   const std::vector<mx::array> d = norm_and_core_gradients(
@@ -268,16 +276,25 @@ std::vector<mx::array> segment_gradients(
   const mx::array& d_g = d[3];
 
   // 4. The gates' and the conv's gradients.
-  mx::array gate_sigmoid = mx::sigmoid(gate_input, s);
-  mx::array d_gate_input = d_g * rate * gate_sigmoid;
+  mx::array d_gate_input = d_g * rate * decay_sigmoid;
+  mx::array d_g_d_rate = softplus;
+  if (bounded) {
+    mx::array scaled =
+        lower_bound * decay_sigmoid * (mx::array(1.0f) - decay_sigmoid);
+    d_gate_input = d_g * mx::negative(rate, s) * scaled;
+    d_g_d_rate = mx::negative(gate_input, s) * scaled;
+  }
+  // Summed over the batch, the tokens and (per key) the key channels.
   mx::array d_rate = mx::sum(
-      d_g * mx::logaddexp(gate_input, mx::array(0.0f), s),
-      std::vector<int>{0, 1},
+      mx::reshape(d_g * d_g_d_rate, {B * T, Hv, -1}, s),
+      std::vector<int>{0, 2},
       false,
       s);
-  mx::array d_decay_parameter = log_rate ? d_rate * rate : d_rate;
+  mx::array d_decay_parameter =
+      log_rate ? d_rate * mx::reshape(rate, {Hv}, s) : d_rate;
   mx::array d_dt_bias = mx::sum(d_gate_input, std::vector<int>{0, 1}, false, s);
-  mx::array d_b = d[4] * beta * (mx::array(1.0f) - beta);
+  mx::array d_b =
+      d[4] * mx::array(beta_scale) * b_sigmoid * (mx::array(1.0f) - b_sigmoid);
 
   const mx::array& d_conv_state_out = cotangents[1];
   std::vector<mx::array> d_tokens, d_carried, d_weight;
@@ -296,7 +313,8 @@ std::vector<mx::array> segment_gradients(
   }
   d_tokens.push_back(mx::astype(d[6], dtype, s));
   d_tokens.push_back(mx::astype(d_b, dtype, s));
-  d_tokens.push_back(mx::astype(d_gate_input, dtype, s));
+  d_tokens.push_back(mx::astype(
+      mx::reshape(d_gate_input, {B, T, p.gate_width()}, s), dtype, s));
   return {
       mx::concatenate(d_tokens, 2, s),
       mx::concatenate(d_weight, 0, s),

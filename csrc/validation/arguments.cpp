@@ -291,10 +291,18 @@ void check_segment_arguments(
        value_heads,
        key_dim,
        value_dim});
+  // dt_bias [Hv, Dk] makes the gates per key channel, and a as wide.
+  p.per_key_gates = dt_bias.ndim() == 2;
+  if (p.per_key_gates) {
+    check_shape("dt_bias", dt_bias, {value_heads, key_dim}, "[Hv, Dk]");
+  } else {
+    check_shape("dt_bias", dt_bias, {value_heads}, "[Hv] (or [Hv, Dk])");
+  }
   if (mixed_qkvzba.shape(2) != p.mixed_qkvzba_width()) {
     std::ostringstream out;
-    out << "mixed_qkvzba must have last dimension F = 2*Hk*Dk + 2*Hv*Dv + 2*Hv = "
-        << p.mixed_qkvzba_width()
+    out << "mixed_qkvzba must have last dimension F = 2*Hk*Dk + 2*Hv*Dv + Hv + "
+        << (p.per_key_gates ? "Hv*Dk (a per key channel, as dt_bias)" : "Hv")
+        << " = " << p.mixed_qkvzba_width()
         << " (packed [q | k | v | z | b | a] for Hk=" << key_heads
         << ", Hv=" << value_heads << ", Dk=" << key_dim << ", Dv=" << value_dim
         << "), got shape " << shape_string(mixed_qkvzba.shape());
@@ -317,7 +325,6 @@ void check_segment_arguments(
   p.conv_kernel = conv_weight.shape(1);
 
   check_shape("decay_parameter", decay_parameter, {value_heads}, "[Hv]");
-  check_shape("dt_bias", dt_bias, {value_heads}, "[Hv]");
   check_shape("norm_weight", norm_weight, {value_dim}, "[Dv]");
   check_floating("decay_parameter", decay_parameter);
   check_floating("dt_bias", dt_bias);

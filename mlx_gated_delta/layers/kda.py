@@ -1,8 +1,15 @@
 """The Kimi Delta Attention layers (Kimi-Linear's, Kimi-K3's and
-Bailing-MoE-V3's): the core op, with per-key-channel gates, between mlx-lm's
-projections and short convolutions. Every projection goes through
-`common.apply_projection` (our CPU kernel for a plain dense one, the
-module's own call otherwise)."""
+Bailing-MoE-V3's). Every projection goes through `common.apply_projection`
+(our CPU kernel for a plain dense one, the module's own call otherwise).
+
+On the CPU the projections' outputs, packed `[q | k | v | output gate | b |
+f]`, run through the fused segment (`kda_segment`): the short convolutions
+as one, the per-key-channel gates (`dt_bias` read `[H, Dk]`, the lower bound
+where the model has one), the recurrence and `o_norm(y) * sigmoid(gate)`,
+forward and backward, with masked tokens skipped. Elsewhere (the segment's
+per-key gates are CPU kernels so far) the core op runs between mlx-lm's
+short convolutions (`short_conv`), gates (`kda_log_decay`) and output norm,
+as MLX ops."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import mlx.nn as nn
 
 from .cache_protocol import layer_cache
 from .common import apply_projection, recur_in_cache
+from .segment_cache import runs_on_segment, segment_in_cache
 from .short_conv import KimiShortConv, short_conv
 
 
@@ -41,6 +49,30 @@ def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
     return lower_bound * mx.sigmoid(rate * logits)
 
 
+def kda_segment(layer, x, mask, cache, qkv, convs, output_gate, f, lower_bound=None):
+    """A Kimi Delta Attention layer's output through the fused segment:
+    from its projected `qkv` (a list of parts, q|k|v in order, before their
+    convolutions `convs`), `output_gate` and decay logits `f` (each `[B, T,
+    H*Dk]`), with the layer's `A_log`, `dt_bias`, `o_norm` and `o_proj`."""
+    B, T, _ = x.shape
+    H, D = layer.num_heads, layer.head_dim
+    b = apply_projection(layer.b_proj, x)
+    mixed = mx.concatenate([*qkv, output_gate, b, f], axis=-1)
+    out = segment_in_cache(
+        cache,
+        convs,
+        mixed,
+        layer.A_log.reshape(H),
+        layer.dt_bias.reshape(H, D),
+        layer.o_norm,
+        heads=dict(key_heads=H, value_heads=H, key_dim=D, value_dim=D),
+        mask=mask,
+        lower_bound=lower_bound,
+        output_gate="sigmoid",
+    )
+    return apply_projection(layer.o_proj, out.reshape(B, T, -1))
+
+
 class KimiDeltaAttention(nn.Module):
     """mlx-lm's `kimi_linear.KimiDeltaAttention` (Kimi Delta Attention), with
     the same parameters (`q_proj`, `k_proj`, `v_proj`, `q_conv`, `k_conv`,
@@ -51,8 +83,9 @@ class KimiDeltaAttention(nn.Module):
     Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
     softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
     channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
-    the core op's per-key gates. The convolutions run through `short_conv`;
-    the gates and the output norm are mlx-lm's MLX ops.
+    the per-key gates. On the CPU the layer runs the fused segment
+    (`kda_segment`); elsewhere the core op between `short_conv`,
+    `kda_log_decay` and the output norm as MLX ops (the module's docstring).
     """
 
     def __init__(self, config: Any):
@@ -88,6 +121,17 @@ class KimiDeltaAttention(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        if runs_on_segment():
+            return kda_segment(
+                self,
+                x,
+                mask,
+                cache,
+                [apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
+                (self.q_conv.conv, self.k_conv.conv, self.v_conv.conv),
+                apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x)),
+                apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
+            )
         cache = layer_cache(cache)
         positions = cache.checkpoints_for(T)
         q_state, k_state, v_state, lengths = cache[0], cache[1], cache[2], cache.lengths
@@ -133,10 +177,10 @@ class KimiK3DeltaAttention(nn.Module):
     Kimi-Linear's layer with one projection and one convolution for q, k and
     v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
     gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
-    sets `gate_lower_bound`, Kimi-Linear's otherwise. The recurrence is the
-    core op, the convolution `short_conv`; the gates and norm are mlx-lm's
-    MLX ops. (mlx-lm's compiled one-token step on Metal computes the same
-    thing.)
+    sets `gate_lower_bound`, Kimi-Linear's otherwise. On the CPU the layer
+    runs the fused segment (`kda_segment`); elsewhere the core op between
+    `short_conv`, the gates and the norm as MLX ops. (mlx-lm's compiled
+    one-token step on Metal computes the same thing.)
     """
 
     def __init__(self, config: Any):
@@ -173,6 +217,18 @@ class KimiK3DeltaAttention(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        if runs_on_segment():
+            return kda_segment(
+                self,
+                x,
+                mask,
+                cache,
+                [apply_projection(self.qkv_proj, x)],
+                (self.qkv_conv.conv,),
+                self._output_gate(x),
+                apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
+                self.lower_bound,
+            )
         cache = layer_cache(cache)
         positions = cache.checkpoints_for(T)
         conv_state, lengths = cache[0], cache.lengths
@@ -205,12 +261,15 @@ class KimiK3DeltaAttention(nn.Module):
             positions=positions,
         )
 
-        if self.use_full_rank_gate:
-            output_gate = apply_projection(self.g_proj, x)
-        else:
-            output_gate = apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x))
+        output_gate = self._output_gate(x)
         out = self.o_norm(out) * mx.sigmoid(output_gate.reshape(B, T, H, D))
         return apply_projection(self.o_proj, out.reshape(B, T, -1))
+
+    def _output_gate(self, x):
+        """The output gate's logits `[B, T, H*Dk]`: full rank or low rank."""
+        if self.use_full_rank_gate:
+            return apply_projection(self.g_proj, x)
+        return apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x))
 
 
 class BailingKDA(nn.Module):
@@ -222,8 +281,9 @@ class BailingKDA(nn.Module):
 
     Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
     `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
-    into the core op. The convolutions run through `short_conv`; the output
-    norm is mlx-lm's MLX ops. mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
+    the segment's `lower_bound` on the CPU (`kda_segment`), elsewhere the
+    core op between `short_conv`, the gates and the output norm as MLX ops.
+    mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
     lower-bounded decay); other settings are refused as there.
     """
 
@@ -270,9 +330,21 @@ class BailingKDA(nn.Module):
     ) -> mx.array:
         B, T, _ = x.shape
         H, D = self.num_heads, self.head_dim
+        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if runs_on_segment():
+            return kda_segment(
+                self,
+                x,
+                mask,
+                cache,
+                [q, k, v],
+                (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+                apply_projection(self.g_proj, x),
+                apply_projection(self.f_proj, x),
+                self.lower_bound,
+            )
         cache = layer_cache(cache)
         positions = cache.checkpoints_for(T)
-        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
         q, q_state, q_kept = self._conv(q, self.q_conv1d, cache, 0, mask, positions)
         k, k_state, k_kept = self._conv(k, self.k_conv1d, cache, 1, mask, positions)
         v, v_state, v_kept = self._conv(v, self.v_conv1d, cache, 2, mask, positions)

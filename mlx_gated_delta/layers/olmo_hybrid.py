@@ -1,5 +1,6 @@
-"""OLMo-Hybrid's layer: the core op between mlx-lm's projections (through
-`common.apply_projection`) and its three short convolutions."""
+"""OLMo-Hybrid's layer: mlx-lm's projections (through
+`common.apply_projection`) into the fused segment (its three short
+convolutions as one), or, off the CPU, the core op between them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import mlx.nn as nn
 
 from .cache_protocol import layer_cache
 from .common import GatedRMSNormWeight, apply_projection, recur_in_cache
+from .segment_cache import runs_on_segment, segment_in_cache
 from .short_conv import short_conv
 
 
@@ -21,17 +23,21 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
     The projections go through `apply_projection` (our CPU kernel for a
-    plain dense one, the module's own call otherwise). The gated norm is the
-    MLX ops of mlx-lm's layer; the three convolutions run through
-    `short_conv` (on the CPU as shifted float32 sums), which also zeroes
-    the tokens the mask leaves out and ends each row's conv state at its
-    own length, so that a left-padded prompt in a batch gives the tokens it
+    plain dense one, the module's own call otherwise). On the CPU their
+    outputs, packed `[q | k | v | g | b | a]`, run through the fused segment
+    (`segment_cache.segment_in_cache`): the three convolutions as one over
+    their concatenated channels, the gates, the recurrence (normalize_qk,
+    scale `Dk ** -0.5`) with `beta = 2 sigmoid(b)` in `[0, 2]` where the
+    model allows negative eigenvalues (`linear_allow_neg_eigval`), and the
+    gated norm, forward and backward. The segment skips the tokens the mask
+    leaves out, so that a left-padded prompt in a batch gives the tokens it
     gives alone (mlx-lm's layer lets the padding into the convolutions and
-    does not). The recurrence is the core op `gated_delta_rule`
-    (normalize_qk, scale `Dk ** -0.5`), with
-    `beta = 2 sigmoid(b)` in `[0, 2]` where the model allows negative
-    eigenvalues (`linear_allow_neg_eigval`). (The fused segment has one
-    convolution over packed q|k|v and beta in `[0, 1]`: not this layout.)
+    does not).
+
+    Elsewhere (the segment's gate variants are CPU kernels so far) the
+    convolutions run through `short_conv`, which zeroes the masked tokens
+    and ends each row's conv state at its own length, the recurrence is
+    the core op `gated_delta_rule`, and the gated norm mlx-lm's MLX ops.
     """
 
     def __init__(self, config: Any):
@@ -80,6 +86,8 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         cache: Any | None = None,
     ) -> mx.array:
         B, S, _ = x.shape
+        if runs_on_segment():
+            return self._segment(x, mask, cache)
         cache = layer_cache(cache)
         positions = cache.checkpoints_for(S)
         q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
@@ -118,6 +126,29 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         output_gate = nn.silu(output_gate.astype(mx.float32))
         normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
         out = (output_gate * normed.astype(mx.float32)).astype(out.dtype)
+        return apply_projection(self.o_proj, out.reshape(B, S, -1))
+
+    def _segment(self, x, mask, cache):
+        """The layer's forward through the fused segment."""
+        B, S, _ = x.shape
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.a_proj)
+        mixed = mx.concatenate([apply_projection(p, x) for p in projections], axis=-1)
+        out = segment_in_cache(
+            cache,
+            (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+            mixed,
+            self.A_log,
+            self.dt_bias,
+            self.o_norm,
+            heads=dict(
+                key_heads=self.num_k_heads,
+                value_heads=self.num_v_heads,
+                key_dim=self.head_k_dim,
+                value_dim=self.head_v_dim,
+            ),
+            mask=mask,
+            allow_neg_eigval=self.allow_neg_eigval,
+        )
         return apply_projection(self.o_proj, out.reshape(B, S, -1))
 
 

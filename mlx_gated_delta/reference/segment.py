@@ -24,15 +24,22 @@ def gated_delta_segment_reference(
     head_mapping="grouped",
     norm_eps=1e-6,
     mask=None,
+    lower_bound=None,
+    allow_neg_eigval=False,
+    output_gate="silu",
 ):
     """The whole token-mixer segment in float64.
 
     Per unmasked token: causal depthwise conv over q|k|v with the carried conv
-    state, SiLU; gates `g = rate * softplus(a + dt_bias)`, `beta = sigmoid(b)`;
-    the recurrence with L2-normalized q, k and scale `Dk ** -0.5` (through
-    `gated_delta_rule_reference`); `out = rms_norm(y) * norm_weight * silu(z)`.
-    A masked token is skipped: it enters neither the conv window nor the
-    recurrent state, and its `out` row is 0.
+    state, SiLU; gates `g = rate * softplus(a + dt_bias)` (or
+    `lower_bound * sigmoid(-rate * (a + dt_bias))`), per value head, or per
+    value head and key channel when `dt_bias` is `[Hv, Dk]`;
+    `beta = sigmoid(b)` (twice that with `allow_neg_eigval`); the recurrence
+    with L2-normalized q, k and scale `Dk ** -0.5` (through
+    `gated_delta_rule_reference`); `out = rms_norm(y) * norm_weight * o(z)`
+    with the output gate `o` silu or sigmoid. A masked token is skipped: it
+    enters neither the conv window nor the recurrent state, and its `out`
+    row is 0.
 
     Returns `(out [B,T,Hv,Dv], conv_state [B,K-1,C], state [B,Hv,Dv,Dk])` as
     float64 arrays.
@@ -50,11 +57,13 @@ def gated_delta_segment_reference(
         decay_parameterization=decay_parameterization,
         head_mapping=head_mapping,
         mask=mask,
+        lower_bound=lower_bound,
+        allow_neg_eigval=allow_neg_eigval,
     )
     y, state = gated_delta_rule_reference(*core.arrays, state, **core.options)
     active = core.options["mask"]
     new_window = collect_conv_state(core.x, core.window, active, core.layout)
-    out = gated_norm(y, core.x, norm_weight, active, core.layout, norm_eps)
+    out = gated_norm(y, core.x, norm_weight, active, core.layout, norm_eps, output_gate)
     return out, new_window, state
 
 
@@ -83,12 +92,15 @@ def segment_core_inputs(
     decay_parameterization="log_rate",
     head_mapping="grouped",
     mask=None,
+    lower_bound=None,
+    allow_neg_eigval=False,
 ):
     """The segment's stages before the recurrence (prepare_conv and
     prepare_gates) in float64: a `SegmentCore`."""
     x = to_float64(mixed_qkvzba)
     batch, tokens, width = x.shape
-    layout = SegmentLayout(key_heads, value_heads, key_dim, value_dim)
+    per_key_gates = to_float64(dt_bias).ndim == 2
+    layout = SegmentLayout(key_heads, value_heads, key_dim, value_dim, per_key_gates)
     if width != layout.mixed_qkvzba_width:
         raise ValueError(f"packed width {width} does not match the head layout")
     weight = to_float64(conv_weight).reshape(layout.channels, -1)  # [C, K] or [C, K, 1]
@@ -100,7 +112,15 @@ def segment_core_inputs(
     active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
 
     qkv = prepare_conv(x, weight, window, active, layout)
-    g, beta = prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization)
+    g, beta = prepare_gates(
+        x,
+        decay_parameter,
+        dt_bias,
+        layout,
+        decay_parameterization,
+        lower_bound=lower_bound,
+        allow_neg_eigval=allow_neg_eigval,
+    )
     q = qkv[..., : layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
     k = qkv[..., layout.qk_width : 2 * layout.qk_width].reshape(batch, tokens, key_heads, key_dim)
     v = qkv[..., 2 * layout.qk_width :].reshape(batch, tokens, value_heads, value_dim)
@@ -109,17 +129,21 @@ def segment_core_inputs(
 
 
 class SegmentLayout:
-    """Where the parts of one packed token row `[q | k | v | z | b | a]` lie."""
+    """Where the parts of one packed token row `[q | k | v | z | b | a]` lie;
+    `a` has one value per value head, or per value head and key channel
+    (`per_key_gates`)."""
 
-    def __init__(self, key_heads, value_heads, key_dim, value_dim):
-        self.value_heads, self.value_dim = value_heads, value_dim
+    def __init__(self, key_heads, value_heads, key_dim, value_dim, per_key_gates=False):
+        self.value_heads, self.value_dim, self.key_dim = value_heads, value_dim, key_dim
+        self.per_key_gates = per_key_gates
         self.qk_width = key_heads * key_dim
         self.v_width = value_heads * value_dim
         self.channels = 2 * self.qk_width + self.v_width  # what the conv sees
         self.z_offset = self.channels
         self.b_offset = self.z_offset + self.v_width
         self.a_offset = self.b_offset + value_heads
-        self.mixed_qkvzba_width = self.a_offset + value_heads
+        self.gate_width = value_heads * key_dim if per_key_gates else value_heads
+        self.mixed_qkvzba_width = self.a_offset + self.gate_width
 
 
 def prepare_conv(x, weight, window, active, layout):
@@ -147,9 +171,20 @@ def collect_conv_state(x, window, active, layout):
     return np.stack([h[len(h) - rows :] for h in history])
 
 
-def prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization="log_rate"):
-    """Stage prepare_gates: `(g, beta)`, `[B, T, Hv]` each, with
-    g = rate softplus(a + dt_bias) and beta = sigmoid(b)."""
+def prepare_gates(
+    x,
+    decay_parameter,
+    dt_bias,
+    layout,
+    decay_parameterization="log_rate",
+    *,
+    lower_bound=None,
+    allow_neg_eigval=False,
+):
+    """Stage prepare_gates: `(g, beta)`. With u = a + dt_bias, g = rate
+    softplus(u), or lower_bound sigmoid(-rate u) with a lower bound, `[B, T,
+    Hv]` (or `[B, T, Hv, Dk]` per key channel, the rate read per head); beta =
+    sigmoid(b) `[B, T, Hv]`, twice that with allow_neg_eigval."""
     decay_parameter = to_float64(decay_parameter)
     if decay_parameterization == "log_rate":
         rate = -np.exp(decay_parameter)
@@ -162,20 +197,31 @@ def prepare_gates(x, decay_parameter, dt_bias, layout, decay_parameterization="l
         )
     b = x[..., layout.b_offset : layout.a_offset]
     a = x[..., layout.a_offset : layout.mixed_qkvzba_width]
-    g = rate * np.logaddexp(0.0, a + to_float64(dt_bias))  # softplus
-    return g, _sigmoid(b)
+    if layout.per_key_gates:
+        a = a.reshape(*a.shape[:-1], layout.value_heads, layout.key_dim)
+        rate = rate[:, None]
+    u = a + to_float64(dt_bias)
+    if lower_bound is None:
+        g = rate * np.logaddexp(0.0, u)  # softplus
+    else:
+        g = lower_bound * _sigmoid(-rate * u)
+    return g, (2.0 if allow_neg_eigval else 1.0) * _sigmoid(b)
 
 
-def gated_norm(y, x, norm_weight, active, layout, norm_eps=1e-6):
-    """Stage gated_norm: rms_norm(y) norm_weight silu(z) per (token, value
-    head), 0 on masked tokens; `[B, T, Hv, Dv]`."""
+def gated_norm(y, x, norm_weight, active, layout, norm_eps=1e-6, output_gate="silu"):
+    """Stage gated_norm: rms_norm(y) norm_weight o(z) per (token, value
+    head), with the output gate o silu or sigmoid, 0 on masked tokens;
+    `[B, T, Hv, Dv]`."""
     batch, tokens = active.shape
     z = x[..., layout.z_offset : layout.b_offset].reshape(
         batch, tokens, layout.value_heads, layout.value_dim
     )
     y = to_float64(y)
     rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + norm_eps)
-    out = y / rms * to_float64(norm_weight) * (z * _sigmoid(z))
+    if output_gate not in ("silu", "sigmoid"):
+        raise ValueError(f"output_gate must be 'silu' or 'sigmoid', got {output_gate!r}")
+    gate = _sigmoid(z) if output_gate == "sigmoid" else z * _sigmoid(z)
+    out = y / rms * to_float64(norm_weight) * gate
     return np.where(active[..., None, None], out, 0.0)
 
 

@@ -43,6 +43,10 @@ SEGMENT_DECAY_KINDS = ("model", "mild", "severe", "mixed")
 SEGMENT_STATE_SCALES = {"unit": 0.5, "tiny": 1e-30, "huge": 1e15}
 # The gated norm's epsilon, the segment's default (docs/contract.md).
 NORM_EPS = 1e-6
+# The gate variants' option values (`gate_variant_options`): the lower
+# bounds are those of the mlx-lm families' configs' range.
+LOWER_BOUNDS = (-5.0, -1.0)
+OUTPUT_GATES = ("silu", "sigmoid")
 
 
 @dataclass(repr=False)
@@ -103,12 +107,13 @@ def segment_out_terms(
     Dv]`, for a segment call (the arguments and options of
     `gated_delta_segment_reference`) run in calls starting at `call_starts`.
 
-    out = rms_norm(y) norm_weight silu(z) per token and value head. An error
-    of y within the core's contract (against y's terms,
-    `contracts.term_magnitudes`) moves out_i by at most
-    |norm_weight silu(z)|_i (1 + |y_i| / r) max|dy| / r, r = rms(y): where y
+    out = rms_norm(y) norm_weight o(z) per token and value head (o the
+    output gate, silu or sigmoid). An error of y within the core's contract
+    (against y's terms, `contracts.term_magnitudes`) moves out_i by at most
+    |norm_weight o(z)|_i (1 + |y_i| / r) max|dy| / r, r = rms(y): where y
     cancels (a token whose q and the state nearly miss each other), the norm
     scales its error up with it (docs/numerics.md)."""
+    sigmoid_gate = options.pop("output_gate", "silu") == "sigmoid"
     core = segment_core_inputs(mixed, conv_weight, decay_parameter, dt_bias, conv_state, **options)
     y_terms, _ = term_magnitudes(
         *core.arrays,
@@ -120,7 +125,8 @@ def segment_out_terms(
     y, _ = gated_delta_rule_reference(*core.arrays, state, **core.options)
     rms = np.sqrt(np.mean(y * y, axis=-1, keepdims=True) + NORM_EPS)
     z = core.x[..., core.layout.z_offset : core.layout.b_offset].reshape(y.shape)
-    output_gate = np.abs(to_float64(norm_weight) * z / (1.0 + np.exp(-z)))
+    gate = 1.0 / (1.0 + np.exp(-z)) if sigmoid_gate else z / (1.0 + np.exp(-z))
+    output_gate = np.abs(to_float64(norm_weight) * gate)
     return output_gate * (1.0 + np.abs(y) / rms) * y_terms / rms
 
 
@@ -145,12 +151,17 @@ def make_segment_case(
     wipes="none",
     state_scale="unit",
     strided=False,
+    per_key_gates=False,
+    lower_bound=None,
+    allow_neg_eigval=False,
+    output_gate="silu",
 ):
     recipe = dict(locals())
     rng = np.random.default_rng(seed)
     activation = DTYPES[dtype]
     channels = 2 * key_heads * key_dim + value_heads * value_dim
-    width = channels + value_heads * value_dim + 2 * value_heads
+    gate_width = value_heads * key_dim if per_key_gates else value_heads
+    width = channels + value_heads * value_dim + value_heads + gate_width
 
     def to_mx(x, dtype=mx.float32):
         return mx.array(np.asarray(x, dtype=np.float32)).astype(dtype)
@@ -163,10 +174,16 @@ def make_segment_case(
     mask = _make_mask(rng, mask_kind, batch, tokens)
 
     mixed = rng.standard_normal((batch, tokens, width))
-    dt_bias = rng.standard_normal(value_heads)
+    dt_bias = rng.standard_normal(gate_width)
     rate = -np.exp(decay_parameter) if decay_parameterization == "log_rate" else decay_parameter
-    a = mixed[..., width - value_heads :]  # the last Hv columns
-    if decay != "model":
+    rate = np.repeat(rate, gate_width // value_heads)  # per column of a
+    a = mixed[..., width - gate_width :]  # the last columns: a
+    if decay != "model" and lower_bound is not None:
+        # g = lower_bound sigmoid(-rate u): u = logit(g / lower_bound) / -rate,
+        # the decays past the bound clipped to it.
+        fraction = np.clip(make_decays(rng, decay, a.shape) / lower_bound, 1e-12, 1.0 - 1e-12)
+        a[...] = (np.log(fraction) - np.log1p(-fraction)) / -rate - dt_bias
+    elif decay != "model":
         # softplus(a + dt_bias) = g / rate; softplus^-1(x) = log(expm1(x)),
         # written x + log1p(-exp(-x)) above 1 (no overflow), with x kept
         # above 1e-30 (a decay of exactly 1 would need a = -inf).
@@ -197,7 +214,7 @@ def make_segment_case(
         mixed=mixed,
         conv_weight=to_mx(rng.normal(0.0, 0.5, size=weight_shape)),
         decay_parameter=to_mx(decay_parameter),
-        dt_bias=to_mx(dt_bias),
+        dt_bias=to_mx(dt_bias.reshape(value_heads, key_dim) if per_key_gates else dt_bias),
         norm_weight=to_mx(rng.uniform(0.5, 1.5, size=value_dim)),
         conv_state=(
             to_mx(rng.standard_normal((batch, conv_kernel - 1, channels)), activation)
@@ -213,8 +230,35 @@ def make_segment_case(
             decay_parameterization=decay_parameterization,
             head_mapping=head_mapping,
             mask=mask,
+            **gate_options(lower_bound, allow_neg_eigval, output_gate),
         ),
         recipe=recipe,
+    )
+
+
+def gate_options(lower_bound=None, allow_neg_eigval=False, output_gate="silu"):
+    """The segment's gate keywords that differ from their defaults (the
+    Qwen layout's), so that a case without variants has the options it
+    always had."""
+    options = dict(
+        lower_bound=lower_bound, allow_neg_eigval=allow_neg_eigval, output_gate=output_gate
+    )
+    defaults = dict(lower_bound=None, allow_neg_eigval=False, output_gate="silu")
+    return {name: value for name, value in options.items() if value != defaults[name]}
+
+
+@st.composite
+def gate_variant_options(draw, variants=True):
+    """The recipe's gate options: the Qwen layout's, or (with `variants`)
+    any mix of per-key gates, a lower bound, beta in [0, 2] and a sigmoid
+    output gate."""
+    if not variants or not draw(st.booleans()):
+        return {}
+    return dict(
+        per_key_gates=draw(st.booleans()),
+        lower_bound=draw(st.sampled_from((None, *LOWER_BOUNDS))),
+        allow_neg_eigval=draw(st.booleans()),
+        output_gate=draw(st.sampled_from(OUTPUT_GATES)),
     )
 
 
@@ -224,8 +268,11 @@ def segment_cases(
     dtypes=tuple(DTYPES),
     tokens=st.one_of(st.sampled_from(BOUNDARY_TOKENS), st.integers(0, 100)),
     mask_kinds=MASK_KINDS,
+    variants=True,
 ):
-    """A segment call over the shapes and options of docs/contract.md."""
+    """A segment call over the shapes and options of docs/contract.md;
+    `variants` draws the gate options too."""
+    gates = draw(gate_variant_options(variants))
     key_heads = draw(st.integers(1, 2))
     return make_segment_case(
         draw(st.integers(0, 2**32 - 1)),
@@ -247,4 +294,5 @@ def segment_cases(
         wipes=draw(st.sampled_from(WIPE_KINDS)),
         state_scale=draw(st.sampled_from(tuple(SEGMENT_STATE_SCALES))),
         strided=draw(st.booleans()),
+        **gates,
     )

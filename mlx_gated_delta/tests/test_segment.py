@@ -1,7 +1,9 @@
 """Property tests of the fused layer segment `gated_delta_segment` (docs/contract.md):
 agreement with the float64 oracle over both decay
-parameterizations, both head mappings, the activation dtypes and masks; split
-continuity of out, conv state and state; the skip semantics of masks; T == 0.
+parameterizations, both head mappings, the activation dtypes, masks and the
+gate variants (per-key gates, lower_bound, allow_neg_eigval, the sigmoid
+output gate); split continuity of out,
+conv state and state; the skip semantics of masks; T == 0.
 
 Ordinary pytest functions, run both by the repository's `pytest` (whose
 `tests/test_segment.py` keeps the bad-input errors and the checks tied to the
@@ -19,7 +21,11 @@ from hypothesis import strategies as st
 from mlx_gated_delta import gated_delta_segment
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.segment_cases import make_segment_case, segment_cases
+from mlx_gated_delta.testing.segment_cases import (
+    gate_variant_options,
+    make_segment_case,
+    segment_cases,
+)
 
 
 def run(case, **overrides):
@@ -273,6 +279,7 @@ def test_segment_wipes_match_oracle(wipes, data, algorithm):
             st.sampled_from(("none", "random", "left_padding", "right_padding")), label="mask"
         ),
         wipes=wipes,
+        **data.draw(gate_variant_options(), label="gates"),
     )
     out, conv_state, state = run(case, algorithm=algorithm)
     expected_out, expected_conv_state, expected_state = case.reference()
@@ -361,3 +368,42 @@ def test_jvp_through_the_segment_raises_a_clear_error():
     with pytest.raises(Exception) as failure:
         mx.eval(mx.jvp(out, [mixed], [mx.ones_like(mixed)]))
     assert "gated_delta_segment" in str(failure.value) and "jvp" in str(failure.value)
+
+
+@given(case=segment_cases(dtypes=("float32",), variants=False), data=st.data())
+def test_per_key_gates_with_equal_channels_meet_the_per_head_oracle(case, data):
+    # a and dt_bias repeated over the key channels (a's columns head-major:
+    # head h's Dk channels together): every channel's g is the head's, so the
+    # per-key call meets the per-head call's oracle; a wrong column order of
+    # a or dt_bias shows as a different decay per channel.
+    o = case.options
+    heads, key_dim = o["value_heads"], o["key_dim"]
+    lower_bound = data.draw(st.sampled_from((None, -3.0)), label="lower_bound")
+    algorithm = data.draw(st.sampled_from(("recurrent", "chunked")), label="algorithm")
+    case.options = dict(o, lower_bound=lower_bound)
+    mixed = case.mixed
+    per_key_mixed = mx.concatenate(
+        [mixed[..., :-heads], mx.repeat(mixed[..., -heads:], key_dim, axis=-1)], axis=-1
+    )
+    per_key_dt_bias = mx.repeat(case.dt_bias[:, None], key_dim, axis=1)
+    out, conv_state, state = gated_delta_segment(
+        per_key_mixed,
+        case.conv_weight,
+        case.decay_parameter,
+        per_key_dt_bias,
+        case.norm_weight,
+        case.conv_state,
+        case.state,
+        algorithm=algorithm,
+        **case.options,
+    )
+    expected_out, expected_conv_state, expected_state = case.reference()
+    assert_matches(
+        "out",
+        out,
+        expected_out,
+        "segment.oracle.v3.float32.output",
+        case.out_terms(algorithm),
+    )
+    assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
+    assert np.array_equal(to_float64(conv_state), expected_conv_state)

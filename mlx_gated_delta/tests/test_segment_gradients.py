@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from mlx_gated_delta import gated_delta_segment
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta.testing.segment_cases import gate_variant_options, make_segment_case
 from mlx_gated_delta.testing.strategies import budget
 
 INPUTS = (
@@ -148,6 +148,7 @@ def small_segment_cases(draw, dtypes=("float32", "float16", "bfloat16")):
         with_state=draw(st.booleans()),
         mask_kind=draw(st.sampled_from(("none", "random", "left_padding"))),
         conv1d_layout=draw(st.booleans()),
+        **draw(gate_variant_options()),
     )
 
 
@@ -234,6 +235,7 @@ def test_split_gradients_equal_the_gradient_of_one_call(case_seed, tokens, data)
         decay_parameterization=data.draw(
             st.sampled_from(("log_rate", "negative_rate")), label="decay"
         ),
+        **data.draw(gate_variant_options(), label="gates"),
     )
     cut = data.draw(st.integers(0, tokens), label="cut")
     weights = cotangents(case)

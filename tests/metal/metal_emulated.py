@@ -329,10 +329,18 @@ def _segment_params(
     mask=False,
     norm_eps=None,
     checkpoints=0,
+    per_key_gates=False,
+    lower_bound=None,
+    allow_neg_eigval=False,
+    output_gate="silu",
 ):
     """The SegmentParams of one fused segment call, like `_core_params`; norm_eps
     None keeps the params' default."""
     params = _metal_emulator.SegmentParams(*shape)
+    params.per_key_gates = bool(per_key_gates)
+    params.lower_bound = None if lower_bound is None else float(lower_bound)
+    params.allow_neg_eigval = bool(allow_neg_eigval)
+    params.output_gate = output_gate
     params.conv_kernel = conv_kernel
     params.decay_parameterization = decay_parameterization
     params.head_mapping = head_mapping
@@ -376,6 +384,9 @@ def gated_delta_segment(
     mask=None,
     algorithm="auto",
     dtype=None,
+    lower_bound=None,
+    allow_neg_eigval=False,
+    output_gate="silu",
 ):
     """Runs the Metal plan of one fused segment call in the emulator.
 
@@ -403,6 +414,9 @@ def gated_delta_segment(
         mask=mask,
         algorithm=algorithm,
         dtype=dtype,
+        lower_bound=lower_bound,
+        allow_neg_eigval=allow_neg_eigval,
+        output_gate=output_gate,
     )
     return out, conv_state, state
 
@@ -428,16 +442,22 @@ def run_segment(
     dtype=None,
     through_stage=None,
     checkpoints=None,
+    lower_bound=None,
+    allow_neg_eigval=False,
+    output_gate="silu",
 ):
     """`gated_delta_segment`, plus the dict `run` returns (`through_stage`
     as there; with `checkpoints`, also `conv_checkpoint_states` and
-    `checkpoint_states`)."""
+    `checkpoint_states`). A `dt_bias` `[Hv, Dk]` makes the gates per key
+    channel, as in the op."""
     dtype = dtype or _dtype_name(mixed_qkvzba)
     if dtype not in ACTIVATION_DTYPES:
         raise ValueError(f"dtype must be one of {ACTIVATION_DTYPES}, got {dtype!r}")
     mixed = _to_float32(mixed_qkvzba)
     channels = 2 * key_heads * key_dim + value_heads * value_dim
-    width = channels + value_heads * value_dim + 2 * value_heads
+    per_key_gates = _to_float32(dt_bias).ndim == 2
+    gate_width = value_heads * key_dim if per_key_gates else value_heads
+    width = channels + value_heads * value_dim + value_heads + gate_width
     if mixed.ndim != 3 or mixed.shape[2] != width:
         raise ValueError(f"mixed_qkvzba must be [B, T, {width}], got {mixed.shape}")
     batch, tokens = mixed.shape[:2]
@@ -456,13 +476,13 @@ def run_segment(
     state_shape = (batch, value_heads, value_dim, key_dim)
     state = np.zeros(state_shape, np.float32) if state is None else _to_float32(state)
     vectors = {
-        "decay_parameter": (decay_parameter, value_heads),
-        "dt_bias": (dt_bias, value_heads),
-        "norm_weight": (norm_weight, value_dim),
+        "decay_parameter": (decay_parameter, (value_heads,)),
+        "dt_bias": (dt_bias, (value_heads, key_dim) if per_key_gates else (value_heads,)),
+        "norm_weight": (norm_weight, (value_dim,)),
     }
-    for name, (value, length) in vectors.items():
-        if _to_float32(value).shape != (length,):
-            raise ValueError(f"{name} must be [{length}], got {_to_float32(value).shape}")
+    for name, (value, shape) in vectors.items():
+        if _to_float32(value).shape != shape:
+            raise ValueError(f"{name} must be {list(shape)}, got {_to_float32(value).shape}")
     for name, value, shape in (
         ("conv_state", conv_state, conv_state_shape),
         ("state", state, state_shape),
@@ -485,6 +505,10 @@ def run_segment(
         mask=mask is not None,
         norm_eps=norm_eps,
         checkpoints=checkpoint_count,
+        per_key_gates=per_key_gates,
+        lower_bound=lower_bound,
+        allow_neg_eigval=allow_neg_eigval,
+        output_gate=output_gate,
     )
     segment = _metal_emulator.make_segment_plan(params, algorithm, dtype)
     inputs = {

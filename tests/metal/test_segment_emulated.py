@@ -3,7 +3,9 @@ prepare_gates, collect_conv_state and gated_norm around the core's recurrent
 or chunked stages), run by the emulator, against the float64 oracle under the
 segment's contracts: both decay parameterizations, both head mappings, the
 three activation dtypes, masks (skip semantics), conv kernels of 1, 2 and 4
-taps, split continuity of out, conv state and state, and the plan's guards.
+taps, the gate variants (per-key gates, lower_bound, allow_neg_eigval, the
+sigmoid output gate), split continuity of out, conv state and state, and the
+plan's guards.
 """
 
 import numpy as np
@@ -87,6 +89,43 @@ ORACLE_CASES = [
         conv_kernel=1,
         head_mapping="interleaved",
     ),
+    # The Kimi Delta Attention layout: per-key gates, lower-bounded, and the
+    # sigmoid output gate; then OLMo-Hybrid's beta in [0, 2].
+    dict(
+        batch=2,
+        tokens=67,
+        key_heads=2,
+        value_heads=2,
+        key_dim=16,
+        value_dim=16,
+        dtype="bfloat16",
+        mask_kind="random",
+        decay="mixed",
+        per_key_gates=True,
+        lower_bound=-5.0,
+        output_gate="sigmoid",
+    ),
+    dict(
+        batch=1,
+        tokens=9,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        per_key_gates=True,
+        output_gate="sigmoid",
+    ),
+    dict(
+        batch=2,
+        tokens=65,
+        key_heads=1,
+        value_heads=2,
+        key_dim=8,
+        value_dim=8,
+        dtype="float16",
+        mask_kind="left_padding",
+        allow_neg_eigval=True,
+    ),
 ]
 
 
@@ -113,7 +152,7 @@ def test_segment_matches_the_float64_oracle(recipe, algorithm):
 # budget: every emulated call runs one OS thread per GPU thread.
 @settings(max_examples=4)
 @given(
-    case=segment_cases(tokens=st.sampled_from((0, 1, 3, 64, 65))),
+    case=segment_cases(tokens=st.sampled_from((0, 1, 3, 64, 65)), variants=True),
     algorithm=st.sampled_from(("recurrent", "chunked")),
 )
 def test_drawn_cases_match_the_float64_oracle(case, algorithm):

@@ -6,6 +6,7 @@
 // types.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/map.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -219,7 +220,40 @@ NB_MODULE(_mlx_gated_delta_metal_emulator, m) {
   segment.def_rw("conv_kernel", &SegmentParams::conv_kernel)
       .def_rw("norm_eps", &SegmentParams::norm_eps)
       .def_rw("has_mask", &SegmentParams::has_mask)
-      .def_rw("checkpoint_count", &SegmentParams::checkpoint_count);
+      .def_rw("checkpoint_count", &SegmentParams::checkpoint_count)
+      .def_rw("per_key_gates", &SegmentParams::per_key_gates)
+      .def_prop_rw(
+          "lower_bound",
+          [](const SegmentParams& p) -> std::optional<float> {
+            if (!p.gates.has_lower_bound)
+              return std::nullopt;
+            return p.gates.lower_bound;
+          },
+          [](SegmentParams& p, std::optional<float> bound) {
+            p.gates.has_lower_bound = bound.has_value();
+            p.gates.lower_bound = bound.value_or(0.0f);
+          })
+      .def_prop_rw(
+          "allow_neg_eigval",
+          [](const SegmentParams& p) { return p.gates.allow_neg_eigval; },
+          [](SegmentParams& p, bool allow) {
+            p.gates.allow_neg_eigval = allow;
+          })
+      .def_prop_rw(
+          "output_gate",
+          [](const SegmentParams& p) {
+            return std::string(
+                p.gates.output_gate == OutputGate::Sigmoid ? "sigmoid"
+                                                           : "silu");
+          },
+          [](SegmentParams& p, const std::string& gate) {
+            if (gate != "silu" && gate != "sigmoid")
+              throw std::invalid_argument(
+                  "output_gate must be 'silu' or 'sigmoid', got '" + gate +
+                  "'");
+            p.gates.output_gate =
+                gate == "sigmoid" ? OutputGate::Sigmoid : OutputGate::Silu;
+          });
   bind_enum_name<SegmentParams, HeadMapping, &SegmentParams::head_mapping>(
       segment, "head_mapping", &parse_head_mapping);
   bind_enum_name<

@@ -1,6 +1,6 @@
-// gated_norm: out = rms_norm(y, eps) * norm_weight * silu(z) per (token,
-// value head), float32 math from the core's float32 y; out in the activation
-// dtype, 0 on masked tokens.
+// gated_norm: out = rms_norm(y, eps) * norm_weight * silu(z) (sigmoid(z)
+// with sigmoid_output_gate) per (token, value head), float32 math from the
+// core's float32 y; out in the activation dtype, 0 on masked tokens.
 
 #include "segment_common.h"
 
@@ -39,7 +39,9 @@ template <typename T>
   const float inverse_rms = 1.0f / sqrt(squares / float(p.value_dim) + p.norm_eps);
   const device T* z = mixed + token_row * p.mixed_qkvzba_width + p.z_offset + h * p.value_dim;
   for (uint d = lane; d < p.value_dim; d += 32) {
-    destination[d] = T(y_row[d] * inverse_rms * norm_weight[d] * segment_silu(float(z[d])));
+    const float gate = p.sigmoid_output_gate != 0 ? segment_sigmoid(float(z[d]))
+                                                  : segment_silu(float(z[d]));
+    destination[d] = T(y_row[d] * inverse_rms * norm_weight[d] * gate);
   }
 }
 

@@ -94,13 +94,19 @@ struct SegmentKernelParams {
   unsigned int value_dim;
   unsigned int conv_kernel;         // K taps; the conv state keeps K - 1 rows
   unsigned int conv_channels;       // C = 2 * Hk * Dk + Hv * Dv
-  unsigned int mixed_qkvzba_width;  // F = C + Hv * Dv + 2 * Hv
+  unsigned int mixed_qkvzba_width;  // F = C + Hv * Dv + Hv + Hv * gate_width
   unsigned int z_offset;
   unsigned int b_offset;
   unsigned int a_offset;
   unsigned int log_rate;  // 1: decay_parameter is A_log (rate = -exp(A_log)); 0: the rate
   unsigned int has_mask;
   float norm_eps;
+  // The gate variants (segment/segment_params.h, SegmentGateOptions).
+  unsigned int gate_width;  // a's and g's values per value head: 1, or Dk per key channel
+  unsigned int has_lower_bound;  // 1: g = lower_bound * sigmoid(-rate * (a + dt_bias))
+  float lower_bound;
+  float beta_scale;  // beta = beta_scale * sigmoid(b): 1, or 2 with allow_neg_eigval
+  unsigned int sigmoid_output_gate;  // 1: out = ... * sigmoid(z); 0: ... * silu(z)
 };
 
 // prepare_conv, prepare_gates, collect_conv_state: one thread per element,

@@ -49,7 +49,7 @@ struct SegmentPlanBuilder : PlanBuilder {
     add_buffer(MixedQkvzba, Fe, BufferRole::Input);
     add_buffer(ConvWeight, channels * taps * 4, BufferRole::Input);
     add_buffer(DecayParameter, Hv * 4, BufferRole::Input);
-    add_buffer(DtBias, Hv * 4, BufferRole::Input);
+    add_buffer(DtBias, uint64_t(sp.gate_width()) * 4, BufferRole::Input);
     add_buffer(NormWeight, Dv * 4, BufferRole::Input);
     add_buffer(ConvStateIn, state_bytes, BufferRole::Input);
     add_buffer(SegmentOutput, B * T * Hv * Dv * segment_e, BufferRole::Output);
@@ -76,6 +76,11 @@ struct SegmentPlanBuilder : PlanBuilder {
         sp.decay_parameterization == DecayParameterization::LogRate ? 1 : 0;
     k.has_mask = sp.has_mask ? 1 : 0;
     k.norm_eps = sp.norm_eps;
+    k.gate_width = unsigned(sp.gate_width() / sp.value_heads);
+    k.has_lower_bound = sp.gates.has_lower_bound ? 1 : 0;
+    k.lower_bound = sp.gates.lower_bound;
+    k.beta_scale = sp.gates.allow_neg_eigval ? 2.0f : 1.0f;
+    k.sigmoid_output_gate = sp.gates.output_gate == OutputGate::Sigmoid ? 1 : 0;
   }
 
   Dispatch& add_segment(
@@ -133,8 +138,11 @@ struct SegmentPlanBuilder : PlanBuilder {
          {4, Beta}},
         5,
         {Gate, Beta});
-    d.bytes_moved = double(B * T * Hv * (2 * segment_e + 8));
-    d.flops = double(B * T * Hv * 12);
+    // Per (token, value head): b and gate_width a values read, as many g
+    // and one beta written.
+    const uint64_t width = sp.gate_width() / sp.value_heads;
+    d.bytes_moved = double(B * T * Hv * ((1 + width) * (segment_e + 4)));
+    d.flops = double(B * T * Hv * (6 + 6 * width));
   }
 
   void collect_conv_state() {
