@@ -9,7 +9,7 @@ mappings), split continuity, the skip semantics of masks, checkpoints with
 their conv states, empty calls, and the gradients against finite differences of
 the float64 oracle, each under the contract it has for the primitive. The
 tests that count or refuse the primitive's own calls (vmap per slice, jvp) are
-not rerun: the ops have MLX's rules for those.
+not rerun: the ops have MLX's rules for those, checked at the end.
 """
 
 import io
@@ -68,3 +68,37 @@ def test_the_hook_switches_the_segment_to_ops():
     assert "GatedDeltaSegment" in primitive
     assert "GatedDeltaSegment" not in as_ops
     assert "GatedDeltaRule" in as_ops
+
+
+def test_vmap_over_the_weights_equals_the_calls_per_slice():
+    # The primitive refuses a mapped conv weight; as ops the weight maps like
+    # the activations.
+    case = make_segment_case(
+        6, batch=1, tokens=5, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
+    mixed, weight, decay, dt_bias, norm, conv_state, state = case.args()
+    weights = mx.stack([weight, 0.5 * weight])
+
+    def call(weight):
+        return gated_delta_segment(
+            mixed, weight, decay, dt_bias, norm, conv_state, state, **case.options
+        )
+
+    mapped = mx.vmap(call)(weights)
+    for i in range(2):
+        for got, expected in zip(mapped, call(weights[i])):
+            assert mx.array_equal(got[i], expected).item()
+
+
+def test_jvp_through_the_ops_is_refused_by_the_core_op():
+    case = make_segment_case(
+        7, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
+    mixed, *rest = case.args()
+
+    def out(mixed):
+        return gated_delta_segment(mixed, *rest, **case.options)[0]
+
+    with pytest.raises(Exception) as failure:
+        mx.eval(mx.jvp(out, [mixed], [mx.ones_like(mixed)]))
+    assert "gated_delta_rule" in str(failure.value) and "jvp" in str(failure.value)
