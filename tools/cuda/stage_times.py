@@ -22,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mlx_gated_delta import gated_delta_rule
+from mlx_gated_delta.bench.cuda import copy_bandwidth
 
 HK, HV, D = 16, 32, 128
 REPEATS = 10
@@ -81,25 +82,6 @@ def kernel_ms(call, repeats=REPEATS):
     return {name: statistics.median(t) for name, t in sorted(times.items())}
 
 
-def copy_bytes_per_s():
-    """Bytes read + written per second by a 4 GiB device-to-device copy (as bench --cuda)."""
-    src = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    samples = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    rate = 2 * src.numel() * 4 / statistics.median(samples)
-    del src, dst
-    torch.cuda.empty_cache()
-    return rate
-
-
 def prefill(tokens):
     call = op(1, tokens)
     warm = wall_ms(call, clear=False)
@@ -130,7 +112,7 @@ def main():
     parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 64])
     args = parser.parse_args()
     if args.decode:
-        copy_rate = copy_bytes_per_s()
+        copy_rate = copy_bandwidth()
         print(f"copy: {copy_rate / 1e12:.2f} TB/s (read + write)", flush=True)
         for batch in args.decode:
             decode(batch, copy_rate)
