@@ -89,7 +89,7 @@ void launch(
 }
 
 // Shared memory of chunk_prepare, chunk_carry and chunk_output (their
-// layouts in chunked.cu).
+// layouts in chunk_prepare.cu, chunk_carry.cu and chunk_output.cu).
 int prepare_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   const int lp = tile_stride(kChunk);
@@ -231,7 +231,7 @@ void eval_core(
   set_arrays(encoder, inputs, prepared);
   launch(
       encoder,
-      "chunked",
+      "chunk_prepare",
       "gd_chunk_prepare_" + dtype,
       dim3(chunks, p.value_heads, p.batch),
       kChunkedThreads,
@@ -246,7 +246,7 @@ void eval_core(
   set_arrays(encoder, reads, writes);
   launch(
       encoder,
-      "chunked",
+      "chunk_carry",
       "gd_chunk_carry",
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,
@@ -256,7 +256,7 @@ void eval_core(
   set_arrays(encoder, reads, {outputs[0]});
   launch(
       encoder,
-      "chunked",
+      "chunk_output",
       "gd_chunk_output_" + dtype,
       dim3(
           chunks * ((p.value_dim + kOutputRows - 1) / kOutputRows),

@@ -1,5 +1,5 @@
 // Float32 matrix products on tensor cores, through the CUDA WMMA API, for the
-// chunked kernels (chunked.cu).
+// chunked kernels (chunk_prepare.cu, chunk_carry.cu, chunk_output.cu).
 //
 // Tensor cores take float32 operands as TF32 (10 mantissa bits), which alone
 // would break the core op's float32 contracts. Each operand is therefore split
