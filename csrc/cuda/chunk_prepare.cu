@@ -66,21 +66,29 @@ __device__ __forceinline__ void chunk_prepare(
   const int kw = tile_padded(dk), vw = tile_padded(dv);
   const int kp = tile_stride(dk), vp = tile_stride(dv);
   const int lp = tile_stride(kChunk);
+  // K, Q and V as they are in the inputs (ChunkRows::store), their qk_norm
+  // scales apart: float16 and bfloat16 rows are exact tensor-core operands.
+  constexpr bool kExact = kExactInTf32<T>;
   float* ks = shared;  // [kChunk][kp]
   // Q [kChunk][kp] for chunk_qk, then V [kChunk][vp] for recompute_w_u: one
   // buffer, so that two blocks fit in a multiprocessor's shared memory.
   float* qs = ks + kChunk * kp;
   float* vs = qs;
-  float* as = qs + kChunk * max(kp, vp);  // [kChunk][lp]: A, strictly lower
-  float* ts = as + kChunk * lp;  // [kChunk][lp]: T = (I + A)^-1
+  // [kChunk][lp]: A, strictly lower, then recompute_w_u's T diag(coefficient)
+  float* as = qs + kChunk * max(kp, vp);
+  // [kChunk][lp]: T = (I + A)^-1, then recompute_w_u's T diag(beta)
+  float* ts = as + kChunk * lp;
   // kkt_inverse's sums, one [kTile][tile_stride(kTile)] tile per block of a
   // distance from the diagonal.
   float* sums = ts + kChunk * lp;
   float* gates = sums + (kChunk / kTile - 1) * kTile * tile_stride(kTile);
   float* betas = gates + kChunk;
   float* log_sum = betas + kChunk;
-  float* coefficient = log_sum + kChunk;  // beta_j decay(j, -1)
-  int* last_wipe = reinterpret_cast<int*>(coefficient + kChunk);
+  // beta_j decay(j, -1) / |k_j|: W's column scales of T
+  float* coefficient = log_sum + kChunk;
+  float* key_scales = coefficient + kChunk;  // 1 / |k_i| (qk_norm), else 1
+  float* query_scales = key_scales + kChunk;  // likewise
+  int* last_wipe = reinterpret_cast<int*>(query_scales + kChunk);
   const ChunkGates decays{log_sum, last_wipe};
 
   const ChunkPlace place = chunk_place(a, blockIdx.x);
@@ -96,11 +104,11 @@ __device__ __forceinline__ void chunk_prepare(
   keys.fetch(k, key_stride, dk, place.length);
   queries.fetch(q, key_stride, dk, place.length);
   gate_cumsum(a, place, gates, betas, decays);
-  keys.store(dk, place.length, a.normalize_qk, nullptr, ks, kp);
-  queries.store(dk, place.length, a.normalize_qk, nullptr, qs, kp);
+  keys.store(dk, place.length, a.normalize_qk, key_scales, ks, kp);
+  queries.store(dk, place.length, a.normalize_qk, query_scales, qs, kp);
   __syncthreads();
-  // K's rows as they are now, for chunk_carry: once per key head, by the
-  // block of its first value head.
+  // K's rows as they are, for chunk_carry: once per key head, by the block
+  // of its first value head.
   if (first_of_key_head(a, place.h)) {
     const int chunks = (a.tokens + kChunk - 1) / kChunk;
     float* k_out = s.k +
@@ -116,8 +124,9 @@ __device__ __forceinline__ void chunk_prepare(
     }
   }
 
-  // k_gram and chunk_qk, K K^T and Q K^T: warp w the row tile w / 2 and the
-  // column tiles 2 (w % 2) and 2 (w % 2) + 1; tiles above the diagonal are 0.
+  // k_gram and chunk_qk, K K^T and Q K^T of the rows as they are (the scales
+  // come with the decays): warp w the row tile w / 2 and the column tiles
+  // 2 (w % 2) and 2 (w % 2) + 1; tiles above the diagonal are 0.
   // The products go to A's and T's buffers, which the next step rewrites.
   // V's loads are in flight meanwhile (V takes Q's buffer once Q is read).
   ChunkRows values;
@@ -132,9 +141,9 @@ __device__ __forceinline__ void chunk_prepare(
       if (tj <= ti) {
         for (int c0 = 0; c0 < kw; c0 += 8) {
           const float* kj = ks + tj * kTile * kp + c0;
-          kk.add<wmma::row_major, wmma::col_major>(
+          kk.add<wmma::row_major, wmma::col_major, kExact, kExact>(
               ks + ti * kTile * kp + c0, kp, kj, kp);
-          qk.add<wmma::row_major, wmma::col_major>(
+          qk.add<wmma::row_major, wmma::col_major, kExact, kExact>(
               qs + ti * kTile * kp + c0, kp, kj, kp);
         }
       }
@@ -144,32 +153,29 @@ __device__ __forceinline__ void chunk_prepare(
     }
   }
   __syncthreads();
-  // The decays: kkt_inverse's A (strictly lower), T's start (the identity)
-  // and the decayed Q K^T, each element read and written by one thread.
+  // The decays and the qk_norm scales: kkt_inverse's A (strictly lower),
+  // T's start (the identity) and the decayed Q K^T, each element read and
+  // written by one thread.
   {
     float* qk_out = s.qk + place.index * kChunk * kChunk;
     for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
       const int i = e / kChunk, j = e % kChunk;
-      const float decay = j <= i ? decays(i, j) : 0.0f;
-      qk_out[e] = decay * ts[i * lp + j];
-      as[i * lp + j] = j < i ? betas[i] * decay * as[i * lp + j] : 0.0f;
+      const float decay = j <= i ? decays(i, j) * key_scales[j] : 0.0f;
+      qk_out[e] = decay * query_scales[i] * ts[i * lp + j];
+      as[i * lp + j] = j < i
+          ? betas[i] * decay * key_scales[i] * as[i * lp + j]
+          : 0.0f;
       ts[i * lp + j] = i == j ? 1.0f : 0.0f;
     }
   }
   if (threadIdx.x < kChunk) {
     const int i = threadIdx.x;
-    coefficient[i] = betas[i] * decays(i, -1);
+    coefficient[i] = betas[i] * decays(i, -1) * key_scales[i];
   }
   __syncthreads();
-  // Q has been read: V takes its buffer, its rows times beta; K's rows take
-  // their coefficient (the barriers of kkt_inverse order these writes before
-  // recompute_w_u reads them).
-  values.store(dv, place.length, false, betas, vs, vp);
-  for (int j = warp; j < kChunk; j += kChunkedThreads / kWarp) {
-    for (int c = threadIdx.x % kWarp; c < kw; c += kWarp) {
-      ks[j * kp + c] *= coefficient[j];
-    }
-  }
+  // Q has been read: V takes its buffer, as it is (the barriers of
+  // kkt_inverse order these writes before recompute_w_u reads them).
+  values.store(dv, place.length, false, nullptr, vs, vp);
 
   // kkt_inverse: T = (I + A)^-1, I + A lower triangular in 16 x 16 blocks.
   // First each diagonal block, T_bb = (I + A_bb)^-1, by forward substitution
@@ -221,28 +227,51 @@ __device__ __forceinline__ void chunk_prepare(
     __syncthreads();
   }
 
-  // recompute_w_u: W = T diag(beta decay(i, -1)) K, U = T diag(beta) V, the
-  // tiles of both straight to scratch (rows of tile_padded width): warp w
-  // the row tile w % 4 and every other column tile from w / 4, W's first.
-  // T is lower triangular, so row tile ti needs rows j < 16 (ti + 1) of K, V.
+  // recompute_w_u: W = T diag(beta decay(i, -1) / |k_i|) K and
+  // U = T diag(beta) V, the column scales on T (into A's buffer for W), so
+  // that K and V stay as they are; the tiles of both straight to scratch
+  // (rows of tile_padded width): warp w the column tiles w, w + 8, ... (W's
+  // first, then U's), each for every row tile, the rows of K or V loaded
+  // once for all of them. T is lower triangular, so row tile ti needs rows
+  // j < 16 (ti + 1) of K, V: a warp's column tile is 20 steps whichever it
+  // is.
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
+    const int i = e / kChunk, j = e % kChunk;
+    as[i * lp + j] = ts[i * lp + j] * coefficient[j];
+    ts[i * lp + j] *= betas[j];
+  }
+  __syncthreads();
   {
-    const int ti = warp % 4;
+    constexpr int kRowTiles = kChunk / kTile;
     const int w_tiles = kw / kTile;
     const int tiles = w_tiles + vw / kTile;
-    for (int tile = warp / 4; tile < tiles; tile += 2) {
+    for (int tile = warp; tile < tiles; tile += kChunkedThreads / kWarp) {
       const bool is_w = tile < w_tiles;
       const int column = (is_w ? tile : tile - w_tiles) * kTile;
       const float* operand = (is_w ? ks : vs) + column;
       const int stride = is_w ? kp : vp;
-      Product product;
-      for (int j0 = 0; j0 < (ti + 1) * kTile; j0 += 8) {
-        product.add<wmma::row_major, wmma::row_major>(
-            ts + ti * kTile * lp + j0, lp, operand + j0 * stride, stride);
+      const float* t_scaled = is_w ? as : ts;
+      Product products[kRowTiles];
+      for (int j0 = 0; j0 < kChunk; j0 += 8) {
+        const Operand<OperandB<wmma::row_major>, kExact> rows(
+            operand + j0 * stride, stride);
+#pragma unroll
+        for (int ti = 0; ti < kRowTiles; ++ti) {
+          if (j0 < (ti + 1) * kTile) {
+            const Operand<OperandA<wmma::row_major>, false> t(
+                t_scaled + ti * kTile * lp + j0, lp);
+            products[ti].add(t, rows);
+          }
+        }
       }
       const int width = is_w ? kw : vw;
-      float* out = (is_w ? s.w : s.u) + place.index * kChunk * width +
-          ti * kTile * width + column;
-      wmma::store_matrix_sync(out, product.finish(), width, wmma::mem_row_major);
+      float* out = (is_w ? s.w : s.u) + place.index * kChunk * width + column;
+#pragma unroll
+      for (int ti = 0; ti < kRowTiles; ++ti) {
+        wmma::store_matrix_sync(
+            out + ti * kTile * width, products[ti].finish(), width,
+            wmma::mem_row_major);
+      }
     }
   }
   if (threadIdx.x < kChunk) {
@@ -252,6 +281,7 @@ __device__ __forceinline__ void chunk_prepare(
     out[kChunk + i] = i < place.length ? decays(place.length - 1, i) : 0.0f;
     out[2 * kChunk + i] = log_sum[i];
     out[3 * kChunk + i] = float(last_wipe[i]);
+    out[4 * kChunk + i] = key_scales[i];
   }
 }
 

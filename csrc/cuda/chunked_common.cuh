@@ -5,7 +5,7 @@
 //   chunk_prepare  one block per (chunk, value head, batch row), all chunks at
 //                  once: qk_norm, gate_cumsum, k_gram, chunk_qk, kkt_inverse
 //                  and recompute_w_u of one chunk, writing W, U, the decayed
-//                  Q K^T, the chunk's decays and its normalised K to scratch
+//                  Q K^T, the chunk's decays and its K to scratch
 //                  (ChunkScratch).
 //   chunk_carry    one block per (kCarryRows state rows, value head, batch
 //                  row), the chunks in order: v' = U - W S^T, the checkpoints
@@ -21,16 +21,27 @@
 // Everything is float32 in shared memory, in rows of tile_stride floats
 // (launch_shapes.h). The matrix products run on tensor cores in 3xTF32
 // (tensor_core.cuh), one 16 x 16 output tile per warp at a time; gates,
-// decays and kkt_inverse's diagonal blocks are float32 FMA.
+// decays and kkt_inverse's diagonal blocks are float32 FMA. Q, K and V stay
+// as the inputs give them, their qk_norm scales applied to the products'
+// other operands or results, so that float16 and bfloat16 values are exact
+// operands (kExactInTf32), which need one or two tensor-core products a
+// step instead of three.
 #pragma once
 
 #include <cuda_pipeline.h>
+
+#include <type_traits>
 
 #include "cuda/device_common.cuh"
 #include "cuda/launch_shapes.h"
 #include "cuda/tensor_core.cuh"
 
 namespace mlx_gated_delta::cuda {
+
+// Whether an activation dtype's values are exact tensor-core operands as
+// float32 (tensor_core.cuh's Product): float16's and bfloat16's are.
+template <typename T>
+constexpr bool kExactInTf32 = !std::is_same_v<T, float>;
 
 // One chunk's rows [0, kChunk) of a [T, heads, dim] activation (token t's
 // row at source + t * token_stride), in registers: warp w holds rows
@@ -61,31 +72,38 @@ struct ChunkRows {
     }
   }
 
-  // Into shared rows of stride `stride`, columns [0, tile_padded(dim)),
-  // L2-normalised with `normalize`, row i times row_scales[i] unless
-  // row_scales is null.
+  // Into shared rows of stride `stride`, columns [0, tile_padded(dim)), as
+  // they are (so that float16 and bfloat16 rows stay exact tensor-core
+  // operands, kExactInTf32); each row's scale, where row_scales is not null,
+  // into row_scales[i]: 1 / |x_i| with `normalize` (qk_norm), else 1, and 0
+  // past the chunk's tokens. The kernels apply the scales to the products.
   __device__ void store(
-      int dim, int length, bool normalize, const float* row_scales,
-      float* rows, int stride) const {
+      int dim, int length, bool normalize, float* row_scales, float* rows,
+      int stride) const {
     const int lane = threadIdx.x % kWarp;
     const int i0 = threadIdx.x / kWarp * kRowsPerWarp;
     const int width = tile_padded(dim);
 #pragma unroll
     for (int n = 0; n < kRowsPerWarp; ++n) {
-      float scale = row_scales != nullptr ? row_scales[i0 + n] : 1.0f;
-      if (normalize) {
-        float squares = 0.0f;
+      if (row_scales != nullptr) {
+        float scale = 1.0f;
+        if (normalize) {
+          float squares = 0.0f;
 #pragma unroll
-        for (int j = 0; j < kColumnsPerLane; ++j) {
-          squares += x[n][j] * x[n][j];
+          for (int j = 0; j < kColumnsPerLane; ++j) {
+            squares += x[n][j] * x[n][j];
+          }
+          scale = inverse_norm(warp_sum(squares));
         }
-        scale = i0 + n < length ? scale * inverse_norm(warp_sum(squares)) : 0.0f;
+        if (lane == 0) {
+          row_scales[i0 + n] = i0 + n < length ? scale : 0.0f;
+        }
       }
 #pragma unroll
       for (int j = 0; j < kColumnsPerLane; ++j) {
         const int c = lane + kWarp * j;
         if (c < width) {
-          rows[(i0 + n) * stride + c] = x[n][j] * scale;
+          rows[(i0 + n) * stride + c] = x[n][j];
         }
       }
     }
@@ -99,7 +117,7 @@ __device__ inline void load_rows(
     int dim,
     int length,
     bool normalize,
-    const float* row_scales,
+    float* row_scales,
     float* rows,
     int stride) {
   ChunkRows chunk_rows;
@@ -134,7 +152,6 @@ __device__ inline void copy_rows_async(
     }
   }
 }
-
 
 // Where a block's chunk lies: batch row, value head, its first token and
 // length, and its index into the per-chunk scratch.

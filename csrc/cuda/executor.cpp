@@ -96,7 +96,7 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
   const int sums = (kChunk / kTile - 1) * kTile * tile_stride(kTile);
   return int(sizeof(float)) *
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + sums +
-       5 * kChunk);
+       7 * kChunk);
 }
 int carry_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
@@ -109,7 +109,7 @@ int output_shared_bytes(const GatedDeltaParams& p) {
   const int rp = tile_stride(kOutputRows);
   return int(sizeof(float)) *
       (kChunk * std::max(kp, rp) + kChunk * lp + kOutputRows * kp +
-       kChunk * rp);
+       kChunk * rp + kChunk);
 }
 
 // The inputs and dims that the forward and the backward read alike.
@@ -247,7 +247,7 @@ void eval_core(
   launch(
       encoder,
       "chunk_carry",
-      "gd_chunk_carry",
+      "gd_chunk_carry_" + dtype,
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,
       carry_shared_bytes(p),
