@@ -34,7 +34,12 @@ if(MLX_GATED_DELTA_CUDA_PROBE)
   set(GD_NVCC_DEFINES -DGD_SANITIZER_PROBE)
 endif()
 
-set(GD_CUDA_SOURCES recurrent chunked recurrent_backward)
+set(GD_CUDA_SOURCES
+  recurrent
+  chunk_prepare
+  chunk_carry
+  chunk_output
+  recurrent_backward)
 set(GD_FATBINS)
 foreach(source ${GD_CUDA_SOURCES})
   set(gencode)
@@ -48,6 +53,7 @@ foreach(source ${GD_CUDA_SOURCES})
             ${GD_NVCC_DEFINES} -I "${PROJECT_SOURCE_DIR}/csrc" -o "${fatbin}"
             "${GD_CUDA_DIR}/${source}.cu"
     DEPENDS "${GD_CUDA_DIR}/${source}.cu"
+            "${GD_CUDA_DIR}/chunked_common.cuh"
             "${GD_CUDA_DIR}/device_common.cuh"
             "${GD_CUDA_DIR}/kernel_args.h"
             "${GD_CUDA_DIR}/launch_shapes.h"

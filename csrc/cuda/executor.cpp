@@ -89,14 +89,14 @@ void launch(
 }
 
 // Shared memory of chunk_prepare, chunk_carry and chunk_output (their
-// layouts in chunked.cu).
+// layouts in chunk_prepare.cu, chunk_carry.cu and chunk_output.cu).
 int prepare_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   const int lp = tile_stride(kChunk);
   const int sums = (kChunk / kTile - 1) * kTile * tile_stride(kTile);
   return int(sizeof(float)) *
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + sums +
-       5 * kChunk);
+       7 * kChunk);
 }
 int carry_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
@@ -109,7 +109,7 @@ int output_shared_bytes(const GatedDeltaParams& p) {
   const int rp = tile_stride(kOutputRows);
   return int(sizeof(float)) *
       (kChunk * std::max(kp, rp) + kChunk * lp + kOutputRows * kp +
-       kChunk * rp);
+       kChunk * rp + kChunk);
 }
 
 // The inputs and dims that the forward and the backward read alike.
@@ -231,7 +231,7 @@ void eval_core(
   set_arrays(encoder, inputs, prepared);
   launch(
       encoder,
-      "chunked",
+      "chunk_prepare",
       "gd_chunk_prepare_" + dtype,
       dim3(chunks, p.value_heads, p.batch),
       kChunkedThreads,
@@ -246,8 +246,8 @@ void eval_core(
   set_arrays(encoder, reads, writes);
   launch(
       encoder,
-      "chunked",
-      "gd_chunk_carry",
+      "chunk_carry",
+      "gd_chunk_carry_" + dtype,
       dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
       kChunkedThreads,
       carry_shared_bytes(p),
@@ -256,7 +256,7 @@ void eval_core(
   set_arrays(encoder, reads, {outputs[0]});
   launch(
       encoder,
-      "chunked",
+      "chunk_output",
       "gd_chunk_output_" + dtype,
       dim3(
           chunks * ((p.value_dim + kOutputRows - 1) / kOutputRows),

@@ -52,13 +52,15 @@ struct CoreArgs {
 //   chunk_carry overwrites u with v' = U - W S^T,
 //   qk [L, L]: decay(i, j) q_i . k_j for j <= i, 0 above, from chunk_prepare,
 //   decays [kDecayRows, L]: decay(i, -1), decay(L - 1, j), the cumulative
-//   log decay and the last wipe (as a float) of gate_cumsum, likewise,
+//   log decay and the last wipe (as a float) of gate_cumsum, and k_j's
+//   qk_norm scale (1 / |k_j|, else 1; 0 past the chunk's tokens), likewise,
 //   h [Dv, Dk]: the state at the chunk's start, from chunk_carry;
 // chunk_output reads qk, decays, h and v'. Per (batch row, key head, chunk):
-//   k [L, tile_padded(Dk)]: the chunk's K rows as chunk_carry's state update
-//   takes them (L2-normalised with normalize_qk, 0 past the chunk's tokens),
-//   from chunk_prepare.
-constexpr int kDecayRows = 4;
+//   k [L, tile_padded(Dk)]: the chunk's K rows as the inputs give them (in
+//   float32, 0 past the chunk's tokens; the scales are in `decays`), from
+//   chunk_prepare: float16 and bfloat16 keys stay exact tensor-core operands
+//   for chunk_carry's state update.
+constexpr int kDecayRows = 5;
 struct ChunkScratch {
   float* w;
   float* u;

@@ -1,5 +1,5 @@
 // Float32 matrix products on tensor cores, through the CUDA WMMA API, for the
-// chunked kernels (chunked.cu).
+// chunked kernels (chunk_prepare.cu, chunk_carry.cu, chunk_output.cu).
 //
 // Tensor cores take float32 operands as TF32 (10 mantissa bits), which alone
 // would break the core op's float32 contracts. Each operand is therefore split
@@ -40,12 +40,33 @@ __device__ __forceinline__ void split_tf32(Fragment& hi, Fragment& lo) {
   }
 }
 
+// One operand of a product, loaded and split into hi and lo (lo unused, and
+// not computed, where kExact: the values are exact in TF32, Product below).
+template <typename Fragment, bool kExact>
+struct Operand {
+  Fragment hi, lo;
+
+  __device__ __forceinline__ Operand(const float* values, unsigned ld) {
+    wmma::load_matrix_sync(hi, values, ld);
+    if constexpr (!kExact) {
+      split_tf32(hi, lo);
+    }
+  }
+};
+
 // A 16 x 16 float32 product accumulated in 3xTF32 (add: += A B for A
 // [16 x 8] at `a` and B [8 x 16] at `b`, in the layouts given, row_major or
 // col_major). The hi*hi terms, and any starting value, go to `sum`; the
 // hi*lo and lo*hi terms to `correction`, a second accumulator, so that only
 // one of a step's three tensor-core products waits for the previous step's.
 // finish() adds the two and returns the result.
+//
+// An operand whose values TF32 holds exactly (kExactA, kExactB) has no lo
+// part, and its correction term is left out: float16 and bfloat16 values
+// (11 and 8 significant bits; TF32 has 11, and float32's exponent range) as
+// float32. With one exact operand a step is two products (2xTF32), with
+// both one, whose every product is exact: only the float32 accumulation
+// rounds, as in 3xTF32.
 struct Product {
   Accumulator sum, correction;
 
@@ -54,18 +75,30 @@ struct Product {
     wmma::fill_fragment(correction, 0.0f);
   }
 
-  template <typename LayoutA, typename LayoutB>
+  template <
+      typename LayoutA,
+      typename LayoutB,
+      bool kExactA = false,
+      bool kExactB = false>
   __device__ __forceinline__ void add(
       const float* a, unsigned lda, const float* b, unsigned ldb) {
-    OperandA<LayoutA> a_hi, a_lo;
-    OperandB<LayoutB> b_hi, b_lo;
-    wmma::load_matrix_sync(a_hi, a, lda);
-    wmma::load_matrix_sync(b_hi, b, ldb);
-    split_tf32(a_hi, a_lo);
-    split_tf32(b_hi, b_lo);
-    wmma::mma_sync(correction, a_lo, b_hi, correction);
-    wmma::mma_sync(correction, a_hi, b_lo, correction);
-    wmma::mma_sync(sum, a_hi, b_hi, sum);
+    Operand<OperandA<LayoutA>, kExactA> a_parts(a, lda);
+    Operand<OperandB<LayoutB>, kExactB> b_parts(b, ldb);
+    add(a_parts, b_parts);
+  }
+
+  // The same with operands already loaded (Operand), for an operand that
+  // several products of a warp share.
+  template <typename A, typename B, bool kExactA, bool kExactB>
+  __device__ __forceinline__ void add(
+      const Operand<A, kExactA>& a, const Operand<B, kExactB>& b) {
+    if constexpr (!kExactA) {
+      wmma::mma_sync(correction, a.lo, b.hi, correction);
+    }
+    if constexpr (!kExactB) {
+      wmma::mma_sync(correction, a.hi, b.lo, correction);
+    }
+    wmma::mma_sync(sum, a.hi, b.hi, sum);
   }
 
   __device__ Accumulator& finish() {
