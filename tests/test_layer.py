@@ -483,3 +483,49 @@ def test_layer_rejects_head_counts_that_do_not_divide():
     args.linear_num_value_heads = 3
     with pytest.raises(ValueError, match="multiple"):
         Qwen3NextGatedDeltaNet(args)
+
+
+@pytest.mark.parametrize("family", ("qwen3_next", "qwen3_5"))
+def test_a_long_call_projects_through_gathered_weights(family):
+    # A call with more rows than the hidden size projects once through the
+    # weights gathered into mixed_qkvzba's order; a short one concatenates
+    # and reorders the modules' outputs. Each column of the row is the same
+    # product of the same kernel, so the rows are the same bits; the
+    # gradients are float32 products summed in another order (one product
+    # over all columns for x's), each held to the projection's contract
+    # against float64.
+    model = family_model(family, 23)
+    patch_mlx_lm(model)
+    layer = next(m for _, m in model.named_modules() if hasattr(m, "mixed_qkvzba"))
+    modules = layer._projection_modules()
+    hidden = layer.hidden_size
+    x = mx.random.normal((2, hidden // 2 + 1, hidden), key=mx.random.key(3))
+    assert x.size // hidden > hidden  # mixed_qkvzba takes the gathered weights
+    row = layer.mixed_qkvzba(x)
+    assert np.array_equal(np.array(row), np.array(layer._project_by_modules(x)))
+
+    cotangent = mx.random.normal(row.shape, key=mx.random.key(4))
+
+    def loss(weights, x):
+        for m, w in zip(modules, weights):
+            m.weight = w
+        return (layer._project_through_gathered_weights(x) * cotangent).sum()
+
+    weights = [m.weight for m in modules]
+    d_weights, dx = mx.grad(loss, argnums=(0, 1))(weights, x)
+    for m, w in zip(modules, weights):
+        m.weight = w
+
+    # float64: the gathered weight's gradient, scattered back to the modules.
+    columns = layer._mixed_qkvzba_columns()
+    order = np.arange(row.shape[-1]) if columns is None else np.array(columns)
+    weight64 = np.concatenate([to_float64(w) for w in weights])[order]
+    x64 = to_float64(x).reshape(-1, hidden)
+    cotangent64 = to_float64(cotangent).reshape(-1, row.shape[-1])
+    d_weight64 = np.zeros_like(weight64)
+    d_weight64[order] = cotangent64.T @ x64
+    starts = np.cumsum([0] + [w.shape[0] for w in weights])
+    contract = "projection.linear.v2.float32.output"
+    assert_matches("dx", dx, (cotangent64 @ weight64).reshape(x.shape), contract)
+    for i, d_weight in enumerate(d_weights):
+        assert_matches(f"d weight {i}", d_weight, d_weight64[starts[i] : starts[i + 1]], contract)

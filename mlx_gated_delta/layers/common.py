@@ -30,9 +30,15 @@ def apply_projection(module: nn.Module, x: mx.array) -> mx.array:
     `dense_projection`, anything else (quantized, LoRA-wrapped, with bias)
     by calling the module itself, so every wrapper mlx-lm's tools put there
     is followed and its own forward (and gradient) is the one that runs."""
-    if type(module) is nn.Linear and "bias" not in module:
+    if is_dense_projection(module):
         return dense_projection(x, module.weight)
     return module(x)
+
+
+def is_dense_projection(module: nn.Module) -> bool:
+    """Whether `module` is a plain bias-free Linear, whose product is
+    `dense_projection(x, module.weight)` and nothing else."""
+    return type(module) is nn.Linear and "bias" not in module
 
 
 class GatedRMSNormWeight(nn.Module):

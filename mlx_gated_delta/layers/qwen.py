@@ -33,7 +33,7 @@ import numpy as np
 
 from ..segment import gated_delta_segment
 from .cache_protocol import layer_cache
-from .common import GatedRMSNormWeight, apply_projection
+from .common import GatedRMSNormWeight, apply_projection, dense_projection, is_dense_projection
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -81,10 +81,33 @@ class _GatedDeltaNetBase(nn.Module):
     def mixed_qkvzba(self, x: mx.array) -> mx.array:
         """The segment's input `mixed_qkvzba` `[q | k | v | z | b | a]` for `x`,
         from the current projection modules."""
+        rows = x.size // x.shape[-1]
+        dense = all(is_dense_projection(m) for m in self._projection_modules())
+        if dense and rows > x.shape[-1]:
+            return self._project_through_gathered_weights(x)
+        return self._project_by_modules(x)
+
+    def _project_by_modules(self, x: mx.array) -> mx.array:
+        """Each module projects x; their outputs are concatenated and
+        reordered. A short call (decode) takes this way: it copies its few
+        output rows instead of the weights."""
         parts = [apply_projection(m, x) for m in self._projection_modules()]
         mixed = mx.concatenate(parts, axis=-1)
         columns = self._mixed_qkvzba_columns()
         return mixed if columns is None else mx.take(mixed, columns, axis=-1)
+
+    def _project_through_gathered_weights(self, x: mx.array) -> mx.array:
+        """The weights' rows gathered into `mixed_qkvzba`'s order, then one
+        product. A long call takes this way: it copies the weights (width x
+        hidden) instead of the projected row (rows x width), whose
+        concatenation and reordering would each hold another copy of it in
+        the forward and again in the backward (192 MiB a copy for
+        Qwen3-Next's layer at T=8192, its weights 48 MiB)."""
+        weight = mx.concatenate([m.weight for m in self._projection_modules()], axis=0)
+        columns = self._mixed_qkvzba_columns()
+        if columns is not None:
+            weight = mx.take(weight, columns, axis=0)
+        return dense_projection(x, weight)
 
     def __call__(
         self,
