@@ -34,7 +34,7 @@ if(MLX_GATED_DELTA_CUDA_PROBE)
   set(GD_NVCC_DEFINES -DGD_SANITIZER_PROBE)
 endif()
 
-set(GD_CUDA_SOURCES recurrent chunked recurrent_backward)
+set(GD_CUDA_SOURCES recurrent chunked recurrent_backward segment)
 set(GD_FATBINS)
 foreach(source ${GD_CUDA_SOURCES})
   set(gencode)
