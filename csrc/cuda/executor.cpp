@@ -358,6 +358,19 @@ void eval_backward(
 
 namespace {
 
+// Moves a buffer of MLX's allocator (unified memory) to the GPU, ordered on
+// the stream before the kernels that use it (module.h).
+void prefetch(mx::cu::CommandEncoder& encoder, const mx::array& a) {
+  if (a.nbytes() > 0) {
+    encoder.device().make_current();
+    prefetch_to_device(
+        encoder.device().cuda_device(),
+        mx::gpu_ptr<void>(a),
+        a.nbytes(),
+        encoder.stream());
+  }
+}
+
 // The data of a segment buffer, or nullptr for an empty one (a conv state
 // of a one-tap conv, say), which may have no allocation to point into.
 template <typename T>
@@ -403,14 +416,36 @@ void eval_segment(
     }
   }
   const int64_t rows = int64_t(p.batch) * p.tokens;
-  // q, k, v, g, beta: the float32 inputs of the core.
-  std::vector<mx::array> core_inputs = {
-      scratch(encoder, rows * p.qk_width()),
-      scratch(encoder, rows * p.qk_width()),
-      scratch(encoder, rows * p.v_width()),
-      scratch(encoder, rows * p.gate_width()),
-      scratch(encoder, rows * p.value_heads),
-      inputs[SegmentInput::kState]};
+  // q, k, v, g, beta: the float32 inputs of the core, views of one scratch
+  // buffer. One allocation a call, not five: MLX's exported allocator hands
+  // out unified memory, and a cached device buffer it reuses for that is
+  // first copied into new unified memory (docs/cuda.md).
+  const int64_t parts[] = {
+      rows * p.qk_width(),
+      rows * p.qk_width(),
+      rows * p.v_width(),
+      rows * p.gate_width(),
+      rows * p.value_heads};
+  int64_t total = 0;
+  for (int64_t size : parts) {
+    total += size;
+  }
+  const mx::array stages = scratch(encoder, total);
+  prefetch(encoder, stages);
+  for (int i : {kOut, kConvStateOut, kConvCheckpointStates}) {
+    if (i < int(outputs.size())) {
+      prefetch(encoder, outputs[i]);
+    }
+  }
+  std::vector<mx::array> core_inputs;
+  int64_t offset = 0;
+  for (int64_t size : parts) {
+    mx::array view({int(std::max<int64_t>(size, 1))}, mx::float32, nullptr, {});
+    view.copy_shared_buffer(stages, {1}, stages.flags(), size, offset);
+    core_inputs.push_back(view);
+    offset += size;
+  }
+  core_inputs.push_back(inputs[SegmentInput::kState]);
 
   SegmentArgs a{};
   a.mixed = data_or_null<void>(mixed);
@@ -473,13 +508,9 @@ void eval_segment(
   if (mask) {
     conv_reads.push_back(*mask);
   }
-  set_arrays(
-      encoder, conv_reads, {core_inputs[0], core_inputs[1], core_inputs[2]});
+  set_arrays(encoder, conv_reads, {stages});
   launch_stage("prepare_conv", rows * channel_blocks, kSegmentThreads);
-  set_arrays(
-      encoder,
-      {mixed, decay_parameter, dt_bias},
-      {core_inputs[3], core_inputs[4]});
+  set_arrays(encoder, {mixed, decay_parameter, dt_bias}, {stages});
   launch_stage(
       "prepare_gates",
       (rows * p.gate_width() + kSegmentThreads - 1) / kSegmentThreads,
@@ -514,6 +545,11 @@ void eval_segment(
   }
   eval_core(p.core_params(), algorithm, core_inputs, core_outputs, stream);
   encoder.add_temporary(y);
+  // Enqueued now, they still precede the graph of these kernels on the
+  // stream: the encoder launches it when it commits.
+  for (const mx::array& output : core_outputs) {
+    prefetch(encoder, output);
+  }
 
   a.y = data_or_null<float>(y);
   std::vector<mx::array> norm_reads = {y, mixed, norm_weight};
