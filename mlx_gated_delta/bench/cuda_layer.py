@@ -136,8 +136,7 @@ def table(record: dict) -> str:
         )
     for r in record.get("kimi_linear", []):
         lines.append(
-            f"| {r['shape']} | {r['ours_ms']:.2f} | {r['mlx_lm_ms']:.2f} "
-            f"| {r['speedup']:.1f}x |"
+            f"| {r['shape']} | {r['ours_ms']:.2f} | {r['mlx_lm_ms']:.2f} | {r['speedup']:.1f}x |"
         )
     for r in record["training"]:
         lines.append(
