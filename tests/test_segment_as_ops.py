@@ -1,6 +1,6 @@
 """The fused segment as MLX ops around the core op: the path it takes on MLX's
-CUDA backend, which has kernels for the core op and none for the segment's own
-stages (`csrc/segment/segment_ops.cpp`).
+CUDA backend for a call whose core has no CUDA kernels (key dims over 256;
+`csrc/segment/segment_ops.cpp`).
 
 A test hook runs every `gated_delta_segment` call of this module that way on
 the CPU, and the module reruns the segment's property tests under it: the

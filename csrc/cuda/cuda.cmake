@@ -39,7 +39,8 @@ set(GD_CUDA_SOURCES
   chunk_prepare
   chunk_carry
   chunk_output
-  recurrent_backward)
+  recurrent_backward
+  segment)
 set(GD_FATBINS)
 foreach(source ${GD_CUDA_SOURCES})
   set(gencode)

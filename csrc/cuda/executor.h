@@ -8,6 +8,7 @@
 #include "core/core_params.h"
 #include "mlx/array.h"
 #include "mlx/stream.h"
+#include "segment/segment_params.h"
 
 namespace mlx_gated_delta::cuda {
 
@@ -43,6 +44,22 @@ bool has_backward_kernels(const GatedDeltaParams& params);
 // final state; outputs: dq, dk, dv, dg, dgamma, dbeta, dstate.
 void eval_backward(
     const GatedDeltaParams& params,
+    const std::vector<mlx::core::array>& inputs,
+    std::vector<mlx::core::array>& outputs,
+    const mlx::core::Stream& stream);
+
+// Whether the CUDA kernels cover this segment call: the segment's own
+// stages cover every shape, the core's kernels key dims up to 256 (the op
+// runs the others as MLX ops around the core op, segment_ops.h).
+bool has_segment_kernels(const SegmentParams& params);
+
+// The fused segment (segment.cu): prepare_conv, prepare_gates and
+// collect_conv_state (with its checkpoints), the core's kernels as eval_core
+// runs them (`algorithm` resolved as there), then gated_norm.
+// inputs and outputs: GatedDeltaSegment's (segment/segment_primitive.h).
+void eval_segment(
+    const SegmentParams& params,
+    Algorithm algorithm,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);

@@ -97,4 +97,55 @@ struct BackwardArgs {
   float* partials;
 };
 
+// The fused segment's own stages (segment.cu), around the core's kernels;
+// the layouts of segment/segment_params.h:
+//   mixed [B, T, F] packed per token as [q | k | v | z | b | a]
+//   conv_weight [C, K]   conv_state [B, K-1, C]   norm_weight [Dv]
+//   decay_parameter [Hv]   dt_bias [Hv * gate_width]
+//   out [B, T, Hv, Dv]   conv_checkpoint_states [N, B, K-1, C]
+// and the float32 buffers between the stages and the core: q, k
+// [B, T, Hk, Dk], v [B, T, Hv, Dv], g [B, T, Hv, gate_width], beta
+// [B, T, Hv] (written by prepare_conv and prepare_gates), y [B, T, Hv, Dv]
+// (the core's output, read by gated_norm). mixed, conv_state, out and the
+// conv checkpoint states are in the activation dtype.
+struct SegmentArgs {
+  const void* mixed;
+  const float* conv_weight;
+  const float* decay_parameter;
+  const float* dt_bias;
+  const float* norm_weight;
+  const void* conv_state_in;
+  const bool* mask;  // nullptr: every token is kept
+  const int* checkpoints;  // nullptr without checkpoints
+  void* out;
+  void* conv_state_out;
+  void* conv_checkpoint_states;
+  float* q;
+  float* k;
+  float* v;
+  float* g;
+  float* beta;
+  const float* y;
+  int batch;
+  int tokens;
+  int key_heads;
+  int value_heads;
+  int key_dim;
+  int value_dim;
+  int conv_kernel;  // K
+  int conv_channels;  // C = 2 Hk Dk + Hv Dv
+  int mixed_width;  // F
+  int z_offset;
+  int b_offset;
+  int a_offset;
+  int gate_width;  // a's values per value head: 1, or Dk per key channel
+  int log_rate;  // 1: rate = -exp(decay_parameter); 0: the rate itself
+  int has_lower_bound;
+  float lower_bound;
+  float beta_scale;  // 1, or 2 with allow_neg_eigval
+  int sigmoid_output_gate;  // 0: silu(z)
+  float norm_eps;
+  int checkpoint_count;
+};
+
 }  // namespace mlx_gated_delta::cuda

@@ -84,4 +84,11 @@ GD_HOST_DEVICE constexpr int backward_shared_floats(int key_dim, bool per_key) {
       2 * kBackwardWarps * backward_partial_width(key_dim, per_key);
 }
 
+// The segment's own stages (segment.cu): prepare_conv and
+// collect_conv_state one thread per channel of a row, prepare_gates one per
+// gate value, kSegmentThreads to a block; gated_norm one warp per (token,
+// value head) row, kGatedNormWarps to a block.
+constexpr int kSegmentThreads = 256;
+constexpr int kGatedNormWarps = 8;
+
 }  // namespace mlx_gated_delta::cuda

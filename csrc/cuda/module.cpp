@@ -27,6 +27,9 @@ struct Driver {
   decltype(&::cuModuleGetFunction) module_get_function = nullptr;
   decltype(&::cuFuncSetAttribute) func_set_attribute = nullptr;
   decltype(&::cuGetErrorString) get_error_string = nullptr;
+  // CUDA 13's cuMemPrefetchAsync (cuda.h maps the name to the _v2 entry).
+  CUresult (*mem_prefetch_async)(
+      CUdeviceptr, size_t, CUmemLocation, unsigned int, CUstream) = nullptr;
 
   Driver() {
     void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -38,6 +41,7 @@ struct Driver {
     bind(library, "cuModuleGetFunction", module_get_function);
     bind(library, "cuFuncSetAttribute", func_set_attribute);
     bind(library, "cuGetErrorString", get_error_string);
+    bind(library, "cuMemPrefetchAsync_v2", mem_prefetch_async);
   }
 
   template <typename F>
@@ -60,6 +64,11 @@ struct Driver {
   }
 };
 
+const Driver& driver() {
+  static const Driver loaded;
+  return loaded;
+}
+
 struct Loaded {
   CUfunction function;
   int shared_bytes;
@@ -76,7 +85,7 @@ CUfunction kernel(
   static std::map<std::pair<int, std::string>, CUmodule> modules;
   static std::map<std::pair<int, std::string>, Loaded> kernels;
   std::lock_guard<std::mutex> lock(mutex);
-  static const Driver driver;
+  const Driver& driver = cuda::driver();
 
   auto found = kernels.find({device, name});
   if (found == kernels.end()) {
@@ -116,6 +125,20 @@ CUfunction kernel(
     found->second.shared_bytes = shared_bytes;
   }
   return found->second.function;
+}
+
+void prefetch_to_device(
+    int device, const void* data, size_t bytes, CUstream stream) {
+  if (data == nullptr || bytes == 0) {
+    return;
+  }
+  CUmemLocation location{};
+  location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  location.id = device;
+  // A hint: where the driver refuses it (memory that is not managed, a
+  // system without concurrent managed access), the pages fault in instead.
+  driver().mem_prefetch_async(
+      reinterpret_cast<CUdeviceptr>(data), bytes, location, 0, stream);
 }
 
 }  // namespace mlx_gated_delta::cuda

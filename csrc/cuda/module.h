@@ -18,4 +18,11 @@ CUfunction kernel(
     const std::string& name,
     int shared_bytes);
 
+// Moves the pages of the unified (managed) memory [data, data + bytes) to
+// GPU `device`, ordered on `stream`, so that the kernels after it on the
+// stream do not fault them in one by one: MLX's exported allocator hands out
+// unified memory, and a buffer new to it has no pages on the GPU yet.
+void prefetch_to_device(
+    int device, const void* data, size_t bytes, CUstream stream);
+
 }  // namespace mlx_gated_delta::cuda

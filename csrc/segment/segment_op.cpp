@@ -11,22 +11,29 @@
 #include "segment/segment_primitive.h"
 #include "validation/arguments.h"
 
+#ifdef MLX_GATED_DELTA_CUDA
+#include "cuda/executor.h"
+#endif
+
 namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
 
 namespace {
 
-// Set by a test hook (test_hooks.cpp) so that the CPU's tests check the
-// segment as MLX ops, the path MLX's CUDA backend takes.
+// Set by a test hook (test_hooks.cpp) so that the tests check the segment as
+// MLX ops, the path of a CUDA call that the segment's kernels do not cover.
 std::atomic<bool> segment_as_ops_on_every_stream{false};
 
-// MLX's CUDA backend has kernels for the core op but none for the segment's
-// own stages (docs/cuda.md): there the segment runs as MLX ops on the GPU
-// around the core op, instead of on another device.
-bool segment_runs_as_ops([[maybe_unused]] mx::Stream stream) {
+// On MLX's CUDA backend the segment's kernels (csrc/cuda/segment.cu) need the
+// core's kernels; a call whose core has none (key dims over 256) runs as MLX
+// ops on the GPU around the core op, which sends the core to the CPU stream
+// (docs/cuda.md), instead of the whole segment on another device.
+bool segment_runs_as_ops(
+    [[maybe_unused]] mx::Stream stream,
+    [[maybe_unused]] const SegmentParams& params) {
 #ifdef MLX_GATED_DELTA_CUDA
-  if (stream.device == mx::Device::gpu) {
+  if (stream.device == mx::Device::gpu && !cuda::has_segment_kernels(params)) {
     return true;
   }
 #endif
@@ -157,7 +164,7 @@ std::vector<mx::array> gated_delta_segment(
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
-  if (segment_runs_as_ops(stream)) {
+  if (segment_runs_as_ops(stream, p)) {
     return segment_as_ops(
         p,
         requested,

@@ -11,6 +11,8 @@
 
 #ifdef _METAL_
 #include "metal/executor.h"
+#elif defined(MLX_GATED_DELTA_CUDA)
+#include "cuda/executor.h"
 #endif
 
 namespace mx = mlx::core;
@@ -135,6 +137,8 @@ void GatedDeltaSegment::eval_gpu(
 #ifdef _METAL_
   metal::eval_segment_gpu(
       params_for(inputs), algorithm_, inputs, outputs, stream());
+#elif defined(MLX_GATED_DELTA_CUDA)
+  cuda::eval_segment(params_for(inputs), algorithm_, inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "

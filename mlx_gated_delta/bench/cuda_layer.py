@@ -1,18 +1,31 @@
-"""The whole-layer rows of ``bench --cuda``: the patched Qwen3-Next layer (our segment, whose
-conv, gates and norm run as MLX ops on the GPU around our CUDA kernels) against mlx-lm's stock
-layer (MLX ops, and mx.fast.gated_delta_update's per-token op loop on CUDA) with the same
-weights, bf16, on MLX's CUDA device: decode and prefill (``layer.run_layer_benchmark``'s quick
-shapes) and a training step (``nn.value_and_grad`` of the summed output over the layer's
-parameters). Wall time from issue to the GPU's end (``mx.eval`` waits for it), medians of
-calls that take turns; peak memory is the growth of MLX's peak over one call."""
+"""The whole-layer rows of ``bench --cuda``: the patched Qwen3-Next layer (our segment: its
+conv, gates and norm as CUDA kernels around our core kernels) against mlx-lm's stock layer (MLX
+ops, and mx.fast.gated_delta_update's per-token op loop on CUDA) with the same weights, bf16, on
+MLX's CUDA device: decode and prefill (``layer.shapes``' quick shapes), with the same patched
+layer's segment as MLX ops around our core kernels (the path before the segment's kernels, and
+still the fallback, through the test hook) timed in turn; a Kimi-Linear prefill row; and a
+training step (``nn.value_and_grad`` of the summed output over the layer's parameters). Wall
+time from issue to the GPU's end (``mx.eval`` waits for it), medians of calls that take turns;
+peak memory is the growth of MLX's peak over one call."""
 
 from __future__ import annotations
 
 import statistics
+from functools import partial
 
 import mlx.core as mx
 
-from .layer import layer_inputs, layer_step, qwen3_next_layers, run_layer_benchmark
+from .. import _ext
+from .layer import (
+    DTYPE_NAMES,
+    CoreOpRow,
+    core_op_layers,
+    layer_inputs,
+    layer_step,
+    qwen3_next_layers,
+    shapes,
+    time_core_op_row,
+)
 from .timing import time_rounds
 
 TRAINING_TOKENS = (512, 2048)
@@ -46,10 +59,66 @@ def training_rows(tokens=TRAINING_TOKENS, repeats: int = 3) -> list[dict]:
     return rows
 
 
+def forward_rows(progress=None) -> list[dict]:
+    """Per quick shape of ``layer.shapes``: ours, ours with the segment as MLX ops around the
+    core op (``_ext.set_segment_as_ops_on_every_stream``, read while the call's graph is
+    built) and mlx-lm's layer, taking turns from fresh caches."""
+    ours, stock = qwen3_next_layers(mx.bfloat16)
+    rows = []
+    for dtype, batch, tokens, repeats in shapes(quick=True):
+        label = f"{DTYPE_NAMES[dtype]} B={batch} T={tokens}"
+        if progress is not None:
+            progress(f"layer {label}")
+        x, fresh_cache = layer_inputs(dtype, batch, tokens)
+
+        def call(layer, as_ops, cache):
+            _ext.set_segment_as_ops_on_every_stream(as_ops)
+            try:
+                out = layer(x, cache=cache)
+            finally:
+                _ext.set_segment_as_ops_on_every_stream(False)
+            mx.eval(out, cache[0], cache[1])
+
+        times = time_rounds(
+            {
+                "ours": partial(call, ours, False),
+                "as ops": partial(call, ours, True),
+                "mlx-lm": partial(call, stock, False),
+            },
+            repeats,
+            prepare=lambda: (fresh_cache(),),
+        )
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        rows.append(
+            {
+                "shape": f"{label} {'decode' if tokens == 1 else 'prefill'}",
+                "B": batch,
+                "T": tokens,
+                "repeats": repeats,
+                "ours_ms": ms["ours"],
+                "segment_as_ops_ms": ms["as ops"],
+                "mlx_lm_ms": ms["mlx-lm"],
+                "speedup": ms["mlx-lm"] / ms["ours"],
+            }
+        )
+    return rows
+
+
+def kimi_linear_rows(progress=None) -> list[dict]:
+    """Kimi-Linear's layer (per-key gates: the segment's KDA options) at prefill T=512, B=1,
+    bf16, against mlx-lm's (``layer.time_core_op_row``)."""
+    ours, stock = core_op_layers("kimi_linear")
+    row = CoreOpRow("kimi_linear", "prefill", 512, 3, 1)
+    if progress is not None:
+        progress(f"layer {row.label}")
+    return [time_core_op_row(row, ours, stock)]
+
+
 def run(progress) -> dict:
-    """Both kinds of rows, on the default device (the caller sets MLX's GPU)."""
+    """Every kind of row, on the default device (the caller sets MLX's GPU)."""
     return {
-        "forward": run_layer_benchmark(quick=True, progress=progress),
+        "forward": forward_rows(progress),
+        "kimi_linear": kimi_linear_rows(progress),
         "training": training_rows(),
     }
 
@@ -65,10 +134,29 @@ def table(record: dict) -> str:
         lines.append(
             f"| {r['shape']} | {r['ours_ms']:.2f} | {r['mlx_lm_ms']:.2f} | {r['speedup']:.1f}x |"
         )
+    for r in record.get("kimi_linear", []):
+        lines.append(
+            f"| {r['shape']} | {r['ours_ms']:.2f} | {r['mlx_lm_ms']:.2f} | {r['speedup']:.1f}x |"
+        )
     for r in record["training"]:
         lines.append(
             f"| training step B=1 T={r['T']} | {r['ours']['ms']:.2f} "
             f"(peak {r['ours']['peak_mib']:.0f} MiB) | {r['mlx-lm']['ms']:.2f} "
             f"(peak {r['mlx-lm']['peak_mib']:.0f} MiB) | {r['speedup']:.1f}x |"
         )
+    compared = [r for r in record["forward"] if "segment_as_ops_ms" in r]
+    if compared:
+        lines += [
+            "",
+            "The segment's stages as CUDA kernels against the segment as MLX ops around the same",
+            "core kernels (the same patched layer, the same run):",
+            "",
+            "| rows | kernels ms | as ops ms | ratio |",
+            "|---|---|---|---|",
+        ]
+        for r in compared:
+            lines.append(
+                f"| {r['shape']} | {r['ours_ms']:.2f} | {r['segment_as_ops_ms']:.2f} "
+                f"| {r['segment_as_ops_ms'] / r['ours_ms']:.1f}x |"
+            )
     return "\n".join(lines)

@@ -2,14 +2,15 @@
 Bailing-MoE-V3's). Every projection goes through `common.apply_projection`
 (our CPU kernel for a plain dense one, the module's own call otherwise).
 
-On the CPU the projections' outputs, packed `[q | k | v | output gate | b |
-f]`, run through the fused segment (`kda_segment`): the short convolutions
-as one, the per-key-channel gates (`dt_bias` read `[H, Dk]`, the lower bound
-where the model has one), the recurrence and `o_norm(y) * sigmoid(gate)`,
-forward and backward, with masked tokens skipped. Elsewhere (the segment's
-per-key gates are CPU kernels so far) the core op runs between mlx-lm's
-short convolutions (`short_conv`), gates (`kda_log_decay`) and output norm,
-as MLX ops."""
+On the CPU and on MLX's CUDA GPU (`segment_cache.runs_on_segment`) the
+projections' outputs, packed `[q | k | v | output gate | b | f]`, run
+through the fused segment (`kda_segment`): the short convolutions as one,
+the per-key-channel gates (`dt_bias` read `[H, Dk]`, the lower bound where
+the model has one), the recurrence and `o_norm(y) * sigmoid(gate)`, forward
+and backward, with masked tokens skipped. On a Metal GPU (the Metal
+segment's per-key gates are checked in the emulator only) the core op runs
+between mlx-lm's short convolutions (`short_conv`), gates (`kda_log_decay`)
+and output norm, as MLX ops."""
 
 from __future__ import annotations
 
@@ -83,8 +84,8 @@ class KimiDeltaAttention(nn.Module):
     Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
     softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
     channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
-    the per-key gates. On the CPU the layer runs the fused segment
-    (`kda_segment`); elsewhere the core op between `short_conv`,
+    the per-key gates. On the CPU and the CUDA GPU the layer runs the fused
+    segment (`kda_segment`); on a Metal GPU the core op between `short_conv`,
     `kda_log_decay` and the output norm as MLX ops (the module's docstring).
     """
 
@@ -177,8 +178,9 @@ class KimiK3DeltaAttention(nn.Module):
     Kimi-Linear's layer with one projection and one convolution for q, k and
     v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
     gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
-    sets `gate_lower_bound`, Kimi-Linear's otherwise. On the CPU the layer
-    runs the fused segment (`kda_segment`); elsewhere the core op between
+    sets `gate_lower_bound`, Kimi-Linear's otherwise. On the CPU and the CUDA
+    GPU the layer runs the fused segment (`kda_segment`); on a Metal GPU the
+    core op between
     `short_conv`, the gates and the norm as MLX ops. (mlx-lm's compiled
     one-token step on Metal computes the same thing.)
     """
@@ -281,8 +283,9 @@ class BailingKDA(nn.Module):
 
     Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
     `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
-    the segment's `lower_bound` on the CPU (`kda_segment`), elsewhere the
-    core op between `short_conv`, the gates and the output norm as MLX ops.
+    the segment's `lower_bound` on the CPU and the CUDA GPU (`kda_segment`),
+    on a Metal GPU the core op between `short_conv`, the gates and the
+    output norm as MLX ops.
     mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
     lower-bounded decay); other settings are refused as there.
     """

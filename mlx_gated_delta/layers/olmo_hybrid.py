@@ -23,8 +23,9 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
     The projections go through `apply_projection` (our CPU kernel for a
-    plain dense one, the module's own call otherwise). On the CPU their
-    outputs, packed `[q | k | v | g | b | a]`, run through the fused segment
+    plain dense one, the module's own call otherwise). On the CPU and on
+    MLX's CUDA GPU (`segment_cache.runs_on_segment`) their outputs, packed
+    `[q | k | v | g | b | a]`, run through the fused segment
     (`segment_cache.segment_in_cache`): the three convolutions as one over
     their concatenated channels, the gates, the recurrence (normalize_qk,
     scale `Dk ** -0.5`) with `beta = 2 sigmoid(b)` in `[0, 2]` where the
@@ -34,10 +35,11 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     gives alone (mlx-lm's layer lets the padding into the convolutions and
     does not).
 
-    Elsewhere (the segment's gate variants are CPU kernels so far) the
-    convolutions run through `short_conv`, which zeroes the masked tokens
-    and ends each row's conv state at its own length, the recurrence is
-    the core op `gated_delta_rule`, and the gated norm mlx-lm's MLX ops.
+    On a Metal GPU (the Metal segment's gate variants are checked in the
+    emulator only) the convolutions run through `short_conv`, which zeroes
+    the masked tokens and ends each row's conv state at its own length, the
+    recurrence is the core op `gated_delta_rule`, and the gated norm
+    mlx-lm's MLX ops.
     """
 
     def __init__(self, config: Any):

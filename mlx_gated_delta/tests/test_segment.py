@@ -338,17 +338,6 @@ def test_vmap_is_one_call_per_mapped_slice(algorithm):
             assert np.array_equal(to_float64(got[i]), to_float64(expected)), (name, i)
 
 
-# On MLX's CUDA backend the segment is MLX ops around the core op
-# (docs/cuda.md), which MLX maps and differentiates op by op: the segment
-# primitive's refusals below are not its behaviour there
-# (tests/test_segment_as_ops.py checks what the ops do instead).
-PRIMITIVE_ONLY = pytest.mark.skipif(
-    mx.cuda.is_available() and mx.default_device() == mx.gpu,
-    reason="the segment runs as MLX ops around the core op on MLX's CUDA backend",
-)
-
-
-@PRIMITIVE_ONLY
 def test_vmap_over_the_weights_is_refused_clearly():
     case = make_segment_case(
         6, batch=1, tokens=3, key_heads=1, value_heads=2, key_dim=8, value_dim=8
@@ -365,7 +354,6 @@ def test_vmap_over_the_weights_is_refused_clearly():
     assert "vmap" in str(failure.value) and "conv_weight" in str(failure.value)
 
 
-@PRIMITIVE_ONLY
 def test_jvp_through_the_segment_raises_a_clear_error():
     # No forward mode yet: refused, never silently wrong (or zero). The
     # gradient (reverse mode) is tested in test_segment_gradients.

@@ -1,6 +1,8 @@
 """Quick agreement check of the CUDA kernels against the CPU kernels and the
 float64 oracle, on shapes the property tests do not draw (the Qwen3-Next
-shape, long calls), and of the CUDA backward's gradients against the CPU
+shape, long calls), of the fused segment's kernels against the CPU's segment
+and the float64 segment oracle (the gate variants, masks, checkpoints, both
+core forms), and of the CUDA backward's gradients against the CPU
 backward's (every input's gradient, norm-wise per tensor, within twice the
 gradient contract that each meets against the float64 reference, as
 core_grad.algorithms compares two float32 computations), with the exact zeros
@@ -17,12 +19,13 @@ import sys
 import mlx.core as mx
 import numpy as np
 
-from mlx_gated_delta import gated_delta_rule
+from mlx_gated_delta import gated_delta_rule, gated_delta_segment
 from mlx_gated_delta.reference import (
     gated_delta_rule_reference,
     gated_delta_rule_reference_vjp,
     to_float64,
 )
+from mlx_gated_delta.testing.segment_cases import make_segment_case
 
 
 def draw(B, T, Hk, Hv, Dk, Dv, dtype, per_key, seed):
@@ -122,7 +125,9 @@ def main():
     ]
     for n, (B, T, Hk, Hv, Dk, Dv, dtype, options) in enumerate(gradient_cases):
         failures += not check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options)
-    total = len(cases) + len(gradient_cases)
+    for n, (algorithm, checkpoints, shape) in enumerate(SEGMENT_CASES):
+        failures += not check_segment(n, algorithm, checkpoints, shape)
+    total = len(cases) + len(gradient_cases) + len(SEGMENT_CASES)
     print(f"check: {total - failures} ok, {failures} failed")
     return 1 if failures else 0
 
@@ -193,6 +198,168 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
         flush=True,
     )
     return ok
+
+
+QWEN3_NEXT = dict(key_heads=16, value_heads=32, key_dim=128, value_dim=128)
+KIMI_LINEAR = dict(key_heads=32, value_heads=32, key_dim=128, value_dim=128, per_key_gates=True)
+# The fused segment: (algorithm, checkpoints, make_segment_case's arguments).
+SEGMENT_CASES = [
+    ("auto", None, dict(batch=1, tokens=1, dtype="bfloat16", **QWEN3_NEXT)),
+    ("auto", None, dict(batch=8, tokens=1, dtype="bfloat16", **QWEN3_NEXT)),
+    (
+        "auto",
+        None,
+        dict(batch=2, tokens=300, dtype="bfloat16", mask_kind="left_padding", **QWEN3_NEXT),
+    ),
+    ("auto", [1, 64, 200], dict(batch=1, tokens=200, dtype="float32", **QWEN3_NEXT)),
+    (
+        "auto",
+        None,
+        dict(
+            batch=1,
+            tokens=1,
+            dtype="bfloat16",
+            lower_bound=-5.0,
+            output_gate="sigmoid",
+            **KIMI_LINEAR,
+        ),
+    ),
+    (
+        "auto",
+        [2, 90],
+        dict(
+            batch=2,
+            tokens=90,
+            dtype="float32",
+            mask_kind="random",
+            output_gate="sigmoid",
+            **KIMI_LINEAR,
+        ),
+    ),
+    (
+        "recurrent",
+        [5, 40],
+        dict(
+            batch=3,
+            tokens=40,
+            key_heads=2,
+            value_heads=4,
+            key_dim=64,
+            value_dim=48,
+            dtype="float16",
+            mask_kind="random",
+            head_mapping="interleaved",
+            decay_parameterization="negative_rate",
+            allow_neg_eigval=True,
+            per_key_gates=True,
+            lower_bound=-1.0,
+        ),
+    ),
+    (
+        "chunked",
+        [3, 64, 130],
+        dict(
+            batch=2,
+            tokens=130,
+            key_heads=2,
+            value_heads=4,
+            key_dim=48,
+            value_dim=40,
+            conv_kernel=3,
+            dtype="float32",
+            mask_kind="right_padding",
+            with_conv_state=False,
+            allow_neg_eigval=True,
+        ),
+    ),
+    (
+        "recurrent",
+        None,
+        dict(
+            batch=2,
+            tokens=7,
+            key_heads=1,
+            value_heads=2,
+            key_dim=32,
+            value_dim=32,
+            conv_kernel=1,
+            dtype="float32",
+        ),
+    ),
+    (
+        "recurrent",
+        [2, 3],
+        dict(
+            batch=2,
+            tokens=3,
+            key_heads=1,
+            value_heads=2,
+            key_dim=32,
+            value_dim=32,
+            conv_kernel=6,
+            dtype="bfloat16",
+            mask_kind="random",
+        ),
+    ),
+]
+
+
+def check_segment(n, algorithm, checkpoints, shape):
+    """The segment on the GPU (its kernels around the core's) against the CPU's
+    segment and the float64 oracle: out and the state within the tolerances of
+    the core's cases above against the oracle, both devices; the conv states
+    (and their checkpoints) equal to the CPU's, bit for bit (they are copies);
+    the state checkpoints within the state's tolerance of the CPU's; a masked
+    token's out exactly 0."""
+    case = make_segment_case(300 + n, **shape)
+
+    def call(stream):
+        outputs = gated_delta_segment(
+            *case.args(),
+            algorithm=algorithm,
+            checkpoints=checkpoints,
+            stream=stream,
+            **case.options,
+        )
+        mx.eval(outputs)
+        return [np.asarray(x.astype(mx.float32), dtype=np.float64) for x in outputs]
+
+    gpu, cpu = call(mx.gpu), call(mx.cpu)
+    ref_out, ref_conv_state, ref_state = case.reference()
+    errors = {
+        "out": (relative_to(gpu[0], ref_out), relative_to(cpu[0], ref_out)),
+        "state": (relative_to(gpu[2], ref_state), relative_to(cpu[2], ref_state)),
+    }
+    dtype = shape["dtype"]
+    tolerance = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-4}[dtype]
+    ok = errors["out"][0] < tolerance and errors["state"][0] < 1e-4
+    ok = ok and all(np.isfinite(e[0]) for e in errors.values())
+    conv_states = [(gpu[1], cpu[1])] + ([(gpu[3], cpu[3])] if checkpoints else [])
+    exact = all(np.array_equal(a, b) for a, b in conv_states)
+    exact = exact and np.array_equal(gpu[1], np.asarray(ref_conv_state, dtype=np.float64))
+    mask = case.options.get("mask")
+    if mask is not None:
+        exact = exact and np.all(gpu[0][~np.asarray(mask)] == 0.0)
+    details = ", ".join(f"{k} {g:.2e} (cpu {c:.2e})" for k, (g, c) in errors.items())
+    if checkpoints:
+        saved = relative_to(gpu[4], cpu[4])
+        ok = ok and saved < 1e-4
+        details += f", state checkpoints against the CPU {saved:.2e}"
+    ok = ok and exact
+    options = {k: v for k, v in shape.items() if k not in ("batch", "tokens", "dtype")}
+    print(
+        f"{'ok  ' if ok else 'FAIL'} segment B={shape['batch']} T={shape['tokens']} {dtype} "
+        f"{algorithm} checkpoints={checkpoints} {options}: against float64 {details}; "
+        f"conv states and masked zeros {'exact' if exact else 'NOT EXACT'}",
+        flush=True,
+    )
+    return ok
+
+
+def relative_to(actual, expected):
+    """The norm-wise relative error of two float64 arrays."""
+    expected = np.asarray(expected, dtype=np.float64)
+    return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
 
 
 if __name__ == "__main__":

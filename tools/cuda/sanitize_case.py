@@ -1,15 +1,17 @@
 """The calls compute-sanitizer watches (tools/cuda/sanitize.sh): every CUDA kernel of the
 core op once, on small shapes (two chunks and a partial one, a mask, checkpoints, per-key
-gates, a tree), the backward with a mask (scalar and per-key gates), and checks of the
-chunked result against the recurrent one and of the backward's gradients against the
-CPU's, so that a race that changes the numbers also fails the run."""
+gates, a tree), the backward with a mask (scalar and per-key gates), the fused segment's
+kernels (a mask, checkpoints, per-key and scalar gates, both core forms), and checks of the
+chunked result against the recurrent one, of the backward's gradients and of the segment's
+outputs against the CPU's, so that a race that changes the numbers also fails the run."""
 
 import sys
 
 import mlx.core as mx
 import numpy as np
 
-from mlx_gated_delta import gated_delta_rule
+from mlx_gated_delta import gated_delta_rule, gated_delta_segment
+from mlx_gated_delta.testing.segment_cases import make_segment_case
 
 
 def main():
@@ -82,7 +84,47 @@ def main():
         for a, b in zip(gradients(mx.gpu, gates), gradients(mx.cpu, gates))
     )
     print(f"sanitize_case: backward against the CPU's, max relative difference {worst_grad:.2e}")
-    return 0 if worst < 1e-4 and worst_grad < 2e-3 else 1
+    worst_segment = segment_differences()
+    print(f"sanitize_case: segment against the CPU's, max relative difference {worst_segment:.2e}")
+    return 0 if worst < 1e-4 and worst_grad < 2e-3 and worst_segment < 1e-4 else 1
+
+
+def segment_differences():
+    """The segment's kernels: a masked call with checkpoints through the chunked core
+    (scalar gates) and through the recurrent one (per-key gates, the gate variants);
+    the largest norm-wise difference of any output from the CPU's."""
+    worst = 0.0
+    for seed, algorithm, options in (
+        (0, "chunked", {}),
+        (1, "recurrent", {"per_key_gates": True, "lower_bound": -5.0, "output_gate": "sigmoid"}),
+    ):
+        case = make_segment_case(
+            seed,
+            batch=2,
+            tokens=100,
+            key_heads=1,
+            value_heads=2,
+            key_dim=32,
+            value_dim=32,
+            mask_kind="random",
+            allow_neg_eigval=True,
+            **options,
+        )
+        outputs = {
+            stream: gated_delta_segment(
+                *case.args(),
+                algorithm=algorithm,
+                checkpoints=[3, 64],
+                stream=stream,
+                **case.options,
+            )
+            for stream in (mx.gpu, mx.cpu)
+        }
+        mx.eval(outputs[mx.gpu], outputs[mx.cpu])
+        for a, b in zip(outputs[mx.gpu], outputs[mx.cpu]):
+            a, b = np.asarray(a.astype(mx.float32)), np.asarray(b.astype(mx.float32))
+            worst = max(worst, float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)))
+    return worst
 
 
 if __name__ == "__main__":
