@@ -144,22 +144,6 @@ void row_column_products(
   gemm(L, dk, L, 1.0f, {x, 1, C}, a, dk, columns, dk, Triangle::UpperA);
 }
 
-// Adds c to dG_i and -c to dG_j for every term c_ij = dX_ij X_ij (j < i) of
-// a decayed [L, L] matrix X (X_ij = decay(i, j) times the rest); on the
-// diagonal the two would cancel.
-void decayed_matrix_gate_terms(
-    const float* d_matrix, const float* matrix, int L, float* d_log) {
-  for (int i = 0; i < L; ++i) {
-    float row_sum = 0.0f;
-    for (int j = 0; j < i; ++j) {
-      const float c = d_matrix[i * C + j] * matrix[i * C + j];
-      row_sum += c;
-      d_log[j] -= c;
-    }
-    d_log[i] += row_sum;
-  }
-}
-
 // Scalar gates: one decay per row (the notation of chunked_backward_stages.h).
 struct ScalarGates {
   // One factor per row: the same for every channel.
@@ -201,16 +185,15 @@ struct ScalarGates {
     return b.m.data();
   }
 
-  // dMd = dM o decay, dq = dMd K, dk = dMd^T Q; M's decay terms dM_ij M_ij.
+  // dMd = dM o decay (into b.m, read), dq = dMd K, dk = dMd^T Q.
   static void output_products(
       const GatedDeltaParams& p, int L, BackwardScratch& b) {
     const ChunkScratch& s = b.s;
-    decayed_matrix_gate_terms(b.dm.data(), b.m.data(), L, b.d_log.data());
     for (int i = 0; i < L; ++i) {
       for (int j = 0; j < L; ++j) {
         // The decay matrix is 0 above the diagonal, where LowerC may have
         // left partial sums.
-        b.dm[i * C + j] *= s.decay[i * C + j];
+        b.m[i * C + j] = b.dm[i * C + j] * s.decay[i * C + j];
       }
     }
     fill_zero(b.dq);
@@ -218,16 +201,16 @@ struct ScalarGates {
     row_column_products(
         L,
         p.key_dim,
-        b.dm.data(),
+        b.m.data(),
         s.q.data(),
         s.k.data(),
         b.dq.data(),
         b.dk.data());
   }
 
-  // With P = dO S0: dq_i += Gamma_i P_i and the decay term Gamma_i P_i . q_i;
-  // dS0 = Gamma_{L-1} dS + Q^T diag(Gamma) dO, whose chunk decay gains
-  // <dS, S0>.
+  // With P = dO S0: dq_i += Gamma_i P_i, and Gamma_i's gradient gains
+  // P_i . q_i; dS0 = Gamma_{L-1} dS + Q^T diag(Gamma) dO, and Gamma_{L-1}'s
+  // gradient gains <dS, S0>.
   static EntryOperands entry_backward(
       const GatedDeltaParams& p,
       int L,
@@ -238,7 +221,7 @@ struct ScalarGates {
     for (int i = 0; i < L; ++i) {
       const float decay_from_start = s.decays.from_start(i);
       const float* out_state = &b.out_state[i * dk];
-      b.d_log[i] += decay_from_start * dot(out_state, &s.q[i * dk], dk);
+      b.entry_terms[i] += dot(out_state, &s.q[i * dk], dk);
       axpy(decay_from_start, out_state, &b.dq[i * dk], dk);
       for (int c = 0; c < dv; ++c) {
         b.scaled_d_out[i * dv + c] = decay_from_start * b.d_out[i * dv + c];
@@ -250,30 +233,27 @@ struct ScalarGates {
       b.ds0_t[e] = chunk_decay * b.ds_t[e];
       entry_term += b.ds_t[e] * entry_t[e];
     }
-    b.d_log[L - 1] += chunk_decay * entry_term;
+    b.entry_terms[L - 1] += entry_term;
     return {s.q.data(), b.scaled_d_out.data()};
   }
 
-  // dk_j += e_j (V' dS)_j, and its decay term at L - 1 and j.
+  // dk_j += e_j (V' dS)_j, and e_j's gradient (V' dS)_j . k_j.
   static void exit_backward(
       const GatedDeltaParams& p, int L, BackwardScratch& b) {
     const int dk = p.key_dim;
     const ChunkScratch& s = b.s;
     for (int j = 0; j < L; ++j) {
       const float e = s.decays.to_end(j);
-      float term = 0.0f;
+      const float* row = &b.row_tmp[j * dk];
       for (int c = 0; c < dk; ++c) {
-        const float d = e * b.row_tmp[j * dk + c];
-        b.dk[j * dk + c] += d;
-        term += d * s.k[j * dk + c];
+        b.dk[j * dk + c] += e * row[c];
       }
-      b.d_log[L - 1] += term;
-      b.d_log[j] -= term;
+      b.exit_terms[j] = dot(row, &s.k[j * dk], dk);
     }
   }
 
-  // Kb_i = beta_i Gamma_i k_i: dk_i += beta_i Gamma_i dKb_i, and dbeta_i and
-  // the decay term gain Gamma_i dKb_i . k_i (the latter times beta_i).
+  // Kb_i = beta_i Gamma_i k_i: dk_i += beta_i Gamma_i dKb_i; dbeta_i gains
+  // Gamma_i dKb_i . k_i and Gamma_i's gradient beta_i dKb_i . k_i.
   static float scaled_key_backward(
       const GatedDeltaParams& p, int i, BackwardScratch& b) {
     const int dk = p.key_dim;
@@ -283,41 +263,45 @@ struct ScalarGates {
     const float* d_scaled_k = &b.d_scaled_k[i * dk];
     const float k_term = dot(d_scaled_k, &s.k[i * dk], dk);
     axpy(w_scale, d_scaled_k, &b.dk[i * dk], dk);
-    b.d_log[i] += w_scale * k_term;
+    b.entry_terms[i] += s.beta[i] * k_term;
     return decay_from_start * k_term;
   }
 
-  // With dAk = dA o beta_i decay(i, j): dk += dAk K + dAk^T K, and A's shares
-  // of dbeta and the gate.
+  // With dAk = dA o beta_i decay(i, j) (into b.x, read): dk += dAk K +
+  // dAk^T K and dbeta_i gains sum_j dA_ij decay(i, j) k_i.k_j; b.da keeps
+  // beta_i dA_ij.
   static void inverse_backward(
       const GatedDeltaParams& p, int L, BackwardScratch& b) {
     const ChunkScratch& s = b.s;
-    // A's terms: with t_ij = dA_ij decay(i, j) k_i.k_j, dbeta_i gains t_ij
-    // and the decay term is dA_ij A_ij = beta_i t_ij.
     for (int i = 0; i < L; ++i) {
       float dbeta = 0.0f;
       for (int j = 0; j < L; ++j) {
+        const int e = i * C + j;
         if (j >= i) {
-          b.da[i * C + j] = 0.0f;
+          b.x[e] = b.da[e] = 0.0f;
           continue;
         }
-        const float decayed = s.decay[i * C + j] * b.da[i * C + j];
-        const float term = decayed * b.k_gram[i * C + j];
-        dbeta += term;
-        b.d_log[j] -= s.beta[i] * term;
-        b.da[i * C + j] = s.beta[i] * decayed;
+        const float decayed = s.decay[e] * b.da[e];
+        dbeta += decayed * b.k_gram[e];
+        b.x[e] = s.beta[i] * decayed;
+        b.da[e] *= s.beta[i];
       }
       b.dbeta[i] += dbeta;
-      b.d_log[i] += s.beta[i] * dbeta;
     }
     row_column_products(
         L,
         p.key_dim,
-        b.da.data(),
+        b.x.data(),
         s.k.data(),
         s.k.data(),
         b.dk.data(),
         b.dk.data());
+  }
+
+  // dM_ij (q_i . k_j) + beta_i dA_ij (k_i . k_j).
+  static RowFactor pair_term(const BackwardScratch& b, int i, int j, int) {
+    const int e = i * C + j;
+    return {b.dm[e] * b.s.qk[e] + b.da[e] * b.k_gram[e]};
   }
 };
 

@@ -26,11 +26,12 @@
 //                           dKb = T^T dW;  dv = diag(beta) dVb; dk, dbeta
 //   kkt_inverse_backward    dA = -T^T dT T^T (strictly lower);  dk from
 //                           both sides of k_i.k_j, dbeta
-//   gate_cumsum_backward    every decay is exp(G_i - G_j) of the in-chunk
-//                           cumulative log decay G, so each term c of
-//                           d(decay) decay adds c to dG_i and -c to dG_j;
-//                           dg_t = sum_{i >= t} dG_i (a reverse cumulative
-//                           sum); d(linear decay)_t = dg_t / exp(g_t)
+//   gate_cumsum_backward    every decay is decay(i, j) = prod_{j < s <= i}
+//                           gamma_s, gamma = exp(g), and the stages above
+//                           leave each one's gradient P_ij without it, so
+//                           dgamma_t = sum_{i >= t > j} P_ij decay(i, t)
+//                           decay(t-1, j) (decay_gradient); dg_t = gamma_t
+//                           dgamma_t
 // dS0 is carried to the previous chunk. The per-value-head dq and dk then go
 // through qk_grad_reduce (backward.cpp) like the recurrent form's.
 //
@@ -41,11 +42,10 @@
 // states' worth per chunk; T / 64 chunks of one problem per thread). The
 // reverse recomputes only the cheap rest (qk_norm, chunk_qk, gate_cumsum).
 // The entry state's share of the output, decay(i, -1) S0 q_i, is never
-// formed: its gate term is Gamma_i (dO_i S0) . q_i, from the product that
-// dq needs anyway. A chunk in which some decay is not a normal
-// float (a wipe, gamma == 0, or a subnormal decay) runs the recurrent form's
-// reverse instead: its gradient of the linear decay at a wipe is not
-// dg / decay, and the recurrent form gives it exactly.
+// formed: Gamma_i's gradient is (dO_i S0) . q_i, from the product that dq
+// needs anyway. A chunk in which some decay is not a normal float (a wipe,
+// gamma == 0, or a subnormal decay) runs the recurrent form's reverse
+// instead, which gives the gradient of a wipe exactly.
 // Masked tokens get exactly zero gradients, written as such.
 //
 // A decay kind provides, as static functions, what differs between the two:
@@ -55,15 +55,18 @@
 //                           boundary_states' (kept in the store) and the
 //                           reverse's (chunk_qk again, or the kept ones)
 //   output_matrix, output_products  chunk_output_backward's M, and dq, dk
-//                           and M's decay terms from dM
+//                           from dM (kept in b.dm)
 //   entry_backward, exit_backward  chunk_carry_backward's scaled shares: of
 //                           the entry state (from P = dO S0, returning the
-//                           operands of dS0 += (Q o Gamma)^T dO) and of the
-//                           exit state's keys (from V' dS)
-//   scaled_key_backward     recompute_w_u_backward's Kb row i: dk and the
-//                           decay terms; returns its share of dbeta_i
-//   inverse_backward        kkt_inverse_backward from dA: dk, dbeta and the
-//                           decay terms
+//                           operands of dS0 += (Q o Gamma)^T dO; Gamma's
+//                           gradients into b.entry_terms) and of the exit
+//                           state's keys (from V' dS; e's into b.exit_terms)
+//   scaled_key_backward     recompute_w_u_backward's Kb row i: dk and
+//                           Gamma_i's gradient; returns its share of dbeta_i
+//   inverse_backward        kkt_inverse_backward from dA: dk and dbeta,
+//                           keeping diag(beta) dA in b.da
+//   pair_term(b, i, j, dk)  the gradient of decay(i, j) (j < i) in M and
+//                           A without it, per channel (operator[])
 #pragma once
 
 #include <algorithm>
@@ -139,8 +142,12 @@ struct BackwardScratch {
         x(kChunkSize * kChunkSize),
         da(kChunkSize * kChunkSize),
         v_rows(kChunkSize * dv),
-        d_log(kChunkSize * (per_key ? dk : 1)),
-        suffix(per_key ? dk : 1),
+        entry_terms(kChunkSize * (per_key ? dk : 1)),
+        exit_terms(kChunkSize * (per_key ? dk : 1)),
+        gammas(kChunkSize * (per_key ? dk : 1)),
+        carried(kChunkSize * (per_key ? dk : 1)),
+        d_decay(kChunkSize * (per_key ? dk : 1)),
+        running(per_key ? dk : 1),
         key_columns(per_key ? kChunkSize * dk : 0),
         products(per_key ? dk : 0) {}
   ChunkScratch s;  // the forward's stages' outputs for this chunk
@@ -156,8 +163,13 @@ struct BackwardScratch {
   std::vector<float> d_scaled_v, d_scaled_k;  // dVb, dKb
   std::vector<float> inverse_t, x, da;  // T^T; dT T^T; dA, then dA o beta decay
   std::vector<float> v_rows;  // the chunk's v, float32
-  // dG, [L] or per key channel [L, Dk]; its running sum from the chunk's end.
-  std::vector<float> d_log, suffix;
+  // The gradients of the decays the products read, without the decays
+  // ([L], or per key channel [L, Dk]): of decay(i, -1), from the chunk's
+  // start, at row i (entry_terms), and of decay(L-1, j), to its end, at row
+  // j (exit_terms); gate_cumsum_backward's exp(g), carried sums h_t and
+  // gradient of the decays, and its running decay ([1] or [Dk]).
+  std::vector<float> entry_terms, exit_terms;
+  std::vector<float> gammas, carried, d_decay, running;
   float dbeta[kChunkSize];
   // Per-key gates only: the column side of a decayed product ([L, Dk]); the
   // decayed products' scratch.
@@ -332,8 +344,9 @@ void load_output_cotangent(
   }
 }
 
-// chunk_output_backward: dV' = M^T dO, dM = dO V'^T; then dq = R(dM, K),
-// dk = C(dM, Q) (the products through the decays) and M's decay terms.
+// chunk_output_backward: dV' = M^T dO, dM = dO V'^T (kept for the decays'
+// gradients); then dq = R(dM, K), dk = C(dM, Q), the products through the
+// decays.
 template <typename Gates>
 void chunk_output_backward(
     const GatedDeltaParams& p, int L, BackwardScratch& b) {
@@ -471,11 +484,54 @@ void kkt_inverse_backward(
   Gates::inverse_backward(p, L, b);
 }
 
-// gate_cumsum_backward: dg_t = sum_{i >= t} dG_i (per channel with per-key
-// gates), the linear decay's gradient dg_t / exp(g_t); then the chunk's rows
-// of every per-token gradient but dv (recompute_w_u_backward wrote it), 0
-// where masked.
-template <typename T>
+// gate_cumsum_backward's gradient of the decays, b.d_decay = dgamma. Every
+// decay the stages read is decay(i, j) = prod_{j < s <= i} gamma_s (j = -1:
+// from the chunk's start), and they left its gradient without it, P_ij:
+// Gates::pair_term (j < i), b.entry_terms (j = -1) and b.exit_terms
+// (i = L - 1). So dgamma_t = sum_{i >= t > j} P_ij decay(i, t) decay(t-1, j):
+// every term is formed without gamma_t and passes token t. (Summing dG_i over
+// i >= t instead, as dg, adds and subtracts the terms that do not pass t:
+// where gamma_t is tiny, their rounding is far larger than dg, and dg / gamma_t
+// would divide it by gamma_t.) With h_t[i] = sum_{j < t} P_ij decay(t-1, j),
+//   dgamma_t = sum_{i >= t} decay(i, t) h_t[i],  h_{t+1}[i] = gamma_t h_t[i]
+//   + P_it,  h_0[i] = P_{i,-1},
+// decay(i, t) as a running product over i: O(L^2) per channel, no exp.
+template <typename Gates>
+void decay_gradient(const GatedDeltaParams& p, int L, BackwardScratch& b) {
+  const int dk = p.key_dim, width = p.gate_width();
+  float* carried = b.carried.data();
+  float* running = b.running.data();
+  std::copy(b.entry_terms.begin(), b.entry_terms.end(), carried);
+  for (int t = 0; t < L; ++t) {
+    const float* gamma_t = &b.gammas[size_t(t) * width];
+    float* d_decay = &b.d_decay[size_t(t) * width];
+    std::copy(carried + t * width, carried + (t + 1) * width, d_decay);
+    std::fill(running, running + width, 1.0f);
+    for (int i = t + 1; i < L; ++i) {
+      const float* gamma_i = &b.gammas[size_t(i) * width];
+      float* carried_i = carried + size_t(i) * width;
+      const auto pair = Gates::pair_term(b, i, t, dk);
+#pragma omp simd
+      for (int c = 0; c < width; ++c) {
+        running[c] *= gamma_i[c];
+        d_decay[c] += running[c] * carried_i[c];
+        carried_i[c] = gamma_t[c] * carried_i[c] + pair[c];
+      }
+    }
+    if (t + 1 < L) {  // the exit state's decay(L-1, t)
+      float* carried_last = carried + size_t(L - 1) * width;
+      const float* exit = &b.exit_terms[size_t(t) * width];
+      for (int c = 0; c < width; ++c) {
+        carried_last[c] += exit[c];
+      }
+    }
+  }
+}
+
+// gate_cumsum_backward: dgamma (decay_gradient) and dg = gamma dgamma, per
+// channel with per-key gates; then the chunk's rows of every per-token
+// gradient but dv (recompute_w_u_backward wrote it), 0 where masked.
+template <typename Gates, typename T>
 void gate_cumsum_backward(
     const GatedDeltaParams& p,
     const BackwardHeadView<T>& h,
@@ -484,13 +540,20 @@ void gate_cumsum_backward(
     BackwardScratch& b) {
   const int dk = p.key_dim, width = p.gate_width();
   const ChunkScratch& s = b.s;
-  float* suffix = b.suffix.data();
-  std::fill(suffix, suffix + width, 0.0f);
-  for (int i = L - 1; i >= 0; --i) {
-    const float* d_log = &b.d_log[size_t(i) * width];
+  // gamma = exp(g), 1 on masked tokens as gate_cumsum takes them; decay_exp
+  // is 0 below exp(-87), where a factor weighs less than float32 keeps of
+  // the terms it multiplies.
+  for (int i = 0; i < L; ++i) {
+    float* gamma = &b.gammas[size_t(i) * width];
+    const float* g = h.g + (start + i) * h.g_token_stride;
+    const bool active = s.active[i];
+#pragma omp simd
     for (int c = 0; c < width; ++c) {
-      suffix[c] += d_log[c];
+      gamma[c] = active ? decay_exp(g[c]) : 1.0f;
     }
+  }
+  decay_gradient<Gates>(p, L, b);
+  for (int i = 0; i < L; ++i) {
     const int t = start + i;
     float* dq_out = h.dq_head + t * h.head_grad_token_stride;
     float* dk_out = h.dk_head + t * h.head_grad_token_stride;
@@ -507,10 +570,11 @@ void gate_cumsum_backward(
     }
     std::copy(&b.dq[i * dk], &b.dq[(i + 1) * dk], dq_out);
     std::copy(&b.dk[i * dk], &b.dk[(i + 1) * dk], dk_out);
-    const float* g = h.g + t * h.g_token_stride;
+    const float* gamma = &b.gammas[size_t(i) * width];
+    const float* d_decay = &b.d_decay[size_t(i) * width];
     for (int c = 0; c < width; ++c) {
-      dg_out[c] = suffix[c];
-      dgamma_out[c] = suffix[c] / std::exp(g[c]);
+      dgamma_out[c] = d_decay[c];
+      dg_out[c] = gamma[c] * d_decay[c];
     }
     *dbeta_out = b.dbeta[i];
   }
@@ -550,14 +614,14 @@ void head_backward(const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
     b.w = &store.w[c * store.w_size];
     b.corrected = &store.corrected[c * store.v_size];
     load_output_cotangent(p, h, start, L, b);
-    fill_zero(b.d_log);
+    fill_zero(b.entry_terms);
     std::fill(b.dbeta, b.dbeta + C, 0.0f);
 
     chunk_output_backward<Gates>(p, L, b);
     chunk_carry_backward<Gates>(p, L, b, entry_t, ds);
     recompute_w_u_backward<Gates>(p, h, start, L, b);
     kkt_inverse_backward<Gates>(p, L, b);
-    gate_cumsum_backward(p, h, start, L, b);
+    gate_cumsum_backward<Gates>(p, h, start, L, b);
     std::swap(b.ds_t, b.ds0_t);
   }
   transpose(b.ds_t.data(), dk, dv, dv, ds, dk);

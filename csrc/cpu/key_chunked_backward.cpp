@@ -18,13 +18,12 @@
 //   recompute_w_u_backward  dk += beta Gamma o dKb
 //   kkt_inverse_backward    with dKd = diag(beta) dA: dk += R(dKd, K) +
 //                           C(dKd, K)
-//   gate_cumsum_backward    dG, dg and the linear decay's gradient per channel
-// The gate terms come out of the same products: the term of entry (i, j) of
-// a decayed product in channel c, a_ic X_ij decay(i, j, c) b_jc, adds to
-// dG_ic and subtracts from dG_jc, so R gives a_ic R_ic at i and C gives
-// -b_jc C_jc at j; where Gamma or e scales a channel the term is the
-// scaled operand times its gradient. Chunks with a decay that is not a
-// normal float run the recurrent reverse (chunked_backward.cpp), so no
+//   gate_cumsum_backward    dgamma and dg per channel
+// The gradient of decay(i, j, c) without the decay is channel c's share of
+// the product it scales: (dM_ij q_ic + beta_i dA_ij k_ic) k_jc (pair_term),
+// dO S0 o Q and beta dKb o K (of Gamma), <dS[:, c], S0[:, c]> (of
+// Gamma_{L-1}) and V' dS o K (of e). Chunks with a decay that is not a
+// normal float run the recurrent reverse (chunked_backward_stages.h), so no
 // product here meets a wipe.
 #include <algorithm>
 #include <cmath>
@@ -222,7 +221,7 @@ struct PerKeyGates {
     return b.qk;
   }
 
-  // dq = R(dM, K), dk = C(dM, Q) and their gate terms q o dq - k o dk.
+  // dq = R(dM, K), dk = C(dM, Q).
   static void output_products(
       const GatedDeltaParams& p, int L, BackwardScratch& b) {
     const int dk = p.key_dim;
@@ -234,16 +233,14 @@ struct PerKeyGates {
         s.key_decays, L, dk, b.dm.data(), s.k.data(), b.dq.data());
     b.products.product<true>(
         s.key_decays, L, dk, b.dm.data(), s.q.data(), b.dk.data());
-    for (int e = 0; e < L * dk; ++e) {
-      b.d_log[e] += s.q[e] * b.dq[e] - s.k[e] * b.dk[e];
-    }
   }
 
   // The entry state's share of the output, S0 (Gamma_i o q_i), and of the
-  // exit state, S0 diag(Gamma_{L-1}): with P = dO S0, dq += Gamma o P and its
-  // gate term; dS0 = dS diag(Gamma_{L-1}) + (Q o Gamma)^T dO, each channel's
-  // chunk decay gaining <dS[:, c], S0[:, c]>. end_keys holds Q o Gamma for
-  // the product until the exit state's part needs it.
+  // exit state, S0 diag(Gamma_{L-1}): with P = dO S0, dq += Gamma o P and
+  // Gamma's gradient gains P o Q; dS0 = dS diag(Gamma_{L-1}) + (Q o
+  // Gamma)^T dO, and each channel's Gamma_{L-1} gains <dS[:, c], S0[:, c]>.
+  // end_keys holds Q o Gamma for the product until the exit state's part
+  // needs it.
   static EntryOperands entry_backward(
       const GatedDeltaParams& p,
       int L,
@@ -255,38 +252,30 @@ struct PerKeyGates {
     for (int e = 0; e < L * dk; ++e) {
       const float d = from_start[e] * b.out_state[e];
       b.dq[e] += d;
-      b.d_log[e] += d * s.q[e];
+      b.entry_terms[e] += b.out_state[e] * s.q[e];
       b.end_keys[e] = from_start[e] * s.q[e];
     }
     const float* chunk_decays = from_start + size_t(L - 1) * dk;
-    float* last_d_log = &b.d_log[size_t(L - 1) * dk];
+    float* last_entry_terms = &b.entry_terms[size_t(L - 1) * dk];
     for (int c = 0; c < dk; ++c) {
       float term = 0.0f;
       for (int e = c * dv; e < (c + 1) * dv; ++e) {
         b.ds0_t[e] = chunk_decays[c] * b.ds_t[e];
         term += b.ds_t[e] * entry_t[e];
       }
-      last_d_log[c] += chunk_decays[c] * term;
+      last_entry_terms[c] += term;
     }
     return {b.end_keys.data(), b.d_out.data()};
   }
 
-  // dk += e o (V' dS), and its gate terms at L - 1 and j per channel.
+  // dk += e o (V' dS), and e's gradient (V' dS) o K.
   static void exit_backward(
       const GatedDeltaParams& p, int L, BackwardScratch& b) {
-    const int dk = p.key_dim;
     const ChunkScratch& s = b.s;
     const float* to_end = s.key_decays.to_end();
-    float* last_d_log = &b.d_log[size_t(L - 1) * dk];
-    for (int j = 0; j < L; ++j) {
-      for (int c = 0; c < dk; ++c) {
-        const int e = j * dk + c;
-        const float d = to_end[e] * b.row_tmp[e];
-        b.dk[e] += d;
-        const float term = d * s.k[e];
-        last_d_log[c] += term;
-        b.d_log[e] -= term;
-      }
+    for (int e = 0; e < L * p.key_dim; ++e) {
+      b.dk[e] += to_end[e] * b.row_tmp[e];
+      b.exit_terms[e] = b.row_tmp[e] * s.k[e];
     }
   }
 
@@ -302,15 +291,14 @@ struct PerKeyGates {
       const int e = i * dk + c;
       const float decayed_k = from_start[e] * s.k[e];
       k_term += b.d_scaled_k[e] * decayed_k;
-      const float d = beta * from_start[e] * b.d_scaled_k[e];
-      b.dk[e] += d;
-      b.d_log[e] += d * s.k[e];
+      b.dk[e] += beta * from_start[e] * b.d_scaled_k[e];
+      b.entry_terms[e] += beta * b.d_scaled_k[e] * s.k[e];
     }
     return k_term;
   }
 
-  // dbeta_i gains sum_j dA_ij Kd_ij; with dKd = diag(beta) dA, dk += R(dKd, K)
-  // + C(dKd, K) and the gate terms k o (R - C).
+  // dbeta_i gains sum_j dA_ij Kd_ij; with dKd = diag(beta) dA (kept in b.da
+  // for pair_term), dk += R(dKd, K) + C(dKd, K).
   static void inverse_backward(
       const GatedDeltaParams& p, int L, BackwardScratch& b) {
     const int dk = p.key_dim;
@@ -333,10 +321,26 @@ struct PerKeyGates {
     b.products.product<true>(
         s.key_decays, L, dk, b.da.data(), s.k.data(), b.key_columns.data());
     for (int e = 0; e < L * dk; ++e) {
-      const float rows = b.row_tmp[e], columns = b.key_columns[e];
-      b.dk[e] += rows + columns;
-      b.d_log[e] += s.k[e] * (rows - columns);
+      b.dk[e] += b.row_tmp[e] + b.key_columns[e];
     }
+  }
+
+  // Per channel c: (dM_ij q_ic + beta_i dA_ij k_ic) k_jc.
+  struct PairTerm {
+    float d_output, d_inverse;
+    const float *q_i, *k_i, *k_j;
+    float operator[](int c) const {
+      return (d_output * q_i[c] + d_inverse * k_i[c]) * k_j[c];
+    }
+  };
+  static PairTerm pair_term(const BackwardScratch& b, int i, int j, int dk) {
+    const int e = i * C + j;
+    return {
+        b.dm[e],
+        b.da[e],
+        &b.s.q[size_t(i) * dk],
+        &b.s.k[size_t(i) * dk],
+        &b.s.k[size_t(j) * dk]};
   }
 };
 
