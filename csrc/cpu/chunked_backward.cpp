@@ -309,19 +309,46 @@ struct ScalarGates {
 
 template <typename T>
 void chunked_head_backward(
-    const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
+    const GatedDeltaParams& p,
+    const BackwardHeadView<T>& h,
+    ChunkedBackwardTrace* trace) {
   if (p.per_key_gates) {
-    key_chunked_head_backward(p, h);
+    key_chunked_head_backward(p, h, trace);
   } else {
-    chunked_backward::head_backward<ScalarGates>(p, h);
+    chunked_backward::head_backward<ScalarGates>(p, h, trace);
   }
 }
 
 template void chunked_head_backward<float>(
-    const GatedDeltaParams&, const BackwardHeadView<float>&);
+    const GatedDeltaParams&,
+    const BackwardHeadView<float>&,
+    ChunkedBackwardTrace*);
 template void chunked_head_backward<mlx::core::float16_t>(
-    const GatedDeltaParams&, const BackwardHeadView<mlx::core::float16_t>&);
+    const GatedDeltaParams&,
+    const BackwardHeadView<mlx::core::float16_t>&,
+    ChunkedBackwardTrace*);
 template void chunked_head_backward<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const BackwardHeadView<mlx::core::bfloat16_t>&);
+    const GatedDeltaParams&,
+    const BackwardHeadView<mlx::core::bfloat16_t>&,
+    ChunkedBackwardTrace*);
+
+ChunkedBackwardTrace trace_chunked_backward_stages(
+    const GatedDeltaParams& p,
+    const BackwardBuffers<float>& buffers,
+    int batch,
+    int head) {
+  // The per-value-head dq and dk, of every problem as in
+  // gated_delta_backward; only this problem's rows are written.
+  const size_t head_grads =
+      size_t(p.batch) * p.tokens * p.value_heads * p.key_dim;
+  std::vector<float> dq_heads(head_grads), dk_heads(head_grads);
+  ChunkedBackwardTrace trace;
+  chunked_head_backward(
+      p,
+      backward_head_view(
+          p, buffers, batch, head, dq_heads.data(), dk_heads.data()),
+      &trace);
+  return trace;
+}
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -214,7 +214,9 @@ struct EntryOperands {
 // (key_chunked_backward.cpp).
 template <typename T>
 void key_chunked_head_backward(
-    const GatedDeltaParams& p, const BackwardHeadView<T>& h);
+    const GatedDeltaParams& p,
+    const BackwardHeadView<T>& h,
+    ChunkedBackwardTrace* trace);
 
 namespace chunked_backward {
 
@@ -580,10 +582,34 @@ void gate_cumsum_backward(
   }
 }
 
-// The chunked backward of one problem with the gates' decay kind.
+// Copies a chunk's L rows of `width` floats (`stride` apart) into slot
+// `chunk` of a trace array [chunks, kChunkSize, width].
+inline void trace_rows(
+    std::vector<float>& out,
+    int chunks,
+    int chunk,
+    const float* rows,
+    int L,
+    int width,
+    int64_t stride) {
+  out.resize(size_t(chunks) * C * width);
+  float* slot = &out[size_t(chunk) * C * width];
+  for (int i = 0; i < L; ++i) {
+    std::copy(rows + i * stride, rows + i * stride + width, slot + i * width);
+  }
+}
+
+// The chunked backward of one problem with the gates' decay kind; with a
+// trace, what each stage leaves (ChunkedBackwardTrace).
 template <typename Gates, typename T>
-void head_backward(const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
+void head_backward(
+    const GatedDeltaParams& p,
+    const BackwardHeadView<T>& h,
+    ChunkedBackwardTrace* trace) {
   const int dk = p.key_dim, dv = p.value_dim;
+  if (trace) {
+    trace->chunks = p.num_chunks();
+  }
   const bool per_key = p.per_key_gates;
   BackwardScratch b(dk, dv, per_key);
   ChunkStore store(p.num_chunks(), dk, dv, per_key);
@@ -617,11 +643,41 @@ void head_backward(const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
     fill_zero(b.entry_terms);
     std::fill(b.dbeta, b.dbeta + C, 0.0f);
 
+    auto keep = [&](std::vector<float>& out,
+                    const float* rows,
+                    int width,
+                    int64_t stride) {
+      trace_rows(out, p.num_chunks(), c, rows, L, width, stride);
+    };
     chunk_output_backward<Gates>(p, L, b);
+    if (trace) {
+      keep(trace->output_d_corrected, b.d_corrected.data(), dv, dv);
+      keep(trace->output_dq, b.dq.data(), dk, dk);
+      keep(trace->output_dk, b.dk.data(), dk, dk);
+    }
     chunk_carry_backward<Gates>(p, L, b, entry_t, ds);
+    if (trace) {
+      keep(trace->carry_d_corrected, b.d_corrected.data(), dv, dv);
+      keep(trace->carry_dw, b.dw.data(), dk, dk);
+      keep(trace->carry_dq, b.dq.data(), dk, dk);
+      keep(trace->carry_dk, b.dk.data(), dk, dk);
+    }
     recompute_w_u_backward<Gates>(p, h, start, L, b);
+    if (trace) {
+      keep(trace->w_u_dt, b.dt.data(), C, C);
+      keep(trace->w_u_dk, b.dk.data(), dk, dk);
+      keep(trace->w_u_dbeta, b.dbeta, 1, 1);
+    }
     kkt_inverse_backward<Gates>(p, L, b);
+    if (trace) {
+      keep(trace->kkt_dk, b.dk.data(), dk, dk);
+      keep(trace->kkt_dbeta, b.dbeta, 1, 1);
+    }
     gate_cumsum_backward<Gates>(p, h, start, L, b);
+    if (trace) {
+      const int width = p.gate_width();
+      keep(trace->dg, h.dg + start * h.g_token_stride, width, h.g_token_stride);
+    }
     std::swap(b.ds_t, b.ds0_t);
   }
   transpose(b.ds_t.data(), dk, dv, dv, ds, dk);

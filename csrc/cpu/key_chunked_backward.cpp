@@ -348,15 +348,23 @@ struct PerKeyGates {
 
 template <typename T>
 void key_chunked_head_backward(
-    const GatedDeltaParams& p, const BackwardHeadView<T>& h) {
-  chunked_backward::head_backward<PerKeyGates>(p, h);
+    const GatedDeltaParams& p,
+    const BackwardHeadView<T>& h,
+    ChunkedBackwardTrace* trace) {
+  chunked_backward::head_backward<PerKeyGates>(p, h, trace);
 }
 
 template void key_chunked_head_backward<float>(
-    const GatedDeltaParams&, const BackwardHeadView<float>&);
+    const GatedDeltaParams&,
+    const BackwardHeadView<float>&,
+    ChunkedBackwardTrace*);
 template void key_chunked_head_backward<mlx::core::float16_t>(
-    const GatedDeltaParams&, const BackwardHeadView<mlx::core::float16_t>&);
+    const GatedDeltaParams&,
+    const BackwardHeadView<mlx::core::float16_t>&,
+    ChunkedBackwardTrace*);
 template void key_chunked_head_backward<mlx::core::bfloat16_t>(
-    const GatedDeltaParams&, const BackwardHeadView<mlx::core::bfloat16_t>&);
+    const GatedDeltaParams&,
+    const BackwardHeadView<mlx::core::bfloat16_t>&,
+    ChunkedBackwardTrace*);
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -11,7 +11,24 @@ from .chunked import CHUNK_SIZE, chunk_decay, chunk_rows, chunked_stages, decay_
 from .recurrent import key_head_of, qk_norm_backward, to_float64
 
 
-def gated_delta_rule_chunked_reference_vjp(
+def gated_delta_rule_chunked_reference_vjp(q, k, v, g, beta, state=None, **options):
+    """`gated_delta_rule_reference_vjp` computed by the chunked backward's
+    stages (scalar gates, no wipes: the CPU hands a chunk with a wipe to the
+    recurrent reverse), with the arguments of `chunked_backward_stages`.
+    Returns the same dict (without `gamma`)."""
+    s = chunked_backward_stages(q, k, v, g, beta, state, **options)
+    per_token = {
+        "q": s["carry_dq"],
+        "k": s["kkt_dk"],
+        "v": s["dv"],
+        "g": s["dg"],
+        "beta": s["kkt_dbeta"],
+    }
+    normalize_qk = options.get("normalize_qk", False)
+    return token_gradients(per_token, s["d_entry"], q, k, s["key_head"], s["active"], normalize_qk)
+
+
+def chunked_backward_stages(
     q,
     k,
     v,
@@ -27,9 +44,12 @@ def gated_delta_rule_chunked_reference_vjp(
     normalize_qk=False,
     chunk_size=CHUNK_SIZE,
 ):
-    """`gated_delta_rule_reference_vjp` computed by the chunked backward's
-    stages (scalar gates, no wipes: the CPU hands a chunk with a wipe to the
-    recurrent reverse). Returns the same dict (without `gamma`)."""
+    """Every stage's output of the chunked backward (scalar gates, no
+    wipes), `[B, Hv, C, L, ...]`, by the names of the CPU's trace
+    (`_ext.trace_cpu_chunked_backward_stages`): `<stage>_<output>` with dq,
+    dk and dbeta as they stand after that stage; also dv, the initial
+    state's gradient `d_entry`, the key head of each value head and the
+    active tokens."""
     g64 = to_float64(g)
     if g64.ndim == 4 or np.isneginf(g64).any():
         raise ValueError("the chunked backward reference has scalar gates and no wipes")
@@ -41,9 +61,11 @@ def gated_delta_rule_chunked_reference_vjp(
     decay = chunk_decay(f["log_cumsum"], f["last_wipe"])
     from_start = decay_from_start(f["log_cumsum"], f["last_wipe"])
 
+    out = {"key_head": rows["key_head"], "active": rows["active"]}
     d_corrected, dq, dk, d_log = chunk_output_backward(
         d_out, f["corrected"], f["qk"][:, rows["key_head"]], decay, q_rows, k_rows
     )
+    out.update(output_d_corrected=d_corrected, output_dq=dq, output_dk=dk)
     d_entry, dw, carry = chunk_carry_backward(
         d_out,
         d_state,
@@ -59,15 +81,18 @@ def gated_delta_rule_chunked_reference_vjp(
     )
     d_corrected = d_corrected + carry["d_corrected"]
     dq, dk, d_log = dq + carry["dq"], dk + carry["dk"], d_log + carry["d_log"]
+    out.update(carry_d_corrected=d_corrected, carry_dw=dw, carry_dq=dq, carry_dk=dk)
+    out["d_entry"] = d_entry
     dt, dv, dbeta, dk_w_u, d_log_w_u = recompute_w_u_backward(
         d_corrected, dw, f["kkt_inverse"], v_rows, k_rows, f["beta_effective"], from_start
     )
+    out.update(w_u_dt=dt, w_u_dk=dk + dk_w_u, w_u_dbeta=dbeta, dv=dv)
     dk_kkt, dbeta_kkt, d_log_kkt = kkt_inverse_backward(
         dt, f["kkt_inverse"], k_rows, decay, f["beta_effective"]
     )
-    dg = gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt)
-    per_token = {"q": dq, "k": dk + dk_w_u + dk_kkt, "v": dv, "g": dg, "beta": dbeta + dbeta_kkt}
-    return token_gradients(per_token, d_entry, q, k, rows["key_head"], rows["active"], normalize_qk)
+    out.update(kkt_dk=out["w_u_dk"] + dk_kkt, kkt_dbeta=dbeta + dbeta_kkt)
+    out["dg"] = gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt)
+    return out
 
 
 def backward_rows(
