@@ -199,6 +199,22 @@ nb::tuple run_backward_guarded(
   return nb::make_tuple(gradients, tails);
 }
 
+// A traced call's arrays as the CPU kernels read them, evaluated: each
+// row-contiguous float32, then the mask, if any, as bool.
+std::vector<mx::array> float32_inputs(
+    std::vector<mx::array> arrays, const std::optional<mx::array>& mask) {
+  for (auto& x : arrays) {
+    x = mx::contiguous(
+        mx::astype(x, mx::float32, mx::Device::cpu), false, mx::Device::cpu);
+  }
+  if (mask) {
+    arrays.push_back(mx::contiguous(
+        mx::astype(*mask, mx::bool_, mx::Device::cpu), false, mx::Device::cpu));
+  }
+  mx::eval(arrays);
+  return arrays;
+}
+
 // Runs the float32 chunked form on problem (batch, head) alone and returns
 // every stage's output by name (cpu::ChunkedTrace), with its y rows [T, Dv]
 // and final state [Dv, Dk].
@@ -260,6 +276,70 @@ nb::dict trace_chunked(
   const float* final_state =
       state.data() + (size_t(batch) * p.value_heads + head) * dv * dk;
   out["state"] = mx::array(final_state, {dv, dk}, mx::float32);
+  return out;
+}
+
+// Runs the float32 chunked backward on problem (batch, head) alone and
+// returns what each of its stages leaves by name (cpu::ChunkedBackwardTrace).
+// `in` holds q, k, v, g, beta, the state, the cotangents of y and of the
+// final state, then the mask if any, all float32 but the mask.
+nb::dict trace_chunked_backward(
+    const GatedDeltaParams& p,
+    const std::vector<mx::array>& in,
+    int batch,
+    int head) {
+  if (batch < 0 || batch >= p.batch || head < 0 || head >= p.value_heads) {
+    throw std::invalid_argument("no such batch row or value head");
+  }
+  std::vector<float> dq(in[0].size()), dk(in[1].size()), dv(in[2].size());
+  std::vector<float> dg(in[3].size()), dgamma(in[3].size());
+  std::vector<float> dbeta(in[4].size()), dstate(in[5].size());
+  const cpu::ChunkedBackwardTrace t = cpu::trace_chunked_backward_stages(
+      p,
+      cpu::BackwardBuffers<float>{
+          in[0].data<float>(),
+          in[1].data<float>(),
+          in[2].data<float>(),
+          in[3].data<float>(),
+          in[4].data<float>(),
+          p.has_mask ? in[8].data<bool>() : nullptr,
+          in[5].data<float>(),
+          in[6].data<float>(),
+          in[7].data<float>(),
+          dq.data(),
+          dk.data(),
+          dv.data(),
+          dg.data(),
+          dgamma.data(),
+          dbeta.data(),
+          dstate.data()},
+      batch,
+      head);
+  const int chunks = t.chunks, L = int(kChunkSize);
+  const int key_dim = p.key_dim, value_dim = p.value_dim;
+  // A stage's array, zeros where no chunk ran it (every chunk recurrent).
+  auto f32 = [](std::vector<float> values, mx::Shape shape) {
+    values.resize(std::accumulate(
+        shape.begin(), shape.end(), size_t(1), std::multiplies<size_t>()));
+    return mx::array(values.begin(), std::move(shape), mx::float32);
+  };
+  const mx::Shape value_rows{chunks, L, value_dim},
+      key_rows{chunks, L, key_dim};
+  const mx::Shape gate_rows{chunks, L};
+  nb::dict out;
+  out["output_d_corrected"] = f32(t.output_d_corrected, value_rows);
+  out["output_dq"] = f32(t.output_dq, key_rows);
+  out["output_dk"] = f32(t.output_dk, key_rows);
+  out["carry_d_corrected"] = f32(t.carry_d_corrected, value_rows);
+  out["carry_dw"] = f32(t.carry_dw, key_rows);
+  out["carry_dq"] = f32(t.carry_dq, key_rows);
+  out["carry_dk"] = f32(t.carry_dk, key_rows);
+  out["w_u_dt"] = f32(t.w_u_dt, {chunks, L, L});
+  out["w_u_dk"] = f32(t.w_u_dk, key_rows);
+  out["w_u_dbeta"] = f32(t.w_u_dbeta, gate_rows);
+  out["kkt_dk"] = f32(t.kkt_dk, key_rows);
+  out["kkt_dbeta"] = f32(t.kkt_dbeta, gate_rows);
+  out["dg"] = f32(t.dg, p.per_key_gates ? key_rows : gate_rows);
   return out;
 }
 
@@ -581,27 +661,8 @@ void bind_test_hooks(nb::module_& m) {
          int head) {
         GatedDeltaParams p =
             test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
-        auto contiguous_f32 = [](const mx::array& x) {
-          return mx::contiguous(
-              mx::astype(x, mx::float32, mx::Device::cpu),
-              false,
-              mx::Device::cpu);
-        };
-        std::vector<mx::array> in = {
-            contiguous_f32(q),
-            contiguous_f32(k),
-            contiguous_f32(v),
-            contiguous_f32(g),
-            contiguous_f32(beta),
-            contiguous_f32(state)};
-        if (mask) {
-          in.push_back(mx::contiguous(
-              mx::astype(*mask, mx::bool_, mx::Device::cpu),
-              false,
-              mx::Device::cpu));
-        }
-        mx::eval(in);
-        return trace_chunked(p, in, batch, head);
+        return trace_chunked(
+            p, float32_inputs({q, k, v, g, beta, state}, mask), batch, head);
       },
       "q"_a,
       "k"_a,
@@ -617,6 +678,46 @@ void bind_test_hooks(nb::module_& m) {
       "head"_a,
       "Testing only: runs the float32 CPU chunked form on one (batch, value "
       "head) and returns every stage's output by name, chunk by chunk.");
+
+  m.def(
+      "trace_cpu_chunked_backward_stages",
+      [](const mx::array& q,
+         const mx::array& k,
+         const mx::array& v,
+         const mx::array& g,
+         const mx::array& beta,
+         const mx::array& state,
+         const mx::array& y_cotangent,
+         const mx::array& state_cotangent,
+         const std::optional<mx::array>& mask,
+         std::optional<float> scale,
+         const std::string& head_mapping,
+         bool normalize_qk,
+         int batch,
+         int head) {
+        GatedDeltaParams p =
+            test_params(q, v, g, mask, scale, head_mapping, normalize_qk);
+        const std::vector<mx::array> in = float32_inputs(
+            {q, k, v, g, beta, state, y_cotangent, state_cotangent}, mask);
+        return trace_chunked_backward(p, in, batch, head);
+      },
+      "q"_a,
+      "k"_a,
+      "v"_a,
+      "g"_a,
+      "beta"_a,
+      "state"_a,
+      "y_cotangent"_a,
+      "state_cotangent"_a,
+      "mask"_a.none(),
+      "scale"_a.none(),
+      "head_mapping"_a,
+      "normalize_qk"_a,
+      "batch"_a,
+      "head"_a,
+      "Testing only: runs the float32 CPU chunked backward on one (batch, "
+      "value head) and returns what each stage leaves by name, chunk by "
+      "chunk.");
 }
 
 }  // namespace mlx_gated_delta

@@ -1,6 +1,8 @@
 // CPU kernel of the backward pass (vjp) of the core gated-delta recurrence.
 #pragma once
 
+#include <vector>
+
 #include "core/core_params.h"
 
 namespace mlx_gated_delta::cpu {
@@ -39,5 +41,36 @@ void gated_delta_backward(
     const GatedDeltaParams& params,
     Algorithm algorithm,
     const BackwardBuffers<T>& buffers);
+
+// What the chunked backward's stages leave, chunk by chunk, for one problem
+// (chunked_backward_stages.h), so that the tests hold each stage to its
+// float64 reference (docs/stages.md). Each chunk's slot is kChunkSize rows
+// ([C, L, width]); rows past a short last chunk are 0, and so is every slot
+// of a chunk that runs the recurrent reverse. dq and dk are this value
+// head's, before qk_grad_reduce, as they stand after each stage that adds
+// to them; dbeta likewise.
+struct ChunkedBackwardTrace {
+  int chunks = 0;
+  // chunk_output_backward: dV' = M^T dO [C, L, Dv], dq, dk [C, L, Dk].
+  std::vector<float> output_d_corrected, output_dq, output_dk;
+  // chunk_carry_backward: dV' (= dU) [C, L, Dv], dW, dq, dk [C, L, Dk].
+  std::vector<float> carry_d_corrected, carry_dw, carry_dq, carry_dk;
+  // recompute_w_u_backward: dT [C, L, L], dk [C, L, Dk], dbeta [C, L].
+  std::vector<float> w_u_dt, w_u_dk, w_u_dbeta;
+  // kkt_inverse_backward: dk [C, L, Dk], dbeta [C, L].
+  std::vector<float> kkt_dk, kkt_dbeta;
+  // gate_cumsum_backward: dg, [C, L] (per key channel [C, L, Dk]).
+  std::vector<float> dg;
+};
+
+// Testing only: the chunked backward in float32 on problem (batch, head)
+// of `buffers` alone, writing its dv, dg, dgamma, dbeta and dstate there as
+// the kernel does (its dq and dk are the trace's), and the trace of its
+// stages.
+ChunkedBackwardTrace trace_chunked_backward_stages(
+    const GatedDeltaParams& params,
+    const BackwardBuffers<float>& buffers,
+    int batch,
+    int head);
 
 }  // namespace mlx_gated_delta::cpu

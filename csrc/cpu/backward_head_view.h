@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "core/core_params.h"
+#include "cpu/backward.h"
 
 namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
@@ -37,11 +38,60 @@ struct BackwardHeadView {
   float* dstate;
 };
 
+// Problem (batch, head) of `b`, its per-value-head dq and dk in the float32
+// scratch `dq_heads` and `dk_heads` ([B, T, Hv, Dk]).
+template <typename T>
+BackwardHeadView<T> backward_head_view(
+    const GatedDeltaParams& p,
+    const BackwardBuffers<T>& b,
+    int batch,
+    int head,
+    float* dq_heads,
+    float* dk_heads) {
+  const int dk = p.key_dim, dv = p.value_dim, width = p.gate_width();
+  const int key_head = p.key_head_of(head);
+  const int64_t qk_offset =
+      int64_t(batch) * p.tokens * p.key_heads * dk + int64_t(key_head) * dk;
+  const int64_t v_offset =
+      (int64_t(batch) * p.tokens * p.value_heads + head) * dv;
+  const int64_t gate_offset = int64_t(batch) * p.tokens * p.value_heads + head;
+  const int64_t head_grad_offset =
+      (int64_t(batch) * p.tokens * p.value_heads + head) * dk;
+  const int64_t state_offset =
+      (int64_t(batch) * p.value_heads + head) * dv * dk;
+  return BackwardHeadView<T>{
+      b.q + qk_offset,
+      b.k + qk_offset,
+      b.v + v_offset,
+      b.y_cotangent + v_offset,
+      int64_t(p.key_heads) * dk,
+      int64_t(p.value_heads) * dv,
+      b.g + gate_offset * width,
+      int64_t(p.value_heads) * width,
+      b.beta + gate_offset,
+      b.mask ? b.mask + int64_t(batch) * p.tokens : nullptr,
+      p.value_heads,
+      b.state_in + state_offset,
+      b.state_cotangent + state_offset,
+      dq_heads + head_grad_offset,
+      dk_heads + head_grad_offset,
+      int64_t(p.value_heads) * dk,
+      b.dv + v_offset,
+      b.dg + gate_offset * width,
+      b.dgamma + gate_offset * width,
+      b.dbeta + gate_offset,
+      b.dstate + state_offset,
+  };
+}
+
 // The chunked backward of one problem (chunked_backward.cpp): writes every
-// gradient of its tokens and its dstate, as recurrent_head_backward does.
+// gradient of its tokens and its dstate, as recurrent_head_backward does;
+// with a trace, each stage's output too.
 template <typename T>
 void chunked_head_backward(
-    const GatedDeltaParams& p, const BackwardHeadView<T>& h);
+    const GatedDeltaParams& p,
+    const BackwardHeadView<T>& h,
+    ChunkedBackwardTrace* trace = nullptr);
 
 // The recurrent form's reverse of the tokens [start, start + length) of one
 // problem, from the state entering them (`entry`, [Dv, Dk]); `ds` holds the

@@ -31,6 +31,12 @@ void gated_delta_backward(
     Algorithm algorithm,
     const BackwardBuffers<T>& buffers);
 
+ChunkedBackwardTrace trace_chunked_backward_stages(
+    const GatedDeltaParams& params,
+    const BackwardBuffers<float>& buffers,
+    int batch,
+    int head);
+
 template <typename T>
 void gated_delta_segment_forward(
     const SegmentParams& params,

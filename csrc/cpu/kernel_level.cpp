@@ -162,6 +162,15 @@ ChunkedTrace trace_chunked_stages(
   CALL_CHOSEN_LEVEL(trace_chunked_stages(params, buffers, batch, head));
 }
 
+ChunkedBackwardTrace trace_chunked_backward_stages(
+    const GatedDeltaParams& params,
+    const BackwardBuffers<float>& buffers,
+    int batch,
+    int head) {
+  CALL_CHOSEN_LEVEL(
+      trace_chunked_backward_stages(params, buffers, batch, head));
+}
+
 template <typename T>
 void gated_delta_backward(
     const GatedDeltaParams& params,

@@ -376,7 +376,7 @@ void gated_delta_backward(
     throw std::invalid_argument("gated_delta_backward: resolve Auto first");
   }
   const bool chunked = algorithm == Algorithm::Chunked;
-  const int dk = p.key_dim, dv = p.value_dim;
+  const int dk = p.key_dim;
   // The per-value-head gradients of the normalised q and k, float32.
   const int64_t head_grad_size =
       int64_t(p.batch) * p.tokens * p.value_heads * dk;
@@ -385,40 +385,8 @@ void gated_delta_backward(
   parallel_for(p.batch * p.value_heads, [&](int problem) {
     const int batch = problem / p.value_heads;
     const int head = problem % p.value_heads;
-    const int key_head = p.key_head_of(head);
-    const int64_t qk_offset =
-        int64_t(batch) * p.tokens * p.key_heads * dk + int64_t(key_head) * dk;
-    const int64_t v_offset =
-        (int64_t(batch) * p.tokens * p.value_heads + head) * dv;
-    const int64_t gate_offset =
-        int64_t(batch) * p.tokens * p.value_heads + head;
-    const int64_t head_grad_offset =
-        (int64_t(batch) * p.tokens * p.value_heads + head) * dk;
-    const int64_t state_offset =
-        (int64_t(batch) * p.value_heads + head) * dv * dk;
-    const BackwardHeadView<T> view{
-        b.q + qk_offset,
-        b.k + qk_offset,
-        b.v + v_offset,
-        b.y_cotangent + v_offset,
-        int64_t(p.key_heads) * dk,
-        int64_t(p.value_heads) * dv,
-        b.g + gate_offset * p.gate_width(),
-        int64_t(p.value_heads) * p.gate_width(),
-        b.beta + gate_offset,
-        b.mask ? b.mask + int64_t(batch) * p.tokens : nullptr,
-        p.value_heads,
-        b.state_in + state_offset,
-        b.state_cotangent + state_offset,
-        dq_heads.data() + head_grad_offset,
-        dk_heads.data() + head_grad_offset,
-        int64_t(p.value_heads) * dk,
-        b.dv + v_offset,
-        b.dg + gate_offset * p.gate_width(),
-        b.dgamma + gate_offset * p.gate_width(),
-        b.dbeta + gate_offset,
-        b.dstate + state_offset,
-    };
+    const BackwardHeadView<T> view =
+        backward_head_view(p, b, batch, head, dq_heads.data(), dk_heads.data());
     if (chunked) {
       chunked_head_backward(p, view);
     } else {

@@ -41,6 +41,7 @@ from .chunked import (
 from .chunked_backward import (
     chunk_carry_backward,
     chunk_output_backward,
+    chunked_backward_stages,
     gate_cumsum_backward,
     gated_delta_rule_chunked_reference_vjp,
     kkt_inverse_backward,
@@ -94,6 +95,7 @@ __all__ = [
     "chunk_decay",
     "chunk_output",
     "chunk_output_backward",
+    "chunked_backward_stages",
     "chunk_qk",
     "chunk_rows",
     "chunked_stages",

@@ -1,5 +1,6 @@
 """The chunked backward, stage by stage (docs/numerics.md, "The chunked
-backward"): the float64 counterpart of csrc/cpu/chunked_backward.cpp. Each
+backward"): the float64 counterpart of csrc/cpu/chunked_backward_stages.h
+with scalar gates. Each
 `*_backward` stage adds the decay terms of its products to d_log, the
 gradient of the in-chunk cumulative log decay, [B, Hv, C, L].
 """
@@ -10,7 +11,24 @@ from .chunked import CHUNK_SIZE, chunk_decay, chunk_rows, chunked_stages, decay_
 from .recurrent import key_head_of, qk_norm_backward, to_float64
 
 
-def gated_delta_rule_chunked_reference_vjp(
+def gated_delta_rule_chunked_reference_vjp(q, k, v, g, beta, state=None, **options):
+    """`gated_delta_rule_reference_vjp` computed by the chunked backward's
+    stages (scalar gates, no wipes: the CPU hands a chunk with a wipe to the
+    recurrent reverse), with the arguments of `chunked_backward_stages`.
+    Returns the same dict (without `gamma`)."""
+    s = chunked_backward_stages(q, k, v, g, beta, state, **options)
+    per_token = {
+        "q": s["carry_dq"],
+        "k": s["kkt_dk"],
+        "v": s["dv"],
+        "g": s["dg"],
+        "beta": s["kkt_dbeta"],
+    }
+    normalize_qk = options.get("normalize_qk", False)
+    return token_gradients(per_token, s["d_entry"], q, k, s["key_head"], s["active"], normalize_qk)
+
+
+def chunked_backward_stages(
     q,
     k,
     v,
@@ -26,36 +44,28 @@ def gated_delta_rule_chunked_reference_vjp(
     normalize_qk=False,
     chunk_size=CHUNK_SIZE,
 ):
-    """`gated_delta_rule_reference_vjp` computed by the chunked backward's
-    stages (scalar gates, no wipes: the CPU hands a chunk with a wipe to the
-    recurrent reverse). Returns the same dict (without `gamma`)."""
+    """Every stage's output of the chunked backward (scalar gates, no
+    wipes), `[B, Hv, C, L, ...]`, by the names of the CPU's trace
+    (`_ext.trace_cpu_chunked_backward_stages`): `<stage>_<output>` with dq,
+    dk and dbeta as they stand after that stage; also dv, the initial
+    state's gradient `d_entry`, the key head of each value head and the
+    active tokens."""
     g64 = to_float64(g)
     if g64.ndim == 4 or np.isneginf(g64).any():
         raise ValueError("the chunked backward reference has scalar gates and no wipes")
     options = dict(scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk)
     f = chunked_stages(q, k, v, g, beta, state, chunk_size=chunk_size, **options)
-    batch, tokens, key_heads, key_dim = f["q"].shape
-    value_heads, value_dim = v.shape[2], v.shape[3]
-    if scale is None:
-        scale = key_dim**-0.5
-    key_head = key_head_of(value_heads, key_heads, head_mapping)
-    q_rows = chunk_rows(f["q"], chunk_size)[:, key_head]
-    k_rows = chunk_rows(f["k"], chunk_size)[:, key_head]
-    v_rows = chunk_rows(to_float64(v), chunk_size)
-    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
-    dy = np.zeros(v.shape) if y_cotangent is None else to_float64(y_cotangent)
-    d_out = scale * chunk_rows(np.where(active[..., None, None], dy, 0.0), chunk_size)
-    d_state = (
-        np.zeros((batch, value_heads, value_dim, key_dim))
-        if state_cotangent is None
-        else to_float64(state_cotangent)
-    )
+    rows = backward_rows(f, v, y_cotangent, state_cotangent, chunk_size, **options)
+    q_rows, k_rows, v_rows = rows["q_rows"], rows["k_rows"], rows["v_rows"]
+    d_out, d_state, scale = rows["d_out"], rows["d_state"], rows["scale"]
     decay = chunk_decay(f["log_cumsum"], f["last_wipe"])
     from_start = decay_from_start(f["log_cumsum"], f["last_wipe"])
 
+    out = {"key_head": rows["key_head"], "active": rows["active"]}
     d_corrected, dq, dk, d_log = chunk_output_backward(
-        d_out, f["corrected"], f["qk"][:, key_head], decay, q_rows, k_rows
+        d_out, f["corrected"], f["qk"][:, rows["key_head"]], decay, q_rows, k_rows
     )
+    out.update(output_d_corrected=d_corrected, output_dq=dq, output_dk=dk)
     d_entry, dw, carry = chunk_carry_backward(
         d_out,
         d_state,
@@ -71,29 +81,67 @@ def gated_delta_rule_chunked_reference_vjp(
     )
     d_corrected = d_corrected + carry["d_corrected"]
     dq, dk, d_log = dq + carry["dq"], dk + carry["dk"], d_log + carry["d_log"]
+    out.update(carry_d_corrected=d_corrected, carry_dw=dw, carry_dq=dq, carry_dk=dk)
+    out["d_entry"] = d_entry
     dt, dv, dbeta, dk_w_u, d_log_w_u = recompute_w_u_backward(
         d_corrected, dw, f["kkt_inverse"], v_rows, k_rows, f["beta_effective"], from_start
     )
+    out.update(w_u_dt=dt, w_u_dk=dk + dk_w_u, w_u_dbeta=dbeta, dv=dv)
     dk_kkt, dbeta_kkt, d_log_kkt = kkt_inverse_backward(
         dt, f["kkt_inverse"], k_rows, decay, f["beta_effective"]
     )
-    dg = gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt)
+    out.update(kkt_dk=out["w_u_dk"] + dk_kkt, kkt_dbeta=dbeta + dbeta_kkt)
+    out["dg"] = gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt)
+    return out
+
+
+def backward_rows(
+    f, v, y_cotangent, state_cotangent, chunk_size, *, scale, head_mapping, mask, normalize_qk
+):
+    """What both chunked backward references read beside the forward's stages
+    `f`, chunk by chunk: each value head's q, k rows and v rows, dO = scale dy
+    (0 where masked), dS of the final state, the readout scale, the key head
+    of each value head and the active tokens."""
+    batch, tokens, key_heads, key_dim = f["q"].shape
+    value_heads, value_dim = v.shape[2], v.shape[3]
+    if scale is None:
+        scale = key_dim**-0.5
+    key_head = key_head_of(value_heads, key_heads, head_mapping)
+    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    dy = np.zeros(v.shape) if y_cotangent is None else to_float64(y_cotangent)
+    d_state = (
+        np.zeros((batch, value_heads, value_dim, key_dim))
+        if state_cotangent is None
+        else to_float64(state_cotangent)
+    )
+    return {
+        "q_rows": chunk_rows(f["q"], chunk_size)[:, key_head],
+        "k_rows": chunk_rows(f["k"], chunk_size)[:, key_head],
+        "v_rows": chunk_rows(to_float64(v), chunk_size),
+        "d_out": scale * chunk_rows(np.where(active[..., None, None], dy, 0.0), chunk_size),
+        "d_state": d_state,
+        "scale": scale,
+        "key_head": key_head,
+        "active": active,
+    }
+
+
+def token_gradients(per_token, d_entry, q, k, key_head, active, normalize_qk):
+    """The gradients by input name from the chunked per-token ones
+    `[B, Hv, C, L(, D)]` (0 where masked), dq and dk summed over the value
+    heads that read each key head and taken through the L2 norm."""
+    tokens = active.shape[1]
 
     def token_rows(x):  # [B, Hv, C, L(, D)] -> [B, T, Hv(, D)], 0 where masked
         x = np.moveaxis(x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :tokens], 1, 2)
         where = active.reshape(active.shape + (1,) * (x.ndim - 2))
         return np.where(where, x, 0.0)
 
-    grads = {
-        "v": token_rows(dv),
-        "g": token_rows(dg),
-        "beta": token_rows(dbeta + dbeta_kkt),
-        "state": d_entry,
-    }
-    for name, value, raw in (("q", dq, q), ("k", dk + dk_w_u + dk_kkt, k)):
-        per_head = token_rows(value)
-        summed = np.zeros((batch, tokens, key_heads, key_dim))
-        np.add.at(summed, (slice(None), slice(None), key_head), per_head)
+    grads = {name: token_rows(value) for name, value in per_token.items() if name not in ("q", "k")}
+    grads["state"] = d_entry
+    for name, raw in (("q", q), ("k", k)):
+        summed = np.zeros(raw.shape)
+        np.add.at(summed, (slice(None), slice(None), key_head), token_rows(per_token[name]))
         grads[name] = qk_norm_backward(to_float64(raw), summed) if normalize_qk else summed
     return grads
 

@@ -1,6 +1,7 @@
 """The chunked backward with per-key-channel gates, stage by stage
 (docs/stages.md, "Backward: the core recurrence"): the float64 counterpart
-of csrc/cpu/key_chunked_backward.cpp.
+of csrc/cpu/chunked_backward_stages.h with per-key gates (PerKeyGates,
+csrc/cpu/key_chunked_backward.cpp).
 
 The stages are those of the scalar gates (`chunked_backward`) with the decay
 of channel c, decay(i, j, c), in place of decay(i, j), so the gradient of
@@ -19,8 +20,9 @@ reverse from its entry state, as the CPU does (and as for scalar gates).
 import numpy as np
 
 from .chunked import CHUNK_SIZE, chunk_rows, decay_from_start
+from .chunked_backward import backward_rows, token_gradients
 from .chunked_per_key import key_chunk_decay, per_key_chunked_stages
-from .recurrent import gated_delta_rule_reference_vjp, key_head_of, qk_norm_backward, to_float64
+from .recurrent import gated_delta_rule_reference_vjp, to_float64
 
 # The smallest normal float32: a decay below it sends the chunk to the
 # recurrent reverse.
@@ -51,23 +53,10 @@ def gated_delta_rule_per_key_chunked_reference_vjp(
         raise ValueError("the per-key chunked backward takes g of shape [B, T, Hv, Dk]")
     options = dict(scale=scale, head_mapping=head_mapping, mask=mask, normalize_qk=normalize_qk)
     f = per_key_chunked_stages(q, k, v, g, beta, state, chunk_size=chunk_size, **options)
-    batch, tokens, key_heads, key_dim = f["q"].shape
-    value_heads, value_dim = v.shape[2], v.shape[3]
-    if scale is None:
-        scale = key_dim**-0.5
-    key_head = key_head_of(value_heads, key_heads, head_mapping)
-    q_rows = chunk_rows(f["q"], chunk_size)[:, key_head]
-    k_rows = chunk_rows(f["k"], chunk_size)[:, key_head]
-    v_rows = chunk_rows(to_float64(v), chunk_size)
-    active = np.ones((batch, tokens), dtype=bool) if mask is None else np.asarray(mask, dtype=bool)
+    rows = backward_rows(f, v, y_cotangent, state_cotangent, chunk_size, **options)
+    q_rows, k_rows, v_rows = rows["q_rows"], rows["k_rows"], rows["v_rows"]
+    d_out, d_state, active = rows["d_out"], rows["d_state"], rows["active"]
     g_rows = chunk_rows(np.where(active[..., None, None], g64, 0.0), chunk_size)
-    dy = np.zeros(v.shape) if y_cotangent is None else to_float64(y_cotangent)
-    d_out = scale * chunk_rows(np.where(active[..., None, None], dy, 0.0), chunk_size)
-    d_state = (
-        np.zeros((batch, value_heads, value_dim, key_dim))
-        if state_cotangent is None
-        else to_float64(state_cotangent)
-    )
     log_cumsum, last_wipe = f["log_cumsum"], f["last_wipe"]
     decay = key_chunk_decay(log_cumsum, last_wipe)  # [B, Hv, C, L, L, Dk]
     from_start = decay_from_start(log_cumsum, last_wipe)  # [B, Hv, C, L, Dk]
@@ -141,19 +130,7 @@ def gated_delta_rule_per_key_chunked_reference_vjp(
     for (b, h, c), grads in recurrent_grads.items():
         for name, value in grads.items():
             per_token[name][b, h, c] = value
-
-    def token_rows(x):  # [B, Hv, C, L(, D)] -> [B, T, Hv(, D)], 0 where masked
-        x = np.moveaxis(x.reshape(x.shape[:2] + (-1,) + x.shape[4:])[:, :, :tokens], 1, 2)
-        where = active.reshape(active.shape + (1,) * (x.ndim - 2))
-        return np.where(where, x, 0.0)
-
-    grads = {name: token_rows(per_token[name]) for name in ("v", "g", "gamma", "beta")}
-    grads["state"] = d_entry
-    for name, raw in (("q", q), ("k", k)):
-        summed = np.zeros((batch, tokens, key_heads, key_dim))
-        np.add.at(summed, (slice(None), slice(None), key_head), token_rows(per_token[name]))
-        grads[name] = qk_norm_backward(to_float64(raw), summed) if normalize_qk else summed
-    return grads
+    return token_gradients(per_token, d_entry, q, k, rows["key_head"], active, normalize_qk)
 
 
 def decayed_rows(x, decay, b_rows):

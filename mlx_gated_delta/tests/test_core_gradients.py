@@ -23,7 +23,13 @@ from mlx_gated_delta.reference import (
 )
 from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.guarded import SENTINEL, run_core_backward_guarded
-from mlx_gated_delta.testing.strategies import BOUNDARY_TOKENS, budget, core_cases, make_core_case
+from mlx_gated_delta.testing.strategies import (
+    BOUNDARY_TOKENS,
+    DTYPES,
+    budget,
+    core_cases,
+    make_core_case,
+)
 
 INPUTS = ("q", "k", "v", "g", "beta", "state")
 KIND = {
@@ -372,3 +378,57 @@ def test_wipes_give_finite_exact_gradients(tokens, algorithm):
     for name, grad in rule.items():
         assert np.all(np.isfinite(np.asarray(grad))), name
     assert np.all(np.asarray(rule["g"])[wipes] == 0.0)
+
+
+@pytest.mark.parametrize("per_key_gates", (False, True))
+@SMALL_BUDGET
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    tokens=st.sampled_from((64, 65, 130, 150)),
+    dtype=st.sampled_from(("float32", "bfloat16")),
+    tiny_fraction=st.sampled_from((0.1, 0.5, 1.0)),
+)
+def test_tiny_decays_give_gamma_its_gradient_through_the_chunked_backward(
+    per_key_gates, seed, tokens, dtype, tiny_fraction
+):
+    """Decays that are normal floats but tiny, exp(-87) to exp(-8), run the
+    chunked backward (only a decay below float32's smallest normal sends a
+    chunk to the recurrent reverse). gamma's gradient there is the sum of the
+    decay terms that pass the token, each without the token's own decay: as
+    dg / gamma it would be dg's rounding, that of terms far larger than dg,
+    divided by a tiny gamma."""
+    case = make_core_case(
+        seed,
+        batch=1,
+        tokens=tokens,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        dtype=dtype,
+        per_key_gates=per_key_gates,
+    )
+    rng = np.random.default_rng(seed)
+    shape = case.g.shape
+    g = np.where(
+        rng.uniform(size=shape) < tiny_fraction,
+        rng.uniform(-87.0, -8.0, size=shape),
+        rng.uniform(-2.0, 0.0, size=shape),
+    )
+    gamma = mx.exp(mx.array(g.astype(np.float32))).astype(DTYPES[dtype])
+    # Every decay is a normal float: no chunk runs the recurrent reverse.
+    assert np.all(np.asarray(gamma.astype(mx.float32)) >= np.finfo(np.float32).tiny)
+    wy, ws = cotangents(case)
+    expected = gated_delta_update_reference_vjp(
+        case.q, case.k, case.v, gamma, case.beta, case.state, y_cotangent=wy, state_cotangent=ws
+    )
+
+    def loss(q, k, v, gamma, beta, state):
+        y, state = update_with_algorithm(q, k, v, gamma, beta, state, "chunked")
+        return (y * wy).astype(mx.float32).sum() + (state * ws).sum()
+
+    grads = mx.grad(loss, argnums=tuple(range(6)))(
+        case.q, case.k, case.v, gamma, case.beta, case.state
+    )
+    grads = dict(zip(("q", "k", "v", "gamma", "beta", "state"), grads))
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
