@@ -125,26 +125,40 @@ void kkt_inverse(const GatedDeltaParams& p, int L, ChunkScratch& s) {
       s.a[i * C + j] = j < i ? s.beta[i] * decayed_gram : 0.0f;
     }
   }
-  // Each row is built whole, C entries, in a local the compiler keeps in
-  // registers: a fixed length has no short tails, and no row waits on its own
-  // stores. Past its diagonal T_m is exactly +0, and -A_im * 0 added to an
-  // entry leaves it as it was, so the sums are those of the first m + 1
-  // entries alone, bit for bit.
+  // Each row is built in two halves of fixed length, locals the compiler
+  // keeps in registers: no short tails, and no row waits on its own stores.
+  // Past its diagonal T_m is exactly +0, and -A_im * 0 added to an entry
+  // leaves it as it was, so the sums are those of the first m + 1 entries
+  // alone, bit for bit. Hence the right half, zero in the rows m < C / 2,
+  // takes only the terms of the rows past them: a third less work than whole
+  // rows, the same bits.
+  constexpr int half = C / 2;
   for (int i = 0; i < L; ++i) {
-    float row[C];
+    float left[half], right[half];
 #pragma omp simd
-    for (int j = 0; j < C; ++j) {
-      row[j] = j == i ? 1.0f : 0.0f;
+    for (int j = 0; j < half; ++j) {
+      left[j] = j == i ? 1.0f : 0.0f;
+      right[j] = half + j == i ? 1.0f : 0.0f;
     }
-    for (int m = 0; m < i; ++m) {
+    for (int m = 0; m < std::min(i, half); ++m) {
       const float factor = -s.a[i * C + m];
       const float* t_m = s.inverse.data() + m * C;
 #pragma omp simd
-      for (int j = 0; j < C; ++j) {
-        row[j] = multiply_add(factor, t_m[j], row[j]);
+      for (int j = 0; j < half; ++j) {
+        left[j] = multiply_add(factor, t_m[j], left[j]);
       }
     }
-    std::copy(row, row + C, s.inverse.data() + i * C);
+    for (int m = half; m < i; ++m) {
+      const float factor = -s.a[i * C + m];
+      const float* t_m = s.inverse.data() + m * C;
+#pragma omp simd
+      for (int j = 0; j < half; ++j) {
+        left[j] = multiply_add(factor, t_m[j], left[j]);
+        right[j] = multiply_add(factor, t_m[half + j], right[j]);
+      }
+    }
+    std::copy(left, left + half, s.inverse.data() + i * C);
+    std::copy(right, right + half, s.inverse.data() + i * C + half);
   }
 }
 
@@ -157,12 +171,11 @@ void recompute_w_u(
     int L,
     ChunkScratch& s) {
   const int dk = p.key_dim, dv = p.value_dim;
+  // v's rows converted and scaled in one pass (the conversion is exact).
   for (int i = 0; i < L; ++i) {
-    load_vector(h.v + (start + i) * h.v_token_stride, &s.scaled_v[i * dv], dv);
-  }
-  for (int i = 0; i < L; ++i) {
+    const T* v = h.v + (start + i) * h.v_token_stride;
     for (int c = 0; c < dv; ++c) {
-      s.scaled_v[i * dv + c] *= s.beta[i];
+      s.scaled_v[i * dv + c] = static_cast<float>(v[c]) * s.beta[i];
     }
   }
   for (int i = 0; i < L; ++i) {

@@ -98,6 +98,73 @@ inline void gemm_rows(
   }
 }
 
+// Rows [m, m + MR) of gemm's product below, skipping what `triangle` makes
+// zero: the block reaches column / key index m + MR - 1 at most. LowerC rounds
+// its columns up to whole vectors: a few more entries above the diagonal cost
+// less than the narrow tail tiles they replace. UpperA: row m of A is zero
+// before column m, so the sum starts there.
+template <int MR>
+inline void gemm_block(
+    int m,
+    int n_size,
+    int k_size,
+    float alpha,
+    MatrixA a,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    Triangle triangle) {
+  const int block_end = m + MR;
+  const int n_limit = triangle == Triangle::LowerC
+      ? std::min(
+            n_size,
+            (block_end + kVectorFloats - 1) / kVectorFloats * kVectorFloats)
+      : n_size;
+  const int k_limit =
+      triangle == Triangle::LowerA ? std::min(k_size, block_end) : k_size;
+  const int k0 = triangle == Triangle::UpperA ? std::min(m, k_size) : 0;
+  gemm_rows<MR>(
+      n_limit,
+      k_limit - k0,
+      alpha,
+      a.data + m * a.row_stride + k0 * a.k_stride,
+      a.row_stride,
+      a.k_stride,
+      b + k0 * ldb,
+      ldb,
+      c + m * ldc,
+      ldc);
+}
+
+// The `rows` (< kTileRows) rows left after gemm's whole tiles, from row m, as
+// one tile of that many rows: row by row, a 1-row tile has two accumulators,
+// too few to hide the latency of the multiply-adds that feed them (with AVX2,
+// 64 rows are ten tiles of 6 and 4 rows, which took 30% of chunk_carry's
+// product time one row at a time).
+template <int MR>
+inline void gemm_last_rows(
+    int rows,
+    int m,
+    int n_size,
+    int k_size,
+    float alpha,
+    MatrixA a,
+    const float* b,
+    int64_t ldb,
+    float* c,
+    int64_t ldc,
+    Triangle triangle) {
+  if constexpr (MR > 0) {
+    if (rows == MR) {
+      gemm_block<MR>(m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
+      return;
+    }
+    gemm_last_rows<MR - 1>(
+        rows, m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
+  }
+}
+
 // C[m_size, n_size] += alpha * A[m_size, k_size] B[k_size, n_size]
 inline void gemm(
     int m_size,
@@ -110,50 +177,13 @@ inline void gemm(
     float* c,
     int64_t ldc,
     Triangle triangle = Triangle::None) {
-  // A row block [m, m + rows) reaches column / key index m + rows - 1 at
-  // most. LowerC rounds its columns up to whole vectors: a few more entries
-  // above the diagonal cost less than the narrow tail tiles they replace.
-  auto rows_limit = [&](int m, int rows, int size, Triangle skip) {
-    if (triangle != skip) {
-      return size;
-    }
-    const int limit = m + rows;
-    const int rounded = skip == Triangle::LowerC
-        ? (limit + kVectorFloats - 1) / kVectorFloats * kVectorFloats
-        : limit;
-    return std::min(size, rounded);
-  };
-  // UpperA: row m of A is zero before column m, so the sum starts there.
-  auto k_begin = [&](int m) { return triangle == Triangle::UpperA ? m : 0; };
   int m = 0;
   for (; m + kTileRows <= m_size; m += kTileRows) {
-    const int k0 = std::min(k_begin(m), k_size);
-    gemm_rows<kTileRows>(
-        rows_limit(m, kTileRows, n_size, Triangle::LowerC),
-        rows_limit(m, kTileRows, k_size, Triangle::LowerA) - k0,
-        alpha,
-        a.data + m * a.row_stride + k0 * a.k_stride,
-        a.row_stride,
-        a.k_stride,
-        b + k0 * ldb,
-        ldb,
-        c + m * ldc,
-        ldc);
+    gemm_block<kTileRows>(
+        m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
   }
-  for (; m < m_size; ++m) {
-    const int k0 = std::min(k_begin(m), k_size);
-    gemm_rows<1>(
-        rows_limit(m, 1, n_size, Triangle::LowerC),
-        rows_limit(m, 1, k_size, Triangle::LowerA) - k0,
-        alpha,
-        a.data + m * a.row_stride + k0 * a.k_stride,
-        a.row_stride,
-        a.k_stride,
-        b + k0 * ldb,
-        ldb,
-        c + m * ldc,
-        ldc);
-  }
+  gemm_last_rows<kTileRows - 1>(
+      m_size - m, m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
 }
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL
