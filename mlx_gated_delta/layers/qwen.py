@@ -7,10 +7,12 @@ projection into `mixed_qkvzba` (the `[q | k | v | z | b | a]` row), one
 `gated_delta_segment` (conv, gates, norms and the recurrence), and the output
 projection.
 
-`mixed_qkvzba` is made from the outputs of mlx-lm's own projection modules
-each call: each module projects the input (plain, quantized or LoRA-wrapped,
-as `mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
-concatenated and, for Qwen3-Next, reordered into the `mixed_qkvzba` row. Nothing is
+`mixed_qkvzba` is made from mlx-lm's own projection modules each call: each
+module projects the input (plain, quantized or LoRA-wrapped, as
+`mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
+concatenated and, for Qwen3-Next, reordered into the `mixed_qkvzba` row; a
+long call through plain projections gathers their weights into that order
+instead and projects once. Nothing is
 derived from the weights and kept, so no weight can go stale: after an
 optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
 that updates the parameter arrays in place, the next call reads the current
