@@ -26,6 +26,7 @@ own calls.
 
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Any
 
@@ -186,32 +187,42 @@ class Qwen3NextGatedDeltaNet(_GatedDeltaNetBase):
         return [self.in_proj_qkvz, self.in_proj_ba]
 
     def _mixed_qkvzba_columns(self):
-        nk, dk = self.num_k_heads, self.head_k_dim
-        group_v = self.num_v_heads // nk * self.head_v_dim  # v (or z) per group
-        group_heads = self.num_v_heads // nk  # b (or a) per group
-        qkvz_group = 2 * dk + 2 * group_v
-        groups = np.arange(nk)[:, None]
-
-        def rows(group_size, start, length):
-            return (groups * group_size + start + np.arange(length)).reshape(-1)
-
-        qkvz_rows = np.concatenate(
-            [
-                rows(qkvz_group, 0, dk),  # q
-                rows(qkvz_group, dk, dk),  # k
-                rows(qkvz_group, 2 * dk, group_v),  # v
-                rows(qkvz_group, 2 * dk + group_v, group_v),  # z
-            ]
+        return qwen3_next_columns(
+            self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         )
-        ba_rows = np.concatenate(
-            [
-                rows(2 * group_heads, 0, group_heads),  # b
-                rows(2 * group_heads, group_heads, group_heads),  # a
-            ]
-        )
-        # in_proj_ba's outputs follow in_proj_qkvz's in the concatenation.
-        qkvz_width = 2 * self.key_dim + 2 * self.value_dim
-        return mx.array(np.concatenate([qkvz_rows, ba_rows + qkvz_width]))
+
+
+@functools.cache
+def qwen3_next_columns(nk: int, nv: int, dk: int, dv: int) -> mx.array:
+    """The columns of Qwen3-Next's concatenated projection outputs in
+    `mixed_qkvzba`'s order, for nk key heads and nv value heads of dims dk
+    and dv. A function of the layout alone, made once per layout: a layer
+    call (every decode step) only reads it."""
+    group_v = nv // nk * dv  # v (or z) per group
+    group_heads = nv // nk  # b (or a) per group
+    qkvz_group = 2 * dk + 2 * group_v
+    groups = np.arange(nk)[:, None]
+
+    def rows(group_size, start, length):
+        return (groups * group_size + start + np.arange(length)).reshape(-1)
+
+    qkvz_rows = np.concatenate(
+        [
+            rows(qkvz_group, 0, dk),  # q
+            rows(qkvz_group, dk, dk),  # k
+            rows(qkvz_group, 2 * dk, group_v),  # v
+            rows(qkvz_group, 2 * dk + group_v, group_v),  # z
+        ]
+    )
+    ba_rows = np.concatenate(
+        [
+            rows(2 * group_heads, 0, group_heads),  # b
+            rows(2 * group_heads, group_heads, group_heads),  # a
+        ]
+    )
+    # in_proj_ba's outputs follow in_proj_qkvz's in the concatenation.
+    qkvz_width = 2 * (nk * dk) + 2 * (nv * dv)
+    return mx.array(np.concatenate([qkvz_rows, ba_rows + qkvz_width]))
 
 
 # The name Qwen3-Next's layer had while it was the only one: an alias, so
