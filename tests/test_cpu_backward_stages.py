@@ -7,8 +7,10 @@ The CPU kernel records what each stage leaves, chunk by chunk, when traced
 (`_ext.trace_cpu_chunked_backward_stages`, the same pipeline with a trace):
 dV', dq and dk of chunk_output_backward; dV', dW, dq and dk after
 chunk_carry_backward; dT, dk and dbeta after recompute_w_u_backward; dk and
-dbeta after kkt_inverse_backward; dg of gate_cumsum_backward. Scalar gates
-without wipes (the reference's stages have no recurrent reverse), masked
+dbeta after kkt_inverse_backward; dg of gate_cumsum_backward. Both kinds
+of gates (scalar, and per key channel against
+`reference.per_key_chunked_backward_stages`), without wipes (a chunk with a
+wipe runs the recurrent reverse, which the stages do not trace), masked
 tokens and a partial last chunk. Rows (and dT's columns) past the last
 token are padding no stage defines, and the CPU leaves a masked token's
 dbeta and dg at 0 where the reference's stages still carry terms the op
@@ -48,14 +50,19 @@ STAGES = {
 PER_TOKEN = ("w_u_dbeta", "kkt_dbeta", "dg")
 
 
-@pytest.fixture(scope="module")
-def inputs():
+@pytest.fixture(scope="module", params=["scalar", "per_key"])
+def inputs(request):
     rng = np.random.default_rng(0)
     f32 = np.float32
     q = rng.standard_normal((1, TOKENS, 1, KEY_DIM)).astype(f32)
     k = rng.standard_normal((1, TOKENS, 1, KEY_DIM)).astype(f32)
     v = rng.standard_normal((1, TOKENS, VALUE_HEADS, VALUE_DIM)).astype(f32)
-    g = -rng.uniform(0.0, 1.0, (1, TOKENS, VALUE_HEADS)).astype(f32)
+    if request.param == "scalar":
+        g = -rng.uniform(0.0, 1.0, (1, TOKENS, VALUE_HEADS)).astype(f32)
+    else:
+        # Gentler per channel, so that a chunk's decays still span a few
+        # orders of magnitude rather than underflowing in most channels.
+        g = -rng.uniform(0.0, 0.3, (1, TOKENS, VALUE_HEADS, KEY_DIM)).astype(f32)
     beta = rng.uniform(0.0, 1.0, (1, TOKENS, VALUE_HEADS)).astype(f32)
     state = (0.5 * rng.standard_normal((1, VALUE_HEADS, VALUE_DIM, KEY_DIM))).astype(f32)
     dy = rng.standard_normal((1, TOKENS, VALUE_HEADS, VALUE_DIM)).astype(f32)
@@ -67,7 +74,12 @@ def inputs():
 @pytest.fixture(scope="module")
 def expected(inputs):
     q, k, v, g, beta, state, dy, d_state, mask = inputs
-    return reference.chunked_backward_stages(
+    stages = (
+        reference.per_key_chunked_backward_stages
+        if g.ndim == 4
+        else reference.chunked_backward_stages
+    )
+    return stages(
         q,
         k,
         v,

@@ -54,6 +54,7 @@ from .chunked_backward_per_key import (
     key_gate_cumsum_backward,
     key_kkt_inverse_backward,
     key_recompute_w_u_backward,
+    per_key_chunked_backward_stages,
 )
 from .chunked_per_key import (
     key_chunk_carry,
@@ -106,6 +107,7 @@ __all__ = [
     "gated_delta_rule_chunked_reference",
     "gated_delta_rule_chunked_reference_vjp",
     "gated_delta_rule_per_key_chunked_reference_vjp",
+    "per_key_chunked_backward_stages",
     "gated_delta_rule_reference",
     "gated_delta_rule_reference_vjp",
     "gated_delta_segment_reference",

@@ -29,7 +29,28 @@ from .recurrent import gated_delta_rule_reference_vjp, to_float64
 SMALLEST_NORMAL_DECAY = float(np.finfo(np.float32).tiny)
 
 
-def gated_delta_rule_per_key_chunked_reference_vjp(
+def gated_delta_rule_per_key_chunked_reference_vjp(q, k, v, g, beta, state=None, **options):
+    """`gated_delta_rule_reference_vjp` with per-key gates (g `[B, T, Hv,
+    Dk]`) computed by the per-key chunked backward's stages, with the
+    arguments of `per_key_chunked_backward_stages`. Returns the same dict,
+    `gamma` included."""
+    s = per_key_chunked_backward_stages(q, k, v, g, beta, state, **options)
+    per_token = {
+        "q": s["carry_dq"],
+        "k": s["kkt_dk"],
+        "v": s["dv"],
+        "g": s["dg"],
+        "gamma": s["dgamma"],
+        "beta": s["kkt_dbeta"],
+    }
+    for (b, h, c), grads in s["recurrent_grads"].items():
+        for name, value in grads.items():
+            per_token[name][b, h, c] = value
+    normalize_qk = options.get("normalize_qk", False)
+    return token_gradients(per_token, s["d_entry"], q, k, s["key_head"], s["active"], normalize_qk)
+
+
+def per_key_chunked_backward_stages(
     q,
     k,
     v,
@@ -45,9 +66,12 @@ def gated_delta_rule_per_key_chunked_reference_vjp(
     normalize_qk=False,
     chunk_size=CHUNK_SIZE,
 ):
-    """`gated_delta_rule_reference_vjp` with per-key gates (g `[B, T, Hv,
-    Dk]`) computed by the per-key chunked backward's stages. Returns the same
-    dict, `gamma` included."""
+    """Every stage's output of the per-key chunked backward, `[B, Hv, C, L,
+    ...]`, by the names of the CPU's trace and of `chunked_backward_stages`
+    (dg per channel, and dgamma); also dv, `d_entry`, the key head of each
+    value head, the active tokens, and `recurrent_grads`: the per-token
+    gradients of the chunks that ran the recurrent reverse, by (b, h, c),
+    which replace the stages' rows there."""
     g64 = to_float64(g)
     if g64.ndim != 4:
         raise ValueError("the per-key chunked backward takes g of shape [B, T, Hv, Dk]")
@@ -93,9 +117,11 @@ def gated_delta_rule_per_key_chunked_reference_vjp(
         }
         return grads["state"][0, 0]
 
+    out = {"key_head": rows["key_head"], "active": active, "recurrent_grads": recurrent_grads}
     d_corrected, dq, dk, d_log = key_chunk_output_backward(
         d_out, f["corrected"], f["qk"], decay, q_rows, k_rows
     )
+    out.update(output_d_corrected=d_corrected, output_dq=dq, output_dk=dk)
     d_entry, dw, carry = key_chunk_carry_backward(
         d_out,
         d_state,
@@ -112,25 +138,18 @@ def gated_delta_rule_per_key_chunked_reference_vjp(
     )
     d_corrected = d_corrected + carry["d_corrected"]
     dq, dk, d_log = dq + carry["dq"], dk + carry["dk"], d_log + carry["d_log"]
+    out.update(carry_d_corrected=d_corrected, carry_dw=dw, carry_dq=dq, carry_dk=dk)
+    out["d_entry"] = d_entry
     dt, dv, dbeta, dk_w_u, d_log_w_u = key_recompute_w_u_backward(
         d_corrected, dw, f["kkt_inverse"], v_rows, k_rows, beta_effective, from_start
     )
+    out.update(w_u_dt=dt, w_u_dk=dk + dk_w_u, w_u_dbeta=dbeta, dv=dv)
     dk_kkt, dbeta_kkt, d_log_kkt = key_kkt_inverse_backward(
         dt, f["kkt_inverse"], k_rows, decay, beta_effective, f["k_gram"]
     )
-    dg, dgamma = key_gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt, g_rows)
-    per_token = {
-        "q": dq,
-        "k": dk + dk_w_u + dk_kkt,
-        "v": dv,
-        "g": dg,
-        "gamma": dgamma,
-        "beta": dbeta + dbeta_kkt,
-    }
-    for (b, h, c), grads in recurrent_grads.items():
-        for name, value in grads.items():
-            per_token[name][b, h, c] = value
-    return token_gradients(per_token, d_entry, q, k, rows["key_head"], active, normalize_qk)
+    out.update(kkt_dk=out["w_u_dk"] + dk_kkt, kkt_dbeta=dbeta + dbeta_kkt)
+    out["dg"], out["dgamma"] = key_gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt, g_rows)
+    return out
 
 
 def decayed_rows(x, decay, b_rows):
