@@ -97,7 +97,12 @@ class _GatedDeltaNetBase(nn.Module):
         parts = [apply_projection(m, x) for m in self._projection_modules()]
         mixed = mx.concatenate(parts, axis=-1)
         columns = self._mixed_qkvzba_columns()
-        return mixed if columns is None else mx.take(mixed, columns, axis=-1)
+        if columns is None:
+            return mixed
+        # One gather straight into row-major order: `mx.take` along the last
+        # axis gathers column-major and hands back a transposed view, which
+        # the segment (it reads its input row-contiguous) then copies again.
+        return mx.take_along_axis(mixed, mx.broadcast_to(columns, mixed.shape), axis=-1)
 
     def _project_through_gathered_weights(self, x: mx.array) -> mx.array:
         """The weights' rows gathered into `mixed_qkvzba`'s order, then one
@@ -222,7 +227,7 @@ def qwen3_next_columns(nk: int, nv: int, dk: int, dv: int) -> mx.array:
     )
     # in_proj_ba's outputs follow in_proj_qkvz's in the concatenation.
     qkvz_width = 2 * (nk * dk) + 2 * (nv * dv)
-    return mx.array(np.concatenate([qkvz_rows, ba_rows + qkvz_width]))
+    return mx.array(np.concatenate([qkvz_rows, ba_rows + qkvz_width]), mx.int32)
 
 
 # The name Qwen3-Next's layer had while it was the only one: an alias, so
