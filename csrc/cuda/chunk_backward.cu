@@ -138,6 +138,7 @@ __device__ __forceinline__ void chunk_carry_backward(
         ? o.state_cotangent[head_state + int64_t(row0 + r) * dk + c]
         : 0.0f;
   }
+  __syncthreads();
   for (int chunk = chunks - 1; chunk >= 0; --chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
     const int64_t bt0 = int64_t(b) * a.tokens + place.t0;

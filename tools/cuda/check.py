@@ -108,7 +108,7 @@ def main():
         (1, 1, 2, 4, 128, 128, mx.float32, {"algorithm": "chunked", "oracle": True}),
         (3, 37, 2, 4, 64, 64, mx.bfloat16, {"algorithm": "chunked"}),
         (2, 64, 1, 3, 128, 128, mx.float32, {"algorithm": "chunked", "oracle": True}),
-        (2, 129, 2, 6, 128, 128, mx.bfloat16, {"normalize_qk": False}),
+        (2, 129, 2, 6, 128, 128, mx.bfloat16, {}),
         (1, 190, 2, 2, 32, 100, mx.float32, {"normalize_qk": False, "oracle": True}),
         (2, 100, 1, 2, 16, 16, mx.float16, {"algorithm": "chunked", "mask": True}),
         (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True}),
