@@ -6,15 +6,17 @@
 //
 //   chunk_output_backward  one block per (chunk, value head, batch row):
 //                          dV' = M^T dO, the output's share (dO = scale dy,
-//                          0 where masked).
+//                          0 where masked), and the entry state's share of
+//                          dS, G = (diag(Gamma) dO)^T Q, which does not
+//                          depend on dS.
 //   chunk_carry_backward   the only sequential pass, one block per
 //                          (kCarryRows rows of dS, value head, batch row),
 //                          the chunks last to first: keeps dS at each
 //                          chunk's end, adds the exit state's share to dV'
 //                          (dV' += diag(e) K dS^T) and steps dS back:
-//                          dS = Gamma_L dS + dO^T diag(Gamma) Q - dV'^T W.
-//                          Each row of dS evolves on its own: what couples
-//                          the rows comes after, every chunk at once.
+//                          dS = Gamma_L dS + G - dV'^T W. Each row of dS
+//                          evolves on its own: what couples the rows comes
+//                          after, every chunk at once.
 //   chunk_state_products   one block per (chunk, value head, batch row): the
 //                          products of chunk_carry_backward with the states,
 //                          summed over the value rows: dO S (dq's entry
@@ -41,8 +43,10 @@ __device__ inline float output_scale(const CoreArgs& a, int64_t bt, bool in) {
 
 // chunk_output_backward: dV' = M^T dO into ChunkBackwardScratch::dv, M the
 // decayed Q K^T of chunk_prepare (lower triangular), its rows scaled by dO's
-// row scales so that dy is an exact operand. Warp w the column tiles w,
-// w + 8, ... of each token tile.
+// row scales so that dy is an exact operand; then G = (diag(Gamma / |q|)
+// dO)^T Q into ChunkBackwardScratch::ds (chunk_carry_backward reads it there
+// and writes dS over it), dy's rows scaled in place. Warp w the output tiles
+// w, w + 8, ... of each product.
 template <typename T>
 __device__ __forceinline__ void chunk_output_backward(
     const CoreArgs& a,
@@ -50,16 +54,25 @@ __device__ __forceinline__ void chunk_output_backward(
     const ChunkScratch& s,
     const ChunkBackwardScratch& d) {
   extern __shared__ __align__(128) float shared[];
-  const int dv = a.value_dim;
-  const int vw = tile_padded(dv), vp = tile_stride(dv);
+  const int dk = a.key_dim, dv = a.value_dim;
+  const int kw = tile_padded(dk), vw = tile_padded(dv);
+  const int kp = tile_stride(dk), vp = tile_stride(dv);
   const int lp = tile_stride(kChunk);
   float* ms = shared;  // [kChunk][lp]
   float* dys = ms + kChunk * lp;  // [kChunk][vp]
+  float* qs = dys + kChunk * vp;  // [kChunk][kp]: Q as given
+  float* query_scales = qs + kChunk * kp;  // [kChunk]
+  float* from_start = query_scales + kChunk;  // [kChunk]
   const ChunkPlace place = chunk_place(a, blockIdx.x);
+  const int kh = key_head_of(a, place.h);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   copy_rows_async(
       s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ms, lp);
   __pipeline_commit();
+  if (threadIdx.x < kChunk) {
+    from_start[threadIdx.x] =
+        s.decays[place.index * kDecayRows * kChunk + threadIdx.x];
+  }
   load_rows(
       static_cast<const T*>(o.dy) + (bt0 * a.value_heads + place.h) * dv,
       int64_t(a.value_heads) * dv,
@@ -69,6 +82,15 @@ __device__ __forceinline__ void chunk_output_backward(
       nullptr,
       dys,
       vp);
+  load_rows(
+      static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
+      int64_t(a.key_heads) * dk,
+      dk,
+      place.length,
+      a.normalize_qk,
+      query_scales,
+      qs,
+      kp);
   __pipeline_wait_prior(0);
   __syncthreads();
   for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
@@ -77,30 +99,58 @@ __device__ __forceinline__ void chunk_output_backward(
   }
   __syncthreads();
   const int warp = threadIdx.x / kWarp;
-  const int tiles = kChunk / kTile * (vw / kTile);
-  float* out = d.dv + place.index * kChunk * vw;
-  for (int tile = warp; tile < tiles; tile += kChunkedThreads / kWarp) {
-    const int tj = tile % (kChunk / kTile), tc = tile / (kChunk / kTile);
-    // (M^T)_ji = M_ij, nonzero for i >= j.
-    Product product;
-    for (int i0 = tj * kTile; i0 < kChunk; i0 += 8) {
-      product.add<wmma::col_major, wmma::row_major, false, kExactInTf32<T>>(
-          ms + i0 * lp + tj * kTile, lp, dys + i0 * vp + tc * kTile, vp);
+  {
+    const int tiles = kChunk / kTile * (vw / kTile);
+    float* out = d.dv + place.index * kChunk * vw;
+    for (int tile = warp; tile < tiles; tile += kChunkedThreads / kWarp) {
+      const int tj = tile % (kChunk / kTile), tc = tile / (kChunk / kTile);
+      // (M^T)_ji = M_ij, nonzero for i >= j.
+      Product product;
+      for (int i0 = tj * kTile; i0 < kChunk; i0 += 8) {
+        product.add<wmma::col_major, wmma::row_major, false, kExactInTf32<T>>(
+            ms + i0 * lp + tj * kTile, lp, dys + i0 * vp + tc * kTile, vp);
+      }
+      wmma::store_matrix_sync(
+          out + tj * kTile * vw + tc * kTile, product.finish(), vw,
+          wmma::mem_row_major);
     }
-    wmma::store_matrix_sync(
-        out + tj * kTile * vw + tc * kTile, product.finish(), vw,
-        wmma::mem_row_major);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kChunk * vw; e += kChunkedThreads) {
+    const int i = e / vw, c = e % vw;
+    dys[i * vp + c] *= output_scale(a, bt0 + i, i < place.length) *
+        from_start[i] * query_scales[i];
+  }
+  __syncthreads();
+  {
+    const int row_tiles = vw / kTile;
+    const int tiles = row_tiles * (kw / kTile);
+    float* out = d.ds + place.index * vw * kw;
+    for (int tile = warp; tile < tiles; tile += kChunkedThreads / kWarp) {
+      const int tr = tile % row_tiles, tc = tile / row_tiles;
+      // (dO^T)_ri = dO_ir: dO's rows the reduction.
+      Product product;
+      for (int i0 = 0; i0 < place.length; i0 += 8) {
+        product.add<wmma::col_major, wmma::row_major, false, kExactInTf32<T>>(
+            dys + i0 * vp + tr * kTile, vp, qs + i0 * kp + tc * kTile, kp);
+      }
+      wmma::store_matrix_sync(
+          out + tr * kTile * kw + tc * kTile, product.finish(), kw,
+          wmma::mem_row_major);
+    }
   }
 }
 
 // chunk_carry_backward for kRows rows of dS (value rows row0 ...), in shared
 // memory; per chunk, last first, with K (chunk_prepare's rows, as given), W
-// and Q (as given; qk_norm's scales apart) in shared memory:
-//   keep dS (ChunkBackwardScratch::ds);
+// and the rows of G (chunk_output_backward) in shared memory:
+//   keep dS over G's rows (ChunkBackwardScratch::ds);
 //   dV'[:, rows] += diag(e / |k|) K dS^T: warp w token tile w % 4, half
 //   w / 4 of Dk (the halves added after);
-//   dS = Gamma_L dS + (diag(s Gamma / |q|) dy)^T Q - dV'^T W: warp w the
-//   columns [16 w, 16 w + 16) of every row.
+//   dS = Gamma_L dS + G - dV'^T W: warp w the columns [16 w, 16 w + 16) of
+//   every row.
+// Under half of a multiprocessor's shared memory, so that two blocks share
+// one: the Qwen3-Next shape's 256 blocks (B = 1) run in one wave on an H200.
 template <typename T>
 __device__ __forceinline__ void chunk_carry_backward(
     const CoreArgs& a,
@@ -116,12 +166,10 @@ __device__ __forceinline__ void chunk_carry_backward(
   float* ds = shared;  // [kRows][kp]
   float* ks = ds + kRows * kp;  // [kChunk][kp]: K
   float* ws = ks + kChunk * kp;  // [kChunk][kp]: W
-  float* qs = ws + kChunk * kp;  // [kChunk][kp]: Q
-  float* intra = qs + kChunk * kp;  // [kChunk][rp]: M^T dO, then -dV'
-  float* scaled_dy = intra + kChunk * rp;  // [kChunk][rp]
-  float* halves = scaled_dy + kChunk * rp;  // [2][kChunk][rp]: K dS^T
+  float* gs = ws + kChunk * kp;  // [kRows][kp]: G's rows
+  float* intra = gs + kRows * kp;  // [kChunk][rp]: M^T dO, then -dV'
+  float* halves = intra + kChunk * rp;  // [2][kChunk][rp]: K dS^T
   float* decays = halves + 2 * kChunk * rp;  // [kDecayRows][kChunk]
-  float* query_scales = decays + kDecayRows * kChunk;  // [kChunk]
 
   const int b = blockIdx.z, h = blockIdx.y;
   const int row0 = blockIdx.x * kRows;
@@ -131,20 +179,21 @@ __device__ __forceinline__ void chunk_carry_backward(
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
   const int64_t key_chunks = (int64_t(b) * a.key_heads + kh) * chunks;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  // Rows past Dv and columns past Dk are 0 (tile padding).
+  // Rows past Dv and columns past Dk are 0 (tile padding); the first chunk's
+  // barrier orders these writes before any read.
   for (int e = threadIdx.x; e < kRows * kw; e += kChunkedThreads) {
     const int r = e / kw, c = e % kw;
     ds[r * kp + c] = r < rows && c < dk
         ? o.state_cotangent[head_state + int64_t(row0 + r) * dk + c]
         : 0.0f;
   }
-  __syncthreads();
   for (int chunk = chunks - 1; chunk >= 0; --chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
-    const int64_t bt0 = int64_t(b) * a.tokens + place.t0;
+    float* g_rows = d.ds + place.index * vw * kw + int64_t(row0) * kw;
     copy_rows_async(
         s.k + (key_chunks + chunk) * kChunk * kw, kw, kChunk, kw, ks, kp);
     copy_rows_async(s.w + place.index * kChunk * kw, kw, kChunk, kw, ws, kp);
+    copy_rows_async(g_rows, kw, kRows, kw, gs, kp);
     copy_rows_async(
         d.dv + place.index * kChunk * vw + row0, vw, kChunk, kRows, intra, rp);
     copy_rows_async(
@@ -155,32 +204,15 @@ __device__ __forceinline__ void chunk_carry_backward(
         decays,
         kChunk);
     __pipeline_commit();
-    load_rows(
-        static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
-        int64_t(a.key_heads) * dk,
-        dk,
-        place.length,
-        a.normalize_qk,
-        query_scales,
-        qs,
-        kp);
-    const T* dy = static_cast<const T*>(o.dy) +
-        (bt0 * a.value_heads + h) * dv + row0;
-    for (int e = threadIdx.x; e < kChunk * kRows; e += kChunkedThreads) {
-      const int i = e / kRows, r = e % kRows;
-      scaled_dy[i * rp + r] = i < place.length && r < rows
-          ? to_float(dy[int64_t(i) * a.value_heads * dv + r])
-          : 0.0f;
-    }
-    // dS at the chunk's end, for chunk_state_products.
-    float* ds_out = d.ds + place.index * dv * dk + int64_t(row0) * dk;
-    for (int r = warp; r < rows; r += kChunkedThreads / kWarp) {
-      for (int c = lane; c < dk; c += kWarp) {
-        ds_out[r * dk + c] = ds[r * kp + c];
-      }
-    }
     __pipeline_wait_prior(0);
     __syncthreads();
+    // dS at the chunk's end, for chunk_state_products, over G's rows (read
+    // above).
+    for (int r = warp; r < rows; r += kChunkedThreads / kWarp) {
+      for (int c = lane; c < dk; c += kWarp) {
+        g_rows[r * kw + c] = ds[r * kp + c];
+      }
+    }
 
     const float* from_start = decays;
     const float* to_end = decays + kChunk;
@@ -205,23 +237,22 @@ __device__ __forceinline__ void chunk_carry_backward(
       const float delta = intra[i * rp + r] + exit;
       dv_out[i * vw + r] = delta;
       intra[i * rp + r] = -delta;
-      scaled_dy[i * rp + r] *= output_scale(a, bt0 + i, i < place.length) *
-          from_start[i] * query_scales[i];
     }
     __syncthreads();
 
     if (warp * kTile < kw) {
       const float last = from_start[place.length - 1];
       Product update;
+      Accumulator entry_share;
       wmma::load_matrix_sync(
           update.sum, ds + warp * kTile, kp, wmma::mem_row_major);
+      wmma::load_matrix_sync(
+          entry_share, gs + warp * kTile, kp, wmma::mem_row_major);
 #pragma unroll
       for (int e = 0; e < update.sum.num_elements; ++e) {
-        update.sum.x[e] *= last;
+        update.sum.x[e] = last * update.sum.x[e] + entry_share.x[e];
       }
       for (int i0 = 0; i0 < place.length; i0 += 8) {
-        update.add<wmma::col_major, wmma::row_major, false, kExactInTf32<T>>(
-            scaled_dy + i0 * rp, rp, qs + i0 * kp + warp * kTile, kp);
         update.add<wmma::col_major, wmma::row_major>(
             intra + i0 * rp, rp, ws + i0 * kp + warp * kTile, kp);
       }
@@ -324,7 +355,7 @@ __device__ __forceinline__ void chunk_state_products(
   float dot = 0.0f;
   for (int e = threadIdx.x; e < dv * dk; e += kChunkedThreads) {
     const int r = e / dk, c = e % dk;
-    const float x = d.ds[state_at + e];
+    const float x = d.ds[place.index * vw * kw + r * kw + c];
     dot += x * states[r * kp + c];
     states[r * kp + c] = x;
   }
@@ -363,11 +394,12 @@ __device__ __forceinline__ void chunk_state_products(
 }  // namespace mlx_gated_delta::cuda
 
 // The entry points the executor looks up by name:
-// gd_chunk_output_backward_<dtype>, gd_chunk_carry_backward_<dtype> and
+// gd_chunk_output_backward_<dtype>, gd_chunk_carry_backward_<dtype> (two
+// blocks a multiprocessor: at most 128 registers a thread) and
 // gd_chunk_state_products_<dtype>.
-#define GD_CHUNK_BACKWARD_ENTRY(name, type, suffix)              \
+#define GD_CHUNK_BACKWARD_ENTRY(name, type, suffix, blocks)      \
   extern "C" __global__ void __launch_bounds__(                  \
-      mlx_gated_delta::cuda::kChunkedThreads)                    \
+      mlx_gated_delta::cuda::kChunkedThreads, blocks)            \
       gd_##name##_##suffix(                                      \
           const mlx_gated_delta::cuda::CoreArgs a,               \
           const mlx_gated_delta::cuda::BackwardArgs o,           \
@@ -375,10 +407,10 @@ __device__ __forceinline__ void chunk_state_products(
           const mlx_gated_delta::cuda::ChunkBackwardScratch d) { \
     mlx_gated_delta::cuda::name<type>(a, o, s, d);               \
   }
-#define GD_CHUNK_BACKWARD_ENTRIES(type, suffix)                \
-  GD_CHUNK_BACKWARD_ENTRY(chunk_output_backward, type, suffix) \
-  GD_CHUNK_BACKWARD_ENTRY(chunk_carry_backward, type, suffix)  \
-  GD_CHUNK_BACKWARD_ENTRY(chunk_state_products, type, suffix)
+#define GD_CHUNK_BACKWARD_ENTRIES(type, suffix)                   \
+  GD_CHUNK_BACKWARD_ENTRY(chunk_output_backward, type, suffix, 1) \
+  GD_CHUNK_BACKWARD_ENTRY(chunk_carry_backward, type, suffix, 2)  \
+  GD_CHUNK_BACKWARD_ENTRY(chunk_state_products, type, suffix, 1)
 GD_CHUNK_BACKWARD_ENTRIES(float, f32)
 GD_CHUNK_BACKWARD_ENTRIES(__half, f16)
 GD_CHUNK_BACKWARD_ENTRIES(__nv_bfloat16, bf16)

@@ -118,13 +118,14 @@ int output_shared_bytes(const GatedDeltaParams& p) {
 // chunk_backward.cu and chunk_wy_backward.cu).
 int output_backward_shared_bytes(const GatedDeltaParams& p) {
   return int(sizeof(float)) * kChunk *
-      (tile_stride(kChunk) + tile_stride(p.value_dim));
+      (tile_stride(kChunk) + tile_stride(p.value_dim) +
+       tile_stride(p.key_dim) + 2);
 }
 int carry_backward_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
   return int(sizeof(float)) *
-      (kCarryRows * kp + 3 * kChunk * kp + 4 * kChunk * rp +
-       (kDecayRows + 1) * kChunk);
+      (2 * kCarryRows * kp + 2 * kChunk * kp + 3 * kChunk * rp +
+       kDecayRows * kChunk);
 }
 int state_products_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
@@ -357,7 +358,9 @@ mx::array eval_chunked_backward(
   // each token's sums of a value head (BackwardArgs::partials, one block).
   std::vector<mx::array> backward = {
       scratch(encoder, value_rows),
-      scratch(encoder, states),
+      scratch(
+          encoder,
+          problems * tile_padded(p.value_dim) * tile_padded(p.key_dim)),
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
@@ -424,7 +427,7 @@ mx::array eval_chunked_backward(
   stage(
       "chunk_backward",
       "chunk_output_backward",
-      {backward[0]},
+      {backward[0], backward[1]},
       per_chunk,
       output_backward_shared_bytes(p));
   stage(

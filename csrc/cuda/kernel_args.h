@@ -79,7 +79,9 @@ struct ChunkScratch {
 // chunk_wy_backward.cu), float32, per (batch row, value head, chunk):
 //   dv [L, tile_padded(Dv)]: chunk_output_backward's M^T dO, then
 //   chunk_carry_backward's whole dV' (the exit state's share added),
-//   ds [Dv, Dk]: the cotangent of the state at the chunk's end,
+//   ds [tile_padded(Dv), tile_padded(Dk)]: chunk_output_backward's G, the
+//   entry state's share of dS, then chunk_carry_backward's cotangent of the
+//   state at the chunk's end,
 //   dq, dk [L, tile_padded(Dk)]: chunk_state_products' (dO S) and (V' dS),
 //   then, scaled and with every other share added by chunk_wy_backward, the
 //   gradients of the normalised q and k rows of the value head,
