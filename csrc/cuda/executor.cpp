@@ -118,8 +118,8 @@ int output_shared_bytes(const GatedDeltaParams& p) {
 // chunk_backward.cu and chunk_wy_backward.cu).
 int output_backward_shared_bytes(const GatedDeltaParams& p) {
   return int(sizeof(float)) * kChunk *
-      (tile_stride(kChunk) + tile_stride(p.value_dim) +
-       tile_stride(p.key_dim) + 2);
+      (tile_stride(kChunk) + tile_stride(p.value_dim) + tile_stride(p.key_dim) +
+       2);
 }
 int carry_backward_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
@@ -130,14 +130,12 @@ int carry_backward_shared_bytes(const GatedDeltaParams& p) {
 int state_products_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   return int(sizeof(float)) *
-      (tile_padded(p.value_dim) * kp + 2 * kChunk * vp +
-       kChunkedThreads / 32);
+      (tile_padded(p.value_dim) * kp + 2 * kChunk * vp + kChunkedThreads / 32);
 }
 int wy_backward_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   const int xp = std::max(kp, vp), lp = tile_stride(kChunk);
-  return int(sizeof(float)) * kChunk *
-      (kp + 2 * xp + 5 * lp + kDecayRows + 7);
+  return int(sizeof(float)) * kChunk * (kp + 2 * xp + 5 * lp + kDecayRows + 7);
 }
 
 // The inputs and dims that the forward and the backward read alike.
@@ -343,8 +341,8 @@ mx::array eval_chunked_backward(
       scratch(encoder, states),
       scratch(encoder, key_problems * kChunk * tile_padded(p.key_dim)),
       scratch(encoder, problems * kChunk * kChunk),
-      scratch(encoder, int64_t(p.batch) * p.value_heads * p.value_dim *
-                           p.key_dim)};
+      scratch(
+          encoder, int64_t(p.batch) * p.value_heads * p.value_dim * p.key_dim)};
   ChunkScratch s{};
   s.w = mx::gpu_ptr<float>(forward[0]);
   s.u = mx::gpu_ptr<float>(forward[1]);
@@ -555,7 +553,6 @@ void eval_backward(
       0,
       params);
 }
-
 
 namespace {
 
