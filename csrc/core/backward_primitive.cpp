@@ -132,7 +132,8 @@ void GatedDeltaRuleVJP::eval_gpu(
   metal::eval_backward_gpu(
       params_for(inputs), options_.algorithm, inputs, outputs, stream());
 #elif defined(MLX_GATED_DELTA_CUDA)
-  cuda::eval_backward(params_for(inputs), inputs, outputs, stream());
+  cuda::eval_backward(
+      params_for(inputs), options_.algorithm, inputs, outputs, stream());
 #else
   throw std::runtime_error(
       "mlx_gated_delta: this build has no GPU kernels (Metal kernels are built "

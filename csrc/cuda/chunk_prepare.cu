@@ -235,8 +235,13 @@ __device__ __forceinline__ void chunk_prepare(
   // once for all of them. T is lower triangular, so row tile ti needs rows
   // j < 16 (ti + 1) of K, V: a warp's column tile is 20 steps whichever it
   // is.
+  // The chunked backward keeps T (ChunkScratch::t); each element is read
+  // here by the thread that rescales it below.
   for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
     const int i = e / kChunk, j = e % kChunk;
+    if (s.t != nullptr) {
+      s.t[place.index * kChunk * kChunk + e] = ts[i * lp + j];
+    }
     as[i * lp + j] = ts[i * lp + j] * coefficient[j];
     ts[i * lp + j] *= betas[j];
   }

@@ -40,6 +40,8 @@ set(GD_CUDA_SOURCES
   chunk_carry
   chunk_output
   recurrent_backward
+  chunk_backward
+  chunk_wy_backward
   segment)
 set(GD_FATBINS)
 foreach(source ${GD_CUDA_SOURCES})

@@ -114,6 +114,30 @@ int output_shared_bytes(const GatedDeltaParams& p) {
        kChunk * rp + kChunk);
 }
 
+// Shared memory of the chunked backward's kernels (their layouts in
+// chunk_backward.cu and chunk_wy_backward.cu).
+int output_backward_shared_bytes(const GatedDeltaParams& p) {
+  return int(sizeof(float)) * kChunk *
+      (tile_stride(kChunk) + tile_stride(p.value_dim) + tile_stride(p.key_dim) +
+       2);
+}
+int carry_backward_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
+  return int(sizeof(float)) *
+      (2 * kCarryRows * kp + 2 * kChunk * kp + 3 * kChunk * rp +
+       kDecayRows * kChunk);
+}
+int state_products_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
+  return int(sizeof(float)) *
+      (tile_padded(p.value_dim) * kp + 2 * kChunk * vp + kChunkedThreads / 32);
+}
+int wy_backward_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
+  const int xp = std::max(kp, vp), lp = tile_stride(kChunk);
+  return int(sizeof(float)) * kChunk * (kp + 2 * xp + 5 * lp + kDecayRows + 7);
+}
+
 // The inputs and dims that the forward and the backward read alike.
 CoreArgs input_args(
     const GatedDeltaParams& p, const std::vector<mx::array>& inputs) {
@@ -219,7 +243,7 @@ void eval_core(
       scratch(encoder, problems * kDecayRows * kChunk),
       scratch(encoder, problems * p.value_dim * p.key_dim),
       scratch(encoder, key_problems * kChunk * tile_padded(p.key_dim))};
-  ChunkScratch s;
+  ChunkScratch s{};
   s.w = mx::gpu_ptr<float>(buffers[0]);
   s.u = mx::gpu_ptr<float>(buffers[1]);
   s.qk = mx::gpu_ptr<float>(buffers[2]);
@@ -274,8 +298,207 @@ bool has_backward_kernels(const GatedDeltaParams& p) {
       p.value_dim <= kBackwardMaxDim;
 }
 
+Algorithm resolve_cuda_backward_algorithm(
+    const GatedDeltaParams& p, Algorithm requested) {
+  if (!chunked_kernels_cover(p) || p.key_dim == 0 || p.value_dim == 0) {
+    return Algorithm::Recurrent;
+  }
+  if (requested == Algorithm::Auto) {
+    return p.tokens >= kChunk ? Algorithm::Chunked : Algorithm::Recurrent;
+  }
+  return requested;
+}
+
+namespace {
+
+// The chunked backward (chunk_backward.cu, chunk_wy_backward.cu): the
+// forward's chunk_prepare (keeping T) and chunk_carry rerun for the chunks'
+// entry states, W, V', M and T; chunk_output_backward, chunk_carry_backward
+// (the sequential pass), chunk_state_products and chunk_wy_backward; then
+// qk_grad_reduce, as the recurrent form's. Returns the partial sums' buffer,
+// which qk_grad_reduce reads next.
+mx::array eval_chunked_backward(
+    const GatedDeltaParams& p,
+    mx::cu::CommandEncoder& encoder,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    CoreArgs& a,
+    BackwardArgs& o) {
+  enum Output { kDq = 0, kDk, kDv, kDg, kDgamma, kDbeta, kDstate };
+  const int chunks = p.num_chunks();
+  const int64_t problems = int64_t(p.batch) * p.value_heads * chunks;
+  const int64_t key_problems = int64_t(p.batch) * p.key_heads * chunks;
+  const int64_t key_rows = problems * kChunk * tile_padded(p.key_dim);
+  const int64_t value_rows = problems * kChunk * tile_padded(p.value_dim);
+  const int64_t states = problems * p.value_dim * p.key_dim;
+  // The forward's: w, u (then v'), qk, decays, h, k, t (ChunkScratch's
+  // order), and its final state, which nothing reads.
+  std::vector<mx::array> forward = {
+      scratch(encoder, key_rows),
+      scratch(encoder, value_rows),
+      scratch(encoder, problems * kChunk * kChunk),
+      scratch(encoder, problems * kDecayRows * kChunk),
+      scratch(encoder, states),
+      scratch(encoder, key_problems * kChunk * tile_padded(p.key_dim)),
+      scratch(encoder, problems * kChunk * kChunk),
+      scratch(
+          encoder, int64_t(p.batch) * p.value_heads * p.value_dim * p.key_dim)};
+  ChunkScratch s{};
+  s.w = mx::gpu_ptr<float>(forward[0]);
+  s.u = mx::gpu_ptr<float>(forward[1]);
+  s.qk = mx::gpu_ptr<float>(forward[2]);
+  s.decays = mx::gpu_ptr<float>(forward[3]);
+  s.h = mx::gpu_ptr<float>(forward[4]);
+  s.k = mx::gpu_ptr<float>(forward[5]);
+  s.t = mx::gpu_ptr<float>(forward[6]);
+  a.state_out = mx::gpu_ptr<float>(forward[7]);
+  // dv, ds, dq, dk, dw, state_dots (ChunkBackwardScratch's order), and
+  // each token's sums of a value head (BackwardArgs::partials, one block).
+  std::vector<mx::array> backward = {
+      scratch(encoder, value_rows),
+      scratch(
+          encoder,
+          problems * tile_padded(p.value_dim) * tile_padded(p.key_dim)),
+      scratch(encoder, key_rows),
+      scratch(encoder, key_rows),
+      scratch(encoder, key_rows),
+      scratch(encoder, problems),
+      scratch(
+          encoder,
+          int64_t(p.batch) * p.tokens * p.value_heads *
+              backward_partial_width(p.key_dim, false))};
+  ChunkBackwardScratch d;
+  d.dv = mx::gpu_ptr<float>(backward[0]);
+  d.ds = mx::gpu_ptr<float>(backward[1]);
+  d.dq = mx::gpu_ptr<float>(backward[2]);
+  d.dk = mx::gpu_ptr<float>(backward[3]);
+  d.dw = mx::gpu_ptr<float>(backward[4]);
+  d.state_dots = mx::gpu_ptr<float>(backward[5]);
+  o.partials = mx::gpu_ptr<float>(backward[6]);
+  o.partial_blocks = 1;
+
+  const std::string dtype = dtype_suffix(inputs[kV].dtype());
+  const int row_tiles = (p.value_dim + kCarryRows - 1) / kCarryRows;
+  void* forward_params[] = {&a, &s};
+  std::vector<mx::array> prepared(forward.begin(), forward.begin() + 4);
+  prepared.insert(prepared.end(), forward.begin() + 5, forward.begin() + 7);
+  set_arrays(encoder, inputs, prepared);
+  launch(
+      encoder,
+      "chunk_prepare",
+      "gd_chunk_prepare_" + dtype,
+      dim3(chunks, p.value_heads, p.batch),
+      kChunkedThreads,
+      prepare_shared_bytes(p),
+      forward_params);
+  std::vector<mx::array> reads = inputs;
+  reads.insert(reads.end(), forward.begin(), forward.end());
+  set_arrays(encoder, reads, {forward[1], forward[4], forward[7]});
+  launch(
+      encoder,
+      "chunk_carry",
+      "gd_chunk_carry_" + dtype,
+      dim3(row_tiles, p.value_heads, p.batch),
+      kChunkedThreads,
+      carry_shared_bytes(p),
+      forward_params);
+
+  void* params[] = {&a, &o, &s, &d};
+  auto stage = [&](const char* source,
+                   const std::string& name,
+                   const std::vector<mx::array>& writes,
+                   dim3 grid,
+                   int shared_bytes) {
+    std::vector<mx::array> stage_reads = reads;
+    stage_reads.insert(stage_reads.end(), backward.begin(), backward.end());
+    set_arrays(encoder, stage_reads, writes);
+    launch(
+        encoder,
+        source,
+        "gd_" + name + "_" + dtype,
+        grid,
+        kChunkedThreads,
+        shared_bytes,
+        params);
+  };
+  const dim3 per_chunk(chunks, p.value_heads, p.batch);
+  stage(
+      "chunk_backward",
+      "chunk_output_backward",
+      {backward[0], backward[1]},
+      per_chunk,
+      output_backward_shared_bytes(p));
+  stage(
+      "chunk_backward",
+      "chunk_carry_backward",
+      {backward[0], backward[1], outputs[kDstate]},
+      dim3(row_tiles, p.value_heads, p.batch),
+      carry_backward_shared_bytes(p));
+  stage(
+      "chunk_backward",
+      "chunk_state_products",
+      {backward[2], backward[3], backward[4], backward[5]},
+      per_chunk,
+      state_products_shared_bytes(p));
+  stage(
+      "chunk_wy_backward",
+      "chunk_wy_backward",
+      {outputs[kDv], backward[2], backward[3], backward[6]},
+      per_chunk,
+      wy_backward_shared_bytes(p));
+  return backward[6];
+}
+
+// recurrent_backward (recurrent_backward.cu); returns the partial sums'
+// buffer, which qk_grad_reduce reads next.
+mx::array recurrent_backward(
+    const GatedDeltaParams& p,
+    mx::cu::CommandEncoder& encoder,
+    const std::vector<mx::array>& inputs,
+    std::vector<mx::array>& outputs,
+    CoreArgs& a,
+    BackwardArgs& o) {
+  enum Output { kDq = 0, kDk, kDv, kDg, kDgamma, kDbeta, kDstate };
+  const int columns = (p.key_dim + 31) / 32;
+  const int row_blocks = backward_row_blocks(p.value_dim);
+  // One block's rows of a state in scratch, the columns padded to whole
+  // warps (kernel_args.h).
+  const int64_t tile = int64_t(kBackwardRowsPerBlock) * columns * 32;
+  const int64_t blocks = int64_t(p.batch) * p.value_heads * row_blocks;
+  // boundaries, chunk_states, partials: BackwardArgs' order.
+  std::vector<mx::array> buffers = {
+      scratch(encoder, blocks * p.num_chunks() * tile),
+      scratch(encoder, blocks * kChunk * tile),
+      scratch(
+          encoder,
+          int64_t(p.batch) * p.tokens * p.value_heads * row_blocks *
+              backward_partial_width(p.key_dim, p.per_key_gates))};
+  o.boundaries = mx::gpu_ptr<float>(buffers[0]);
+  o.chunk_states = mx::gpu_ptr<float>(buffers[1]);
+  o.partials = mx::gpu_ptr<float>(buffers[2]);
+  o.partial_blocks = row_blocks;
+  void* params[] = {&a, &o};
+  const std::string dtype = dtype_suffix(inputs[kV].dtype());
+  std::vector<mx::array> writes = {outputs[kDv], outputs[kDstate]};
+  writes.insert(writes.end(), buffers.begin(), buffers.end());
+  set_arrays(encoder, inputs, writes);
+  launch(
+      encoder,
+      "recurrent_backward",
+      "gd_recurrent_backward_" + dtype + "_c" + std::to_string(columns) +
+          (p.per_key_gates ? "_per_key" : ""),
+      dim3(row_blocks, p.value_heads, p.batch),
+      kBackwardThreads,
+      int(sizeof(float)) * backward_shared_floats(p.key_dim, p.per_key_gates),
+      params);
+  return buffers[2];
+}
+
+}  // namespace
+
 void eval_backward(
     const GatedDeltaParams& p,
+    Algorithm algorithm,
     const std::vector<mx::array>& inputs,
     std::vector<mx::array>& outputs,
     const mx::Stream& stream) {
@@ -301,43 +524,18 @@ void eval_backward(
   o.dgamma = mx::gpu_ptr<float>(outputs[kDgamma]);
   o.dbeta = mx::gpu_ptr<float>(outputs[kDbeta]);
   o.dstate = mx::gpu_ptr<float>(outputs[kDstate]);
-  const int columns = (p.key_dim + 31) / 32;
-  const int row_blocks = backward_row_blocks(p.value_dim);
-  // One block's rows of a state in scratch, the columns padded to whole
-  // warps (kernel_args.h).
-  const int64_t tile = int64_t(kBackwardRowsPerBlock) * columns * 32;
-  const int64_t blocks = int64_t(p.batch) * p.value_heads * row_blocks;
-  // boundaries, chunk_states, partials: BackwardArgs' order.
-  std::vector<mx::array> buffers = {
-      scratch(encoder, blocks * p.num_chunks() * tile),
-      scratch(encoder, blocks * kChunk * tile),
-      scratch(
-          encoder,
-          int64_t(p.batch) * p.tokens * p.value_heads * row_blocks *
-              backward_partial_width(p.key_dim, p.per_key_gates))};
-  o.boundaries = mx::gpu_ptr<float>(buffers[0]);
-  o.chunk_states = mx::gpu_ptr<float>(buffers[1]);
-  o.partials = mx::gpu_ptr<float>(buffers[2]);
   void* params[] = {&a, &o};
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
-  std::vector<mx::array> writes = {outputs[kDv], outputs[kDstate]};
-  writes.insert(writes.end(), buffers.begin(), buffers.end());
-  set_arrays(encoder, inputs, writes);
-  launch(
-      encoder,
-      "recurrent_backward",
-      "gd_recurrent_backward_" + dtype + "_c" + std::to_string(columns) +
-          (p.per_key_gates ? "_per_key" : ""),
-      dim3(row_blocks, p.value_heads, p.batch),
-      kBackwardThreads,
-      int(sizeof(float)) * backward_shared_floats(p.key_dim, p.per_key_gates),
-      params);
+  const mx::array partials =
+      resolve_cuda_backward_algorithm(p, algorithm) == Algorithm::Chunked
+      ? eval_chunked_backward(p, encoder, inputs, outputs, a, o)
+      : recurrent_backward(p, encoder, inputs, outputs, a, o);
   const int64_t rows = int64_t(p.batch) * p.tokens * p.key_heads;
   if (rows == 0) {
     return;
   }
   std::vector<mx::array> reads = inputs;
-  reads.push_back(buffers[2]);
+  reads.push_back(partials);
   set_arrays(
       encoder,
       reads,

@@ -38,12 +38,22 @@ void eval_core(
 // stream.
 bool has_backward_kernels(const GatedDeltaParams& params);
 
-// The backward of the core op, whatever algorithm the call asked for (the
-// recurrent form's reverse, within the same gradient contracts).
+// The backward algorithm "auto" runs on CUDA: the chunked WY form
+// (chunk_backward.cu, chunk_wy_backward.cu) from one chunk of tokens on, for
+// scalar gates and dims the chunked kernels cover, the recurrent form
+// (recurrent_backward.cu) otherwise; an explicit "chunked" that the chunked
+// kernels do not cover (per-key gates) runs the recurrent form, within the
+// same gradient contracts.
+Algorithm resolve_cuda_backward_algorithm(
+    const GatedDeltaParams& params, Algorithm requested);
+
+// The backward of the core op, in the form resolve_cuda_backward_algorithm
+// picks for `algorithm`.
 // inputs: q, k, v, g, beta, state [, mask], the cotangents of y and of the
 // final state; outputs: dq, dk, dv, dg, dgamma, dbeta, dstate.
 void eval_backward(
     const GatedDeltaParams& params,
+    Algorithm algorithm,
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);

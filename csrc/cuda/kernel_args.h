@@ -60,6 +60,10 @@ struct CoreArgs {
 //   float32, 0 past the chunk's tokens; the scales are in `decays`), from
 //   chunk_prepare: float16 and bfloat16 keys stay exact tensor-core operands
 //   for chunk_carry's state update.
+// The chunked backward's rerun of the forward also keeps, per (batch row,
+// value head, chunk),
+//   t [L, L]: kkt_inverse's T = (I + A)^-1, from chunk_prepare (nullptr in
+//   the forward, which does not keep it).
 constexpr int kDecayRows = 5;
 struct ChunkScratch {
   float* w;
@@ -68,6 +72,28 @@ struct ChunkScratch {
   float* decays;
   float* h;
   float* k;
+  float* t;
+};
+
+// The chunked backward's own scratch (chunk_backward.cu,
+// chunk_wy_backward.cu), float32, per (batch row, value head, chunk):
+//   dv [L, tile_padded(Dv)]: chunk_output_backward's M^T dO, then
+//   chunk_carry_backward's whole dV' (the exit state's share added),
+//   ds [tile_padded(Dv), tile_padded(Dk)]: chunk_output_backward's G, the
+//   entry state's share of dS, then chunk_carry_backward's cotangent of the
+//   state at the chunk's end,
+//   dq, dk [L, tile_padded(Dk)]: chunk_state_products' (dO S) and (V' dS),
+//   then, scaled and with every other share added by chunk_wy_backward, the
+//   gradients of the normalised q and k rows of the value head,
+//   dw [L, tile_padded(Dk)]: dW = -dV' S,
+//   state_dots [1]: <dS, S> of the chunk's entry state and exit cotangent.
+struct ChunkBackwardScratch {
+  float* dv;
+  float* ds;
+  float* dq;
+  float* dk;
+  float* dw;
+  float* state_dots;
 };
 
 // The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,
@@ -81,7 +107,8 @@ struct ChunkScratch {
 //   before each token of the chunk being reversed,
 //   partials [B, T, Hv, R, backward_partial_width(Dk)]: each row block's
 //   share of the sums over rows (dq, dk of the normalised q and k, da,
-//   dbeta), which qk_grad_reduce adds up.
+//   dbeta), which qk_grad_reduce adds up; R = partial_blocks (the chunked
+//   backward writes whole sums: R = 1).
 struct BackwardArgs {
   const void* dy;
   const float* state_cotangent;
@@ -95,6 +122,7 @@ struct BackwardArgs {
   float* boundaries;
   float* chunk_states;
   float* partials;
+  int partial_blocks;
 };
 
 // The fused segment's own stages (segment.cu), around the core's kernels;

@@ -484,6 +484,7 @@ template <typename T>
 __device__ __forceinline__ void qk_grad_reduce(
     const CoreArgs& a,
     const float* partials,
+    int row_blocks,
     int offset,
     const T* raw,
     T* out,
@@ -494,7 +495,6 @@ __device__ __forceinline__ void qk_grad_reduce(
   const int kh = int(row % a.key_heads);
   const int64_t bt = row / a.key_heads;
   const int ratio = a.value_heads / a.key_heads;
-  const int row_blocks = backward_row_blocks(a.value_dim);
   const int width = backward_partial_width(dk, a.per_key_gates);
   float sum[kColumns] = {}, x[kColumns] = {};
   double squares = 0.0, projection = 0.0;
@@ -541,7 +541,7 @@ __device__ __forceinline__ void gate_grad_reduce(
   const int kh = int(row % a.key_heads);
   const int64_t bt = row / a.key_heads;
   const int ratio = a.value_heads / a.key_heads;
-  const int row_blocks = backward_row_blocks(a.value_dim);
+  const int row_blocks = o.partial_blocks;
   const int width = backward_partial_width(dk, a.per_key_gates);
   const int gate_width = a.per_key_gates ? dk : 1;
   // A skipped token's sums are zero; its dg is 0 whatever its g.
@@ -574,6 +574,7 @@ __device__ __forceinline__ void qk_grad_reduce_rows(
   qk_grad_reduce<T>(
       a,
       o.partials,
+      o.partial_blocks,
       0,
       static_cast<const T*>(a.q),
       static_cast<T*>(o.dq),
@@ -582,6 +583,7 @@ __device__ __forceinline__ void qk_grad_reduce_rows(
   qk_grad_reduce<T>(
       a,
       o.partials,
+      o.partial_blocks,
       a.key_dim,
       static_cast<const T*>(a.k),
       static_cast<T*>(o.dk),

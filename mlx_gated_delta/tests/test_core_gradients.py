@@ -94,7 +94,8 @@ def assert_gradients_match(prefix, grads, expected):
 
 
 # The backward's devices: the CPU, and the GPU where there is one (the Metal
-# and the CUDA backward run their recurrent form whatever `algorithm` says).
+# backward runs its recurrent form whatever `algorithm` says; the CUDA backward
+# takes `algorithm` as the CPU's does, "auto" chunked from 64 tokens).
 DEVICES = ("cpu", "gpu") if mx.metal.is_available() or mx.cuda.is_available() else ("cpu",)
 
 

@@ -78,7 +78,11 @@ def main():
         )
         ref_y, ref_s = gated_delta_rule_reference(
             *[to_float64(x) for x in (q, k, v, g, beta, state)],
-            **{key: (np.asarray(x) if key == "mask" else x) for key, x in kwargs.items()},
+            **{
+                key: (np.asarray(x) if key == "mask" else x)
+                for key, x in kwargs.items()
+                if key != "algorithm"
+            },
         )
         errors = (
             relative(y, ref_y),
@@ -96,9 +100,17 @@ def main():
             flush=True,
         )
     gradient_cases = [
-        # B, T, Hk, Hv, Dk, Dv, dtype, options
+        # B, T, Hk, Hv, Dk, Dv, dtype, options ("auto" runs the chunked backward from 64
+        # tokens on, scalar gates)
         (1, 300, 16, 32, 128, 128, mx.bfloat16, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {}),
+        (2, 200, 4, 8, 128, 128, mx.float32, {"algorithm": "recurrent"}),
+        (1, 1, 2, 4, 128, 128, mx.float32, {"algorithm": "chunked", "oracle": True}),
+        (3, 37, 2, 4, 64, 64, mx.bfloat16, {"algorithm": "chunked"}),
+        (2, 64, 1, 3, 128, 128, mx.float32, {"algorithm": "chunked", "oracle": True}),
+        (2, 129, 2, 6, 128, 128, mx.bfloat16, {}),
+        (1, 190, 2, 2, 32, 100, mx.float32, {"normalize_qk": False, "oracle": True}),
+        (2, 100, 1, 2, 16, 16, mx.float16, {"algorithm": "chunked", "mask": True}),
         (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True}),
         (2, 150, 2, 4, 64, 96, mx.float16, {"head_mapping": "interleaved"}),
         (1, 70, 1, 2, 128, 128, mx.float32, {"normalize_qk": False}),
@@ -141,6 +153,7 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
     kwargs = {
         "head_mapping": options.get("head_mapping", "grouped"),
         "normalize_qk": options.get("normalize_qk", True),
+        "algorithm": options.get("algorithm", "auto"),
     }
     if options.get("mask"):
         kwargs["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.8)
@@ -184,7 +197,11 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
             *[to_float64(x) for x in inputs],
             y_cotangent=to_float64(dy),
             state_cotangent=to_float64(dstate),
-            **{key: (np.asarray(x) if key == "mask" else x) for key, x in kwargs.items()},
+            **{
+                key: (np.asarray(x) if key == "mask" else x)
+                for key, x in kwargs.items()
+                if key != "algorithm"
+            },
         )
         oracle = [
             relative(a, expected[name])

@@ -1,6 +1,6 @@
 """The calls compute-sanitizer watches (tools/cuda/sanitize.sh): every CUDA kernel of the
 core op once, on small shapes (two chunks and a partial one, a mask, checkpoints, per-key
-gates, a tree), the backward with a mask (scalar and per-key gates), the fused segment's
+gates, a tree), the backward with a mask (scalar gates in both forms, per-key gates), the fused segment's
 kernels (a mask, checkpoints, per-key and scalar gates, both core forms), and checks of the
 chunked result against the recurrent one, of the backward's gradients and of the segment's
 outputs against the CPU's, so that a race that changes the numbers also fails the run."""
@@ -69,19 +69,28 @@ def main():
     dy = arr(B, T, Hv, D)
     dstate = arr(B, Hv, D, D)
 
-    def gradients(stream, gates):
+    def gradients(stream, gates, algorithm="auto"):
         def forward(*x):
-            return list(gated_delta_rule(*x, normalize_qk=True, mask=mask, stream=stream))
+            return list(
+                gated_delta_rule(
+                    *x, normalize_qk=True, mask=mask, algorithm=algorithm, stream=stream
+                )
+            )
 
         _, grads = mx.vjp(forward, [q, k, v.astype(mx.float32), gates, beta, state], [dy, dstate])
         mx.eval(grads)
         return [np.asarray(x) for x in grads]
 
-    # Scalar and per-key gates: the backward's two kernels.
+    # Scalar gates through the chunked backward's kernels and through recurrent_backward,
+    # per-key gates through recurrent_backward.
     worst_grad = max(
         float(np.linalg.norm(a - b) / np.linalg.norm(b))
-        for gates in (g, per_key * (1.0 + 0.1 * arr(B, T, Hv, D)))
-        for a, b in zip(gradients(mx.gpu, gates), gradients(mx.cpu, gates))
+        for gates, algorithm in (
+            (g, "chunked"),
+            (g, "recurrent"),
+            (per_key * (1.0 + 0.1 * arr(B, T, Hv, D)), "auto"),
+        )
+        for a, b in zip(gradients(mx.gpu, gates, algorithm), gradients(mx.cpu, gates, algorithm))
     )
     print(f"sanitize_case: backward against the CPU's, max relative difference {worst_grad:.2e}")
     worst_segment = segment_differences()
