@@ -38,7 +38,10 @@ def test_cuda_build_pins_the_compile_checks_nvcc():
 def test_cuda_build_swaps_only_the_mlx_backend():
     pyproject = _pyproject()
     assert "dependencies" in pyproject["project"]["dynamic"]
-    cpu = [Requirement(d) for d in pyproject["tool"]["scikit-build"]["metadata"]["dependencies"]["result"]]
+    cpu = [
+        Requirement(d)
+        for d in pyproject["tool"]["scikit-build"]["metadata"]["dependencies"]["result"]
+    ]
     cuda = [Requirement(d) for d in _cuda_override(pyproject)["metadata"]["dependencies"]["result"]]
     assert [str(r) for r in cpu if r.name != "mlx"] == [str(r) for r in cuda if r.name != "mlx"]
     (cpu_mlx,) = [r for r in cpu if r.name == "mlx" and r.extras == {"cpu"}]
