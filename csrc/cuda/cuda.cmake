@@ -3,9 +3,10 @@
 # whose directory the generated source must be made). nvcc compiles each
 # .cu to a fatbin of device code only; the fatbins are embedded in a generated
 # source and loaded through the CUDA driver (module.cpp), so the extension
-# links no CUDA library. nvcc comes from CUDA_HOME, PATH or NVIDIA's
-# nvidia-cuda-nvcc wheel (the build requirement scikit-build adds for a CUDA
-# build, docs/cuda.md).
+# links no CUDA library. nvcc comes from CUDA_HOME, else NVIDIA's
+# nvidia-cuda-nvcc wheel (the build requirement that pyproject.toml's CUDA
+# override adds where CUDA_HOME is unset, docs/cuda.md), /usr/local/cuda or
+# PATH, in that order (find_program's HINTS come before PATH).
 
 set(GD_CUDA_DIR "${PROJECT_SOURCE_DIR}/csrc/cuda")
 set(GD_CUDA_BINARY_DIR "${CMAKE_BINARY_DIR}/cuda")

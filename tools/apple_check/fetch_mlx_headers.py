@@ -26,9 +26,12 @@ COMPLETE_MARKER = ".complete"
 
 
 def pinned_mlx_version():
-    """The exact MLX version the package's dependencies pin for macOS."""
+    """The exact MLX version the package's dependencies pin for macOS (dynamic metadata:
+    pyproject.toml's [tool.scikit-build.metadata.dependencies], whose list a CUDA build
+    replaces)."""
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as handle:
-        dependencies = tomllib.load(handle)["project"]["dependencies"]
+        pyproject = tomllib.load(handle)
+    dependencies = pyproject["tool"]["scikit-build"]["metadata"]["dependencies"]["result"]
     pins = set()
     for requirement in dependencies:
         match = re.fullmatch(r"mlx==(\S+?)\s*;\s*(.*)", requirement)

@@ -10,8 +10,10 @@
 # CARRY holds the wheels: mlx-0.32.4-*.whl and mlx_cuda_13-0.32.4-*.whl
 # (`pip download "mlx[cuda13]==0.32.4" --no-deps`), and for the benchmark's
 # FLA columns fla_core-*.whl and flash_linear_attention-*.whl (0.6.0), and
-# for the layer's properties mlx_lm-*.whl (0.32.2). OUT receives
-# one log per step. Steps, run in the order given:
+# for the layer's properties mlx_lm-*.whl (0.32.2), and where the machine's
+# scikit-build-core is older than pyproject.toml's floor (0.11.2: the dynamic
+# dependencies) scikit_build_core-*.whl. OUT receives one log per step.
+# Steps, run in the order given:
 #   install    MLX and this checkout (nvcc builds the kernels) into SITE
 #   check      tools/cuda/check.py: the kernels against the CPU and the oracle
 #   selftest   python -m mlx_gated_delta selftest on the CUDA device (TF32 off)
@@ -50,7 +52,8 @@ install() {
     "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" \
         "$carry"/mlx-*.whl "$carry"/mlx_cuda_13-*.whl
     shopt -s nullglob
-    local extra=("$carry"/fla_core-*.whl "$carry"/flash_linear_attention-*.whl "$carry"/mlx_lm-*.whl)
+    local extra=("$carry"/fla_core-*.whl "$carry"/flash_linear_attention-*.whl "$carry"/mlx_lm-*.whl
+        "$carry"/scikit_build_core-*.whl)
     if [ ${#extra[@]} -gt 0 ]; then
         "$python" -m pip install --quiet --no-index --no-deps --no-compile --target "$site" "${extra[@]}"
     fi
