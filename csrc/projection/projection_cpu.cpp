@@ -46,13 +46,27 @@ inline void widen(const T* src, int n, float* dst) {
   }
 }
 
+// Widens row w of `weight` (in_features values) into `dst`.
+template <typename T>
+inline void widen_row(
+    MatrixView<T> weight, int w, int in_features, float* dst) {
+  const T* row = weight.data + int64_t(w) * weight.row_stride;
+  if (weight.column_stride == 1) {
+    widen(row, in_features, dst);
+    return;
+  }
+  for (int i = 0; i < in_features; ++i) {
+    dst[i] = static_cast<float>(row[int64_t(i) * weight.column_stride]);
+  }
+}
+
 template <typename T>
 void dense_projection_by_dots(
     int64_t rows,
     int in_features,
     int out_features,
     const float* x,
-    const T* weight,
+    MatrixView<T> weight,
     T* y) {
   constexpr int kRowsPerTask = 64;
   const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
@@ -61,7 +75,7 @@ void dense_projection_by_dots(
     std::vector<float> w_row(in_features);
     const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
     for (int o = task * kRowsPerTask; o < out_end; ++o) {
-      widen(weight + int64_t(o) * in_features, in_features, w_row.data());
+      widen_row(weight, o, in_features, w_row.data());
       // Each row on its own, through the fixed-order dot product: a row's
       // result does not depend on how many rows come with it, nor on where
       // the buffers lie.
@@ -73,6 +87,32 @@ void dense_projection_by_dots(
   });
 }
 
+// x in float32, read by every block of W. A row-major x, or the transpose of
+// a row-major matrix (the vjp's dy^T), is widened in its own memory order and
+// read through `view`'s strides; any other layout is gathered row-major.
+template <typename T>
+std::vector<float> widen_x(
+    int64_t rows, int in_features, MatrixView<T> x, MatrixA& view) {
+  std::vector<float> x_f32(rows * in_features);
+  const bool row_major = x.column_stride == 1 && x.row_stride == in_features;
+  const bool transposed = x.row_stride == 1 && x.column_stride == rows;
+  if (row_major || transposed) {
+    std::transform(x.data, x.data + x_f32.size(), x_f32.begin(), [](T v) {
+      return static_cast<float>(v);
+    });
+    view = {x_f32.data(), x.row_stride, x.column_stride};
+    return x_f32;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < in_features; ++i) {
+      x_f32[r * in_features + i] = static_cast<float>(
+          x.data[r * x.row_stride + int64_t(i) * x.column_stride]);
+    }
+  }
+  view = {x_f32.data(), in_features, 1};
+  return x_f32;
+}
+
 }  // namespace
 
 template <typename T>
@@ -80,17 +120,30 @@ void dense_projection_forward(
     int64_t rows,
     int in_features,
     int out_features,
-    const T* x,
-    const T* weight,
+    MatrixView<T> x,
+    MatrixView<T> weight,
     T* y) {
-  // x in float32 once (it is read by every block of W).
-  std::vector<float> x_f32(rows * in_features);
-  std::transform(x, x + rows * in_features, x_f32.begin(), [](T v) {
-    return static_cast<float>(v);
-  });
+  MatrixA x_view{};
+  const std::vector<float> x_f32 = widen_x(rows, in_features, x, x_view);
   if (rows < kGemmMinRows) {
+    // The dot products read x row-major.
+    const bool row_major = x_view.k_stride == 1;
+    std::vector<float> x_rows;
+    if (!row_major) {
+      x_rows.resize(x_f32.size());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int i = 0; i < in_features; ++i) {
+          x_rows[r * in_features + i] = x_f32[r + int64_t(i) * rows];
+        }
+      }
+    }
     dense_projection_by_dots(
-        rows, in_features, out_features, x_f32.data(), weight, y);
+        rows,
+        in_features,
+        out_features,
+        row_major ? x_f32.data() : x_rows.data(),
+        weight,
+        y);
     return;
   }
 
@@ -104,11 +157,23 @@ void dense_projection_forward(
     for (int in_start = 0; in_start < in_features; in_start += kBlockIn) {
       const int in_size = std::min(kBlockIn, in_features - in_start);
       // Pack W[out block, in block] transposed: the GEMM's B is [in, out].
-      for (int o = 0; o < out_size; ++o) {
-        const T* w_row =
-            weight + int64_t(out_start + o) * in_features + in_start;
+      // The loop runs along W's contiguous axis.
+      const T* w_block = weight.data + int64_t(out_start) * weight.row_stride +
+          int64_t(in_start) * weight.column_stride;
+      if (weight.column_stride == 1) {
+        for (int o = 0; o < out_size; ++o) {
+          const T* w_row = w_block + int64_t(o) * weight.row_stride;
+          for (int i = 0; i < in_size; ++i) {
+            packed[int64_t(i) * out_size + o] = static_cast<float>(w_row[i]);
+          }
+        }
+      } else {
         for (int i = 0; i < in_size; ++i) {
-          packed[int64_t(i) * out_size + o] = static_cast<float>(w_row[i]);
+          const T* w_column = w_block + int64_t(i) * weight.column_stride;
+          for (int o = 0; o < out_size; ++o) {
+            packed[int64_t(i) * out_size + o] =
+                static_cast<float>(w_column[int64_t(o) * weight.row_stride]);
+          }
         }
       }
       gemm(
@@ -116,7 +181,10 @@ void dense_projection_forward(
           out_size,
           in_size,
           1.0f,
-          MatrixA{x_f32.data() + in_start, in_features, 1},
+          MatrixA{
+              x_view.data + int64_t(in_start) * x_view.k_stride,
+              x_view.row_stride,
+              x_view.k_stride},
           packed.data(),
           out_size,
           acc.data(),
@@ -133,10 +201,20 @@ void dense_projection_forward(
 }
 
 template void dense_projection_forward<float>(
-    int64_t, int, int, const float*, const float*, float*);
+    int64_t, int, int, MatrixView<float>, MatrixView<float>, float*);
 template void dense_projection_forward<float16_t>(
-    int64_t, int, int, const float16_t*, const float16_t*, float16_t*);
+    int64_t,
+    int,
+    int,
+    MatrixView<float16_t>,
+    MatrixView<float16_t>,
+    float16_t*);
 template void dense_projection_forward<bfloat16_t>(
-    int64_t, int, int, const bfloat16_t*, const bfloat16_t*, bfloat16_t*);
+    int64_t,
+    int,
+    int,
+    MatrixView<bfloat16_t>,
+    MatrixView<bfloat16_t>,
+    bfloat16_t*);
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL
