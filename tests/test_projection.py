@@ -43,6 +43,18 @@ def test_dense_projection_reads_strided_inputs():
     assert_matches("y", _ext.dense_projection(x, weight, None), expected, contract)
 
 
+def test_dense_projection_rows_do_not_depend_on_how_many_come_with_them():
+    """With more rows than W, the GEMM computes y^T = W x^T (widening the
+    smaller operand): each row's bits are those of the same row projected in
+    a call of fewer rows (48 to 64, as many as W's: y = x W^T)."""
+    x = mx.random.normal((200, 300), key=mx.random.key(4)).astype(mx.bfloat16)
+    weight = mx.random.normal((64, 300), key=mx.random.key(5)).astype(mx.bfloat16)
+    y = _ext.dense_projection(x, weight, None)
+    for start, stop in ((0, 64), (64, 128), (128, 176)):
+        part = _ext.dense_projection(x[start:stop], weight, None)
+        assert mx.array_equal(y[start:stop], part).item(), (start, stop)
+
+
 def _projection_vjp(x, weight, dy):
     _, (dx, dw) = mx.vjp(lambda a, w: _ext.dense_projection(a, w, None), [x, weight], [dy])
     return dx, dw
