@@ -43,6 +43,70 @@ def test_dense_projection_reads_strided_inputs():
     assert_matches("y", _ext.dense_projection(x, weight, None), expected, contract)
 
 
+def test_dense_projection_rows_do_not_depend_on_how_many_come_with_them():
+    """With more rows than W, the GEMM computes y^T = W x^T (widening the
+    smaller operand): each row's bits are those of the same row projected in
+    a call of fewer rows (48 to 64, as many as W's: y = x W^T)."""
+    x = mx.random.normal((200, 300), key=mx.random.key(4)).astype(mx.bfloat16)
+    weight = mx.random.normal((64, 300), key=mx.random.key(5)).astype(mx.bfloat16)
+    y = _ext.dense_projection(x, weight, None)
+    for start, stop in ((0, 64), (64, 128), (128, 176)):
+        part = _ext.dense_projection(x[start:stop], weight, None)
+        assert mx.array_equal(y[start:stop], part).item(), (start, stop)
+
+
+def _projection_vjp(x, weight, dy):
+    _, (dx, dw) = mx.vjp(lambda a, w: _ext.dense_projection(a, w, None), [x, weight], [dy])
+    return dx, dw
+
+
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    leading=st.sampled_from([(1,), (3,), (2, 15), (47,), (48,), (1, 70), (129,)]),
+    in_features=st.sampled_from([1, 5, 64, 257]),
+    out_features=st.sampled_from([1, 7, 47, 48, 129, 300]),
+    dtype=st.sampled_from(tuple(DTYPES)),
+)
+def test_dense_projection_vjp_matches_float64(seed, leading, in_features, out_features, dtype):
+    """dx = dy W and dW = dy^T x, which the vjp reads through transposed
+    views of dy, x and W: both the dot products (fewer than 48 rows) and the
+    blocked GEMM, each operand row-major or transposed."""
+    rng = np.random.default_rng(seed)
+    x = mx.array(rng.standard_normal((*leading, in_features)).astype(np.float32))
+    weight = mx.array(
+        (rng.standard_normal((out_features, in_features)) / np.sqrt(in_features)).astype(np.float32)
+    )
+    dy = mx.array(rng.standard_normal((*leading, out_features)).astype(np.float32))
+    x, weight, dy = (a.astype(DTYPES[dtype]) for a in (x, weight, dy))
+    dx, dw = _projection_vjp(x, weight, dy)
+    assert dx.shape == x.shape and dw.shape == weight.shape
+    rows_x = to_float64(x).reshape(-1, in_features)
+    rows_dy = to_float64(dy).reshape(-1, out_features)
+    contract = f"projection.linear.v2.{dtype}.output"
+    assert_matches("dx", dx, (rows_dy @ to_float64(weight)).reshape(x.shape), contract)
+    assert_matches("dW", dw, rows_dy.T @ rows_x, contract)
+
+
+@pytest.mark.parametrize("rows", [5, 300])
+def test_dense_projection_vjp_equals_the_product_of_copied_transposes(rows):
+    """Reading dy^T, x^T and W^T through their strides gives the bits of the
+    product of their row-major copies (what the vjp computed before it read
+    views): the same sums in the same order."""
+    x = mx.random.normal((rows, 70), key=mx.random.key(1)).astype(mx.bfloat16)
+    weight = mx.random.normal((130, 70), key=mx.random.key(2)).astype(mx.bfloat16)
+    dy = mx.random.normal((rows, 130), key=mx.random.key(3)).astype(mx.bfloat16)
+    dx, dw = _projection_vjp(x, weight, dy)
+    copied_w_t = mx.array(np.ascontiguousarray(np.array(weight.astype(mx.float32)).T))
+    copied_dy_t = mx.array(np.ascontiguousarray(np.array(dy.astype(mx.float32)).T))
+    copied_x_t = mx.array(np.ascontiguousarray(np.array(x.astype(mx.float32)).T))
+    expected_dx = _ext.dense_projection(dy, copied_w_t.astype(mx.bfloat16), None)
+    expected_dw = _ext.dense_projection(
+        copied_dy_t.astype(mx.bfloat16), copied_x_t.astype(mx.bfloat16), None
+    )
+    assert mx.array_equal(dx, expected_dx).item()
+    assert mx.array_equal(dw, expected_dw).item()
+
+
 @pytest.mark.parametrize(
     "x, weight, error, words",
     [

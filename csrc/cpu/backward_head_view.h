@@ -28,9 +28,9 @@ struct BackwardHeadView {
   int64_t gate_token_stride;  // of beta and dbeta
   const float* state_in;
   const float* state_cotangent;
-  float* dq_head;  // float32 scratch [T, Hv, Dk]-strided, like v
+  float* dq_head;  // float32 scratch of this problem alone, [T, Dk]
   float* dk_head;
-  int64_t head_grad_token_stride;
+  int64_t head_grad_token_stride;  // Dk
   T* dv;
   float* dg;
   float* dgamma;
@@ -39,15 +39,15 @@ struct BackwardHeadView {
 };
 
 // Problem (batch, head) of `b`, its per-value-head dq and dk in the float32
-// scratch `dq_heads` and `dk_heads` ([B, T, Hv, Dk]).
+// scratch `dq_head` and `dk_head` ([T, Dk] each, this problem's alone).
 template <typename T>
 BackwardHeadView<T> backward_head_view(
     const GatedDeltaParams& p,
     const BackwardBuffers<T>& b,
     int batch,
     int head,
-    float* dq_heads,
-    float* dk_heads) {
+    float* dq_head,
+    float* dk_head) {
   const int dk = p.key_dim, dv = p.value_dim, width = p.gate_width();
   const int key_head = p.key_head_of(head);
   const int64_t qk_offset =
@@ -55,8 +55,6 @@ BackwardHeadView<T> backward_head_view(
   const int64_t v_offset =
       (int64_t(batch) * p.tokens * p.value_heads + head) * dv;
   const int64_t gate_offset = int64_t(batch) * p.tokens * p.value_heads + head;
-  const int64_t head_grad_offset =
-      (int64_t(batch) * p.tokens * p.value_heads + head) * dk;
   const int64_t state_offset =
       (int64_t(batch) * p.value_heads + head) * dv * dk;
   return BackwardHeadView<T>{
@@ -73,9 +71,9 @@ BackwardHeadView<T> backward_head_view(
       p.value_heads,
       b.state_in + state_offset,
       b.state_cotangent + state_offset,
-      dq_heads + head_grad_offset,
-      dk_heads + head_grad_offset,
-      int64_t(p.value_heads) * dk,
+      dq_head,
+      dk_head,
+      dk,
       b.dv + v_offset,
       b.dg + gate_offset * width,
       b.dgamma + gate_offset * width,

@@ -337,16 +337,15 @@ ChunkedBackwardTrace trace_chunked_backward_stages(
     const BackwardBuffers<float>& buffers,
     int batch,
     int head) {
-  // The per-value-head dq and dk, of every problem as in
-  // gated_delta_backward; only this problem's rows are written.
-  const size_t head_grads =
-      size_t(p.batch) * p.tokens * p.value_heads * p.key_dim;
-  std::vector<float> dq_heads(head_grads), dk_heads(head_grads);
+  // This problem's per-value-head dq and dk, as gated_delta_backward gives
+  // each problem.
+  const size_t head_grads = size_t(p.tokens) * p.key_dim;
+  std::vector<float> dq_head(head_grads), dk_head(head_grads);
   ChunkedBackwardTrace trace;
   chunked_head_backward(
       p,
       backward_head_view(
-          p, buffers, batch, head, dq_heads.data(), dk_heads.data()),
+          p, buffers, batch, head, dq_head.data(), dk_head.data()),
       &trace);
   return trace;
 }

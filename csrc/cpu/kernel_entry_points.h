@@ -10,6 +10,7 @@
 #include "cpu/backward.h"
 #include "cpu/forward.h"
 #include "cpu/segment.h"
+#include "projection/projection_cpu.h"
 
 namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 
@@ -61,8 +62,8 @@ void dense_projection_forward(
     int64_t rows,
     int in_features,
     int out_features,
-    const T* x,
-    const T* weight,
+    MatrixView<T> x,
+    MatrixView<T> weight,
     T* y);
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -211,8 +211,8 @@ void dense_projection_forward(
     int64_t rows,
     int in_features,
     int out_features,
-    const T* x,
-    const T* weight,
+    MatrixView<T> x,
+    MatrixView<T> weight,
     T* y) {
   CALL_CHOSEN_LEVEL(dense_projection_forward<T>(
       rows, in_features, out_features, x, weight, y));
@@ -232,7 +232,7 @@ void dense_projection_forward(
   template void gated_delta_segment_norm_backward<T>(                 \
       const SegmentParams&, const SegmentNormBackwardBuffers<T>&);    \
   template void dense_projection_forward<T>(                          \
-      int64_t, int, int, const T*, const T*, T*);
+      int64_t, int, int, MatrixView<T>, MatrixView<T>, T*);
 
 INSTANTIATE_ENTRY_POINTS(float)
 INSTANTIATE_ENTRY_POINTS(mlx::core::float16_t)

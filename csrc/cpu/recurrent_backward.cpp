@@ -323,8 +323,10 @@ void recurrent_chunk_backward_from_entry(
 namespace {
 
 // qk_grad_reduce for one (batch row, token, key head): the gradient c of the
-// normalised vector, summed over the value heads that read it, then through
-// x / n, n = sqrt(x.x + eps):  (c n^2 - x (x.c)) / n^3.
+// normalised vector, summed over the value heads that read it (`head_grads`,
+// the group's per-value-head rows of this token, `head_stride` apart, in the
+// order of its heads), then through x / n, n = sqrt(x.x + eps):
+// (c n^2 - x (x.c)) / n^3.
 // The two terms cancel along x, leaving c eps / n^3 there: a small vector
 // (one element, Dk = 1, is all along x) would lose that difference to float32
 // rounding, so these two dot products and the difference are in float64.
@@ -332,8 +334,8 @@ template <typename T>
 void qk_grad_reduce(
     const GatedDeltaParams& p,
     const float* head_grads,
+    int64_t head_stride,
     const T* raw,
-    int key_head,
     float* sum,
     float* x,
     T* out) {
@@ -341,10 +343,7 @@ void qk_grad_reduce(
   const int ratio = p.value_heads / p.key_heads;
   std::fill(sum, sum + dk, 0.0f);
   for (int n = 0; n < ratio; ++n) {
-    const int head = p.head_mapping == HeadMapping::Grouped
-        ? key_head * ratio + n
-        : key_head + n * p.key_heads;
-    axpy(1.0f, head_grads + int64_t(head) * dk, sum, dk);
+    axpy(1.0f, head_grads + n * head_stride, sum, dk);
   }
   if (p.normalize_qk) {
     load_vector(raw, x, dk);
@@ -365,6 +364,13 @@ void qk_grad_reduce(
   }
 }
 
+// The n-th value head of a key head's group.
+int value_head_of(const GatedDeltaParams& p, int key_head, int n) {
+  const int ratio = p.value_heads / p.key_heads;
+  return p.head_mapping == HeadMapping::Grouped ? key_head * ratio + n
+                                                : key_head + n * p.key_heads;
+}
+
 }  // namespace
 
 template <typename T>
@@ -377,43 +383,73 @@ void gated_delta_backward(
   }
   const bool chunked = algorithm == Algorithm::Chunked;
   const int dk = p.key_dim;
-  // The per-value-head gradients of the normalised q and k, float32.
-  const int64_t head_grad_size =
-      int64_t(p.batch) * p.tokens * p.value_heads * dk;
-  std::vector<float> dq_heads(head_grad_size), dk_heads(head_grad_size);
+  const int ratio = p.value_heads / p.key_heads;
+  // The problems run in waves of whole key-head groups (batch row, key head:
+  // the value heads that read one q and k), about one problem per thread. A
+  // wave's per-value-head gradients of the normalised q and k (float32
+  // [T, Dk] per problem) are summed over each group before the next wave
+  // reuses them: the scratch is a wave's, not one per value head (2 x T x Hv
+  // x Dk floats, 256 MiB at Qwen3-Next's shape and T = 8192).
+  const int groups = p.batch * p.key_heads;
+  const int wave_groups =
+      std::min(groups, std::max(1, (thread_count() + ratio - 1) / ratio));
+  const int64_t head_size = int64_t(p.tokens) * dk;
+  const size_t scratch = size_t(wave_groups) * ratio * head_size;
+  std::vector<float> dq_heads(scratch), dk_heads(scratch);
 
-  parallel_for(p.batch * p.value_heads, [&](int problem) {
-    const int batch = problem / p.value_heads;
-    const int head = problem % p.value_heads;
-    const BackwardHeadView<T> view =
-        backward_head_view(p, b, batch, head, dq_heads.data(), dk_heads.data());
-    if (chunked) {
-      chunked_head_backward(p, view);
-    } else {
-      recurrent_head_backward(p, view);
-    }
-  });
-
-  // One task per (batch row, chunk of tokens): every key head of those tokens.
   const int chunks = p.num_chunks();
-  parallel_for(p.batch * chunks, [&](int task) {
-    const int batch = task / chunks;
-    const int start = (task % chunks) * kChunkSize;
-    const int end = std::min(p.tokens, start + int(kChunkSize));
-    std::vector<float> sum(dk), x(dk);
-    for (int t = start; t < end; ++t) {
-      const int64_t row = int64_t(batch) * p.tokens + t;
-      const float* dq_row = dq_heads.data() + row * p.value_heads * dk;
-      const float* dk_row = dk_heads.data() + row * p.value_heads * dk;
-      for (int kh = 0; kh < p.key_heads; ++kh) {
-        const int64_t qk = (row * p.key_heads + kh) * dk;
-        qk_grad_reduce(
-            p, dq_row, b.q + qk, kh, sum.data(), x.data(), b.dq + qk);
-        qk_grad_reduce(
-            p, dk_row, b.k + qk, kh, sum.data(), x.data(), b.dk + qk);
+  for (int first = 0; first < groups; first += wave_groups) {
+    const int wave = std::min(wave_groups, groups - first);
+    // Problem i of the wave: head i % ratio of group first + i / ratio.
+    parallel_for(wave * ratio, [&](int i) {
+      const int group = first + i / ratio;
+      const int batch = group / p.key_heads;
+      const int head = value_head_of(p, group % p.key_heads, i % ratio);
+      const BackwardHeadView<T> view = backward_head_view(
+          p,
+          b,
+          batch,
+          head,
+          dq_heads.data() + i * head_size,
+          dk_heads.data() + i * head_size);
+      if (chunked) {
+        chunked_head_backward(p, view);
+      } else {
+        recurrent_head_backward(p, view);
       }
-    }
-  });
+    });
+    // One task per (group, chunk of tokens).
+    parallel_for(wave * chunks, [&](int task) {
+      const int g = task / chunks;
+      const int group = first + g;
+      const int batch = group / p.key_heads, key_head = group % p.key_heads;
+      const int start = (task % chunks) * kChunkSize;
+      const int end = std::min(p.tokens, start + int(kChunkSize));
+      std::vector<float> sum(dk), x(dk);
+      const int64_t heads = int64_t(g) * ratio * head_size;
+      for (int t = start; t < end; ++t) {
+        const int64_t qk =
+            ((int64_t(batch) * p.tokens + t) * p.key_heads + key_head) * dk;
+        const int64_t row = heads + int64_t(t) * dk;
+        qk_grad_reduce(
+            p,
+            dq_heads.data() + row,
+            head_size,
+            b.q + qk,
+            sum.data(),
+            x.data(),
+            b.dq + qk);
+        qk_grad_reduce(
+            p,
+            dk_heads.data() + row,
+            head_size,
+            b.k + qk,
+            sum.data(),
+            x.data(),
+            b.dk + qk);
+      }
+    });
+  }
 }
 
 template void gated_delta_backward<float>(

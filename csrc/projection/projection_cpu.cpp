@@ -46,13 +46,27 @@ inline void widen(const T* src, int n, float* dst) {
   }
 }
 
+// Widens row w of `weight` (in_features values) into `dst`.
+template <typename T>
+inline void widen_row(
+    MatrixView<T> weight, int w, int in_features, float* dst) {
+  const T* row = weight.data + int64_t(w) * weight.row_stride;
+  if (weight.column_stride == 1) {
+    widen(row, in_features, dst);
+    return;
+  }
+  for (int i = 0; i < in_features; ++i) {
+    dst[i] = static_cast<float>(row[int64_t(i) * weight.column_stride]);
+  }
+}
+
 template <typename T>
 void dense_projection_by_dots(
     int64_t rows,
     int in_features,
     int out_features,
     const float* x,
-    const T* weight,
+    MatrixView<T> weight,
     T* y) {
   constexpr int kRowsPerTask = 64;
   const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
@@ -61,13 +75,117 @@ void dense_projection_by_dots(
     std::vector<float> w_row(in_features);
     const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
     for (int o = task * kRowsPerTask; o < out_end; ++o) {
-      widen(weight + int64_t(o) * in_features, in_features, w_row.data());
+      widen_row(weight, o, in_features, w_row.data());
       // Each row on its own, through the fixed-order dot product: a row's
       // result does not depend on how many rows come with it, nor on where
       // the buffers lie.
       for (int64_t r = 0; r < rows; ++r) {
         y[r * out_features + o] =
             static_cast<T>(dot(x + r * in_features, w_row.data(), in_features));
+      }
+    }
+  });
+}
+
+// x in float32, read by every block of W. A row-major x, or the transpose of
+// a row-major matrix (the vjp's dy^T), is widened in its own memory order and
+// read through `view`'s strides; any other layout is gathered row-major.
+template <typename T>
+std::vector<float> widen_x(
+    int64_t rows, int in_features, MatrixView<T> x, MatrixA& view) {
+  std::vector<float> x_f32(rows * in_features);
+  const bool row_major = x.column_stride == 1 && x.row_stride == in_features;
+  const bool transposed = x.row_stride == 1 && x.column_stride == rows;
+  if (row_major || transposed) {
+    std::transform(x.data, x.data + x_f32.size(), x_f32.begin(), [](T v) {
+      return static_cast<float>(v);
+    });
+    view = {x_f32.data(), x.row_stride, x.column_stride};
+    return x_f32;
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int i = 0; i < in_features; ++i) {
+      x_f32[r * in_features + i] = static_cast<float>(
+          x.data[r * x.row_stride + int64_t(i) * x.column_stride]);
+    }
+  }
+  view = {x_f32.data(), in_features, 1};
+  return x_f32;
+}
+
+// The blocked GEMM: y[r, o] = sum_i x[r, i] weight[o, i], y's element (r, o)
+// at y[r * y_row_stride + o * y_column_stride]. x is widened to float32 whole
+// (rows x in floats); each block of kBlockOut rows of W is packed.
+template <typename T>
+void blocked_product(
+    int64_t rows,
+    int in_features,
+    int out_features,
+    MatrixView<T> x,
+    MatrixView<T> weight,
+    T* y,
+    int64_t y_row_stride,
+    int64_t y_column_stride) {
+  MatrixA x_view{};
+  const std::vector<float> x_f32 = widen_x(rows, in_features, x, x_view);
+  const int out_blocks = (out_features + kBlockOut - 1) / kBlockOut;
+  const int64_t block_work = rows * kBlockOut * in_features;
+  parallel_for(out_blocks, block_work, [&](int block) {
+    const int out_start = block * kBlockOut;
+    const int out_size = std::min(kBlockOut, out_features - out_start);
+    std::vector<float> packed(int64_t(kBlockIn) * out_size);
+    std::vector<float> acc(rows * out_size, 0.0f);
+    for (int in_start = 0; in_start < in_features; in_start += kBlockIn) {
+      const int in_size = std::min(kBlockIn, in_features - in_start);
+      // Pack W[out block, in block] transposed: the GEMM's B is [in, out].
+      // The loop runs along W's contiguous axis.
+      const T* w_block = weight.data + int64_t(out_start) * weight.row_stride +
+          int64_t(in_start) * weight.column_stride;
+      if (weight.column_stride == 1) {
+        for (int o = 0; o < out_size; ++o) {
+          const T* w_row = w_block + int64_t(o) * weight.row_stride;
+          for (int i = 0; i < in_size; ++i) {
+            packed[int64_t(i) * out_size + o] = static_cast<float>(w_row[i]);
+          }
+        }
+      } else {
+        for (int i = 0; i < in_size; ++i) {
+          const T* w_column = w_block + int64_t(i) * weight.column_stride;
+          for (int o = 0; o < out_size; ++o) {
+            packed[int64_t(i) * out_size + o] =
+                static_cast<float>(w_column[int64_t(o) * weight.row_stride]);
+          }
+        }
+      }
+      gemm(
+          int(rows),
+          out_size,
+          in_size,
+          1.0f,
+          MatrixA{
+              x_view.data + int64_t(in_start) * x_view.k_stride,
+              x_view.row_stride,
+              x_view.k_stride},
+          packed.data(),
+          out_size,
+          acc.data(),
+          out_size);
+    }
+    T* y_block = y + int64_t(out_start) * y_column_stride;
+    if (y_column_stride == 1) {
+      for (int64_t r = 0; r < rows; ++r) {
+        T* y_row = y_block + r * y_row_stride;
+        const float* acc_row = acc.data() + r * out_size;
+        for (int o = 0; o < out_size; ++o) {
+          y_row[o] = static_cast<T>(acc_row[o]);
+        }
+      }
+    } else {  // y transposed: store along its contiguous axis
+      for (int o = 0; o < out_size; ++o) {
+        T* y_column = y_block + int64_t(o) * y_column_stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          y_column[r * y_row_stride] = static_cast<T>(acc[r * out_size + o]);
+        }
       }
     }
   });
@@ -80,63 +198,61 @@ void dense_projection_forward(
     int64_t rows,
     int in_features,
     int out_features,
-    const T* x,
-    const T* weight,
+    MatrixView<T> x,
+    MatrixView<T> weight,
     T* y) {
-  // x in float32 once (it is read by every block of W).
-  std::vector<float> x_f32(rows * in_features);
-  std::transform(x, x + rows * in_features, x_f32.begin(), [](T v) {
-    return static_cast<float>(v);
-  });
   if (rows < kGemmMinRows) {
-    dense_projection_by_dots(
-        rows, in_features, out_features, x_f32.data(), weight, y);
-    return;
-  }
-
-  const int out_blocks = (out_features + kBlockOut - 1) / kBlockOut;
-  const int64_t block_work = rows * kBlockOut * in_features;
-  parallel_for(out_blocks, block_work, [&](int block) {
-    const int out_start = block * kBlockOut;
-    const int out_size = std::min(kBlockOut, out_features - out_start);
-    std::vector<float> packed(int64_t(kBlockIn) * out_size);
-    std::vector<float> acc(rows * out_size, 0.0f);
-    for (int in_start = 0; in_start < in_features; in_start += kBlockIn) {
-      const int in_size = std::min(kBlockIn, in_features - in_start);
-      // Pack W[out block, in block] transposed: the GEMM's B is [in, out].
-      for (int o = 0; o < out_size; ++o) {
-        const T* w_row =
-            weight + int64_t(out_start + o) * in_features + in_start;
-        for (int i = 0; i < in_size; ++i) {
-          packed[int64_t(i) * out_size + o] = static_cast<float>(w_row[i]);
+    MatrixA x_view{};
+    const std::vector<float> x_f32 = widen_x(rows, in_features, x, x_view);
+    // The dot products read x row-major.
+    const bool row_major = x_view.k_stride == 1;
+    std::vector<float> x_rows;
+    if (!row_major) {
+      x_rows.resize(x_f32.size());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int i = 0; i < in_features; ++i) {
+          x_rows[r * in_features + i] = x_f32[r + int64_t(i) * rows];
         }
       }
-      gemm(
-          int(rows),
-          out_size,
-          in_size,
-          1.0f,
-          MatrixA{x_f32.data() + in_start, in_features, 1},
-          packed.data(),
-          out_size,
-          acc.data(),
-          out_size);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      T* y_row = y + r * out_features + out_start;
-      const float* acc_row = acc.data() + r * out_size;
-      for (int o = 0; o < out_size; ++o) {
-        y_row[o] = static_cast<T>(acc_row[o]);
-      }
-    }
-  });
+    dense_projection_by_dots(
+        rows,
+        in_features,
+        out_features,
+        row_major ? x_f32.data() : x_rows.data(),
+        weight,
+        y);
+    return;
+  }
+  // The GEMM widens its x operand to float32 whole: with more rows than W
+  // has, it computes y^T = W x^T instead, widening W (the input projection's
+  // dx and dW at T = 8192 would widen 386 MiB, W 97 and 64 MiB). Each output
+  // is the same sum over the same blocks of in_features either way, so the
+  // bits are the same.
+  if (rows > out_features && out_features >= kGemmMinRows) {
+    blocked_product(
+        out_features, in_features, int(rows), weight, x, y, 1, out_features);
+  } else {
+    blocked_product(
+        rows, in_features, out_features, x, weight, y, out_features, 1);
+  }
 }
 
 template void dense_projection_forward<float>(
-    int64_t, int, int, const float*, const float*, float*);
+    int64_t, int, int, MatrixView<float>, MatrixView<float>, float*);
 template void dense_projection_forward<float16_t>(
-    int64_t, int, int, const float16_t*, const float16_t*, float16_t*);
+    int64_t,
+    int,
+    int,
+    MatrixView<float16_t>,
+    MatrixView<float16_t>,
+    float16_t*);
 template void dense_projection_forward<bfloat16_t>(
-    int64_t, int, int, const bfloat16_t*, const bfloat16_t*, bfloat16_t*);
+    int64_t,
+    int,
+    int,
+    MatrixView<bfloat16_t>,
+    MatrixView<bfloat16_t>,
+    bfloat16_t*);
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

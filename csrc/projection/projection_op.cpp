@@ -22,6 +22,20 @@ std::vector<mx::Shape> DenseProjection::output_shapes(
 
 namespace {
 
+// `a` as a [rows, columns] matrix: a row-contiguous array of any rank, or a
+// matrix with any strides (the vjp's transposed views).
+template <typename T>
+cpu::MatrixView<T> matrix_view(const mx::array& a, int columns) {
+  if (a.flags().row_contiguous) {
+    return {a.data<T>(), columns, 1};
+  }
+  if (a.ndim() != 2) {
+    throw std::logic_error(
+        "DenseProjection: an input of rank > 2 must be row-contiguous");
+  }
+  return {a.data<T>(), a.strides(0), a.strides(1)};
+}
+
 template <typename T>
 void dispatch_linear(
     mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
@@ -30,8 +44,8 @@ void dispatch_linear(
   const int in_features = weight.shape(1);
   const int out_features = weight.shape(0);
   const int64_t rows = x.size() / in_features;
-  const T* x_data = x.data<T>();
-  const T* w_data = weight.data<T>();
+  const cpu::MatrixView<T> x_data = matrix_view<T>(x, in_features);
+  const cpu::MatrixView<T> w_data = matrix_view<T>(weight, in_features);
   T* y_data = out.data<T>();
   auto& encoder = mx::cpu::get_command_encoder(stream);
   encoder.set_input_array(x);
@@ -41,6 +55,15 @@ void dispatch_linear(
     cpu::dense_projection_forward<T>(
         rows, in_features, out_features, x_data, w_data, y_data);
   });
+}
+
+// x weight^T for x [..., in] row-contiguous or a matrix, weight [out, in]
+// a matrix: the primitive without dense_projection's checks and copies.
+mx::array product(const mx::array& x, const mx::array& weight, mx::Stream s) {
+  mx::Shape shape = x.shape();
+  shape.back() = weight.shape(0);
+  return mx::array(
+      shape, x.dtype(), std::make_shared<DenseProjection>(s), {x, weight});
 }
 
 }  // namespace
@@ -67,20 +90,23 @@ std::vector<mx::array> DenseProjection::vjp(
     const std::vector<mx::array>&) {
   const mx::array& x = primals[0];
   const mx::array& weight = primals[1];
-  const mx::array& dy = cotangents[0];
   const mx::Stream s = stream();
+  // x and the weight are row-contiguous already (dense_projection made them
+  // so); the transposes below are views the kernel reads through their
+  // strides, not copies.
+  const mx::array dy = mx::contiguous(cotangents[0], false, s);
   std::vector<mx::array> grads;
   for (int arg : argnums) {
     if (arg == 0) {
       // dx = dy W: the product x w^T with w = W^T [in, out].
-      grads.push_back(dense_projection(dy, mx::transpose(weight, s), s));
+      grads.push_back(product(dy, mx::transpose(weight, s), s));
     } else {
       // dW = dy^T x over all rows: a [out, N] times (x^T [in, N])^T.
       const int rows = static_cast<int>(x.size() / x.shape(-1));
       mx::array dy_t =
           mx::transpose(mx::reshape(dy, {rows, weight.shape(0)}, s), s);
       mx::array x_t = mx::transpose(mx::reshape(x, {rows, x.shape(-1)}, s), s);
-      grads.push_back(dense_projection(dy_t, x_t, s));
+      grads.push_back(product(dy_t, x_t, s));
     }
   }
   return grads;

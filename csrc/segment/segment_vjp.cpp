@@ -22,11 +22,16 @@
 // Measured (benchmarks/RESULTS.md, "Training"; CPU, bf16, the Qwen3-Next
 // layer's shape): the vjp alone peaks at 330 MiB at T = 2048 and 1295 MiB at
 // T = 8192, against 1834 and 7315 MiB as the MLX vjp of the segment written
-// as MLX ops, and took 0.24x to 0.48x of its time; a whole patched layer's
-// training step peaks at 5x (T = 2048) and 12x (T = 8192) the bytes of its
-// input, output, parameters and gradients, against 13x and 38x. What is left
-// is the float32 q, k, v, y and their gradients, which the core's backward
-// reads whole, and the layer's input projections' backward.
+// as MLX ops, and took 0.24x to 0.48x of its time. At T = 8192 its MLX peak
+// is the sum of every stage's outputs: float32 q, k, v (256 MiB), y and dy
+// (128 MiB each), dz (64 MiB), the core's dq, dk, dv (256 MiB) and the packed
+// row's gradient (193 MiB), since MLX's CPU eval allocates the outputs of the
+// next stages while the core's backward runs; the process's resident memory
+// grows by less (766 MiB), as those buffers are only touched when written.
+// The core's backward keeps its per-value-head dq and dk for one wave of
+// key-head groups only (recurrent_backward.cpp). What is left is the float32
+// q, k, v, y and their gradients, which the core's backward reads whole:
+// reading q, k and v chunk by chunk from the packed row is the next step.
 #include <cmath>
 #include <functional>
 #include <optional>

@@ -191,12 +191,15 @@ def io_bytes(inputs: dict) -> int:
 
 def backward_scratch_bytes(tokens: int, threads: int) -> int:
     """What our CPU backward allocates outside MLX's allocator, which
-    mx.get_peak_memory does not see: the per-value-head float32 dq and dk
-    ([B, T, Hv, Dk] each, summed over the value heads at the end), and per
-    thread one problem's chunk store (per chunk the entry state, K K^T, T, W and
-    V') and chunk scratch (under 2 MiB)."""
-    Hv, Dk, Dv = QWEN3_NEXT.Hv, QWEN3_NEXT.Dk, QWEN3_NEXT.Dv
-    per_head_grads = 2 * tokens * Hv * Dk * 4
+    mx.get_peak_memory does not see: the per-value-head float32 dq and dk of
+    one wave of problems ([T, Dk] each per problem; a wave is whole key-head
+    groups, about one problem per thread, summed over each group before the
+    next wave), and per thread one problem's chunk store (per chunk the entry
+    state, K K^T, T, W and V') and chunk scratch (under 2 MiB)."""
+    Hk, Hv, Dk, Dv = QWEN3_NEXT.Hk, QWEN3_NEXT.Hv, QWEN3_NEXT.Dk, QWEN3_NEXT.Dv
+    ratio = Hv // Hk
+    wave_heads = ratio * min(Hk, -(-threads // ratio))
+    per_head_grads = 2 * wave_heads * tokens * Dk * 4
     per_chunk = (Dk * Dv + 2 * CHUNK * CHUNK + CHUNK * (Dk + Dv)) * 4
     return per_head_grads + threads * (-(-tokens // CHUNK) * per_chunk + 2 * MiB)
 
