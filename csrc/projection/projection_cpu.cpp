@@ -46,18 +46,27 @@ inline void widen(const T* src, int n, float* dst) {
   }
 }
 
-// Widens row w of `weight` (in_features values) into `dst`.
+// Widens row r of `m` (in_features values) into `dst`.
 template <typename T>
-inline void widen_row(
-    MatrixView<T> weight, int w, int in_features, float* dst) {
-  const T* row = weight.data + int64_t(w) * weight.row_stride;
-  if (weight.column_stride == 1) {
+inline void widen_row(MatrixView<T> m, int64_t r, int in_features, float* dst) {
+  const T* row = m.data + r * m.row_stride;
+  if (m.column_stride == 1) {
     widen(row, in_features, dst);
     return;
   }
   for (int i = 0; i < in_features; ++i) {
-    dst[i] = static_cast<float>(row[int64_t(i) * weight.column_stride]);
+    dst[i] = static_cast<float>(row[int64_t(i) * m.column_stride]);
   }
+}
+
+// `m` ([rows, in_features], any strides) in float32, row-major.
+template <typename T>
+std::vector<float> widen_rows(int64_t rows, int in_features, MatrixView<T> m) {
+  std::vector<float> out(rows * in_features);
+  for (int64_t r = 0; r < rows; ++r) {
+    widen_row(m, r, in_features, out.data() + r * in_features);
+  }
+  return out;
 }
 
 template <typename T>
@@ -93,23 +102,18 @@ void dense_projection_by_dots(
 template <typename T>
 std::vector<float> widen_x(
     int64_t rows, int in_features, MatrixView<T> x, MatrixA& view) {
-  std::vector<float> x_f32(rows * in_features);
   const bool row_major = x.column_stride == 1 && x.row_stride == in_features;
   const bool transposed = x.row_stride == 1 && x.column_stride == rows;
-  if (row_major || transposed) {
-    std::transform(x.data, x.data + x_f32.size(), x_f32.begin(), [](T v) {
-      return static_cast<float>(v);
-    });
-    view = {x_f32.data(), x.row_stride, x.column_stride};
+  if (!row_major && !transposed) {
+    std::vector<float> x_f32 = widen_rows(rows, in_features, x);
+    view = {x_f32.data(), in_features, 1};
     return x_f32;
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int i = 0; i < in_features; ++i) {
-      x_f32[r * in_features + i] = static_cast<float>(
-          x.data[r * x.row_stride + int64_t(i) * x.column_stride]);
-    }
-  }
-  view = {x_f32.data(), in_features, 1};
+  std::vector<float> x_f32(rows * in_features);
+  std::transform(x.data, x.data + x_f32.size(), x_f32.begin(), [](T v) {
+    return static_cast<float>(v);
+  });
+  view = {x_f32.data(), x.row_stride, x.column_stride};
   return x_f32;
 }
 
@@ -202,26 +206,10 @@ void dense_projection_forward(
     MatrixView<T> weight,
     T* y) {
   if (rows < kGemmMinRows) {
-    MatrixA x_view{};
-    const std::vector<float> x_f32 = widen_x(rows, in_features, x, x_view);
-    // The dot products read x row-major.
-    const bool row_major = x_view.k_stride == 1;
-    std::vector<float> x_rows;
-    if (!row_major) {
-      x_rows.resize(x_f32.size());
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int i = 0; i < in_features; ++i) {
-          x_rows[r * in_features + i] = x_f32[r + int64_t(i) * rows];
-        }
-      }
-    }
+    // The dot products read x row-major: widened straight into that order.
+    const std::vector<float> x_rows = widen_rows(rows, in_features, x);
     dense_projection_by_dots(
-        rows,
-        in_features,
-        out_features,
-        row_major ? x_f32.data() : x_rows.data(),
-        weight,
-        y);
+        rows, in_features, out_features, x_rows.data(), weight, y);
     return;
   }
   // The GEMM widens its x operand to float32 whole: with more rows than W
