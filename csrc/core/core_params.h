@@ -88,6 +88,14 @@ struct GatedDeltaParams : ProblemShape {
         ? value_head / (value_heads / key_heads)
         : value_head % key_heads;
   }
+  // The n-th value head that reads key head `key_head` (key_head_of's
+  // inverse): consecutive ones in the grouped mapping, every Hk-th one in the
+  // interleaved mapping.
+  int value_head_of(int key_head, int n) const {
+    return head_mapping == HeadMapping::Grouped
+        ? key_head * (value_heads / key_heads) + n
+        : key_head + n * key_heads;
+  }
   int num_chunks() const {
     return (tokens + int(kChunkSize) - 1) / int(kChunkSize);
   }

@@ -31,7 +31,6 @@ void gated_delta_forward(
   }
   // Chunked: one task per (batch row, key head) with the value heads that
   // read it, or one per value head (cpu_value_heads_per_task decides).
-  const int ratio = p.value_heads / p.key_heads;
   const int heads_per_task = cpu_value_heads_per_task(p, thread_count());
   const bool group_heads = heads_per_task > 1;
   const int tasks = p.batch * p.value_heads / heads_per_task;
@@ -40,11 +39,8 @@ void gated_delta_forward(
     const int group = task % (p.value_heads / heads_per_task);
     std::vector<HeadView<T>> heads;
     for (int n = 0; n < heads_per_task; ++n) {
-      // Group g holds the value heads of key head g: consecutive ones in the
-      // grouped mapping, every Hk-th one in the interleaved mapping.
-      const int head = !group_heads                ? group
-          : p.head_mapping == HeadMapping::Grouped ? group * ratio + n
-                                                   : group + n * p.key_heads;
+      // Group g holds the value heads of key head g.
+      const int head = group_heads ? p.value_head_of(group, n) : group;
       heads.push_back(head_view(p, buffers, batch, head));
     }
     chunked_heads(p, heads.data(), heads_per_task);

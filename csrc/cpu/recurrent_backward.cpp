@@ -364,13 +364,6 @@ void qk_grad_reduce(
   }
 }
 
-// The n-th value head of a key head's group.
-int value_head_of(const GatedDeltaParams& p, int key_head, int n) {
-  const int ratio = p.value_heads / p.key_heads;
-  return p.head_mapping == HeadMapping::Grouped ? key_head * ratio + n
-                                                : key_head + n * p.key_heads;
-}
-
 }  // namespace
 
 template <typename T>
@@ -404,7 +397,7 @@ void gated_delta_backward(
     parallel_for(wave * ratio, [&](int i) {
       const int group = first + i / ratio;
       const int batch = group / p.key_heads;
-      const int head = value_head_of(p, group % p.key_heads, i % ratio);
+      const int head = p.value_head_of(group % p.key_heads, i % ratio);
       const BackwardHeadView<T> view = backward_head_view(
           p,
           b,
