@@ -629,7 +629,7 @@ void bind_test_hooks(nb::module_& m) {
       &set_segment_as_ops_on_every_stream,
       "on"_a,
       "Testing only: run gated_delta_segment as MLX ops around the core op on "
-      "every stream, as on MLX's CUDA backend, instead of its primitive.");
+      "every stream instead of its primitive.");
 
   m.def(
       "cpus_of_cgroup_cpu_max",

@@ -1,7 +1,5 @@
 #include "core/backward_primitive.h"
 
-#include "core/stream_routing.h"
-
 #include <optional>
 #include <stdexcept>
 
@@ -16,6 +14,7 @@
 #ifdef _METAL_
 #include "metal/executor.h"
 #elif defined(MLX_GATED_DELTA_CUDA)
+#include "core/cuda_coverage.h"
 #include "cuda/executor.h"
 #endif
 
@@ -186,12 +185,12 @@ std::vector<mx::array> gated_delta_rule_vjp(
   backward.has_tree = false;
   backward.has_gamma = false;
 #ifdef MLX_GATED_DELTA_CUDA
-  const bool has_cuda_kernels =
-      cuda::has_backward_kernels(backward_params(backward, inputs));
-#else
-  const bool has_cuda_kernels = false;
+  require_cuda_kernels(
+      stream,
+      options.has_gamma ? "the gradient of gated_delta_update"
+                        : "the gradient of gated_delta_rule",
+      cuda::backward_kernels_gap(backward_params(backward, inputs)));
 #endif
-  stream = cpu_unless_cuda_kernels(stream, has_cuda_kernels);
   inputs.push_back(mx::contiguous(
       mx::astype(cotangents[0], activation, stream), false, stream));
   inputs.push_back(mx::contiguous(

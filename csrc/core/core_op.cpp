@@ -2,11 +2,11 @@
 
 #include "core/core_params.h"
 #include "core/core_primitive.h"
-#include "core/stream_routing.h"
 #include "mlx/ops.h"
 #include "validation/arguments.h"
 
 #ifdef MLX_GATED_DELTA_CUDA
+#include "core/cuda_coverage.h"
 #include "cuda/executor.h"
 #endif
 
@@ -51,12 +51,13 @@ std::vector<mx::array> gated_delta_rule(
   const mx::Shape state_shape = {
       p.batch, p.value_heads, p.value_dim, p.key_dim};
 
+  const mx::Stream stream = mx::to_stream(s);
 #ifdef MLX_GATED_DELTA_CUDA
-  const bool has_cuda_kernels = cuda::has_core_kernels(p);
-#else
-  const bool has_cuda_kernels = false;
+  require_cuda_kernels(
+      stream,
+      gamma ? "gated_delta_update" : "gated_delta_rule",
+      cuda::core_kernels_gap(p));
 #endif
-  auto stream = cpu_unless_cuda_kernels(mx::to_stream(s), has_cuda_kernels);
   mx::array initial_state =
       state ? *state : mx::zeros(state_shape, mx::float32, stream);
   if (p.tokens == 0) {  // no checkpoint fits in no tokens

@@ -165,8 +165,13 @@ CoreArgs input_args(
 
 }  // namespace
 
-bool has_core_kernels(const GatedDeltaParams& p) {
-  return p.key_dim <= kRecurrentMaxKeyDim;
+std::string core_kernels_gap(const GatedDeltaParams& p) {
+  if (p.key_dim <= kRecurrentMaxKeyDim) {
+    return "";
+  }
+  return "key dim " + std::to_string(p.key_dim) +
+      " (the kernels take key dims up to " +
+      std::to_string(kRecurrentMaxKeyDim) + ")";
 }
 
 Algorithm resolve_cuda_algorithm(
@@ -293,9 +298,16 @@ void eval_core(
       params);
 }
 
-bool has_backward_kernels(const GatedDeltaParams& p) {
-  return p.key_dim >= 1 && p.key_dim <= kBackwardMaxDim &&
-      p.value_dim <= kBackwardMaxDim;
+std::string backward_kernels_gap(const GatedDeltaParams& p) {
+  const int most = backward_max_key_dim(p.per_key_gates);
+  if (p.key_dim <= most) {
+    return "";
+  }
+  return "key dim " + std::to_string(p.key_dim) +
+      (p.per_key_gates ? " with per-key gates" : "") +
+      " (the backward takes key dims up to " +
+      std::to_string(backward_max_key_dim(false)) + ", " +
+      std::to_string(backward_max_key_dim(true)) + " with per-key gates)";
 }
 
 Algorithm resolve_cuda_backward_algorithm(
@@ -577,10 +589,6 @@ T* data_or_null(const mx::array& a) {
 }
 
 }  // namespace
-
-bool has_segment_kernels(const SegmentParams& p) {
-  return has_core_kernels(p.core_params());
-}
 
 void eval_segment(
     const SegmentParams& p,

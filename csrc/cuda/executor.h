@@ -3,6 +3,7 @@
 // the command encoder of an MLX CUDA stream (docs/cuda.md).
 #pragma once
 
+#include <string>
 #include <vector>
 
 #include "core/core_params.h"
@@ -12,9 +13,11 @@
 
 namespace mlx_gated_delta::cuda {
 
-// Whether the CUDA kernels cover this call; the op runs the others on the
-// CPU stream (docs/cuda.md): key dims over 256.
-bool has_core_kernels(const GatedDeltaParams& params);
+// What the CUDA kernels lack to run this call (key dims over 256), as the end
+// of the error the op raises on a CUDA stream (core/cuda_coverage.h); empty
+// when they cover it. The fused segment's own stages cover every shape: its
+// calls are covered where its core's are.
+std::string core_kernels_gap(const GatedDeltaParams& params);
 
 // The algorithm "auto" runs on CUDA: the chunked form from one chunk of
 // tokens on, for scalar gates, no tree and dims the chunked kernels cover;
@@ -33,10 +36,10 @@ void eval_core(
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);
 
-// Whether the CUDA backward covers this call (recurrent_backward.cu): scalar
-// gates, key and value dims up to 128; the op runs the others on the CPU
-// stream.
-bool has_backward_kernels(const GatedDeltaParams& params);
+// What the CUDA backward lacks to run this call, as core_kernels_gap: key
+// dims over 256, or over 224 with per-key gates (recurrent_backward.cu's
+// staged chunk in shared memory; launch_shapes.h's backward_max_key_dim).
+std::string backward_kernels_gap(const GatedDeltaParams& params);
 
 // The backward algorithm "auto" runs on CUDA: the chunked WY form
 // (chunk_backward.cu, chunk_wy_backward.cu) from one chunk of tokens on, for
@@ -57,11 +60,6 @@ void eval_backward(
     const std::vector<mlx::core::array>& inputs,
     std::vector<mlx::core::array>& outputs,
     const mlx::core::Stream& stream);
-
-// Whether the CUDA kernels cover this segment call: the segment's own
-// stages cover every shape, the core's kernels key dims up to 256 (the op
-// runs the others as MLX ops around the core op, segment_ops.h).
-bool has_segment_kernels(const SegmentParams& params);
 
 // The fused segment (segment.cu): prepare_conv, prepare_gates and
 // collect_conv_state (with its checkpoints), the core's kernels as eval_core

@@ -52,14 +52,14 @@ GD_HOST_DEVICE constexpr int tile_stride(int dim) {
 
 // recurrent_backward: each (value head, batch row) spread over
 // backward_row_blocks(Dv) blocks of kBackwardWarps warps, each warp
-// kBackwardRowsPerWarp rows of the state (key and value dims up to
-// kBackwardMaxDim); qk_grad_reduce: one warp per (batch row, token, key
-// head), kReduceWarps to a block.
+// kBackwardRowsPerWarp rows of the state (any value dim; key dims up to
+// backward_max_key_dim, below); qk_grad_reduce: one warp per (batch row,
+// token, key head), kReduceWarps to a block.
 constexpr int kBackwardRowsPerWarp = 4;
 constexpr int kBackwardWarps = 8;
 constexpr int kBackwardThreads = 32 * kBackwardWarps;
 constexpr int kBackwardRowsPerBlock = kBackwardRowsPerWarp * kBackwardWarps;
-constexpr int kBackwardMaxDim = 128;
+constexpr int kBackwardMaxDim = 256;
 constexpr int kReduceWarps = 4;
 
 // At least one block, so that a call with no value rows (Dv = 0) still writes
@@ -83,6 +83,23 @@ GD_HOST_DEVICE constexpr int backward_shared_floats(int key_dim, bool per_key) {
       2 * kChunk * kBackwardRowsPerBlock +
       2 * kBackwardWarps * backward_partial_width(key_dim, per_key);
 }
+// The shared memory a block may opt into on sm_90, the architecture the build
+// ships (csrc/cuda/cuda.cmake).
+constexpr int kMaxSharedBytes = 227 * 1024;
+// The largest key dim recurrent_backward takes: kBackwardMaxDim, or the
+// largest multiple of 32 below it whose staged chunk fits kMaxSharedBytes
+// (with per-key gates the decays take a row of Dk floats a token: 224).
+constexpr int backward_max_key_dim(bool per_key) {
+  int dk = kBackwardMaxDim;
+  while (dk > 32 &&
+         int(sizeof(float)) * backward_shared_floats(dk, per_key) >
+             kMaxSharedBytes) {
+    dk -= 32;
+  }
+  return dk;
+}
+static_assert(backward_max_key_dim(false) == 256);
+static_assert(backward_max_key_dim(true) == 224);
 
 // The segment's own stages (segment.cu): prepare_conv and
 // collect_conv_state one thread per channel of a row, prepare_gates one per

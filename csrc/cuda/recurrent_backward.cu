@@ -610,13 +610,19 @@ __device__ __forceinline__ void qk_grad_reduce_rows(
           const mlx_gated_delta::cuda::BackwardArgs o) {                     \
     mlx_gated_delta::cuda::recurrent_backward<type, columns, per_key>(a, o); \
   }
+// Columns 1 to 7 (key dims up to 224) for both gate kinds, 8 (up to 256) for
+// scalar gates only: backward_max_key_dim(true) is 224.
 #define GD_BACKWARD_COLUMNS(type, suffix, per_key, name) \
   GD_BACKWARD_ENTRY(type, suffix, 1, per_key, name)      \
   GD_BACKWARD_ENTRY(type, suffix, 2, per_key, name)      \
   GD_BACKWARD_ENTRY(type, suffix, 3, per_key, name)      \
-  GD_BACKWARD_ENTRY(type, suffix, 4, per_key, name)
+  GD_BACKWARD_ENTRY(type, suffix, 4, per_key, name)      \
+  GD_BACKWARD_ENTRY(type, suffix, 5, per_key, name)      \
+  GD_BACKWARD_ENTRY(type, suffix, 6, per_key, name)      \
+  GD_BACKWARD_ENTRY(type, suffix, 7, per_key, name)
 #define GD_BACKWARD_ENTRIES(type, suffix)                   \
   GD_BACKWARD_COLUMNS(type, suffix, false, )                \
+  GD_BACKWARD_ENTRY(type, suffix, 8, false, )               \
   GD_BACKWARD_COLUMNS(type, suffix, true, _per_key)         \
   extern "C" __global__ void __launch_bounds__(             \
       32 * mlx_gated_delta::cuda::kReduceWarps)             \

@@ -12,6 +12,7 @@
 #include "validation/arguments.h"
 
 #ifdef MLX_GATED_DELTA_CUDA
+#include "core/cuda_coverage.h"
 #include "cuda/executor.h"
 #endif
 
@@ -21,24 +22,10 @@ namespace mlx_gated_delta {
 
 namespace {
 
-// Set by a test hook (test_hooks.cpp) so that the tests check the segment as
-// MLX ops, the path of a CUDA call that the segment's kernels do not cover.
+// Set by a test hook (test_hooks.cpp) so that the tests, and the CUDA
+// benchmark's comparison, run the segment as MLX ops around the core op
+// (segment_ops.h), the composition its backward differentiates off the CPU.
 std::atomic<bool> segment_as_ops_on_every_stream{false};
-
-// On MLX's CUDA backend the segment's kernels (csrc/cuda/segment.cu) need the
-// core's kernels; a call whose core has none (key dims over 256) runs as MLX
-// ops on the GPU around the core op, which sends the core to the CPU stream
-// (docs/cuda.md), instead of the whole segment on another device.
-bool segment_runs_as_ops(
-    [[maybe_unused]] mx::Stream stream,
-    [[maybe_unused]] const SegmentParams& params) {
-#ifdef MLX_GATED_DELTA_CUDA
-  if (stream.device == mx::Device::gpu && !cuda::has_segment_kernels(params)) {
-    return true;
-  }
-#endif
-  return segment_as_ops_on_every_stream;
-}
 
 SegmentGateOptions parse_gate_options(
     std::optional<float> lower_bound,
@@ -126,6 +113,11 @@ std::vector<mx::array> gated_delta_segment(
   const mx::Shape state_shape = {p.batch, value_heads, value_dim, key_dim};
 
   const mx::Stream stream = mx::to_stream(s);
+#ifdef MLX_GATED_DELTA_CUDA
+  // The segment's own stages cover every shape; its core's kernels may not.
+  require_cuda_kernels(
+      stream, "gated_delta_segment", cuda::core_kernels_gap(p.core_params()));
+#endif
   mx::array conv_state_in =
       conv_state ? *conv_state : mx::zeros(conv_state_shape, dtype, stream);
   mx::array state_in =
@@ -164,7 +156,7 @@ std::vector<mx::array> gated_delta_segment(
   if (mask) {
     inputs.push_back(mx::contiguous(*mask, false, stream));
   }
-  if (segment_runs_as_ops(stream, p)) {
+  if (segment_as_ops_on_every_stream) {
     return segment_as_ops(
         p,
         requested,

@@ -39,7 +39,8 @@ std::vector<mlx::core::array> gated_delta_segment(
     const std::string& output_gate = "silu");
 
 // Test hook: run the segment as MLX ops around the core op on every stream
-// (segment_ops.h), as it runs on MLX's CUDA backend, instead of its primitive.
+// (segment_ops.h), the composition its backward differentiates off the CPU,
+// instead of its primitive (the tests and the CUDA benchmark compare them).
 void set_segment_as_ops_on_every_stream(bool on);
 
 }  // namespace mlx_gated_delta

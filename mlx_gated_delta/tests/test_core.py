@@ -517,3 +517,22 @@ def test_zero_size_batch_value_heads_or_value_dim_give_empty_results(
         assert final.shape == state.shape and final.dtype == mx.float32
         if tokens == 0 and initial is not None:
             assert_bitwise_equal("state", final, state)
+
+
+# MLX's CUDA backend: a key dim past its kernels (256) raises when the op is
+# called, naming the call and the CPU, rather than running elsewhere; the
+# same call on the CPU runs.
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA backend only")
+def test_cuda_call_past_the_kernels_raises_and_names_the_cpu():
+    case = make_core_case(
+        1, batch=1, tokens=3, key_heads=1, value_heads=1, key_dim=257, value_dim=8
+    )
+    arguments = (case.q, case.k, case.v, case.g, case.beta, case.state)
+    gamma_arguments = (case.q, case.k, case.v, mx.exp(case.g), case.beta, case.state)
+    for call, args, name in (
+        (gated_delta_rule, arguments, "gated_delta_rule"),
+        (gated_delta_update, gamma_arguments, "gated_delta_update"),
+    ):
+        with pytest.raises(ValueError, match=rf"{name} on the GPU .* key dim 257 .*stream=mx\.cpu"):
+            call(*args, stream=mx.gpu)
+        mx.eval(call(*args, stream=mx.cpu))

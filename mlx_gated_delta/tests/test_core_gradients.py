@@ -433,3 +433,47 @@ def test_tiny_decays_give_gamma_its_gradient_through_the_chunked_backward(
     )
     grads = dict(zip(("q", "k", "v", "gamma", "beta", "state"), grads))
     assert_gradients_match("core_grad.oracle.v1", grads, expected)
+
+
+# MLX's CUDA backend: recurrent_backward at its widest key dims (256 with
+# scalar gates, 224 with per-key gates, where its staged chunk fills a block's
+# shared memory; the drawn cases stop at 130), held to the float64 reference
+# with a value dim over 128.
+def widest_cuda_case(per_key_gates, key_dim):
+    return make_core_case(
+        3,
+        batch=1,
+        tokens=70,
+        key_heads=1,
+        value_heads=2,
+        key_dim=key_dim,
+        value_dim=160,
+        per_key_gates=per_key_gates,
+    )
+
+
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA backend only")
+@pytest.mark.parametrize("per_key_gates, key_dim", [(False, 256), (True, 224)])
+def test_cuda_backward_at_its_widest_key_dims(per_key_gates, key_dim):
+    case = widest_cuda_case(per_key_gates, key_dim)
+    wy, ws = cotangents(case)
+    grads = case_gradients(case, wy, ws, stream=mx.gpu)
+    expected = gated_delta_rule_reference_vjp(
+        *case.args(), y_cotangent=wy, state_cotangent=ws, **case.options
+    )
+    assert_gradients_match("core_grad.oracle.v1", grads, expected)
+
+
+# Per-key gates one key dim past the CUDA backward (the forward runs it):
+# taking the gradient raises, naming the call and the CPU, which takes it.
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA backend only")
+def test_cuda_backward_past_its_key_dims_raises_and_names_the_cpu():
+    case = widest_cuda_case(True, 225)
+    wy, ws = cotangents(case)
+    with pytest.raises(
+        ValueError,
+        match=r"the gradient of gated_delta_rule on the GPU .* key dim 225 with per-key gates"
+        r".*stream=mx\.cpu",
+    ):
+        case_gradients(case, wy, ws, stream=mx.gpu)
+    case_gradients(case, wy, ws, stream=mx.cpu)

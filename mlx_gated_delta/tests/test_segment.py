@@ -407,3 +407,17 @@ def test_per_key_gates_with_equal_channels_meet_the_per_head_oracle(case, data):
     )
     assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
     assert np.array_equal(to_float64(conv_state), expected_conv_state)
+
+
+# MLX's CUDA backend: a key dim past the core's kernels (256) raises when the
+# segment is called, naming it and the CPU; the CPU runs it.
+@pytest.mark.skipif(not mx.cuda.is_available(), reason="MLX's CUDA backend only")
+def test_cuda_segment_past_the_kernels_raises_and_names_the_cpu():
+    case = make_segment_case(
+        2, batch=1, tokens=3, key_heads=1, value_heads=1, key_dim=257, value_dim=8
+    )
+    with pytest.raises(
+        ValueError, match=r"gated_delta_segment on the GPU .* key dim 257 .*stream=mx\.cpu"
+    ):
+        run(case, stream=mx.gpu)
+    mx.eval(run(case, stream=mx.cpu))
