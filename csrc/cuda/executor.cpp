@@ -4,6 +4,7 @@
 #include "cuda/executor.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -136,6 +137,18 @@ int wy_backward_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   const int xp = std::max(kp, vp), lp = tile_stride(kChunk);
   return int(sizeof(float)) * kChunk * (kp + 2 * xp + 5 * lp + kDecayRows + 7);
+}
+// chunk_qk_backward and the WY kernel after it: two row buffers, two [L, L]
+// ones, the decays and two (four) rows of scalars.
+int qk_backward_shared_bytes(const GatedDeltaParams& p) {
+  const int xp = std::max(tile_stride(p.key_dim), tile_stride(p.value_dim));
+  return int(sizeof(float)) * kChunk *
+      (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 2);
+}
+int wy_split_shared_bytes(const GatedDeltaParams& p) {
+  const int xp = std::max(tile_stride(p.key_dim), tile_stride(p.value_dim));
+  return int(sizeof(float)) * kChunk *
+      (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 4);
 }
 
 // The inputs and dims that the forward and the backward read alike.
@@ -366,7 +379,9 @@ mx::array eval_chunked_backward(
       scratch(
           encoder,
           int64_t(p.batch) * p.tokens * p.value_heads *
-              backward_partial_width(p.key_dim, false))};
+              backward_partial_width(p.key_dim, false)),
+      scratch(encoder, problems * kChunk * kChunk),
+      scratch(encoder, problems * 2 * kChunk)};
   ChunkBackwardScratch d;
   d.dv = mx::gpu_ptr<float>(backward[0]);
   d.ds = mx::gpu_ptr<float>(backward[1]);
@@ -375,6 +390,8 @@ mx::array eval_chunked_backward(
   d.dw = mx::gpu_ptr<float>(backward[4]);
   d.state_dots = mx::gpu_ptr<float>(backward[5]);
   o.partials = mx::gpu_ptr<float>(backward[6]);
+  d.pairs = mx::gpu_ptr<float>(backward[7]);
+  d.ends = mx::gpu_ptr<float>(backward[8]);
   o.partial_blocks = 1;
 
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
@@ -440,12 +457,32 @@ mx::array eval_chunked_backward(
       {backward[2], backward[3], backward[4], backward[5]},
       per_chunk,
       state_products_shared_bytes(p));
-  stage(
-      "chunk_wy_backward",
-      "chunk_wy_backward",
-      {outputs[kDv], backward[2], backward[3], backward[6]},
-      per_chunk,
-      wy_backward_shared_bytes(p));
+  // EXPERIMENT: GD_EXPERIMENT_WY picks the WY kernels: fused (one kernel),
+  // scan (the same with gate_cumsum_backward's scans), split (default:
+  // chunk_qk_backward, then the WY form's terms).
+  const char* variant_env = std::getenv("GD_EXPERIMENT_WY");
+  const std::string variant = variant_env ? variant_env : "split";
+  if (variant == "split") {
+    stage(
+        "chunk_qk_backward",
+        "chunk_qk_backward",
+        {backward[2], backward[3], backward[6], backward[7], backward[8]},
+        per_chunk,
+        qk_backward_shared_bytes(p));
+    stage(
+        "chunk_wy_backward",
+        "chunk_wy_split",
+        {outputs[kDv], backward[3], backward[6]},
+        per_chunk,
+        wy_split_shared_bytes(p));
+  } else {
+    stage(
+        "chunk_wy_backward",
+        variant == "scan" ? "chunk_wy_scan" : "chunk_wy_backward",
+        {outputs[kDv], backward[2], backward[3], backward[6]},
+        per_chunk,
+        wy_backward_shared_bytes(p));
+  }
   return backward[6];
 }
 
