@@ -274,8 +274,12 @@ __device__ __forceinline__ void chunk_carry_backward(
 //   dq <- dy S and dw <- -dV' S (S's rows the reduction), then
 //   dk <- V' dS and state_dots <- <dS, S>,
 // into ChunkBackwardScratch; chunk_wy_backward applies dq's and dk's row
-// scales. Warp w the tiles w, w + 8, ... of [kChunk, Dk].
-template <typename T>
+// scales. Each of kSlices blocks of a chunk takes its own key columns of S
+// and dS (whole 16-column tiles; the last slice may have fewer or none),
+// and writes its share of <dS, S> (state_dots[kSlices index + slice],
+// which the reader adds in order). Warp w the tiles w, w + 8, ... of the
+// slice's [kChunk, columns].
+template <typename T, int kSlices>
 __device__ __forceinline__ void chunk_state_products(
     const CoreArgs& a,
     const BackwardArgs& o,
@@ -284,22 +288,28 @@ __device__ __forceinline__ void chunk_state_products(
   extern __shared__ __align__(128) float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
   const int kw = tile_padded(dk), vw = tile_padded(dv);
-  const int kp = tile_stride(dk), vp = tile_stride(dv);
-  float* states = shared;  // [vw][kp]: S, then dS
-  float* left = states + vw * kp;  // [kChunk][vp]: dy, then V'
+  const int vp = tile_stride(dv);
+  const int slice_tiles = (kw / kTile + kSlices - 1) / kSlices;
+  const int sp = slice_tiles * kTile + kTileSkew;
+  const int slice = blockIdx.x % kSlices;
+  const int c0 = slice * slice_tiles * kTile;
+  const int cw = max(0, min(kw, c0 + slice_tiles * kTile) - c0);
+  const int cd = max(0, min(dk, c0 + cw) - c0);  // columns below Dk
+  float* states = shared;  // [vw][sp]: S, then dS
+  float* left = states + vw * sp;  // [kChunk][vp]: dy, then V'
   float* dvs = left + kChunk * vp;  // [kChunk][vp]: dV'
   float* sums = dvs + kChunk * vp;  // [kChunkedThreads / kWarp]
-  const ChunkPlace place = chunk_place(a, blockIdx.x);
+  const ChunkPlace place = chunk_place(a, blockIdx.x / kSlices);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
-  const int64_t state_at = place.index * dv * dk;
+  const int64_t state_at = place.index * dv * dk + c0;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  for (int e = threadIdx.x; e < vw * kw; e += kChunkedThreads) {
-    const int r = e / kw, c = e % kw;
-    if (r >= dv || c >= dk) {
-      states[r * kp + c] = 0.0f;
+  for (int e = threadIdx.x; e < vw * cw; e += kChunkedThreads) {
+    const int r = e / cw, c = e % cw;
+    if (r >= dv || c >= cd) {
+      states[r * sp + c] = 0.0f;
     }
   }
-  copy_rows_async(s.h + state_at, dk, dv, dk, states, kp);
+  copy_rows_async(s.h + state_at, dk, dv, cd, states, sp);
   copy_rows_async(d.dv + place.index * kChunk * vw, vw, kChunk, vw, dvs, vp);
   __pipeline_commit();
   load_rows(
@@ -315,25 +325,25 @@ __device__ __forceinline__ void chunk_state_products(
   __syncthreads();
 
   constexpr int kMaxTiles = kChunk / kTile * (kChunkedMaxDim / kTile) * kWarp /
-      kChunkedThreads;
-  const int tiles = kChunk / kTile * (kw / kTile);
-  const int64_t rows_at = place.index * kChunk * kw;
+      kChunkedThreads / kSlices;
+  const int tiles = kChunk / kTile * (cw / kTile);
+  const int64_t rows_at = place.index * kChunk * kw + c0;
 #pragma unroll
   for (int n = 0; n < kMaxTiles; ++n) {
     const int tile = warp + n * kChunkedThreads / kWarp;
     if (tile < tiles) {
       const int ti = tile % (kChunk / kTile), tc = tile / (kChunk / kTile);
       Product readout, w_grad;
-      for (int c0 = 0; c0 < vw; c0 += 8) {
+      for (int r0 = 0; r0 < vw; r0 += 8) {
         const Operand<OperandB<wmma::row_major>, false> state_rows(
-            states + c0 * kp + tc * kTile, kp);
+            states + r0 * sp + tc * kTile, sp);
         readout.add(
             Operand<OperandA<wmma::row_major>, kExactInTf32<T>>(
-                left + ti * kTile * vp + c0, vp),
+                left + ti * kTile * vp + r0, vp),
             state_rows);
         w_grad.add(
             Operand<OperandA<wmma::row_major>, false>(
-                dvs + ti * kTile * vp + c0, vp),
+                dvs + ti * kTile * vp + r0, vp),
             state_rows);
       }
       Accumulator& dw = w_grad.finish();
@@ -353,11 +363,11 @@ __device__ __forceinline__ void chunk_state_products(
   copy_rows_async(s.u + place.index * kChunk * vw, vw, kChunk, vw, left, vp);
   __pipeline_commit();
   float dot = 0.0f;
-  for (int e = threadIdx.x; e < dv * dk; e += kChunkedThreads) {
-    const int r = e / dk, c = e % dk;
-    const float x = d.ds[place.index * vw * kw + r * kw + c];
-    dot += x * states[r * kp + c];
-    states[r * kp + c] = x;
+  for (int e = threadIdx.x; e < dv * cd; e += kChunkedThreads) {
+    const int r = e / cd, c = e % cd;
+    const float x = d.ds[place.index * vw * kw + r * kw + c0 + c];
+    dot += x * states[r * sp + c];
+    states[r * sp + c] = x;
   }
   dot = warp_sum(dot);
   if (lane == 0) {
@@ -370,7 +380,11 @@ __device__ __forceinline__ void chunk_state_products(
     for (int w = 0; w < kChunkedThreads / kWarp; ++w) {
       total += sums[w];
     }
-    d.state_dots[place.index] = total;
+    d.state_dots[kStateDotSlots * place.index + slice] = total;
+    // EXPERIMENT: the slots a one-slice build leaves, 0.
+    for (int unused = kSlices; unused < kStateDotSlots; ++unused) {
+      d.state_dots[kStateDotSlots * place.index + unused] = 0.0f;
+    }
   }
 #pragma unroll
   for (int n = 0; n < kMaxTiles; ++n) {
@@ -378,9 +392,9 @@ __device__ __forceinline__ void chunk_state_products(
     if (tile < tiles) {
       const int ti = tile % (kChunk / kTile), tc = tile / (kChunk / kTile);
       Product exit;
-      for (int c0 = 0; c0 < vw; c0 += 8) {
+      for (int r0 = 0; r0 < vw; r0 += 8) {
         exit.add<wmma::row_major, wmma::row_major>(
-            left + ti * kTile * vp + c0, vp, states + c0 * kp + tc * kTile, kp);
+            left + ti * kTile * vp + r0, vp, states + r0 * sp + tc * kTile, sp);
       }
       wmma::store_matrix_sync(
           d.dk + rows_at + ti * kTile * kw + tc * kTile, exit.finish(), kw,
@@ -407,10 +421,22 @@ __device__ __forceinline__ void chunk_state_products(
           const mlx_gated_delta::cuda::ChunkBackwardScratch d) { \
     mlx_gated_delta::cuda::name<type>(a, o, s, d);               \
   }
+#define GD_CHUNK_STATE_ENTRY(name, type, suffix, slices)         \
+  extern "C" __global__ void __launch_bounds__(                  \
+      mlx_gated_delta::cuda::kChunkedThreads, slices)            \
+      gd_##name##_##suffix(                                      \
+          const mlx_gated_delta::cuda::CoreArgs a,               \
+          const mlx_gated_delta::cuda::BackwardArgs o,           \
+          const mlx_gated_delta::cuda::ChunkScratch s,           \
+          const mlx_gated_delta::cuda::ChunkBackwardScratch d) { \
+    mlx_gated_delta::cuda::chunk_state_products<type, slices>(   \
+        a, o, s, d);                                             \
+  }
 #define GD_CHUNK_BACKWARD_ENTRIES(type, suffix)                   \
   GD_CHUNK_BACKWARD_ENTRY(chunk_output_backward, type, suffix, 1) \
   GD_CHUNK_BACKWARD_ENTRY(chunk_carry_backward, type, suffix, 2)  \
-  GD_CHUNK_BACKWARD_ENTRY(chunk_state_products, type, suffix, 1)
+  GD_CHUNK_STATE_ENTRY(chunk_state_products, type, suffix, 1)     \
+  GD_CHUNK_STATE_ENTRY(chunk_state_halves, type, suffix, 2)
 GD_CHUNK_BACKWARD_ENTRIES(float, f32)
 GD_CHUNK_BACKWARD_ENTRIES(__half, f16)
 GD_CHUNK_BACKWARD_ENTRIES(__nv_bfloat16, bf16)

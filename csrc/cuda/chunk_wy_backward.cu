@@ -344,7 +344,8 @@ __device__ __forceinline__ void chunk_wy_backward(
     pairs[(length - 1) * lp + threadIdx.x] += exit[threadIdx.x];
   }
   if (threadIdx.x == 0) {
-    entry[length - 1] += d.state_dots[place.index];
+    entry[length - 1] += (d.state_dots[kStateDotSlots * place.index] +
+        d.state_dots[kStateDotSlots * place.index + 1]);
   }
   __syncthreads();
 
@@ -602,7 +603,8 @@ __device__ __forceinline__ void chunk_wy_split(
   }
   // Gamma_{L-1}'s <dS, S>.
   if (threadIdx.x == 0) {
-    entry[length - 1] += d.state_dots[place.index];
+    entry[length - 1] += (d.state_dots[kStateDotSlots * place.index] +
+        d.state_dots[kStateDotSlots * place.index + 1]);
   }
   __syncthreads();
   // (D + D^T) diag(1/|k|) over D, a thread per pair (i, j), j <= i.

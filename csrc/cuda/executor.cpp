@@ -128,10 +128,12 @@ int carry_backward_shared_bytes(const GatedDeltaParams& p) {
       (2 * kCarryRows * kp + 2 * kChunk * kp + 3 * kChunk * rp +
        kDecayRows * kChunk);
 }
-int state_products_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
+int state_products_shared_bytes(const GatedDeltaParams& p, int slices) {
+  const int slice_tiles = (tile_padded(p.key_dim) / kTile + slices - 1) / slices;
+  const int sp = slice_tiles * kTile + kTileSkew;
+  const int vp = tile_stride(p.value_dim);
   return int(sizeof(float)) *
-      (tile_padded(p.value_dim) * kp + 2 * kChunk * vp + kChunkedThreads / 32);
+      (tile_padded(p.value_dim) * sp + 2 * kChunk * vp + kChunkedThreads / 32);
 }
 int wy_backward_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
@@ -375,7 +377,7 @@ mx::array eval_chunked_backward(
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
-      scratch(encoder, problems),
+      scratch(encoder, problems * kStateDotSlots),
       scratch(
           encoder,
           int64_t(p.batch) * p.tokens * p.value_heads *
@@ -451,12 +453,17 @@ mx::array eval_chunked_backward(
       {backward[0], backward[1], outputs[kDstate]},
       dim3(row_tiles, p.value_heads, p.batch),
       carry_backward_shared_bytes(p));
+  // EXPERIMENT: GD_EXPERIMENT_STATE=halves: chunk_state_products in two
+  // blocks of key columns a chunk.
+  const char* state_env = std::getenv("GD_EXPERIMENT_STATE");
+  const int slices =
+      state_env != nullptr && std::string(state_env) == "halves" ? 2 : 1;
   stage(
       "chunk_backward",
-      "chunk_state_products",
+      slices == 2 ? "chunk_state_halves" : "chunk_state_products",
       {backward[2], backward[3], backward[4], backward[5]},
-      per_chunk,
-      state_products_shared_bytes(p));
+      dim3(chunks * slices, p.value_heads, p.batch),
+      state_products_shared_bytes(p, slices));
   // EXPERIMENT: GD_EXPERIMENT_WY picks the WY kernels: fused (one kernel),
   // scan (the same with gate_cumsum_backward's scans), split (default:
   // chunk_qk_backward, then the WY form's terms).

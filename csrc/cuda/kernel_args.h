@@ -92,6 +92,8 @@ struct ChunkScratch {
 //   chunk_wy_backward completes,
 //   ends [2, L]: P_{i,-1} (the entry state's terms, chunk_qk_backward's
 //   share) and P_{L-1,j} (the exit state's).
+// EXPERIMENT: state_dots holds kStateDotSlots shares per chunk, added in order.
+constexpr int kStateDotSlots = 2;
 struct ChunkBackwardScratch {
   float* dv;
   float* ds;
