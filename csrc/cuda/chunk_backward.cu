@@ -17,13 +17,17 @@
 //                          dS = Gamma_L dS + G - dV'^T W. Each row of dS
 //                          evolves on its own: what couples the rows comes
 //                          after, every chunk at once.
-//   chunk_state_products   one block per (chunk, value head, batch row): the
+//   chunk_state_products   kStateSlices blocks per (chunk, value head, batch
+//                          row), each its own key columns: the
 //                          products of chunk_carry_backward with the states,
 //                          summed over the value rows: dO S (dq's entry
 //                          share), dW = -dV' S, V' dS (dk's exit share) and
 //                          <dS, S>.
-//   chunk_wy_backward      (chunk_wy_backward.cu) the rest, every chunk at
-//                          once, then qk_grad_reduce (recurrent_backward.cu).
+//   chunk_qk_backward      (chunk_qk_backward.cu) the intra-chunk readout's
+//                          dq, dk and decay terms, every chunk at once;
+//   chunk_wy_backward      (chunk_wy_backward.cu) the WY form's, every chunk
+//                          at once, then qk_grad_reduce
+//                          (recurrent_backward.cu).
 //
 // Matrix products on tensor cores (tensor_core.cuh), float32 accumulation,
 // q, k, v and dy as the inputs give them (exact operands in float16 and
@@ -273,13 +277,14 @@ __device__ __forceinline__ void chunk_carry_backward(
 // of its exit state, [Dv, Dk] each in shared memory in turn,
 //   dq <- dy S and dw <- -dV' S (S's rows the reduction), then
 //   dk <- V' dS and state_dots <- <dS, S>,
-// into ChunkBackwardScratch; chunk_wy_backward applies dq's and dk's row
-// scales. Each of kSlices blocks of a chunk takes its own key columns of S
-// and dS (whole 16-column tiles; the last slice may have fewer or none),
-// and writes its share of <dS, S> (state_dots[kSlices index + slice],
-// which the reader adds in order). Warp w the tiles w, w + 8, ... of the
-// slice's [kChunk, columns].
-template <typename T, int kSlices>
+// into ChunkBackwardScratch; chunk_qk_backward applies dq's and dk's row
+// scales. Each of kStateSlices blocks of a chunk takes its own key columns
+// of S and dS (whole 16-column tiles; the last slice may have fewer or
+// none), so that a block's shared memory (about 100 KiB at Dk = Dv = 128)
+// lets two share a multiprocessor; each writes its share of <dS, S>
+// (state_dots[kStateSlices index + slice], which chunk_wy_backward adds in
+// order). Warp w the tiles w, w + 8, ... of the slice's [kChunk, columns].
+template <typename T>
 __device__ __forceinline__ void chunk_state_products(
     const CoreArgs& a,
     const BackwardArgs& o,
@@ -289,9 +294,9 @@ __device__ __forceinline__ void chunk_state_products(
   const int dk = a.key_dim, dv = a.value_dim;
   const int kw = tile_padded(dk), vw = tile_padded(dv);
   const int vp = tile_stride(dv);
-  const int slice_tiles = (kw / kTile + kSlices - 1) / kSlices;
+  const int slice_tiles = (kw / kTile + kStateSlices - 1) / kStateSlices;
   const int sp = slice_tiles * kTile + kTileSkew;
-  const int slice = blockIdx.x % kSlices;
+  const int slice = blockIdx.x % kStateSlices;
   const int c0 = slice * slice_tiles * kTile;
   const int cw = max(0, min(kw, c0 + slice_tiles * kTile) - c0);
   const int cd = max(0, min(dk, c0 + cw) - c0);  // columns below Dk
@@ -299,7 +304,7 @@ __device__ __forceinline__ void chunk_state_products(
   float* left = states + vw * sp;  // [kChunk][vp]: dy, then V'
   float* dvs = left + kChunk * vp;  // [kChunk][vp]: dV'
   float* sums = dvs + kChunk * vp;  // [kChunkedThreads / kWarp]
-  const ChunkPlace place = chunk_place(a, blockIdx.x / kSlices);
+  const ChunkPlace place = chunk_place(a, blockIdx.x / kStateSlices);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const int64_t state_at = place.index * dv * dk + c0;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
@@ -325,7 +330,7 @@ __device__ __forceinline__ void chunk_state_products(
   __syncthreads();
 
   constexpr int kMaxTiles = kChunk / kTile * (kChunkedMaxDim / kTile) * kWarp /
-      kChunkedThreads / kSlices;
+      kChunkedThreads / kStateSlices;
   const int tiles = kChunk / kTile * (cw / kTile);
   const int64_t rows_at = place.index * kChunk * kw + c0;
 #pragma unroll
@@ -380,11 +385,7 @@ __device__ __forceinline__ void chunk_state_products(
     for (int w = 0; w < kChunkedThreads / kWarp; ++w) {
       total += sums[w];
     }
-    d.state_dots[kStateDotSlots * place.index + slice] = total;
-    // EXPERIMENT: the slots a one-slice build leaves, 0.
-    for (int unused = kSlices; unused < kStateDotSlots; ++unused) {
-      d.state_dots[kStateDotSlots * place.index + unused] = 0.0f;
-    }
+    d.state_dots[kStateSlices * place.index + slice] = total;
   }
 #pragma unroll
   for (int n = 0; n < kMaxTiles; ++n) {
@@ -408,9 +409,9 @@ __device__ __forceinline__ void chunk_state_products(
 }  // namespace mlx_gated_delta::cuda
 
 // The entry points the executor looks up by name:
-// gd_chunk_output_backward_<dtype>, gd_chunk_carry_backward_<dtype> (two
-// blocks a multiprocessor: at most 128 registers a thread) and
-// gd_chunk_state_products_<dtype>.
+// gd_chunk_output_backward_<dtype>, gd_chunk_carry_backward_<dtype> and
+// gd_chunk_state_products_<dtype> (these two: two blocks a multiprocessor,
+// at most 128 registers a thread).
 #define GD_CHUNK_BACKWARD_ENTRY(name, type, suffix, blocks)      \
   extern "C" __global__ void __launch_bounds__(                  \
       mlx_gated_delta::cuda::kChunkedThreads, blocks)            \
@@ -421,22 +422,10 @@ __device__ __forceinline__ void chunk_state_products(
           const mlx_gated_delta::cuda::ChunkBackwardScratch d) { \
     mlx_gated_delta::cuda::name<type>(a, o, s, d);               \
   }
-#define GD_CHUNK_STATE_ENTRY(name, type, suffix, slices)         \
-  extern "C" __global__ void __launch_bounds__(                  \
-      mlx_gated_delta::cuda::kChunkedThreads, slices)            \
-      gd_##name##_##suffix(                                      \
-          const mlx_gated_delta::cuda::CoreArgs a,               \
-          const mlx_gated_delta::cuda::BackwardArgs o,           \
-          const mlx_gated_delta::cuda::ChunkScratch s,           \
-          const mlx_gated_delta::cuda::ChunkBackwardScratch d) { \
-    mlx_gated_delta::cuda::chunk_state_products<type, slices>(   \
-        a, o, s, d);                                             \
-  }
 #define GD_CHUNK_BACKWARD_ENTRIES(type, suffix)                   \
   GD_CHUNK_BACKWARD_ENTRY(chunk_output_backward, type, suffix, 1) \
   GD_CHUNK_BACKWARD_ENTRY(chunk_carry_backward, type, suffix, 2)  \
-  GD_CHUNK_STATE_ENTRY(chunk_state_products, type, suffix, 1)     \
-  GD_CHUNK_STATE_ENTRY(chunk_state_halves, type, suffix, 2)
+  GD_CHUNK_BACKWARD_ENTRY(chunk_state_products, type, suffix, 2)
 GD_CHUNK_BACKWARD_ENTRIES(float, f32)
 GD_CHUNK_BACKWARD_ENTRIES(__half, f16)
 GD_CHUNK_BACKWARD_ENTRIES(__nv_bfloat16, bf16)

@@ -4,7 +4,6 @@
 #include "cuda/executor.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -128,26 +127,22 @@ int carry_backward_shared_bytes(const GatedDeltaParams& p) {
       (2 * kCarryRows * kp + 2 * kChunk * kp + 3 * kChunk * rp +
        kDecayRows * kChunk);
 }
-int state_products_shared_bytes(const GatedDeltaParams& p, int slices) {
-  const int slice_tiles = (tile_padded(p.key_dim) / kTile + slices - 1) / slices;
+int state_products_shared_bytes(const GatedDeltaParams& p) {
+  const int slice_tiles =
+      (tile_padded(p.key_dim) / kTile + kStateSlices - 1) / kStateSlices;
   const int sp = slice_tiles * kTile + kTileSkew;
   const int vp = tile_stride(p.value_dim);
   return int(sizeof(float)) *
       (tile_padded(p.value_dim) * sp + 2 * kChunk * vp + kChunkedThreads / 32);
 }
-int wy_backward_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
-  const int xp = std::max(kp, vp), lp = tile_stride(kChunk);
-  return int(sizeof(float)) * kChunk * (kp + 2 * xp + 5 * lp + kDecayRows + 7);
-}
-// chunk_qk_backward and the WY kernel after it: two row buffers, two [L, L]
+// chunk_qk_backward and chunk_wy_backward: two row buffers, two [L, L]
 // ones, the decays and two (four) rows of scalars.
 int qk_backward_shared_bytes(const GatedDeltaParams& p) {
   const int xp = std::max(tile_stride(p.key_dim), tile_stride(p.value_dim));
   return int(sizeof(float)) * kChunk *
       (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 2);
 }
-int wy_split_shared_bytes(const GatedDeltaParams& p) {
+int wy_backward_shared_bytes(const GatedDeltaParams& p) {
   const int xp = std::max(tile_stride(p.key_dim), tile_stride(p.value_dim));
   return int(sizeof(float)) * kChunk *
       (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 4);
@@ -329,7 +324,8 @@ namespace {
 // The chunked backward (chunk_backward.cu, chunk_wy_backward.cu): the
 // forward's chunk_prepare (keeping T) and chunk_carry rerun for the chunks'
 // entry states, W, V', M and T; chunk_output_backward, chunk_carry_backward
-// (the sequential pass), chunk_state_products and chunk_wy_backward; then
+// (the sequential pass), chunk_state_products, chunk_qk_backward and
+// chunk_wy_backward; then
 // qk_grad_reduce, as the recurrent form's. Returns the partial sums' buffer,
 // which qk_grad_reduce reads next.
 mx::array eval_chunked_backward(
@@ -367,8 +363,9 @@ mx::array eval_chunked_backward(
   s.k = mx::gpu_ptr<float>(forward[5]);
   s.t = mx::gpu_ptr<float>(forward[6]);
   a.state_out = mx::gpu_ptr<float>(forward[7]);
-  // dv, ds, dq, dk, dw, state_dots (ChunkBackwardScratch's order), and
-  // each token's sums of a value head (BackwardArgs::partials, one block).
+  // dv, ds, dq, dk, dw, state_dots (ChunkBackwardScratch's order), each
+  // token's sums of a value head (BackwardArgs::partials, one block), then
+  // ChunkBackwardScratch's pairs and ends.
   std::vector<mx::array> backward = {
       scratch(encoder, value_rows),
       scratch(
@@ -377,7 +374,7 @@ mx::array eval_chunked_backward(
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
-      scratch(encoder, problems * kStateDotSlots),
+      scratch(encoder, problems * kStateSlices),
       scratch(
           encoder,
           int64_t(p.batch) * p.tokens * p.value_heads *
@@ -453,43 +450,24 @@ mx::array eval_chunked_backward(
       {backward[0], backward[1], outputs[kDstate]},
       dim3(row_tiles, p.value_heads, p.batch),
       carry_backward_shared_bytes(p));
-  // EXPERIMENT: GD_EXPERIMENT_STATE=halves: chunk_state_products in two
-  // blocks of key columns a chunk.
-  const char* state_env = std::getenv("GD_EXPERIMENT_STATE");
-  const int slices =
-      state_env != nullptr && std::string(state_env) == "halves" ? 2 : 1;
   stage(
       "chunk_backward",
-      slices == 2 ? "chunk_state_halves" : "chunk_state_products",
+      "chunk_state_products",
       {backward[2], backward[3], backward[4], backward[5]},
-      dim3(chunks * slices, p.value_heads, p.batch),
-      state_products_shared_bytes(p, slices));
-  // EXPERIMENT: GD_EXPERIMENT_WY picks the WY kernels: fused (one kernel),
-  // scan (the same with gate_cumsum_backward's scans), split (default:
-  // chunk_qk_backward, then the WY form's terms).
-  const char* variant_env = std::getenv("GD_EXPERIMENT_WY");
-  const std::string variant = variant_env ? variant_env : "split";
-  if (variant == "split") {
-    stage(
-        "chunk_qk_backward",
-        "chunk_qk_backward",
-        {backward[2], backward[3], backward[6], backward[7], backward[8]},
-        per_chunk,
-        qk_backward_shared_bytes(p));
-    stage(
-        "chunk_wy_backward",
-        "chunk_wy_split",
-        {outputs[kDv], backward[3], backward[6]},
-        per_chunk,
-        wy_split_shared_bytes(p));
-  } else {
-    stage(
-        "chunk_wy_backward",
-        variant == "scan" ? "chunk_wy_scan" : "chunk_wy_backward",
-        {outputs[kDv], backward[2], backward[3], backward[6]},
-        per_chunk,
-        wy_backward_shared_bytes(p));
-  }
+      dim3(chunks * kStateSlices, p.value_heads, p.batch),
+      state_products_shared_bytes(p));
+  stage(
+      "chunk_qk_backward",
+      "chunk_qk_backward",
+      {backward[2], backward[3], backward[6], backward[7], backward[8]},
+      per_chunk,
+      qk_backward_shared_bytes(p));
+  stage(
+      "chunk_wy_backward",
+      "chunk_wy_backward",
+      {outputs[kDv], backward[3], backward[6]},
+      per_chunk,
+      wy_backward_shared_bytes(p));
   return backward[6];
 }
 
