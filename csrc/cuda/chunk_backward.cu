@@ -17,13 +17,17 @@
 //                          dS = Gamma_L dS + G - dV'^T W. Each row of dS
 //                          evolves on its own: what couples the rows comes
 //                          after, every chunk at once.
-//   chunk_state_products   one block per (chunk, value head, batch row): the
+//   chunk_state_products   kStateSlices blocks per (chunk, value head, batch
+//                          row), each its own key columns: the
 //                          products of chunk_carry_backward with the states,
 //                          summed over the value rows: dO S (dq's entry
 //                          share), dW = -dV' S, V' dS (dk's exit share) and
 //                          <dS, S>.
-//   chunk_wy_backward      (chunk_wy_backward.cu) the rest, every chunk at
-//                          once, then qk_grad_reduce (recurrent_backward.cu).
+//   chunk_qk_backward      (chunk_qk_backward.cu) the intra-chunk readout's
+//                          dq, dk and decay terms, every chunk at once;
+//   chunk_wy_backward      (chunk_wy_backward.cu) the WY form's, every chunk
+//                          at once, then qk_grad_reduce
+//                          (recurrent_backward.cu).
 //
 // Matrix products on tensor cores (tensor_core.cuh), float32 accumulation,
 // q, k, v and dy as the inputs give them (exact operands in float16 and
@@ -273,8 +277,13 @@ __device__ __forceinline__ void chunk_carry_backward(
 // of its exit state, [Dv, Dk] each in shared memory in turn,
 //   dq <- dy S and dw <- -dV' S (S's rows the reduction), then
 //   dk <- V' dS and state_dots <- <dS, S>,
-// into ChunkBackwardScratch; chunk_wy_backward applies dq's and dk's row
-// scales. Warp w the tiles w, w + 8, ... of [kChunk, Dk].
+// into ChunkBackwardScratch; chunk_qk_backward applies dq's and dk's row
+// scales. Each of kStateSlices blocks of a chunk takes its own key columns
+// of S and dS (whole 16-column tiles; the last slice may have fewer or
+// none), so that a block's shared memory (about 100 KiB at Dk = Dv = 128)
+// lets two share a multiprocessor; each writes its share of <dS, S>
+// (state_dots[kStateSlices index + slice], which chunk_wy_backward adds in
+// order). Warp w the tiles w, w + 8, ... of the slice's [kChunk, columns].
 template <typename T>
 __device__ __forceinline__ void chunk_state_products(
     const CoreArgs& a,
@@ -284,22 +293,28 @@ __device__ __forceinline__ void chunk_state_products(
   extern __shared__ __align__(128) float shared[];
   const int dk = a.key_dim, dv = a.value_dim;
   const int kw = tile_padded(dk), vw = tile_padded(dv);
-  const int kp = tile_stride(dk), vp = tile_stride(dv);
-  float* states = shared;  // [vw][kp]: S, then dS
-  float* left = states + vw * kp;  // [kChunk][vp]: dy, then V'
+  const int vp = tile_stride(dv);
+  const int slice_tiles = (kw / kTile + kStateSlices - 1) / kStateSlices;
+  const int sp = slice_tiles * kTile + kTileSkew;
+  const int slice = blockIdx.x % kStateSlices;
+  const int c0 = slice * slice_tiles * kTile;
+  const int cw = max(0, min(kw, c0 + slice_tiles * kTile) - c0);
+  const int cd = max(0, min(dk, c0 + cw) - c0);  // columns below Dk
+  float* states = shared;  // [vw][sp]: S, then dS
+  float* left = states + vw * sp;  // [kChunk][vp]: dy, then V'
   float* dvs = left + kChunk * vp;  // [kChunk][vp]: dV'
   float* sums = dvs + kChunk * vp;  // [kChunkedThreads / kWarp]
-  const ChunkPlace place = chunk_place(a, blockIdx.x);
+  const ChunkPlace place = chunk_place(a, blockIdx.x / kStateSlices);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
-  const int64_t state_at = place.index * dv * dk;
+  const int64_t state_at = place.index * dv * dk + c0;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  for (int e = threadIdx.x; e < vw * kw; e += kChunkedThreads) {
-    const int r = e / kw, c = e % kw;
-    if (r >= dv || c >= dk) {
-      states[r * kp + c] = 0.0f;
+  for (int e = threadIdx.x; e < vw * cw; e += kChunkedThreads) {
+    const int r = e / cw, c = e % cw;
+    if (r >= dv || c >= cd) {
+      states[r * sp + c] = 0.0f;
     }
   }
-  copy_rows_async(s.h + state_at, dk, dv, dk, states, kp);
+  copy_rows_async(s.h + state_at, dk, dv, cd, states, sp);
   copy_rows_async(d.dv + place.index * kChunk * vw, vw, kChunk, vw, dvs, vp);
   __pipeline_commit();
   load_rows(
@@ -315,25 +330,25 @@ __device__ __forceinline__ void chunk_state_products(
   __syncthreads();
 
   constexpr int kMaxTiles = kChunk / kTile * (kChunkedMaxDim / kTile) * kWarp /
-      kChunkedThreads;
-  const int tiles = kChunk / kTile * (kw / kTile);
-  const int64_t rows_at = place.index * kChunk * kw;
+      kChunkedThreads / kStateSlices;
+  const int tiles = kChunk / kTile * (cw / kTile);
+  const int64_t rows_at = place.index * kChunk * kw + c0;
 #pragma unroll
   for (int n = 0; n < kMaxTiles; ++n) {
     const int tile = warp + n * kChunkedThreads / kWarp;
     if (tile < tiles) {
       const int ti = tile % (kChunk / kTile), tc = tile / (kChunk / kTile);
       Product readout, w_grad;
-      for (int c0 = 0; c0 < vw; c0 += 8) {
+      for (int r0 = 0; r0 < vw; r0 += 8) {
         const Operand<OperandB<wmma::row_major>, false> state_rows(
-            states + c0 * kp + tc * kTile, kp);
+            states + r0 * sp + tc * kTile, sp);
         readout.add(
             Operand<OperandA<wmma::row_major>, kExactInTf32<T>>(
-                left + ti * kTile * vp + c0, vp),
+                left + ti * kTile * vp + r0, vp),
             state_rows);
         w_grad.add(
             Operand<OperandA<wmma::row_major>, false>(
-                dvs + ti * kTile * vp + c0, vp),
+                dvs + ti * kTile * vp + r0, vp),
             state_rows);
       }
       Accumulator& dw = w_grad.finish();
@@ -353,11 +368,11 @@ __device__ __forceinline__ void chunk_state_products(
   copy_rows_async(s.u + place.index * kChunk * vw, vw, kChunk, vw, left, vp);
   __pipeline_commit();
   float dot = 0.0f;
-  for (int e = threadIdx.x; e < dv * dk; e += kChunkedThreads) {
-    const int r = e / dk, c = e % dk;
-    const float x = d.ds[place.index * vw * kw + r * kw + c];
-    dot += x * states[r * kp + c];
-    states[r * kp + c] = x;
+  for (int e = threadIdx.x; e < dv * cd; e += kChunkedThreads) {
+    const int r = e / cd, c = e % cd;
+    const float x = d.ds[place.index * vw * kw + r * kw + c0 + c];
+    dot += x * states[r * sp + c];
+    states[r * sp + c] = x;
   }
   dot = warp_sum(dot);
   if (lane == 0) {
@@ -370,7 +385,7 @@ __device__ __forceinline__ void chunk_state_products(
     for (int w = 0; w < kChunkedThreads / kWarp; ++w) {
       total += sums[w];
     }
-    d.state_dots[place.index] = total;
+    d.state_dots[kStateSlices * place.index + slice] = total;
   }
 #pragma unroll
   for (int n = 0; n < kMaxTiles; ++n) {
@@ -378,9 +393,9 @@ __device__ __forceinline__ void chunk_state_products(
     if (tile < tiles) {
       const int ti = tile % (kChunk / kTile), tc = tile / (kChunk / kTile);
       Product exit;
-      for (int c0 = 0; c0 < vw; c0 += 8) {
+      for (int r0 = 0; r0 < vw; r0 += 8) {
         exit.add<wmma::row_major, wmma::row_major>(
-            left + ti * kTile * vp + c0, vp, states + c0 * kp + tc * kTile, kp);
+            left + ti * kTile * vp + r0, vp, states + r0 * sp + tc * kTile, sp);
       }
       wmma::store_matrix_sync(
           d.dk + rows_at + ti * kTile * kw + tc * kTile, exit.finish(), kw,
@@ -394,9 +409,9 @@ __device__ __forceinline__ void chunk_state_products(
 }  // namespace mlx_gated_delta::cuda
 
 // The entry points the executor looks up by name:
-// gd_chunk_output_backward_<dtype>, gd_chunk_carry_backward_<dtype> (two
-// blocks a multiprocessor: at most 128 registers a thread) and
-// gd_chunk_state_products_<dtype>.
+// gd_chunk_output_backward_<dtype>, gd_chunk_carry_backward_<dtype> and
+// gd_chunk_state_products_<dtype> (these two: two blocks a multiprocessor,
+// at most 128 registers a thread).
 #define GD_CHUNK_BACKWARD_ENTRY(name, type, suffix, blocks)      \
   extern "C" __global__ void __launch_bounds__(                  \
       mlx_gated_delta::cuda::kChunkedThreads, blocks)            \
@@ -410,7 +425,7 @@ __device__ __forceinline__ void chunk_state_products(
 #define GD_CHUNK_BACKWARD_ENTRIES(type, suffix)                   \
   GD_CHUNK_BACKWARD_ENTRY(chunk_output_backward, type, suffix, 1) \
   GD_CHUNK_BACKWARD_ENTRY(chunk_carry_backward, type, suffix, 2)  \
-  GD_CHUNK_BACKWARD_ENTRY(chunk_state_products, type, suffix, 1)
+  GD_CHUNK_BACKWARD_ENTRY(chunk_state_products, type, suffix, 2)
 GD_CHUNK_BACKWARD_ENTRIES(float, f32)
 GD_CHUNK_BACKWARD_ENTRIES(__half, f16)
 GD_CHUNK_BACKWARD_ENTRIES(__nv_bfloat16, bf16)

@@ -42,6 +42,7 @@ set(GD_CUDA_SOURCES
   chunk_output
   recurrent_backward
   chunk_backward
+  chunk_qk_backward
   chunk_wy_backward
   segment)
 set(GD_FATBINS)
@@ -57,6 +58,7 @@ foreach(source ${GD_CUDA_SOURCES})
             ${GD_NVCC_DEFINES} -I "${PROJECT_SOURCE_DIR}/csrc" -o "${fatbin}"
             "${GD_CUDA_DIR}/${source}.cu"
     DEPENDS "${GD_CUDA_DIR}/${source}.cu"
+            "${GD_CUDA_DIR}/chunk_backward_products.cuh"
             "${GD_CUDA_DIR}/chunked_common.cuh"
             "${GD_CUDA_DIR}/device_common.cuh"
             "${GD_CUDA_DIR}/kernel_args.h"

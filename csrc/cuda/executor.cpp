@@ -128,14 +128,24 @@ int carry_backward_shared_bytes(const GatedDeltaParams& p) {
        kDecayRows * kChunk);
 }
 int state_products_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
+  const int slice_tiles =
+      (tile_padded(p.key_dim) / kTile + kStateSlices - 1) / kStateSlices;
+  const int sp = slice_tiles * kTile + kTileSkew;
+  const int vp = tile_stride(p.value_dim);
   return int(sizeof(float)) *
-      (tile_padded(p.value_dim) * kp + 2 * kChunk * vp + kChunkedThreads / 32);
+      (tile_padded(p.value_dim) * sp + 2 * kChunk * vp + kChunkedThreads / 32);
+}
+// chunk_qk_backward and chunk_wy_backward: two row buffers, two [L, L]
+// ones, the decays and two (four) rows of scalars.
+int qk_backward_shared_bytes(const GatedDeltaParams& p) {
+  const int xp = std::max(tile_stride(p.key_dim), tile_stride(p.value_dim));
+  return int(sizeof(float)) * kChunk *
+      (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 2);
 }
 int wy_backward_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
-  const int xp = std::max(kp, vp), lp = tile_stride(kChunk);
-  return int(sizeof(float)) * kChunk * (kp + 2 * xp + 5 * lp + kDecayRows + 7);
+  const int xp = std::max(tile_stride(p.key_dim), tile_stride(p.value_dim));
+  return int(sizeof(float)) * kChunk *
+      (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 4);
 }
 
 // The inputs and dims that the forward and the backward read alike.
@@ -326,7 +336,8 @@ namespace {
 // The chunked backward (chunk_backward.cu, chunk_wy_backward.cu): the
 // forward's chunk_prepare (keeping T) and chunk_carry rerun for the chunks'
 // entry states, W, V', M and T; chunk_output_backward, chunk_carry_backward
-// (the sequential pass), chunk_state_products and chunk_wy_backward; then
+// (the sequential pass), chunk_state_products, chunk_qk_backward and
+// chunk_wy_backward; then
 // qk_grad_reduce, as the recurrent form's. Returns the partial sums' buffer,
 // which qk_grad_reduce reads next.
 mx::array eval_chunked_backward(
@@ -364,8 +375,9 @@ mx::array eval_chunked_backward(
   s.k = mx::gpu_ptr<float>(forward[5]);
   s.t = mx::gpu_ptr<float>(forward[6]);
   a.state_out = mx::gpu_ptr<float>(forward[7]);
-  // dv, ds, dq, dk, dw, state_dots (ChunkBackwardScratch's order), and
-  // each token's sums of a value head (BackwardArgs::partials, one block).
+  // dv, ds, dq, dk, dw, state_dots (ChunkBackwardScratch's order), each
+  // token's sums of a value head (BackwardArgs::partials, one block), then
+  // ChunkBackwardScratch's pairs and ends.
   std::vector<mx::array> backward = {
       scratch(encoder, value_rows),
       scratch(
@@ -374,11 +386,13 @@ mx::array eval_chunked_backward(
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
-      scratch(encoder, problems),
+      scratch(encoder, problems * kStateSlices),
       scratch(
           encoder,
           int64_t(p.batch) * p.tokens * p.value_heads *
-              backward_partial_width(p.key_dim, false))};
+              backward_partial_width(p.key_dim, false)),
+      scratch(encoder, problems * kChunk * kChunk),
+      scratch(encoder, problems * 2 * kChunk)};
   ChunkBackwardScratch d;
   d.dv = mx::gpu_ptr<float>(backward[0]);
   d.ds = mx::gpu_ptr<float>(backward[1]);
@@ -387,6 +401,8 @@ mx::array eval_chunked_backward(
   d.dw = mx::gpu_ptr<float>(backward[4]);
   d.state_dots = mx::gpu_ptr<float>(backward[5]);
   o.partials = mx::gpu_ptr<float>(backward[6]);
+  d.pairs = mx::gpu_ptr<float>(backward[7]);
+  d.ends = mx::gpu_ptr<float>(backward[8]);
   o.partial_blocks = 1;
 
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
@@ -450,12 +466,18 @@ mx::array eval_chunked_backward(
       "chunk_backward",
       "chunk_state_products",
       {backward[2], backward[3], backward[4], backward[5]},
-      per_chunk,
+      dim3(chunks * kStateSlices, p.value_heads, p.batch),
       state_products_shared_bytes(p));
+  stage(
+      "chunk_qk_backward",
+      "chunk_qk_backward",
+      {backward[2], backward[3], backward[6], backward[7], backward[8]},
+      per_chunk,
+      qk_backward_shared_bytes(p));
   stage(
       "chunk_wy_backward",
       "chunk_wy_backward",
-      {outputs[kDv], backward[2], backward[3], backward[6]},
+      {outputs[kDv], backward[3], backward[6]},
       per_chunk,
       wy_backward_shared_bytes(p));
   return backward[6];

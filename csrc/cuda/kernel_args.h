@@ -83,10 +83,17 @@ struct ChunkScratch {
 //   entry state's share of dS, then chunk_carry_backward's cotangent of the
 //   state at the chunk's end,
 //   dq, dk [L, tile_padded(Dk)]: chunk_state_products' (dO S) and (V' dS),
-//   then, scaled and with every other share added by chunk_wy_backward, the
-//   gradients of the normalised q and k rows of the value head,
+//   then, scaled and with every other share added by chunk_qk_backward and
+//   (dk) chunk_wy_backward, the gradients of the normalised q and k rows of
+//   the value head,
 //   dw [L, tile_padded(Dk)]: dW = -dV' S,
-//   state_dots [1]: <dS, S> of the chunk's entry state and exit cotangent.
+//   state_dots [kStateSlices]: <dS, S> of the chunk's entry state and exit
+//   cotangent, a share per slice of chunk_state_products' key columns,
+//   pairs [L, L]: chunk_qk_backward's share of each decay's gradient
+//   without the decay, P_ij = dM_ij q_i . k_j (j < i, 0 elsewhere), which
+//   chunk_wy_backward completes,
+//   ends [2, L]: P_{i,-1} (the entry state's terms, chunk_qk_backward's
+//   share) and P_{L-1,j} (the exit state's).
 struct ChunkBackwardScratch {
   float* dv;
   float* ds;
@@ -94,6 +101,8 @@ struct ChunkBackwardScratch {
   float* dk;
   float* dw;
   float* state_dots;
+  float* pairs;
+  float* ends;
 };
 
 // The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,

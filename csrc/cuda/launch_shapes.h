@@ -35,6 +35,9 @@ constexpr int kChunkedThreads = 256;
 constexpr int kChunkedMaxDim = 128;
 constexpr int kCarryRows = 16;
 constexpr int kOutputRows = 64;
+// The chunked backward's chunk_state_products: kStateSlices blocks a chunk,
+// each whole column tiles of the key dim.
+constexpr int kStateSlices = 2;
 
 // Their products run on tensor cores in 16 x 16 tiles (tensor_core.cuh): the
 // rows they keep in shared memory, and the W and U rows of their scratch, are
