@@ -90,8 +90,8 @@ void launch(
       params);
 }
 
-// Shared memory of chunk_prepare and chunk_carry (their layouts in
-// chunk_prepare.cu and chunk_carry.cu; chunk_output has none).
+// Shared memory of chunk_prepare, chunk_carry and chunk_output (their
+// layouts in chunk_prepare.cu, chunk_carry.cu and chunk_output.cu).
 int prepare_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   const int lp = tile_stride(kChunk);
@@ -108,6 +108,14 @@ dim3 carry_grid(const GatedDeltaParams& p) {
       p.batch);
 }
 constexpr int kCarrySharedBytes = int(sizeof(float)) * kCarrySharedFloats;
+int output_shared_bytes(const GatedDeltaParams& p) {
+  const int kp = tile_stride(p.key_dim), lp = tile_stride(kChunk);
+  const int rp = tile_stride(kOutputRows);
+  return int(sizeof(float)) *
+      (kChunk * std::max(kp, rp) + kChunk * lp + kOutputRows * kp +
+       kChunk * rp + kChunk);
+}
+
 // Shared memory of the chunked backward's kernels (their layouts in
 // chunk_backward.cu and chunk_wy_backward.cu).
 int output_backward_shared_bytes(const GatedDeltaParams& p) {
@@ -278,9 +286,12 @@ void eval_core(
       encoder,
       "chunk_output",
       "gd_chunk_output_" + dtype,
-      dim3(chunks, p.value_heads, p.batch),
+      dim3(
+          chunks * ((p.value_dim + kOutputRows - 1) / kOutputRows),
+          p.value_heads,
+          p.batch),
       kChunkedThreads,
-      0,
+      output_shared_bytes(p),
       params);
 }
 

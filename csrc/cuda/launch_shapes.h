@@ -29,13 +29,15 @@ GD_HOST_DEVICE constexpr int recurrent_rows_per_block(int columns) {
 
 // The chunked form's kernels (chunk_prepare, chunk_carry, chunk_output):
 // 64-token chunks, 256 threads, key and value dims up to kChunkedMaxDim;
-// chunk_carry keeps kCarryBlockRows rows of the state per block (below), the
-// backward's chunk_carry_backward kCarryRows rows of dS (a multiple of kTile
-// below).
+// chunk_carry keeps kCarryBlockRows rows of the state per block (below),
+// chunk_output writes kOutputRows value columns of a chunk per block, and
+// the backward's chunk_carry_backward keeps kCarryRows rows of dS per block
+// (multiples of kTile below).
 constexpr int kChunk = 64;
 constexpr int kChunkedThreads = 256;
 constexpr int kChunkedMaxDim = 128;
 constexpr int kCarryRows = 16;
+constexpr int kOutputRows = 64;
 
 // Their products run on tensor cores in 16 x 16 tiles (tensor_core.cuh): the
 // rows they keep in shared memory, and the W and U rows of their scratch, are
