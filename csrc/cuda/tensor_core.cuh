@@ -1,5 +1,6 @@
-// Float32 matrix products on tensor cores, through the CUDA WMMA API, for the
-// chunked kernels (chunk_prepare.cu, chunk_carry.cu, chunk_output.cu).
+// Float32 matrix products on tensor cores for the chunked kernels: through the
+// CUDA WMMA API (chunk_prepare.cu, chunk_output.cu), or PTX's mma.sync on
+// operands in registers (mma_tf32 below: chunk_carry.cu).
 //
 // Tensor cores take float32 operands as TF32 (10 mantissa bits), which alone
 // would break the core op's float32 contracts. Each operand is therefore split
@@ -8,7 +9,7 @@
 // lo*lo and the remainder's own rounding, is about 2^-22 of each term, near
 // float32's 2^-24. Accumulation is float32.
 //
-// A tile here is WMMA's m16n16k8 TF32 shape: A [16 x 8], B [8 x 16], the
+// A WMMA tile here is the m16n16k8 TF32 shape: A [16 x 8], B [8 x 16], the
 // accumulator [16 x 16]. The loads read float32 from memory with a row (or
 // column) stride `ld` that is a multiple of 4 and a start that is 32-byte
 // aligned (launch_shapes.h's tile_stride keeps both).
