@@ -5,292 +5,409 @@ namespace mlx_gated_delta::cuda {
 
 namespace {
 
-// One chunk's W, U tile (kRows columns of U from row0; U's rows are
-// tile_padded(Dv) wide and 0 past Dv, and the tile's columns past them are
-// set to 0 here) and decays.
-template <int kRows>
+// A block keeps kCarryBlockRows rows of the state (launch_shapes.h) in the
+// accumulators of its warps' m16n8k8 products (tensor_core.cuh's mma_tf32):
+// warp w the rows 16 (w / 4) to 16 (w / 4) + 15 of the block and the
+// columns 32 (w % 4) to 32 (w % 4) + 31, for the whole pass. Lane (g, t)
+// (g = lane / 4, t = lane % 4) holds, for each of the warp's column tiles n
+// (8 columns from 32 (w % 4) + 8 n), the rows g and g + 8 of the warp's
+// rows at the columns 2t and 2t + 1 of the tile.
+constexpr int kRowTiles = kCarryBlockRows / kTile;
+constexpr int kGroupColumns = kChunkedMaxDim / kCarryColumnGroups;
+constexpr int kColumnTiles = kGroupColumns / 8;
+constexpr int kTokenTiles = kChunk / kTile;
+static_assert(
+    kRowTiles * kCarryColumnGroups * kWarp == kChunkedThreads,
+    "a warp for each (row tile, column group)");
+static_assert(kCarryBlockRows == kWarp, "v' a token row a warp, a row a lane");
+
+using StateTiles = float[kColumnTiles][4];
+
+// One stage of a chunk's inputs in shared memory (kCarryStageFloats).
+struct CarryStage {
+  float* w;  // [kChunk][kCarryWStride]: W, 0 past tile_padded(Dk)
+  float* k;  // [kChunk][kCarryKStride]: K as the inputs give it, likewise
+  float* u;  // [kChunk][kCarryRowStride]: the block's columns of U, then v'
+  float* decays;  // [kDecayRows][kChunk] (ChunkScratch)
+
+  __device__ explicit CarryStage(float* base)
+      : w(base),
+        k(w + kChunk * kCarryWStride),
+        u(k + kChunk * kCarryKStride),
+        decays(u + kChunk * kCarryRowStride) {}
+};
+
+__device__ inline CarryStage carry_stage(float* shared, int n) {
+  return CarryStage(shared + n * kCarryStageFloats);
+}
+
+// A chunk's W, K, the block's columns of U (those within U's tile_padded(Dv)
+// columns; the rest stay 0) and its decays, copied asynchronously.
 __device__ void copy_chunk_async(
     const ChunkScratch& s,
     int64_t index,
+    int64_t key_index,
     int kw,
     int vw,
     int row0,
-    float* ws,
-    int kp,
-    float* us,
-    int rp,
-    float* decays) {
-  copy_rows_async(s.w + index * kChunk * kw, kw, kChunk, kw, ws, kp);
-  for (int e = threadIdx.x; e < kChunk * kRows / 4; e += kChunkedThreads) {
-    const int i = e / (kRows / 4), c = 4 * (e % (kRows / 4));
+    const CarryStage& stage) {
+  copy_rows_async(
+      s.w + index * kChunk * kw, kw, kChunk, kw, stage.w, kCarryWStride);
+  copy_rows_async(
+      s.k + key_index * kChunk * kw, kw, kChunk, kw, stage.k, kCarryKStride);
+  constexpr int kVectors = kCarryBlockRows / 4;
+  for (int e = threadIdx.x; e < kChunk * kVectors; e += kChunkedThreads) {
+    const int i = e / kVectors, c = 4 * (e % kVectors);
     if (row0 + c < vw) {
       __pipeline_memcpy_async(
-          us + i * rp + c, s.u + (index * kChunk + i) * vw + row0 + c, 16);
-    } else {
-      *reinterpret_cast<float4*>(us + i * rp + c) = float4{0, 0, 0, 0};
+          stage.u + i * kCarryRowStride + c,
+          s.u + (index * kChunk + i) * vw + row0 + c,
+          16);
     }
   }
   static_assert(
       kDecayRows * kChunk <= 4 * kChunkedThreads, "one decay vector a thread");
   if (4 * threadIdx.x < kDecayRows * kChunk) {
     __pipeline_memcpy_async(
-        decays + 4 * threadIdx.x,
+        stage.decays + 4 * threadIdx.x,
         s.decays + index * kDecayRows * kChunk + 4 * threadIdx.x,
         16);
+  }
+}
+
+// The warp's part of the state (or of a checkpoint) into out, the block's
+// rows of a [Dv, Dk] state (row stride Dk).
+__device__ void store_state(
+    const StateTiles& state,
+    float* out,
+    int dk,
+    int rows,
+    int tile_row,
+    int column0) {
+  const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int n = 0; n < kColumnTiles; ++n) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = tile_row + g + 8 * half, c = column0 + 8 * n + 2 * t;
+      if (r < rows) {
+        float* row = out + int64_t(r) * dk;
+        const float x = state[n][2 * half], y = state[n][2 * half + 1];
+        if (dk % 2 == 0 && c + 1 < dk) {
+          *reinterpret_cast<float2*>(row + c) = make_float2(x, y);
+        } else {
+          if (c < dk) {
+            row[c] = x;
+          }
+          if (c + 1 < dk) {
+            row[c + 1] = y;
+          }
+        }
+      }
+    }
+  }
+}
+
+// state += left^T K over the chunk's tokens, for the warp's part of the state:
+// left [kChunk][kCarryRowStride] the update's scaled v' (a column a state
+// row), K [kChunk][kCarryKStride]. Each m16n8k8 product takes the tokens
+// j0 + 2t and j0 + 2t + 1 as its k indices t and t + 4, so that a lane's
+// operands are two adjacent rows of left and K. left in 3xTF32 (2xTF32
+// where K is exact), its corrections in a second accumulator (Product's
+// scheme, tensor_core.cuh).
+template <bool kExactKeys>
+__device__ __forceinline__ void add_update(
+    StateTiles& state,
+    const float* left,
+    const float* keys,
+    int tile_row,
+    int column0) {
+  const int lane = threadIdx.x % kWarp, g = lane / 4, t = lane % 4;
+  float correction[kColumnTiles][4] = {};
+#pragma unroll
+  for (int j0 = 0; j0 < kChunk; j0 += 8) {
+    const float* pair = left + (j0 + 2 * t) * kCarryRowStride + tile_row + g;
+    const Tf32Parts a0 = split_tf32(pair[0]), a1 = split_tf32(pair[8]);
+    const Tf32Parts a2 = split_tf32(pair[kCarryRowStride]);
+    const Tf32Parts a3 = split_tf32(pair[kCarryRowStride + 8]);
+    const uint32_t hi[4] = {a0.hi, a1.hi, a2.hi, a3.hi};
+    const uint32_t lo[4] = {a0.lo, a1.lo, a2.lo, a3.lo};
+#pragma unroll
+    for (int n = 0; n < kColumnTiles; ++n) {
+      const float* column =
+          keys + (j0 + 2 * t) * kCarryKStride + column0 + 8 * n + g;
+      const float k0 = column[0], k1 = column[kCarryKStride];
+      if constexpr (kExactKeys) {
+        const uint32_t k[2] = {__float_as_uint(k0), __float_as_uint(k1)};
+        mma_tf32(state[n], hi, k);
+        mma_tf32(correction[n], lo, k);
+      } else {
+        const Tf32Parts b0 = split_tf32(k0), b1 = split_tf32(k1);
+        const uint32_t k_hi[2] = {b0.hi, b1.hi}, k_lo[2] = {b0.lo, b1.lo};
+        mma_tf32(state[n], hi, k_hi);
+        mma_tf32(correction[n], lo, k_hi);
+        mma_tf32(correction[n], hi, k_lo);
+      }
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < kColumnTiles; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      state[n][e] += correction[n][e];
+    }
   }
 }
 
 // chunk_carry: the only sequential pass. Per chunk it reads W, U, K and the
 // decays and does no more than the chain needs: v' = U - W S^T (written over
 // U), the state at the chunk's start (ChunkScratch::h) for chunk_output, the
-// checkpoints and the next state, for kRows rows of the state (a multiple of
-// 16). The products on tensor cores: v' with warp w the token tile w % 4 and
-// half w / 4 of Dk (the halves added after), every row tile; the state update
-// with warp w the state columns 16 w to 16 w + 15 of every row tile;
-// chunk_checkpoint (FMA) state rows r = warp + 8 y and columns
-// c = lane + 32 z.
+// checkpoints and the next state, for kCarryBlockRows rows of the state.
 //
-// Nothing of the chain waits for global memory: the inputs are copied into
-// shared memory asynchronously, each as soon as its buffer is free. The next
-// chunk's W, U tile and decays (U and the decays double-buffered) from the
-// end of W S^T, in flight during v' and the update; the next chunk's K (from
-// chunk_prepare's scratch, once per key head) from the end of the update, in
-// flight during the next W S^T and v'. K comes as the inputs give it, its
-// qk_norm scales on v' instead: with float16 and bfloat16 inputs
-// (kExactKeys) it is an exact operand of the update's products.
-template <int kRows, bool kExactKeys>
+// The state never leaves the warps' registers: W S^T takes it as the right
+// operand as it lies in the accumulators (the k indices t and t + 4 of a
+// product are the columns 2t and 2t + 1 of a column tile, W's columns taken
+// in the same order), each column group's part of the sum over Dk to shared
+// memory, added up with U's; the update adds into the accumulators.
+//
+// Nothing of the chain waits for global memory: a chunk's W, K, U and
+// decays are copied asynchronously into one of two stages while the chunk
+// before is computed. K comes as the inputs give it, its qk_norm scales on
+// v' instead: with float16 and bfloat16 inputs (kExactKeys) it is an exact
+// operand of the update's products.
+template <bool kExactKeys>
 __device__ __forceinline__ void chunk_carry(
     const CoreArgs& a, const ChunkScratch& s) {
-  static_assert(kRows % kTile == 0, "whole row tiles");
-  constexpr int kRowTiles = kRows / kTile;
-  constexpr int kWarpRows = kRows / (kChunkedThreads / kWarp);
   extern __shared__ __align__(128) float shared[];
+  // [kCarryColumnGroups][kChunk][kCarryPartialStride]: each column group's
+  // W S^T over its columns; a checkpoint's left operand once they are read.
+  float* partials = shared + 2 * kCarryStageFloats;
+  // [kChunk][kCarryRowStride]: decay(L-1, j) v'_j / |k_j|, the update's left
+  // operand.
+  float* carried = partials + kCarryColumnGroups * kChunk * kCarryPartialStride;
   const int dk = a.key_dim, dv = a.value_dim;
   const int kw = tile_padded(dk), vw = tile_padded(dv);
-  const int kp = tile_stride(dk), rp = tile_stride(kRows);
-  float* state = shared;  // [kRows][kp]
-  float* ws = state + kRows * kp;  // [kChunk][kp]: W
-  float* ks = ws + kChunk * kp;  // [kChunk][kp]: K
-  // [2][kChunk][rp]: U, then v', of even and odd chunks.
-  float* u_buffers = ks + kChunk * kp;
-  // [kChunk][rp]: W S^T over the first half of Dk, then
-  // decay(L-1, j) v'_j / |k_j|, chunk_carry_state's left operand.
-  float* carried = u_buffers + 2 * kChunk * rp;
-  float* second_half = carried + kChunk * rp;  // [kChunk][rp]: the other half
-  // [2][kDecayRows][kChunk]: the decays (ChunkScratch) of even and odd
-  // chunks: from_start, to_end, the cumulative logs and last wipes of
-  // chunk_checkpoint's decay(i - 1, j), and K's qk_norm scales.
-  float* decay_buffers = second_half + kChunk * rp;
-
   const int b = blockIdx.z, h = blockIdx.y;
-  const int row0 = blockIdx.x * kRows;
-  const int rows = min(kRows, dv - row0);
+  const int row0 = blockIdx.x * kCarryBlockRows;
+  const int rows = min(kCarryBlockRows, dv - row0);
   const int kh = key_head_of(a, h);
   const int64_t head_state = (int64_t(b) * a.value_heads + h) * dv * dk;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
   const int64_t key_chunks = (int64_t(b) * a.key_heads + kh) * chunks;
-  copy_chunk_async<kRows>(
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int g = lane / 4, t = lane % 4;
+  const int tile_row = warp / kCarryColumnGroups * kTile;
+  const int group = warp % kCarryColumnGroups;
+  const int column0 = group * kGroupColumns;
+
+  // What the copies leave out is 0: W's and K's columns past tile_padded(Dk),
+  // U's past tile_padded(Dv).
+  for (int n = 0; n < 2; ++n) {
+    const CarryStage stage = carry_stage(shared, n);
+    for (int e = threadIdx.x; e < kChunk * kChunkedMaxDim;
+         e += kChunkedThreads) {
+      const int i = e / kChunkedMaxDim, c = e % kChunkedMaxDim;
+      if (c >= kw) {
+        stage.w[i * kCarryWStride + c] = 0.0f;
+        stage.k[i * kCarryKStride + c] = 0.0f;
+      }
+    }
+    for (int e = threadIdx.x; e < kChunk * kCarryBlockRows;
+         e += kChunkedThreads) {
+      const int i = e / kCarryBlockRows, c = e % kCarryBlockRows;
+      if (row0 + c >= vw) {
+        stage.u[i * kCarryRowStride + c] = 0.0f;
+      }
+    }
+  }
+  copy_chunk_async(
       s,
       chunk_place(a, 0).index,
+      key_chunks,
       kw,
       vw,
       row0,
-      ws,
-      kp,
-      u_buffers,
-      rp,
-      decay_buffers);
+      carry_stage(shared, 0));
   __pipeline_commit();
-  copy_rows_async(s.k + key_chunks * kChunk * kw, kw, kChunk, kw, ks, kp);
-  __pipeline_commit();
-  // Rows past Dv and columns past Dk are 0 (tile padding).
-  for (int e = threadIdx.x; e < kRows * kw; e += kChunkedThreads) {
-    const int r = e / kw, c = e % kw;
-    state[r * kp + c] = r < rows && c < dk
-        ? a.state_in[head_state + int64_t(row0 + r) * dk + c]
-        : 0.0f;
+  // Rows past Dv and columns past Dk are 0.
+  float state[kColumnTiles][4];
+#pragma unroll
+  for (int n = 0; n < kColumnTiles; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int r = tile_row + g + 8 * (e / 2);
+      const int c = column0 + 8 * n + 2 * t + e % 2;
+      state[n][e] = r < rows && c < dk
+          ? a.state_in[head_state + int64_t(row0 + r) * dk + c]
+          : 0.0f;
+    }
   }
-  // The first chunk's W, U and decays have landed (its K may not have).
-  __pipeline_wait_prior(1);
-  __syncthreads();
 
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   int next_checkpoint = 0;
   for (int chunk = 0; chunk < chunks; ++chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
-    float* u = s.u + place.index * kChunk * vw + row0;
-    float* deltas = u_buffers + (chunk % 2) * kChunk * rp;  // U, then v'
-    const float* decays = decay_buffers + (chunk % 2) * kDecayRows * kChunk;
-    const float* from_start = decays;
-    const float* to_end = decays + kChunk;
-    const float* log_sum = decays + 2 * kChunk;
-    const float* last_wipe = decays + 3 * kChunk;
-    const float* key_scales = decays + 4 * kChunk;
-    // The state at the chunk's start, for chunk_output.
-    float* h_out = s.h + place.index * dv * dk + int64_t(row0) * dk;
-    for (int r = warp; r < rows; r += kChunkedThreads / kWarp) {
-      for (int c = lane; c < dk; c += kWarp) {
-        h_out[r * dk + c] = state[r * kp + c];
-      }
-    }
-
-    // chunk_carry: W S^T, in two halves of Dk.
-    {
-      const int ti = warp % 4, half = warp / 4;
-      Product products[kRowTiles];
-      for (int c0 = half * kw / 2; c0 < (half + 1) * kw / 2; c0 += 8) {
-        const Operand<OperandA<wmma::row_major>, false> w(
-            ws + ti * kTile * kp + c0, kp);
-#pragma unroll
-        for (int tr = 0; tr < kRowTiles; ++tr) {
-          const Operand<OperandB<wmma::col_major>, false> state_rows(
-              state + tr * kTile * kp + c0, kp);
-          products[tr].add(w, state_rows);
-        }
-      }
-#pragma unroll
-      for (int tr = 0; tr < kRowTiles; ++tr) {
-        wmma::store_matrix_sync(
-            (half == 0 ? carried : second_half) + ti * kTile * rp + tr * kTile,
-            products[tr].finish(), rp, wmma::mem_row_major);
-      }
-    }
+    const CarryStage here = carry_stage(shared, chunk % 2);
+    const float* from_start = here.decays;
+    const float* to_end = here.decays + kChunk;
+    const float* log_sum = here.decays + 2 * kChunk;
+    const float* last_wipe = here.decays + 3 * kChunk;
+    const float* key_scales = here.decays + 4 * kChunk;
+    // This chunk's inputs have landed, and every warp is done with the chunk
+    // before, whose stage the next chunk's copies take.
+    __pipeline_wait_prior(0);
     __syncthreads();
-    // W has been read, and the other U and decay buffers were last read by
-    // the chunk before: the next chunk's copies start (an empty group after
-    // the last chunk, so that the waits count the same).
     if (chunk + 1 < chunks) {
-      copy_chunk_async<kRows>(
+      copy_chunk_async(
           s,
           chunk_place(a, chunk + 1).index,
+          key_chunks + chunk + 1,
           kw,
           vw,
           row0,
-          ws,
-          kp,
-          u_buffers + ((chunk + 1) % 2) * kChunk * rp,
-          rp,
-          decay_buffers + ((chunk + 1) % 2) * kDecayRows * kChunk);
+          carry_stage(shared, (chunk + 1) % 2));
+      __pipeline_commit();
     }
-    __pipeline_commit();
-    // v' = U - W S^T, kept for chunk_output and the checkpoints, and
-    // chunk_carry_state's operand decay(L-1, j) v'_j / |k_j|.
-    for (int e = threadIdx.x; e < kChunk * kRows; e += kChunkedThreads) {
-      const int i = e / kRows, r = e % kRows;
-      const float delta =
-          deltas[i * rp + r] - carried[i * rp + r] - second_half[i * rp + r];
-      deltas[i * rp + r] = delta;
-      carried[i * rp + r] = to_end[i] * key_scales[i] * delta;
-      if (r < rows) {
-        u[i * vw + r] = delta;
+    // The state at the chunk's start, for chunk_output.
+    store_state(
+        state,
+        s.h + place.index * dv * dk + int64_t(row0) * dk,
+        dk,
+        rows,
+        tile_row,
+        column0);
+
+    // W S^T over the group's columns, every token tile and both row halves
+    // of the warp's rows: 3xTF32, the state split once.
+    {
+      Tf32Parts right[kColumnTiles][4];
+#pragma unroll
+      for (int n = 0; n < kColumnTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          right[n][e] = split_tf32(state[n][e]);
+        }
+      }
+      float sums[kTokenTiles][2][4] = {}, corrections[kTokenTiles][2][4] = {};
+#pragma unroll
+      for (int n = 0; n < kColumnTiles; ++n) {
+        const int c = column0 + 8 * n + 2 * t;
+#pragma unroll
+        for (int m = 0; m < kTokenTiles; ++m) {
+          const float2 top = *reinterpret_cast<const float2*>(
+              here.w + (kTile * m + g) * kCarryWStride + c);
+          const float2 bottom = *reinterpret_cast<const float2*>(
+              here.w + (kTile * m + g + 8) * kCarryWStride + c);
+          const Tf32Parts a0 = split_tf32(top.x), a1 = split_tf32(bottom.x);
+          const Tf32Parts a2 = split_tf32(top.y), a3 = split_tf32(bottom.y);
+          const uint32_t hi[4] = {a0.hi, a1.hi, a2.hi, a3.hi};
+          const uint32_t lo[4] = {a0.lo, a1.lo, a2.lo, a3.lo};
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const uint32_t s_hi[2] = {
+                right[n][2 * half].hi, right[n][2 * half + 1].hi};
+            const uint32_t s_lo[2] = {
+                right[n][2 * half].lo, right[n][2 * half + 1].lo};
+            mma_tf32(sums[m][half], hi, s_hi);
+            mma_tf32(corrections[m][half], lo, s_hi);
+            mma_tf32(corrections[m][half], hi, s_lo);
+          }
+        }
+      }
+      float* mine = partials + group * kChunk * kCarryPartialStride;
+#pragma unroll
+      for (int m = 0; m < kTokenTiles; ++m) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float* x = sums[m][half];
+          const float* y = corrections[m][half];
+          const int i = kTile * m + g, r = tile_row + 8 * half + 2 * t;
+          *reinterpret_cast<float2*>(mine + i * kCarryPartialStride + r) =
+              make_float2(x[0] + y[0], x[1] + y[1]);
+          *reinterpret_cast<float2*>(mine + (i + 8) * kCarryPartialStride + r) =
+              make_float2(x[2] + y[2], x[3] + y[3]);
+        }
       }
     }
-    // This chunk's K has landed.
-    __pipeline_wait_prior(1);
+    __syncthreads();
+    // v' = U - W S^T, kept for chunk_output and the checkpoints, and the
+    // update's left operand decay(L-1, j) v'_j / |k_j|: warp w the tokens
+    // w, w + 8, ..., lane r the block's row r.
+    for (int i = warp; i < kChunk; i += kChunkedThreads / kWarp) {
+      float product = 0.0f;
+#pragma unroll
+      for (int q = 0; q < kCarryColumnGroups; ++q) {
+        product += partials[(q * kChunk + i) * kCarryPartialStride + lane];
+      }
+      const float delta = here.u[i * kCarryRowStride + lane] - product;
+      here.u[i * kCarryRowStride + lane] = delta;
+      carried[i * kCarryRowStride + lane] = to_end[i] * key_scales[i] * delta;
+      if (lane < rows) {
+        s.u[(place.index * kChunk + i) * vw + row0 + lane] = delta;
+      }
+    }
     // The sanitizer probe (tools/cuda/sanitize.sh) builds without this barrier:
-    // chunk_carry_state then reads rows of K, and v' scaled for the update,
-    // that other threads may not have written yet.
+    // the update then reads v' scaled, and the checkpoints v', that other
+    // warps may not have written yet.
 #ifndef GD_SANITIZER_PROBE
     __syncthreads();
 #endif
 
     // chunk_checkpoint: the state after the first i tokens of the chunk,
     // decay(i-1, -1) S + sum_{j < i} decay(i-1, j) v'_j k_j^T, for each
-    // checkpoint in the chunk (chunk_carry_state's update cut at i).
-    bool checkpointed = false;
+    // checkpoint in the chunk: the update with its left operand cut at i.
     while (next_checkpoint < a.checkpoint_count &&
            a.checkpoints[next_checkpoint] <= place.t0 + place.length) {
       const int i = a.checkpoints[next_checkpoint] - place.t0;
-      float* slot = a.checkpoint_states +
-          int64_t(next_checkpoint) * a.batch * a.value_heads * dv * dk +
-          head_state;
+      float* cut = partials;
+      // The partials, or the checkpoint before, have been read.
+      __syncthreads();
+      for (int j = warp; j < kChunk; j += kChunkedThreads / kWarp) {
+        const float decay = j < i && !(last_wipe[i - 1] > float(j))
+            ? expf(log_sum[i - 1] - log_sum[j])
+            : 0.0f;
+        cut[j * kCarryRowStride + lane] =
+            decay * key_scales[j] * here.u[j * kCarryRowStride + lane];
+      }
+      __syncthreads();
+      float at[kColumnTiles][4];
 #pragma unroll
-      for (int y = 0; y < kWarpRows; ++y) {
-        const int r = warp + 8 * y;
-        float acc[kColumnsPerLane];
+      for (int n = 0; n < kColumnTiles; ++n) {
 #pragma unroll
-        for (int z = 0; z < kColumnsPerLane; ++z) {
-          const int c = lane + kWarp * z;
-          acc[z] = c < dk ? from_start[i - 1] * state[r * kp + c] : 0.0f;
-        }
-        for (int j = 0; j < i; ++j) {
-          const float decay = last_wipe[i - 1] > float(j)
-              ? 0.0f
-              : expf(log_sum[i - 1] - log_sum[j]);
-          const float d = decay * key_scales[j] * deltas[j * rp + r];
-#pragma unroll
-          for (int z = 0; z < kColumnsPerLane; ++z) {
-            const int c = lane + kWarp * z;
-            acc[z] += d * (c < dk ? ks[j * kp + c] : 0.0f);
-          }
-        }
-        if (r < rows) {
-#pragma unroll
-          for (int z = 0; z < kColumnsPerLane; ++z) {
-            const int c = lane + kWarp * z;
-            if (c < dk) {
-              slot[int64_t(row0 + r) * dk + c] = acc[z];
-            }
-          }
+        for (int e = 0; e < 4; ++e) {
+          at[n][e] = from_start[i - 1] * state[n][e];
         }
       }
+      add_update<kExactKeys>(at, cut, here.k, tile_row, column0);
+      store_state(
+          at,
+          a.checkpoint_states +
+              int64_t(next_checkpoint) * a.batch * a.value_heads * dv * dk +
+              head_state + int64_t(row0) * dk,
+          dk,
+          rows,
+          tile_row,
+          column0);
       ++next_checkpoint;
-      checkpointed = true;
-    }
-    // The checkpoints read every column of the state rows they own; the
-    // update below rewrites columns by warp.
-    if (checkpointed) {
-      __syncthreads();
     }
 
-    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T,
-    // the state's columns [16 w, 16 w + 16) in warp w's accumulators.
-    if (warp * kTile < kw) {
-      const float last = from_start[place.length - 1];
-      Product updates[kRowTiles];
+    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T.
+    const float last = from_start[place.length - 1];
 #pragma unroll
-      for (int tr = 0; tr < kRowTiles; ++tr) {
-        wmma::load_matrix_sync(
-            updates[tr].sum, state + tr * kTile * kp + warp * kTile, kp,
-            wmma::mem_row_major);
+    for (int n = 0; n < kColumnTiles; ++n) {
 #pragma unroll
-        for (int e = 0; e < updates[tr].sum.num_elements; ++e) {
-          updates[tr].sum.x[e] *= last;
-        }
-      }
-      for (int j0 = 0; j0 < place.length; j0 += 8) {
-        const Operand<OperandB<wmma::row_major>, kExactKeys> keys(
-            ks + j0 * kp + warp * kTile, kp);
-#pragma unroll
-        for (int tr = 0; tr < kRowTiles; ++tr) {
-          const Operand<OperandA<wmma::col_major>, false> deltas_scaled(
-              carried + j0 * rp + tr * kTile, rp);
-          updates[tr].add(deltas_scaled, keys);
-        }
-      }
-#pragma unroll
-      for (int tr = 0; tr < kRowTiles; ++tr) {
-        wmma::store_matrix_sync(
-            state + tr * kTile * kp + warp * kTile, updates[tr].finish(), kp,
-            wmma::mem_row_major);
+      for (int e = 0; e < 4; ++e) {
+        state[n][e] *= last;
       }
     }
-    // The next chunk's W, U and decays have landed; after the barrier the
-    // state is updated and K has been read: the next chunk's K starts.
-    __pipeline_wait_prior(0);
-    __syncthreads();
-    if (chunk + 1 < chunks) {
-      copy_rows_async(
-          s.k + (key_chunks + chunk + 1) * kChunk * kw, kw, kChunk, kw, ks, kp);
-    }
-    __pipeline_commit();
+    add_update<kExactKeys>(state, carried, here.k, tile_row, column0);
   }
-  for (int e = threadIdx.x; e < kRows * dk; e += kChunkedThreads) {
-    const int r = e / dk, c = e % dk;
-    if (r < rows) {
-      a.state_out[head_state + int64_t(row0 + r) * dk + c] = state[r * kp + c];
-    }
-  }
+  store_state(
+      state,
+      a.state_out + head_state + int64_t(row0) * dk,
+      dk,
+      rows,
+      tile_row,
+      column0);
 }
 
 }  // namespace
@@ -298,19 +415,16 @@ __device__ __forceinline__ void chunk_carry(
 }  // namespace mlx_gated_delta::cuda
 
 // The entry points the executor looks up by name: gd_chunk_carry_<dtype>
-// (the dtype of the inputs, whose K chunk_prepare kept in float32). Up to 16
-// rows a block, two blocks share a multiprocessor (at most 128 registers a
-// thread).
-#define GD_CHUNK_CARRY_ENTRY(type, suffix)                               \
-  extern "C" __global__ void __launch_bounds__(                          \
-      mlx_gated_delta::cuda::kChunkedThreads,                            \
-      mlx_gated_delta::cuda::kCarryRows <= 16 ? 2 : 1)                   \
-      gd_chunk_carry_##suffix(                                           \
-          const mlx_gated_delta::cuda::CoreArgs a,                       \
-          const mlx_gated_delta::cuda::ChunkScratch s) {                 \
-    mlx_gated_delta::cuda::chunk_carry<                                  \
-        mlx_gated_delta::cuda::kCarryRows,                               \
-        mlx_gated_delta::cuda::kExactInTf32<type>>(a, s);                \
+// (the dtype of the inputs, whose K chunk_prepare kept in float32). One block
+// a multiprocessor (its shared memory, kCarrySharedFloats).
+#define GD_CHUNK_CARRY_ENTRY(type, suffix)                \
+  extern "C" __global__ void __launch_bounds__(           \
+      mlx_gated_delta::cuda::kChunkedThreads, 1)          \
+      gd_chunk_carry_##suffix(                            \
+          const mlx_gated_delta::cuda::CoreArgs a,        \
+          const mlx_gated_delta::cuda::ChunkScratch s) {  \
+    mlx_gated_delta::cuda::chunk_carry<                   \
+        mlx_gated_delta::cuda::kExactInTf32<type>>(a, s); \
   }
 GD_CHUNK_CARRY_ENTRY(float, f32)
 GD_CHUNK_CARRY_ENTRY(__half, f16)

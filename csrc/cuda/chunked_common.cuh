@@ -7,10 +7,10 @@
 //                  and recompute_w_u of one chunk, writing W, U, the decayed
 //                  Q K^T, the chunk's decays and its K to scratch
 //                  (ChunkScratch).
-//   chunk_carry    one block per (kCarryRows state rows, value head, batch
-//                  row), the chunks in order: v' = U - W S^T, the checkpoints
-//                  and the next state (chunk_carry_state); it writes v' and
-//                  each chunk's starting state to scratch.
+//   chunk_carry    one block per (kCarryBlockRows state rows, value head,
+//                  batch row), the chunks in order: v' = U - W S^T, the
+//                  checkpoints and the next state (chunk_carry_state); it
+//                  writes v' and each chunk's starting state to scratch.
 //   chunk_output   one block per (chunk, kOutputRows value columns, value
 //                  head, batch row), all chunks at once: the inter-chunk
 //                  readout S q_i plus the decayed Q K^T times v'.
@@ -18,10 +18,12 @@
 // The sequential pass does only what the next chunk depends on; the output,
 // which nothing later reads, leaves the chain.
 //
-// Everything is float32 in shared memory, in rows of tile_stride floats
-// (launch_shapes.h). The matrix products run on tensor cores in 3xTF32
-// (tensor_core.cuh), one 16 x 16 output tile per warp at a time; gates,
-// decays and kkt_inverse's diagonal blocks are float32 FMA. Q, K and V stay
+// Everything is float32. The matrix products run on tensor cores in 3xTF32
+// (tensor_core.cuh): chunk_prepare's and chunk_output's through WMMA from
+// shared memory, in rows of tile_stride floats (launch_shapes.h), one 16 x 16
+// output tile per warp at a time; chunk_carry's as PTX's m16n8k8 products on
+// the state it keeps in registers. Gates, decays and kkt_inverse's diagonal
+// blocks are float32 FMA. Q, K and V stay
 // as the inputs give them, their qk_norm scales applied to the products'
 // other operands or results, so that float16 and bfloat16 values are exact
 // operands (kExactInTf32), which need one or two tensor-core products a

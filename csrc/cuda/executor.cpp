@@ -100,12 +100,14 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + sums +
        7 * kChunk);
 }
-int carry_shared_bytes(const GatedDeltaParams& p) {
-  const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
-  return int(sizeof(float)) *
-      (kCarryRows * kp + 2 * kChunk * kp + 4 * kChunk * rp +
-       2 * kDecayRows * kChunk);
+// chunk_carry's blocks and shared memory (sized for Dk up to kChunkedMaxDim).
+dim3 carry_grid(const GatedDeltaParams& p) {
+  return dim3(
+      (p.value_dim + kCarryBlockRows - 1) / kCarryBlockRows,
+      p.value_heads,
+      p.batch);
 }
+constexpr int kCarrySharedBytes = int(sizeof(float)) * kCarrySharedFloats;
 int output_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), lp = tile_stride(kChunk);
   const int rp = tile_stride(kOutputRows);
@@ -289,9 +291,9 @@ void eval_core(
       encoder,
       "chunk_carry",
       "gd_chunk_carry_" + dtype,
-      dim3((p.value_dim + kCarryRows - 1) / kCarryRows, p.value_heads, p.batch),
+      carry_grid(p),
       kChunkedThreads,
-      carry_shared_bytes(p),
+      kCarrySharedBytes,
       params);
   reads.insert(reads.end(), outputs.begin() + 1, outputs.end());
   set_arrays(encoder, reads, {outputs[0]});
@@ -426,9 +428,9 @@ mx::array eval_chunked_backward(
       encoder,
       "chunk_carry",
       "gd_chunk_carry_" + dtype,
-      dim3(row_tiles, p.value_heads, p.batch),
+      carry_grid(p),
       kChunkedThreads,
-      carry_shared_bytes(p),
+      kCarrySharedBytes,
       forward_params);
 
   void* params[] = {&a, &o, &s, &d};

@@ -2,6 +2,8 @@
 // executor that launches them (executor.cpp).
 #pragma once
 
+#include "cuda/kernel_args.h"
+
 // The helpers below are for the kernels (nvcc) and the executor alike.
 #ifdef __CUDACC__
 #define GD_HOST_DEVICE __host__ __device__
@@ -27,9 +29,10 @@ GD_HOST_DEVICE constexpr int recurrent_rows_per_block(int columns) {
 
 // The chunked form's kernels (chunk_prepare, chunk_carry, chunk_output):
 // 64-token chunks, 256 threads, key and value dims up to kChunkedMaxDim;
-// chunk_carry keeps kCarryRows rows of the state per block, chunk_output
-// writes kOutputRows value columns of a chunk per block (both multiples of
-// kTile below).
+// chunk_carry keeps kCarryBlockRows rows of the state per block (below),
+// chunk_output writes kOutputRows value columns of a chunk per block, and
+// the backward's chunk_carry_backward keeps kCarryRows rows of dS per block
+// (multiples of kTile below).
 constexpr int kChunk = 64;
 constexpr int kChunkedThreads = 256;
 constexpr int kChunkedMaxDim = 128;
@@ -52,6 +55,24 @@ GD_HOST_DEVICE constexpr int tile_padded(int dim) {
 GD_HOST_DEVICE constexpr int tile_stride(int dim) {
   return tile_padded(dim) + kTileSkew;
 }
+
+// chunk_carry (chunk_carry.cu): kCarryBlockRows rows of the state a block,
+// held in its warps' registers. Its shared memory is sized for Dk up to
+// kChunkedMaxDim whatever the call's Dk, in floats: two stages of a chunk's
+// inputs (W, K, U and the decays; rows kCarryWStride, kCarryKStride and
+// kCarryRowStride apart), the column groups' partial sums of W S^T (rows
+// kCarryPartialStride apart) and the update's left operand.
+constexpr int kCarryBlockRows = 32;
+constexpr int kCarryColumnGroups = 4;
+constexpr int kCarryWStride = kChunkedMaxDim + 8;
+constexpr int kCarryKStride = kChunkedMaxDim + 4;
+constexpr int kCarryRowStride = kCarryBlockRows + 4;
+constexpr int kCarryPartialStride = kCarryBlockRows + 8;
+constexpr int kCarryStageFloats = kChunk * kCarryWStride +
+    kChunk * kCarryKStride + kChunk * kCarryRowStride + kDecayRows * kChunk;
+constexpr int kCarrySharedFloats = 2 * kCarryStageFloats +
+    kCarryColumnGroups * kChunk * kCarryPartialStride +
+    kChunk * kCarryRowStride;
 
 // recurrent_backward: each (value head, batch row) spread over
 // backward_row_blocks(Dv) blocks of kBackwardWarps warps, each warp

@@ -1,5 +1,6 @@
-// Float32 matrix products on tensor cores, through the CUDA WMMA API, for the
-// chunked kernels (chunk_prepare.cu, chunk_carry.cu, chunk_output.cu).
+// Float32 matrix products on tensor cores for the chunked kernels: through the
+// CUDA WMMA API (chunk_prepare.cu, chunk_output.cu), or PTX's mma.sync on
+// operands in registers (mma_tf32 below: chunk_carry.cu).
 //
 // Tensor cores take float32 operands as TF32 (10 mantissa bits), which alone
 // would break the core op's float32 contracts. Each operand is therefore split
@@ -8,7 +9,7 @@
 // lo*lo and the remainder's own rounding, is about 2^-22 of each term, near
 // float32's 2^-24. Accumulation is float32.
 //
-// A tile here is WMMA's m16n16k8 TF32 shape: A [16 x 8], B [8 x 16], the
+// A WMMA tile here is the m16n16k8 TF32 shape: A [16 x 8], B [8 x 16], the
 // accumulator [16 x 16]. The loads read float32 from memory with a row (or
 // column) stride `ld` that is a multiple of 4 and a start that is 32-byte
 // aligned (launch_shapes.h's tile_stride keeps both).
@@ -16,15 +17,19 @@
 
 #include <mma.h>
 
+#include <cstdint>
+
 namespace mlx_gated_delta::cuda {
 
 namespace wmma = nvcuda::wmma;
 
 using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 8, float>;
 template <typename Layout>
-using OperandA = wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, Layout>;
+using OperandA =
+    wmma::fragment<wmma::matrix_a, 16, 16, 8, wmma::precision::tf32, Layout>;
 template <typename Layout>
-using OperandB = wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, Layout>;
+using OperandB =
+    wmma::fragment<wmma::matrix_b, 16, 16, 8, wmma::precision::tf32, Layout>;
 
 // hi holds float32 values; afterwards hi their TF32 rounding and lo the
 // TF32 rounding of the rest. Element-wise, so the fragment's (unspecified)
@@ -109,5 +114,31 @@ struct Product {
     return sum;
   }
 };
+
+// The same 3xTF32 split for a kernel that keeps its operands in registers
+// and issues PTX's m16n8k8 products itself (mma_tf32, chunk_carry.cu): x's
+// TF32 rounding and that of the rest, as the bit patterns mma.sync reads.
+struct Tf32Parts {
+  uint32_t hi, lo;
+};
+__device__ __forceinline__ Tf32Parts split_tf32(float x) {
+  const float rounded = wmma::__float_to_tf32(x);
+  return {
+      __float_as_uint(rounded),
+      __float_as_uint(wmma::__float_to_tf32(x - rounded))};
+}
+
+// d += a b on tensor cores, PTX's mma.sync m16n8k8 with TF32 operands and
+// float32 accumulation, in its fragments: with g = lane / 4 and t = lane % 4,
+// a holds A [16 x 8] at (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4), b
+// holds B [8 x 8] at (t, g), (t + 4, g), and d holds D [16 x 8] at (g, 2t),
+// (g, 2t + 1), (g + 8, 2t), (g + 8, 2t + 1).
+__device__ __forceinline__ void mma_tf32(
+    float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
 
 }  // namespace mlx_gated_delta::cuda
