@@ -78,7 +78,9 @@ add_custom_command(
   VERBATIM)
 
 target_sources(
-  ${EXT_MODULE} PRIVATE "${GD_CUDA_DIR}/executor.cpp" "${GD_CUDA_DIR}/module.cpp" "${GD_EMBEDDED}")
+  ${EXT_MODULE}
+  PRIVATE "${GD_CUDA_DIR}/executor.cpp" "${GD_CUDA_DIR}/executor_backward.cpp"
+          "${GD_CUDA_DIR}/launch.cpp" "${GD_CUDA_DIR}/module.cpp" "${GD_EMBEDDED}")
 target_compile_definitions(${EXT_MODULE} PRIVATE MLX_GATED_DELTA_CUDA)
 # cuda.h and cuda_runtime.h for MLX's CUDA backend headers; fmt for the few
 # messages those headers format (compat/fmt/format.h).

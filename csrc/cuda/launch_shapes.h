@@ -1,5 +1,6 @@
 // The launch shapes of the CUDA kernels, shared by the kernels (.cu) and the
-// executor that launches them (executor.cpp).
+// executor that launches them (executor.cpp, executor_backward.cpp,
+// launch.cpp).
 #pragma once
 
 #include "cuda/kernel_args.h"

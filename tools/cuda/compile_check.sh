@@ -40,7 +40,7 @@ for source in csrc/cuda/*.cu; do
     done
 done
 # The executor, and the primitives' CUDA branches (eval_gpu on a CUDA stream).
-for source in csrc/cuda/executor.cpp csrc/cuda/module.cpp $(grep -l MLX_GATED_DELTA_CUDA csrc/core/*.cpp csrc/segment/*.cpp); do
+for source in csrc/cuda/*.cpp $(grep -l MLX_GATED_DELTA_CUDA csrc/core/*.cpp csrc/segment/*.cpp); do
     "${CXX:-g++}" -std=c++20 -fsyntax-only -Wall -Wextra -Werror -DMLX_GATED_DELTA_CUDA \
         -I csrc -I csrc/cuda/compat -isystem "$mlx_include" -isystem "$cuda/include" "$source"
     echo "host: $source"

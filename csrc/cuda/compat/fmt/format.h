@@ -2,7 +2,7 @@
 // error messages in inline code; the MLX wheel does not ship the fmt library.
 // This header gives those messages the one function they call, fmt::format
 // with "{}" placeholders, so that the headers compile without fmt installed.
-// Only the executor (csrc/cuda/executor.cpp) sees it.
+// Only the executor (csrc/cuda/*.cpp) sees it.
 #pragma once
 
 #include <sstream>
