@@ -1,7 +1,10 @@
 """The CUDA benchmark's pieces that need no GPU (mlx_gated_delta/bench/cuda.py): its
-inputs, its table's derived figures, and its refusal where MLX has no CUDA device."""
+inputs, its table's derived figures, what a run cut short keeps, and its refusal where MLX
+has no CUDA device."""
 
 import argparse
+import json
+import types
 
 import mlx.core as mx
 import numpy as np
@@ -112,3 +115,36 @@ def test_table_sets_the_training_step_against_fla_forward_of_the_same_length():
 def test_refuses_to_run_without_mlx_cuda():
     with pytest.raises(SystemExit, match="CUDA build"):
         cuda.run(argparse.Namespace(out="unused"))
+
+
+def test_a_run_cut_short_keeps_every_row_it_measured(tmp_path, monkeypatch, capsys):
+    # The GPU parts replaced: the third row never finishes (a lent GPU's time limit).
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mx, "set_default_device", lambda device: None)
+    fake_torch = types.SimpleNamespace(
+        __version__="0", cuda=types.SimpleNamespace(get_device_name=lambda: "fake GPU")
+    )
+    monkeypatch.setattr(cuda, "_torch", lambda: fake_torch)
+    monkeypatch.setattr(cuda, "_fla", lambda: None)
+    monkeypatch.setattr(cuda, "copy_bandwidth", lambda: 1.0)
+    measured = []
+
+    def row(batch, tokens, fla):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # what a timeout's SIGINT would raise
+        measured.append({"batch": batch, "tokens": tokens, "ours": {"ms": 1.0}})
+        return measured[-1]
+
+    monkeypatch.setattr(cuda, "row", row)
+    with pytest.raises(KeyboardInterrupt):
+        cuda.run(argparse.Namespace(out=str(tmp_path)))
+    record = json.loads((tmp_path / "cuda.json").read_text())
+    assert record["complete"] is False
+    assert record["rows"] == measured and len(measured) == 2
+    printed = [
+        json.loads(line[line.index(": {") + 2 :])
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("bench --cuda: B=") and ": {" in line
+    ]
+    assert printed == measured
+    assert not (tmp_path / "cuda.md").exists()

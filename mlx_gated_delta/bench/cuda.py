@@ -405,27 +405,50 @@ def run(args) -> dict:
     mx.set_default_device(mx.gpu)
     torch = _torch()
     fla = _fla()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     record = {
         "command": "python -m mlx_gated_delta bench --cuda",
+        "complete": False,
         "gpu": torch.cuda.get_device_name(),
         "mlx": mx.__version__,
         "torch": torch.__version__,
         "fla": "not installed" if fla is None else "0.6.0",
         "copy_bandwidth_bytes_per_s": copy_bandwidth(),
         "rows": [],
+        "training": [],
+        "layer": {},
     }
+
+    def progress(what: str) -> None:
+        print(f"bench --cuda: {what}", flush=True)
+
+    def keep(what: str, measured) -> None:
+        # Each measurement is printed as one JSON line and the record is
+        # rewritten after it: a run cut short (a lent GPU's time limit) keeps
+        # what it measured, in its log and in cuda.json ("complete": false).
+        print(f"bench --cuda: {what}: {json.dumps(measured)}", flush=True)
+        (out / "cuda.json").write_text(json.dumps(record, indent=2) + "\n")
+
     shapes = [(b, 1) for b in DECODE_BATCHES] + [(1, t) for t in PREFILL_TOKENS]
     for batch, tokens in shapes:
-        print(f"bench --cuda: B={batch} T={tokens}", flush=True)
+        progress(f"B={batch} T={tokens}")
         record["rows"].append(row(batch, tokens, fla))
-    record["training"] = []
+        keep(f"B={batch} T={tokens}", record["rows"][-1])
     for tokens in TRAINING_TOKENS:
-        print(f"bench --cuda: training step T={tokens}", flush=True)
+        progress(f"training step T={tokens}")
         record["training"].append(training_row(tokens))
-    record["layer"] = cuda_layer.run(lambda what: print(f"bench --cuda: {what}", flush=True))
+        keep(f"training step T={tokens}", record["training"][-1])
+    layer_rows = {
+        "forward": lambda: cuda_layer.forward_rows(progress),
+        "kimi_linear": lambda: cuda_layer.kimi_linear_rows(progress),
+        "training": cuda_layer.training_rows,
+    }
+    for name, rows in layer_rows.items():
+        record["layer"][name] = rows()
+        keep(f"layer {name}", record["layer"][name])
+    record["complete"] = True
     text = table(record) + "\n\n" + cuda_layer.table(record["layer"])
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "cuda.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "cuda.md").write_text(text + "\n")
     print(text)

@@ -2,8 +2,8 @@
 conv, gates and norm as CUDA kernels around our core kernels) against mlx-lm's stock layer (MLX
 ops, and mx.fast.gated_delta_update's per-token op loop on CUDA) with the same weights, bf16, on
 MLX's CUDA device: decode and prefill (``layer.shapes``' quick shapes), with the same patched
-layer's segment as MLX ops around our core kernels (the path before the segment's kernels, and
-still the fallback, through the test hook) timed in turn; a Kimi-Linear prefill row; and a
+layer's segment as MLX ops around our core kernels (the path before the segment's kernels,
+through the test hook) timed in turn; a Kimi-Linear prefill row; and a
 training step (``nn.value_and_grad`` of the summed output over the layer's parameters). Wall
 time from issue to the GPU's end (``mx.eval`` waits for it), medians of calls that take turns;
 peak memory is the growth of MLX's peak over one call."""
@@ -112,15 +112,6 @@ def kimi_linear_rows(progress=None) -> list[dict]:
     if progress is not None:
         progress(f"layer {row.label}")
     return [time_core_op_row(row, ours, stock)]
-
-
-def run(progress) -> dict:
-    """Every kind of row, on the default device (the caller sets MLX's GPU)."""
-    return {
-        "forward": forward_rows(progress),
-        "kimi_linear": kimi_linear_rows(progress),
-        "training": training_rows(),
-    }
 
 
 def table(record: dict) -> str:
