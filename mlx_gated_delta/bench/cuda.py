@@ -420,8 +420,12 @@ def run(args) -> dict:
         "layer": {},
     }
 
+    started = time.perf_counter()
+
     def progress(what: str) -> None:
-        print(f"bench --cuda: {what}", flush=True)
+        # With the seconds since the start: what a row costs, for planning a
+        # run on a GPU lent by the minute.
+        print(f"bench --cuda: {what} (at {time.perf_counter() - started:.0f} s)", flush=True)
 
     def keep(what: str, measured) -> None:
         # Each measurement is printed as one JSON line and the record is
