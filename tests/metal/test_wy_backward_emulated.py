@@ -213,8 +213,9 @@ def test_chunked_backward_matches_the_cpu_chunked_backward(recipe):
 
 
 def test_the_linear_decay_gradient_matches_the_reference():
-    # gated_delta_update's gamma = exp(g): dgamma = dg / gamma on the chunks
-    # the WY stages take, exact from the recurrent reverse where gamma == 0.
+    # gated_delta_update's gamma = exp(g): dgamma from gate_cumsum_backward's
+    # scan of the decay terms on the chunks the WY stages take, exact from
+    # the recurrent reverse where gamma == 0.
     recipe = dict(
         batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=16, value_dim=4, wipes="runs"
     )
