@@ -419,11 +419,6 @@ def test_per_key_chunked_backward_stages_match_the_recurrent_backward(
     )
     assert set(chunked) == {"q", "k", "v", "g", "gamma", "beta", "state"}
     assert chunked["g"].shape == recurrent["g"].shape
-    if gates == "strong":
-        # The chunked form's linear-decay gradient is dg / decay: a decay of
-        # exp(-30) multiplies dg's rounding by 1e13 (as with scalar gates).
-        # dg itself is held to the contract.
-        del chunked["gamma"]
     assert_chunked_matches(chunked, recurrent)
 
 
@@ -438,21 +433,24 @@ def without_key_gram_terms(original):
 
 
 def channels_lumped(original):
-    """gate_cumsum_backward (per key) broken: every channel given their mean."""
+    """gate_cumsum_backward (per key) broken: every channel's decay terms
+    given their mean."""
 
-    def stage(d_log, g_rows):
-        lumped = np.broadcast_to(d_log.mean(axis=-1, keepdims=True), d_log.shape)
-        return original(lumped, g_rows)
+    def stage(*args):
+        *terms, g_rows = args
+        lumped = [np.broadcast_to(x.mean(axis=-1, keepdims=True), x.shape) for x in terms]
+        return original(*lumped, g_rows)
 
     return stage
 
 
-def without_recurrent_reverse(original):
-    """chunk_carry_backward (per key) broken: no chunk runs the recurrent
-    reverse, so a wipe's linear-decay gradient is dg / 0."""
+def without_entry_terms(original):
+    """chunk_carry_backward (per key) broken: the entry state's terms of the
+    decays' gradient dropped."""
 
     def stage(*args):
-        return original(*args[:-2], np.zeros_like(args[-2]), args[-1])
+        d_entry, dw, out = original(*args)
+        return d_entry, dw, dict(out, entry=np.zeros_like(out["entry"]))
 
     return stage
 
@@ -462,7 +460,7 @@ def without_recurrent_reverse(original):
     (
         ("key_gate_cumsum_backward", channels_lumped, "weak"),
         ("key_kkt_inverse_backward", without_key_gram_terms, "weak"),
-        ("key_chunk_carry_backward", without_recurrent_reverse, "wipes"),
+        ("key_chunk_carry_backward", without_entry_terms, "wipes"),
     ),
 )
 def test_the_per_key_chunked_check_sees_a_broken_stage(monkeypatch, stage, breaking, gates):

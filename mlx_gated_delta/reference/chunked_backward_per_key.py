@@ -4,13 +4,15 @@ of csrc/cpu/chunked_backward_stages.h with per-key gates (PerKeyGates,
 csrc/cpu/key_chunked_backward.cpp).
 
 The stages are those of the scalar gates (`chunked_backward`) with the decay
-of channel c, decay(i, j, c), in place of decay(i, j), so the gradient of
-the in-chunk cumulative log decay, d_log, is `[B, Hv, C, L, Dk]`.
-A decayed gram's terms come out of the gradients of its two operands: with
-R_ic = sum_j X_ij decay(i, j, c) b_jc (the row side) and C_jc = sum_i X_ij
-decay(i, j, c) a_ic (the column side), the term of X's entry (i, j) in
-channel c is a_ic X_ij decay(i, j, c) b_jc, so d_log gains a_ic R_ic at i
-and loses b_jc C_jc at j.
+of channel c, decay(i, j, c), in place of decay(i, j). Every decay is a
+product of the linear decays gamma = exp(g) between its ends, and the stages
+leave the gradient of each decay without the decay itself, per channel: the
+pair terms P_ijc of decay(i, j, c), j < i, `[B, Hv, C, L, L, Dk]` (the
+entry (i, j) of a decayed gram X with operands a and b, R_ic = sum_j X_ij
+decay(i, j, c) b_jc, gives a_ic X_ij b_jc), the entry terms of decay(i, -1,
+c) and the exit terms of decay(L-1, j, c), `[B, Hv, C, L, Dk]`.
+gate_cumsum_backward sums those that pass each token into dgamma, without
+dividing by gamma (csrc/cpu/chunked_backward_stages.h, decay_gradient).
 
 A chunk of one (batch row, value head) in which the decay of some active
 token and channel is not a normal float32 (a wipe) runs the recurrent
@@ -118,7 +120,7 @@ def per_key_chunked_backward_stages(
         return grads["state"][0, 0]
 
     out = {"key_head": rows["key_head"], "active": active, "recurrent_grads": recurrent_grads}
-    d_corrected, dq, dk, d_log = key_chunk_output_backward(
+    d_corrected, dq, dk, pairs = key_chunk_output_backward(
         d_out, f["corrected"], f["qk"], decay, q_rows, k_rows
     )
     out.update(output_d_corrected=d_corrected, output_dq=dq, output_dk=dk)
@@ -137,18 +139,20 @@ def per_key_chunked_backward_stages(
         recurrent_reverse,
     )
     d_corrected = d_corrected + carry["d_corrected"]
-    dq, dk, d_log = dq + carry["dq"], dk + carry["dk"], d_log + carry["d_log"]
+    dq, dk = dq + carry["dq"], dk + carry["dk"]
     out.update(carry_d_corrected=d_corrected, carry_dw=dw, carry_dq=dq, carry_dk=dk)
     out["d_entry"] = d_entry
-    dt, dv, dbeta, dk_w_u, d_log_w_u = key_recompute_w_u_backward(
+    dt, dv, dbeta, dk_w_u, entry_w_u = key_recompute_w_u_backward(
         d_corrected, dw, f["kkt_inverse"], v_rows, k_rows, beta_effective, from_start
     )
     out.update(w_u_dt=dt, w_u_dk=dk + dk_w_u, w_u_dbeta=dbeta, dv=dv)
-    dk_kkt, dbeta_kkt, d_log_kkt = key_kkt_inverse_backward(
+    dk_kkt, dbeta_kkt, pairs_kkt = key_kkt_inverse_backward(
         dt, f["kkt_inverse"], k_rows, decay, beta_effective, f["k_gram"]
     )
     out.update(kkt_dk=out["w_u_dk"] + dk_kkt, kkt_dbeta=dbeta + dbeta_kkt)
-    out["dg"], out["dgamma"] = key_gate_cumsum_backward(d_log + d_log_w_u + d_log_kkt, g_rows)
+    out["dg"], out["dgamma"] = key_gate_cumsum_backward(
+        pairs + pairs_kkt, carry["entry"] + entry_w_u, carry["exit"], g_rows
+    )
     return out
 
 
@@ -163,14 +167,20 @@ def decayed_columns(x, decay, a_rows):
     return np.einsum("...ij,...ijc,...ic->...jc", x, decay, a_rows)
 
 
+def pair_terms(x, a_rows, b_rows):
+    """The pair terms of a decayed gram with entries X_ij a_ic b_jc decay(i, j,
+    c): X_ij a_ic b_jc for j < i, `[..., L, L, Dk]`."""
+    return np.tril(x, k=-1)[..., None] * a_rows[..., :, None, :] * b_rows[..., None, :, :]
+
+
 def key_chunk_output_backward(d_out, corrected, qk_tiles, decay, q_rows, k_rows):
     """Stage chunk_output_backward with per-key gates: O = M V', M the decayed
-    Q K^T (key_decayed_grams). Returns (dV', dq, dk, d_log)."""
+    Q K^T (key_decayed_grams). Returns (dV', dq, dk, the pair terms)."""
     d_corrected = np.swapaxes(qk_tiles, -1, -2) @ d_out
     dm = np.tril(d_out @ np.swapaxes(corrected, -1, -2))
     dq = decayed_rows(dm, decay, k_rows)
     dk = decayed_columns(dm, decay, q_rows)
-    return d_corrected, dq, dk, q_rows * dq - k_rows * dk
+    return d_corrected, dq, dk, pair_terms(dm, q_rows, k_rows)
 
 
 def key_chunk_carry_backward(
@@ -193,27 +203,28 @@ def key_chunk_carry_backward(
     V'^T (decay(L-1, j, :) K) and V' = U - W S^T. A chunk marked in
     `recurrent` ([B, Hv, C]) takes dS entering it from
     `recurrent_reverse(b, h, c, entry, d_exit)`. Returns (dS of the initial
-    state, dW, and a dict of the additions to dV', dq, dk and d_log)."""
+    state, dW, and a dict of the additions to dV', dq and dk, and of the
+    entry and exit terms)."""
     chunks = w.shape[2]
     out = {
         "d_corrected": np.zeros_like(d_corrected),
         "dq": np.zeros(q_rows.shape),
         "dk": np.zeros(k_rows.shape),
-        "d_log": np.zeros(from_start.shape),
+        "entry": np.zeros(from_start.shape),
+        "exit": np.zeros(from_start.shape),
     }
     dw = np.zeros_like(w)
     dS = d_state
     for c in reversed(range(chunks)):
         S, dO = entry_states[:, :, c], d_out[:, :, c]
         gamma, e, q_c, k_c = from_start[:, :, c], to_end[:, :, c], q_rows[:, :, c], k_rows[:, :, c]
-        dq = gamma * (dO @ S)
-        d_log = dq * q_c
+        out_state, back = dO @ S, corrected[:, :, c] @ dS
+        dq = gamma * out_state
+        entry = out_state * q_c
+        entry[..., -1, :] += np.einsum("bhvk,bhvk->bhk", dS, S)
         dV = d_corrected[:, :, c] + (e * k_c) @ np.swapaxes(dS, -1, -2)
-        dk_end = e * (corrected[:, :, c] @ dS)
-        end_terms = dk_end * k_c
+        dk_end = e * back
         chunk_decay = gamma[..., -1, :]
-        d_log[..., -1, :] += chunk_decay * np.einsum("bhvk,bhvk->bhk", dS, S) + end_terms.sum(-2)
-        d_log -= end_terms
         dw[:, :, c] = -dV @ S
         d_entry = (
             chunk_decay[..., None, :] * dS
@@ -224,14 +235,15 @@ def key_chunk_carry_backward(
             d_entry[b, h] = recurrent_reverse(b, h, c, S[b, h], dS[b, h])
         dS = d_entry
         out["d_corrected"][:, :, c] = dV - d_corrected[:, :, c]
-        out["dq"][:, :, c], out["dk"][:, :, c], out["d_log"][:, :, c] = dq, dk_end, d_log
+        out["dq"][:, :, c], out["dk"][:, :, c] = dq, dk_end
+        out["entry"][:, :, c], out["exit"][:, :, c] = entry, back * k_c
     return dS, dw, out
 
 
 def key_recompute_w_u_backward(d_u, dw, inverse, v_rows, k_rows, beta_effective, from_start):
     """Stage recompute_w_u_backward with per-key gates: U = T diag(beta) V,
     W = T Kb, Kb_ic = beta_i decay(i, -1, c) k_ic. Returns (dT, dv, dbeta,
-    dk, d_log)."""
+    dk, the entry terms)."""
     beta = beta_effective[..., None]
     dt = np.tril(
         d_u @ np.swapaxes(beta * v_rows, -1, -2)
@@ -241,25 +253,39 @@ def key_recompute_w_u_backward(d_u, dw, inverse, v_rows, k_rows, beta_effective,
     d_scaled_k = np.swapaxes(inverse, -1, -2) @ dw
     dbeta = np.sum(d_scaled_v * v_rows, axis=-1) + np.sum(d_scaled_k * from_start * k_rows, axis=-1)
     dk = beta * from_start * d_scaled_k
-    return dt, beta * d_scaled_v, dbeta, dk, dk * k_rows
+    return dt, beta * d_scaled_v, dbeta, dk, beta * d_scaled_k * k_rows
 
 
 def key_kkt_inverse_backward(dt, inverse, k_rows, decay, beta_effective, k_gram):
     """Stage kkt_inverse_backward with per-key gates: A_ij = beta_i
     k_gram_ij, k_gram the decayed K K^T (key_decayed_grams); dA = -T^T dT
-    T^T on the strictly lower triangle. Returns (dk, dbeta, d_log)."""
+    T^T on the strictly lower triangle. Returns (dk, dbeta, the pair
+    terms)."""
     inverse_t = np.swapaxes(inverse, -1, -2)
     da = np.tril(-inverse_t @ dt @ inverse_t, k=-1)
     dbeta = np.sum(da * k_gram, axis=-1)
     d_gram = beta_effective[..., None] * da
     rows = decayed_rows(d_gram, decay, k_rows)
     columns = decayed_columns(d_gram, decay, k_rows)
-    return rows + columns, dbeta, k_rows * (rows - columns)
+    return rows + columns, dbeta, pair_terms(d_gram, k_rows, k_rows)
 
 
-def key_gate_cumsum_backward(d_log, g_rows):
-    """Stage gate_cumsum_backward with per-key gates: dg_tc = sum_{i >= t}
-    dG_ic per channel, and the linear decay's gradient dg / exp(g)."""
-    dg = np.flip(np.cumsum(np.flip(d_log, -2), axis=-2), -2)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        return dg, dg / np.exp(g_rows)
+def key_gate_cumsum_backward(pairs, entry_terms, exit_terms, g_rows):
+    """Stage gate_cumsum_backward with per-key gates: per channel, dgamma_t =
+    sum_{i >= t > j} P_ij decay(i, t) decay(t-1, j) over the pair terms (j =
+    -1: the entry terms; the exit terms are those of i = L-1), and dg = gamma
+    dgamma. As the kernels scan it: H_i0 = P_{i,-1}, H_{i,t+1} = gamma_t
+    H_it + P_it, dgamma_t = sum_{i >= t} decay(i, t) H_it, the decays as
+    running products of gamma (masked tokens decay by 1). Returns (dg,
+    dgamma)."""
+    gamma = np.exp(g_rows)
+    pairs = pairs.copy()
+    pairs[..., -1, :-1, :] += exit_terms[..., :-1, :]  # decay(L-1, L-1) = 1
+    carried = entry_terms.copy()
+    dgamma = np.zeros(entry_terms.shape)
+    for t in range(gamma.shape[-2]):
+        to_later = np.cumprod(gamma[..., t + 1 :, :], axis=-2)  # decay(i, t), i > t
+        dgamma[..., t, :] = carried[..., t, :] + np.sum(to_later * carried[..., t + 1 :, :], -2)
+        # Rows i <= t are not read again: the later tokens' sums start at them.
+        carried = gamma[..., t : t + 1, :] * carried + pairs[..., :, t, :]
+    return gamma * dgamma, dgamma

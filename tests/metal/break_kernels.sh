@@ -13,7 +13,7 @@
 #   7. chunk_states.metal with its row bound widened    -> sentinel guard
 #   8. recurrent_chunk_backward.metal with its first barrier deleted -> ThreadSanitizer: data race
 #   9. qk_grad_reduce.metal with its row bound widened  -> sentinel guard
-#  10. chunk_output_backward.metal with its first barrier deleted -> ThreadSanitizer
+#  10. chunk_output_backward.metal with its barrier deleted -> ThreadSanitizer
 #  11. kkt_inverse_backward.metal with the barrier before dA deleted -> ThreadSanitizer
 #  12. recompute_w_u_backward.metal with its row bound widened -> sentinel guard
 #  13. chunk_carry_backward.metal with its device barrier deleted -> ThreadSanitizer
@@ -31,6 +31,8 @@
 #      sub-chunk's first row (a wrong reference row)    -> the driver's
 #      strong channels (g = -60) overflow: outputs not finite
 #      (tests/metal/test_per_key_chunked_emulated.py's oracle tests fail too)
+#  19. gate_cumsum_backward.metal with the barrier between its two scans
+#      deleted                                          -> ThreadSanitizer: data race
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -95,8 +97,8 @@ mutate deleted-barrier-recurrent-chunk-backward recurrent_chunk_backward.metal t
 mutate widened-bound-qk-grad-reduce qk_grad_reduce.metal address \
   "if (row >= p.batch * p.tokens * p.key_heads) { ==> if (row > p.batch * p.tokens * p.key_heads) {"
 mutate deleted-barrier-chunk-output-backward chunk_output_backward.metal thread \
-  "before its gate terms read it.
-  $BARRIER ==> before its gate terms read it."
+  "dMd is complete before the products read it.
+  $BARRIER ==> dMd is complete before the products read it."
 mutate deleted-barrier-kkt-inverse-backward kkt_inverse_backward.metal thread \
   "X is complete before dA reads it.
   $BARRIER ==> X is complete before dA reads it."
@@ -116,4 +118,7 @@ mutate deleted-barrier-key-decayed-grams-factored gated_delta_common.h thread \
     $BARRIER ==> The factored tiles are complete before any SIMD-group reads them."
 mutate wrong-reference-row-key-decayed-grams gated_delta_common.h address \
   "const uint p = s * kSub; ==> const uint p = (s - 1) * kSub;"
+mutate deleted-barrier-gate-cumsum-backward gate_cumsum_backward.metal thread \
+  "before the tokens' sums read its columns.
+  $BARRIER ==> before the tokens' sums read its columns."
 exit $status

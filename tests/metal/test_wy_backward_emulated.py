@@ -13,9 +13,13 @@ import numpy as np
 import pytest
 
 from mlx_gated_delta import gated_delta_rule
-from mlx_gated_delta.reference import gated_delta_rule_reference_vjp, to_float64
+from mlx_gated_delta.reference import (
+    gated_delta_rule_reference_vjp,
+    gated_delta_update_reference_vjp,
+    to_float64,
+)
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.strategies import make_core_case
+from mlx_gated_delta.testing.strategies import DTYPES, make_core_case
 from mlx_gated_delta.tests.test_core_gradients import KIND, cotangents
 
 import metal_emulated
@@ -209,8 +213,9 @@ def test_chunked_backward_matches_the_cpu_chunked_backward(recipe):
 
 
 def test_the_linear_decay_gradient_matches_the_reference():
-    # gated_delta_update's gamma = exp(g): dgamma = dg / gamma on the chunks
-    # the WY stages take, exact from the recurrent reverse where gamma == 0.
+    # gated_delta_update's gamma = exp(g): dgamma from gate_cumsum_backward's
+    # scan of the decay terms on the chunks the WY stages take, exact from
+    # the recurrent reverse where gamma == 0.
     recipe = dict(
         batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=16, value_dim=4, wipes="runs"
     )
@@ -223,6 +228,66 @@ def test_the_linear_decay_gradient_matches_the_reference():
     assert np.isneginf(to_float64(case.g)).any()
     assert np.isfinite(grads["gamma"]).all()
     assert_matches("dgamma", grads["gamma"], expected["gamma"], contract("gamma", "float32"))
+
+
+# (tokens, dtype, the fraction of tiny decays, seed): the draws of
+# test_tiny_decays_give_gamma_its_gradient_through_the_chunked_backward
+# (mlx_gated_delta/tests/test_core_gradients.py), fixed, for the emulator.
+TINY_DECAY_CASES = [
+    (64, "float32", 1.0, 0),
+    (130, "float32", 0.5, 1),
+    (150, "bfloat16", 0.1, 2),
+    (65, "float32", 0.1, 3),
+]
+
+
+@pytest.mark.parametrize("tokens, dtype, tiny_fraction, seed", TINY_DECAY_CASES)
+def test_tiny_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed):
+    # gated_delta_update's gamma where it is a normal float but tiny, exp(-87)
+    # to exp(-8): every chunk runs the WY stages, and gamma's gradient is the
+    # sum of the decay terms that pass the token, each without gamma itself.
+    # As dg / gamma it would be dg's rounding (that of terms far larger than
+    # dg) divided by a tiny gamma.
+    case = make_core_case(
+        seed,
+        batch=1,
+        tokens=tokens,
+        key_heads=1,
+        value_heads=2,
+        key_dim=16,
+        value_dim=8,
+        dtype=dtype,
+    )
+    rng = np.random.default_rng(seed)
+    shape = case.g.shape
+    g = np.where(
+        rng.uniform(size=shape) < tiny_fraction,
+        rng.uniform(-87.0, -8.0, size=shape),
+        rng.uniform(-2.0, 0.0, size=shape),
+    )
+    gamma = mx.exp(mx.array(g.astype(np.float32))).astype(DTYPES[dtype])
+    gamma32 = np.asarray(gamma.astype(mx.float32))
+    # Every decay is a normal float: no chunk runs the recurrent reverse.
+    assert np.all(gamma32 >= np.finfo(np.float32).tiny)
+    wy, ws = cotangents(case)
+    expected = gated_delta_update_reference_vjp(
+        case.q, case.k, case.v, gamma, case.beta, case.state, y_cotangent=wy, state_cotangent=ws
+    )
+    # The op's g: log(gamma) in float32 (mlx_gated_delta/ops.py).
+    grads = metal_emulated.gated_delta_rule_vjp(
+        case.q,
+        case.k,
+        case.v,
+        np.log(gamma32),
+        case.beta,
+        case.state,
+        y_cotangent=wy,
+        state_cotangent=ws,
+        scale=1.0,
+        algorithm="chunked",
+    )
+    for name in ("q", "k", "v", "gamma", "beta", "state"):
+        assert_matches(f"d{name}", grads[name], expected[name], contract(name, dtype))
 
 
 def test_auto_takes_the_chunked_form_from_8_tokens_with_scalar_gates():

@@ -108,7 +108,8 @@ inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& 
 
 // The chunked (WY) backward's test, per chunk: whether every active token of
 // the chunk decays by a normal float. The WY stages run the chunks where it
-// holds (their linear-decay gradient is dg / exp(g)); chunk_states and
+// holds (they form each decay as the exp of a difference of the in-chunk
+// cumulative log decays, which a wipe makes -inf); chunk_states and
 // recurrent_chunk_backward, the recurrent reverse, run the others (a wipe, gamma == 0,
 // or a subnormal decay), as the CPU decides (docs/numerics.md, "The chunked
 // backward"). Every kernel of the plan calls it on the same g and mask, so

@@ -4,14 +4,16 @@
 // With S0 the state entering the chunk (boundary_states), Gamma_i =
 // decay(i, -1), e_j = decay(L-1, j) and dO = scale dy:
 //
-//   dq_i += Gamma_i S0^T dO_i;           dG_i += Gamma_i (S0^T dO_i) . q_i
-//   dV'_j += e_j dS k_j;  dk_j += e_j dS^T V'_j;  dG_{L-1} += t_j, dG_j -= t_j
-//                                        (t_j = e_j (dS^T V'_j) . k_j)
-//   dG_{L-1} += Gamma_{L-1} <dS, S0>;    dW = -dV' S0
+//   dq_i += Gamma_i S0^T dO_i;  dV'_j += e_j dS k_j;  dk_j += e_j dS^T V'_j
+//   dW = -dV' S0
 //   dS0 = Gamma_{L-1} dS + sum_i Gamma_i dO_i q_i^T - sum_j dV'_j W_j^T
 //
-// dS0 replaces dS in dstate. Chunks with a decay that is not a normal float
-// are left to the recurrent reverse (chunk_decays_normal).
+// and the gradients of its decays without them, for gate_cumsum_backward:
+// Gamma_i's entry term (S0^T dO_i) . q_i (plus <dS, S0> at i = L-1), which
+// it writes first, and e_j's (dS^T V'_j) . k_j (j < L-1), added to the pair
+// terms' row L-1 (e_j = decay(L-1, j)). dS0 replaces dS in dstate. Chunks
+// with a decay that is not a normal float are left to the recurrent reverse
+// (chunk_decays_normal).
 //
 // One threadgroup of kChunkThreads per (value head, batch) owns that head's
 // dS; four threads share each token row (kCarryLanesPerRow), whose dot
@@ -37,11 +39,12 @@ template <typename T>
     device float* dstate [[buffer(11)]],
     device float* d_corrected [[buffer(12)]],
     device float* dw [[buffer(13)]],
-    device float* d_log [[buffer(14)]],
-    device float* query_head_grad [[buffer(15)]],
-    device float* key_head_grad [[buffer(16)]],
-    constant GatedDeltaKernelParams& p [[buffer(17)]],
-    constant uint& chunk [[buffer(18)]],
+    device float* decay_entry_terms [[buffer(14)]],
+    device float* decay_pair_terms [[buffer(15)]],
+    device float* query_head_grad [[buffer(16)]],
+    device float* key_head_grad [[buffer(17)]],
+    constant GatedDeltaKernelParams& p [[buffer(18)]],
+    constant uint& chunk [[buffer(19)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float query_terms[kChunkThreads];
@@ -89,8 +92,8 @@ template <typename T>
       }
       query_head_grad[head_grad + c] += decay_from_start * out_state;
       key_head_grad[head_grad + c] += e * back;
-      query_term += decay_from_start * out_state * normalized_key(q, query_inverse_norm, p, b, t, kh, c);
-      key_term += e * back * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
+      query_term += out_state * normalized_key(q, query_inverse_norm, p, b, t, kh, c);
+      key_term += back * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
     }
   }
   query_terms[tid] = query_term;
@@ -110,16 +113,14 @@ template <typename T>
       q_sum += query_terms[tid * kCarryLanesPerRow + l];
       k_sum += key_terms[tid * kCarryLanesPerRow + l];
     }
-    float add = q_sum - k_sum;
     if (tid == length - 1) {
-      float keys = 0.0f, entries = 0.0f;
       for (uint m = 0; m < kChunkThreads; ++m) {
-        keys += m / kCarryLanesPerRow < length ? key_terms[m] : 0.0f;
-        entries += entry_terms[m];
+        q_sum += entry_terms[m];
       }
-      add += keys + exp(end) * entries;
+    } else {
+      decay_pair_terms[(rows + length - 1) * kChunkSize + tid] += k_sum;
     }
-    d_log[rows + tid] += add;
+    decay_entry_terms[rows + tid] = q_sum;
   }
   for (uint e = tid; e < length * p.key_dim; e += kChunkThreads) {
     const uint i = e / p.key_dim;

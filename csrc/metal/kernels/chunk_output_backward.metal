@@ -4,15 +4,18 @@
 // the diagonal) and V' the chunk's deltas (chunk_carry's U):
 //
 //   dV' = M^T dO;   dM = dO V'^T;   dMd = dM o decay
-//   dq = dMd K;     dk = dMd^T Q;   dG_i += sum_j<i dM_ij M_ij, dG_j -= the same
+//   dq = dMd K;     dk = dMd^T Q;   P_ij = dM_ij (q_i . k_j)  (j < i)
 //
-// It starts the chunk's per-value-head dq and dk, dV' and dG (d_log), which
+// It starts the chunk's per-value-head dq and dk and dV', which
 // chunk_carry_backward, recompute_w_u_backward and kkt_inverse_backward add
-// to. Chunks with a decay that is not a normal float are left to the
-// recurrent reverse (chunk_decays_normal).
+// to, and writes the chunk's tile of the decays' pair terms: P_ij, decay(i,
+// j)'s gradient without the decay (0 on and above the diagonal), which
+// chunk_carry_backward and kkt_inverse_backward add to and
+// gate_cumsum_backward scans. Chunks with a decay that is not a normal float
+// are left to the recurrent reverse (chunk_decays_normal).
 //
 // One threadgroup of kChunkThreads per (chunk, value head, batch); the 64 x 64
-// dM is staged in threadgroup memory.
+// dMd is staged in threadgroup memory.
 
 #include "backward_common.h"
 
@@ -29,7 +32,7 @@ template <typename T>
     const device float* corrected [[buffer(8)]],
     const device T* y_cotangent [[buffer(9)]],
     device float* d_corrected [[buffer(10)]],
-    device float* d_log [[buffer(11)]],
+    device float* decay_pair_terms [[buffer(11)]],
     device float* query_head_grad [[buffer(12)]],
     device float* key_head_grad [[buffer(13)]],
     constant GatedDeltaKernelParams& p [[buffer(14)]],
@@ -49,39 +52,21 @@ template <typename T>
   const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
   const device float* cumsum = gate_cumsum + rows;
 
-  // dM_ij = dO_i . V'_j on the lower triangle (0 elsewhere).
+  // dM_ij = dO_i . V'_j on the lower triangle: its pair term, then dMd.
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
     const uint i = e / kChunkSize;
     const uint j = e % kChunkSize;
+    const bool lower = j <= i && i < length;
     float sum = 0.0f;
-    if (j <= i && i < length && !token_is_masked(p, mask, b, start + i)) {
+    if (lower && !token_is_masked(p, mask, b, start + i)) {
       const uint dy_row = v_offset(p, b, start + i, h);
       for (uint c = 0; c < p.value_dim; ++c) {
         sum += float(y_cotangent[dy_row + c]) * corrected[(rows + j) * p.value_dim + c];
       }
       sum *= p.scale;
     }
-    dm[e] = sum;
-  }
-  // dM is complete before its gate terms read it.
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  if (tid < length) {
-    const uint i = tid;
-    float term = 0.0f;
-    for (uint j = 0; j < i; ++j) {
-      term += dm[i * kChunkSize + j] * exp(cumsum[i] - cumsum[j]) * qk[tile + i * kChunkSize + j];
-    }
-    for (uint m = i + 1; m < length; ++m) {
-      term -= dm[m * kChunkSize + i] * exp(cumsum[m] - cumsum[i]) * qk[tile + m * kChunkSize + i];
-    }
-    d_log[rows + i] = term;
-  }
-  // The gate terms have read dM before it becomes dMd.
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
-    const uint i = e / kChunkSize;
-    const uint j = e % kChunkSize;
-    dm[e] *= j <= i && i < length ? exp(cumsum[i] - cumsum[j]) : 0.0f;
+    decay_pair_terms[rows * kChunkSize + e] = j < i && i < length ? sum * qk[tile + e] : 0.0f;
+    dm[e] = lower ? sum * exp(cumsum[i] - cumsum[j]) : 0.0f;
   }
   // dMd is complete before the products read it.
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -3,14 +3,15 @@
 // (recompute_w_u_backward):
 //
 //   dA = -T^T dT T^T on the strictly lower triangle
-//   with t_ij = dA_ij decay(i, j) k_i . k_j and dAk = dA o beta_i decay(i, j):
-//   dk += dAk K + dAk^T K;  dbeta_i += sum_j t_ij;
-//   dG_i += beta_i sum_j t_ij;  dG_j -= beta_i t_ij
+//   with dAk = dA o beta_i decay(i, j):
+//   dk += dAk K + dAk^T K;  dbeta_i += sum_j dA_ij decay(i, j) k_i . k_j
 //
-// Chunks with a decay that is not a normal float are left to the recurrent
-// reverse. One threadgroup of kChunkThreads per (chunk, value head, batch),
-// with T and X = dT T^T staged in threadgroup memory (then dAk and t in their
-// place): 32 KiB, Metal's limit.
+// and adds decay(i, j)'s gradient without it, beta_i dA_ij k_i . k_j, to the
+// pair terms of gate_cumsum_backward. Chunks with a decay that is not a
+// normal float are left to the recurrent reverse. One threadgroup of
+// kChunkThreads per (chunk, value head, batch), with T and X = dT T^T staged
+// in threadgroup memory (then dAk and dbeta's terms in their place): 32 KiB,
+// Metal's limit.
 
 #include "backward_common.h"
 
@@ -26,14 +27,14 @@ template <typename T>
     const device float* beta_effective [[buffer(5)]],
     const device float* kkt_inverse [[buffer(6)]],
     const device float* dt [[buffer(7)]],
-    device float* d_log [[buffer(8)]],
+    device float* decay_pair_terms [[buffer(8)]],
     device float* key_head_grad [[buffer(9)]],
     device float* dbeta [[buffer(10)]],
     constant GatedDeltaKernelParams& p [[buffer(11)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float t_tile[kChunkSize * kChunkSize];  // T, then dAk
-  threadgroup float x_tile[kChunkSize * kChunkSize];  // dT T^T, then t
+  threadgroup float x_tile[kChunkSize * kChunkSize];  // dT T^T, then dbeta's terms
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
@@ -86,15 +87,16 @@ template <typename T>
       }
       scaled[n] = beta[i] * decayed;
       terms[n] = decayed * gram;
+      decay_pair_terms[rows * kChunkSize + e] += beta[i] * da * gram;
     }
   }
-  // Every read of T and X is done before dAk and t take their place.
+  // Every read of T and X is done before dAk and dbeta's terms take their place.
   threadgroup_barrier(mem_flags::mem_threadgroup);
   for (uint n = 0; n < kKktElementsPerThread; ++n) {
     t_tile[tid + n * kChunkThreads] = scaled[n];
     x_tile[tid + n * kChunkThreads] = terms[n];
   }
-  // dAk and t are complete before the sums read them.
+  // dAk and dbeta's terms are complete before the sums read them.
   threadgroup_barrier(mem_flags::mem_threadgroup);
   if (tid < length) {
     const uint i = tid;
@@ -102,12 +104,7 @@ template <typename T>
     for (uint j = 0; j < i; ++j) {
       row_sum += x_tile[i * kChunkSize + j];
     }
-    float column_sum = 0.0f;
-    for (uint m = i + 1; m < length; ++m) {
-      column_sum += beta[m] * x_tile[m * kChunkSize + i];
-    }
     dbeta[gate_offset(p, b, start + i, h)] += row_sum;
-    d_log[rows + i] += beta[i] * row_sum - column_sum;
   }
   for (uint e = tid; e < length * p.key_dim; e += kChunkThreads) {
     const uint i = e / p.key_dim;

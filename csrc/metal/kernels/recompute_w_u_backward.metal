@@ -5,10 +5,12 @@
 //
 //   dT = dU Vb^T + dW Kb^T (lower, with the diagonal)
 //   dVb = T^T dU;  dKb = T^T dW;  dv = beta dVb;  dk += beta Gamma dKb
-//   dbeta = dVb . v + Gamma dKb . k;  dG_i += beta_i Gamma_i dKb_i . k_i
+//   dbeta = dVb . v + Gamma dKb . k
 //
-// dT goes to kkt_inverse_backward. It writes dv and starts dbeta. Chunks with
-// a decay that is not a normal float are left to the recurrent reverse.
+// and adds Gamma_i's gradient without it, beta_i dKb_i . k_i, to the entry
+// terms of gate_cumsum_backward. dT goes to kkt_inverse_backward. It writes
+// dv and starts dbeta. Chunks with a decay that is not a normal float are
+// left to the recurrent reverse.
 //
 // One threadgroup of kChunkThreads per (chunk, value head, batch); T is staged
 // in threadgroup memory, and four threads share each token row
@@ -31,7 +33,7 @@ template <typename T>
     const device float* d_corrected [[buffer(8)]],
     const device float* dw [[buffer(9)]],
     device float* dt [[buffer(10)]],
-    device float* d_log [[buffer(11)]],
+    device float* decay_entry_terms [[buffer(11)]],
     device float* key_head_grad [[buffer(12)]],
     device T* dv [[buffer(13)]],
     device float* dbeta [[buffer(14)]],
@@ -116,7 +118,7 @@ template <typename T>
     }
     const float decay_from_start = exp(cumsum[tid]);
     dbeta[gate_offset(p, b, start + tid, h)] = value_sum + decay_from_start * key_sum;
-    d_log[rows + tid] += beta[tid] * decay_from_start * key_sum;
+    decay_entry_terms[rows + tid] += beta[tid] * key_sum;
   }
 }
 

@@ -20,12 +20,15 @@ constexpr size_t kRecurrentChunkBackwardBytes =
 // The chunked backward's WY stages: a 64 x 64 tile (chunk_output_backward),
 // three partial sums per thread (chunk_carry_backward), the T tile and two
 // partial sums per thread (recompute_w_u_backward), T and X = dT T^T
-// (kkt_inverse_backward).
+// (kkt_inverse_backward), the pair terms' tile and the chunk's gammas
+// (gate_cumsum_backward).
 constexpr size_t kChunkOutputBackwardBytes = kChunkTileBytes;
 constexpr size_t kChunkCarryBackwardBytes = 3 * kChunkThreads * kFloat;
 constexpr size_t kRecomputeWuBackwardBytes =
     kChunkTileBytes + 2 * kChunkThreads * kFloat;
 constexpr size_t kKktInverseBackwardBytes = 2 * kChunkTileBytes;
+constexpr size_t kGateCumsumBackwardBytes =
+    kChunkTileBytes + kChunkSize * kFloat;
 static_assert(kChunkThreads % kChunkSize == 0);
 static_assert((kChunkSize * kChunkSize) % kChunkThreads == 0);
 // recurrent_chunk_backward: thread tid adds up the partial sums of key column
@@ -77,7 +80,10 @@ struct BackwardPlanBuilder : PlanBuilder {
           CorrectedGrad, "dV' elements", B * Hv * padded_tokens * Dv, 4);
       add_scratch(WGrad, "dW elements", B * Hv * padded_tokens * Dk, 4);
       add_scratch(KktInverseGrad, "dT elements", B * Hv * chunk_tiles(), 4);
-      add_scratch(GateCumsumGrad, "dG elements", B * Hv * padded_tokens, 4);
+      add_scratch(
+          DecayEntryTerms, "entry term elements", B * Hv * padded_tokens, 4);
+      add_scratch(
+          DecayPairTerms, "pair term elements", B * Hv * chunk_tiles(), 4);
       plan.kernel_params.recurrent_wipe_chunks_only = 1;
     }
   }
@@ -247,16 +253,17 @@ struct BackwardPlanBuilder : PlanBuilder {
              {8, U},
              {9, YCotangent},
              {10, CorrectedGrad},
-             {11, GateCumsumGrad},
+             {11, DecayPairTerms},
              {12, QueryHeadGrad},
              {13, KeyHeadGrad}},
             14,
-            {CorrectedGrad, GateCumsumGrad, QueryHeadGrad, KeyHeadGrad});
-    // dy, q, k and V' read, Q K^T per value head; dV', dq, dk and dG written.
+            {CorrectedGrad, DecayPairTerms, QueryHeadGrad, KeyHeadGrad});
+    // dy, q, k and V' read, Q K^T per value head; dV', dq, dk and the pair
+    // terms written.
     d.bytes_moved = chunk_test_bytes(double(T)) +
         B * Hv *
-            (T * (Dv + 2 * Dk) * double(e) + chunk_tiles() * 4.0 +
-             padded_tokens * (2 * Dv + 2 * Dk + 2) * 4.0);
+            (T * (Dv + 2 * Dk) * double(e) + 2 * chunk_tiles() * 4.0 +
+             padded_tokens * (2 * Dv + 2 * Dk + 1) * 4.0);
     // dM, dV', dq and dk: four triangular 64 x 64 products per chunk.
     d.flops = 2.0 * B * Hv * C * tile() * (Dv + Dk);
   }
@@ -283,17 +290,19 @@ struct BackwardPlanBuilder : PlanBuilder {
              {11, GradState},
              {12, CorrectedGrad},
              {13, WGrad},
-             {14, GateCumsumGrad},
-             {15, QueryHeadGrad},
-             {16, KeyHeadGrad}},
-            17,
+             {14, DecayEntryTerms},
+             {15, DecayPairTerms},
+             {16, QueryHeadGrad},
+             {17, KeyHeadGrad}},
+            18,
             {GradState,
              CorrectedGrad,
              WGrad,
-             GateCumsumGrad,
+             DecayEntryTerms,
+             DecayPairTerms,
              QueryHeadGrad,
              KeyHeadGrad});
-    d.chunk = ChunkScalar{18, chunk};
+    d.chunk = ChunkScalar{19, chunk};
     const double length = double(
         std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
     // dS read and written, S0 read; per token dy, q, k, V', W read, dV' read
@@ -309,31 +318,31 @@ struct BackwardPlanBuilder : PlanBuilder {
 
   void recompute_w_u_backward() {
     using enum PlanBuffer;
-    Dispatch& d =
-        add("recompute_w_u_backward",
-            core_kernel("recompute_w_u_backward"),
-            {unsigned(C), unsigned(Hv), unsigned(B)},
-            kChunkThreads,
-            kRecomputeWuBackwardBytes,
-            {{0, Key},
-             {1, Value},
-             {2, Gate},
-             {3, Mask},
-             {4, KeyInverseNorm},
-             {5, GateCumsum},
-             {6, BetaEffective},
-             {7, KktInverse},
-             {8, CorrectedGrad},
-             {9, WGrad},
-             {10, KktInverseGrad},
-             {11, GateCumsumGrad},
-             {12, KeyHeadGrad},
-             {13, GradValue},
-             {14, GradBeta}},
-            15,
-            {KktInverseGrad, GateCumsumGrad, KeyHeadGrad, GradValue, GradBeta});
+    Dispatch& d = add(
+        "recompute_w_u_backward",
+        core_kernel("recompute_w_u_backward"),
+        {unsigned(C), unsigned(Hv), unsigned(B)},
+        kChunkThreads,
+        kRecomputeWuBackwardBytes,
+        {{0, Key},
+         {1, Value},
+         {2, Gate},
+         {3, Mask},
+         {4, KeyInverseNorm},
+         {5, GateCumsum},
+         {6, BetaEffective},
+         {7, KktInverse},
+         {8, CorrectedGrad},
+         {9, WGrad},
+         {10, KktInverseGrad},
+         {11, DecayEntryTerms},
+         {12, KeyHeadGrad},
+         {13, GradValue},
+         {14, GradBeta}},
+        15,
+        {KktInverseGrad, DecayEntryTerms, KeyHeadGrad, GradValue, GradBeta});
     // T read and dT written; dV', dW, v and k read; dv written, dk read and
-    // written, dbeta and dG.
+    // written, dbeta and the entry terms.
     d.bytes_moved = chunk_test_bytes(double(T)) +
         B * Hv *
             (2 * chunk_tiles() * 4.0 + padded_tokens * (Dv + 3 * Dk + 4) * 4.0 +
@@ -358,15 +367,16 @@ struct BackwardPlanBuilder : PlanBuilder {
              {5, BetaEffective},
              {6, KktInverse},
              {7, KktInverseGrad},
-             {8, GateCumsumGrad},
+             {8, DecayPairTerms},
              {9, KeyHeadGrad},
              {10, GradBeta}},
             11,
-            {GateCumsumGrad, KeyHeadGrad, GradBeta});
-    // T and dT read; k read, dk read and written; dbeta and dG.
+            {DecayPairTerms, KeyHeadGrad, GradBeta});
+    // T and dT read, the pair terms read and written; k read, dk read and
+    // written; dbeta.
     d.bytes_moved = chunk_test_bytes(double(T)) +
         B * Hv *
-            (2 * chunk_tiles() * 4.0 + T * Dk * double(e) +
+            (4 * chunk_tiles() * 4.0 + T * Dk * double(e) +
              padded_tokens * (2 * Dk + 4) * 4.0);
     // X = dT T^T and T^T X (triangular, 64^3 / 3 each), K K^T formed again,
     // and dAk K + dAk^T K.
@@ -380,21 +390,25 @@ struct BackwardPlanBuilder : PlanBuilder {
             "gated_delta_gate_cumsum_backward",
             {unsigned(C), unsigned(Hv), unsigned(B)},
             kChunkSize,
-            0,
+            kGateCumsumBackwardBytes,
             {{0, Gate},
              {1, Mask},
-             {2, GateCumsumGrad},
-             {3, GradGate},
-             {4, GradGamma},
-             {5, GradBeta},
-             {6, QueryHeadGrad},
-             {7, KeyHeadGrad}},
-            8,
+             {2, DecayEntryTerms},
+             {3, DecayPairTerms},
+             {4, GradGate},
+             {5, GradGamma},
+             {6, GradBeta},
+             {7, QueryHeadGrad},
+             {8, KeyHeadGrad}},
+            9,
             {GradGate, GradGamma, GradBeta, QueryHeadGrad, KeyHeadGrad});
-    // dG and g read, dg and dgamma written (masked tokens' rows cleared too:
-    // not counted).
-    d.bytes_moved = chunk_test_bytes(double(T)) + B * Hv * T * 16.0;
-    d.flops = 2.0 * B * Hv * T;
+    // The pair terms' tiles, the entry terms and g read, dg and dgamma
+    // written (masked tokens' rows cleared too: not counted).
+    d.bytes_moved =
+        chunk_test_bytes(double(T)) + B * Hv * (chunk_tiles() * 4.0 + T * 16.0);
+    // Two scans over the lower triangle (half a tile): a multiply-add per
+    // pair in each, and the second's running product.
+    d.flops = 2.5 * B * Hv * C * tile();
   }
 
   void backward() {

@@ -70,7 +70,8 @@ const char* to_string(PlanBuffer buffer) {
       "corrected_grad",
       "w_grad",
       "kkt_inverse_grad",
-      "gate_cumsum_grad"};
+      "decay_entry_terms",
+      "decay_pair_terms"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }

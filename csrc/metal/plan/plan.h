@@ -98,7 +98,11 @@ enum class PlanBuffer : int {
   CorrectedGrad,  // [B, Hv, C*64, Dv] dV' (= dU)
   WGrad,  // [B, Hv, C*64, Dk] dW
   KktInverseGrad,  // [B, Hv, C, 64, 64] dT
-  GateCumsumGrad,  // [B, Hv, C*64] dG, the gradient of gate_cumsum's output
+  // The gradients of the decays without them, which gate_cumsum_backward
+  // scans into dgamma: of decay(i, -1) (entry terms) and of decay(i, j),
+  // j < i (pair terms; the exit state's decay(L-1, j) in row L-1).
+  DecayEntryTerms,  // [B, Hv, C*64]
+  DecayPairTerms,  // [B, Hv, C, 64, 64]
   Count,
 };
 const char* to_string(PlanBuffer buffer);
