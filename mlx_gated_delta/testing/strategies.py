@@ -249,6 +249,25 @@ def make_core_case(
     return CoreCase(*arrays, options=options, recipe=recipe)
 
 
+def tiny_decay_gamma(case, seed, tiny_fraction, dtype):
+    """A linear decay for `gated_delta_update` in `case`'s gate shape: a
+    fraction `tiny_fraction` of its decays normal floats but tiny, exp(-87)
+    to exp(-8), the rest exp(U(-2, 0)), in `dtype`. Every decay stays a
+    normal float, so every chunk runs the chunked backward's WY stages (a
+    decay below float32's smallest normal sends its chunk to the recurrent
+    reverse): where gamma's gradient would be lost as dg / gamma."""
+    rng = np.random.default_rng(seed)
+    shape = case.g.shape
+    g = np.where(
+        rng.uniform(size=shape) < tiny_fraction,
+        rng.uniform(-87.0, -8.0, size=shape),
+        rng.uniform(-2.0, 0.0, size=shape),
+    )
+    gamma = mx.exp(mx.array(g.astype(np.float32))).astype(DTYPES[dtype])
+    assert np.all(np.asarray(gamma.astype(mx.float32)) >= np.finfo(np.float32).tiny)
+    return gamma
+
+
 def make_decays(rng, kind, shape):
     """Log decays of one of DECAY_KINDS, in float64."""
     if kind == "mixed":

@@ -25,10 +25,10 @@ from mlx_gated_delta.testing.contracts import assert_matches
 from mlx_gated_delta.testing.guarded import SENTINEL, run_core_backward_guarded
 from mlx_gated_delta.testing.strategies import (
     BOUNDARY_TOKENS,
-    DTYPES,
     budget,
     core_cases,
     make_core_case,
+    tiny_decay_gamma,
 )
 
 INPUTS = ("q", "k", "v", "g", "beta", "state")
@@ -409,16 +409,7 @@ def test_tiny_decays_give_gamma_its_gradient_through_the_chunked_backward(
         dtype=dtype,
         per_key_gates=per_key_gates,
     )
-    rng = np.random.default_rng(seed)
-    shape = case.g.shape
-    g = np.where(
-        rng.uniform(size=shape) < tiny_fraction,
-        rng.uniform(-87.0, -8.0, size=shape),
-        rng.uniform(-2.0, 0.0, size=shape),
-    )
-    gamma = mx.exp(mx.array(g.astype(np.float32))).astype(DTYPES[dtype])
-    # Every decay is a normal float: no chunk runs the recurrent reverse.
-    assert np.all(np.asarray(gamma.astype(mx.float32)) >= np.finfo(np.float32).tiny)
+    gamma = tiny_decay_gamma(case, seed, tiny_fraction, dtype)
     wy, ws = cotangents(case)
     expected = gated_delta_update_reference_vjp(
         case.q, case.k, case.v, gamma, case.beta, case.state, y_cotangent=wy, state_cotangent=ws
