@@ -45,17 +45,16 @@ void gated_delta_segment_forward(
     const SegmentBuffers<T>& buffers);
 
 template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers);
-
-template <typename T>
 void gated_delta_segment_prepare_backward(
     const SegmentParams& params,
     const SegmentPrepareBackwardBuffers<T>& buffers);
 
 template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers);
+void gated_delta_segment_core_backward(
+    const SegmentParams& params,
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentCoreBackwardBuffers<T>& buffers);
 
 template <typename T>
 void dense_projection_forward(

@@ -188,12 +188,6 @@ void gated_delta_segment_forward(
 }
 
 template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(gated_delta_segment_prepare<T>(params, buffers));
-}
-
-template <typename T>
 void gated_delta_segment_prepare_backward(
     const SegmentParams& params,
     const SegmentPrepareBackwardBuffers<T>& buffers) {
@@ -201,9 +195,13 @@ void gated_delta_segment_prepare_backward(
 }
 
 template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(gated_delta_segment_norm_backward<T>(params, buffers));
+void gated_delta_segment_core_backward(
+    const SegmentParams& params,
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentCoreBackwardBuffers<T>& buffers) {
+  CALL_CHOSEN_LEVEL(
+      gated_delta_segment_core_backward<T>(params, forward, backward, buffers));
 }
 
 template <typename T>
@@ -225,12 +223,13 @@ void dense_projection_forward(
       const GatedDeltaParams&, Algorithm, const BackwardBuffers<T>&); \
   template void gated_delta_segment_forward<T>(                       \
       const SegmentParams&, Algorithm, const SegmentBuffers<T>&);     \
-  template void gated_delta_segment_prepare<T>(                       \
-      const SegmentParams&, const SegmentPrepareBuffers<T>&);         \
   template void gated_delta_segment_prepare_backward<T>(              \
       const SegmentParams&, const SegmentPrepareBackwardBuffers<T>&); \
-  template void gated_delta_segment_norm_backward<T>(                 \
-      const SegmentParams&, const SegmentNormBackwardBuffers<T>&);    \
+  template void gated_delta_segment_core_backward<T>(                 \
+      const SegmentParams&,                                           \
+      Algorithm,                                                      \
+      Algorithm,                                                      \
+      const SegmentCoreBackwardBuffers<T>&);                          \
   template void dense_projection_forward<T>(                          \
       int64_t, int, int, MatrixView<T>, MatrixView<T>, T*);
 

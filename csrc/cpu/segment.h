@@ -41,32 +41,57 @@ void gated_delta_segment_forward(
     Algorithm algorithm,
     const SegmentBuffers<T>& buffers);
 
-// The segment's backward on the CPU is the core's backward between the
-// backward of the stages after it and of those before it; these are the
-// stages' parts (segment_backward.cpp), each a primitive of its own
-// (segment/segment_backward_primitives.h).
+// The segment's backward on the CPU is two kernels (segment_backward.cpp),
+// each a primitive of its own (segment/segment_backward_primitives.h): the
+// stages up to the core's gradients, then the prepare stage's backward.
 
-// The prepare stage alone (prepare_conv, prepare_gates), recomputed for the
-// backward: q, k, v, g and beta exactly as the forward computes them, with
-// q, k and v as arrays of their own.
+// The segment's backward up to the core's gradients, in one call:
+// prepare_conv and prepare_gates recomputed exactly as the forward computes
+// them, the core's forward for y, gated_norm_backward, then the core's
+// backward. No float32 q, k, v or y is kept beside the gradients: the
+// recomputed q, k and v are written where dq, dk and dv go, the core's
+// backward overwrites them (BackwardBuffers allows it), and dy overwrites y.
+// `forward` and `backward` are the core's algorithms (Recurrent or Chunked;
+// resolve Auto first).
 template <typename T>
-struct SegmentPrepareBuffers {
+struct SegmentCoreBackwardBuffers {
   const T* mixed_qkvzba;
   const float* conv_weight;
   const float* decay_parameter;
   const float* dt_bias;
+  const float* norm_weight;
   const T* conv_state_in;
+  const float* state_in;  // [B, Hv, Dv, Dk]
   const bool* mask;  // nullptr when the call has no mask
-  float* q;  // [B, T, Hk, Dk]
-  float* k;  // [B, T, Hk, Dk]
-  float* v;  // [B, T, Hv, Dv]
-  float* g;  // [B, T, Hv], or [B, T, Hv, Dk] with per-key gates
-  float* beta;  // [B, T, Hv]
+  const T* d_out;  // [B, T, Hv, Dv], the cotangent of out
+  const float* d_state_out;  // [B, Hv, Dv, Dk], of the final state
+  // Scratch, float32: y and then dy [B, T, Hv, Dv]; g and dgamma (the
+  // shape of g); beta [B, T, Hv]; the final state [B, Hv, Dv, Dk].
+  float* y;
+  float* g;
+  float* beta;
+  float* dgamma;
+  float* state_out;
+  // The gradients, float32: dq, dk [B, T, Hk, Dk], dv [B, T, Hv, Dv], dg (as
+  // g), dbeta [B, T, Hv] and dstate [B, Hv, Dv, Dk] of the core; the gated
+  // norm's dz [B, T, Hv*Dv] (activation dtype) and d norm_weight per batch
+  // row [B, Dv].
+  float* dq;
+  float* dk;
+  float* dv;
+  float* dg;
+  float* dbeta;
+  float* dstate;
+  T* dz;
+  float* d_norm_weight_rows;
 };
 
 template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers);
+void gated_delta_segment_core_backward(
+    const SegmentParams& params,
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentCoreBackwardBuffers<T>& buffers);
 
 // The prepare stage's backward: from the gradients of q, k, v, g, beta, the
 // gated norm's dz and the new conv state's cotangent, the gradient of the
@@ -98,22 +123,5 @@ template <typename T>
 void gated_delta_segment_prepare_backward(
     const SegmentParams& params,
     const SegmentPrepareBackwardBuffers<T>& buffers);
-
-// The gated norm's backward.
-template <typename T>
-struct SegmentNormBackwardBuffers {
-  const float* y;  // [B, T, Hv, Dv], the core's output
-  const T* mixed_qkvzba;  // z is read from here
-  const float* norm_weight;  // [Dv]
-  const T* d_out;  // [B, T, Hv, Dv]
-  const bool* mask;  // nullptr when the call has no mask
-  float* d_y;  // [B, T, Hv, Dv]
-  T* d_z;  // [B, T, Hv*Dv]
-  float* d_norm_weight_rows;  // [B, Dv]
-};
-
-template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers);
 
 }  // namespace mlx_gated_delta::cpu

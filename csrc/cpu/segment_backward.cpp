@@ -1,6 +1,7 @@
 // The backward of the fused layer segment's stages on the CPU
 // (segment_stages.h), and the entry points of the segment's backward
-// primitives (segment.h): the core's backward runs between them.
+// primitives (segment.h): the stages up to the core's gradients (the core's
+// forward and backward included), then the prepare stage's backward.
 //
 // gated_norm: out = n * w * o(z) with n = y * inv_rms per (token, value
 // head) and o the output gate (silu or sigmoid), so
@@ -14,6 +15,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/backward.h"
+#include "cpu/forward.h"
 #include "cpu/kernel_entry_points.h"
 #include "cpu/segment.h"
 #include "cpu/segment_common.h"
@@ -289,8 +292,38 @@ void gated_delta_segment_prepare_backward(
 }
 
 template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& p, const SegmentNormBackwardBuffers<T>& io) {
+void gated_delta_segment_core_backward(
+    const SegmentParams& p,
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentCoreBackwardBuffers<T>& io) {
+  const ConvOutputs conv_out{
+      {io.dq, io.dk, io.dv}, {p.qk_width(), p.qk_width(), p.v_width()}};
+  prepare_conv(
+      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
+  prepare_gates(
+      p, io.mixed_qkvzba, io.decay_parameter, io.dt_bias, io.g, io.beta);
+  const float* q = io.dq;
+  const float* k = io.dk;
+  const float* v = io.dv;
+  const GatedDeltaParams core = p.core_params();
+  // This copy's core, named in full: the argument types would otherwise find
+  // the dispatching cpu::gated_delta_forward and gated_delta_backward too.
+  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
+      core,
+      forward,
+      contiguous_buffers<float>(
+          core,
+          q,
+          k,
+          v,
+          io.g,
+          io.beta,
+          io.mask,
+          io.state_in,
+          io.y,
+          io.state_out));
+  float* d_y = io.y;
   gated_norm_backward(
       p,
       io.y,
@@ -298,16 +331,39 @@ void gated_delta_segment_norm_backward(
       io.norm_weight,
       io.d_out,
       io.mask,
-      io.d_y,
-      io.d_z,
+      d_y,
+      io.dz,
       io.d_norm_weight_rows);
+  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_backward<float>(
+      core,
+      backward,
+      BackwardBuffers<float>{
+          q,
+          k,
+          v,
+          io.g,
+          io.beta,
+          io.mask,
+          io.state_in,
+          d_y,
+          io.d_state_out,
+          io.dq,
+          io.dk,
+          io.dv,
+          io.dg,
+          io.dgamma,
+          io.dbeta,
+          io.dstate});
 }
 
 #define INSTANTIATE_SEGMENT_BACKWARD(T)                               \
   template void gated_delta_segment_prepare_backward<T>(              \
       const SegmentParams&, const SegmentPrepareBackwardBuffers<T>&); \
-  template void gated_delta_segment_norm_backward<T>(                 \
-      const SegmentParams&, const SegmentNormBackwardBuffers<T>&);
+  template void gated_delta_segment_core_backward<T>(                 \
+      const SegmentParams&,                                           \
+      Algorithm,                                                      \
+      Algorithm,                                                      \
+      const SegmentCoreBackwardBuffers<T>&);
 
 INSTANTIATE_SEGMENT_BACKWARD(float)
 INSTANTIATE_SEGMENT_BACKWARD(float16_t)

@@ -76,7 +76,8 @@ void gated_norm(
 
 // The backward's stages (segment_backward.cpp), in reverse order.
 
-// The gradient of gated_norm: dy [B, T, Hv, Dv] (float32), dz into its
+// The gradient of gated_norm: dy [B, T, Hv, Dv] (float32; may be y itself:
+// each element of y is read before its dy is written), dz into its
 // [B, T, Hv*Dv] (activation dtype), and d norm_weight per batch row [B, Dv].
 // A masked token's cotangent counts as 0.
 template <typename T>

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/activation_type.h"
+#include "core/dispatch.h"
 #include "core/vmap_fold.h"
 #include "cpu/segment.h"
 #include "mlx/allocator.h"
@@ -105,72 +106,116 @@ std::pair<std::vector<mx::array>, std::vector<int>> vmap_by_folding(
 const std::vector<int> kPrepareWeights = {
     kPrepareConvWeight, kPrepareDecayParameter, kPrepareDtBias};
 
+// g's shape, and dg's: [B, T, Hv], or [B, T, Hv, Dk] with per-key gates.
+mx::Shape gate_shape(const SegmentParams& p) {
+  return p.per_key_gates
+      ? mx::Shape{p.batch, p.tokens, p.value_heads, p.key_dim}
+      : mx::Shape{p.batch, p.tokens, p.value_heads};
+}
+
 }  // namespace
 
-std::vector<mx::Shape> GatedDeltaSegmentPrepare::output_shapes(
+std::vector<mx::Dtype> segment_core_vjp_dtypes(mx::Dtype activation) {
+  std::vector<mx::Dtype> dtypes(8, mx::float32);
+  dtypes[6] = activation;  // dz
+  return dtypes;
+}
+
+std::vector<mx::Shape> GatedDeltaSegmentCoreVJP::output_shapes(
     const std::vector<mx::array>& inputs) {
   const SegmentParams p = params_of(options_, inputs[kPrepareMixed]);
   return {
       {p.batch, p.tokens, p.key_heads, p.key_dim},
       {p.batch, p.tokens, p.key_heads, p.key_dim},
       {p.batch, p.tokens, p.value_heads, p.value_dim},
-      p.per_key_gates ? mx::Shape{p.batch, p.tokens, p.value_heads, p.key_dim}
-                      : mx::Shape{p.batch, p.tokens, p.value_heads},
-      {p.batch, p.tokens, p.value_heads}};
+      gate_shape(p),
+      {p.batch, p.tokens, p.value_heads},
+      {p.batch, p.value_heads, p.value_dim, p.key_dim},
+      {p.batch, p.tokens, p.v_width()},
+      {p.batch, p.value_dim}};
 }
 
-bool GatedDeltaSegmentPrepare::is_equivalent(const mx::Primitive& other) const {
-  return same_options(
-      options_, static_cast<const GatedDeltaSegmentPrepare&>(other).options_);
+bool GatedDeltaSegmentCoreVJP::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDeltaSegmentCoreVJP&>(other);
+  return same_options(options_, o.options_) && algorithm_ == o.algorithm_;
 }
 
-void GatedDeltaSegmentPrepare::eval_cpu(
+void GatedDeltaSegmentCoreVJP::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   allocate(outputs);
   const SegmentParams p = params_of(options_, inputs[kPrepareMixed]);
+  const GatedDeltaParams core = p.core_params();
+  const Algorithm forward =
+      algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(core) : algorithm_;
+  const Algorithm backward = algorithm_ == Algorithm::Auto
+      ? resolve_cpu_backward_algorithm(core)
+      : algorithm_;
+  // The float32 scratch, held by the encoder until the kernel is done: y
+  // (then dy), g, beta, dgamma and the final state.
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const auto scratch = [&](const mx::Shape& shape) {
+    mx::array buffer(shape, mx::float32, nullptr, {});
+    buffer.set_data(mx::allocator::malloc(buffer.nbytes()));
+    encoder.add_temporary(buffer);
+    return buffer.data<float>();
+  };
+  float* y = scratch({p.batch, p.tokens, p.value_heads, p.value_dim});
+  float* g = scratch(gate_shape(p));
+  float* beta = scratch({p.batch, p.tokens, p.value_heads});
+  float* dgamma = scratch(gate_shape(p));
+  float* state_out = scratch({p.batch, p.value_heads, p.value_dim, p.key_dim});
   with_activation_type(
       inputs[kPrepareMixed].dtype(),
-      "GatedDeltaSegmentPrepare",
+      "GatedDeltaSegmentCoreVJP",
       [&]<typename T>(T) {
-        const T* mixed = inputs[kPrepareMixed].data<T>();
-        const float* weight = inputs[kPrepareConvWeight].data<float>();
-        const float* decay = inputs[kPrepareDecayParameter].data<float>();
-        const float* dt_bias = inputs[kPrepareDtBias].data<float>();
-        const T* conv_state = inputs[kPrepareConvState].data<T>();
-        const bool* mask =
-            p.has_mask ? inputs[kPrepareConvState + 1].data<bool>() : nullptr;
-        const cpu::SegmentPrepareBuffers<T> io{
-            mixed,
-            weight,
-            decay,
-            dt_bias,
-            conv_state,
-            mask,
+        const cpu::SegmentCoreBackwardBuffers<T> io{
+            inputs[kPrepareMixed].data<T>(),
+            inputs[kPrepareConvWeight].data<float>(),
+            inputs[kPrepareDecayParameter].data<float>(),
+            inputs[kPrepareDtBias].data<float>(),
+            inputs[kCoreVJPNormWeight].data<float>(),
+            inputs[kPrepareConvState].data<T>(),
+            inputs[kCoreVJPState].data<float>(),
+            p.has_mask ? inputs[kCoreVJPInputs].data<bool>() : nullptr,
+            inputs[kCoreVJPOutCotangent].data<T>(),
+            inputs[kCoreVJPStateCotangent].data<float>(),
+            y,
+            g,
+            beta,
+            dgamma,
+            state_out,
             outputs[0].data<float>(),
             outputs[1].data<float>(),
             outputs[2].data<float>(),
             outputs[3].data<float>(),
-            outputs[4].data<float>()};
+            outputs[4].data<float>(),
+            outputs[5].data<float>(),
+            outputs[6].data<T>(),
+            outputs[7].data<float>()};
         dispatch(stream(), inputs, outputs, [=]() {
-          cpu::gated_delta_segment_prepare<T>(p, io);
+          cpu::gated_delta_segment_core_backward<T>(p, forward, backward, io);
         });
       });
 }
 
-void GatedDeltaSegmentPrepare::eval_gpu(
+void GatedDeltaSegmentCoreVJP::eval_gpu(
     const std::vector<mx::array>&, std::vector<mx::array>&) {
   cpu_only(name());
 }
 
+// Every input but the layer's weights carries the batch.
 std::pair<std::vector<mx::array>, std::vector<int>>
-GatedDeltaSegmentPrepare::vmap(
+GatedDeltaSegmentCoreVJP::vmap(
     const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
+  std::vector<int> weights = kPrepareWeights;
+  weights.push_back(kCoreVJPNormWeight);
   return vmap_by_folding(
-      std::make_shared<GatedDeltaSegmentPrepare>(stream(), options_),
+      std::make_shared<GatedDeltaSegmentCoreVJP>(
+          stream(), options_, algorithm_),
       inputs,
       axes,
-      kPrepareWeights,
-      std::vector<mx::Dtype>(5, mx::float32));
+      weights,
+      segment_core_vjp_dtypes(inputs[kPrepareMixed].dtype()));
 }
 
 std::vector<mx::Shape> GatedDeltaSegmentPrepareVJP::output_shapes(
@@ -199,7 +244,7 @@ void GatedDeltaSegmentPrepareVJP::eval_cpu(
       inputs[kPrepareMixed].dtype(),
       "GatedDeltaSegmentPrepareVJP",
       [&]<typename T>(T) {
-        const int d = kPrepareCotangents;
+        const int d = kPrepareInputs;
         const T* mixed = inputs[kPrepareMixed].data<T>();
         const float* weight = inputs[kPrepareConvWeight].data<float>();
         const float* decay = inputs[kPrepareDecayParameter].data<float>();
@@ -249,58 +294,6 @@ GatedDeltaSegmentPrepareVJP::vmap(
       axes,
       kPrepareWeights,
       {dtype, mx::float32, mx::float32, mx::float32, dtype});
-}
-
-std::vector<mx::Shape> GatedDeltaSegmentNormVJP::output_shapes(
-    const std::vector<mx::array>& inputs) {
-  const SegmentParams p = params_of(options_, inputs[1]);
-  return {
-      {p.batch, p.tokens, p.value_heads, p.value_dim},
-      {p.batch, p.tokens, p.v_width()},
-      {p.batch, p.value_dim}};
-}
-
-bool GatedDeltaSegmentNormVJP::is_equivalent(const mx::Primitive& other) const {
-  return same_options(
-      options_, static_cast<const GatedDeltaSegmentNormVJP&>(other).options_);
-}
-
-void GatedDeltaSegmentNormVJP::eval_cpu(
-    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  allocate(outputs);
-  const SegmentParams p = params_of(options_, inputs[1]);
-  with_activation_type(
-      inputs[1].dtype(), "GatedDeltaSegmentNormVJP", [&]<typename T>(T) {
-        const cpu::SegmentNormBackwardBuffers<T> io{
-            inputs[0].data<float>(),
-            inputs[1].data<T>(),
-            inputs[2].data<float>(),
-            inputs[3].data<T>(),
-            p.has_mask ? inputs[4].data<bool>() : nullptr,
-            outputs[0].data<float>(),
-            outputs[1].data<T>(),
-            outputs[2].data<float>()};
-        dispatch(stream(), inputs, outputs, [=]() {
-          cpu::gated_delta_segment_norm_backward<T>(p, io);
-        });
-      });
-}
-
-void GatedDeltaSegmentNormVJP::eval_gpu(
-    const std::vector<mx::array>&, std::vector<mx::array>&) {
-  cpu_only(name());
-}
-
-// Every input but the norm weight carries the batch.
-std::pair<std::vector<mx::array>, std::vector<int>>
-GatedDeltaSegmentNormVJP::vmap(
-    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
-  return vmap_by_folding(
-      std::make_shared<GatedDeltaSegmentNormVJP>(stream(), options_),
-      inputs,
-      axes,
-      {2},
-      {mx::float32, inputs[1].dtype(), mx::float32});
 }
 
 }  // namespace mlx_gated_delta
