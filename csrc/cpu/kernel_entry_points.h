@@ -45,16 +45,11 @@ void gated_delta_segment_forward(
     const SegmentBuffers<T>& buffers);
 
 template <typename T>
-void gated_delta_segment_prepare_backward(
-    const SegmentParams& params,
-    const SegmentPrepareBackwardBuffers<T>& buffers);
-
-template <typename T>
-void gated_delta_segment_core_backward(
+void gated_delta_segment_backward(
     const SegmentParams& params,
     Algorithm forward,
     Algorithm backward,
-    const SegmentCoreBackwardBuffers<T>& buffers);
+    const SegmentBackwardBuffers<T>& buffers);
 
 template <typename T>
 void dense_projection_forward(

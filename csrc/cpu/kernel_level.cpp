@@ -188,20 +188,13 @@ void gated_delta_segment_forward(
 }
 
 template <typename T>
-void gated_delta_segment_prepare_backward(
-    const SegmentParams& params,
-    const SegmentPrepareBackwardBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(gated_delta_segment_prepare_backward<T>(params, buffers));
-}
-
-template <typename T>
-void gated_delta_segment_core_backward(
+void gated_delta_segment_backward(
     const SegmentParams& params,
     Algorithm forward,
     Algorithm backward,
-    const SegmentCoreBackwardBuffers<T>& buffers) {
+    const SegmentBackwardBuffers<T>& buffers) {
   CALL_CHOSEN_LEVEL(
-      gated_delta_segment_core_backward<T>(params, forward, backward, buffers));
+      gated_delta_segment_backward<T>(params, forward, backward, buffers));
 }
 
 template <typename T>
@@ -223,13 +216,11 @@ void dense_projection_forward(
       const GatedDeltaParams&, Algorithm, const BackwardBuffers<T>&); \
   template void gated_delta_segment_forward<T>(                       \
       const SegmentParams&, Algorithm, const SegmentBuffers<T>&);     \
-  template void gated_delta_segment_prepare_backward<T>(              \
-      const SegmentParams&, const SegmentPrepareBackwardBuffers<T>&); \
-  template void gated_delta_segment_core_backward<T>(                 \
+  template void gated_delta_segment_backward<T>(                      \
       const SegmentParams&,                                           \
       Algorithm,                                                      \
       Algorithm,                                                      \
-      const SegmentCoreBackwardBuffers<T>&);                          \
+      const SegmentBackwardBuffers<T>&);                              \
   template void dense_projection_forward<T>(                          \
       int64_t, int, int, MatrixView<T>, MatrixView<T>, T*);
 

@@ -11,28 +11,29 @@
 //      and dstate;
 //   4. the conv's and the gates' gradients into the packed row, the conv
 //      weight, the conv state, the decay parameter and dt_bias.
-// On the CPU, steps 1 to 3 are one kernel call and step 4 another
+// On the CPU, the four steps are one kernel call
 // (segment_backward_primitives.h), calling the core's CPU kernels
 // (cpu::gated_delta_forward and cpu::gated_delta_backward, the kernels of
 // the core op's primitives) directly: step 1 writes q, k and v where dq, dk
-// and dv go and the core's backward overwrites them, and dy overwrites y, so
-// the backward holds the gradients but neither q, k, v nor y beside them, and
-// no float32 temporaries of an MLX op per elementwise step. On other streams
-// they are MLX ops (segment_ops.h) around the core op's backward primitive,
-// per part q, k, v so that no [B, T, F] float32 copy of the packed row is
-// made, with the conv's gradient as K shifted multiply-adds like its forward
-// (no [B, T, K, C] window tensor and no scatter-add).
+// and dv go and the core's backward overwrites them, dy overwrites y, and dz
+// goes straight into the packed row's gradient, so the backward holds the
+// gradients but neither q, k, v nor y beside them, and no float32
+// temporaries of an MLX op per elementwise step. On other streams they are
+// MLX ops (segment_ops.h) around the core op's backward primitive, per part
+// q, k, v so that no [B, T, F] float32 copy of the packed row is made, with
+// the conv's gradient as K shifted multiply-adds like its forward (no
+// [B, T, K, C] window tensor and no scatter-add).
 //
 // Measured (benchmarks/RESULTS.md, "Training"; CPU, bf16, the Qwen3-Next
-// layer's shape, T = 8192): the vjp alone grows MLX's peak by 652 MiB over
-// its inputs, where steps 1 to 3 as three primitives around the core op's
-// backward grew it by 1036 MiB (float32 q, k, v and y, 384 MiB, held beside
-// the gradients); the MLX vjp of the segment written as MLX ops peaked at
-// 7315 MiB. What it holds now: the core's dq, dk, dv (256 MiB), dy
-// (128 MiB), dz (64 MiB) and the packed row's gradient (193 MiB), which
-// MLX's CPU eval allocates while steps 1 to 3 run.
-// Reading q, k and v chunk by chunk from the packed row in the core's
-// backward, instead of whole float32 arrays, is the next step.
+// layer's shape, T = 8192): the vjp alone grows MLX's peak by 588 MiB over
+// its inputs, where steps 1, 2 and 4 as three primitives around the core
+// op's backward primitive grew it by 1036 MiB (float32 q, k, v and y, 384
+// MiB, and dz, 64 MiB, held beside the gradients); the MLX vjp of the
+// segment written as MLX ops peaked at 7315 MiB. What it holds now: dq, dk,
+// dv (256 MiB), y and then dy (128 MiB) and the packed row's gradient
+// (193 MiB). Reading y's chunks in the core's backward as its reverse walk
+// reaches them (gated_norm is per token and value head), instead of the
+// whole float32 y and dy, is the next step.
 #include <cmath>
 #include <functional>
 #include <optional>
@@ -175,8 +176,7 @@ std::vector<mx::array> norm_and_core_gradients(
 }
 
 // Every differentiable input's gradient, in kMixedQkvzba .. kState order,
-// through the CPU kernels: the stages up to the core's gradients, then the
-// prepare stage's vjp.
+// through the CPU kernel.
 std::vector<mx::array> segment_gradients_cpu(
     const SegmentParams& p,
     Algorithm algorithm,
@@ -185,53 +185,38 @@ std::vector<mx::array> segment_gradients_cpu(
     const std::vector<mx::array>& cotangents,
     mx::Stream s) {
   const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
+  // The kernel reads every input row-contiguous.
+  const auto cotangent = [&](int i, mx::Dtype as) {
+    return mx::contiguous(mx::astype(cotangents[i], as, s), false, s);
+  };
   std::vector<mx::array> inputs = {
       primals[kMixedQkvzba],
       primals[kConvWeight],
       primals[kDecayParameter],
       primals[kDtBias],
-      primals[kConvState]};
-  // The kernels read every input row-contiguous.
-  std::vector<mx::array> core_inputs = inputs;
-  core_inputs.push_back(primals[kNormWeight]);
-  core_inputs.push_back(primals[kState]);
-  core_inputs.push_back(
-      mx::contiguous(mx::astype(cotangents[0], dtype, s), false, s));
-  core_inputs.push_back(
-      mx::contiguous(mx::astype(cotangents[2], mx::float32, s), false, s));
-  if (mask) {
-    core_inputs.push_back(*mask);
-  }
-  auto core_vjp = std::make_shared<GatedDeltaSegmentCoreVJP>(s, p, algorithm);
-  const std::vector<mx::array> d = mx::array::make_arrays(
-      core_vjp->output_shapes(core_inputs),
-      segment_core_vjp_dtypes(dtype),
-      core_vjp,
-      core_inputs);
-
-  for (int i = 0; i < 5; ++i) {  // dq, dk, dv, dg, dbeta
-    inputs.push_back(d[i]);
-  }
-  inputs.push_back(d[6]);  // dz
-  inputs.push_back(
-      mx::contiguous(mx::astype(cotangents[1], dtype, s), false, s));
+      primals[kNormWeight],
+      primals[kConvState],
+      primals[kState],
+      cotangent(0, dtype),
+      cotangent(1, dtype),
+      cotangent(2, mx::float32)};
   if (mask) {
     inputs.push_back(*mask);
   }
-  auto prepare_vjp = std::make_shared<GatedDeltaSegmentPrepareVJP>(s, p);
-  std::vector<mx::array> grads = mx::array::make_arrays(
-      prepare_vjp->output_shapes(inputs),
-      {dtype, mx::float32, mx::float32, mx::float32, dtype},
-      prepare_vjp,
-      inputs);
+  auto vjp = std::make_shared<GatedDeltaSegmentVJP>(s, p, algorithm);
+  const std::vector<mx::array> d = mx::array::make_arrays(
+      vjp->output_shapes(inputs), segment_vjp_dtypes(dtype), vjp, inputs);
   return {
-      grads[0],
-      mx::sum(grads[1], 0, false, s),
-      mx::sum(grads[2], 0, false, s),
-      mx::reshape(mx::sum(grads[3], 0, false, s), primals[kDtBias].shape(), s),
-      mx::sum(d[7], 0, false, s),
-      grads[4],
-      d[5]};
+      d[kVJPDMixed],
+      mx::sum(d[kVJPDConvWeightRows], 0, false, s),
+      mx::sum(d[kVJPDDecayParameterRows], 0, false, s),
+      mx::reshape(
+          mx::sum(d[kVJPDDtBiasRows], 0, false, s),
+          primals[kDtBias].shape(),
+          s),
+      mx::sum(d[kVJPDNormWeightRows], 0, false, s),
+      d[kVJPDConvState],
+      d[kVJPDState]};
 }
 
 // Every differentiable input's gradient, in kMixedQkvzba .. kState order, as
