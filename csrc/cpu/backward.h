@@ -10,6 +10,15 @@ namespace mlx_gated_delta::cpu {
 // Where the backward reads and writes; every array is row-contiguous, in the
 // layouts of GatedDeltaParams. T is the activation dtype of q, k, v and their
 // gradients; gates, states and their gradients are float32.
+//
+// dq, dk and dv may be q, k and v themselves (the segment's backward writes
+// its recomputed q, k, v where their gradients go, segment.h): every
+// problem reads its value head's rows of v before it writes their dv (each
+// chunk's, last chunk first, after boundary_states has read them all), and
+// dq, dk of a key head are written by qk_grad_reduce, each row after it has
+// read that row of q or k, once every problem that reads them is done (the
+// problems run in waves of whole key-head groups). No other output may
+// alias an input.
 template <typename T>
 struct BackwardBuffers {
   const T* q;

@@ -45,17 +45,11 @@ void gated_delta_segment_forward(
     const SegmentBuffers<T>& buffers);
 
 template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers);
-
-template <typename T>
-void gated_delta_segment_prepare_backward(
+void gated_delta_segment_backward(
     const SegmentParams& params,
-    const SegmentPrepareBackwardBuffers<T>& buffers);
-
-template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers);
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentBackwardBuffers<T>& buffers);
 
 template <typename T>
 void dense_projection_forward(

@@ -188,22 +188,13 @@ void gated_delta_segment_forward(
 }
 
 template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(gated_delta_segment_prepare<T>(params, buffers));
-}
-
-template <typename T>
-void gated_delta_segment_prepare_backward(
+void gated_delta_segment_backward(
     const SegmentParams& params,
-    const SegmentPrepareBackwardBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(gated_delta_segment_prepare_backward<T>(params, buffers));
-}
-
-template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers) {
-  CALL_CHOSEN_LEVEL(gated_delta_segment_norm_backward<T>(params, buffers));
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentBackwardBuffers<T>& buffers) {
+  CALL_CHOSEN_LEVEL(
+      gated_delta_segment_backward<T>(params, forward, backward, buffers));
 }
 
 template <typename T>
@@ -225,12 +216,11 @@ void dense_projection_forward(
       const GatedDeltaParams&, Algorithm, const BackwardBuffers<T>&); \
   template void gated_delta_segment_forward<T>(                       \
       const SegmentParams&, Algorithm, const SegmentBuffers<T>&);     \
-  template void gated_delta_segment_prepare<T>(                       \
-      const SegmentParams&, const SegmentPrepareBuffers<T>&);         \
-  template void gated_delta_segment_prepare_backward<T>(              \
-      const SegmentParams&, const SegmentPrepareBackwardBuffers<T>&); \
-  template void gated_delta_segment_norm_backward<T>(                 \
-      const SegmentParams&, const SegmentNormBackwardBuffers<T>&);    \
+  template void gated_delta_segment_backward<T>(                      \
+      const SegmentParams&,                                           \
+      Algorithm,                                                      \
+      Algorithm,                                                      \
+      const SegmentBackwardBuffers<T>&);                              \
   template void dense_projection_forward<T>(                          \
       int64_t, int, int, MatrixView<T>, MatrixView<T>, T*);
 

@@ -225,22 +225,25 @@ void gated_delta_segment_forward(
   gated_norm(p, y.data(), io.mixed_qkvzba, io.norm_weight, io.mask, io.out);
 }
 
-template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& p, const SegmentPrepareBuffers<T>& io) {
-  const ConvOutputs conv_out{
-      {io.q, io.k, io.v}, {p.qk_width(), p.qk_width(), p.v_width()}};
-  prepare_conv(
-      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
-  prepare_gates(
-      p, io.mixed_qkvzba, io.decay_parameter, io.dt_bias, io.g, io.beta);
-}
-
+// prepare_conv and prepare_gates also run in the backward's recomputation
+// (segment_backward.cpp).
 #define INSTANTIATE_SEGMENT(T)                                    \
   template void gated_delta_segment_forward<T>(                   \
       const SegmentParams&, Algorithm, const SegmentBuffers<T>&); \
-  template void gated_delta_segment_prepare<T>(                   \
-      const SegmentParams&, const SegmentPrepareBuffers<T>&);
+  template void prepare_conv<T>(                                  \
+      const SegmentParams&,                                       \
+      const T*,                                                   \
+      const float*,                                               \
+      const T*,                                                   \
+      const bool*,                                                \
+      const ConvOutputs&);                                        \
+  template void prepare_gates<T>(                                 \
+      const SegmentParams&,                                       \
+      const T*,                                                   \
+      const float*,                                               \
+      const float*,                                               \
+      float*,                                                     \
+      float*);
 
 INSTANTIATE_SEGMENT(float)
 INSTANTIATE_SEGMENT(float16_t)

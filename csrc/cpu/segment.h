@@ -41,79 +41,58 @@ void gated_delta_segment_forward(
     Algorithm algorithm,
     const SegmentBuffers<T>& buffers);
 
-// The segment's backward on the CPU is the core's backward between the
-// backward of the stages after it and of those before it; these are the
-// stages' parts (segment_backward.cpp), each a primitive of its own
-// (segment/segment_backward_primitives.h).
-
-// The prepare stage alone (prepare_conv, prepare_gates), recomputed for the
-// backward: q, k, v, g and beta exactly as the forward computes them, with
-// q, k and v as arrays of their own.
+// The segment's backward on the CPU, in one call (segment_backward.cpp; the
+// primitive segment/segment_backward_primitives.h): prepare_conv and
+// prepare_gates recomputed exactly as the forward computes them, the core's
+// forward for y, gated_norm_backward, the core's backward, then
+// prepare_conv_backward and prepare_gates_backward. No float32 q, k, v or y
+// is kept beside the gradients: the recomputed q, k and v are written where
+// dq, dk and dv go, the core's backward overwrites them (BackwardBuffers
+// allows it), dy overwrites y, and dz goes straight to the z columns of the
+// packed row's gradient. `forward` and `backward` are the core's algorithms
+// (Recurrent or Chunked; resolve Auto first).
 template <typename T>
-struct SegmentPrepareBuffers {
+struct SegmentBackwardBuffers {
   const T* mixed_qkvzba;
   const float* conv_weight;
   const float* decay_parameter;
   const float* dt_bias;
+  const float* norm_weight;
   const T* conv_state_in;
+  const float* state_in;  // [B, Hv, Dv, Dk]
   const bool* mask;  // nullptr when the call has no mask
-  float* q;  // [B, T, Hk, Dk]
-  float* k;  // [B, T, Hk, Dk]
-  float* v;  // [B, T, Hv, Dv]
-  float* g;  // [B, T, Hv], or [B, T, Hv, Dk] with per-key gates
-  float* beta;  // [B, T, Hv]
-};
-
-template <typename T>
-void gated_delta_segment_prepare(
-    const SegmentParams& params, const SegmentPrepareBuffers<T>& buffers);
-
-// The prepare stage's backward: from the gradients of q, k, v, g, beta, the
-// gated norm's dz and the new conv state's cotangent, the gradient of the
-// packed row, of the carried conv state, and per batch row of the conv
-// weight, the decay parameter and dt_bias.
-template <typename T>
-struct SegmentPrepareBackwardBuffers {
-  const T* mixed_qkvzba;
-  const float* conv_weight;
-  const float* decay_parameter;
-  const float* dt_bias;
-  const T* conv_state_in;
-  const bool* mask;  // nullptr when the call has no mask
-  const float* dq;  // [B, T, Hk, Dk]
-  const float* dk;  // [B, T, Hk, Dk]
-  const float* dv;  // [B, T, Hv, Dv]
-  const float* dg;  // as g
-  const float* dbeta;  // [B, T, Hv]
-  const T* dz;  // [B, T, Hv*Dv]
-  const T* d_conv_state_out;  // [B, K-1, C]
+  const T* d_out;  // [B, T, Hv, Dv], the cotangent of out
+  const T* d_conv_state_out;  // [B, K-1, C], of the new conv state
+  const float* d_state_out;  // [B, Hv, Dv, Dk], of the final state
+  // Scratch, float32: y and then dy [B, T, Hv, Dv]; g, dg and dgamma (the
+  // shape of g: [B, T, Hv], or [B, T, Hv, Dk] with per-key gates); beta and
+  // dbeta [B, T, Hv]; the final state [B, Hv, Dv, Dk]; q and then dq, k and
+  // then dk [B, T, Hk, Dk], v and then dv [B, T, Hv, Dv].
+  float* y;
+  float* g;
+  float* dg;
+  float* dgamma;
+  float* beta;
+  float* dbeta;
+  float* state_out;
+  float* dq;
+  float* dk;
+  float* dv;
+  // The gradients.
   T* d_mixed_qkvzba;  // [B, T, F]
   T* d_conv_state_in;  // [B, K-1, C]
   float* d_conv_weight_rows;  // [B, C, K]
   float* d_decay_parameter_rows;  // [B, Hv]
   float* d_dt_bias_rows;  // [B, Hv], or [B, Hv*Dk] with per-key gates
-};
-
-template <typename T>
-void gated_delta_segment_prepare_backward(
-    const SegmentParams& params,
-    const SegmentPrepareBackwardBuffers<T>& buffers);
-
-// The gated norm's backward.
-template <typename T>
-struct SegmentNormBackwardBuffers {
-  const float* y;  // [B, T, Hv, Dv], the core's output
-  const T* mixed_qkvzba;  // z is read from here
-  const float* norm_weight;  // [Dv]
-  const T* d_out;  // [B, T, Hv, Dv]
-  const bool* mask;  // nullptr when the call has no mask
-  float* d_y;  // [B, T, Hv, Dv]
-  T* d_z;  // [B, T, Hv*Dv]
   float* d_norm_weight_rows;  // [B, Dv]
+  float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };
 
 template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& params, const SegmentNormBackwardBuffers<T>& buffers);
+void gated_delta_segment_backward(
+    const SegmentParams& params,
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentBackwardBuffers<T>& buffers);
 
 }  // namespace mlx_gated_delta::cpu

@@ -1,6 +1,7 @@
 // The backward of the fused layer segment's stages on the CPU
-// (segment_stages.h), and the entry points of the segment's backward
-// primitives (segment.h): the core's backward runs between them.
+// (segment_stages.h), and the entry point of the segment's backward
+// primitive (segment.h), which runs them around the core's forward and
+// backward.
 //
 // gated_norm: out = n * w * o(z) with n = y * inv_rms per (token, value
 // head) and o the output gate (silu or sigmoid), so
@@ -14,6 +15,8 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu/backward.h"
+#include "cpu/forward.h"
 #include "cpu/kernel_entry_points.h"
 #include "cpu/segment.h"
 #include "cpu/segment_common.h"
@@ -42,6 +45,7 @@ void gated_norm_backward(
     const bool* mask,
     float* d_y,
     T* d_z,
+    int64_t d_z_row_stride,
     float* d_norm_weight_rows) {
   const int Hv = p.value_heads, Dv = p.value_dim;
   const int64_t head_stride = Dv;
@@ -63,7 +67,7 @@ void gated_norm_backward(
       for (int h = 0; h < Hv; ++h) {
         const int64_t at = (r * Hv + h) * head_stride;
         float* dy = d_y + at;
-        T* dz = d_z + at;
+        T* dz = d_z + r * d_z_row_stride + h * Dv;
         if (!kept) {
           std::fill(dy, dy + Dv, 0.0f);
           std::fill(dz, dz + Dv, T(0.0f));
@@ -211,12 +215,10 @@ void prepare_gates_backward(
     const float* decay_parameter,
     const float* dt_bias,
     const PrepareGradients& grad,
-    const T* dz,
     T* d_mixed) {
   const int Hv = p.value_heads, F = p.mixed_qkvzba_width();
   const int gate_width = p.gate_width();
   const int per_head = gate_width / Hv;  // 1, or Dk per key channel
-  const int v_width = p.v_width();
   const bool log_rate =
       p.decay_parameterization == DecayParameterization::LogRate;
   std::vector<float> rate(Hv);
@@ -229,7 +231,6 @@ void prepare_gates_backward(
       const int64_t r = int64_t(b) * p.tokens + t;
       const T* row = mixed + r * F;
       T* d_row = d_mixed + r * F;
-      std::copy(dz + r * v_width, dz + (r + 1) * v_width, d_row + p.z_offset());
       const float* dg = grad.dg + r * gate_width;
       for (int h = 0; h < Hv; ++h) {
         for (int c = h * per_head; c < (h + 1) * per_head; ++c) {
@@ -257,8 +258,70 @@ void prepare_gates_backward(
 }
 
 template <typename T>
-void gated_delta_segment_prepare_backward(
-    const SegmentParams& p, const SegmentPrepareBackwardBuffers<T>& io) {
+void gated_delta_segment_backward(
+    const SegmentParams& p,
+    Algorithm forward,
+    Algorithm backward,
+    const SegmentBackwardBuffers<T>& io) {
+  const ConvOutputs conv_out{
+      {io.dq, io.dk, io.dv}, {p.qk_width(), p.qk_width(), p.v_width()}};
+  prepare_conv(
+      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
+  prepare_gates(
+      p, io.mixed_qkvzba, io.decay_parameter, io.dt_bias, io.g, io.beta);
+  const float* q = io.dq;
+  const float* k = io.dk;
+  const float* v = io.dv;
+  const GatedDeltaParams core = p.core_params();
+  // This copy's core, named in full: the argument types would otherwise find
+  // the dispatching cpu::gated_delta_forward and gated_delta_backward too.
+  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
+      core,
+      forward,
+      contiguous_buffers<float>(
+          core,
+          q,
+          k,
+          v,
+          io.g,
+          io.beta,
+          io.mask,
+          io.state_in,
+          io.y,
+          io.state_out));
+  // dz goes straight to the packed row's z columns, its gradient there.
+  float* d_y = io.y;
+  gated_norm_backward(
+      p,
+      io.y,
+      io.mixed_qkvzba,
+      io.norm_weight,
+      io.d_out,
+      io.mask,
+      d_y,
+      io.d_mixed_qkvzba + p.z_offset(),
+      p.mixed_qkvzba_width(),
+      io.d_norm_weight_rows);
+  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_backward<float>(
+      core,
+      backward,
+      BackwardBuffers<float>{
+          q,
+          k,
+          v,
+          io.g,
+          io.beta,
+          io.mask,
+          io.state_in,
+          d_y,
+          io.d_state_out,
+          io.dq,
+          io.dk,
+          io.dv,
+          io.dg,
+          io.dgamma,
+          io.dbeta,
+          io.dstate});
   const PrepareGradients grad{
       io.dq,
       io.dk,
@@ -284,30 +347,15 @@ void gated_delta_segment_prepare_backward(
       io.decay_parameter,
       io.dt_bias,
       grad,
-      io.dz,
       io.d_mixed_qkvzba);
 }
 
-template <typename T>
-void gated_delta_segment_norm_backward(
-    const SegmentParams& p, const SegmentNormBackwardBuffers<T>& io) {
-  gated_norm_backward(
-      p,
-      io.y,
-      io.mixed_qkvzba,
-      io.norm_weight,
-      io.d_out,
-      io.mask,
-      io.d_y,
-      io.d_z,
-      io.d_norm_weight_rows);
-}
-
-#define INSTANTIATE_SEGMENT_BACKWARD(T)                               \
-  template void gated_delta_segment_prepare_backward<T>(              \
-      const SegmentParams&, const SegmentPrepareBackwardBuffers<T>&); \
-  template void gated_delta_segment_norm_backward<T>(                 \
-      const SegmentParams&, const SegmentNormBackwardBuffers<T>&);
+#define INSTANTIATE_SEGMENT_BACKWARD(T)          \
+  template void gated_delta_segment_backward<T>( \
+      const SegmentParams&,                      \
+      Algorithm,                                 \
+      Algorithm,                                 \
+      const SegmentBackwardBuffers<T>&);
 
 INSTANTIATE_SEGMENT_BACKWARD(float)
 INSTANTIATE_SEGMENT_BACKWARD(float16_t)

@@ -76,9 +76,11 @@ void gated_norm(
 
 // The backward's stages (segment_backward.cpp), in reverse order.
 
-// The gradient of gated_norm: dy [B, T, Hv, Dv] (float32), dz into its
-// [B, T, Hv*Dv] (activation dtype), and d norm_weight per batch row [B, Dv].
-// A masked token's cotangent counts as 0.
+// The gradient of gated_norm: dy [B, T, Hv, Dv] (float32; may be y itself:
+// each element of y is read before its dy is written), dz (activation dtype)
+// into rows of Hv*Dv values `d_z_row_stride` apart (the z columns of the
+// packed row's gradient), and d norm_weight per batch row [B, Dv]. A masked
+// token's cotangent counts as 0.
 template <typename T>
 void gated_norm_backward(
     const SegmentParams& params,
@@ -89,6 +91,7 @@ void gated_norm_backward(
     const bool* mask,  // [B, T] or nullptr
     float* d_y,
     T* d_z,
+    int64_t d_z_row_stride,
     float* d_norm_weight_rows);
 
 // The gradients prepare_conv and prepare_gates receive, and what their
@@ -120,7 +123,7 @@ void prepare_conv_backward(
     T* d_conv_state);  // [B, K-1, C]
 
 // The gradient of prepare_gates into the packed rows' b and a columns, the
-// decay parameter and dt_bias; the z columns take the gated norm's dz.
+// decay parameter and dt_bias.
 template <typename T>
 void prepare_gates_backward(
     const SegmentParams& params,
@@ -128,7 +131,6 @@ void prepare_gates_backward(
     const float* decay_parameter,  // [Hv]
     const float* dt_bias,  // [Hv], or [Hv, Dk] with per-key gates
     const PrepareGradients& grad,
-    const T* dz,  // [B, T, Hv*Dv]
     T* d_mixed);  // [B, T, F]
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

@@ -1,5 +1,5 @@
-// The primitives of the segment's backward (segment_backward_primitives.h);
-// their kernels are the CPU's (cpu/segment.h).
+// The primitive of the segment's backward (segment_backward_primitives.h);
+// its kernel is the CPU's (cpu/segment.h).
 #include "segment/segment_backward_primitives.h"
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/activation_type.h"
+#include "core/dispatch.h"
 #include "core/vmap_fold.h"
 #include "cpu/segment.h"
 #include "mlx/allocator.h"
@@ -102,205 +103,127 @@ std::pair<std::vector<mx::array>, std::vector<int>> vmap_by_folding(
   return {outputs, std::vector<int>(outputs.size(), 0)};
 }
 
-const std::vector<int> kPrepareWeights = {
-    kPrepareConvWeight, kPrepareDecayParameter, kPrepareDtBias};
+// The layer's weights: every other input carries the batch.
+const std::vector<int> kWeights = {
+    kVJPConvWeight, kVJPDecayParameter, kVJPDtBias, kVJPNormWeight};
+
+// g's shape, and dg's: [B, T, Hv], or [B, T, Hv, Dk] with per-key gates.
+mx::Shape gate_shape(const SegmentParams& p) {
+  return p.per_key_gates
+      ? mx::Shape{p.batch, p.tokens, p.value_heads, p.key_dim}
+      : mx::Shape{p.batch, p.tokens, p.value_heads};
+}
 
 }  // namespace
 
-std::vector<mx::Shape> GatedDeltaSegmentPrepare::output_shapes(
+std::vector<mx::Dtype> segment_vjp_dtypes(mx::Dtype activation) {
+  std::vector<mx::Dtype> dtypes(kVJPOutputs, mx::float32);
+  dtypes[kVJPDMixed] = activation;
+  dtypes[kVJPDConvState] = activation;
+  return dtypes;
+}
+
+std::vector<mx::Shape> GatedDeltaSegmentVJP::output_shapes(
     const std::vector<mx::array>& inputs) {
-  const SegmentParams p = params_of(options_, inputs[kPrepareMixed]);
-  return {
-      {p.batch, p.tokens, p.key_heads, p.key_dim},
-      {p.batch, p.tokens, p.key_heads, p.key_dim},
-      {p.batch, p.tokens, p.value_heads, p.value_dim},
-      p.per_key_gates ? mx::Shape{p.batch, p.tokens, p.value_heads, p.key_dim}
-                      : mx::Shape{p.batch, p.tokens, p.value_heads},
-      {p.batch, p.tokens, p.value_heads}};
-}
-
-bool GatedDeltaSegmentPrepare::is_equivalent(const mx::Primitive& other) const {
-  return same_options(
-      options_, static_cast<const GatedDeltaSegmentPrepare&>(other).options_);
-}
-
-void GatedDeltaSegmentPrepare::eval_cpu(
-    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  allocate(outputs);
-  const SegmentParams p = params_of(options_, inputs[kPrepareMixed]);
-  with_activation_type(
-      inputs[kPrepareMixed].dtype(),
-      "GatedDeltaSegmentPrepare",
-      [&]<typename T>(T) {
-        const T* mixed = inputs[kPrepareMixed].data<T>();
-        const float* weight = inputs[kPrepareConvWeight].data<float>();
-        const float* decay = inputs[kPrepareDecayParameter].data<float>();
-        const float* dt_bias = inputs[kPrepareDtBias].data<float>();
-        const T* conv_state = inputs[kPrepareConvState].data<T>();
-        const bool* mask =
-            p.has_mask ? inputs[kPrepareConvState + 1].data<bool>() : nullptr;
-        const cpu::SegmentPrepareBuffers<T> io{
-            mixed,
-            weight,
-            decay,
-            dt_bias,
-            conv_state,
-            mask,
-            outputs[0].data<float>(),
-            outputs[1].data<float>(),
-            outputs[2].data<float>(),
-            outputs[3].data<float>(),
-            outputs[4].data<float>()};
-        dispatch(stream(), inputs, outputs, [=]() {
-          cpu::gated_delta_segment_prepare<T>(p, io);
-        });
-      });
-}
-
-void GatedDeltaSegmentPrepare::eval_gpu(
-    const std::vector<mx::array>&, std::vector<mx::array>&) {
-  cpu_only(name());
-}
-
-std::pair<std::vector<mx::array>, std::vector<int>>
-GatedDeltaSegmentPrepare::vmap(
-    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
-  return vmap_by_folding(
-      std::make_shared<GatedDeltaSegmentPrepare>(stream(), options_),
-      inputs,
-      axes,
-      kPrepareWeights,
-      std::vector<mx::Dtype>(5, mx::float32));
-}
-
-std::vector<mx::Shape> GatedDeltaSegmentPrepareVJP::output_shapes(
-    const std::vector<mx::array>& inputs) {
-  const SegmentParams p = params_of(options_, inputs[kPrepareMixed]);
+  const SegmentParams p = params_of(options_, inputs[kVJPMixed]);
   return {
       {p.batch, p.tokens, p.mixed_qkvzba_width()},
       {p.batch, p.conv_channels(), p.conv_kernel},
       {p.batch, p.value_heads},
       {p.batch, p.gate_width()},
-      {p.batch, p.conv_state_rows(), p.conv_channels()}};
+      {p.batch, p.value_dim},
+      {p.batch, p.conv_state_rows(), p.conv_channels()},
+      {p.batch, p.value_heads, p.value_dim, p.key_dim}};
 }
 
-bool GatedDeltaSegmentPrepareVJP::is_equivalent(
-    const mx::Primitive& other) const {
-  return same_options(
-      options_,
-      static_cast<const GatedDeltaSegmentPrepareVJP&>(other).options_);
+bool GatedDeltaSegmentVJP::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GatedDeltaSegmentVJP&>(other);
+  return same_options(options_, o.options_) && algorithm_ == o.algorithm_;
 }
 
-void GatedDeltaSegmentPrepareVJP::eval_cpu(
+void GatedDeltaSegmentVJP::eval_cpu(
     const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
   allocate(outputs);
-  const SegmentParams p = params_of(options_, inputs[kPrepareMixed]);
+  const SegmentParams p = params_of(options_, inputs[kVJPMixed]);
+  const GatedDeltaParams core = p.core_params();
+  const Algorithm forward =
+      algorithm_ == Algorithm::Auto ? resolve_cpu_algorithm(core) : algorithm_;
+  const Algorithm backward = algorithm_ == Algorithm::Auto
+      ? resolve_cpu_backward_algorithm(core)
+      : algorithm_;
+  // The float32 scratch (SegmentBackwardBuffers), held by the encoder until
+  // the kernel is done.
+  auto& encoder = mx::cpu::get_command_encoder(stream());
+  const auto scratch = [&](const mx::Shape& shape) {
+    mx::array buffer(shape, mx::float32, nullptr, {});
+    buffer.set_data(mx::allocator::malloc(buffer.nbytes()));
+    encoder.add_temporary(buffer);
+    return buffer.data<float>();
+  };
+  const mx::Shape qk = {p.batch, p.tokens, p.key_heads, p.key_dim};
+  const mx::Shape v = {p.batch, p.tokens, p.value_heads, p.value_dim};
+  const mx::Shape per_head = {p.batch, p.tokens, p.value_heads};
+  const mx::Shape state = {p.batch, p.value_heads, p.value_dim, p.key_dim};
+  float* y = scratch(v);
+  float* g = scratch(gate_shape(p));
+  float* dg = scratch(gate_shape(p));
+  float* dgamma = scratch(gate_shape(p));
+  float* beta = scratch(per_head);
+  float* dbeta = scratch(per_head);
+  float* state_out = scratch(state);
+  float* dq = scratch(qk);
+  float* dk = scratch(qk);
+  float* dv = scratch(v);
   with_activation_type(
-      inputs[kPrepareMixed].dtype(),
-      "GatedDeltaSegmentPrepareVJP",
-      [&]<typename T>(T) {
-        const int d = kPrepareCotangents;
-        const T* mixed = inputs[kPrepareMixed].data<T>();
-        const float* weight = inputs[kPrepareConvWeight].data<float>();
-        const float* decay = inputs[kPrepareDecayParameter].data<float>();
-        const float* dt_bias = inputs[kPrepareDtBias].data<float>();
-        const T* conv_state = inputs[kPrepareConvState].data<T>();
-        const T* d_conv_state_out = inputs[d + 6].data<T>();
-        const bool* mask = p.has_mask
-            ? inputs[d + kPrepareCotangentCount].data<bool>()
-            : nullptr;
-        const cpu::SegmentPrepareBackwardBuffers<T> io{
-            mixed,
-            weight,
-            decay,
-            dt_bias,
-            conv_state,
-            mask,
-            inputs[d].data<float>(),
-            inputs[d + 1].data<float>(),
-            inputs[d + 2].data<float>(),
-            inputs[d + 3].data<float>(),
-            inputs[d + 4].data<float>(),
-            inputs[d + 5].data<T>(),
-            d_conv_state_out,
-            outputs[0].data<T>(),
-            outputs[4].data<T>(),
-            outputs[1].data<float>(),
-            outputs[2].data<float>(),
-            outputs[3].data<float>()};
+      inputs[kVJPMixed].dtype(), "GatedDeltaSegmentVJP", [&]<typename T>(T) {
+        const cpu::SegmentBackwardBuffers<T> io{
+            inputs[kVJPMixed].data<T>(),
+            inputs[kVJPConvWeight].data<float>(),
+            inputs[kVJPDecayParameter].data<float>(),
+            inputs[kVJPDtBias].data<float>(),
+            inputs[kVJPNormWeight].data<float>(),
+            inputs[kVJPConvState].data<T>(),
+            inputs[kVJPState].data<float>(),
+            p.has_mask ? inputs[kVJPInputs].data<bool>() : nullptr,
+            inputs[kVJPOutCotangent].data<T>(),
+            inputs[kVJPConvStateCotangent].data<T>(),
+            inputs[kVJPStateCotangent].data<float>(),
+            y,
+            g,
+            dg,
+            dgamma,
+            beta,
+            dbeta,
+            state_out,
+            dq,
+            dk,
+            dv,
+            outputs[kVJPDMixed].data<T>(),
+            outputs[kVJPDConvState].data<T>(),
+            outputs[kVJPDConvWeightRows].data<float>(),
+            outputs[kVJPDDecayParameterRows].data<float>(),
+            outputs[kVJPDDtBiasRows].data<float>(),
+            outputs[kVJPDNormWeightRows].data<float>(),
+            outputs[kVJPDState].data<float>()};
         dispatch(stream(), inputs, outputs, [=]() {
-          cpu::gated_delta_segment_prepare_backward<T>(p, io);
+          cpu::gated_delta_segment_backward<T>(p, forward, backward, io);
         });
       });
 }
 
-void GatedDeltaSegmentPrepareVJP::eval_gpu(
+void GatedDeltaSegmentVJP::eval_gpu(
     const std::vector<mx::array>&, std::vector<mx::array>&) {
   cpu_only(name());
 }
 
-std::pair<std::vector<mx::array>, std::vector<int>>
-GatedDeltaSegmentPrepareVJP::vmap(
-    const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
-  const mx::Dtype dtype = inputs[kPrepareMixed].dtype();
-  return vmap_by_folding(
-      std::make_shared<GatedDeltaSegmentPrepareVJP>(stream(), options_),
-      inputs,
-      axes,
-      kPrepareWeights,
-      {dtype, mx::float32, mx::float32, mx::float32, dtype});
-}
-
-std::vector<mx::Shape> GatedDeltaSegmentNormVJP::output_shapes(
-    const std::vector<mx::array>& inputs) {
-  const SegmentParams p = params_of(options_, inputs[1]);
-  return {
-      {p.batch, p.tokens, p.value_heads, p.value_dim},
-      {p.batch, p.tokens, p.v_width()},
-      {p.batch, p.value_dim}};
-}
-
-bool GatedDeltaSegmentNormVJP::is_equivalent(const mx::Primitive& other) const {
-  return same_options(
-      options_, static_cast<const GatedDeltaSegmentNormVJP&>(other).options_);
-}
-
-void GatedDeltaSegmentNormVJP::eval_cpu(
-    const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  allocate(outputs);
-  const SegmentParams p = params_of(options_, inputs[1]);
-  with_activation_type(
-      inputs[1].dtype(), "GatedDeltaSegmentNormVJP", [&]<typename T>(T) {
-        const cpu::SegmentNormBackwardBuffers<T> io{
-            inputs[0].data<float>(),
-            inputs[1].data<T>(),
-            inputs[2].data<float>(),
-            inputs[3].data<T>(),
-            p.has_mask ? inputs[4].data<bool>() : nullptr,
-            outputs[0].data<float>(),
-            outputs[1].data<T>(),
-            outputs[2].data<float>()};
-        dispatch(stream(), inputs, outputs, [=]() {
-          cpu::gated_delta_segment_norm_backward<T>(p, io);
-        });
-      });
-}
-
-void GatedDeltaSegmentNormVJP::eval_gpu(
-    const std::vector<mx::array>&, std::vector<mx::array>&) {
-  cpu_only(name());
-}
-
-// Every input but the norm weight carries the batch.
-std::pair<std::vector<mx::array>, std::vector<int>>
-GatedDeltaSegmentNormVJP::vmap(
+std::pair<std::vector<mx::array>, std::vector<int>> GatedDeltaSegmentVJP::vmap(
     const std::vector<mx::array>& inputs, const std::vector<int>& axes) {
   return vmap_by_folding(
-      std::make_shared<GatedDeltaSegmentNormVJP>(stream(), options_),
+      std::make_shared<GatedDeltaSegmentVJP>(stream(), options_, algorithm_),
       inputs,
       axes,
-      {2},
-      {mx::float32, inputs[1].dtype(), mx::float32});
+      kWeights,
+      segment_vjp_dtypes(inputs[kVJPMixed].dtype()));
 }
 
 }  // namespace mlx_gated_delta

@@ -1,8 +1,9 @@
-// The primitives of the segment's backward on the CPU (segment_vjp.cpp): the
-// prepare stage (conv, SiLU, gates) recomputed into the core's inputs, its
-// vjp, and the gated RMSNorm's vjp. Each is one fused kernel (cpu/segment.h),
-// so the backward holds q, k, v, g, beta, y and their gradients, not the
-// float32 temporaries of an MLX op per elementwise step.
+// The primitive of the segment's backward on the CPU (segment_vjp.cpp): the
+// prepare stage (conv, SiLU, gates) recomputed, the core's forward, the gated
+// RMSNorm's vjp, the core's backward and the prepare stage's vjp, in one
+// kernel call (cpu/segment.h), so that the backward holds the gradients, not
+// the float32 temporaries of an MLX op per elementwise step, nor q, k, v and
+// y beside them.
 #pragma once
 
 #include "mlx/primitives.h"
@@ -10,33 +11,56 @@
 
 namespace mlx_gated_delta {
 
-// The order of the prepare stage's inputs; the vjp's inputs continue with
-// kPrepareCotangents.
-enum SegmentPrepareInput {
-  kPrepareMixed = 0,  // mixed_qkvzba [B, T, F] (activation dtype)
-  kPrepareConvWeight,  // [C, K] float32
-  kPrepareDecayParameter,  // [Hv] float32
-  kPrepareDtBias,  // [Hv] or [Hv, Dk] (per-key gates) float32
-  kPrepareConvState,  // [B, K-1, C] (activation dtype)
-  // The vjp's: dq [B, T, Hk, Dk], dk, dv [B, T, Hv, Dv], dg (as g), dbeta
-  // [B, T, Hv] (float32), the gated norm's dz [B, T, Hv*Dv] and the cotangent
-  // of the new conv state [B, K-1, C] (both in the activation dtype).
-  kPrepareCotangents,
+// The inputs of GatedDeltaSegmentVJP.
+enum SegmentVJPInput {
+  kVJPMixed = 0,  // mixed_qkvzba [B, T, F] (activation dtype)
+  kVJPConvWeight,  // [C, K] float32
+  kVJPDecayParameter,  // [Hv] float32
+  kVJPDtBias,  // [Hv] or [Hv, Dk] (per-key gates) float32
+  kVJPNormWeight,  // [Dv] float32
+  kVJPConvState,  // [B, K-1, C] (activation dtype)
+  kVJPState,  // [B, Hv, Dv, Dk] float32, the initial state
+  kVJPOutCotangent,  // [B, T, Hv, Dv] (activation dtype), of out
+  kVJPConvStateCotangent,  // [B, K-1, C] (activation dtype), of the new one
+  kVJPStateCotangent,  // [B, Hv, Dv, Dk] float32, of the final state
+  kVJPInputs,  // their count; the mask [B, T] follows, if any
 };
-constexpr int kPrepareCotangentCount = 7;
 
-// Outputs q [B, T, Hk, Dk], k, v [B, T, Hv, Dv], g [B, T, Hv] (or
-// [B, T, Hv, Dk] with per-key gates), beta [B, T, Hv], float32,
-// exactly as the segment's forward computes them (cpu/segment_stages.h:
-// prepare_conv, prepare_gates); a masked token's q, k, v are 0. Inputs as
-// SegmentPrepareInput [, mask [B, T]]. CPU only.
-class GatedDeltaSegmentPrepare : public mlx::core::Primitive {
+// The outputs of GatedDeltaSegmentVJP. The weights' gradients are per batch
+// row (the caller sums them, so that vmap folds the mapped axis into the
+// batch).
+enum SegmentVJPOutput {
+  kVJPDMixed = 0,  // [B, T, F] (activation dtype); 0 in a masked token's
+                   // q|k|v columns
+  kVJPDConvWeightRows,  // [B, C, K] float32
+  kVJPDDecayParameterRows,  // [B, Hv] float32
+  kVJPDDtBiasRows,  // [B, Hv] or [B, Hv*Dk] float32
+  kVJPDNormWeightRows,  // [B, Dv] float32
+  kVJPDConvState,  // [B, K-1, C] (activation dtype)
+  kVJPDState,  // [B, Hv, Dv, Dk] float32
+  kVJPOutputs,  // their count
+};
+
+// GatedDeltaSegmentVJP's output dtypes, for the activation dtype.
+std::vector<mlx::core::Dtype> segment_vjp_dtypes(mlx::core::Dtype activation);
+
+// The segment's gradient on the CPU (cpu::gated_delta_segment_backward).
+// Inputs as SegmentVJPInput [, mask], outputs as SegmentVJPOutput: the
+// gradients of the segment at the q, k, v, g and beta its forward computes
+// (cpu/segment_stages.h: prepare_conv, prepare_gates), through the core's
+// own backward. A masked token's cotangent counts as 0. CPU only.
+class GatedDeltaSegmentVJP : public mlx::core::Primitive {
  public:
   // `options`: the segment's params; the batch and the tokens are read off
-  // the inputs.
-  GatedDeltaSegmentPrepare(
-      mlx::core::Stream stream, const SegmentParams& options)
-      : mlx::core::Primitive(stream), options_(options) {}
+  // the inputs. `algorithm`: the segment call's, Auto resolved per shape for
+  // the core's forward and backward each.
+  GatedDeltaSegmentVJP(
+      mlx::core::Stream stream,
+      const SegmentParams& options,
+      Algorithm algorithm)
+      : mlx::core::Primitive(stream),
+        options_(options),
+        algorithm_(algorithm) {}
 
   void eval_cpu(
       const std::vector<mlx::core::array>& inputs,
@@ -49,7 +73,7 @@ class GatedDeltaSegmentPrepare : public mlx::core::Primitive {
       const std::vector<int>& axes) override;
 
   const char* name() const override {
-    return "GatedDeltaSegmentPrepare";
+    return "GatedDeltaSegmentVJP";
   }
   bool is_equivalent(const mlx::core::Primitive& other) const override;
   std::vector<mlx::core::Shape> output_shapes(
@@ -57,74 +81,7 @@ class GatedDeltaSegmentPrepare : public mlx::core::Primitive {
 
  private:
   SegmentParams options_;
-};
-
-// The prepare stage's vjp. Inputs as SegmentPrepareInput, then the
-// cotangents [, mask]. Outputs: d mixed_qkvzba [B, T, F] (activation dtype;
-// its z columns are the given dz), and per batch row (summed by the caller,
-// so that vmap folds the mapped axis into the batch) d conv_weight
-// [B, C, K], d decay_parameter [B, Hv] and d dt_bias [B, Hv] or [B, Hv*Dk]
-// (float32); and d conv_state [B, K-1, C] (activation dtype). A masked token's
-// packed conv columns get 0. CPU only.
-class GatedDeltaSegmentPrepareVJP : public mlx::core::Primitive {
- public:
-  GatedDeltaSegmentPrepareVJP(
-      mlx::core::Stream stream, const SegmentParams& options)
-      : mlx::core::Primitive(stream), options_(options) {}
-
-  void eval_cpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  void eval_gpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
-      const std::vector<mlx::core::array>& inputs,
-      const std::vector<int>& axes) override;
-
-  const char* name() const override {
-    return "GatedDeltaSegmentPrepareVJP";
-  }
-  bool is_equivalent(const mlx::core::Primitive& other) const override;
-  std::vector<mlx::core::Shape> output_shapes(
-      const std::vector<mlx::core::array>& inputs) override;
-
- private:
-  SegmentParams options_;
-};
-
-// Inputs: y [B, T, Hv, Dv] (float32, the core's output), mixed_qkvzba
-// [B, T, F] (its z columns are read), norm_weight [Dv] (float32), the
-// cotangent of out [B, T, Hv, Dv] (activation dtype) [, mask [B, T]].
-// Outputs: dy [B, T, Hv, Dv] (float32), dz [B, T, Hv*Dv] (activation dtype)
-// and d norm_weight per batch row [B, Dv] (float32; the caller sums it, so
-// that vmap folds the mapped axis into the batch). A masked token's
-// cotangent counts as 0. CPU only.
-class GatedDeltaSegmentNormVJP : public mlx::core::Primitive {
- public:
-  GatedDeltaSegmentNormVJP(
-      mlx::core::Stream stream, const SegmentParams& options)
-      : mlx::core::Primitive(stream), options_(options) {}
-
-  void eval_cpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  void eval_gpu(
-      const std::vector<mlx::core::array>& inputs,
-      std::vector<mlx::core::array>& outputs) override;
-  std::pair<std::vector<mlx::core::array>, std::vector<int>> vmap(
-      const std::vector<mlx::core::array>& inputs,
-      const std::vector<int>& axes) override;
-
-  const char* name() const override {
-    return "GatedDeltaSegmentNormVJP";
-  }
-  bool is_equivalent(const mlx::core::Primitive& other) const override;
-  std::vector<mlx::core::Shape> output_shapes(
-      const std::vector<mlx::core::array>& inputs) override;
-
- private:
-  SegmentParams options_;
+  Algorithm algorithm_;
 };
 
 }  // namespace mlx_gated_delta

@@ -1,8 +1,8 @@
 // The segment's gradient (GatedDeltaSegment::vjp).
 //
-// The backward runs the segment's stages around the core op's own backward
-// primitive, which stays the one source of the recurrence's gradient (one
-// saved state per 64 tokens, not one per token):
+// The backward runs the segment's stages around the core's own backward,
+// which stays the one source of the recurrence's gradient (one saved state
+// per 64 tokens, not one per token):
 //   1. recompute q, k, v (causal depthwise conv with the carried conv state
 //      and the skip semantics of the mask, then SiLU), g and beta;
 //   2. recompute y through the core's forward, and take the gated RMSNorm's
@@ -11,27 +11,29 @@
 //      and dstate;
 //   4. the conv's and the gates' gradients into the packed row, the conv
 //      weight, the conv state, the decay parameter and dt_bias.
-// On the CPU, steps 1, 2 and 4 are one kernel each
-// (segment_backward_primitives.h): the backward holds q, k, v, y, dy and the
-// core's gradients, not the float32 temporaries of an MLX op per elementwise
-// step. On other streams they are MLX ops (segment_ops.h), per part q, k, v
-// so that no [B, T, F] float32 copy of the packed row is made, with the conv's
-// gradient as K shifted multiply-adds like its forward (no [B, T, K, C] window
-// tensor and no scatter-add).
+// On the CPU, the four steps are one kernel call
+// (segment_backward_primitives.h), calling the core's CPU kernels
+// (cpu::gated_delta_forward and cpu::gated_delta_backward, the kernels of
+// the core op's primitives) directly: step 1 writes q, k and v where dq, dk
+// and dv go and the core's backward overwrites them, dy overwrites y, and dz
+// goes straight into the packed row's gradient, so the backward holds the
+// gradients but neither q, k, v nor y beside them, and no float32
+// temporaries of an MLX op per elementwise step. On other streams they are
+// MLX ops (segment_ops.h) around the core op's backward primitive, per part
+// q, k, v so that no [B, T, F] float32 copy of the packed row is made, with
+// the conv's gradient as K shifted multiply-adds like its forward (no
+// [B, T, K, C] window tensor and no scatter-add).
 //
 // Measured (benchmarks/RESULTS.md, "Training"; CPU, bf16, the Qwen3-Next
-// layer's shape): the vjp alone peaks at 330 MiB at T = 2048 and 1295 MiB at
-// T = 8192, against 1834 and 7315 MiB as the MLX vjp of the segment written
-// as MLX ops, and took 0.24x to 0.48x of its time. At T = 8192 its MLX peak
-// is the sum of every stage's outputs: float32 q, k, v (256 MiB), y and dy
-// (128 MiB each), dz (64 MiB), the core's dq, dk, dv (256 MiB) and the packed
-// row's gradient (193 MiB), since MLX's CPU eval allocates the outputs of the
-// next stages while the core's backward runs; the process's resident memory
-// grows by less (766 MiB), as those buffers are only touched when written.
-// The core's backward keeps its per-value-head dq and dk for one wave of
-// key-head groups only (recurrent_backward.cpp). What is left is the float32
-// q, k, v, y and their gradients, which the core's backward reads whole:
-// reading q, k and v chunk by chunk from the packed row is the next step.
+// layer's shape, T = 8192): the vjp alone grows MLX's peak by 588 MiB over
+// its inputs, where steps 1, 2 and 4 as three primitives around the core
+// op's backward primitive grew it by 1036 MiB (float32 q, k, v and y, 384
+// MiB, and dz, 64 MiB, held beside the gradients); the MLX vjp of the
+// segment written as MLX ops peaked at 7315 MiB. What it holds now: dq, dk,
+// dv (256 MiB), y and then dy (128 MiB) and the packed row's gradient
+// (193 MiB). Reading y's chunks in the core's backward as its reverse walk
+// reaches them (gated_norm is per token and value head), instead of the
+// whole float32 y and dy, is the next step.
 #include <cmath>
 #include <functional>
 #include <optional>
@@ -174,7 +176,7 @@ std::vector<mx::array> norm_and_core_gradients(
 }
 
 // Every differentiable input's gradient, in kMixedQkvzba .. kState order,
-// through the CPU kernels of the prepare stage and its vjp.
+// through the CPU kernel.
 std::vector<mx::array> segment_gradients_cpu(
     const SegmentParams& p,
     Algorithm algorithm,
@@ -183,65 +185,38 @@ std::vector<mx::array> segment_gradients_cpu(
     const std::vector<mx::array>& cotangents,
     mx::Stream s) {
   const mx::Dtype dtype = primals[kMixedQkvzba].dtype();
+  // The kernel reads every input row-contiguous.
+  const auto cotangent = [&](int i, mx::Dtype as) {
+    return mx::contiguous(mx::astype(cotangents[i], as, s), false, s);
+  };
   std::vector<mx::array> inputs = {
       primals[kMixedQkvzba],
       primals[kConvWeight],
       primals[kDecayParameter],
       primals[kDtBias],
-      primals[kConvState]};
-  auto prepare = std::make_shared<GatedDeltaSegmentPrepare>(s, p);
-  std::vector<mx::array> with_mask = inputs;
-  if (mask) {
-    with_mask.push_back(*mask);
-  }
-  std::vector<mx::array> core_primals = mx::array::make_arrays(
-      prepare->output_shapes(with_mask),
-      std::vector<mx::Dtype>(5, mx::float32),
-      prepare,
-      with_mask);
-  core_primals.push_back(primals[kState]);
-  const auto core = core_function(p, algorithm, mask, s);
-
-  // The kernels read every input row-contiguous.
-  std::vector<mx::array> norm_inputs = {
-      core(core_primals)[0],
-      primals[kMixedQkvzba],
       primals[kNormWeight],
-      mx::contiguous(mx::astype(cotangents[0], dtype, s), false, s)};
-  if (mask) {
-    norm_inputs.push_back(*mask);
-  }
-  auto norm_vjp = std::make_shared<GatedDeltaSegmentNormVJP>(s, p);
-  const std::vector<mx::array> d_norm = mx::array::make_arrays(
-      norm_vjp->output_shapes(norm_inputs),
-      {mx::float32, dtype, mx::float32},
-      norm_vjp,
-      norm_inputs);
-  auto [_, d] = mx::vjp(core, core_primals, {d_norm[0], cotangents[2]});
-
-  for (int i = 0; i < 5; ++i) {
-    inputs.push_back(mx::contiguous(d[i], false, s));
-  }
-  inputs.push_back(d_norm[1]);  // dz
-  inputs.push_back(
-      mx::contiguous(mx::astype(cotangents[1], dtype, s), false, s));
+      primals[kConvState],
+      primals[kState],
+      cotangent(0, dtype),
+      cotangent(1, dtype),
+      cotangent(2, mx::float32)};
   if (mask) {
     inputs.push_back(*mask);
   }
-  auto prepare_vjp = std::make_shared<GatedDeltaSegmentPrepareVJP>(s, p);
-  std::vector<mx::array> grads = mx::array::make_arrays(
-      prepare_vjp->output_shapes(inputs),
-      {dtype, mx::float32, mx::float32, mx::float32, dtype},
-      prepare_vjp,
-      inputs);
+  auto vjp = std::make_shared<GatedDeltaSegmentVJP>(s, p, algorithm);
+  const std::vector<mx::array> d = mx::array::make_arrays(
+      vjp->output_shapes(inputs), segment_vjp_dtypes(dtype), vjp, inputs);
   return {
-      grads[0],
-      mx::sum(grads[1], 0, false, s),
-      mx::sum(grads[2], 0, false, s),
-      mx::reshape(mx::sum(grads[3], 0, false, s), primals[kDtBias].shape(), s),
-      mx::sum(d_norm[2], 0, false, s),
-      grads[4],
-      d[5]};
+      d[kVJPDMixed],
+      mx::sum(d[kVJPDConvWeightRows], 0, false, s),
+      mx::sum(d[kVJPDDecayParameterRows], 0, false, s),
+      mx::reshape(
+          mx::sum(d[kVJPDDtBiasRows], 0, false, s),
+          primals[kDtBias].shape(),
+          s),
+      mx::sum(d[kVJPDNormWeightRows], 0, false, s),
+      d[kVJPDConvState],
+      d[kVJPDState]};
 }
 
 // Every differentiable input's gradient, in kMixedQkvzba .. kState order, as
