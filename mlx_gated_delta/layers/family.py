@@ -31,9 +31,9 @@ class Family:
       setting of the layer the parity tests cover (the first is
       `tiny_model`'s default).
     - `splits_bitwise`: whether that model gives bitwise the same states and
-      logits however a prompt is split into calls, so that the serving
-      tests can compare a trimmed and re-fed cache with a fresh one bit for
-      bit (mlx_gated_delta/tests/test_serving.py).
+      logits however a prompt is split into calls on the CPU, so that the
+      serving tests can compare a trimmed and re-fed cache with a fresh one
+      bit for bit there (mlx_gated_delta/tests/test_serving.py).
     """
 
     name: str
