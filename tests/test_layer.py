@@ -25,7 +25,7 @@ from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import Qwen3NextGatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
 from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
-from mlx_gated_delta.testing.segment_cases import segment_out_terms  # noqa: E402
+from mlx_gated_delta.testing.segment_cases import segment_terms  # noqa: E402
 from mlx_gated_delta.tests.test_layers import family_model, tokens  # noqa: E402
 
 # ---------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_segment_oracle_reproduces_mlx_lm_layer():
     )
     # mlx-lm's layer is a float32 computation of the same math, token by
     # token: within the float32 contract of the exact result.
-    terms = segment_out_terms(
+    terms, _ = segment_terms(
         packed,
         stock.conv1d.weight,
         stock.A_log,
@@ -217,7 +217,7 @@ def test_cache_matches_mlx_lm_layout_and_lengths_handling():
     assert_matches(
         "conv_state", our_cache[0], stock_cache[0], "layer.mlx_lm_parity.v2.float32.logits"
     )
-    assert_matches("state", our_cache[1], stock_cache[1], "segment.oracle.v2.float32.state")
+    assert_matches("state", our_cache[1], stock_cache[1], "layer.mlx_lm_parity.v1.float32.state")
     valid = np.asarray(mask)
     assert_matches(
         "out",

@@ -79,9 +79,9 @@ class SegmentCase:
         """The oracle's (out, conv_state, state) on exactly these numbers."""
         return gated_delta_segment_reference(*self.args(), **self.options)
 
-    def out_terms(self, algorithm, call_starts=(0,)):
-        """`segment_out_terms` of this case."""
-        return segment_out_terms(
+    def terms(self, algorithm, call_starts=(0,)):
+        """`segment_terms` of this case: (out's, the final state's)."""
+        return segment_terms(
             *self.args(), algorithm=algorithm, call_starts=call_starts, **self.options
         )
 
@@ -90,7 +90,7 @@ class SegmentCase:
         return f"make_segment_case({arguments})"
 
 
-def segment_out_terms(
+def segment_terms(
     mixed,
     conv_weight,
     decay_parameter,
@@ -103,19 +103,25 @@ def segment_out_terms(
     call_starts=(0,),
     **options,
 ):
-    """The `terms` of `algorithm`'s segment contracts for out, `[B, T, Hv,
-    Dv]`, for a segment call (the arguments and options of
-    `gated_delta_segment_reference`) run in calls starting at `call_starts`.
+    """The `terms` of `algorithm`'s segment contracts, for a segment call (the
+    arguments and options of `gated_delta_segment_reference`) run in calls
+    starting at `call_starts`: out's `[B, T, Hv, Dv]` and the final state's
+    `[B, Hv, 1, 1]`.
+
+    The state is the core's: its terms are the core's (`term_magnitudes`),
+    the states from the entry of each step or chunk on, which a call that
+    contracts a huge entry state (keys spanning their few dims many times,
+    or strong decays) leaves far above the result.
 
     out = rms_norm(y) norm_weight o(z) per token and value head (o the
     output gate, silu or sigmoid). An error of y within the core's contract
-    (against y's terms, `contracts.term_magnitudes`) moves out_i by at most
-    |norm_weight o(z)|_i (1 + |y_i| / r) max|dy| / r, r = rms(y): where y
-    cancels (a token whose q and the state nearly miss each other), the norm
-    scales its error up with it (docs/numerics.md)."""
+    (against y's terms) moves out_i by at most |norm_weight o(z)|_i (1 +
+    |y_i| / r) max|dy| / r, r = rms(y): where y cancels (a token whose q and
+    the state nearly miss each other), the norm scales its error up with it
+    (docs/numerics.md)."""
     sigmoid_gate = options.pop("output_gate", "silu") == "sigmoid"
     core = segment_core_inputs(mixed, conv_weight, decay_parameter, dt_bias, conv_state, **options)
-    y_terms, _ = term_magnitudes(
+    y_terms, state_terms = term_magnitudes(
         *core.arrays,
         state,
         algorithm=algorithm,
@@ -127,7 +133,8 @@ def segment_out_terms(
     z = core.x[..., core.layout.z_offset : core.layout.b_offset].reshape(y.shape)
     gate = 1.0 / (1.0 + np.exp(-z)) if sigmoid_gate else z / (1.0 + np.exp(-z))
     output_gate = np.abs(to_float64(norm_weight) * gate)
-    return output_gate * (1.0 + np.abs(y) / rms) * y_terms / rms
+    out_terms = output_gate * (1.0 + np.abs(y) / rms) * y_terms / rms
+    return out_terms, state_terms[:, -1, :, None, None]
 
 
 def make_segment_case(

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from mlx_gated_delta import gated_delta_rule, gated_delta_segment
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.segment_cases import segment_cases
+from mlx_gated_delta.testing.segment_cases import segment_cases, segment_terms
 from mlx_gated_delta.testing.strategies import core_cases
 from mlx_gated_delta.tests.test_core import (
     ALGORITHMS,
@@ -26,7 +26,7 @@ from mlx_gated_delta.tests.test_core import (
     assert_bitwise_equal,
 )
 
-SEGMENT_SPLIT_STATE = "segment.chunked_split.v2.float32.state"
+SEGMENT_SPLIT_STATE = "segment.chunked_split.v3.float32.state"
 
 
 def checkpoint_positions(tokens):
@@ -116,8 +116,21 @@ def test_segment_checkpoints_equal_prefix_calls(algorithm, case, data):
         )
         # The conv state is a copy of input rows: exact on every path.
         assert_bitwise_equal(f"conv checkpoint {position}", conv_checkpoints[n], prefix_conv_state)
+        # The prefix call's chunks are the whole call's up to the checkpoint.
+        terms = (
+            None
+            if algorithm == "recurrent"
+            else segment_terms(
+                prefix(case.mixed, position), *case.args()[1:], algorithm="chunked", **options
+            )[1]
+        )
         assert_state_matches(
-            algorithm, f"checkpoint {position}", checkpoints[n], prefix_state, SEGMENT_SPLIT_STATE
+            algorithm,
+            f"checkpoint {position}",
+            checkpoints[n],
+            prefix_state,
+            SEGMENT_SPLIT_STATE,
+            terms,
         )
 
 

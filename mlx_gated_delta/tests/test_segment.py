@@ -45,14 +45,11 @@ def test_segment_matches_oracle(case, algorithm):
     assert out.dtype == case.mixed.dtype
     assert conv_state.dtype == case.mixed.dtype
     assert state.dtype == mx.float32
+    out_terms, state_terms = case.terms(algorithm)
     assert_matches(
-        "out",
-        out,
-        expected_out,
-        f"segment.oracle.v3.{dtype_name(out)}.output",
-        case.out_terms(algorithm),
+        "out", out, expected_out, f"segment.oracle.v3.{dtype_name(out)}.output", out_terms
     )
-    assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
+    assert_matches("state", state, expected_state, "segment.oracle.v3.float32.state", state_terms)
     assert_matches(
         "conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state"
     )
@@ -105,10 +102,14 @@ def test_split_continuity_any_split_points_chunked(split):
     full = run(case, algorithm="chunked")
     parts = split_runs(case, points, "chunked")
     bounds = [0, *points, case.mixed.shape[1]]
-    terms = np.maximum(case.out_terms("chunked"), case.out_terms("chunked", bounds[:-1]))
-    assert_matches("out", parts[0], full[0], "segment.chunked_split.v3.float32.output", terms)
+    out_terms, state_terms = (
+        np.maximum(a, b) for a, b in zip(case.terms("chunked"), case.terms("chunked", bounds[:-1]))
+    )
+    assert_matches("out", parts[0], full[0], "segment.chunked_split.v3.float32.output", out_terms)
     assert_matches("conv_state", parts[1], full[1], "segment.recurrent_split.v1.any.conv_state")
-    assert_matches("state", parts[2], full[2], "segment.chunked_split.v2.float32.state")
+    assert_matches(
+        "state", parts[2], full[2], "segment.chunked_split.v3.float32.state", state_terms
+    )
 
 
 @pytest.mark.parametrize(
@@ -133,15 +134,14 @@ def test_split_at_three_of_four_tokens_float16(decay_parameterization, head_mapp
     expected = case.reference()
     for algorithm in ("recurrent", "chunked"):
         full = run(case, algorithm=algorithm)
+        out_terms, state_terms = case.terms(algorithm)
         assert_matches(
-            "full out",
-            full[0],
-            expected[0],
-            "segment.oracle.v3.float16.output",
-            case.out_terms(algorithm),
+            "full out", full[0], expected[0], "segment.oracle.v3.float16.output", out_terms
         )
         assert_matches("full conv_state", full[1], expected[1], "segment.oracle.v1.any.conv_state")
-        assert_matches("full state", full[2], expected[2], "segment.oracle.v2.float32.state")
+        assert_matches(
+            "full state", full[2], expected[2], "segment.oracle.v3.float32.state", state_terms
+        )
     full = run(case, algorithm="recurrent")
     parts = split_runs(case, [3], "recurrent")
     assert_matches("split out", parts[0], full[0], "segment.recurrent_split.v1.any.output")
@@ -159,6 +159,9 @@ def test_masked_token_is_an_omitted_token(case):
     out, conv_state, state = run(case)
     out = to_float64(out)
     assert np.all(out[~mask] == 0.0)
+    # A masked token changes neither state: the kept tokens' terms are those
+    # of the call with the mask.
+    out_terms, state_terms = case.terms("auto")
     for b in range(mask.shape[0]):
         kept = mask[b]
         row = lambda a: None if a is None else a[b : b + 1]  # noqa: E731
@@ -173,16 +176,23 @@ def test_masked_token_is_an_omitted_token(case):
             row(case.state),
             **options,
         )
-        # A masked token changes neither state: the kept tokens' terms are
-        # those of the call with the mask.
-        terms = case.out_terms("auto")[b : b + 1, kept]
         assert_matches(
-            "kept out", out[b : b + 1, kept], expected[0], "segment.oracle.v3.float32.output", terms
+            "kept out",
+            out[b : b + 1, kept],
+            expected[0],
+            "segment.oracle.v3.float32.output",
+            out_terms[b : b + 1, kept],
         )
         assert_matches(
             "conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state"
         )
-        assert_matches("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
+        assert_matches(
+            "state",
+            state[b : b + 1],
+            expected[2],
+            "segment.oracle.v3.float32.state",
+            state_terms[b : b + 1],
+        )
 
 
 def test_conv_state_comes_from_the_carried_state_when_few_tokens_are_kept():
@@ -283,14 +293,11 @@ def test_segment_wipes_match_oracle(wipes, data, algorithm):
     )
     out, conv_state, state = run(case, algorithm=algorithm)
     expected_out, expected_conv_state, expected_state = case.reference()
+    out_terms, state_terms = case.terms(algorithm)
     assert_matches(
-        "out",
-        out,
-        expected_out,
-        f"segment.oracle.v3.{dtype_name(out)}.output",
-        case.out_terms(algorithm),
+        "out", out, expected_out, f"segment.oracle.v3.{dtype_name(out)}.output", out_terms
     )
-    assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
+    assert_matches("state", state, expected_state, "segment.oracle.v3.float32.state", state_terms)
     assert_matches(
         "conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state"
     )
@@ -398,14 +405,9 @@ def test_per_key_gates_with_equal_channels_meet_the_per_head_oracle(case, data):
         **case.options,
     )
     expected_out, expected_conv_state, expected_state = case.reference()
-    assert_matches(
-        "out",
-        out,
-        expected_out,
-        "segment.oracle.v3.float32.output",
-        case.out_terms(algorithm),
-    )
-    assert_matches("state", state, expected_state, "segment.oracle.v2.float32.state")
+    out_terms, state_terms = case.terms(algorithm)
+    assert_matches("out", out, expected_out, "segment.oracle.v3.float32.output", out_terms)
+    assert_matches("state", state, expected_state, "segment.oracle.v3.float32.state", state_terms)
     assert np.array_equal(to_float64(conv_state), expected_conv_state)
 
 

@@ -18,7 +18,7 @@ from mlx_gated_delta.testing.contracts import assert_matches as check
 from mlx_gated_delta.testing.segment_cases import (
     make_segment_case,
     segment_cases,
-    segment_out_terms,
+    segment_terms,
 )
 
 import metal_emulated
@@ -34,10 +34,10 @@ def emulate(case, algorithm, **overrides):
 def check_against_oracle(case, out, conv_state, state, algorithm):
     expected_out, expected_conv_state, expected_state = case.reference()
     dtype = case.recipe["dtype"]
-    terms = case.out_terms(algorithm)
-    check("out", out, expected_out, f"segment.oracle.v3.{dtype}.output", terms)
+    out_terms, state_terms = case.terms(algorithm)
+    check("out", out, expected_out, f"segment.oracle.v3.{dtype}.output", out_terms)
     check("conv_state", conv_state, expected_conv_state, "segment.oracle.v1.any.conv_state")
-    check("state", state, expected_state, "segment.oracle.v2.float32.state")
+    check("state", state, expected_state, "segment.oracle.v3.float32.state", state_terms)
 
 
 # make_segment_case arguments; each runs through both core algorithms.
@@ -222,10 +222,12 @@ def test_chunked_split_continuity():
     )
     whole = metal_emulated.gated_delta_segment(*case.args(), algorithm="chunked", **case.options)
     parts = split_runs(case, (30, 64), "chunked")
-    terms = np.maximum(case.out_terms("chunked"), case.out_terms("chunked", (0, 30, 64)))
-    check("out", parts[0], whole[0], "segment.chunked_split.v3.float32.output", terms)
+    out_terms, state_terms = (
+        np.maximum(a, b) for a, b in zip(case.terms("chunked"), case.terms("chunked", (0, 30, 64)))
+    )
+    check("out", parts[0], whole[0], "segment.chunked_split.v3.float32.output", out_terms)
     check("conv_state", parts[1], whole[1], "segment.recurrent_split.v1.any.conv_state")
-    check("state", parts[2], whole[2], "segment.chunked_split.v2.float32.state")
+    check("state", parts[2], whole[2], "segment.chunked_split.v3.float32.state", state_terms)
 
 
 def test_a_masked_token_is_an_omitted_token():
@@ -255,23 +257,25 @@ def test_a_masked_token_is_an_omitted_token():
             row(case.state),
             **dict(case.options, mask=None),
         )
-        out_terms = segment_out_terms(
+        out_terms, state_terms = segment_terms(
             row(case.mixed),
             *case.args()[1:5],
             row(case.conv_state),
             row(case.state),
             algorithm="recurrent",
             **dict(case.options, mask=mask[b : b + 1]),
-        )[:, kept]
+        )
         check(
             "kept out",
             out[b : b + 1, kept],
             expected[0],
             "segment.oracle.v3.float32.output",
-            out_terms,
+            out_terms[:, kept],
         )
         check("conv_state", conv_state[b : b + 1], expected[1], "segment.oracle.v1.any.conv_state")
-        check("state", state[b : b + 1], expected[2], "segment.oracle.v2.float32.state")
+        check(
+            "state", state[b : b + 1], expected[2], "segment.oracle.v3.float32.state", state_terms
+        )
 
 
 def test_zero_tokens_return_empty_out_and_unchanged_states():
