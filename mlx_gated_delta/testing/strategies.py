@@ -425,7 +425,15 @@ def core_cases(
             state_scale="huge",
         )
     else:
-        state_scale = draw(st.sampled_from(tuple(STATE_SCALES)))
+        # The gradients' draws in float16 take no huge entry state: y stays
+        # within float16's range at HUGE_FLOAT16_STATE, but dk and dq sum
+        # beta |S| |dS| over the call's tokens, and their exact values leave
+        # it (seen: |dk| 75068 > 65504 at T=63, Dk=32, beta up to 2), where
+        # no float16 result can meet a contract. float32 and bfloat16 have
+        # float32's exponent range and keep the huge state.
+        huge_allowed = contracting or dtype != "float16"
+        scales = tuple(scale for scale in STATE_SCALES if huge_allowed or scale != "huge")
+        state_scale = draw(st.sampled_from(scales))
         if state_scale == "huge" and not contracting:
             key_dims = st.sampled_from(tuple(d for d in GRADIENT_KEY_DIMS if d >= 16))
         options.update(
