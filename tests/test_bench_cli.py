@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 import mlx_gated_delta
@@ -667,6 +668,7 @@ def test_contended_report_gives_each_row_against_its_peer():
                 "ours_ms": 0.5,
                 "peer_ms": 2.0,
                 "speedup": 4.0,
+                "eval_floor_ms": 0.125,
             }
         ],
         "notes": ["a note"],
@@ -674,4 +676,15 @@ def test_contended_report_gives_each_row_against_its_peer():
     text = contended.report_text(record)
     assert "2 usable CPUs, our pool 2 threads, kernels x86_64_v3; 2 busy processes" in text
     assert "op decode" in text and "MLX core" in text and "4.00x" in text
+    assert "op decode: an MLX CPU evaluation of a 16-float add took 0.125 ms" in text
     assert "note: a note" in text
+
+
+def test_contended_runs_its_rows_on_the_cpu(monkeypatch, tmp_path):
+    # Recorded rather than observed: on a CPU-only MLX the default device is the CPU anyway.
+    chosen = []
+    monkeypatch.setattr(mx, "set_default_device", chosen.append)
+    for step in ("op_rows", "layer_rows", "demo_rows"):
+        monkeypatch.setattr(contended, step, lambda quick, progress: [])
+    contended.run(0, True, str(tmp_path))
+    assert chosen == [mx.cpu]
