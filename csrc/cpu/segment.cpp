@@ -24,10 +24,10 @@ void prepare_conv(
     const float* conv_weight,
     const T* conv_state,
     const bool* mask,
+    const std::vector<ChannelBlock>& blocks,
     const ConvOutputs& out) {
   const auto histories = conv_histories(p, mixed, conv_state, mask);
   const std::vector<float> by_tap = weight_by_tap(p, conv_weight);
-  const std::vector<ChannelBlock> blocks = channel_blocks(p);
   const int64_t block_work =
       int64_t(p.batch) * p.tokens * kChannelBlock * p.conv_kernel;
   parallel_for(int(blocks.size()), block_work, [&](int i) {
@@ -109,6 +109,8 @@ void prepare_gates(
     const T* mixed,
     const float* decay_parameter,
     const float* dt_bias,
+    int first_head,
+    int heads,
     float* g,
     float* beta) {
   const int Hv = p.value_heads;
@@ -117,16 +119,19 @@ void prepare_gates(
   for (int h = 0; h < Hv; ++h) {
     rate[h] = rate_of(p, decay_parameter[h]);
   }
+  const int first = first_head * per_head;  // g's first column in the row
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = mixed + r * p.mixed_qkvzba_width();
     const T* a = row + p.a_offset();
-    float* g_row = g + r * p.gate_width();
-    for (int h = 0; h < Hv; ++h) {
+    float* g_row = g + r * heads * per_head;
+    for (int h = first_head; h < first_head + heads; ++h) {
       for (int c = h * per_head; c < (h + 1) * per_head; ++c) {
-        g_row[c] = log_decay(p, rate[h], static_cast<float>(a[c]) + dt_bias[c]);
+        g_row[c - first] =
+            log_decay(p, rate[h], static_cast<float>(a[c]) + dt_bias[c]);
       }
-      beta[r * Hv + h] = beta_of(p, static_cast<float>(row[p.b_offset() + h]));
+      beta[r * heads + h - first_head] =
+          beta_of(p, static_cast<float>(row[p.b_offset() + h]));
     }
   }
 }
@@ -181,7 +186,13 @@ void gated_delta_segment_forward(
       {qkv.data(), qkv.data() + p.qk_width(), qkv.data() + 2 * p.qk_width()},
       {C, C, C}};
   prepare_conv(
-      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
+      p,
+      io.mixed_qkvzba,
+      io.conv_weight,
+      io.conv_state_in,
+      io.mask,
+      channel_blocks(p),
+      conv_out);
   collect_conv_state(
       p, io.mixed_qkvzba, io.conv_state_in, io.mask, io.conv_state_out);
   if (p.checkpoint_count > 0) {
@@ -198,6 +209,8 @@ void gated_delta_segment_forward(
       io.mixed_qkvzba,
       io.decay_parameter,
       io.dt_bias,
+      0,
+      p.value_heads,
       g.data(),
       beta.data());
 
@@ -236,12 +249,15 @@ void gated_delta_segment_forward(
       const float*,                                               \
       const T*,                                                   \
       const bool*,                                                \
+      const std::vector<ChannelBlock>&,                           \
       const ConvOutputs&);                                        \
   template void prepare_gates<T>(                                 \
       const SegmentParams&,                                       \
       const T*,                                                   \
       const float*,                                               \
       const float*,                                               \
+      int,                                                        \
+      int,                                                        \
       float*,                                                     \
       float*);
 

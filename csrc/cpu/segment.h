@@ -8,6 +8,8 @@
 // Every intermediate is float32 whatever the activation dtype T.
 #pragma once
 
+#include <algorithm>
+
 #include "segment/segment_params.h"
 
 namespace mlx_gated_delta::cpu {
@@ -45,12 +47,15 @@ void gated_delta_segment_forward(
 // primitive segment/segment_backward_primitives.h): prepare_conv and
 // prepare_gates recomputed exactly as the forward computes them, the core's
 // forward for y, gated_norm_backward, the core's backward, then
-// prepare_conv_backward and prepare_gates_backward. No float32 q, k, v or y
-// is kept beside the gradients: the recomputed q, k and v are written where
-// dq, dk and dv go, the core's backward overwrites them (BackwardBuffers
-// allows it), dy overwrites y, and dz goes straight to the z columns of the
-// packed row's gradient. `forward` and `backward` are the core's algorithms
-// (Recurrent or Chunked; resolve Auto first).
+// prepare_conv_backward and prepare_gates_backward. They run in waves of
+// `wave_key_heads` key heads (segment_backward_wave_key_heads) with the value
+// heads that read them, all stages of one wave before the next, so that the
+// float32 q, k, v and y are one wave's, not every head's. No float32 q, k, v
+// or y is kept beside the gradients either: the recomputed q, k and v are
+// written where dq, dk and dv go, the core's backward overwrites them
+// (BackwardBuffers allows it), dy overwrites y, and dz goes straight to the z
+// columns of the packed row's gradient. `forward` and `backward` are the
+// core's algorithms (Recurrent or Chunked; resolve Auto first).
 template <typename T>
 struct SegmentBackwardBuffers {
   const T* mixed_qkvzba;
@@ -64,17 +69,23 @@ struct SegmentBackwardBuffers {
   const T* d_out;  // [B, T, Hv, Dv], the cotangent of out
   const T* d_conv_state_out;  // [B, K-1, C], of the new conv state
   const float* d_state_out;  // [B, Hv, Dv, Dk], of the final state
-  // Scratch, float32: y and then dy [B, T, Hv, Dv]; g, dg and dgamma (the
-  // shape of g: [B, T, Hv], or [B, T, Hv, Dk] with per-key gates); beta and
-  // dbeta [B, T, Hv]; the final state [B, Hv, Dv, Dk]; q and then dq, k and
-  // then dk [B, T, Hk, Dk], v and then dv [B, T, Hv, Dv].
+  int wave_key_heads;
+  // Scratch, float32, of one wave of Hk' key heads and the Hv' value heads
+  // that read them: y and then dy [B, T, Hv', Dv]; g, dg and dgamma (the
+  // shape of g: [B, T, Hv'], or [B, T, Hv', Dk] with per-key gates); beta
+  // and dbeta [B, T, Hv']; the wave's states [B, Hv', Dv, Dk]: initial,
+  // final, the final one's cotangent and the initial one's gradient; q and
+  // then dq, k and then dk [B, T, Hk', Dk], v and then dv [B, T, Hv', Dv].
   float* y;
   float* g;
   float* dg;
   float* dgamma;
   float* beta;
   float* dbeta;
+  float* wave_state_in;
   float* state_out;
+  float* wave_d_state_out;
+  float* wave_dstate;
   float* dq;
   float* dk;
   float* dv;
@@ -87,6 +98,19 @@ struct SegmentBackwardBuffers {
   float* d_norm_weight_rows;  // [B, Dv]
   float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };
+
+// The key heads of one wave of the segment's backward: with the grouped head
+// mapping (a key head's value heads are consecutive), enough for about one
+// value head per thread (the core's problems are (batch row, value head)
+// pairs); every key head with the interleaved mapping.
+inline int segment_backward_wave_key_heads(
+    const SegmentParams& p, int threads) {
+  if (p.head_mapping != HeadMapping::Grouped) {
+    return p.key_heads;
+  }
+  const int ratio = p.value_heads / p.key_heads;
+  return std::min(p.key_heads, std::max(1, (threads + ratio - 1) / ratio));
+}
 
 template <typename T>
 void gated_delta_segment_backward(
