@@ -139,6 +139,8 @@ void prepare_gates(
 template <typename T>
 void gated_norm(
     const SegmentParams& p,
+    int first_head,
+    int heads,
     const float* y,
     const T* mixed,
     const float* norm_weight,
@@ -148,14 +150,15 @@ void gated_norm(
   const int Dv = p.value_dim;
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst_row = out + r * Hv * Dv;
+    T* dst_row = out + r * Hv * Dv + int64_t(first_head) * Dv;
     if (!is_kept(mask, r)) {
-      std::fill(dst_row, dst_row + int64_t(Hv) * Dv, T(0.0f));
+      std::fill(dst_row, dst_row + int64_t(heads) * Dv, T(0.0f));
       continue;
     }
-    const T* z_row = mixed + r * p.mixed_qkvzba_width() + p.z_offset();
-    for (int h = 0; h < Hv; ++h) {
-      const float* y_head = y + (r * Hv + h) * Dv;
+    const T* z_row = mixed + r * p.mixed_qkvzba_width() + p.z_offset() +
+        int64_t(first_head) * Dv;
+    for (int h = 0; h < heads; ++h) {
+      const float* y_head = y + (r * heads + h) * Dv;
       float sum_squares = 0.0f;
       for (int d = 0; d < Dv; ++d) {
         sum_squares += y_head[d] * y_head[d];
@@ -170,29 +173,49 @@ void gated_norm(
   }
 }
 
+namespace {
+
+// The forward's key heads per wave: segment_wave_key_heads', or more, as many
+// as keep one wave's float32 scratch (q, k, v and y) within
+// kForwardWaveBytes, so that a short call (a decode step) runs as one wave
+// rather than pay each wave's stage calls for a few tokens.
+constexpr int64_t kForwardWaveBytes = int64_t(32) << 20;
+
+int forward_wave_key_heads(const SegmentParams& p) {
+  const int ratio = p.value_heads / p.key_heads;
+  const int64_t per_key_head = int64_t(p.batch) * p.tokens *
+      (2 * p.key_dim + 2 * ratio * p.value_dim) * int64_t(sizeof(float));
+  const int fitting = int(std::min<int64_t>(
+      p.key_heads, kForwardWaveBytes / std::max<int64_t>(1, per_key_head)));
+  return std::max(segment_wave_key_heads(p, thread_count()), fitting);
+}
+
+}  // namespace
+
 template <typename T>
 void gated_delta_segment_forward(
     const SegmentParams& p, Algorithm algorithm, const SegmentBuffers<T>& io) {
   const int64_t rows = int64_t(p.batch) * p.tokens;
-  const int C = p.conv_channels();
-  // The conv output stays float32 (never rounded to T) and feeds the core in
-  // place: q, k and v are column ranges of its rows.
-  std::vector<float> qkv(rows * C);
-  std::vector<float> g(rows * p.gate_width());
-  std::vector<float> beta(rows * p.value_heads);
-  std::vector<float> y(rows * p.v_width());
+  const int ratio = p.value_heads / p.key_heads;
+  const int per_head = p.gate_width() / p.value_heads;
+  const int wave_key_heads = forward_wave_key_heads(p);
+  const int wave_heads = wave_key_heads * ratio;
+  // One wave's float32 scratch. The conv output stays float32 (never rounded
+  // to T) and feeds the core in place: q, k and v are column ranges of its
+  // rows.
+  const int wave_channels =
+      2 * wave_key_heads * p.key_dim + wave_heads * p.value_dim;
+  std::vector<float> qkv(rows * wave_channels);
+  std::vector<float> g(rows * wave_heads * per_head);
+  std::vector<float> beta(rows * wave_heads);
+  std::vector<float> y(rows * wave_heads * p.value_dim);
+  const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
+  std::vector<float> state_in(
+      io.state_in == nullptr ? 0 : p.batch * wave_heads * state_size);
+  std::vector<float> state_out(p.batch * wave_heads * state_size);
+  std::vector<float> checkpoint_states(
+      int64_t(p.checkpoint_count) * p.batch * wave_heads * state_size);
 
-  const ConvOutputs conv_out{
-      {qkv.data(), qkv.data() + p.qk_width(), qkv.data() + 2 * p.qk_width()},
-      {C, C, C}};
-  prepare_conv(
-      p,
-      io.mixed_qkvzba,
-      io.conv_weight,
-      io.conv_state_in,
-      io.mask,
-      channel_blocks(p),
-      conv_out);
   collect_conv_state(
       p, io.mixed_qkvzba, io.conv_state_in, io.mask, io.conv_state_out);
   if (p.checkpoint_count > 0) {
@@ -204,38 +227,83 @@ void gated_delta_segment_forward(
         io.checkpoints,
         io.conv_checkpoint_states);
   }
-  prepare_gates(
-      p,
-      io.mixed_qkvzba,
-      io.decay_parameter,
-      io.dt_bias,
-      0,
-      p.value_heads,
-      g.data(),
-      beta.data());
+  for (int first = 0; first < p.key_heads; first += wave_key_heads) {
+    const int key_heads = std::min(wave_key_heads, p.key_heads - first);
+    const int first_head = first * ratio, heads = key_heads * ratio;
+    const int qk_width = key_heads * p.key_dim;
+    const int C = 2 * qk_width + heads * p.value_dim;
+    const ConvOutputs conv_out{
+        {qkv.data(), qkv.data() + qk_width, qkv.data() + 2 * qk_width},
+        {C, C, C}};
+    prepare_conv(
+        p,
+        io.mixed_qkvzba,
+        io.conv_weight,
+        io.conv_state_in,
+        io.mask,
+        channel_blocks(p, first, key_heads),
+        conv_out);
+    prepare_gates(
+        p,
+        io.mixed_qkvzba,
+        io.decay_parameter,
+        io.dt_bias,
+        first_head,
+        heads,
+        g.data(),
+        beta.data());
+    if (io.state_in != nullptr) {
+      copy_wave_states(
+          p, p.batch, first_head, heads, io.state_in, state_in.data(), true);
+    }
 
-  CoreBuffers<float> core;
-  core.q = qkv.data();
-  core.k = qkv.data() + p.qk_width();
-  core.v = qkv.data() + 2 * p.qk_width();
-  core.qk_batch_stride = int64_t(p.tokens) * C;
-  core.qk_token_stride = C;
-  core.v_batch_stride = int64_t(p.tokens) * C;
-  core.v_token_stride = C;
-  core.g = g.data();
-  core.beta = beta.data();
-  core.mask = io.mask;
-  core.state_in = io.state_in;
-  core.y = y.data();
-  core.state_out = io.state_out;
-  core.checkpoints = io.checkpoints;
-  core.checkpoint_states = io.checkpoint_states;
-  // This copy's core, named in full: the argument types would otherwise find
-  // the dispatching cpu::gated_delta_forward too.
-  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
-      p.core_params(), algorithm, core);
+    GatedDeltaParams wave = p.core_params();
+    wave.key_heads = key_heads;
+    wave.value_heads = heads;
+    CoreBuffers<float> core;
+    core.q = qkv.data();
+    core.k = qkv.data() + qk_width;
+    core.v = qkv.data() + 2 * qk_width;
+    core.qk_batch_stride = int64_t(p.tokens) * C;
+    core.qk_token_stride = C;
+    core.v_batch_stride = int64_t(p.tokens) * C;
+    core.v_token_stride = C;
+    core.g = g.data();
+    core.beta = beta.data();
+    core.mask = io.mask;
+    core.state_in = io.state_in == nullptr ? nullptr : state_in.data();
+    core.y = y.data();
+    core.state_out = state_out.data();
+    core.checkpoints = io.checkpoints;
+    core.checkpoint_states =
+        p.checkpoint_count > 0 ? checkpoint_states.data() : nullptr;
+    // This copy's core, named in full: the argument types would otherwise
+    // find the dispatching cpu::gated_delta_forward too.
+    MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
+        wave, algorithm, core);
+    copy_wave_states(
+        p, p.batch, first_head, heads, state_out.data(), io.state_out, false);
+    if (p.checkpoint_count > 0) {
+      copy_wave_states(
+          p,
+          p.checkpoint_count * p.batch,
+          first_head,
+          heads,
+          checkpoint_states.data(),
+          io.checkpoint_states,
+          false);
+    }
 
-  gated_norm(p, y.data(), io.mixed_qkvzba, io.norm_weight, io.mask, io.out);
+    gated_norm(
+        p,
+        first_head,
+        heads,
+        y.data(),
+        io.mixed_qkvzba,
+        io.norm_weight,
+        io.mask,
+        io.out);
+  }
 }
 
 // prepare_conv and prepare_gates also run in the backward's recomputation

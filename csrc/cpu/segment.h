@@ -15,7 +15,9 @@
 namespace mlx_gated_delta::cpu {
 
 // The whole segment: the stages of segment_stages.h around
-// cpu::gated_delta_forward.
+// cpu::gated_delta_forward, in waves of key heads with the value heads that
+// read them (segment_wave_key_heads, or more on a short call), so that the
+// float32 q, k, v and y are one wave's.
 // `algorithm` must be Recurrent or Chunked (resolve Auto first).
 template <typename T>
 struct SegmentBuffers {
@@ -48,7 +50,7 @@ void gated_delta_segment_forward(
 // prepare_gates recomputed exactly as the forward computes them, the core's
 // forward for y, gated_norm_backward, the core's backward, then
 // prepare_conv_backward and prepare_gates_backward. They run in waves of
-// `wave_key_heads` key heads (segment_backward_wave_key_heads) with the value
+// `wave_key_heads` key heads (segment_wave_key_heads) with the value
 // heads that read them, all stages of one wave before the next, so that the
 // float32 q, k, v and y are one wave's, not every head's. No float32 q, k, v
 // or y is kept beside the gradients either: the recomputed q, k and v are
@@ -99,12 +101,13 @@ struct SegmentBackwardBuffers {
   float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };
 
-// The key heads of one wave of the segment's backward: with the grouped head
-// mapping (a key head's value heads are consecutive), enough for about one
-// value head per thread (the core's problems are (batch row, value head)
-// pairs); every key head with the interleaved mapping.
-inline int segment_backward_wave_key_heads(
-    const SegmentParams& p, int threads) {
+// The key heads of one wave of the segment's forward and backward (they run
+// their stages for those key heads and the value heads that read them, wave
+// after wave): with the grouped head mapping (a key head's value heads are
+// consecutive), enough for about one value head per thread (the core's
+// problems are (batch row, value head) pairs); every key head with the
+// interleaved mapping.
+inline int segment_wave_key_heads(const SegmentParams& p, int threads) {
   if (p.head_mapping != HeadMapping::Grouped) {
     return p.key_heads;
   }

@@ -278,25 +278,6 @@ void gated_norm_weight_rows(
   }
 }
 
-// Copies the [Dv, Dk] states of the value heads [first_head, first_head +
-// heads) between a [B, Hv, Dv, Dk] array (`all`) and a wave's [B, heads, Dv,
-// Dk] (`wave`).
-void copy_wave_states(
-    const SegmentParams& p,
-    int first_head,
-    int heads,
-    const float* from,
-    float* to,
-    bool into_wave) {
-  const int64_t size = int64_t(p.value_dim) * p.key_dim;
-  for (int b = 0; b < p.batch; ++b) {
-    const int64_t all = (int64_t(b) * p.value_heads + first_head) * size;
-    const int64_t wave = int64_t(b) * heads * size;
-    const float* src = from + (into_wave ? all : wave);
-    std::copy(src, src + heads * size, to + (into_wave ? wave : all));
-  }
-}
-
 }  // namespace
 
 template <typename T>
@@ -342,9 +323,16 @@ void gated_delta_segment_backward(
         heads,
         io.g,
         io.beta);
-    copy_wave_states(p, first_head, heads, io.state_in, io.wave_state_in, true);
     copy_wave_states(
-        p, first_head, heads, io.d_state_out, io.wave_d_state_out, true);
+        p, p.batch, first_head, heads, io.state_in, io.wave_state_in, true);
+    copy_wave_states(
+        p,
+        p.batch,
+        first_head,
+        heads,
+        io.d_state_out,
+        io.wave_d_state_out,
+        true);
     const float* q = io.dq;
     const float* k = io.dk;
     const float* v = io.dv;
@@ -400,7 +388,8 @@ void gated_delta_segment_backward(
             io.dgamma,
             io.dbeta,
             io.wave_dstate});
-    copy_wave_states(p, first_head, heads, io.wave_dstate, io.dstate, false);
+    copy_wave_states(
+        p, p.batch, first_head, heads, io.wave_dstate, io.dstate, false);
     const PrepareGradients grad{
         io.dq,
         io.dk,

@@ -166,6 +166,27 @@ inline std::vector<ChannelBlock> channel_blocks(const SegmentParams& p) {
   return channel_blocks(p, 0, p.key_heads);
 }
 
+// Copies the [Dv, Dk] states of the value heads [first_head, first_head +
+// heads) between `rows` rows of every head's states ([rows, Hv, Dv, Dk]: the
+// batch rows, or checkpoints times batch rows) and of a wave's ([rows, heads,
+// Dv, Dk]), into the wave's or out of it.
+inline void copy_wave_states(
+    const SegmentParams& p,
+    int rows,
+    int first_head,
+    int heads,
+    const float* from,
+    float* to,
+    bool into_wave) {
+  const int64_t size = int64_t(p.value_dim) * p.key_dim;
+  for (int b = 0; b < rows; ++b) {
+    const int64_t all = (int64_t(b) * p.value_heads + first_head) * size;
+    const int64_t wave = int64_t(b) * heads * size;
+    const float* src = from + (into_wave ? all : wave);
+    std::copy(src, src + heads * size, to + (into_wave ? wave : all));
+  }
+}
+
 // The [C, K] conv weight tap-major ([K, C]), so that the channel loops read
 // every operand with unit stride and vectorise.
 inline std::vector<float> weight_by_tap(

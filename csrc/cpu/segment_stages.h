@@ -71,12 +71,14 @@ void prepare_gates(
     float* beta);  // [B, T, H]
 
 // out = rms_norm(y, eps) * norm_weight * silu(z) (or sigmoid(z), as the
-// params' output gate), per (token, value head);
-// masked tokens get 0.
+// params' output gate), per (token, value head), for the value heads
+// [first_head, first_head + heads) (H of them); masked tokens get 0.
 template <typename T>
 void gated_norm(
     const SegmentParams& params,
-    const float* y,  // [B, T, Hv, Dv]
+    int first_head,
+    int heads,
+    const float* y,  // [B, T, H, Dv]
     const T* mixed,  // [B, T, F] (z is read from here)
     const float* norm_weight,  // [Dv]
     const bool* mask,  // [B, T] or nullptr

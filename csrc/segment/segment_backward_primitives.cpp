@@ -156,7 +156,7 @@ void GatedDeltaSegmentVJP::eval_cpu(
   };
   // One wave's q, k, v, y, gates and states (cpu/segment.h).
   const int wave_key_heads =
-      cpu::segment_backward_wave_key_heads(p, cpu::thread_count());
+      cpu::segment_wave_key_heads(p, cpu::thread_count());
   const int wave_heads = wave_key_heads * (p.value_heads / p.key_heads);
   const mx::Shape qk = {p.batch, p.tokens, wave_key_heads, p.key_dim};
   const mx::Shape v = {p.batch, p.tokens, wave_heads, p.value_dim};
