@@ -173,32 +173,13 @@ void gated_norm(
   }
 }
 
-namespace {
-
-// The forward's key heads per wave: segment_wave_key_heads', or more, as many
-// as keep one wave's float32 scratch (q, k, v and y) within
-// kForwardWaveBytes, so that a short call (a decode step) runs as one wave
-// rather than pay each wave's stage calls for a few tokens.
-constexpr int64_t kForwardWaveBytes = int64_t(32) << 20;
-
-int forward_wave_key_heads(const SegmentParams& p) {
-  const int ratio = p.value_heads / p.key_heads;
-  const int64_t per_key_head = int64_t(p.batch) * p.tokens *
-      (2 * p.key_dim + 2 * ratio * p.value_dim) * int64_t(sizeof(float));
-  const int fitting = int(std::min<int64_t>(
-      p.key_heads, kForwardWaveBytes / std::max<int64_t>(1, per_key_head)));
-  return std::max(segment_wave_key_heads(p, thread_count()), fitting);
-}
-
-}  // namespace
-
 template <typename T>
 void gated_delta_segment_forward(
     const SegmentParams& p, Algorithm algorithm, const SegmentBuffers<T>& io) {
   const int64_t rows = int64_t(p.batch) * p.tokens;
   const int ratio = p.value_heads / p.key_heads;
   const int per_head = p.gate_width() / p.value_heads;
-  const int wave_key_heads = forward_wave_key_heads(p);
+  const int wave_key_heads = segment_wave_key_heads(p, thread_count());
   const int wave_heads = wave_key_heads * ratio;
   // One wave's float32 scratch. The conv output stays float32 (never rounded
   // to T) and feeds the core in place: q, k and v are column ranges of its

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 
 #include "segment/segment_params.h"
 
@@ -16,8 +17,8 @@ namespace mlx_gated_delta::cpu {
 
 // The whole segment: the stages of segment_stages.h around
 // cpu::gated_delta_forward, in waves of key heads with the value heads that
-// read them (segment_wave_key_heads, or more on a short call), so that the
-// float32 q, k, v and y are one wave's.
+// read them (segment_wave_key_heads), so that the float32 q, k, v and y are
+// one wave's.
 // `algorithm` must be Recurrent or Chunked (resolve Auto first).
 template <typename T>
 struct SegmentBuffers {
@@ -103,16 +104,26 @@ struct SegmentBackwardBuffers {
 
 // The key heads of one wave of the segment's forward and backward (they run
 // their stages for those key heads and the value heads that read them, wave
-// after wave): with the grouped head mapping (a key head's value heads are
-// consecutive), enough for about one value head per thread (the core's
-// problems are (batch row, value head) pairs); every key head with the
-// interleaved mapping.
+// after wave): every key head with the interleaved mapping; with the grouped
+// mapping (a key head's value heads are consecutive), as many as keep the
+// wave's float32 q, k, v and y within kSegmentWaveBytes, and at least enough
+// for about one value head per thread (the core's problems are (batch row,
+// value head) pairs). A short call (a decode step) is one wave, and a long
+// one does not pay each wave's stage calls and waits more often than it must.
+constexpr int64_t kSegmentWaveBytes = int64_t(32) << 20;
+
 inline int segment_wave_key_heads(const SegmentParams& p, int threads) {
   if (p.head_mapping != HeadMapping::Grouped) {
     return p.key_heads;
   }
   const int ratio = p.value_heads / p.key_heads;
-  return std::min(p.key_heads, std::max(1, (threads + ratio - 1) / ratio));
+  const int64_t per_key_head = int64_t(p.batch) * p.tokens *
+      (2 * p.key_dim + 2 * ratio * p.value_dim) * int64_t(sizeof(float));
+  const int64_t fitting =
+      kSegmentWaveBytes / std::max<int64_t>(1, per_key_head);
+  const int per_thread = (threads + ratio - 1) / ratio;
+  return int(std::min<int64_t>(
+      p.key_heads, std::max<int64_t>({1, per_thread, fitting})));
 }
 
 template <typename T>
