@@ -108,8 +108,9 @@ struct SegmentBackwardBuffers {
 // mapping (a key head's value heads are consecutive), as many as keep the
 // wave's float32 q, k, v and y within kSegmentWaveBytes, and at least enough
 // for about one value head per thread (the core's problems are (batch row,
-// value head) pairs). A short call (a decode step) is one wave, and a long
-// one does not pay each wave's stage calls and waits more often than it must.
+// value head) pairs), split evenly. A short call (a decode step) is one wave,
+// and a long one does not pay each wave's stage calls and waits more often
+// than it must.
 constexpr int64_t kSegmentWaveBytes = int64_t(32) << 20;
 
 inline int segment_wave_key_heads(const SegmentParams& p, int threads) {
@@ -122,8 +123,11 @@ inline int segment_wave_key_heads(const SegmentParams& p, int threads) {
   const int64_t fitting =
       kSegmentWaveBytes / std::max<int64_t>(1, per_key_head);
   const int per_thread = (threads + ratio - 1) / ratio;
-  return int(std::min<int64_t>(
+  const int most = int(std::min<int64_t>(
       p.key_heads, std::max<int64_t>({1, per_thread, fitting})));
+  // As many waves as `most` key heads a wave need, of even sizes.
+  const int waves = (p.key_heads + most - 1) / most;
+  return (p.key_heads + waves - 1) / waves;
 }
 
 template <typename T>
