@@ -24,10 +24,10 @@ void prepare_conv(
     const float* conv_weight,
     const T* conv_state,
     const bool* mask,
+    const std::vector<ChannelBlock>& blocks,
     const ConvOutputs& out) {
   const auto histories = conv_histories(p, mixed, conv_state, mask);
   const std::vector<float> by_tap = weight_by_tap(p, conv_weight);
-  const std::vector<ChannelBlock> blocks = channel_blocks(p);
   const int64_t block_work =
       int64_t(p.batch) * p.tokens * kChannelBlock * p.conv_kernel;
   parallel_for(int(blocks.size()), block_work, [&](int i) {
@@ -109,6 +109,8 @@ void prepare_gates(
     const T* mixed,
     const float* decay_parameter,
     const float* dt_bias,
+    int first_head,
+    int heads,
     float* g,
     float* beta) {
   const int Hv = p.value_heads;
@@ -117,16 +119,19 @@ void prepare_gates(
   for (int h = 0; h < Hv; ++h) {
     rate[h] = rate_of(p, decay_parameter[h]);
   }
+  const int first = first_head * per_head;  // g's first column in the row
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
     const T* row = mixed + r * p.mixed_qkvzba_width();
     const T* a = row + p.a_offset();
-    float* g_row = g + r * p.gate_width();
-    for (int h = 0; h < Hv; ++h) {
+    float* g_row = g + r * heads * per_head;
+    for (int h = first_head; h < first_head + heads; ++h) {
       for (int c = h * per_head; c < (h + 1) * per_head; ++c) {
-        g_row[c] = log_decay(p, rate[h], static_cast<float>(a[c]) + dt_bias[c]);
+        g_row[c - first] =
+            log_decay(p, rate[h], static_cast<float>(a[c]) + dt_bias[c]);
       }
-      beta[r * Hv + h] = beta_of(p, static_cast<float>(row[p.b_offset() + h]));
+      beta[r * heads + h - first_head] =
+          beta_of(p, static_cast<float>(row[p.b_offset() + h]));
     }
   }
 }
@@ -134,6 +139,8 @@ void prepare_gates(
 template <typename T>
 void gated_norm(
     const SegmentParams& p,
+    int first_head,
+    int heads,
     const float* y,
     const T* mixed,
     const float* norm_weight,
@@ -143,14 +150,15 @@ void gated_norm(
   const int Dv = p.value_dim;
   const int64_t rows = int64_t(p.batch) * p.tokens;
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst_row = out + r * Hv * Dv;
+    T* dst_row = out + r * Hv * Dv + int64_t(first_head) * Dv;
     if (!is_kept(mask, r)) {
-      std::fill(dst_row, dst_row + int64_t(Hv) * Dv, T(0.0f));
+      std::fill(dst_row, dst_row + int64_t(heads) * Dv, T(0.0f));
       continue;
     }
-    const T* z_row = mixed + r * p.mixed_qkvzba_width() + p.z_offset();
-    for (int h = 0; h < Hv; ++h) {
-      const float* y_head = y + (r * Hv + h) * Dv;
+    const T* z_row = mixed + r * p.mixed_qkvzba_width() + p.z_offset() +
+        int64_t(first_head) * Dv;
+    for (int h = 0; h < heads; ++h) {
+      const float* y_head = y + (r * heads + h) * Dv;
       float sum_squares = 0.0f;
       for (int d = 0; d < Dv; ++d) {
         sum_squares += y_head[d] * y_head[d];
@@ -169,19 +177,26 @@ template <typename T>
 void gated_delta_segment_forward(
     const SegmentParams& p, Algorithm algorithm, const SegmentBuffers<T>& io) {
   const int64_t rows = int64_t(p.batch) * p.tokens;
-  const int C = p.conv_channels();
-  // The conv output stays float32 (never rounded to T) and feeds the core in
-  // place: q, k and v are column ranges of its rows.
-  std::vector<float> qkv(rows * C);
-  std::vector<float> g(rows * p.gate_width());
-  std::vector<float> beta(rows * p.value_heads);
-  std::vector<float> y(rows * p.v_width());
+  const int ratio = p.value_heads / p.key_heads;
+  const int per_head = p.gate_width() / p.value_heads;
+  const int wave_key_heads = segment_wave_key_heads(p, thread_count());
+  const int wave_heads = wave_key_heads * ratio;
+  // One wave's float32 scratch. The conv output stays float32 (never rounded
+  // to T) and feeds the core in place: q, k and v are column ranges of its
+  // rows.
+  const int wave_channels =
+      2 * wave_key_heads * p.key_dim + wave_heads * p.value_dim;
+  std::vector<float> qkv(rows * wave_channels);
+  std::vector<float> g(rows * wave_heads * per_head);
+  std::vector<float> beta(rows * wave_heads);
+  std::vector<float> y(rows * wave_heads * p.value_dim);
+  const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
+  std::vector<float> state_in(
+      io.state_in == nullptr ? 0 : p.batch * wave_heads * state_size);
+  std::vector<float> state_out(p.batch * wave_heads * state_size);
+  std::vector<float> checkpoint_states(
+      int64_t(p.checkpoint_count) * p.batch * wave_heads * state_size);
 
-  const ConvOutputs conv_out{
-      {qkv.data(), qkv.data() + p.qk_width(), qkv.data() + 2 * p.qk_width()},
-      {C, C, C}};
-  prepare_conv(
-      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
   collect_conv_state(
       p, io.mixed_qkvzba, io.conv_state_in, io.mask, io.conv_state_out);
   if (p.checkpoint_count > 0) {
@@ -193,36 +208,83 @@ void gated_delta_segment_forward(
         io.checkpoints,
         io.conv_checkpoint_states);
   }
-  prepare_gates(
-      p,
-      io.mixed_qkvzba,
-      io.decay_parameter,
-      io.dt_bias,
-      g.data(),
-      beta.data());
+  for (int first = 0; first < p.key_heads; first += wave_key_heads) {
+    const int key_heads = std::min(wave_key_heads, p.key_heads - first);
+    const int first_head = first * ratio, heads = key_heads * ratio;
+    const int qk_width = key_heads * p.key_dim;
+    const int C = 2 * qk_width + heads * p.value_dim;
+    const ConvOutputs conv_out{
+        {qkv.data(), qkv.data() + qk_width, qkv.data() + 2 * qk_width},
+        {C, C, C}};
+    prepare_conv(
+        p,
+        io.mixed_qkvzba,
+        io.conv_weight,
+        io.conv_state_in,
+        io.mask,
+        channel_blocks(p, first, key_heads),
+        conv_out);
+    prepare_gates(
+        p,
+        io.mixed_qkvzba,
+        io.decay_parameter,
+        io.dt_bias,
+        first_head,
+        heads,
+        g.data(),
+        beta.data());
+    if (io.state_in != nullptr) {
+      copy_wave_states(
+          p, p.batch, first_head, heads, io.state_in, state_in.data(), true);
+    }
 
-  CoreBuffers<float> core;
-  core.q = qkv.data();
-  core.k = qkv.data() + p.qk_width();
-  core.v = qkv.data() + 2 * p.qk_width();
-  core.qk_batch_stride = int64_t(p.tokens) * C;
-  core.qk_token_stride = C;
-  core.v_batch_stride = int64_t(p.tokens) * C;
-  core.v_token_stride = C;
-  core.g = g.data();
-  core.beta = beta.data();
-  core.mask = io.mask;
-  core.state_in = io.state_in;
-  core.y = y.data();
-  core.state_out = io.state_out;
-  core.checkpoints = io.checkpoints;
-  core.checkpoint_states = io.checkpoint_states;
-  // This copy's core, named in full: the argument types would otherwise find
-  // the dispatching cpu::gated_delta_forward too.
-  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
-      p.core_params(), algorithm, core);
+    GatedDeltaParams wave = p.core_params();
+    wave.key_heads = key_heads;
+    wave.value_heads = heads;
+    CoreBuffers<float> core;
+    core.q = qkv.data();
+    core.k = qkv.data() + qk_width;
+    core.v = qkv.data() + 2 * qk_width;
+    core.qk_batch_stride = int64_t(p.tokens) * C;
+    core.qk_token_stride = C;
+    core.v_batch_stride = int64_t(p.tokens) * C;
+    core.v_token_stride = C;
+    core.g = g.data();
+    core.beta = beta.data();
+    core.mask = io.mask;
+    core.state_in = io.state_in == nullptr ? nullptr : state_in.data();
+    core.y = y.data();
+    core.state_out = state_out.data();
+    core.checkpoints = io.checkpoints;
+    core.checkpoint_states =
+        p.checkpoint_count > 0 ? checkpoint_states.data() : nullptr;
+    // This copy's core, named in full: the argument types would otherwise
+    // find the dispatching cpu::gated_delta_forward too.
+    MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
+        wave, algorithm, core);
+    copy_wave_states(
+        p, p.batch, first_head, heads, state_out.data(), io.state_out, false);
+    if (p.checkpoint_count > 0) {
+      copy_wave_states(
+          p,
+          p.checkpoint_count * p.batch,
+          first_head,
+          heads,
+          checkpoint_states.data(),
+          io.checkpoint_states,
+          false);
+    }
 
-  gated_norm(p, y.data(), io.mixed_qkvzba, io.norm_weight, io.mask, io.out);
+    gated_norm(
+        p,
+        first_head,
+        heads,
+        y.data(),
+        io.mixed_qkvzba,
+        io.norm_weight,
+        io.mask,
+        io.out);
+  }
 }
 
 // prepare_conv and prepare_gates also run in the backward's recomputation
@@ -236,12 +298,15 @@ void gated_delta_segment_forward(
       const float*,                                               \
       const T*,                                                   \
       const bool*,                                                \
+      const std::vector<ChannelBlock>&,                           \
       const ConvOutputs&);                                        \
   template void prepare_gates<T>(                                 \
       const SegmentParams&,                                       \
       const T*,                                                   \
       const float*,                                               \
       const float*,                                               \
+      int,                                                        \
+      int,                                                        \
       float*,                                                     \
       float*);
 

@@ -8,12 +8,17 @@
 // Every intermediate is float32 whatever the activation dtype T.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
+
 #include "segment/segment_params.h"
 
 namespace mlx_gated_delta::cpu {
 
 // The whole segment: the stages of segment_stages.h around
-// cpu::gated_delta_forward.
+// cpu::gated_delta_forward, in waves of key heads with the value heads that
+// read them (segment_wave_key_heads), so that the float32 q, k, v and y are
+// one wave's.
 // `algorithm` must be Recurrent or Chunked (resolve Auto first).
 template <typename T>
 struct SegmentBuffers {
@@ -45,12 +50,15 @@ void gated_delta_segment_forward(
 // primitive segment/segment_backward_primitives.h): prepare_conv and
 // prepare_gates recomputed exactly as the forward computes them, the core's
 // forward for y, gated_norm_backward, the core's backward, then
-// prepare_conv_backward and prepare_gates_backward. No float32 q, k, v or y
-// is kept beside the gradients: the recomputed q, k and v are written where
-// dq, dk and dv go, the core's backward overwrites them (BackwardBuffers
-// allows it), dy overwrites y, and dz goes straight to the z columns of the
-// packed row's gradient. `forward` and `backward` are the core's algorithms
-// (Recurrent or Chunked; resolve Auto first).
+// prepare_conv_backward and prepare_gates_backward. They run in waves of
+// `wave_key_heads` key heads (segment_wave_key_heads) with the value
+// heads that read them, all stages of one wave before the next, so that the
+// float32 q, k, v and y are one wave's, not every head's. No float32 q, k, v
+// or y is kept beside the gradients either: the recomputed q, k and v are
+// written where dq, dk and dv go, the core's backward overwrites them
+// (BackwardBuffers allows it), dy overwrites y, and dz goes straight to the z
+// columns of the packed row's gradient. `forward` and `backward` are the
+// core's algorithms (Recurrent or Chunked; resolve Auto first).
 template <typename T>
 struct SegmentBackwardBuffers {
   const T* mixed_qkvzba;
@@ -64,17 +72,23 @@ struct SegmentBackwardBuffers {
   const T* d_out;  // [B, T, Hv, Dv], the cotangent of out
   const T* d_conv_state_out;  // [B, K-1, C], of the new conv state
   const float* d_state_out;  // [B, Hv, Dv, Dk], of the final state
-  // Scratch, float32: y and then dy [B, T, Hv, Dv]; g, dg and dgamma (the
-  // shape of g: [B, T, Hv], or [B, T, Hv, Dk] with per-key gates); beta and
-  // dbeta [B, T, Hv]; the final state [B, Hv, Dv, Dk]; q and then dq, k and
-  // then dk [B, T, Hk, Dk], v and then dv [B, T, Hv, Dv].
+  int wave_key_heads;
+  // Scratch, float32, of one wave of Hk' key heads and the Hv' value heads
+  // that read them: y and then dy [B, T, Hv', Dv]; g, dg and dgamma (the
+  // shape of g: [B, T, Hv'], or [B, T, Hv', Dk] with per-key gates); beta
+  // and dbeta [B, T, Hv']; the wave's states [B, Hv', Dv, Dk]: initial,
+  // final, the final one's cotangent and the initial one's gradient; q and
+  // then dq, k and then dk [B, T, Hk', Dk], v and then dv [B, T, Hv', Dv].
   float* y;
   float* g;
   float* dg;
   float* dgamma;
   float* beta;
   float* dbeta;
+  float* wave_state_in;
   float* state_out;
+  float* wave_d_state_out;
+  float* wave_dstate;
   float* dq;
   float* dk;
   float* dv;
@@ -87,6 +101,34 @@ struct SegmentBackwardBuffers {
   float* d_norm_weight_rows;  // [B, Dv]
   float* dstate;  // [B, Hv, Dv, Dk], of the initial state
 };
+
+// The key heads of one wave of the segment's forward and backward (they run
+// their stages for those key heads and the value heads that read them, wave
+// after wave): every key head with the interleaved mapping; with the grouped
+// mapping (a key head's value heads are consecutive), as many as keep the
+// wave's float32 q, k, v and y within kSegmentWaveBytes, and at least enough
+// for about one value head per thread (the core's problems are (batch row,
+// value head) pairs), split evenly. A short call (a decode step) is one wave,
+// and a long one does not pay each wave's stage calls and waits more often
+// than it must.
+constexpr int64_t kSegmentWaveBytes = int64_t(32) << 20;
+
+inline int segment_wave_key_heads(const SegmentParams& p, int threads) {
+  if (p.head_mapping != HeadMapping::Grouped) {
+    return p.key_heads;
+  }
+  const int ratio = p.value_heads / p.key_heads;
+  const int64_t per_key_head = int64_t(p.batch) * p.tokens *
+      (2 * p.key_dim + 2 * ratio * p.value_dim) * int64_t(sizeof(float));
+  const int64_t fitting =
+      kSegmentWaveBytes / std::max<int64_t>(1, per_key_head);
+  const int per_thread = (threads + ratio - 1) / ratio;
+  const int most = int(std::min<int64_t>(
+      p.key_heads, std::max<int64_t>({1, per_thread, fitting})));
+  // As many waves as `most` key heads a wave need, of even sizes.
+  const int waves = (p.key_heads + most - 1) / most;
+  return (p.key_heads + waves - 1) / waves;
+}
 
 template <typename T>
 void gated_delta_segment_backward(

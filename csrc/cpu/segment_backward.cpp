@@ -33,11 +33,19 @@ namespace {
 
 constexpr int kTokenBlock = 64;
 
+// gated_norm_backward's tasks: one per batch row and block of kTokenBlock
+// tokens.
+int gated_norm_tasks(const SegmentParams& p) {
+  return p.batch * ((p.tokens + kTokenBlock - 1) / kTokenBlock);
+}
+
 }  // namespace
 
 template <typename T>
 void gated_norm_backward(
     const SegmentParams& p,
+    int first_head,
+    int heads,
     const float* y,
     const T* mixed,
     const float* norm_weight,
@@ -46,28 +54,25 @@ void gated_norm_backward(
     float* d_y,
     T* d_z,
     int64_t d_z_row_stride,
-    float* d_norm_weight_rows) {
+    double* d_norm_weight_tasks) {
   const int Hv = p.value_heads, Dv = p.value_dim;
-  const int64_t head_stride = Dv;
   const int blocks_per_row = (p.tokens + kTokenBlock - 1) / kTokenBlock;
-  const int tasks = p.batch * blocks_per_row;
-  // Each task's d norm_weight, summed in double and added up per batch row
-  // in task order (so the result does not depend on the threads).
-  std::vector<double> partial(int64_t(tasks) * Dv, 0.0);
-  parallel_for(tasks, int64_t(kTokenBlock) * Hv * Dv * 12, [&](int task) {
+  const int tasks = gated_norm_tasks(p);
+  parallel_for(tasks, int64_t(kTokenBlock) * heads * Dv * 12, [&](int task) {
     const int b = task / blocks_per_row;
     const int t0 = (task % blocks_per_row) * kTokenBlock;
     const int t1 = std::min(p.tokens, t0 + kTokenBlock);
-    double* d_w = partial.data() + int64_t(task) * Dv;
+    double* d_w = d_norm_weight_tasks + int64_t(task) * Dv;
     std::vector<float> d_n(Dv);
     for (int t = t0; t < t1; ++t) {
       const int64_t r = int64_t(b) * p.tokens + t;
       const bool kept = mask == nullptr || mask[r];
       const T* z_row = mixed + r * p.mixed_qkvzba_width() + p.z_offset();
-      for (int h = 0; h < Hv; ++h) {
-        const int64_t at = (r * Hv + h) * head_stride;
+      for (int h = first_head; h < first_head + heads; ++h) {
+        const int64_t at = (r * heads + h - first_head) * Dv;
+        const int64_t out_at = (r * Hv + h) * Dv;
         float* dy = d_y + at;
-        T* dz = d_z + r * d_z_row_stride + h * Dv;
+        T* dz = d_z + r * d_z_row_stride + (h - first_head) * Dv;
         if (!kept) {
           std::fill(dy, dy + Dv, 0.0f);
           std::fill(dz, dz + Dv, T(0.0f));
@@ -84,7 +89,7 @@ void gated_norm_backward(
           const float z = static_cast<float>(z_row[h * Dv + d]);
           const float gate = output_gate(p, z);
           const float n = yh[d] * inv_rms;
-          const float g = static_cast<float>(d_out[at + d]);
+          const float g = static_cast<float>(d_out[out_at + d]);
           d_w[d] += double(g) * n * gate;
           dz[d] = static_cast<T>(
               g * n * norm_weight[d] * output_gate_derivative(p, z));
@@ -98,15 +103,6 @@ void gated_norm_backward(
       }
     }
   });
-  for (int b = 0; b < p.batch; ++b) {
-    for (int d = 0; d < Dv; ++d) {
-      double sum = 0.0;
-      for (int i = 0; i < blocks_per_row; ++i) {
-        sum += partial[(int64_t(b) * blocks_per_row + i) * Dv + d];
-      }
-      d_norm_weight_rows[int64_t(b) * Dv + d] = float(sum);
-    }
-  }
 }
 
 template <typename T>
@@ -117,6 +113,7 @@ void prepare_conv_backward(
     const T* conv_state,
     const T* d_conv_state_out,
     const bool* mask,
+    const std::vector<ChannelBlock>& blocks,
     const PrepareGradients& grad,
     T* d_mixed,
     T* d_conv_state) {
@@ -125,9 +122,7 @@ void prepare_conv_backward(
   const int F = p.mixed_qkvzba_width();
   const auto histories = conv_histories(p, mixed, conv_state, mask);
   const std::vector<float> by_tap = weight_by_tap(p, weight);
-  const std::vector<ChannelBlock> blocks = channel_blocks(p);
   const float* d_parts[3] = {grad.dq, grad.dk, grad.dv};
-  const int64_t d_stride[3] = {p.qk_width(), p.qk_width(), p.v_width()};
   const int64_t block_work =
       int64_t(p.batch) * p.tokens * kChannelBlock * 3 * K;
   parallel_for(int(blocks.size()), block_work, [&](int block_index) {
@@ -154,8 +149,8 @@ void prepare_conv_backward(
         float* d_pre = recent.data() + int64_t(at % K) * kChannelBlock;
         if (at < count) {
           const int64_t index = int64_t(b) * p.tokens + h.token_of_rank[at];
-          const float* d_act =
-              d_parts[block.part] + index * d_stride[block.part] + block.column;
+          const float* d_act = d_parts[block.part] +
+              index * grad.row_stride[block.part] + block.column;
           conv_before_silu(h.rows, by_tap, p, block, at, pre);
           for (int c = 0; c < width; ++c) {
             const float s = sigmoid(pre[c]);
@@ -214,11 +209,15 @@ void prepare_gates_backward(
     const T* mixed,
     const float* decay_parameter,
     const float* dt_bias,
+    int first_head,
+    int heads,
     const PrepareGradients& grad,
     T* d_mixed) {
   const int Hv = p.value_heads, F = p.mixed_qkvzba_width();
   const int gate_width = p.gate_width();
   const int per_head = gate_width / Hv;  // 1, or Dk per key channel
+  const int first = first_head * per_head;  // dg's first column in the row
+  const int last = (first_head + heads) * per_head;
   const bool log_rate =
       p.decay_parameterization == DecayParameterization::LogRate;
   std::vector<float> rate(Hv);
@@ -231,31 +230,55 @@ void prepare_gates_backward(
       const int64_t r = int64_t(b) * p.tokens + t;
       const T* row = mixed + r * F;
       T* d_row = d_mixed + r * F;
-      const float* dg = grad.dg + r * gate_width;
-      for (int h = 0; h < Hv; ++h) {
+      const float* dg = grad.dg + r * heads * per_head;
+      for (int h = first_head; h < first_head + heads; ++h) {
         for (int c = h * per_head; c < (h + 1) * per_head; ++c) {
           const float u =
               static_cast<float>(row[p.a_offset() + c]) + dt_bias[c];
           const LogDecayPartials partial = log_decay_partials(p, rate[h], u);
-          const float d_a = dg[c] * partial.d_u;
+          const float d_a = dg[c - first] * partial.d_u;
           d_row[p.a_offset() + c] = static_cast<T>(d_a);
           d_dt_bias[c] += d_a;
-          d_rate[h] += double(dg[c]) * partial.d_rate;
+          d_rate[h] += double(dg[c - first]) * partial.d_rate;
         }
         const float b_in = static_cast<float>(row[p.b_offset() + h]);
-        d_row[p.b_offset() + h] =
-            static_cast<T>(grad.dbeta[r * Hv + h] * beta_derivative(p, b_in));
+        d_row[p.b_offset() + h] = static_cast<T>(
+            grad.dbeta[r * heads + h - first_head] * beta_derivative(p, b_in));
       }
     }
-    for (int h = 0; h < Hv; ++h) {  // d rate / d A_log = rate
+    for (int h = first_head; h < first_head + heads; ++h) {
+      // d rate / d A_log = rate
       grad.d_decay_rows[b * Hv + h] =
           float(log_rate ? d_rate[h] * rate[h] : d_rate[h]);
     }
-    for (int c = 0; c < gate_width; ++c) {
+    for (int c = first; c < last; ++c) {
       grad.d_dt_bias_rows[int64_t(b) * gate_width + c] = float(d_dt_bias[c]);
     }
   }
 }
+
+namespace {
+
+// d norm_weight per batch row: gated_norm_backward's tasks' sums added up in
+// task order (so the result does not depend on the threads).
+void gated_norm_weight_rows(
+    const SegmentParams& p,
+    const double* d_norm_weight_tasks,
+    float* d_norm_weight_rows) {
+  const int Dv = p.value_dim;
+  const int blocks_per_row = gated_norm_tasks(p) / p.batch;
+  for (int b = 0; b < p.batch; ++b) {
+    for (int d = 0; d < Dv; ++d) {
+      double sum = 0.0;
+      for (int i = 0; i < blocks_per_row; ++i) {
+        sum += d_norm_weight_tasks[(int64_t(b) * blocks_per_row + i) * Dv + d];
+      }
+      d_norm_weight_rows[int64_t(b) * Dv + d] = float(sum);
+    }
+  }
+}
+
+}  // namespace
 
 template <typename T>
 void gated_delta_segment_backward(
@@ -263,91 +286,142 @@ void gated_delta_segment_backward(
     Algorithm forward,
     Algorithm backward,
     const SegmentBackwardBuffers<T>& io) {
-  const ConvOutputs conv_out{
-      {io.dq, io.dk, io.dv}, {p.qk_width(), p.qk_width(), p.v_width()}};
-  prepare_conv(
-      p, io.mixed_qkvzba, io.conv_weight, io.conv_state_in, io.mask, conv_out);
-  prepare_gates(
-      p, io.mixed_qkvzba, io.decay_parameter, io.dt_bias, io.g, io.beta);
-  const float* q = io.dq;
-  const float* k = io.dk;
-  const float* v = io.dv;
+  const int ratio = p.value_heads / p.key_heads;
   const GatedDeltaParams core = p.core_params();
-  // This copy's core, named in full: the argument types would otherwise find
-  // the dispatching cpu::gated_delta_forward and gated_delta_backward too.
-  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
-      core,
-      forward,
-      contiguous_buffers<float>(
-          core,
-          q,
-          k,
-          v,
-          io.g,
-          io.beta,
-          io.mask,
-          io.state_in,
-          io.y,
-          io.state_out));
-  // dz goes straight to the packed row's z columns, its gradient there.
-  float* d_y = io.y;
-  gated_norm_backward(
-      p,
-      io.y,
-      io.mixed_qkvzba,
-      io.norm_weight,
-      io.d_out,
-      io.mask,
-      d_y,
-      io.d_mixed_qkvzba + p.z_offset(),
-      p.mixed_qkvzba_width(),
-      io.d_norm_weight_rows);
-  MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_backward<float>(
-      core,
-      backward,
-      BackwardBuffers<float>{
-          q,
-          k,
-          v,
-          io.g,
-          io.beta,
-          io.mask,
-          io.state_in,
-          d_y,
-          io.d_state_out,
-          io.dq,
-          io.dk,
-          io.dv,
-          io.dg,
-          io.dgamma,
-          io.dbeta,
-          io.dstate});
-  const PrepareGradients grad{
-      io.dq,
-      io.dk,
-      io.dv,
-      io.dg,
-      io.dbeta,
-      io.d_conv_weight_rows,
-      io.d_decay_parameter_rows,
-      io.d_dt_bias_rows};
-  prepare_conv_backward(
-      p,
-      io.mixed_qkvzba,
-      io.conv_weight,
-      io.conv_state_in,
-      io.d_conv_state_out,
-      io.mask,
-      grad,
-      io.d_mixed_qkvzba,
-      io.d_conv_state_in);
-  prepare_gates_backward(
-      p,
-      io.mixed_qkvzba,
-      io.decay_parameter,
-      io.dt_bias,
-      grad,
-      io.d_mixed_qkvzba);
+  // Each task's d norm_weight, summed in double over its tokens and the
+  // waves' heads, then added up per batch row in task order. The waves add
+  // their heads' terms wave by wave where one pass over every head added them
+  // token by token: the same terms in another order, whose float32 result
+  // differs only where the double sum lies within a few of a double's
+  // roundings of a boundary between floats.
+  std::vector<double> d_norm_weight_tasks(
+      int64_t(gated_norm_tasks(p)) * p.value_dim, 0.0);
+  for (int first = 0; first < p.key_heads; first += io.wave_key_heads) {
+    const int key_heads = std::min(io.wave_key_heads, p.key_heads - first);
+    const int first_head = first * ratio, heads = key_heads * ratio;
+    GatedDeltaParams wave = core;
+    wave.key_heads = key_heads;
+    wave.value_heads = heads;
+    const std::vector<ChannelBlock> blocks =
+        channel_blocks(p, first, key_heads);
+    const int64_t qk_row = int64_t(key_heads) * p.key_dim;
+    const int64_t v_row = int64_t(heads) * p.value_dim;
+    prepare_conv(
+        p,
+        io.mixed_qkvzba,
+        io.conv_weight,
+        io.conv_state_in,
+        io.mask,
+        blocks,
+        ConvOutputs{{io.dq, io.dk, io.dv}, {qk_row, qk_row, v_row}});
+    prepare_gates(
+        p,
+        io.mixed_qkvzba,
+        io.decay_parameter,
+        io.dt_bias,
+        first_head,
+        heads,
+        io.g,
+        io.beta);
+    copy_wave_states(
+        p, p.batch, first_head, heads, io.state_in, io.wave_state_in, true);
+    copy_wave_states(
+        p,
+        p.batch,
+        first_head,
+        heads,
+        io.d_state_out,
+        io.wave_d_state_out,
+        true);
+    const float* q = io.dq;
+    const float* k = io.dk;
+    const float* v = io.dv;
+    // This copy's core, named in full: the argument types would otherwise
+    // find the dispatching cpu::gated_delta_forward and gated_delta_backward
+    // too.
+    MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
+        wave,
+        forward,
+        contiguous_buffers<float>(
+            wave,
+            q,
+            k,
+            v,
+            io.g,
+            io.beta,
+            io.mask,
+            io.wave_state_in,
+            io.y,
+            io.state_out));
+    // dz goes straight to the packed row's z columns, its gradient there.
+    float* d_y = io.y;
+    gated_norm_backward(
+        p,
+        first_head,
+        heads,
+        io.y,
+        io.mixed_qkvzba,
+        io.norm_weight,
+        io.d_out,
+        io.mask,
+        d_y,
+        io.d_mixed_qkvzba + p.z_offset() + int64_t(first_head) * p.value_dim,
+        p.mixed_qkvzba_width(),
+        d_norm_weight_tasks.data());
+    MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_backward<float>(
+        wave,
+        backward,
+        BackwardBuffers<float>{
+            q,
+            k,
+            v,
+            io.g,
+            io.beta,
+            io.mask,
+            io.wave_state_in,
+            d_y,
+            io.wave_d_state_out,
+            io.dq,
+            io.dk,
+            io.dv,
+            io.dg,
+            io.dgamma,
+            io.dbeta,
+            io.wave_dstate});
+    copy_wave_states(
+        p, p.batch, first_head, heads, io.wave_dstate, io.dstate, false);
+    const PrepareGradients grad{
+        io.dq,
+        io.dk,
+        io.dv,
+        {qk_row, qk_row, v_row},
+        io.dg,
+        io.dbeta,
+        io.d_conv_weight_rows,
+        io.d_decay_parameter_rows,
+        io.d_dt_bias_rows};
+    prepare_conv_backward(
+        p,
+        io.mixed_qkvzba,
+        io.conv_weight,
+        io.conv_state_in,
+        io.d_conv_state_out,
+        io.mask,
+        blocks,
+        grad,
+        io.d_mixed_qkvzba,
+        io.d_conv_state_in);
+    prepare_gates_backward(
+        p,
+        io.mixed_qkvzba,
+        io.decay_parameter,
+        io.dt_bias,
+        first_head,
+        heads,
+        grad,
+        io.d_mixed_qkvzba);
+  }
+  gated_norm_weight_rows(p, d_norm_weight_tasks.data(), io.d_norm_weight_rows);
 }
 
 #define INSTANTIATE_SEGMENT_BACKWARD(T)          \

@@ -125,7 +125,8 @@ std::vector<ConvHistory<T>> conv_histories(
 constexpr int kChannelBlock = 64;
 
 // A block of at most kChannelBlock conv channels [first, first + width),
-// columns [column, column + width) of one of q, k and v.
+// columns [column, column + width) of the buffer that holds its part of q, k
+// and v.
 struct ChannelBlock {
   int first;
   int width;
@@ -133,18 +134,57 @@ struct ChannelBlock {
   int column;
 };
 
-inline std::vector<ChannelBlock> channel_blocks(const SegmentParams& p) {
+// The blocks of the channels of key heads [first_key_head, first_key_head +
+// key_heads) and of the value heads that read them (consecutive ones: the
+// grouped head mapping, or every key head), each block's `column` counted
+// from the first of those channels in its part.
+inline std::vector<ChannelBlock> channel_blocks(
+    const SegmentParams& p, int first_key_head, int key_heads) {
+  const int ratio = p.value_heads / p.key_heads;
+  const int starts[3] = {
+      first_key_head * p.key_dim,
+      first_key_head * p.key_dim,
+      first_key_head * ratio * p.value_dim};
+  const int widths[3] = {
+      key_heads * p.key_dim,
+      key_heads * p.key_dim,
+      key_heads * ratio * p.value_dim};
+  const int part_firsts[3] = {0, p.qk_width(), 2 * p.qk_width()};
   std::vector<ChannelBlock> blocks;
-  const int widths[3] = {p.qk_width(), p.qk_width(), p.v_width()};
-  int first = 0;
   for (int part = 0; part < 3; ++part) {
     for (int column = 0; column < widths[part]; column += kChannelBlock) {
       const int width = std::min(kChannelBlock, widths[part] - column);
-      blocks.push_back({first + column, width, part, column});
+      blocks.push_back(
+          {part_firsts[part] + starts[part] + column, width, part, column});
     }
-    first += widths[part];
   }
   return blocks;
+}
+
+// Every channel's blocks.
+inline std::vector<ChannelBlock> channel_blocks(const SegmentParams& p) {
+  return channel_blocks(p, 0, p.key_heads);
+}
+
+// Copies the [Dv, Dk] states of the value heads [first_head, first_head +
+// heads) between `rows` rows of every head's states ([rows, Hv, Dv, Dk]: the
+// batch rows, or checkpoints times batch rows) and of a wave's ([rows, heads,
+// Dv, Dk]), into the wave's or out of it.
+inline void copy_wave_states(
+    const SegmentParams& p,
+    int rows,
+    int first_head,
+    int heads,
+    const float* from,
+    float* to,
+    bool into_wave) {
+  const int64_t size = int64_t(p.value_dim) * p.key_dim;
+  for (int b = 0; b < rows; ++b) {
+    const int64_t all = (int64_t(b) * p.value_heads + first_head) * size;
+    const int64_t wave = int64_t(b) * heads * size;
+    const float* src = from + (into_wave ? all : wave);
+    std::copy(src, src + heads * size, to + (into_wave ? wave : all));
+  }
 }
 
 // The [C, K] conv weight tap-major ([K, C]), so that the channel loops read

@@ -12,6 +12,7 @@
 #include "core/dispatch.h"
 #include "core/vmap_fold.h"
 #include "cpu/segment.h"
+#include "cpu/thread_pool.h"
 #include "mlx/allocator.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
@@ -107,13 +108,6 @@ std::pair<std::vector<mx::array>, std::vector<int>> vmap_by_folding(
 const std::vector<int> kWeights = {
     kVJPConvWeight, kVJPDecayParameter, kVJPDtBias, kVJPNormWeight};
 
-// g's shape, and dg's: [B, T, Hv], or [B, T, Hv, Dk] with per-key gates.
-mx::Shape gate_shape(const SegmentParams& p) {
-  return p.per_key_gates
-      ? mx::Shape{p.batch, p.tokens, p.value_heads, p.key_dim}
-      : mx::Shape{p.batch, p.tokens, p.value_heads};
-}
-
 }  // namespace
 
 std::vector<mx::Dtype> segment_vjp_dtypes(mx::Dtype activation) {
@@ -160,17 +154,27 @@ void GatedDeltaSegmentVJP::eval_cpu(
     encoder.add_temporary(buffer);
     return buffer.data<float>();
   };
-  const mx::Shape qk = {p.batch, p.tokens, p.key_heads, p.key_dim};
-  const mx::Shape v = {p.batch, p.tokens, p.value_heads, p.value_dim};
-  const mx::Shape per_head = {p.batch, p.tokens, p.value_heads};
-  const mx::Shape state = {p.batch, p.value_heads, p.value_dim, p.key_dim};
+  // One wave's q, k, v, y, gates and states (cpu/segment.h).
+  const int wave_key_heads =
+      cpu::segment_wave_key_heads(p, cpu::thread_count());
+  const int wave_heads = wave_key_heads * (p.value_heads / p.key_heads);
+  const mx::Shape qk = {p.batch, p.tokens, wave_key_heads, p.key_dim};
+  const mx::Shape v = {p.batch, p.tokens, wave_heads, p.value_dim};
+  const mx::Shape per_head = {p.batch, p.tokens, wave_heads};
+  const mx::Shape gates = p.per_key_gates
+      ? mx::Shape{p.batch, p.tokens, wave_heads, p.key_dim}
+      : per_head;
+  const mx::Shape state = {p.batch, wave_heads, p.value_dim, p.key_dim};
   float* y = scratch(v);
-  float* g = scratch(gate_shape(p));
-  float* dg = scratch(gate_shape(p));
-  float* dgamma = scratch(gate_shape(p));
+  float* g = scratch(gates);
+  float* dg = scratch(gates);
+  float* dgamma = scratch(gates);
   float* beta = scratch(per_head);
   float* dbeta = scratch(per_head);
+  float* wave_state_in = scratch(state);
   float* state_out = scratch(state);
+  float* wave_d_state_out = scratch(state);
+  float* wave_dstate = scratch(state);
   float* dq = scratch(qk);
   float* dk = scratch(qk);
   float* dv = scratch(v);
@@ -188,13 +192,17 @@ void GatedDeltaSegmentVJP::eval_cpu(
             inputs[kVJPOutCotangent].data<T>(),
             inputs[kVJPConvStateCotangent].data<T>(),
             inputs[kVJPStateCotangent].data<float>(),
+            wave_key_heads,
             y,
             g,
             dg,
             dgamma,
             beta,
             dbeta,
+            wave_state_in,
             state_out,
+            wave_d_state_out,
+            wave_dstate,
             dq,
             dk,
             dv,

@@ -25,15 +25,14 @@
 // [B, T, K, C] window tensor and no scatter-add).
 //
 // Measured (benchmarks/RESULTS.md, "Training"; CPU, bf16, the Qwen3-Next
-// layer's shape, T = 8192): the vjp alone grows MLX's peak by 588 MiB over
-// its inputs, where steps 1, 2 and 4 as three primitives around the core
-// op's backward primitive grew it by 1036 MiB (float32 q, k, v and y, 384
-// MiB, and dz, 64 MiB, held beside the gradients); the MLX vjp of the
-// segment written as MLX ops peaked at 7315 MiB. What it holds now: dq, dk,
-// dv (256 MiB), y and then dy (128 MiB) and the packed row's gradient
-// (193 MiB). Reading y's chunks in the core's backward as its reverse walk
-// reaches them (gated_norm is per token and value head), instead of the
-// whole float32 y and dy, is the next step.
+// layer's shape, T = 8192): the vjp alone grows MLX's peak by 224 MiB over
+// its inputs: the packed row's gradient (193 MiB) and the float32 q, k, v and
+// y (then dq, dk, dv and dy) of one wave of key heads (cpu/segment.h: 24 MiB
+// on 2 threads), where every head's at once grew it by 588 MiB, and steps
+// 1, 2 and 4 as three primitives around the core op's backward primitive by
+// 1036 MiB (float32 q, k, v and y, 384 MiB, and dz, 64 MiB, held beside the
+// gradients); the MLX vjp of the segment written as MLX ops peaked at 7315
+// MiB.
 #include <cmath>
 #include <functional>
 #include <optional>
