@@ -12,8 +12,8 @@ void bind_core(nanobind::module_& m);
 // (segment/segment_bindings.cpp).
 void bind_segment(nanobind::module_& m);
 // What only the tests call: the dispatch choices, the kernels run on guarded
-// buffers, the chunked form's stages, the thread pool and the Metal library's
-// hooks (test_hooks.cpp).
+// buffers, the chunked form's stages, the thread pool, the segment's waves and
+// the Metal library's hooks (test_hooks.cpp).
 void bind_test_hooks(nanobind::module_& m);
 
 }  // namespace mlx_gated_delta

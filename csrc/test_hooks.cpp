@@ -1,7 +1,7 @@
 // The test hooks of _mlx_gated_delta_ext (bindings.h): what only the tests
 // call, to check the dispatch choices, the CPU kernels on guarded buffers,
-// the chunked form's stages one by one, the thread pool and the Metal
-// library's messages on any machine.
+// the chunked form's stages one by one, the thread pool, the segment's waves
+// and the Metal library's messages on any machine.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
@@ -25,6 +25,7 @@
 #include "core/dispatch.h"
 #include "cpu/backward.h"
 #include "cpu/forward.h"
+#include "cpu/segment.h"
 #include "cpu/thread_pool.h"
 #include "cpu/usable_cores.h"
 #include "metal/library.h"
@@ -630,6 +631,34 @@ void bind_test_hooks(nb::module_& m) {
       "on"_a,
       "Testing only: run gated_delta_segment as MLX ops around the core op on "
       "every stream instead of its primitive.");
+
+  m.def(
+      "exchange_segment_wave_bytes",
+      &cpu::exchange_segment_wave_bytes,
+      "bytes"_a,
+      "Testing only: sets the CPU segment's wave budget (bytes of one wave's "
+      "float32 q, k, v and y) and returns the one before.");
+  m.def(
+      "segment_wave_key_heads",
+      [](int batch,
+         int tokens,
+         int key_heads,
+         int value_heads,
+         int key_dim,
+         int value_dim) {
+        SegmentParams p;
+        p.set_shape(
+            {batch, tokens, key_heads, value_heads, key_dim, value_dim});
+        return cpu::segment_wave_key_heads(p, cpu::thread_count());
+      },
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      "Testing only: the key heads of one wave of the CPU segment (grouped "
+      "heads) on this pool, under the present budget.");
 
   m.def(
       "cpus_of_cgroup_cpu_max",

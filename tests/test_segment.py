@@ -6,10 +6,21 @@ so that `python -m mlx_gated_delta selftest` runs them too."""
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from mlx_gated_delta import gated_delta_segment
-from mlx_gated_delta.testing.segment_cases import make_segment_case
+from mlx_gated_delta import _ext, gated_delta_segment, thread_count
+from mlx_gated_delta.testing.segment_cases import (
+    MASK_KINDS,
+    WIPE_KINDS,
+    gate_variant_options,
+    make_segment_case,
+)
+from mlx_gated_delta.testing.strategies import budget
+from mlx_gated_delta.tests.test_checkpoints import checkpoint_positions
+from mlx_gated_delta.tests.test_core import assert_bitwise_equal
 from mlx_gated_delta.tests.test_segment import run
+from mlx_gated_delta.tests.test_segment_gradients import cotangents, segment_gradients
 
 # ---------------------------------------------------------------------------
 # Bad input: a clear error naming the argument, at graph construction.
@@ -143,3 +154,78 @@ def test_per_key_gates_take_a_per_key_packed_row():
     arguments.update(mixed_qkvzba=mx.zeros((1, 3, 132)), dt_bias=mx.zeros((4, 8)))
     out, conv_state, state = gated_delta_segment(**arguments, lower_bound=-5.0)
     assert out.shape == (1, 3, 4, 8) and state.shape == (1, 4, 8, 8)
+
+
+# ---------------------------------------------------------------------------
+# The CPU segment in waves of key heads (csrc/cpu/segment.h): its stages run
+# for a few key heads and the value heads that read them at a time, so that
+# the float32 scratch is one wave's. Every stage is per head or per channel,
+# so a call in several waves gives one wave's bits. A wave holds up to 32 MiB
+# of scratch, so only long calls run in several; the test hook shrinks that
+# budget so that small drawn calls do.
+# ---------------------------------------------------------------------------
+
+
+def segment_with_gradients(case, positions, algorithm):
+    """The forward with checkpoints, then every input's gradient, on the CPU."""
+    forward = gated_delta_segment(
+        *case.args(), algorithm=algorithm, checkpoints=positions, stream=mx.cpu, **case.options
+    )
+    gradients = segment_gradients(case, cotangents(case), algorithm=algorithm)
+    mx.eval(forward, gradients)
+    return forward, gradients
+
+
+@budget(15)
+@given(data=st.data(), algorithm=st.sampled_from(("recurrent", "chunked")))
+def test_segment_in_several_waves_equals_one_wave(data, algorithm):
+    ratio = data.draw(st.sampled_from((1, 2)), label="ratio")
+    # The fewest key heads a wave takes (about one value head per thread),
+    # three times over: three waves when the budget fits nothing.
+    per_thread = -(-thread_count() // ratio)
+    key_heads = 3 * per_thread
+    batch = data.draw(st.integers(1, 2), label="batch")
+    tokens = data.draw(st.integers(1, 70), label="tokens")
+    case = make_segment_case(
+        data.draw(st.integers(0, 2**32 - 1), label="seed"),
+        batch=batch,
+        tokens=tokens,
+        key_heads=key_heads,
+        value_heads=key_heads * ratio,
+        key_dim=8,
+        value_dim=8,
+        dtype=data.draw(st.sampled_from(("float32", "float16", "bfloat16")), label="dtype"),
+        mask_kind=data.draw(st.sampled_from(MASK_KINDS), label="mask"),
+        wipes=data.draw(st.sampled_from(WIPE_KINDS), label="wipes"),
+        with_state=data.draw(st.booleans(), label="with_state"),
+        **data.draw(gate_variant_options(), label="gates"),
+    )
+    positions = data.draw(checkpoint_positions(tokens), label="checkpoints")
+    shape = (batch, tokens, key_heads, key_heads * ratio, 8, 8)
+
+    assert _ext.segment_wave_key_heads(*shape) == key_heads
+    one_wave = segment_with_gradients(case, positions, algorithm)
+    before = _ext.exchange_segment_wave_bytes(1)
+    try:
+        assert _ext.segment_wave_key_heads(*shape) == per_thread
+        waves = segment_with_gradients(case, positions, algorithm)
+    finally:
+        _ext.exchange_segment_wave_bytes(before)
+
+    names = ("out", "conv_state", "state", "conv_checkpoints", "checkpoints")
+    for name, actual, expected in zip(names, waves[0], one_wave[0]):
+        assert_bitwise_equal(name, actual, expected)
+    for name, expected in one_wave[1].items():
+        actual = waves[1][name]
+        if name != "norm_weight":
+            assert_bitwise_equal(f"d {name}", actual, expected)
+        elif batch == 1:
+            # d norm_weight sums each thread's terms in float64, wave by wave
+            # instead of token by token: the same terms in another order, so
+            # the float32 result may round to the next float32 on either side.
+            expected = np.array(expected)
+            steps = np.abs(np.nextafter(expected, np.inf, dtype=np.float32) - expected)
+            assert np.all(np.abs(np.array(actual) - expected) <= steps), "d norm_weight"
+        # With batch 2 the rows' float32 values are added after rounding: a
+        # step in one row moves the sum by a step of the row, which a step of
+        # the sum does not bound, so only the other gradients are compared.

@@ -216,27 +216,15 @@ void gated_delta_segment_forward(
     const ConvOutputs conv_out{
         {qkv.data(), qkv.data() + qk_width, qkv.data() + 2 * qk_width},
         {C, C, C}};
-    prepare_conv(
+    prepare_wave(
         p,
-        io.mixed_qkvzba,
-        io.conv_weight,
-        io.conv_state_in,
-        io.mask,
-        channel_blocks(p, first, key_heads),
-        conv_out);
-    prepare_gates(
-        p,
-        io.mixed_qkvzba,
-        io.decay_parameter,
-        io.dt_bias,
-        first_head,
-        heads,
+        io,
+        first,
+        key_heads,
+        conv_out,
         g.data(),
-        beta.data());
-    if (io.state_in != nullptr) {
-      copy_wave_states(
-          p, p.batch, first_head, heads, io.state_in, state_in.data(), true);
-    }
+        beta.data(),
+        state_in.data());
 
     GatedDeltaParams wave = p.core_params();
     wave.key_heads = key_heads;

@@ -8,7 +8,6 @@
 // Every intermediate is float32 whatever the activation dtype T.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 
 #include "segment/segment_params.h"
@@ -106,29 +105,19 @@ struct SegmentBackwardBuffers {
 // their stages for those key heads and the value heads that read them, wave
 // after wave): every key head with the interleaved mapping; with the grouped
 // mapping (a key head's value heads are consecutive), as many as keep the
-// wave's float32 q, k, v and y within kSegmentWaveBytes, and at least enough
-// for about one value head per thread (the core's problems are (batch row,
-// value head) pairs), split evenly. A short call (a decode step) is one wave,
-// and a long one does not pay each wave's stage calls and waits more often
-// than it must.
+// wave's float32 q, k, v and y within the wave budget (kSegmentWaveBytes),
+// and at least enough for about one value head per thread (the core's
+// problems are (batch row, value head) pairs), split evenly. A short call (a
+// decode step) is one wave, and a long one does not pay each wave's stage
+// calls and waits more often than it must. Compiled once
+// (segment_waves.cpp), not per kernel level: the budget is one value.
 constexpr int64_t kSegmentWaveBytes = int64_t(32) << 20;
 
-inline int segment_wave_key_heads(const SegmentParams& p, int threads) {
-  if (p.head_mapping != HeadMapping::Grouped) {
-    return p.key_heads;
-  }
-  const int ratio = p.value_heads / p.key_heads;
-  const int64_t per_key_head = int64_t(p.batch) * p.tokens *
-      (2 * p.key_dim + 2 * ratio * p.value_dim) * int64_t(sizeof(float));
-  const int64_t fitting =
-      kSegmentWaveBytes / std::max<int64_t>(1, per_key_head);
-  const int per_thread = (threads + ratio - 1) / ratio;
-  const int most = int(std::min<int64_t>(
-      p.key_heads, std::max<int64_t>({1, per_thread, fitting})));
-  // As many waves as `most` key heads a wave need, of even sizes.
-  const int waves = (p.key_heads + most - 1) / most;
-  return (p.key_heads + waves - 1) / waves;
-}
+int segment_wave_key_heads(const SegmentParams& p, int threads);
+
+// Testing only: sets the wave budget (bytes) and returns the one before, so
+// that a test runs a small call in several waves (test_hooks.cpp).
+int64_t exchange_segment_wave_bytes(int64_t bytes);
 
 template <typename T>
 void gated_delta_segment_backward(

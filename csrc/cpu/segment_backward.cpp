@@ -306,25 +306,15 @@ void gated_delta_segment_backward(
         channel_blocks(p, first, key_heads);
     const int64_t qk_row = int64_t(key_heads) * p.key_dim;
     const int64_t v_row = int64_t(heads) * p.value_dim;
-    prepare_conv(
+    prepare_wave(
         p,
-        io.mixed_qkvzba,
-        io.conv_weight,
-        io.conv_state_in,
-        io.mask,
-        blocks,
-        ConvOutputs{{io.dq, io.dk, io.dv}, {qk_row, qk_row, v_row}});
-    prepare_gates(
-        p,
-        io.mixed_qkvzba,
-        io.decay_parameter,
-        io.dt_bias,
-        first_head,
-        heads,
+        io,
+        first,
+        key_heads,
+        ConvOutputs{{io.dq, io.dk, io.dv}, {qk_row, qk_row, v_row}},
         io.g,
-        io.beta);
-    copy_wave_states(
-        p, p.batch, first_head, heads, io.state_in, io.wave_state_in, true);
+        io.beta,
+        io.wave_state_in);
     copy_wave_states(
         p,
         p.batch,

@@ -70,6 +70,48 @@ void prepare_gates(
     float* g,  // [B, T, H], or [B, T, H, Dk] with per-key gates
     float* beta);  // [B, T, H]
 
+// One wave's inputs to the core, as the forward computes them and the
+// backward recomputes them: q, k and v of the key heads [first_key_head,
+// first_key_head + key_heads) and of the value heads that read them
+// (prepare_conv, into conv_out), their g and beta (prepare_gates) and, when
+// the call has an initial state, their states ([B, H, Dv, Dk]). `io` is the
+// forward's or the backward's buffers (segment.h), which name the inputs
+// alike.
+template <typename Buffers>
+void prepare_wave(
+    const SegmentParams& p,
+    const Buffers& io,
+    int first_key_head,
+    int key_heads,
+    const ConvOutputs& conv_out,
+    float* g,
+    float* beta,
+    float* wave_state_in) {
+  const int ratio = p.value_heads / p.key_heads;
+  const int first_head = first_key_head * ratio, heads = key_heads * ratio;
+  prepare_conv(
+      p,
+      io.mixed_qkvzba,
+      io.conv_weight,
+      io.conv_state_in,
+      io.mask,
+      channel_blocks(p, first_key_head, key_heads),
+      conv_out);
+  prepare_gates(
+      p,
+      io.mixed_qkvzba,
+      io.decay_parameter,
+      io.dt_bias,
+      first_head,
+      heads,
+      g,
+      beta);
+  if (io.state_in != nullptr) {
+    copy_wave_states(
+        p, p.batch, first_head, heads, io.state_in, wave_state_in, true);
+  }
+}
+
 // out = rms_norm(y, eps) * norm_weight * silu(z) (or sigmoid(z), as the
 // params' output gate), per (token, value head), for the value heads
 // [first_head, first_head + heads) (H of them); masked tokens get 0.
