@@ -344,6 +344,32 @@ nb::dict trace_chunked_backward(
   return out;
 }
 
+// Binds hook(shape) as name(batch, tokens, key_heads, value_heads, key_dim,
+// value_dim): the hooks that answer a question about a call's shape.
+template <typename Hook>
+void def_shape_hook(
+    nb::module_& m, const char* name, Hook hook, const char* doc) {
+  m.def(
+      name,
+      [hook](
+          int batch,
+          int tokens,
+          int key_heads,
+          int value_heads,
+          int key_dim,
+          int value_dim) {
+        return hook(ProblemShape{
+            batch, tokens, key_heads, value_heads, key_dim, value_dim});
+      },
+      "batch"_a,
+      "tokens"_a,
+      "key_heads"_a,
+      "value_heads"_a,
+      "key_dim"_a,
+      "value_dim"_a,
+      doc);
+}
+
 }  // namespace
 
 void bind_test_hooks(nb::module_& m) {
@@ -373,40 +399,22 @@ void bind_test_hooks(nb::module_& m) {
       "value_heads"_a,
       "key_dim"_a,
       "value_dim"_a);
-  m.def(
+  def_shape_hook(
+      m,
       "validate_launch_extents",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim) {
-        validate_launch_extents(shape_params(
-            {batch, tokens, key_heads, value_heads, key_dim, value_dim}));
+      [](const ProblemShape& shape) {
+        validate_launch_extents(shape_params(shape));
       },
-      "batch"_a,
-      "tokens"_a,
-      "key_heads"_a,
-      "value_heads"_a,
-      "key_dim"_a,
-      "value_dim"_a);
-  m.def(
+      "Testing only: raises where one of the core's buffers at this shape "
+      "would not fit a 32-bit kernel index.");
+  def_shape_hook(
+      m,
       "resolve_cpu_algorithm",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim) {
-        return std::string(to_string(resolve_cpu_algorithm(shape_params(
-            {batch, tokens, key_heads, value_heads, key_dim, value_dim}))));
+      [](const ProblemShape& shape) {
+        return std::string(
+            to_string(resolve_cpu_algorithm(shape_params(shape))));
       },
-      "batch"_a,
-      "tokens"_a,
-      "key_heads"_a,
-      "value_heads"_a,
-      "key_dim"_a,
-      "value_dim"_a);
+      "Testing only: the algorithm 'auto' runs on the CPU for this shape.");
 
   m.def(
       "resolve_cpu_backward_algorithm",
@@ -638,25 +646,14 @@ void bind_test_hooks(nb::module_& m) {
       "bytes"_a,
       "Testing only: sets the CPU segment's wave budget (bytes of one wave's "
       "float32 q, k, v and y) and returns the one before.");
-  m.def(
+  def_shape_hook(
+      m,
       "segment_wave_key_heads",
-      [](int batch,
-         int tokens,
-         int key_heads,
-         int value_heads,
-         int key_dim,
-         int value_dim) {
+      [](const ProblemShape& shape) {
         SegmentParams p;
-        p.set_shape(
-            {batch, tokens, key_heads, value_heads, key_dim, value_dim});
+        p.set_shape(shape);
         return cpu::segment_wave_key_heads(p, cpu::thread_count());
       },
-      "batch"_a,
-      "tokens"_a,
-      "key_heads"_a,
-      "value_heads"_a,
-      "key_dim"_a,
-      "value_dim"_a,
       "Testing only: the key heads of one wave of the CPU segment (grouped "
       "heads) on this pool, under the present budget.");
 

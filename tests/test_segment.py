@@ -180,11 +180,11 @@ def segment_with_gradients(case, positions, algorithm):
 @given(data=st.data(), algorithm=st.sampled_from(("recurrent", "chunked")))
 def test_segment_in_several_waves_equals_one_wave(data, algorithm):
     ratio = data.draw(st.sampled_from((1, 2)), label="ratio")
-    # The fewest key heads a wave takes (about one value head per thread),
-    # three times over: three waves when the budget fits nothing.
-    per_thread = -(-thread_count() // ratio)
-    key_heads = 3 * per_thread
     batch = data.draw(st.integers(1, 2), label="batch")
+    # The fewest key heads a wave takes (one (batch row, key head) pair per
+    # thread), three times over: three waves when the budget fits nothing.
+    per_thread = -(-thread_count() // batch)
+    key_heads = 3 * per_thread
     tokens = data.draw(st.integers(1, 70), label="tokens")
     case = make_segment_case(
         data.draw(st.integers(0, 2**32 - 1), label="seed"),

@@ -106,10 +106,11 @@ struct SegmentBackwardBuffers {
 // after wave): every key head with the interleaved mapping; with the grouped
 // mapping (a key head's value heads are consecutive), as many as keep the
 // wave's float32 q, k, v and y within the wave budget (kSegmentWaveBytes),
-// and at least enough for about one value head per thread (the core's
-// problems are (batch row, value head) pairs), split evenly. A short call (a
-// decode step) is one wave, and a long one does not pay each wave's stage
-// calls and waits more often than it must. Compiled once
+// and at least enough for one (batch row, key head) pair per thread, split
+// evenly: with fewer, the core would run each value head as a task of its
+// own and repeat its key head's work for each (cpu_value_heads_per_task). A
+// short call (a decode step) is one wave, and a long one does not pay each
+// wave's stage calls and waits more often than it must. Compiled once
 // (segment_waves.cpp), not per kernel level: the budget is one value.
 constexpr int64_t kSegmentWaveBytes = int64_t(32) << 20;
 

@@ -22,7 +22,11 @@ int segment_wave_key_heads(const SegmentParams& p, int threads) {
       (2 * p.key_dim + 2 * ratio * p.value_dim) * int64_t(sizeof(float));
   const int64_t fitting = wave_bytes.load(std::memory_order_relaxed) /
       std::max<int64_t>(1, per_key_head);
-  const int per_thread = (threads + ratio - 1) / ratio;
+  // The fewest key heads a wave takes: one (batch row, key head) task per
+  // thread, so that the core runs each key head's value heads in one task
+  // and normalises its q and k and builds its grams once
+  // (cpu_value_heads_per_task), not once per value head.
+  const int per_thread = (threads + p.batch - 1) / p.batch;
   const int most = int(std::min<int64_t>(
       p.key_heads, std::max<int64_t>({1, per_thread, fitting})));
   // As many waves as `most` key heads a wave need, of even sizes.
