@@ -25,8 +25,10 @@ int segment_wave_key_heads(const SegmentParams& p, int threads) {
   // The fewest key heads a wave takes: one (batch row, key head) task per
   // thread, so that the core runs each key head's value heads in one task
   // and normalises its q and k and builds its grams once
-  // (cpu_value_heads_per_task), not once per value head.
-  const int per_thread = (threads + p.batch - 1) / p.batch;
+  // (cpu_value_heads_per_task), not once per value head. An empty batch
+  // (B = 0) is one wave of nothing.
+  const int rows = std::max(1, p.batch);
+  const int per_thread = (threads + rows - 1) / rows;
   const int most = int(std::min<int64_t>(
       p.key_heads, std::max<int64_t>({1, per_thread, fitting})));
   // As many waves as `most` key heads a wave need, of even sizes.

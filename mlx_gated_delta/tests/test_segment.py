@@ -224,6 +224,19 @@ def test_zero_tokens_return_empty_out_and_unchanged_states():
     assert np.array_equal(to_float64(state), to_float64(case.state))
 
 
+@pytest.mark.parametrize("algorithm", ("recurrent", "chunked"))
+@pytest.mark.parametrize("tokens", (0, 5, 70))
+def test_an_empty_batch_returns_empty_outputs(algorithm, tokens):
+    # Found by the fuzz: the CPU segment's wave size divided by the batch.
+    case = make_segment_case(
+        1, batch=0, tokens=tokens, key_heads=1, value_heads=2, key_dim=8, value_dim=8
+    )
+    out, conv_state, state = run(case, algorithm=algorithm)
+    mx.eval(out, conv_state, state)
+    assert out.shape == (0, tokens, 2, 8)
+    assert conv_state.shape == case.conv_state.shape and state.shape == case.state.shape
+
+
 def test_default_states_are_zeros():
     case = make_segment_case(
         2,
