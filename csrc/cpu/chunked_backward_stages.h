@@ -285,24 +285,6 @@ bool normal_decays(
   return true;
 }
 
-// Asks for the token rows of the chunk from `start` (prefetch_rows), while
-// the chunk before it runs: q, k and v, and with `cotangent` dy (the reverse).
-template <typename T>
-void prefetch_chunk(
-    const GatedDeltaParams& p,
-    const BackwardHeadView<T>& h,
-    int start,
-    bool cotangent) {
-  const int rows = std::min(C, p.tokens - start);
-  const int64_t qk = h.qk_token_stride, v = h.v_token_stride;
-  prefetch_rows(h.q + start * qk, qk, rows, p.key_dim);
-  prefetch_rows(h.k + start * qk, qk, rows, p.key_dim);
-  prefetch_rows(h.v + start * v, v, rows, p.value_dim);
-  if (cotangent) {
-    prefetch_rows(h.dy + start * v, v, rows, p.value_dim);
-  }
-}
-
 // boundary_states: the forward's stages over the chunks, keeping what
 // ChunkStore holds (per-key gates: key_decayed_grams in place of k_gram).
 template <typename Gates, typename T>
@@ -318,9 +300,6 @@ void boundary_states(
   for (int c = 0; c < p.num_chunks(); ++c) {
     const int start = c * C;
     const int L = std::min(C, p.tokens - start);
-    if (c + 1 < p.num_chunks()) {
-      prefetch_chunk(p, h, start + C, false);
-    }
     std::copy(
         state_t.begin(), state_t.end(), &store.entry_t[c * store.state_size]);
     qk_norm(p, view, start, L, s);
@@ -661,9 +640,6 @@ void head_backward(
   for (int c = p.num_chunks() - 1; c >= 0; --c) {
     const int start = c * C;
     const int L = std::min(C, p.tokens - start);
-    if (c > 0) {
-      prefetch_chunk(p, h, start - C, true);
-    }
     const float* entry_t = &store.entry_t[c * store.state_size];
     transpose(entry_t, dk, dv, dv, b.entry.data(), dk);
     transpose(b.ds_t.data(), dk, dv, dv, ds, dk);

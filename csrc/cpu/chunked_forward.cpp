@@ -595,19 +595,6 @@ void chunked_heads(
       }
     };
 
-    // The next chunk's rows, on their way while this chunk runs.
-    if (start + C < p.tokens) {
-      const int next = start + C, rows = std::min(C, p.tokens - next);
-      const int64_t qk_stride = first.qk_token_stride;
-      prefetch_rows(first.q + next * qk_stride, qk_stride, rows, dk);
-      prefetch_rows(first.k + next * qk_stride, qk_stride, rows, dk);
-      for (int n = 0; n < head_count; ++n) {
-        const HeadView<T>& h = heads[n];
-        prefetch_rows(
-            h.v + next * h.v_token_stride, h.v_token_stride, rows, dv);
-      }
-    }
-
     // Once per key head, shared by its value heads.
     qk_norm(p, first, start, L, s);
     traced(Stage::QkNorm, nullptr);

@@ -71,23 +71,6 @@ inline void load_vector(const T* source, float* out, int n) {
   }
 }
 
-// Asks for `rows` rows of n values, `stride` values apart, to be brought
-// into cache ahead of their use: a chunk's token rows of q, k, v and dy lie a
-// whole token (every head) apart, each in a page of its own, and neither the
-// hardware prefetchers nor the loads of one row at a time (waiting on each
-// row's page walk) get them from memory at speed.
-template <typename T>
-inline void prefetch_rows(const T* first, int64_t stride, int rows, int n) {
-  constexpr int kLine = 64;
-  const int bytes = n * int(sizeof(T));
-  for (int r = 0; r < rows; ++r) {
-    const char* row = reinterpret_cast<const char*>(first + r * stride);
-    for (int offset = 0; offset < bytes; offset += kLine) {
-      __builtin_prefetch(row + offset);
-    }
-  }
-}
-
 // q and k are optionally L2-normalised per head, in float32 (docs/contract.md).
 inline void normalize(float* x, int n) {
   const float inverse_norm = 1.0f / std::sqrt(dot(x, x, n) + 1e-6f);
