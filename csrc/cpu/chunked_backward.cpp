@@ -15,7 +15,6 @@ namespace chunked_backward {
 // dS0 -= W^T dV' (transposed, into b.ds0_t).
 void delta_backward(const GatedDeltaParams& p, int L, BackwardScratch& b) {
   const int dk = p.key_dim, dv = p.value_dim;
-  fill_zero(b.dw);
   gemm(
       L,
       dk,
@@ -25,7 +24,9 @@ void delta_backward(const GatedDeltaParams& p, int L, BackwardScratch& b) {
       b.entry.data(),
       dk,
       b.dw.data(),
-      dk);
+      dk,
+      Triangle::None,
+      Output::Overwrite);
   gemm(
       dk,
       dv,
@@ -69,7 +70,6 @@ void w_u_products(const GatedDeltaParams& p, int L, BackwardScratch& b) {
     std::fill(&b.dt[i * C + i + 1], &b.dt[i * C + C], 0.0f);
   }
   const MatrixA inverse_t{b.inverse, 1, C};
-  fill_zero(b.d_scaled_v);
   gemm(
       L,
       dv,
@@ -80,8 +80,8 @@ void w_u_products(const GatedDeltaParams& p, int L, BackwardScratch& b) {
       dv,
       b.d_scaled_v.data(),
       dv,
-      Triangle::UpperA);
-  fill_zero(b.d_scaled_k);
+      Triangle::UpperA,
+      Output::Overwrite);
   gemm(
       L,
       dk,
@@ -92,13 +92,13 @@ void w_u_products(const GatedDeltaParams& p, int L, BackwardScratch& b) {
       dk,
       b.d_scaled_k.data(),
       dk,
-      Triangle::UpperA);
+      Triangle::UpperA,
+      Output::Overwrite);
 }
 
 // kkt_inverse_backward's dA = -T^T dT T^T (lower part valid) into b.da.
 void inverse_gradient(int L, BackwardScratch& b) {
   transpose(b.inverse, L, L, C, b.inverse_t.data(), C);
-  fill_zero(b.x);
   gemm(
       L,
       L,
@@ -109,8 +109,8 @@ void inverse_gradient(int L, BackwardScratch& b) {
       C,
       b.x.data(),
       C,
-      Triangle::LowerA);
-  fill_zero(b.da);
+      Triangle::LowerA,
+      Output::Overwrite);
   gemm(
       L,
       L,
@@ -121,7 +121,8 @@ void inverse_gradient(int L, BackwardScratch& b) {
       C,
       b.da.data(),
       C,
-      Triangle::UpperA);
+      Triangle::UpperA,
+      Output::Overwrite);
 }
 
 }  // namespace chunked_backward
@@ -131,7 +132,8 @@ namespace {
 using namespace chunked_backward;
 
 // Scalar gates: the row and column products of a lower [L, L] matrix X
-// already decayed, rows += X B and columns += X^T A ([L, Dk] rows).
+// already decayed, rows += X B and columns += X^T A ([L, Dk] rows); with
+// Output::Overwrite rows = X B and columns = X^T A.
 void row_column_products(
     int L,
     int dk,
@@ -139,9 +141,10 @@ void row_column_products(
     const float* a,
     const float* b,
     float* rows,
-    float* columns) {
-  gemm(L, dk, L, 1.0f, {x, C, 1}, b, dk, rows, dk, Triangle::LowerA);
-  gemm(L, dk, L, 1.0f, {x, 1, C}, a, dk, columns, dk, Triangle::UpperA);
+    float* columns,
+    Output output) {
+  gemm(L, dk, L, 1.0f, {x, C, 1}, b, dk, rows, dk, Triangle::LowerA, output);
+  gemm(L, dk, L, 1.0f, {x, 1, C}, a, dk, columns, dk, Triangle::UpperA, output);
 }
 
 // Scalar gates: one decay per row (the notation of chunked_backward_stages.h).
@@ -196,8 +199,6 @@ struct ScalarGates {
         b.m[i * C + j] = b.dm[i * C + j] * s.decay[i * C + j];
       }
     }
-    fill_zero(b.dq);
-    fill_zero(b.dk);
     row_column_products(
         L,
         p.key_dim,
@@ -205,7 +206,8 @@ struct ScalarGates {
         s.q.data(),
         s.k.data(),
         b.dq.data(),
-        b.dk.data());
+        b.dk.data(),
+        Output::Overwrite);
   }
 
   // With P = dO S0: dq_i += Gamma_i P_i, and Gamma_i's gradient gains
@@ -228,12 +230,12 @@ struct ScalarGates {
       }
     }
     const float chunk_decay = s.decays.from_start(L - 1);
-    float entry_term = 0.0f;
     for (int64_t e = 0; e < int64_t(dk) * dv; ++e) {
       b.ds0_t[e] = chunk_decay * b.ds_t[e];
-      entry_term += b.ds_t[e] * entry_t[e];
     }
-    b.entry_terms[L - 1] += entry_term;
+    // In dot's lanes: a sum of Dk Dv terms one after another waits on each
+    // add (it took a quarter of chunk_carry_backward's time).
+    b.entry_terms[L - 1] += dot(b.ds_t.data(), entry_t, dk * dv);
     return {s.q.data(), b.scaled_d_out.data()};
   }
 
@@ -295,7 +297,8 @@ struct ScalarGates {
         s.k.data(),
         s.k.data(),
         b.dk.data(),
-        b.dk.data());
+        b.dk.data(),
+        Output::Add);
   }
 
   // dM_ij (q_i . k_j) + beta_i dA_ij (k_i . k_j).

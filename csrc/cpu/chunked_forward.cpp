@@ -192,7 +192,6 @@ void recompute_w_u(
     }
   }
   const MatrixA t_rows{s.inverse.data(), kChunkSize, 1};
-  fill_zero(s.u);
   gemm(
       L,
       dv,
@@ -203,8 +202,8 @@ void recompute_w_u(
       dv,
       s.u.data(),
       dv,
-      Triangle::LowerA);
-  fill_zero(s.w);
+      Triangle::LowerA,
+      Output::Overwrite);
   gemm(
       L,
       dk,
@@ -215,7 +214,8 @@ void recompute_w_u(
       dk,
       s.w.data(),
       dk,
-      Triangle::LowerA);
+      Triangle::LowerA,
+      Output::Overwrite);
 }
 
 // chunk_carry, in two steps around chunk_output. The first: V' = U - W S0^T
@@ -226,7 +226,6 @@ void chunk_carry(
   const int dk = p.key_dim, dv = p.value_dim;
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
-  fill_zero(s.y);
   if (p.per_key_gates) {
     // inter_i = S0 (decay(i, -1, :) * q_i): the decay scales q's channels.
     // scaled_k is free until chunk_carry_state.
@@ -243,10 +242,23 @@ void chunk_carry(
         state_t,
         dv,
         s.y.data(),
-        dv);
+        dv,
+        Triangle::None,
+        Output::Overwrite);
     return;
   }
-  gemm(L, dv, dk, 1.0f, {s.q.data(), dk, 1}, state_t, dv, s.y.data(), dv);
+  gemm(
+      L,
+      dv,
+      dk,
+      1.0f,
+      {s.q.data(), dk, 1},
+      state_t,
+      dv,
+      s.y.data(),
+      dv,
+      Triangle::None,
+      Output::Overwrite);
   for (int i = 0; i < L; ++i) {
     const float d = s.decays.from_start(i);
     for (int c = 0; c < dv; ++c) {

@@ -3,6 +3,7 @@
 // recomputes W, U and the deltas of each chunk with the same functions.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -43,6 +44,9 @@ namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL {
 // A decay that underflows to exactly 0 (g = -inf from gamma == 0) is a wipe:
 // decay(i, j) is 0 whenever a wipe lies in (j, i], decided by index, never by
 // subtracting cumulative logs across it (that would be -inf - -inf = NaN).
+// The other decays are decay_exp of the difference of cumulative logs, as with
+// per-key gates: the decay matrix takes L (L + 1) / 2 of them a chunk and
+// value head, and the library's scalar expf call was 3% of the forward.
 class ChunkDecays {
  public:
   void compute(const float* g, const bool* active, int length) {
@@ -60,7 +64,7 @@ class ChunkDecays {
     if (last_wipe_[i] > j) {
       return 0.0f;
     }
-    return std::exp(log_sum_[i] - (j >= 0 ? log_sum_[j] : 0.0f));
+    return decay_exp(log_sum_[i] - (j >= 0 ? log_sum_[j] : 0.0f));
   }
   float from_start(int i) const {
     return (*this)(i, -1);
@@ -82,7 +86,7 @@ class ChunkDecays {
       const int last_wipe = last_wipe_[i];
 #pragma omp simd
       for (int j = 0; j <= i; ++j) {
-        const float value = std::exp(log_sum_i - log_sum_[j]);
+        const float value = decay_exp(log_sum_i - log_sum_[j]);
         row[j] = j < last_wipe ? 0.0f : value;
       }
       for (int j = i + 1; j < length_; ++j) {
@@ -137,6 +141,10 @@ inline void fill_zero(std::vector<float>& values) {
   std::fill(values.begin(), values.end(), 0.0f);
 }
 
+// out[c, r] = in[r, c] for `rows` x `cols`, in tiles of 16 x 16. Element by
+// element along whole rows, each store of a 128 x 128 state lands 512 bytes
+// past the last, and the loop ran at about 1 ns an element; a tile's 16 rows
+// and 16 columns stay in L1 (2.4x faster on that state).
 inline void transpose(
     const float* in,
     int rows,
@@ -144,9 +152,16 @@ inline void transpose(
     int64_t ld_in,
     float* out,
     int64_t ld_out) {
-  for (int r = 0; r < rows; ++r) {
-    for (int c = 0; c < cols; ++c) {
-      out[c * ld_out + r] = in[r * ld_in + c];
+  constexpr int kTile = 16;
+  for (int r0 = 0; r0 < rows; r0 += kTile) {
+    const int r1 = std::min(rows, r0 + kTile);
+    for (int c0 = 0; c0 < cols; c0 += kTile) {
+      const int c1 = std::min(cols, c0 + kTile);
+      for (int c = c0; c < c1; ++c) {
+        for (int r = r0; r < r1; ++r) {
+          out[c * ld_out + r] = in[r * ld_in + c];
+        }
+      }
     }
   }
 }

@@ -1,5 +1,6 @@
 // Register-tiled products of the small matrices of the chunked form
-// (64 x 128 by 128 x 128, 64 x 64 triangles): C += alpha * A B.
+// (64 x 128 by 128 x 128, 64 x 64 triangles): C += alpha * A B, or
+// C = alpha * A B.
 //
 // A is read through two strides, so A^T costs nothing: (a_row, a_k) =
 // (lda, 1) reads A, (1, lda) reads A^T. B and C are row-major. Each tile keeps
@@ -34,6 +35,12 @@ constexpr int kTileCols = 2 * kVectorFloats;
 // written too: callers mask C's upper triangle themselves.
 enum class Triangle { None, LowerA, UpperA, LowerC };
 
+// Whether a product adds into C or overwrites it. Overwrite spares the caller
+// zeroing C first (and the tile its reads of C): alpha * acc is what
+// alpha * acc + 0 rounds to, but for the sign of a zero. LowerC leaves the
+// entries above its vectors as they were, so its callers zero C and add.
+enum class Output { Add, Overwrite };
+
 struct MatrixA {
   const float* data;
   int64_t row_stride;  // between rows of A (the M index)
@@ -50,7 +57,8 @@ inline void gemm_tile(
     const float* b,
     int64_t ldb,
     float* c,
-    int64_t ldc) {
+    int64_t ldc,
+    Output output) {
   float acc[MR][NR] = {};
   for (int k = 0; k < k_size; ++k) {
     const float* b_row = b + k * ldb;
@@ -62,6 +70,16 @@ inline void gemm_tile(
         acc[m][n] = multiply_add(a_mk, b_row[n], acc[m][n]);
       }
     }
+  }
+  if (output == Output::Overwrite) {
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+#pragma omp simd
+      for (int n = 0; n < NR; ++n) {
+        c[m * ldc + n] = alpha * acc[m][n];
+      }
+    }
+    return;
   }
 #pragma GCC unroll 8
   for (int m = 0; m < MR; ++m) {
@@ -83,18 +101,20 @@ inline void gemm_rows(
     const float* b,
     int64_t ldb,
     float* c,
-    int64_t ldc) {
+    int64_t ldc,
+    Output output) {
   int n = 0;
   for (; n + kTileCols <= n_size; n += kTileCols) {
     gemm_tile<MR, kTileCols>(
-        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc, output);
   }
   for (; n + kVectorFloats <= n_size; n += kVectorFloats) {
     gemm_tile<MR, kVectorFloats>(
-        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc, output);
   }
   for (; n < n_size; ++n) {
-    gemm_tile<MR, 1>(k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc);
+    gemm_tile<MR, 1>(
+        k_size, alpha, a, a_row, a_k, b + n, ldb, c + n, ldc, output);
   }
 }
 
@@ -114,7 +134,8 @@ inline void gemm_block(
     int64_t ldb,
     float* c,
     int64_t ldc,
-    Triangle triangle) {
+    Triangle triangle,
+    Output output) {
   const int block_end = m + MR;
   const int n_limit = triangle == Triangle::LowerC
       ? std::min(
@@ -134,7 +155,8 @@ inline void gemm_block(
       b + k0 * ldb,
       ldb,
       c + m * ldc,
-      ldc);
+      ldc,
+      output);
 }
 
 // The `rows` (< kTileRows) rows left after gemm's whole tiles, from row m, as
@@ -154,18 +176,21 @@ inline void gemm_last_rows(
     int64_t ldb,
     float* c,
     int64_t ldc,
-    Triangle triangle) {
+    Triangle triangle,
+    Output output) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      gemm_block<MR>(m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
+      gemm_block<MR>(
+          m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle, output);
       return;
     }
     gemm_last_rows<MR - 1>(
-        rows, m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
+        rows, m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle, output);
   }
 }
 
-// C[m_size, n_size] += alpha * A[m_size, k_size] B[k_size, n_size]
+// C[m_size, n_size] += alpha * A[m_size, k_size] B[k_size, n_size], or with
+// Output::Overwrite C = alpha A B (not with Triangle::LowerC, see Output).
 inline void gemm(
     int m_size,
     int n_size,
@@ -176,14 +201,26 @@ inline void gemm(
     int64_t ldb,
     float* c,
     int64_t ldc,
-    Triangle triangle = Triangle::None) {
+    Triangle triangle = Triangle::None,
+    Output output = Output::Add) {
   int m = 0;
   for (; m + kTileRows <= m_size; m += kTileRows) {
     gemm_block<kTileRows>(
-        m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
+        m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle, output);
   }
   gemm_last_rows<kTileRows - 1>(
-      m_size - m, m, n_size, k_size, alpha, a, b, ldb, c, ldc, triangle);
+      m_size - m,
+      m,
+      n_size,
+      k_size,
+      alpha,
+      a,
+      b,
+      ldb,
+      c,
+      ldc,
+      triangle,
+      output);
 }
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL
