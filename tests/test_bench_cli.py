@@ -4,6 +4,7 @@ import argparse
 import ast
 import dataclasses
 import pkgutil
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -688,3 +689,34 @@ def test_contended_runs_its_rows_on_the_cpu(monkeypatch, tmp_path):
         monkeypatch.setattr(contended, step, lambda quick, progress: [])
     contended.run(0, True, str(tmp_path))
     assert chosen == [mx.cpu]
+
+
+PAIRED = Path(__file__).resolve().parent.parent / "benchmarks" / "paired.py"
+
+
+@pytest.mark.parametrize("mode", ["forward", "gradients"])
+def test_paired_times_two_builds_in_turn_and_reports_their_ratio(mode):
+    # The installed build against itself, from the folder that holds the package.
+    folder = Path(mlx_gated_delta.__file__).resolve().parent.parent
+    command = [sys.executable, str(PAIRED), str(folder), str(folder), "--mode", mode]
+    result = subprocess.run(
+        [*command, "--tokens", "70", "--pairs", "3"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert re.fullmatch(
+        rf"{mode} T=70 float32, 3 pairs: base median [\d.]+ ms, new median [\d.]+ ms, "
+        r"new / base per pair: median [\d.]+ \(quartiles [\d.]+, [\d.]+\)\n",
+        result.stdout,
+    ), result.stdout
+
+
+def test_paired_refuses_a_folder_without_the_package(tmp_path):
+    folder = Path(mlx_gated_delta.__file__).resolve().parent.parent
+    result = subprocess.run(
+        [sys.executable, str(PAIRED), str(tmp_path), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert f"{tmp_path} holds no mlx_gated_delta package" in result.stderr
