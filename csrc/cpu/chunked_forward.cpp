@@ -226,39 +226,32 @@ void chunk_carry(
   const int dk = p.key_dim, dv = p.value_dim;
   gemm(L, dv, dk, -1.0f, {s.w.data(), dk, 1}, state_t, dv, s.u.data(), dv);
 
+  // The inter-chunk output S0 (decay(i, -1) q_i). Per-key gates: the decays
+  // scale q's channels first (into scaled_k, free until chunk_carry_state);
+  // scalar gates: the output rows after.
+  const float* queries = s.q.data();
   if (p.per_key_gates) {
-    // inter_i = S0 (decay(i, -1, :) * q_i): the decay scales q's channels.
-    // scaled_k is free until chunk_carry_state.
     const float* from_start = s.key_decays.from_start();
     for (int e = 0; e < L * dk; ++e) {
       s.scaled_k[e] = from_start[e] * s.q[e];
     }
-    gemm(
-        L,
-        dv,
-        dk,
-        1.0f,
-        {s.scaled_k.data(), dk, 1},
-        state_t,
-        dv,
-        s.y.data(),
-        dv,
-        Triangle::None,
-        Output::Overwrite);
-    return;
+    queries = s.scaled_k.data();
   }
   gemm(
       L,
       dv,
       dk,
       1.0f,
-      {s.q.data(), dk, 1},
+      {queries, dk, 1},
       state_t,
       dv,
       s.y.data(),
       dv,
       Triangle::None,
       Output::Overwrite);
+  if (p.per_key_gates) {
+    return;
+  }
   for (int i = 0; i < L; ++i) {
     const float d = s.decays.from_start(i);
     for (int c = 0; c < dv; ++c) {
