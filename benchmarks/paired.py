@@ -134,14 +134,19 @@ def main() -> None:
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     base, new = Build(args.base, args), Build(args.new, args)
-    base.time_one_call(), new.time_one_call()  # untimed: the first call pays for setup
+    # Untimed: the first call pays for setup.
+    base.time_one_call()
+    new.time_one_call()
     base_times, new_times = [], []
     for pair in range(args.pairs):
-        order = (base, new) if pair % 2 == 0 else (new, base)
-        seconds = {id(build): build.time_one_call() for build in order}
-        base_times.append(seconds[id(base)])
-        new_times.append(seconds[id(new)])
-    base.close(), new.close()
+        if pair % 2 == 0:
+            base_times.append(base.time_one_call())
+            new_times.append(new.time_one_call())
+        else:
+            new_times.append(new.time_one_call())
+            base_times.append(base.time_one_call())
+    base.close()
+    new.close()
     ratios = sorted(n / b for n, b in zip(new_times, base_times))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(

@@ -27,8 +27,10 @@ constexpr int kDotLanes = 16;
 // The partial sums of `dot` added in its fixed tree: lane l + w into lane l,
 // for w = 8, 4, 2, 1. Written out step by step, so that each step is a whole
 // vector operation in registers (a loop over the widths left the lanes on
-// the stack, one store and reload per step).
-inline float sum_lanes(float* lanes) {
+// the stack, one store and reload per step). Float64 lanes too
+// (qk_grad_reduce's sums).
+template <typename F>
+inline F sum_lanes(F* lanes) {
   static_assert(kDotLanes == 16);
   for (int l = 0; l < 8; ++l) {
     lanes[l] += lanes[l + 8];

@@ -358,13 +358,8 @@ void qk_grad_reduce(
         projection_lanes[l] += x_c * sum[first + l];
       }
     }
-    for (int width = kDotLanes / 2; width > 0; width /= 2) {
-      for (int l = 0; l < width; ++l) {
-        squares_lanes[l] += squares_lanes[l + width];
-        projection_lanes[l] += projection_lanes[l + width];
-      }
-    }
-    const double squares = squares_lanes[0], projection = projection_lanes[0];
+    const double squares = sum_lanes(squares_lanes);
+    const double projection = sum_lanes(projection_lanes);
     const double norm_squared = squares + double(1e-6f);  // the forward's eps
     const double inverse_cube = 1.0 / (norm_squared * std::sqrt(norm_squared));
     for (int c = 0; c < dk; ++c) {
