@@ -362,6 +362,23 @@ def test_the_environment_variable_sets_the_thread_count():
     assert "ignoring MLX_GATED_DELTA_NUM_THREADS=zero" in ignored.stderr
 
 
+# How many threads a job of some multiply-adds asks for, on pools of 2 and 16 threads.
+THREADS_FOR_WORK = (
+    "from mlx_gated_delta import _ext; "
+    "print(*(_ext.cpu_pool_threads_for_work(w) for w in (0, 262144, 524288, 2097152, 1 << 30)))"
+)
+
+
+def test_a_job_takes_a_thread_per_512k_multiply_adds():
+    # The demo model's decode step (262K multiply-adds) stays on the caller and Qwen3-Next's
+    # (2M) takes 4 threads, on 16 cores as on 2: more threads for it, one per 64K, were
+    # measured on a 16-core Xeon and not kept (docs/cpu.md, "How a call is shared").
+    two = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "2"})
+    assert two.stdout.split() == ["1", "1", "1", "2", "2"]
+    sixteen = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "16"})
+    assert sixteen.stdout.split() == ["1", "1", "1", "4", "16"]
+
+
 # Prints a digest of every output of the calls below: prefill (both algorithms), decode, the
 # fused segment and the gradients, at sizes whose work spreads over every thread asked for.
 OUTPUT_DIGEST = """

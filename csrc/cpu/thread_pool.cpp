@@ -248,12 +248,15 @@ void parallel_for(int count, const std::function<void(int)>& task) {
   pool().run(count, thread_count(), -1, task);
 }
 
+int threads_for_work(int64_t work) {
+  const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
+  return static_cast<int>(std::min<int64_t>(threads, thread_count()));
+}
+
 void parallel_for(
     int count, int64_t task_work, const std::function<void(int)>& task) {
   const int64_t work = std::max<int64_t>(0, task_work) * std::max(count, 0);
-  const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
-  pool().run(
-      count, static_cast<int>(std::min<int64_t>(threads, 4096)), work, task);
+  pool().run(count, threads_for_work(work), work, task);
 }
 
 int thread_count() {
