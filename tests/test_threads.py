@@ -240,6 +240,18 @@ def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone():
     assert threads == 1, f"a small job ran on {threads} threads right after a stall"
 
 
+STALL_ON_A_POOL = (
+    "from mlx_gated_delta import _ext; print(*_ext.cpu_pool_threads_after_stall(64))"
+)
+
+
+def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone_on_a_large_pool():
+    # A pool of more than two threads takes a stall only past 1 ms; a worker held up for
+    # 50 ms is still one.
+    result = run_python(STALL_ON_A_POOL, {"MLX_GATED_DELTA_NUM_THREADS": "4"})
+    assert result.stdout.split() == ["True", "1"], result.stdout
+
+
 def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once():
     # MLX runs each stream's CPU work on a thread of its own, so the pool has
     # concurrent callers; the binding releases the GIL while the pool runs.
