@@ -641,6 +641,13 @@ void bind_test_hooks(nb::module_& m) {
       "every stream instead of its primitive.");
 
   m.def(
+      "cpu_pool_threads_for_work",
+      &cpu::threads_for_work,
+      "work"_a,
+      "Testing only: how many threads the CPU pool asks for, for a job of "
+      "`work` multiply-adds.");
+
+  m.def(
       "exchange_segment_wave_bytes",
       &cpu::exchange_segment_wave_bytes,
       "bytes"_a,

@@ -240,6 +240,18 @@ def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone():
     assert threads == 1, f"a small job ran on {threads} threads right after a stall"
 
 
+STALL_ON_A_POOL = (
+    "from mlx_gated_delta import _ext; print(*_ext.cpu_pool_threads_after_stall(64))"
+)
+
+
+def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone_on_a_large_pool():
+    # A pool of more than two threads takes a stall only past 1 ms; a worker held up for
+    # 50 ms is still one.
+    result = run_python(STALL_ON_A_POOL, {"MLX_GATED_DELTA_NUM_THREADS": "4"})
+    assert result.stdout.split() == ["True", "1"], result.stdout
+
+
 def test_parallel_for_from_several_threads_at_once_runs_each_index_exactly_once():
     # MLX runs each stream's CPU work on a thread of its own, so the pool has
     # concurrent callers; the binding releases the GIL while the pool runs.
@@ -360,6 +372,23 @@ def test_the_environment_variable_sets_the_thread_count():
     default = run_python(THREAD_COUNT, {"MLX_GATED_DELTA_NUM_THREADS": ""})
     assert ignored.stdout == default.stdout
     assert "ignoring MLX_GATED_DELTA_NUM_THREADS=zero" in ignored.stderr
+
+
+# How many threads a job of some multiply-adds asks for, on pools of 2 and 16 threads.
+THREADS_FOR_WORK = (
+    "from mlx_gated_delta import _ext; "
+    "print(*(_ext.cpu_pool_threads_for_work(w) for w in (0, 262144, 524288, 2097152, 1 << 30)))"
+)
+
+
+def test_a_job_takes_a_thread_per_512k_multiply_adds():
+    # The demo model's decode step (262K multiply-adds) stays on the caller and Qwen3-Next's
+    # (2M) takes 4 threads, on 16 cores as on 2: more threads for it, one per 64K, were
+    # measured on a 16-core Xeon and not kept (docs/cpu.md, "How a call is shared").
+    two = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "2"})
+    assert two.stdout.split() == ["1", "1", "1", "2", "2"]
+    sixteen = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "16"})
+    assert sixteen.stdout.split() == ["1", "1", "1", "4", "16"]
 
 
 # Prints a digest of every output of the calls below: prefill (both algorithms), decode, the

@@ -44,7 +44,16 @@ constexpr auto kCallerSpin = std::chrono::microseconds(20);
 // kSmallJobWork multiply-adds (about a millisecond on one core, a decode
 // step's) run on the caller alone; larger jobs still pay for the workers.
 // After that the workers are tried again.
+//
+// On a pool of more than two threads, a wait counts as a stall only past
+// kStallWaitLargePool: workers woken on idle virtual CPUs come a few hundred
+// microseconds late often enough that, on the quiet 16-core Xeon measured,
+// the 100 us threshold kept the decode step on the caller alone for most of a
+// run (half the speed). On two cores, 1 ms made the decode step of the busy
+// 2-core EPYC 10-20% slower, so it keeps 100 us (docs/cpu.md, "The stall
+// threshold"). Pools of 3 to 15 threads were not measured.
 constexpr auto kStallWait = std::chrono::microseconds(100);
+constexpr auto kStallWaitLargePool = std::chrono::microseconds(1000);
 constexpr auto kStallMemory = std::chrono::milliseconds(100);
 constexpr int64_t kSmallJobWork = 32 * kMinWorkPerThread;
 
@@ -154,7 +163,9 @@ class ThreadPool {
     wait_until(
         kCallerSpin, mutex_, left_, [this] { return joined_.load() == 0; });
     const auto waited = Clock::now() - drained;
-    if (waited > kStallWait && waited > drained - started) {
+    const auto stall_wait =
+        thread_count() > 2 ? kStallWaitLargePool : kStallWait;
+    if (waited > stall_wait && waited > drained - started) {
       const auto until = Clock::now() + kStallMemory;
       small_jobs_alone_until_.store(until.time_since_epoch().count());
     }
@@ -248,12 +259,15 @@ void parallel_for(int count, const std::function<void(int)>& task) {
   pool().run(count, thread_count(), -1, task);
 }
 
+int threads_for_work(int64_t work) {
+  const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
+  return static_cast<int>(std::min<int64_t>(threads, thread_count()));
+}
+
 void parallel_for(
     int count, int64_t task_work, const std::function<void(int)>& task) {
   const int64_t work = std::max<int64_t>(0, task_work) * std::max(count, 0);
-  const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
-  pool().run(
-      count, static_cast<int>(std::min<int64_t>(threads, 4096)), work, task);
+  pool().run(count, threads_for_work(work), work, task);
 }
 
 int thread_count() {

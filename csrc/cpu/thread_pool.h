@@ -24,6 +24,10 @@ void parallel_for(int count, const std::function<void(int)>& task);
 void parallel_for(
     int count, int64_t task_work, const std::function<void(int)>& task);
 
+// How many threads parallel_for(count, task_work, task) asks for, for a job of
+// `work` = count * task_work multiply-adds (fewer when fewer tasks or threads).
+int threads_for_work(int64_t work);
+
 // How many threads parallel_for runs on at most (the workers and the caller):
 // MLX_GATED_DELTA_NUM_THREADS where set, else the CPUs of the process's
 // affinity mask, bounded by its cgroup's CPU quota (csrc/cpu/usable_cores.h).
