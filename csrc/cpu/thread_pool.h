@@ -25,7 +25,8 @@ void parallel_for(
     int count, int64_t task_work, const std::function<void(int)>& task);
 
 // How many threads parallel_for(count, task_work, task) asks for, for a job of
-// `work` = count * task_work multiply-adds (fewer when fewer tasks or threads).
+// `work` = count * task_work multiply-adds, at most thread_count() (run takes
+// fewer when there are fewer tasks).
 int threads_for_work(int64_t work);
 
 // How many threads parallel_for runs on at most (the workers and the caller):
