@@ -240,9 +240,7 @@ def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone():
     assert threads == 1, f"a small job ran on {threads} threads right after a stall"
 
 
-STALL_ON_A_POOL = (
-    "from mlx_gated_delta import _ext; print(*_ext.cpu_pool_threads_after_stall(64))"
-)
+STALL_ON_A_POOL = "from mlx_gated_delta import _ext; print(*_ext.cpu_pool_threads_after_stall(64))"
 
 
 def test_after_a_worker_stalls_small_jobs_run_on_the_caller_alone_on_a_large_pool():
