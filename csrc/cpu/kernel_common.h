@@ -58,6 +58,31 @@ inline float dot(const float* a, const float* b, int n) {
   return sum_lanes(lanes);
 }
 
+// out[r] = dot(a + r * lda, b, n) for Rows rows of a, bit for bit: each
+// row's lanes and their order are dot's. The rows' chains are independent,
+// so the core overlaps them, and their loads are in flight together, where
+// one dot waits on each multiply-add before the next.
+template <int Rows>
+inline void dots(
+    const float* a, int64_t lda, const float* b, int n, float* out) {
+  float lanes[Rows][kDotLanes] = {};
+  const int whole = n - n % kDotLanes;
+  for (int i = 0; i < whole; i += kDotLanes) {
+    for (int r = 0; r < Rows; ++r) {
+      for (int l = 0; l < kDotLanes; ++l) {
+        lanes[r][l] = multiply_add(a[r * lda + i + l], b[i + l], lanes[r][l]);
+      }
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    for (int i = whole; i < n; ++i) {
+      lanes[r][i - whole] =
+          multiply_add(a[r * lda + i], b[i], lanes[r][i - whole]);
+    }
+    out[r] = sum_lanes(lanes[r]);
+  }
+}
+
 // y += alpha * x
 inline void axpy(float alpha, const float* x, float* y, int n) {
 #pragma omp simd

@@ -69,6 +69,9 @@ std::vector<float> widen_rows(int64_t rows, int in_features, MatrixView<T> m) {
   return out;
 }
 
+// W's rows that dense_projection_by_dots dots side by side.
+constexpr int kDotRows = 4;
+
 template <typename T>
 void dense_projection_by_dots(
     int64_t rows,
@@ -80,17 +83,42 @@ void dense_projection_by_dots(
   constexpr int kRowsPerTask = 64;
   const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t task_work = rows * kRowsPerTask * in_features;
+  // A float32 W with contiguous rows is read where it lies.
+  const bool in_place = std::is_same_v<T, float> && weight.column_stride == 1;
   parallel_for(tasks, task_work, [&](int task) {
-    std::vector<float> w_row(in_features);
+    std::vector<float> w_rows(in_place ? 0 : kDotRows * in_features);
     const int out_end = std::min(out_features, (task + 1) * kRowsPerTask);
-    for (int o = task * kRowsPerTask; o < out_end; ++o) {
-      widen_row(weight, o, in_features, w_row.data());
-      // Each row on its own, through the fixed-order dot product: a row's
-      // result does not depend on how many rows come with it, nor on where
-      // the buffers lie.
+    for (int o = task * kRowsPerTask; o < out_end; o += kDotRows) {
+      const int n = std::min(kDotRows, out_end - o);
+      const float* w = w_rows.data();
+      int64_t ldw = in_features;
+      if constexpr (std::is_same_v<T, float>) {
+        if (in_place) {
+          w = weight.data + o * weight.row_stride;
+          ldw = weight.row_stride;
+        }
+      }
+      if (!in_place) {
+        for (int k = 0; k < n; ++k) {
+          widen_row(weight, o + k, in_features, &w_rows[k * in_features]);
+        }
+      }
+      // Each output element is dot(x row, W row), its lanes and order fixed:
+      // it does not depend on how many rows come with it, nor on where the
+      // buffers lie.
       for (int64_t r = 0; r < rows; ++r) {
-        y[r * out_features + o] =
-            static_cast<T>(dot(x + r * in_features, w_row.data(), in_features));
+        const float* x_r = x + r * in_features;
+        float out[kDotRows];
+        if (n == kDotRows) {
+          dots<kDotRows>(w, ldw, x_r, in_features, out);
+        } else {
+          for (int k = 0; k < n; ++k) {
+            out[k] = dot(w + k * ldw, x_r, in_features);
+          }
+        }
+        for (int k = 0; k < n; ++k) {
+          y[r * out_features + o + k] = static_cast<T>(out[k]);
+        }
       }
     }
   });
