@@ -44,24 +44,11 @@ inline F sum_lanes(F* lanes) {
   return lanes[0] + lanes[1];
 }
 
-inline float dot(const float* a, const float* b, int n) {
-  float lanes[kDotLanes] = {};
-  const int whole = n - n % kDotLanes;
-  for (int i = 0; i < whole; i += kDotLanes) {
-    for (int l = 0; l < kDotLanes; ++l) {
-      lanes[l] = multiply_add(a[i + l], b[i + l], lanes[l]);
-    }
-  }
-  for (int i = whole; i < n; ++i) {
-    lanes[i - whole] = multiply_add(a[i], b[i], lanes[i - whole]);
-  }
-  return sum_lanes(lanes);
-}
-
-// out[r] = dot(a + r * lda, b, n) for Rows rows of a, bit for bit: each
-// row's lanes and their order are dot's. The rows' chains are independent,
-// so the core overlaps them, and their loads are in flight together, where
-// one dot waits on each multiply-add before the next.
+// out[r] = sum_i a[r * lda + i] b[i] for Rows rows of a, each row summed in
+// kDotLanes lanes and then sum_lanes' tree: an order that is fixed, so a
+// row's sum does not depend on how many rows come with it. The rows' chains
+// are independent, so the core overlaps them, and their loads are in flight
+// together, where one row's sum waits on each multiply-add before the next.
 template <int Rows>
 inline void dots(
     const float* a, int64_t lda, const float* b, int n, float* out) {
@@ -81,6 +68,13 @@ inline void dots(
     }
     out[r] = sum_lanes(lanes[r]);
   }
+}
+
+// One row of dots.
+inline float dot(const float* a, const float* b, int n) {
+  float out;
+  dots<1>(a, 0, b, n, &out);
+  return out;
 }
 
 // y += alpha * x

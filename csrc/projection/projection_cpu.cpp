@@ -113,7 +113,7 @@ void dense_projection_by_dots(
           dots<kDotRows>(w, ldw, x_r, in_features, out);
         } else {
           for (int k = 0; k < n; ++k) {
-            out[k] = dot(w + k * ldw, x_r, in_features);
+            dots<1>(w + k * ldw, ldw, x_r, in_features, out + k);
           }
         }
         for (int k = 0; k < n; ++k) {
