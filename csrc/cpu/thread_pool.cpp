@@ -56,7 +56,7 @@ constexpr auto kCallerSpin = std::chrono::microseconds(20);
 // the 100 us threshold kept the decode step on the caller alone for most of a
 // run (half the speed). On two cores, 1 ms made the decode step of the busy
 // 2-core EPYC 10-20% slower, so it keeps 100 us (docs/cpu.md, "The stall
-// threshold"). Pools of 3 to 15 threads were not measured.
+// threshold"). Pools of 3 to 15 threads were not measured with 100 us.
 constexpr auto kStallWait = std::chrono::microseconds(100);
 constexpr auto kStallWaitLargePool = std::chrono::microseconds(1000);
 constexpr auto kStallMemory = std::chrono::milliseconds(100);
