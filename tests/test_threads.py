@@ -379,14 +379,16 @@ THREADS_FOR_WORK = (
 )
 
 
-def test_a_job_takes_a_thread_per_512k_multiply_adds():
-    # The demo model's decode step (262K multiply-adds) stays on the caller and Qwen3-Next's
-    # (2M) takes 4 threads, on 16 cores as on 2: more threads for it, one per 64K, were
-    # measured on a 16-core Xeon and not kept (docs/cpu.md, "How a call is shared").
+def test_a_job_takes_a_thread_per_512k_multiply_adds_or_per_64k_on_a_large_pool():
+    # On two threads the demo model's decode step (262K multiply-adds) stays on the caller and
+    # Qwen3-Next's (2M) takes both; on more than two, a worker per 64K, so Qwen3-Next's step
+    # takes 16 threads of 16 (docs/cpu.md, "How a call is shared").
     two = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "2"})
     assert two.stdout.split() == ["1", "1", "1", "2", "2"]
+    four = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "4"})
+    assert four.stdout.split() == ["1", "4", "4", "4", "4"]
     sixteen = run_python(THREADS_FOR_WORK, {"MLX_GATED_DELTA_NUM_THREADS": "16"})
-    assert sixteen.stdout.split() == ["1", "1", "1", "4", "16"]
+    assert sixteen.stdout.split() == ["1", "4", "8", "16", "16"]
 
 
 # Prints a digest of every output of the calls below: prefill (both algorithms), decode, the

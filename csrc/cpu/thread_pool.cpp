@@ -20,8 +20,13 @@ namespace {
 // to 40 us of decode work on the 2-core EPYC measured): below it, the wake-up,
 // and on a busy machine the chance that the worker is preempted in the middle
 // of its task while the caller waits for it, cost more than the worker saves
-// (docs/cpu.md).
+// (docs/cpu.md). On a pool of more than two threads a worker is woken for
+// kMinWorkPerThreadLargePool: on the 16-core Xeon measured, Qwen3-Next's
+// decode step (2M multiply-adds) took half the time on 16 threads as on the 4
+// that 512K gave it, quiet and taking turns with MLX's own ops; on two cores
+// 64K made the demo model's decode twice as slow ("How a call is shared").
 constexpr int64_t kMinWorkPerThread = 512 * 1024;
+constexpr int64_t kMinWorkPerThreadLargePool = 64 * 1024;
 
 // A worker that ran tasks in a job polls for the next job for kWorkerSpin
 // (giving the core away between polls) before it sleeps: a decode step calls
@@ -51,7 +56,7 @@ constexpr auto kCallerSpin = std::chrono::microseconds(20);
 // the 100 us threshold kept the decode step on the caller alone for most of a
 // run (half the speed). On two cores, 1 ms made the decode step of the busy
 // 2-core EPYC 10-20% slower, so it keeps 100 us (docs/cpu.md, "The stall
-// threshold"). Pools of 3 to 15 threads were not measured.
+// threshold"). Pools of 3 to 15 threads were not measured with 100 us.
 constexpr auto kStallWait = std::chrono::microseconds(100);
 constexpr auto kStallWaitLargePool = std::chrono::microseconds(1000);
 constexpr auto kStallMemory = std::chrono::milliseconds(100);
@@ -113,6 +118,13 @@ class ThreadPool {
     return static_cast<int>(threads_.size()) + 1;
   }
 
+  // More than two threads: the thresholds measured on the 16-core Xeon
+  // (kMinWorkPerThreadLargePool, kStallWaitLargePool) instead of the 2-core
+  // EPYC's.
+  bool large_pool() const {
+    return thread_count() > 2;
+  }
+
   // work: the job's multiply-adds, or -1 when the caller did not say (then
   // the job counts as large).
   void run(
@@ -163,8 +175,7 @@ class ThreadPool {
     wait_until(
         kCallerSpin, mutex_, left_, [this] { return joined_.load() == 0; });
     const auto waited = Clock::now() - drained;
-    const auto stall_wait =
-        thread_count() > 2 ? kStallWaitLargePool : kStallWait;
+    const auto stall_wait = large_pool() ? kStallWaitLargePool : kStallWait;
     if (waited > stall_wait && waited > drained - started) {
       const auto until = Clock::now() + kStallMemory;
       small_jobs_alone_until_.store(until.time_since_epoch().count());
@@ -260,7 +271,9 @@ void parallel_for(int count, const std::function<void(int)>& task) {
 }
 
 int threads_for_work(int64_t work) {
-  const int64_t threads = std::max<int64_t>(1, work / kMinWorkPerThread);
+  const int64_t per_thread =
+      pool().large_pool() ? kMinWorkPerThreadLargePool : kMinWorkPerThread;
+  const int64_t threads = std::max<int64_t>(1, work / per_thread);
   return static_cast<int>(std::min<int64_t>(threads, thread_count()));
 }
 
