@@ -1,7 +1,7 @@
 """Two builds of the core op, taking turns call by call.
 
     python benchmarks/paired.py BASE NEW [--mode forward|gradients]
-        [--tokens 2048] [--dtype float32] [--pairs 16]
+        [--tokens 2048] [--dtype float32] [--gates scalar|per-key] [--pairs 16]
 
 BASE and NEW are folders that each hold a build of the package: the folder
 with `mlx_gated_delta/` and `_mlx_gated_delta_ext*.so` in it, as
@@ -18,7 +18,9 @@ pair's two calls run a few hundred milliseconds apart, in the same phase, so
 their ratio separates a change of a few percent where processes taking turns
 do not.
 
-`forward` is the chunked forward (`algorithm="chunked"`, q and k normalised);
+`forward` is the chunked forward (`algorithm="chunked"`, q and k normalised;
+`--gates per-key`: a log decay per value head and key channel, `g` of shape
+`[B, T, Hv, Dk]`, as Kimi Delta Attention's);
 `gradients` is `mx.grad` of the sum of its output and final state with
 respect to q, k, v, g and beta (the forward, then the backward).
 
@@ -38,7 +40,7 @@ import subprocess
 import sys
 
 
-def make_call(mode: str, tokens: int, dtype_name: str):
+def make_call(mode: str, tokens: int, dtype_name: str, gates: str):
     import mlx.core as mx
 
     from mlx_gated_delta.ops import gated_delta_rule
@@ -49,7 +51,8 @@ def make_call(mode: str, tokens: int, dtype_name: str):
     q = mx.random.normal((batch, tokens, key_heads, dim)).astype(dtype)
     k = mx.random.normal((batch, tokens, key_heads, dim)).astype(dtype)
     v = mx.random.normal((batch, tokens, value_heads, dim)).astype(dtype)
-    g = -mx.random.uniform(0.01, 0.1, (batch, tokens, value_heads))
+    gate_shape = (batch, tokens, value_heads) + ((dim,) if gates == "per-key" else ())
+    g = -mx.random.uniform(0.01, 0.1, gate_shape)
     beta = mx.random.uniform(0.0, 1.0, (batch, tokens, value_heads))
     state = mx.zeros((batch, value_heads, dim, dim))
     mx.eval(q, k, v, g, beta, state)
@@ -68,7 +71,7 @@ def make_call(mode: str, tokens: int, dtype_name: str):
     return lambda: gradients(q, k, v, g, beta)
 
 
-def worker(folder: str, mode: str, tokens: int, dtype_name: str) -> None:
+def worker(folder: str, mode: str, tokens: int, dtype_name: str, gates: str) -> None:
     """Times one call per line read from stdin; prints the seconds."""
     import time
 
@@ -79,7 +82,7 @@ def worker(folder: str, mode: str, tokens: int, dtype_name: str) -> None:
     loaded = os.path.dirname(os.path.dirname(os.path.abspath(mlx_gated_delta.__file__)))
     if os.path.realpath(loaded) != os.path.realpath(folder):
         sys.exit(f"paired.py: mlx_gated_delta came from {loaded}, not {folder}")
-    call = make_call(mode, tokens, dtype_name)
+    call = make_call(mode, tokens, dtype_name, gates)
     for _ in sys.stdin:
         start = time.perf_counter()
         mx.eval(call())
@@ -92,6 +95,7 @@ class Build:
         path = os.pathsep.join([folder, *site.getsitepackages()])
         command = [sys.executable, "-S", os.path.abspath(__file__), "--worker", folder]
         command += ["--mode", args.mode, "--tokens", str(args.tokens), "--dtype", args.dtype]
+        command += ["--gates", args.gates]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -120,11 +124,12 @@ def main() -> None:
     parser.add_argument("--mode", choices=("forward", "gradients"), default="forward")
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--gates", choices=("scalar", "per-key"), default="scalar")
     parser.add_argument("--pairs", type=int, default=16)
     parser.add_argument("--worker", metavar="FOLDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.mode, args.tokens, args.dtype)
+        worker(args.worker, args.mode, args.tokens, args.dtype, args.gates)
         return
     if not (args.base and args.new):
         parser.error("give the two folders, BASE and NEW")

@@ -293,6 +293,32 @@ bool normal_decays(
   return true;
 }
 
+// Asks for this chunk's v rows (recompute_w_u and its backward read them
+// after the grams) and for the q, k and per-key gate rows of the chunk at
+// `next` (the one walked next, if any) to be brought into the cache: their
+// rows lie a token apart (prefetch_rows).
+template <typename T>
+void prefetch_chunk_rows(
+    const GatedDeltaParams& p,
+    const BackwardHeadView<T>& h,
+    int start,
+    int L,
+    int next) {
+  prefetch_rows(
+      h.v + start * h.v_token_stride, L, h.v_token_stride, p.value_dim);
+  if (next < 0 || next >= p.tokens) {
+    return;
+  }
+  const int next_L = std::min(C, p.tokens - next);
+  const int64_t qk = int64_t(next) * h.qk_token_stride;
+  prefetch_rows(h.q + qk, next_L, h.qk_token_stride, p.key_dim);
+  prefetch_rows(h.k + qk, next_L, h.qk_token_stride, p.key_dim);
+  if (p.per_key_gates) {
+    prefetch_rows(
+        h.g + next * h.g_token_stride, next_L, h.g_token_stride, p.key_dim);
+  }
+}
+
 // boundary_states: the forward's stages over the chunks, keeping what
 // ChunkStore holds (per-key gates: key_decayed_grams in place of k_gram).
 template <typename Gates, typename T>
@@ -312,6 +338,7 @@ void boundary_states(
         state_t.begin(), state_t.end(), &store.entry_t[c * store.state_size]);
     qk_norm(p, view, start, L, s);
     gate_cumsum(p, view, start, L, s);
+    prefetch_chunk_rows(p, h, start, L, start + C);
     Gates::forward_grams(dk, L, s, store, c);
     kkt_inverse(p, L, s);
     recompute_w_u(p, view, start, L, s);
@@ -659,6 +686,8 @@ void head_backward(
     // The forward's cheap stages again; the rest from the store.
     qk_norm(p, view, start, L, b.s);
     gate_cumsum(p, view, start, L, b.s);
+    prefetch_chunk_rows(p, h, start, L, start - C);
+    prefetch_rows(h.dy + start * h.v_token_stride, L, h.v_token_stride, dv);
     Gates::reverse_grams(dk, L, b, store, c);
     b.k_gram = &store.k_gram[size_t(c) * C * C];
     b.inverse = &store.inverse[size_t(c) * C * C];

@@ -92,6 +92,25 @@ inline void load_vector(const T* source, float* out, int n) {
   }
 }
 
+// Asks for `rows` rows of `row_elements` elements, `row_stride` elements
+// apart, to be brought into the L2 cache. A head's rows of q, k, v and the
+// gates lie a whole token apart (a page or more), so the hardware prefetchers,
+// which follow a stream within a page, do not fetch the next row; a chunk's
+// stage that loads them would wait on memory for each row.
+template <typename T>
+inline void prefetch_rows(
+    const T* first, int rows, int64_t row_stride, int row_elements) {
+  constexpr int kLine = 64;
+  const int bytes = row_elements * static_cast<int>(sizeof(T));
+  for (int i = 0; i < rows; ++i) {
+    const char* row = reinterpret_cast<const char*>(first + i * row_stride);
+    for (int b = 0; b < bytes; b += kLine) {
+      __builtin_prefetch(row + b, 0, 2);
+    }
+    __builtin_prefetch(row + bytes - 1, 0, 2);
+  }
+}
+
 // q and k are optionally L2-normalised per head, in float32 (docs/contract.md).
 inline void normalize(float* x, int n) {
   const float inverse_norm = 1.0f / std::sqrt(dot(x, x, n) + 1e-6f);
