@@ -190,12 +190,17 @@ void gated_delta_segment_forward(
   std::vector<float> g(rows * wave_heads * per_head);
   std::vector<float> beta(rows * wave_heads);
   std::vector<float> y(rows * wave_heads * p.value_dim);
+  // A call in one wave (a decode step is one) runs the core on the call's
+  // own state arrays, which a wave of every head lays out alike: copying the
+  // states into and out of zeroed scratch (4 MiB at Qwen3-Next's shape,
+  // allocated afresh each call) took about as long as the rest of the
+  // patched layer's decode step.
+  const bool one_wave = wave_key_heads >= p.key_heads;
   const int64_t state_size = int64_t(p.value_dim) * p.key_dim;
-  std::vector<float> state_in(
-      io.state_in == nullptr ? 0 : p.batch * wave_heads * state_size);
-  std::vector<float> state_out(p.batch * wave_heads * state_size);
-  std::vector<float> checkpoint_states(
-      int64_t(p.checkpoint_count) * p.batch * wave_heads * state_size);
+  const int64_t wave_states = one_wave ? 0 : p.batch * wave_heads * state_size;
+  std::vector<float> state_in(io.state_in == nullptr ? 0 : wave_states);
+  std::vector<float> state_out(wave_states);
+  std::vector<float> checkpoint_states(p.checkpoint_count * wave_states);
 
   collect_conv_state(
       p, io.mixed_qkvzba, io.conv_state_in, io.mask, io.conv_state_out);
@@ -224,7 +229,7 @@ void gated_delta_segment_forward(
         conv_out,
         g.data(),
         beta.data(),
-        state_in.data());
+        one_wave ? nullptr : state_in.data());
 
     GatedDeltaParams wave = p.core_params();
     wave.key_heads = key_heads;
@@ -240,19 +245,25 @@ void gated_delta_segment_forward(
     core.g = g.data();
     core.beta = beta.data();
     core.mask = io.mask;
-    core.state_in = io.state_in == nullptr ? nullptr : state_in.data();
+    core.state_in =
+        io.state_in == nullptr || one_wave ? io.state_in : state_in.data();
     core.y = y.data();
-    core.state_out = state_out.data();
+    core.state_out = one_wave ? io.state_out : state_out.data();
     core.checkpoints = io.checkpoints;
-    core.checkpoint_states =
-        p.checkpoint_count > 0 ? checkpoint_states.data() : nullptr;
+    core.checkpoint_states = nullptr;
+    if (p.checkpoint_count > 0) {
+      core.checkpoint_states =
+          one_wave ? io.checkpoint_states : checkpoint_states.data();
+    }
     // This copy's core, named in full: the argument types would otherwise
     // find the dispatching cpu::gated_delta_forward too.
     MLX_GATED_DELTA_KERNEL_LEVEL::gated_delta_forward<float>(
         wave, algorithm, core);
-    copy_wave_states(
-        p, p.batch, first_head, heads, state_out.data(), io.state_out, false);
-    if (p.checkpoint_count > 0) {
+    if (!one_wave) {
+      copy_wave_states(
+          p, p.batch, first_head, heads, state_out.data(), io.state_out, false);
+    }
+    if (p.checkpoint_count > 0 && !one_wave) {
       copy_wave_states(
           p,
           p.checkpoint_count * p.batch,

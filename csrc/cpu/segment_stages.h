@@ -74,7 +74,8 @@ void prepare_gates(
 // backward recomputes them: q, k and v of the key heads [first_key_head,
 // first_key_head + key_heads) and of the value heads that read them
 // (prepare_conv, into conv_out), their g and beta (prepare_gates) and, when
-// the call has an initial state, their states ([B, H, Dv, Dk]). `io` is the
+// the call has an initial state and `wave_state_in` is given, their states
+// ([B, H, Dv, Dk]; null: the core reads io's own). `io` is the
 // forward's or the backward's buffers (segment.h), which name the inputs
 // alike.
 template <typename Buffers>
@@ -106,7 +107,7 @@ void prepare_wave(
       heads,
       g,
       beta);
-  if (io.state_in != nullptr) {
+  if (io.state_in != nullptr && wave_state_in != nullptr) {
     copy_wave_states(
         p, p.batch, first_head, heads, io.state_in, wave_state_in, true);
   }
