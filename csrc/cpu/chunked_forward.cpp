@@ -591,10 +591,12 @@ void chunked_heads(
     // Once per key head, shared by its value heads.
     qk_norm(p, first, start, L, s);
     traced(Stage::QkNorm, nullptr);
-    // The next chunk's q and k rows load while this chunk's products run.
-    if (start + C < p.tokens) {
-      const int next_L = std::min(C, p.tokens - start - C);
-      const int64_t next = int64_t(start + C) * first.qk_token_stride;
+    // The next chunk's rows load while this chunk's products run: its q and
+    // k rows here, its per-key gate rows with each value head's.
+    const int next_start = start + C;
+    const int next_L = std::min(C, p.tokens - next_start);
+    if (next_L > 0) {
+      const int64_t next = int64_t(next_start) * first.qk_token_stride;
       prefetch_rows(first.q + next, next_L, first.qk_token_stride, dk);
       prefetch_rows(first.k + next, next_L, first.qk_token_stride, dk);
     }
@@ -613,15 +615,17 @@ void chunked_heads(
       float* state_t = &states[size_t(n) * dk * dv];
       gate_cumsum(p, h, start, L, s);
       traced(Stage::GateCumsum, nullptr);
-      // This chunk's v rows (recompute_w_u), and the next chunk's per-key
-      // gate rows, load while the grams are built.
+      // This chunk's v rows load while the grams are built (recompute_w_u
+      // reads them).
       prefetch_rows(h.v + start * h.v_token_stride, L, h.v_token_stride, dv);
-      if (p.per_key_gates && start + C < p.tokens) {
-        const int next_L = std::min(C, p.tokens - start - C);
-        prefetch_rows(
-            h.g + (start + C) * h.g_token_stride, next_L, h.g_token_stride, dk);
-      }
       if (p.per_key_gates) {
+        if (next_L > 0) {
+          prefetch_rows(
+              h.g + next_start * h.g_token_stride,
+              next_L,
+              h.g_token_stride,
+              dk);
+        }
         key_decayed_grams(s);
         traced(Stage::KeyDecayedGrams, nullptr);
       }

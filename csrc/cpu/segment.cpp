@@ -262,16 +262,16 @@ void gated_delta_segment_forward(
     if (!one_wave) {
       copy_wave_states(
           p, p.batch, first_head, heads, state_out.data(), io.state_out, false);
-    }
-    if (p.checkpoint_count > 0 && !one_wave) {
-      copy_wave_states(
-          p,
-          p.checkpoint_count * p.batch,
-          first_head,
-          heads,
-          checkpoint_states.data(),
-          io.checkpoint_states,
-          false);
+      if (p.checkpoint_count > 0) {
+        copy_wave_states(
+            p,
+            p.checkpoint_count * p.batch,
+            first_head,
+            heads,
+            checkpoint_states.data(),
+            io.checkpoint_states,
+            false);
+      }
     }
 
     gated_norm(
