@@ -106,7 +106,8 @@ MIXED_SEVERE_FRACTION = 0.15
 
 # Where wipes go (a decay of exactly 0: g = -inf, gamma = 0): nowhere, at
 # random tokens, on the first and last token of chunks (t % 64 in {0, 63}),
-# in runs of consecutive tokens.
+# in runs of consecutive tokens. A wipe is any g whose exp is 0 in float32,
+# g below about -103.97: make_core_case's `wipe_value` sets a finite one.
 WIPE_KINDS = ("none", "random", "chunk_edges", "runs")
 CHUNK = 64
 
@@ -185,6 +186,7 @@ def make_core_case(
     scale=None,
     head_mapping="grouped",
     wipes="none",
+    wipe_value=-np.inf,
     state_scale="unit",
     strided=False,
     per_key_gates=False,
@@ -211,10 +213,10 @@ def make_core_case(
         # single channels.
         g = make_decays(rng, decay, (B, T, value_heads, key_dim))
         wiped = wipe_positions(rng, wipes, (B, T, value_heads * key_dim))
-        g[wiped.reshape(g.shape)] = -np.inf
+        g[wiped.reshape(g.shape)] = wipe_value
     else:
         g = make_decays(rng, decay, (B, T, value_heads))
-        g[wipe_positions(rng, wipes, (B, T, value_heads))] = -np.inf
+        g[wipe_positions(rng, wipes, (B, T, value_heads))] = wipe_value
     beta = rng.uniform(0.0, beta_max, size=(B, T, value_heads))
     magnitude = STATE_SCALES[state_scale]
     if state_scale == "huge" and dtype == "float16":

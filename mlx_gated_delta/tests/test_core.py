@@ -458,7 +458,7 @@ def assert_update_matches_oracle(y, state, q, k, v, gamma, beta, initial_state=N
 
 
 @st.composite
-def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16")):
+def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16"), wipe_value=-np.inf):
     return make_core_case(
         draw(st.integers(0, 2**32 - 1)),
         batch=draw(st.integers(1, 2)),
@@ -472,6 +472,7 @@ def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16")):
         mask_kind=draw(st.sampled_from(("none", "random", "left_padding", "right_padding"))),
         head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
         wipes=wipes,
+        wipe_value=wipe_value,
         state_scale=draw(st.sampled_from(("unit", "huge"))),
     )
 
@@ -481,6 +482,20 @@ def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16")):
 @given(data=st.data())
 def test_wipes_match_the_float64_oracle(algorithm, wipes, data):
     case = data.draw(wipe_cases(wipes))
+    assert_matches_oracle(case, *run(case, algorithm), algorithm)
+
+
+# Finite wipes: a g far below float32's exp range is a wipe as -inf is. The
+# chunked form must restart its cumulative sums there too: a sum that kept
+# it would leave every later decay a difference of two numbers that large.
+FINITE_WIPES = (-1e4, -3e38)
+
+
+@pytest.mark.parametrize("wipe_value", FINITE_WIPES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_finite_wipes_match_the_float64_oracle(algorithm, wipe_value, data):
+    case = data.draw(wipe_cases("runs", wipe_value=wipe_value))
     assert_matches_oracle(case, *run(case, algorithm), algorithm)
 
 

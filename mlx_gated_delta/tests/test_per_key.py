@@ -27,6 +27,7 @@ from mlx_gated_delta.tests.test_core import (
     ALGORITHMS,
     ALGORITHMS_AGREE_CONTRACTS,
     EDGE_TOKENS,
+    FINITE_WIPES,
     ORACLE_OUTPUT_CONTRACTS,
     SPLIT_CONTRACTS,
     SPLIT_DTYPES,
@@ -92,7 +93,7 @@ def test_per_key_split_continuity(algorithm, data):
 
 
 @st.composite
-def channel_wipe_cases(draw, wipes, state_scales=("unit", "huge")):
+def channel_wipe_cases(draw, wipes, state_scales=("unit", "huge"), wipe_value=-np.inf):
     return make_core_case(
         draw(st.integers(0, 2**32 - 1)),
         batch=draw(st.integers(1, 2)),
@@ -106,6 +107,7 @@ def channel_wipe_cases(draw, wipes, state_scales=("unit", "huge")):
         mask_kind=draw(st.sampled_from(("none", "random", "left_padding", "right_padding"))),
         head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
         wipes=wipes,
+        wipe_value=wipe_value,
         state_scale=draw(st.sampled_from(state_scales)),
         per_key_gates=True,
     )
@@ -121,6 +123,16 @@ def test_channel_wipes_match_the_float64_oracle(algorithm, wipes, data):
     y, state = run(case, algorithm)
     assert not np.isnan(to_float64(y)).any() and not np.isnan(to_float64(state)).any()
     assert_matches_oracle(case, y, state, algorithm)
+
+
+@pytest.mark.parametrize("wipe_value", FINITE_WIPES)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@given(data=st.data())
+def test_finite_channel_wipes_match_the_float64_oracle(algorithm, wipe_value, data):
+    # As test_finite_wipes_match_the_float64_oracle, per channel: each
+    # channel's cumulative sum restarts at its own wipes.
+    case = data.draw(channel_wipe_cases("runs", wipe_value=wipe_value))
+    assert_matches_oracle(case, *run(case, algorithm), algorithm)
 
 
 @pytest.mark.parametrize("wipes", ("random", "runs"))
