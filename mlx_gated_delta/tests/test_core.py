@@ -458,7 +458,16 @@ def assert_update_matches_oracle(y, state, q, k, v, gamma, beta, initial_state=N
 
 
 @st.composite
-def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16"), wipe_value=-np.inf):
+def wipe_cases(
+    draw,
+    wipes,
+    dtypes=("float32", "bfloat16"),
+    wipe_value=-np.inf,
+    state_scales=("unit", "huge"),
+    per_key_gates=False,
+):
+    """Wipes of kind `wipes` at the edge token counts; with per-key gates a
+    wipe lies on a single channel."""
     return make_core_case(
         draw(st.integers(0, 2**32 - 1)),
         batch=draw(st.integers(1, 2)),
@@ -473,7 +482,8 @@ def wipe_cases(draw, wipes, dtypes=("float32", "bfloat16"), wipe_value=-np.inf):
         head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
         wipes=wipes,
         wipe_value=wipe_value,
-        state_scale=draw(st.sampled_from(("unit", "huge"))),
+        state_scale=draw(st.sampled_from(state_scales)),
+        per_key_gates=per_key_gates,
     )
 
 
@@ -491,11 +501,13 @@ def test_wipes_match_the_float64_oracle(algorithm, wipes, data):
 FINITE_WIPES = (-1e4, -3e38)
 
 
+@pytest.mark.parametrize("per_key_gates", (False, True))
 @pytest.mark.parametrize("wipe_value", FINITE_WIPES)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @given(data=st.data())
-def test_finite_wipes_match_the_float64_oracle(algorithm, wipe_value, data):
-    case = data.draw(wipe_cases("runs", wipe_value=wipe_value))
+def test_finite_wipes_match_the_float64_oracle(algorithm, wipe_value, per_key_gates, data):
+    # Per-key gates: each channel's cumulative sum restarts at its own wipes.
+    case = data.draw(wipe_cases("runs", wipe_value=wipe_value, per_key_gates=per_key_gates))
     assert_matches_oracle(case, *run(case, algorithm), algorithm)
 
 

@@ -26,8 +26,6 @@ from mlx_gated_delta.testing.strategies import budget, core_cases, make_core_cas
 from mlx_gated_delta.tests.test_core import (
     ALGORITHMS,
     ALGORITHMS_AGREE_CONTRACTS,
-    EDGE_TOKENS,
-    FINITE_WIPES,
     ORACLE_OUTPUT_CONTRACTS,
     SPLIT_CONTRACTS,
     SPLIT_DTYPES,
@@ -37,6 +35,7 @@ from mlx_gated_delta.tests.test_core import (
     run,
     run_in_calls,
     split_terms,
+    wipe_cases,
 )
 from mlx_gated_delta.tests.test_core_gradients import (
     SHORT_TOKENS,
@@ -92,47 +91,16 @@ def test_per_key_split_continuity(algorithm, data):
     assert_matches("state", split_state, full_state, state_contract, terms=state_terms)
 
 
-@st.composite
-def channel_wipe_cases(draw, wipes, state_scales=("unit", "huge"), wipe_value=-np.inf):
-    return make_core_case(
-        draw(st.integers(0, 2**32 - 1)),
-        batch=draw(st.integers(1, 2)),
-        tokens=draw(st.sampled_from(EDGE_TOKENS)),
-        key_heads=1,
-        value_heads=draw(st.sampled_from((1, 2))),
-        key_dim=draw(st.sampled_from((16, 32))),
-        value_dim=draw(st.sampled_from((8, 16))),
-        dtype=draw(st.sampled_from(("float32", "bfloat16"))),
-        decay=draw(st.sampled_from(("model", "severe", "mixed", "none"))),
-        mask_kind=draw(st.sampled_from(("none", "random", "left_padding", "right_padding"))),
-        head_mapping=draw(st.sampled_from(("grouped", "interleaved"))),
-        wipes=wipes,
-        wipe_value=wipe_value,
-        state_scale=draw(st.sampled_from(state_scales)),
-        per_key_gates=True,
-    )
-
-
 @pytest.mark.parametrize("wipes", ("random", "chunk_edges", "runs"))
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @given(data=st.data())
 def test_channel_wipes_match_the_float64_oracle(algorithm, wipes, data):
     # g = -inf on single channels: that column of the state is wiped exactly,
     # the others decay on; no NaN reaches any output.
-    case = data.draw(channel_wipe_cases(wipes))
+    case = data.draw(wipe_cases(wipes, per_key_gates=True))
     y, state = run(case, algorithm)
     assert not np.isnan(to_float64(y)).any() and not np.isnan(to_float64(state)).any()
     assert_matches_oracle(case, y, state, algorithm)
-
-
-@pytest.mark.parametrize("wipe_value", FINITE_WIPES)
-@pytest.mark.parametrize("algorithm", ALGORITHMS)
-@given(data=st.data())
-def test_finite_channel_wipes_match_the_float64_oracle(algorithm, wipe_value, data):
-    # As test_finite_wipes_match_the_float64_oracle, per channel: each
-    # channel's cumulative sum restarts at its own wipes.
-    case = data.draw(channel_wipe_cases("runs", wipe_value=wipe_value))
-    assert_matches_oracle(case, *run(case, algorithm), algorithm)
 
 
 @pytest.mark.parametrize("wipes", ("random", "runs"))
@@ -140,7 +108,7 @@ def test_finite_channel_wipes_match_the_float64_oracle(algorithm, wipe_value, da
 def test_per_key_gamma_through_gated_delta_update(wipes, data):
     # The MLX-compatible entry point takes gamma [B, T, Hv, Dk] too; gamma == 0
     # on a channel wipes that column.
-    case = data.draw(channel_wipe_cases(wipes))
+    case = data.draw(wipe_cases(wipes, per_key_gates=True))
     gamma = mx.exp(case.g.astype(mx.float32))
     arguments = (case.q, case.k, case.v, gamma, case.beta, case.state, case.options["mask"])
     assert_update_matches_oracle(*gated_delta_update(*arguments), *arguments)
@@ -290,7 +258,7 @@ def test_per_key_gradients_match_the_float64_reference(algorithm, case, which):
 @GRAD_BUDGET
 @given(data=st.data())
 def test_per_key_gamma_gradient_is_finite_and_exact_at_channel_wipes(data):
-    case = data.draw(channel_wipe_cases("random", ("unit",)))
+    case = data.draw(wipe_cases("random", state_scales=("unit",), per_key_gates=True))
     gamma = mx.exp(case.g.astype(mx.float32))
     wy, ws = cotangents(case)
     mask = case.options["mask"]
