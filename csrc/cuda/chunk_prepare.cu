@@ -44,23 +44,33 @@ struct ChannelGates {
 
 __device__ void channel_gate_cumsum(
     const CoreArgs& a, const ChunkPlace& place, ChannelGates decays) {
+  // The chunk's gates into log_sums first, every load issued at once (a
+  // column's scan would wait for each of its 64 in turn), 0 where masked or
+  // past the chunk.
+  const int dk = a.key_dim;
+  const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
+  for (int e = threadIdx.x; e < kChunk * dk; e += kChunkedThreads) {
+    const int t = e / dk, c = e % dk;
+    const bool active =
+        t < place.length && (a.mask == nullptr || a.mask[bt0 + t]);
+    decays.log_sums[c * kColumnGateStride + t] = active
+        ? a.g[((bt0 + t) * a.value_heads + place.h) * dk + c]
+        : 0.0f;
+  }
+  __syncthreads();
   const int c = threadIdx.x;
-  if (c < a.key_dim) {
-    const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
+  if (c < dk) {
+    float* log_sum = decays.log_sums + c * kColumnGateStride;
+    signed char* last_wipe = decays.last_wipes + c * kColumnGateStride;
     float sum = 0.0f;
     int wipe_at = -1;
     for (int t = 0; t < kChunk; ++t) {
-      const bool active =
-          t < place.length && (a.mask == nullptr || a.mask[bt0 + t]);
-      const float gate = active
-          ? a.g[((bt0 + t) * a.value_heads + place.h) * a.key_dim + c]
-          : 0.0f;
+      const float gate = log_sum[t];
       const bool wipe = expf(gate) == 0.0f;
       sum += wipe ? 0.0f : gate;
       wipe_at = wipe ? t : wipe_at;
-      decays.log_sums[c * kColumnGateStride + t] = sum;
-      decays.last_wipes[c * kColumnGateStride + t] =
-          static_cast<signed char>(wipe_at);
+      log_sum[t] = sum;
+      last_wipe[t] = static_cast<signed char>(wipe_at);
     }
   }
 }
