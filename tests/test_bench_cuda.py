@@ -111,6 +111,39 @@ def test_table_sets_the_training_step_against_fla_forward_of_the_same_length():
     assert "| 8192 | 21.000 | 20.000 | 900 | n/a | n/a |" in text  # no FLA row there
 
 
+def test_table_sets_per_key_rows_against_fla_chunk_kda_and_our_scalar_row():
+    record = {
+        "gpu": "test",
+        "copy_bandwidth_bytes_per_s": 4e12,
+        "rows": [
+            {
+                "batch": 1,
+                "tokens": 2048,
+                "ours": {"call_ms": 1.0, "chained_ms": 0.9, "gpu_ms": 0.6, "peak_mib": 1},
+            }
+        ],
+        "kda": [
+            {
+                "tokens": 2048,
+                "ours": {"call_ms": 2.0, "chained_ms": 1.8, "gpu_ms": 1.5, "peak_mib": 1},
+                "fla_chunk_kda": {
+                    "call_ms": 1.0,
+                    "graph_ms": 0.5,
+                    "peak_mib": 1,
+                    "y_vs_ours": 1e-3,
+                    "state_vs_ours": 2e-3,
+                },
+            }
+        ],
+    }
+    text = cuda.table(record)
+    # Our per-key GPU time beside our scalar row's, and 1.5 ms against FLA's 0.5 ms graph.
+    assert (
+        "| 2048 | 2.000 | 1.800 | 1.500 | 0.600 | 1.000 / 0.500 | 3.00x | 1.0e-03, 2.0e-03 |"
+        in (text)
+    )
+
+
 @pytest.mark.skipif(mx.cuda.is_available(), reason="this machine has MLX's CUDA device")
 def test_refuses_to_run_without_mlx_cuda():
     with pytest.raises(SystemExit, match="CUDA build"):

@@ -29,12 +29,14 @@ struct CarryStage {
   float* k;  // [kChunk][kCarryKStride]: K as the inputs give it, likewise
   float* u;  // [kChunk][kCarryRowStride]: the block's columns of U, then v'
   float* decays;  // [kDecayRows][kChunk] (ChunkScratch)
+  float* column_decays;  // [kChunkedMaxDim] (ChunkScratch)
 
   __device__ explicit CarryStage(float* base)
       : w(base),
         k(w + kChunk * kCarryWStride),
         u(k + kChunk * kCarryKStride),
-        decays(u + kChunk * kCarryRowStride) {}
+        decays(u + kChunk * kCarryRowStride),
+        column_decays(decays + kDecayRows * kChunk) {}
 };
 
 __device__ inline CarryStage carry_stage(float* shared, int n) {
@@ -42,7 +44,9 @@ __device__ inline CarryStage carry_stage(float* shared, int n) {
 }
 
 // A chunk's W, K, the block's columns of U (those within U's tile_padded(Dv)
-// columns; the rest stay 0) and its decays, copied asynchronously.
+// columns; the rest stay 0) and its decays, copied asynchronously. K is
+// the key head's (scalar gates) or the value head's (per-key gates) at
+// key_index.
 __device__ void copy_chunk_async(
     const ChunkScratch& s,
     int64_t index,
@@ -71,6 +75,13 @@ __device__ void copy_chunk_async(
     __pipeline_memcpy_async(
         stage.decays + 4 * threadIdx.x,
         s.decays + index * kDecayRows * kChunk + 4 * threadIdx.x,
+        16);
+  }
+  static_assert(kChunkedMaxDim <= 4 * kChunkedThreads, "likewise");
+  if (4 * threadIdx.x < kChunkedMaxDim) {
+    __pipeline_memcpy_async(
+        stage.column_decays + 4 * threadIdx.x,
+        s.column_decays + index * kChunkedMaxDim + 4 * threadIdx.x,
         16);
   }
 }
@@ -193,7 +204,9 @@ __device__ __forceinline__ void chunk_carry(
   const int kh = key_head_of(a, h);
   const int64_t head_state = (int64_t(b) * a.value_heads + h) * dv * dk;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
-  const int64_t key_chunks = (int64_t(b) * a.key_heads + kh) * chunks;
+  const int64_t key_chunks = a.per_key_gates != 0
+      ? (int64_t(b) * a.value_heads + h) * chunks
+      : (int64_t(b) * a.key_heads + kh) * chunks;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   const int g = lane / 4, t = lane % 4;
   const int tile_row = warp / kCarryColumnGroups * kTile;
@@ -390,13 +403,14 @@ __device__ __forceinline__ void chunk_carry(
       ++next_checkpoint;
     }
 
-    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T.
-    const float last = from_start[place.length - 1];
+    // chunk_carry_state: S = decay(L-1, -1) S + sum_j decay(L-1, j) v'_j k_j^T,
+    // each column c of S by its decay_c(L-1, -1) (one decay for every
+    // column with scalar gates; with per-key gates K is decayed already).
 #pragma unroll
     for (int n = 0; n < kColumnTiles; ++n) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        state[n][e] *= last;
+        state[n][e] *= here.column_decays[column0 + 8 * n + 2 * t + e % 2];
       }
     }
     add_update<kExactKeys>(state, carried, here.k, tile_row, column0);

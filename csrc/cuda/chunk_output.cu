@@ -14,7 +14,9 @@ namespace {
 // decay(i, -1) / |q_i| come after) and P V', in two accumulators per 16 x 16
 // output tile, warp w the tiles w and w + 8 (column tile t / 4; token tile
 // t % 4 for the first, 3 - t % 4 for the second, so that each warp's P V'
-// takes the same steps, P being lower triangular).
+// takes the same steps, P being lower triangular). With per-key gates Q
+// comes decayed with its scale from chunk_prepare (ChunkScratch::q: float32,
+// not exact) and decay(i, -1) is 1.
 template <typename T>
 __device__ __forceinline__ void chunk_output(
     const CoreArgs& a, const ChunkScratch& s) {
@@ -54,15 +56,28 @@ __device__ __forceinline__ void chunk_output(
   copy_rows_async(
       s.u + place.index * kChunk * vw + row0, vw, kChunk, rows, deltas, rp);
   __pipeline_commit();
-  load_rows(
-      q,
-      int64_t(a.key_heads) * dk,
-      dk,
-      place.length,
-      a.normalize_qk,
-      query_scales,
-      qs,
-      kp);
+  const bool per_key = a.per_key_gates != 0;
+  if (per_key) {
+    load_rows(
+        s.q + place.index * kChunk * kw,
+        kw,
+        dk,
+        place.length,
+        false,
+        query_scales,
+        qs,
+        kp);
+  } else {
+    load_rows(
+        q,
+        int64_t(a.key_heads) * dk,
+        dk,
+        place.length,
+        a.normalize_qk,
+        query_scales,
+        qs,
+        kp);
+  }
   // What the copies leave out is 0: S's rows past Dv (the last tile of a Dv
   // that is not a multiple of kOutputRows) and columns past Dk, and the
   // matching v' columns.
@@ -101,9 +116,16 @@ __device__ __forceinline__ void chunk_output(
     const int2 at = tile_of(n);
     const int ti = at.x, tr = at.y;
     for (int c0 = 0; c0 < kw; c0 += 8) {
-      inter_products[n]
-          .add<wmma::row_major, wmma::col_major, kExactInTf32<T>, false>(
-              qs + ti * kTile * kp + c0, kp, hs + tr * kTile * kp + c0, kp);
+      const float* q_tile = qs + ti * kTile * kp + c0;
+      const float* s_tile = hs + tr * kTile * kp + c0;
+      if (per_key) {
+        inter_products[n].add<wmma::row_major, wmma::col_major, false, false>(
+            q_tile, kp, s_tile, kp);
+      } else {
+        inter_products[n]
+            .add<wmma::row_major, wmma::col_major, kExactInTf32<T>, false>(
+                q_tile, kp, s_tile, kp);
+      }
     }
     inter_products[n].finish();
     // P is lower triangular: token tile ti needs v'_j for j < 16 (ti + 1).

@@ -21,6 +21,60 @@ struct ChunkGates {
   }
 };
 
+// The per-key gates' gate_cumsum (kernel_args.h), one key column per
+// thread: for each column c its cumulative log decay over the finite gates,
+// log_sums[c][i], and the last wipe at or before token i, last_wipes[c][i]
+// (-1: none); channel c's decay from token j to token i is
+// ChannelGates{...}(c, i, j), as ChunkGates' for one column. A column's
+// tokens lie together, kColumnGateStride apart, so that the lanes of a warp
+// read different banks both at consecutive tokens and at consecutive
+// columns.
+struct ChannelGates {
+  float* log_sums;  // [Dk][kColumnGateStride]
+  signed char* last_wipes;  // [Dk][kColumnGateStride]
+
+  __device__ float operator()(int c, int i, int j) const {
+    const int at = c * kColumnGateStride;
+    if (last_wipes[at + i] > j) {
+      return 0.0f;
+    }
+    return expf(log_sums[at + i] - (j >= 0 ? log_sums[at + j] : 0.0f));
+  }
+};
+
+__device__ void channel_gate_cumsum(
+    const CoreArgs& a, const ChunkPlace& place, ChannelGates decays) {
+  // The chunk's gates into log_sums first, every load issued at once (a
+  // column's scan would wait for each of its 64 in turn), 0 where masked or
+  // past the chunk.
+  const int dk = a.key_dim;
+  const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
+  for (int e = threadIdx.x; e < kChunk * dk; e += kChunkedThreads) {
+    const int t = e / dk, c = e % dk;
+    const bool active =
+        t < place.length && (a.mask == nullptr || a.mask[bt0 + t]);
+    decays.log_sums[c * kColumnGateStride + t] = active
+        ? a.g[((bt0 + t) * a.value_heads + place.h) * dk + c]
+        : 0.0f;
+  }
+  __syncthreads();
+  const int c = threadIdx.x;
+  if (c < dk) {
+    float* log_sum = decays.log_sums + c * kColumnGateStride;
+    signed char* last_wipe = decays.last_wipes + c * kColumnGateStride;
+    float sum = 0.0f;
+    int wipe_at = -1;
+    for (int t = 0; t < kChunk; ++t) {
+      const float gate = log_sum[t];
+      const bool wipe = expf(gate) == 0.0f;
+      sum += wipe ? 0.0f : gate;
+      wipe_at = wipe ? t : wipe_at;
+      log_sum[t] = sum;
+      last_wipe[t] = static_cast<signed char>(wipe_at);
+    }
+  }
+}
+
 // Whether value head h is the first of those that read its key head (the
 // one that writes the key head's scratch).
 __device__ bool first_of_key_head(const CoreArgs& a, int h) {
@@ -40,7 +94,9 @@ __device__ void gate_cumsum(
     const int64_t bt = int64_t(place.b) * a.tokens + place.t0 + i;
     const bool active = i < place.length && (a.mask == nullptr || a.mask[bt]);
     const int64_t gate = bt * a.value_heads + place.h;
-    gates[i] = active ? a.g[gate] : 0.0f;
+    // Per-key gates decay by key column (channel_gate_cumsum): the chunk's
+    // scalar decays are all 1.
+    gates[i] = active && a.per_key_gates == 0 ? a.g[gate] : 0.0f;
     betas[i] = active ? a.beta[gate] : 0.0f;
   }
   __syncthreads();
@@ -56,6 +112,177 @@ __device__ void gate_cumsum(
     }
   }
   __syncthreads();
+}
+
+// The per-key gates' k_gram, chunk_qk and kkt_inverse's A with their decays
+// (docs/numerics.md, "Per-key-channel gates in the chunked form"): entry
+// (i, j), j <= i, of K K^T and Q K^T sums k_ic decay_c(i, j) k_jc (q_ic for
+// Q K^T) over the key columns c. Every factor is a decay of at most 1, so no
+// product overflows at any gate size:
+//   the 16 x 16 diagonal blocks pair by pair (channel_diagonal_grams), each
+//   decay the exp of a difference of log sums;
+//   the blocks left of them on tensor cores, each side's rows decayed to or
+//   from the last row m = 16 ti - 1 before row tile ti, decay_c(i, j) =
+//   decay_c(i, m) decay_c(m, j) for j <= m < i (relative_rows, then
+//   relative_block_grams).
+// Then A and the decayed Q K^T take their scales (scale_grams).
+
+// The diagonal blocks: thread t the entry (t / 16, t % 16) of each of the
+// four, four independent sums; into A's and T's buffers as they are
+// (unscaled, 0 above the diagonal).
+__device__ void channel_diagonal_grams(
+    int dk,
+    ChannelGates decays,
+    const float* ks,
+    const float* qs,
+    int kp,
+    float* as,
+    float* ts,
+    int lp) {
+  constexpr int kBlocks = kChunk / kTile;
+  static_assert(kTile * kTile == kChunkedThreads, "an entry of each a thread");
+  const int li = threadIdx.x / kTile, lj = threadIdx.x % kTile;
+  float kk[kBlocks] = {}, qk[kBlocks] = {};
+  if (lj <= li) {
+    for (int c = 0; c < dk; ++c) {
+#pragma unroll
+      for (int b = 0; b < kBlocks; ++b) {
+        const int i = b * kTile + li, j = b * kTile + lj;
+        const float key = ks[j * kp + c] * decays(c, i, j);
+        kk[b] += ks[i * kp + c] * key;
+        qk[b] += qs[i * kp + c] * key;
+      }
+    }
+  }
+#pragma unroll
+  for (int b = 0; b < kBlocks; ++b) {
+    const int at = (b * kTile + li) * lp + b * kTile + lj;
+    as[at] = kk[b];
+    ts[at] = qk[b];
+  }
+}
+
+// Rows decayed relative to each row tile's reference row m = 16 ti - 1 for
+// the blocks left of the diagonal: into `columns`, for ti = 1, 2, 3 in turn
+// (16 ti rows from relative_column_row(ti) on), k_jc decay_c(m, j) for
+// j <= m; in place, rows i of tiles 1 to 3 of K and Q times decay_c(i, m).
+// Columns past Dk stay 0. The column rows read K as it was: a barrier
+// between the two loops.
+__device__ inline int relative_column_row(int ti) {
+  return (ti - 1) * ti / 2 * kTile;
+}
+
+__device__ void relative_rows(
+    int dk,
+    int kw,
+    ChannelGates decays,
+    float* ks,
+    float* qs,
+    int kp,
+    float* columns) {
+  for (int e = threadIdx.x; e < kRelativeColumnRows * kw;
+       e += kChunkedThreads) {
+    const int row = e / kw, c = e % kw;
+    // The tile ti whose block of rows this is: 16, 32 and 48 rows.
+    const int ti = row < kTile ? 1 : (row < 3 * kTile ? 2 : 3);
+    const int j = row - relative_column_row(ti);
+    columns[row * kp + c] =
+        c < dk ? ks[j * kp + c] * decays(c, kTile * ti - 1, j) : 0.0f;
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < (kChunk - kTile) * dk; e += kChunkedThreads) {
+    const int i = kTile + e / dk, c = e % dk;
+    const float decay = decays(c, i, i / kTile * kTile - 1);
+    ks[i * kp + c] *= decay;
+    qs[i * kp + c] *= decay;
+  }
+}
+
+// The blocks left of the diagonal from relative_rows' rows, on tensor cores
+// (3xTF32: the decayed rows are not exact), each of the six blocks by one
+// warp.
+__device__ void relative_block_grams(
+    const float* ks,
+    const float* qs,
+    int kp,
+    const float* columns,
+    int kw,
+    float* as,
+    float* ts,
+    int lp) {
+  const int warp = threadIdx.x / kWarp;
+  // Warp w < 6 the block (ti, tj): (1, 0), (2, 0), (2, 1), (3, 0), ...
+  if (warp >= kRelativeColumnRows / kTile) {
+    return;
+  }
+  const int ti = warp < 1 ? 1 : (warp < 3 ? 2 : 3);
+  const int tj = warp - relative_column_row(ti) / kTile;
+  const float* column = columns + (relative_column_row(ti) + tj * kTile) * kp;
+  Product kk, qk;
+  for (int c0 = 0; c0 < kw; c0 += 8) {
+    kk.add<wmma::row_major, wmma::col_major>(
+        ks + ti * kTile * kp + c0, kp, column + c0, kp);
+    qk.add<wmma::row_major, wmma::col_major>(
+        qs + ti * kTile * kp + c0, kp, column + c0, kp);
+  }
+  const int tile = ti * kTile * lp + tj * kTile;
+  wmma::store_matrix_sync(as + tile, kk.finish(), lp, wmma::mem_row_major);
+  wmma::store_matrix_sync(ts + tile, qk.finish(), lp, wmma::mem_row_major);
+}
+
+// The scales of the decayed grams in A's and T's buffers (0 above the
+// diagonal blocks, which nothing wrote): A = beta_i / (|k_i| |k_j|) K K^T
+// strictly below the diagonal, the decayed Q K^T / (|q_i| |k_j|) on and
+// below it into qk_out, and T's start, the identity.
+__device__ void scale_grams(
+    const float* betas,
+    const float* key_scales,
+    const float* query_scales,
+    float* as,
+    float* ts,
+    int lp,
+    float* qk_out) {
+  for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
+    const int i = e / kChunk, j = e % kChunk;
+    qk_out[e] = j <= i ? query_scales[i] * key_scales[j] * ts[i * lp + j] : 0.0f;
+    as[i * lp + j] =
+        j < i ? betas[i] * key_scales[i] * key_scales[j] * as[i * lp + j] : 0.0f;
+    ts[i * lp + j] = i == j ? 1.0f : 0.0f;
+  }
+}
+
+// One column tile of recompute_w_u's product T_scaled X into `out` (rows of
+// `width` floats): T is lower triangular, so row tile ti needs rows
+// j < 16 (ti + 1) of X. kExactRows: X's rows are exact tensor-core
+// operands (kExactInTf32).
+template <bool kExactRows>
+__device__ __forceinline__ void lower_product_tile(
+    const float* t_scaled,
+    int lp,
+    const float* operand,
+    int stride,
+    float* out,
+    int width) {
+  constexpr int kRowTiles = kChunk / kTile;
+  Product products[kRowTiles];
+  for (int j0 = 0; j0 < kChunk; j0 += 8) {
+    const Operand<OperandB<wmma::row_major>, kExactRows> rows(
+        operand + j0 * stride, stride);
+#pragma unroll
+    for (int ti = 0; ti < kRowTiles; ++ti) {
+      if (j0 < (ti + 1) * kTile) {
+        const Operand<OperandA<wmma::row_major>, false> t(
+            t_scaled + ti * kTile * lp + j0, lp);
+        products[ti].add(t, rows);
+      }
+    }
+  }
+#pragma unroll
+  for (int ti = 0; ti < kRowTiles; ++ti) {
+    wmma::store_matrix_sync(
+        out + ti * kTile * width, products[ti].finish(), width,
+        wmma::mem_row_major);
+  }
 }
 
 template <typename T>
@@ -90,6 +317,15 @@ __device__ __forceinline__ void chunk_prepare(
   float* query_scales = key_scales + kChunk;  // likewise
   int* last_wipe = reinterpret_cast<int*>(query_scales + kChunk);
   const ChunkGates decays{log_sum, last_wipe};
+  // Per-key gates only (launch.cpp's size): relative_rows' column rows
+  // [kRelativeColumnRows][kp], the key columns' log sums
+  // [Dk][kColumnGateStride], then their last wipes [Dk][kColumnGateStride].
+  const bool per_key = a.per_key_gates != 0;
+  float* relative_columns = reinterpret_cast<float*>(last_wipe + kChunk);
+  float* log_sums = relative_columns + kRelativeColumnRows * kp;
+  const ChannelGates channels{
+      log_sums,
+      reinterpret_cast<signed char*>(log_sums + dk * kColumnGateStride)};
 
   const ChunkPlace place = chunk_place(a, blockIdx.x);
   const int kh = key_head_of(a, place.h);
@@ -104,12 +340,15 @@ __device__ __forceinline__ void chunk_prepare(
   keys.fetch(k, key_stride, dk, place.length);
   queries.fetch(q, key_stride, dk, place.length);
   gate_cumsum(a, place, gates, betas, decays);
+  if (per_key) {
+    channel_gate_cumsum(a, place, channels);
+  }
   keys.store(dk, place.length, a.normalize_qk, key_scales, ks, kp);
   queries.store(dk, place.length, a.normalize_qk, query_scales, qs, kp);
   __syncthreads();
   // K's rows as they are, for chunk_carry: once per key head, by the block
-  // of its first value head.
-  if (first_of_key_head(a, place.h)) {
+  // of its first value head (per-key gates write their own K below).
+  if (!per_key && first_of_key_head(a, place.h)) {
     const int chunks = (a.tokens + kChunk - 1) / kChunk;
     float* k_out = s.k +
         ((int64_t(place.b) * a.key_heads + kh) * chunks + place.chunk) *
@@ -132,7 +371,29 @@ __device__ __forceinline__ void chunk_prepare(
   ChunkRows values;
   values.fetch(v, int64_t(a.value_heads) * dv, dv, place.length);
   const int warp = threadIdx.x / kWarp;
-  {
+  float* qk_out = s.qk + place.index * kChunk * kChunk;
+  if (per_key) {
+    channel_diagonal_grams(dk, channels, ks, qs, kp, as, ts, lp);
+    // For chunk_carry and chunk_output, this value head's own K decayed to
+    // the chunk's end and Q from its start (kernel_args.h); past the chunk's
+    // tokens K and Q are 0.
+    float* k_out = s.k + place.index * kChunk * kw;
+    float* q_out = s.q + place.index * kChunk * kw;
+    const int last = place.length - 1;
+    for (int e = threadIdx.x; e < kChunk * kw; e += kChunkedThreads) {
+      const int i = e / kw, c = e % kw;
+      const bool inside = c < dk;
+      k_out[e] = inside ? ks[i * kp + c] * channels(c, last, i) : 0.0f;
+      q_out[e] = inside
+          ? qs[i * kp + c] * query_scales[i] * channels(c, i, -1)
+          : 0.0f;
+    }
+    relative_rows(dk, kw, channels, ks, qs, kp, relative_columns);
+    __syncthreads();
+    relative_block_grams(ks, qs, kp, relative_columns, kw, as, ts, lp);
+    __syncthreads();
+    scale_grams(betas, key_scales, query_scales, as, ts, lp, qk_out);
+  } else {
     const int ti = warp / 2;
 #pragma unroll
     for (int n = 0; n < 2; ++n) {
@@ -151,13 +412,10 @@ __device__ __forceinline__ void chunk_prepare(
       wmma::store_matrix_sync(as + tile, kk.finish(), lp, wmma::mem_row_major);
       wmma::store_matrix_sync(ts + tile, qk.finish(), lp, wmma::mem_row_major);
     }
-  }
-  __syncthreads();
-  // The decays and the qk_norm scales: kkt_inverse's A (strictly lower),
-  // T's start (the identity) and the decayed Q K^T, each element read and
-  // written by one thread.
-  {
-    float* qk_out = s.qk + place.index * kChunk * kChunk;
+    __syncthreads();
+    // The decays and the qk_norm scales: kkt_inverse's A (strictly lower),
+    // T's start (the identity) and the decayed Q K^T, each element read and
+    // written by one thread.
     for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
       const int i = e / kChunk, j = e % kChunk;
       const float decay = j <= i ? decays(i, j) * key_scales[j] : 0.0f;
@@ -174,8 +432,18 @@ __device__ __forceinline__ void chunk_prepare(
   }
   __syncthreads();
   // Q has been read: V takes its buffer, as it is (the barriers of
-  // kkt_inverse order these writes before recompute_w_u reads them).
+  // kkt_inverse order these writes before recompute_w_u reads them). With
+  // per-key gates K's rows take their decays from the chunk's start,
+  // k_jc decay_c(j, -1), for W (their coefficient has no decay then).
   values.store(dv, place.length, false, nullptr, vs, vp);
+  if (per_key) {
+    // Rows of tiles 1 to 3 are decayed from their reference row m already
+    // (relative_rows): the rest of the way is decay_c(m, -1).
+    for (int e = threadIdx.x; e < kChunk * dk; e += kChunkedThreads) {
+      const int i = e / dk, c = e % dk;
+      ks[i * kp + c] *= channels(c, i < kTile ? i : i / kTile * kTile - 1, -1);
+    }
+  }
 
   // kkt_inverse: T = (I + A)^-1, I + A lower triangular in 16 x 16 blocks.
   // First each diagonal block, T_bb = (I + A_bb)^-1, by forward substitution
@@ -247,7 +515,6 @@ __device__ __forceinline__ void chunk_prepare(
   }
   __syncthreads();
   {
-    constexpr int kRowTiles = kChunk / kTile;
     const int w_tiles = kw / kTile;
     const int tiles = w_tiles + vw / kTile;
     for (int tile = warp; tile < tiles; tile += kChunkedThreads / kWarp) {
@@ -256,26 +523,13 @@ __device__ __forceinline__ void chunk_prepare(
       const float* operand = (is_w ? ks : vs) + column;
       const int stride = is_w ? kp : vp;
       const float* t_scaled = is_w ? as : ts;
-      Product products[kRowTiles];
-      for (int j0 = 0; j0 < kChunk; j0 += 8) {
-        const Operand<OperandB<wmma::row_major>, kExact> rows(
-            operand + j0 * stride, stride);
-#pragma unroll
-        for (int ti = 0; ti < kRowTiles; ++ti) {
-          if (j0 < (ti + 1) * kTile) {
-            const Operand<OperandA<wmma::row_major>, false> t(
-                t_scaled + ti * kTile * lp + j0, lp);
-            products[ti].add(t, rows);
-          }
-        }
-      }
       const int width = is_w ? kw : vw;
       float* out = (is_w ? s.w : s.u) + place.index * kChunk * width + column;
-#pragma unroll
-      for (int ti = 0; ti < kRowTiles; ++ti) {
-        wmma::store_matrix_sync(
-            out + ti * kTile * width, products[ti].finish(), width,
-            wmma::mem_row_major);
+      // K decayed (per-key gates) is no longer exact.
+      if (is_w && per_key) {
+        lower_product_tile<false>(t_scaled, lp, operand, stride, out, width);
+      } else {
+        lower_product_tile<kExact>(t_scaled, lp, operand, stride, out, width);
       }
     }
   }
@@ -287,6 +541,15 @@ __device__ __forceinline__ void chunk_prepare(
     out[2 * kChunk + i] = log_sum[i];
     out[3 * kChunk + i] = float(last_wipe[i]);
     out[4 * kChunk + i] = key_scales[i];
+  }
+  // Each state column's decay over the chunk (ChunkScratch::column_decays).
+  const int last = place.length - 1;
+  for (int c = threadIdx.x; c < kChunkedMaxDim; c += kChunkedThreads) {
+    float decay = 0.0f;
+    if (c < dk) {
+      decay = per_key ? channels(c, last, -1) : decays(last, -1);
+    }
+    s.column_decays[place.index * kChunkedMaxDim + c] = decay;
   }
 }
 

@@ -78,19 +78,20 @@ void eval_core(
   }
 
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
-  if (resolve_cuda_algorithm(p, algorithm) == Algorithm::Recurrent) {
+  // The recurrent kernel, writing `writes` (y, the state and the
+  // checkpoints a.y, a.state_out and a.checkpoint_states point into).
+  const auto recurrent = [&](CoreArgs& args, std::vector<mx::array> writes) {
     const int columns = (p.key_dim + 31) / 32;
-    std::vector<mx::array> writes = outputs;
     if (p.has_tree) {
-      a.parents = mx::gpu_ptr<int>(
+      args.parents = mx::gpu_ptr<int>(
           inputs[checkpoints_input + (p.checkpoint_count > 0 ? 1 : 0)]);
       writes.push_back(scratch(
           encoder,
           int64_t(p.batch) * p.value_heads * p.tokens * p.value_dim *
               p.key_dim));
-      a.tree_states = mx::gpu_ptr<float>(writes.back());
+      args.tree_states = mx::gpu_ptr<float>(writes.back());
     }
-    void* params[] = {&a};
+    void* params[] = {&args};
     set_arrays(encoder, inputs, writes);
     launch(
         encoder,
@@ -104,7 +105,28 @@ void eval_core(
         kRecurrentThreads,
         0,
         params);
+  };
+  if (resolve_cuda_algorithm(p, algorithm) == Algorithm::Recurrent) {
+    recurrent(a, outputs);
     return;
+  }
+  if (p.per_key_gates && p.checkpoint_count > 0) {
+    // The chunked kernels keep no checkpoints with per-key gates (their
+    // state update takes K decayed to the chunk's end only): the recurrent
+    // kernel writes the checkpoint states, its y and state going to scratch,
+    // and the chunked kernels y and the state, as for the call without
+    // checkpoints.
+    CoreArgs checkpointed = a;
+    std::vector<mx::array> writes = {
+        scratch(encoder, int64_t(outputs[0].size())),
+        scratch(encoder, int64_t(outputs[1].size())),
+        outputs[2]};
+    checkpointed.y = mx::gpu_ptr<void>(writes[0]);
+    checkpointed.state_out = mx::gpu_ptr<float>(writes[1]);
+    recurrent(checkpointed, writes);
+    a.checkpoints = nullptr;
+    a.checkpoint_states = nullptr;
+    a.checkpoint_count = 0;
   }
   ChunkForwardScratch s = chunk_forward_scratch(encoder, p, false);
   void* params[] = {&a, &s.pointers};

@@ -68,7 +68,8 @@ std::string backward_kernels_gap(const GatedDeltaParams& p) {
 
 Algorithm resolve_cuda_backward_algorithm(
     const GatedDeltaParams& p, Algorithm requested) {
-  if (!chunked_kernels_cover(p) || p.key_dim == 0 || p.value_dim == 0) {
+  if (!chunked_backward_kernels_cover(p) || p.key_dim == 0 ||
+      p.value_dim == 0) {
     return Algorithm::Recurrent;
   }
   if (requested == Algorithm::Auto) {

@@ -55,11 +55,25 @@ struct CoreArgs {
 //   log decay and the last wipe (as a float) of gate_cumsum, and k_j's
 //   qk_norm scale (1 / |k_j|, else 1; 0 past the chunk's tokens), likewise,
 //   h [Dv, Dk]: the state at the chunk's start, from chunk_carry;
+//   column_decays [kChunkedMaxDim]: the chunk's decay of each state column
+//   c, decay_c(L - 1, -1) (the same for every column with scalar gates; 0
+//   past Dk), from chunk_prepare;
 // chunk_output reads qk, decays, h and v'. Per (batch row, key head, chunk):
 //   k [L, tile_padded(Dk)]: the chunk's K rows as the inputs give them (in
 //   float32, 0 past the chunk's tokens; the scales are in `decays`), from
 //   chunk_prepare: float16 and bfloat16 keys stay exact tensor-core operands
 //   for chunk_carry's state update.
+// With per-key gates (g [B, T, Hv, Dk]) the decays differ by key column, so
+// nothing is shared by the value heads of a key head, and the columns'
+// decays go with the rows, each value head's own: the scalar rows of
+// `decays` hold 1 (decay(i, -1), decay(L - 1, j); the cumulative log decay 0
+// and no wipe) beside the qk_norm scales, and per (batch row, value head,
+// chunk)
+//   k [L, tile_padded(Dk)]: k_jc decay_c(L - 1, j), K decayed to the
+//   chunk's end, for chunk_carry's update,
+//   q [L, tile_padded(Dk)]: q_ic decay_c(i, -1) / |q_i|, Q decayed from the
+//   chunk's start with its qk_norm scale, for chunk_output's readout
+//   (unused with scalar gates).
 // The chunked backward's rerun of the forward also keeps, per (batch row,
 // value head, chunk),
 //   t [L, L]: kkt_inverse's T = (I + A)^-1, from chunk_prepare (nullptr in
@@ -72,6 +86,8 @@ struct ChunkScratch {
   float* decays;
   float* h;
   float* k;
+  float* column_decays;
+  float* q;
   float* t;
 };
 

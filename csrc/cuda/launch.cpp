@@ -21,9 +21,15 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), vp = tile_stride(p.value_dim);
   const int lp = tile_stride(kChunk);
   const int sums = (kChunk / kTile - 1) * kTile * tile_stride(kTile);
-  return int(sizeof(float)) *
+  const int scalar = int(sizeof(float)) *
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + sums +
        7 * kChunk);
+  // Per-key gates add the rows decayed relative to each row tile, and each
+  // key column's cumulative log decays (floats) and last wipes (bytes), both
+  // [Dk][kColumnGateStride].
+  const int columns = int(sizeof(float)) * kRelativeColumnRows * kp +
+      (int(sizeof(float)) + 1) * p.key_dim * kColumnGateStride;
+  return p.per_key_gates ? scalar + columns : scalar;
 }
 // chunk_carry's blocks and shared memory (sized for Dk up to kChunkedMaxDim).
 dim3 carry_grid(const GatedDeltaParams& p) {
@@ -52,8 +58,12 @@ const char* dtype_suffix(mx::Dtype dtype) {
 }
 
 bool chunked_kernels_cover(const GatedDeltaParams& p) {
-  return !p.per_key_gates && !p.has_tree && p.key_dim <= kChunkedMaxDim &&
+  return !p.has_tree && p.key_dim <= kChunkedMaxDim &&
       p.value_dim <= kChunkedMaxDim;
+}
+
+bool chunked_backward_kernels_cover(const GatedDeltaParams& p) {
+  return chunked_kernels_cover(p) && !p.per_key_gates;
 }
 
 mx::array scratch(mx::cu::CommandEncoder& encoder, int64_t floats) {
@@ -123,15 +133,22 @@ CoreArgs input_args(
 ChunkForwardScratch chunk_forward_scratch(
     mx::cu::CommandEncoder& encoder, const GatedDeltaParams& p, bool keep_t) {
   const int64_t problems = int64_t(p.batch) * p.value_heads * p.num_chunks();
-  const int64_t key_problems = int64_t(p.batch) * p.key_heads * p.num_chunks();
+  // K is a key head's with scalar gates, a value head's with per-key gates
+  // (kernel_args.h), and so is Q decayed, which only per-key gates need.
+  const int64_t key_problems = p.per_key_gates
+      ? problems
+      : int64_t(p.batch) * p.key_heads * p.num_chunks();
+  const int64_t key_rows = kChunk * tile_padded(p.key_dim);
   ChunkForwardScratch s;
   s.buffers = {
-      scratch(encoder, problems * kChunk * tile_padded(p.key_dim)),
+      scratch(encoder, problems * key_rows),
       scratch(encoder, problems * kChunk * tile_padded(p.value_dim)),
       scratch(encoder, problems * kChunk * kChunk),
       scratch(encoder, problems * kDecayRows * kChunk),
       scratch(encoder, problems * p.value_dim * p.key_dim),
-      scratch(encoder, key_problems * kChunk * tile_padded(p.key_dim))};
+      scratch(encoder, key_problems * key_rows),
+      scratch(encoder, problems * kChunkedMaxDim),
+      scratch(encoder, p.per_key_gates ? problems * key_rows : 0)};
   if (keep_t) {
     s.buffers.push_back(scratch(encoder, problems * kChunk * kChunk));
   }
@@ -141,7 +158,9 @@ ChunkForwardScratch chunk_forward_scratch(
   s.pointers.decays = mx::gpu_ptr<float>(s.buffers[3]);
   s.pointers.h = mx::gpu_ptr<float>(s.buffers[4]);
   s.pointers.k = mx::gpu_ptr<float>(s.buffers[5]);
-  s.pointers.t = keep_t ? mx::gpu_ptr<float>(s.buffers[6]) : nullptr;
+  s.pointers.column_decays = mx::gpu_ptr<float>(s.buffers[6]);
+  s.pointers.q = mx::gpu_ptr<float>(s.buffers[7]);
+  s.pointers.t = keep_t ? mx::gpu_ptr<float>(s.buffers[8]) : nullptr;
   return s;
 }
 
@@ -170,10 +189,12 @@ void launch_prepare_and_carry(
   std::vector<mx::array> writes = {buffers[1], buffers[4]};
   writes.insert(writes.end(), carry_outputs.begin(), carry_outputs.end());
   set_arrays(encoder, reads, writes);
+  // The carry's K is exact as a tensor-core operand when it is the inputs'
+  // float16 or bfloat16 rows; decayed per key column it is float32.
   launch(
       encoder,
       "chunk_carry",
-      "gd_chunk_carry_" + dtype,
+      "gd_chunk_carry_" + (p.per_key_gates ? std::string("f32") : dtype),
       carry_grid(p),
       kChunkedThreads,
       kCarrySharedBytes,

@@ -21,9 +21,12 @@ enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
 // The kernels' name suffix of an activation dtype ("f32", "f16", "bf16").
 const char* dtype_suffix(mlx::core::Dtype dtype);
 
-// Whether the chunked kernels take this call: scalar gates, no tree, key and
+// Whether the chunked forward's kernels take this call: no tree, key and
 // value dims up to kChunkedMaxDim.
 bool chunked_kernels_cover(const GatedDeltaParams& p);
+// Whether the chunked backward's kernels take it: as the forward's, with
+// scalar gates.
+bool chunked_backward_kernels_cover(const GatedDeltaParams& p);
 
 // A float32 scratch buffer from MLX's allocator, kept alive until the
 // encoder's graph has run; at least one float, so that an empty scratch (a
@@ -53,7 +56,8 @@ CoreArgs input_args(
     const GatedDeltaParams& p, const std::vector<mlx::core::array>& inputs);
 
 // The chunked forward's scratch, ChunkScratch's order: w, u (then v'), qk,
-// decays, h, k, and with `keep_t` (the backward's rerun) t.
+// decays, h, k, column_decays, q, and with `keep_t` (the backward's rerun)
+// t.
 struct ChunkForwardScratch {
   std::vector<mlx::core::array> buffers;
   ChunkScratch pointers{};

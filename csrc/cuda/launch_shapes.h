@@ -57,6 +57,13 @@ GD_HOST_DEVICE constexpr int tile_stride(int dim) {
   return tile_padded(dim) + kTileSkew;
 }
 
+// chunk_prepare with per-key gates keeps each key column's log sums and last
+// wipes for the chunk's tokens in rows of kColumnGateStride, and K's rows
+// decayed relative to each row tile but the first, 16 rows for row tile 1,
+// 32 for 2 and 48 for 3: kRelativeColumnRows (chunk_prepare.cu).
+constexpr int kColumnGateStride = kChunk + 1;
+constexpr int kRelativeColumnRows = kChunk * (kChunk / kTile - 1) / 2;
+
 // chunk_carry (chunk_carry.cu): kCarryBlockRows rows of the state a block,
 // held in its warps' registers. Its shared memory is sized for Dk up to
 // kChunkedMaxDim whatever the call's Dk, in floats: two stages of a chunk's
@@ -70,7 +77,8 @@ constexpr int kCarryKStride = kChunkedMaxDim + 4;
 constexpr int kCarryRowStride = kCarryBlockRows + 4;
 constexpr int kCarryPartialStride = kCarryBlockRows + 8;
 constexpr int kCarryStageFloats = kChunk * kCarryWStride +
-    kChunk * kCarryKStride + kChunk * kCarryRowStride + kDecayRows * kChunk;
+    kChunk * kCarryKStride + kChunk * kCarryRowStride + kDecayRows * kChunk +
+    kChunkedMaxDim;
 constexpr int kCarrySharedFloats = 2 * kCarryStageFloats +
     kCarryColumnGroups * kChunk * kCarryPartialStride +
     kChunk * kCarryRowStride;

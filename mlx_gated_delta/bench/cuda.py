@@ -18,6 +18,10 @@ Times are medians of repeats after a warm-up call:
 - ``graph`` (FLA): one call captured in a CUDA graph, each replay timed by CUDA events: GPU
   time.
 
+The per-key rows (``KDA_TOKENS``, B=1) give every value head a decay per key channel (g
+``[B, T, Hv, Dk]``, Kimi Delta Attention's) on the same shape, against FLA's ``chunk_kda``
+(graph-replayed) and our own scalar-gate row of the same length.
+
 The whole-layer rows (``cuda_layer``) set the patched Qwen3-Next layer against mlx-lm's stock
 layer on MLX's CUDA device.
 
@@ -53,6 +57,7 @@ HK, HV, D = 16, 32, 128
 DECODE_BATCHES = (1, 8, 64)
 PREFILL_TOKENS = (2048, 8192, 32768)
 TRAINING_TOKENS = (2048, 8192)
+KDA_TOKENS = (2048, 8192)
 # MLX core's CUDA op is a per-token op loop (about 0.1 s per 1000 tokens): timed up to here.
 MLX_CORE_MAX_TOKENS = 8192
 CHAINED_CALLS = {1: 64, 2048: 8, 8192: 4, 32768: 2}
@@ -73,6 +78,14 @@ def _fla():
     except ImportError:
         return None
     return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+
+def _fla_kda():
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    return chunk_kda
 
 
 def draw(batch: int, tokens: int, seed: int = 0) -> dict:
@@ -270,6 +283,38 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / statistics.median(samples)
 
 
+def compare_torch(result: dict, x: dict, implementations: dict, y_ours, state_ours) -> None:
+    """Times each ``implementations[name](t, common)`` (PyTorch, FLA's layouts) on the inputs
+    ``x`` into ``result[name]``, with its y and final state against ours (norm ratios)."""
+    torch = _torch()
+    t = {
+        n: torch.from_numpy(x[n]).cuda().to(torch.bfloat16 if n in "qkv" else torch.float32)
+        for n in ("q", "k", "v", "g", "beta")
+    }
+    # FLA keeps the state [B, H, Dk, Dv]; ours is [B, H, Dv, Dk].
+    h0 = torch.from_numpy(x["state"]).cuda().transpose(-1, -2).contiguous()
+    common = {"scale": D**-0.5, "initial_state": h0, "output_final_state": True}
+    tokens = x["q"].shape[1]
+    y_ours_np = np.asarray(y_ours.astype(mx.float32))
+    state_ours_np = np.asarray(state_ours)
+    for name, implementation in implementations.items():
+
+        def call(implementation=implementation):
+            return implementation(**t, **common)
+
+        result[name] = time_torch(call, tokens)
+        y, final = call()
+        torch.cuda.synchronize()
+        y_fla = y.float().cpu().numpy()
+        result[name]["y_vs_ours"] = float(
+            np.linalg.norm(y_fla - y_ours_np) / np.linalg.norm(y_ours_np)
+        )
+        state_fla = final.transpose(-1, -2).float().cpu().numpy()
+        result[name]["state_vs_ours"] = float(
+            np.linalg.norm(state_fla - state_ours_np) / np.linalg.norm(state_ours_np)
+        )
+
+
 def row(batch: int, tokens: int, fla) -> dict:
     x = draw(batch, tokens)
     scale = D**-0.5
@@ -295,32 +340,31 @@ def row(batch: int, tokens: int, fla) -> dict:
         result["mlx_core"] = time_mlx(core, state, tokens, repeats=None if tokens == 1 else 3)
 
     if fla is not None:
-        torch = _torch()
         chunk, fused_recurrent = fla
-        t = {
-            n: torch.from_numpy(x[n]).cuda().to(torch.bfloat16 if n in "qkv" else torch.float32)
-            for n in ("q", "k", "v", "g", "beta")
-        }
-        # FLA keeps the state [B, H, Dk, Dv]; ours is [B, H, Dv, Dk].
-        h0 = torch.from_numpy(x["state"]).cuda().transpose(-1, -2).contiguous()
-        common = {"scale": scale, "initial_state": h0, "output_final_state": True}
-        implementations = {"fla_recurrent": lambda: fused_recurrent(**t, **common)}
+        implementations = {"fla_recurrent": fused_recurrent}
         if tokens > 1:
-            implementations["fla_chunk"] = lambda: chunk(**t, **common)
-        for name, call in implementations.items():
-            result[name] = time_torch(call, tokens)
-            y, final = call()
-            torch.cuda.synchronize()
-            y_ours_np = np.asarray(y_ours.astype(mx.float32))
-            y_fla = y.float().cpu().numpy()
-            result[name]["y_vs_ours"] = float(
-                np.linalg.norm(y_fla - y_ours_np) / np.linalg.norm(y_ours_np)
-            )
-            state_fla = final.transpose(-1, -2).float().cpu().numpy()
-            state_ours_np = np.asarray(state_ours)
-            result[name]["state_vs_ours"] = float(
-                np.linalg.norm(state_fla - state_ours_np) / np.linalg.norm(state_ours_np)
-            )
+            implementations["fla_chunk"] = chunk
+        compare_torch(result, x, implementations, y_ours, state_ours)
+    return result
+
+
+def kda_row(tokens: int, chunk_kda) -> dict:
+    """B=1, per-key gates: ours (``"auto"``, the chunked kernels) against FLA's chunk_kda."""
+    x = draw(1, tokens)
+    x["g"] = -np.random.default_rng(2).uniform(0.01, 0.3, (1, tokens, HV, D)).astype(np.float32)
+    q, k, v = (mx.array(x[n]).astype(mx.bfloat16) for n in ("q", "k", "v"))
+    g, beta, state = (mx.array(x[n]) for n in ("g", "beta", "state"))
+    mx.eval(q, k, v, g, beta, state)
+    result = {"tokens": tokens}
+
+    def ours(s):
+        return gated_delta_rule(q, k, v, g, beta, s, scale=D**-0.5)
+
+    result["ours"] = time_mlx(ours, state, tokens)
+    y_ours, state_ours = ours(state)
+    mx.eval(y_ours, state_ours)
+    if chunk_kda is not None:
+        compare_torch(result, x, {"fla_chunk_kda": chunk_kda}, y_ours, state_ours)
     return result
 
 
@@ -387,6 +431,30 @@ def table(record: dict) -> str:
             f"| {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
             f"{ours['peak_mib']:.0f} | {fla_cell} | {ratio} |"
         )
+    lines += [
+        "",
+        "Per-key gates (g [B, T, Hv, Dk]), B=1:",
+        "",
+        "| T | ours call | ours per call (chained) | ours GPU | ours scalar gates GPU | "
+        "FLA chunk_kda eager / graph | ours GPU / FLA graph | y, state vs ours |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in record.get("kda", []):
+        ours = r["ours"]
+        scalar = next(p for p in record["rows"] if p["batch"] == 1 and p["tokens"] == r["tokens"])
+        fla = r.get("fla_chunk_kda")
+        gpu, scalar_gpu = ours.get("gpu_ms"), scalar["ours"].get("gpu_ms")
+        fla_cells = (
+            "n/a | n/a | n/a"
+            if fla is None
+            else f"{fla['call_ms']:.3f} / {fla['graph_ms']:.3f} | "
+            + (f"{gpu / fla['graph_ms']:.2f}x" if gpu else "n/a")
+            + f" | {fla['y_vs_ours']:.1e}, {fla['state_vs_ours']:.1e}"
+        )
+        lines.append(
+            f"| {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
+            f"{gpu or float('nan'):.3f} | {scalar_gpu or float('nan'):.3f} | {fla_cells} |"
+        )
     lines.append("")
     lines.append("ms: median. FLA's y and state against ours (norm ratio):")
     for r in record["rows"]:
@@ -414,6 +482,7 @@ def run(args) -> dict:
         "mlx": mx.__version__,
         "torch": torch.__version__,
         "fla": "not installed" if fla is None else "0.6.0",
+        "kda": [],
         "copy_bandwidth_bytes_per_s": copy_bandwidth(),
         "rows": [],
         "training": [],
@@ -439,6 +508,11 @@ def run(args) -> dict:
         progress(f"B={batch} T={tokens}")
         record["rows"].append(row(batch, tokens, fla))
         keep(f"B={batch} T={tokens}", record["rows"][-1])
+    chunk_kda = _fla_kda()
+    for tokens in KDA_TOKENS:
+        progress(f"per-key gates T={tokens}")
+        record["kda"].append(kda_row(tokens, chunk_kda))
+        keep(f"per-key gates T={tokens}", record["kda"][-1])
     for tokens in TRAINING_TOKENS:
         progress(f"training step T={tokens}")
         record["training"].append(training_row(tokens))

@@ -59,6 +59,23 @@ def main():
         (2, 130, 2, 4, 48, 40, mx.float32, "chunked", {}),
         (2, 70, 2, 4, 200, 24, mx.float32, "recurrent", {}),
         (2, 90, 2, 4, 64, 64, mx.float32, "recurrent", {"per_key": True}),
+        # Per-key gates through the chunked kernels: decays per key column,
+        # strong ones (g down to -20), wipes (-inf and finite) among them.
+        (2, 90, 2, 4, 64, 64, mx.float32, "chunked", {"per_key": True}),
+        (1, 1000, 16, 32, 128, 128, mx.bfloat16, "chunked", {"per_key": True}),
+        (2, 200, 4, 8, 128, 128, mx.float32, "chunked", {"per_key": True, "strong": True}),
+        (
+            2,
+            130,
+            2,
+            4,
+            48,
+            40,
+            mx.float32,
+            "chunked",
+            {"per_key": True, "mask": True, "head_mapping": "interleaved", "wipes": True},
+        ),
+        (2, 150, 2, 4, 64, 96, mx.float16, "auto", {"per_key": True, "wipes": True}),
         (2, 90, 2, 4, 64, 64, mx.float32, "chunked", {"mask": True}),
         (2, 90, 2, 4, 64, 64, mx.float32, "recurrent", {"mask": True}),
     ]
@@ -66,6 +83,15 @@ def main():
     for n, (B, T, Hk, Hv, Dk, Dv, dtype, algorithm, options) in enumerate(cases):
         per_key = options.get("per_key", False)
         q, k, v, g, beta, state = draw(B, T, Hk, Hv, Dk, Dv, dtype, per_key, n)
+        if options.get("strong"):
+            g = 40.0 * g
+        if options.get("wipes"):
+            # Decays of 0, as -inf and as a finite gate whose exp is 0.
+            gates = np.array(g)
+            draws = np.random.default_rng(300 + n).uniform(size=gates.shape)
+            gates[draws < 0.03] = -np.inf
+            gates[draws > 0.97] = -1e4
+            g = mx.array(gates)
         kwargs = {"head_mapping": options.get("head_mapping", "grouped"), "normalize_qk": True}
         if options.get("mask"):
             kwargs["mask"] = mx.array(np.random.default_rng(n).uniform(size=(B, T)) < 0.8)

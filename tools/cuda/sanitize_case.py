@@ -1,6 +1,6 @@
 """The calls compute-sanitizer watches (tools/cuda/sanitize.sh): every CUDA kernel of the
 core op once, on small shapes (two chunks and a partial one, a mask, checkpoints, per-key
-gates, a tree), the backward with a mask (scalar gates in both forms, per-key gates), the fused segment's
+gates in both forms, a tree), the backward with a mask (scalar gates in both forms, per-key gates), the fused segment's
 kernels (a mask, checkpoints, per-key and scalar gates, both core forms), and checks of the
 chunked result against the recurrent one, of the backward's gradients and of the segment's
 outputs against the CPU's, so that a race that changes the numbers also fails the run."""
@@ -59,10 +59,25 @@ def main():
     parents[5] = 2  # a branch
     mx.eval(*gated_delta_rule(q16, k16, v, g, beta, state, parents=parents))
     per_key = g[..., None] * mx.ones((D,))
-    mx.eval(*gated_delta_rule(q16, k16, v, per_key, beta, state, normalize_qk=True))
+    # Per-key gates, each key channel its own: both forms, and the chunked one with
+    # checkpoints (which the recurrent kernel writes beside the chunked kernels).
+    key_gates = g[..., None] * (1.0 + 0.1 * mx.abs(arr(B, T, Hv, D)))
+    key_results = {}
+    for algorithm in ("recurrent", "chunked"):
+        y, s = gated_delta_rule(
+            q16, k16, v, key_gates, beta, state, normalize_qk=True, mask=mask, algorithm=algorithm
+        )
+        mx.eval(y, s)
+        key_results[algorithm] = (np.asarray(y.astype(mx.float32)), np.asarray(s))
+    mx.eval(
+        *gated_delta_rule(
+            q16, k16, v, key_gates, beta, state, checkpoints=[3, 64, 100], algorithm="chunked"
+        )
+    )
     worst = max(
         float(np.abs(a - b).max() / np.abs(b).max())
-        for a, b in zip(results["chunked"], results["recurrent"])
+        for outcome in (results, key_results)
+        for a, b in zip(outcome["chunked"], outcome["recurrent"])
     )
     print(f"sanitize_case: chunked against recurrent, max relative difference {worst:.2e}")
 

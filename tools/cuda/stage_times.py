@@ -8,8 +8,10 @@ records it through PyTorch's profiler, Qwen3-Next shape, bf16, float32 gates.
   state (read once, written once) against a device-to-device copy through PyTorch
   measured in the same run.
 
-    python tools/cuda/stage_times.py [T ...] [--decode B ...]
-    (defaults: T = 2048 8192 32768, B = 1 8 64; --decode with no B skips decode)
+    python tools/cuda/stage_times.py [T ...] [--decode B ...] [--per-key]
+    (defaults: T = 2048 8192 32768, B = 1 8 64; --decode with no B skips decode;
+    --per-key: the prefill with a gate per key channel, g [B, T, Hv, Dk], as Kimi
+    Delta Attention's)
 """
 
 import argparse
@@ -29,7 +31,7 @@ REPEATS = 10
 DECODE_REPEATS = 50
 
 
-def inputs(batch, tokens):
+def inputs(batch, tokens, per_key=False):
     rng = np.random.default_rng(0)
 
     def normal(*shape):
@@ -38,15 +40,16 @@ def inputs(batch, tokens):
     q = normal(batch, tokens, HK, D).astype(mx.bfloat16)
     k = normal(batch, tokens, HK, D).astype(mx.bfloat16)
     v = normal(batch, tokens, HV, D).astype(mx.bfloat16)
-    g = mx.array(-rng.uniform(0.01, 0.3, (batch, tokens, HV)).astype(np.float32))
+    gate_shape = (batch, tokens, HV, D) if per_key else (batch, tokens, HV)
+    g = mx.array(-rng.uniform(0.01, 0.3, gate_shape).astype(np.float32))
     beta = mx.array(rng.uniform(0.0, 1.0, (batch, tokens, HV)).astype(np.float32))
     state = 0.1 * normal(batch, HV, D, D)
     mx.eval(q, k, v, g, beta, state)
     return q, k, v, g, beta, state
 
 
-def op(batch, tokens):
-    q, k, v, g, beta, state = inputs(batch, tokens)
+def op(batch, tokens, per_key=False):
+    q, k, v, g, beta, state = inputs(batch, tokens, per_key)
 
     def call():
         return gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True)
@@ -82,14 +85,14 @@ def kernel_ms(call, repeats=REPEATS):
     return {name: statistics.median(t) for name, t in sorted(times.items())}
 
 
-def prefill(tokens):
-    call = op(1, tokens)
+def prefill(tokens, per_key):
+    call = op(1, tokens, per_key)
     warm = wall_ms(call, clear=False)
     cleared = wall_ms(call, clear=True)
     kernels = kernel_ms(call)
     split = ", ".join(f"{name} {ms:.3f}" for name, ms in kernels.items())
     print(
-        f"T={tokens}: one call {warm:.3f} ms (cache warm), {cleared:.3f} ms "
+        f"T={tokens}{' per-key gates' if per_key else ''}: one call {warm:.3f} ms (cache warm), {cleared:.3f} ms "
         f"(after clear_cache); kernels (ms, median of {REPEATS}): {split or 'none seen'}",
         flush=True,
     )
@@ -110,6 +113,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("tokens", type=int, nargs="*", default=[2048, 8192, 32768])
     parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 64])
+    parser.add_argument("--per-key", action="store_true", help="a gate per key channel")
     args = parser.parse_args()
     if args.decode:
         copy_rate = copy_bandwidth()
@@ -117,7 +121,7 @@ def main():
         for batch in args.decode:
             decode(batch, copy_rate)
     for tokens in args.tokens:
-        prefill(tokens)
+        prefill(tokens, args.per_key)
 
 
 if __name__ == "__main__":
