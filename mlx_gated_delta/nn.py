@@ -3,8 +3,8 @@ Qwen3-Next and Qwen3.5 (`Qwen3NextGatedDeltaNet`, also named
 `GatedDeltaNet`, and `Qwen35GatedDeltaNet`, on the fused segment),
 OLMo-Hybrid, Kimi-Linear, Kimi-K3 and Bailing-MoE-V3
 (`OlmoHybridGatedDeltaNet`, `KimiDeltaAttention`, `KimiK3DeltaAttention`,
-`BailingKDA`: the core op between mlx-lm's own projections and
-convolutions). They live in `mlx_gated_delta.layers`, by kind; this module
+`BailingKDA`: mlx-lm's own projections into the fused segment, their short
+convolutions as one). They live in `mlx_gated_delta.layers`, by kind; this module
 names them.
 
 Every layer keeps mlx-lm's parameter names and shapes for its family, so
@@ -33,11 +33,11 @@ decoding can trim it.
 """
 
 from .layers.cache_protocol import kept_positions, store_in_cache
-from .layers.common import GatedRMSNormWeight, dense_projection, recur_in_cache
+from .layers.common import GatedRMSNormWeight, dense_projection
 from .layers.kda import BailingKDA, KimiDeltaAttention, KimiK3DeltaAttention, kda_log_decay
 from .layers.olmo_hybrid import OlmoHybridGatedDeltaNet
 from .layers.qwen import GatedDeltaNet, Qwen3NextGatedDeltaNet, Qwen35GatedDeltaNet
-from .layers.short_conv import KimiShortConv, conv_window, conv_windows, short_conv
+from .layers.short_conv import KimiShortConv
 
 __all__ = [
     "BailingKDA",
@@ -49,12 +49,8 @@ __all__ = [
     "OlmoHybridGatedDeltaNet",
     "Qwen35GatedDeltaNet",
     "Qwen3NextGatedDeltaNet",
-    "conv_window",
-    "conv_windows",
     "dense_projection",
     "kda_log_decay",
     "kept_positions",
-    "recur_in_cache",
-    "short_conv",
     "store_in_cache",
 ]

@@ -92,8 +92,8 @@ def patch_mlx_lm(model: nn.Module) -> int:
     of `mlx_gated_delta.layers.FAMILIES`) by ours, in place, keeping its
     weights; returns how many it replaced.
 
-    Generation then runs the fused segment (Qwen3-Next, Qwen3.5) or the core
-    op between mlx-lm's projections and convolutions (the other families).
+    Generation then runs the fused segment after the projections, in every
+    family.
     The module tree keeps mlx-lm's names, so `model.load_weights` after
     patching reaches the new layers. Layers that are already ours are left
     alone (patching twice replaces 0). `model.make_cache()` then gives the

@@ -292,41 +292,25 @@ def test_quantized_kda_model_patched_matches_quantized_mlx_lm(family):
     assert_matches("logits", patched(prompt), expected, "layer.mlx_lm_parity.v2.float32.logits")
 
 
-@pytest.mark.parametrize("carried", (False, True))
-def test_short_conv_is_the_depthwise_conv_and_silu_of_float64(carried):
-    # On the CPU a plain depthwise conv runs as shifted float32 sums
-    # (short_conv.depthwise_conv), from zeros or a carried conv state.
-    rng = np.random.default_rng(5)
-    batch, length, channels, taps = 2, 9, 24, 4
-    mx.random.seed(5)
-    conv = nn.Conv1d(channels, channels, taps, bias=False, groups=channels, padding=0)
-    x = rng.standard_normal((batch, length, channels)).astype(np.float32)
-    state = rng.standard_normal((batch, taps - 1, channels)).astype(np.float32)
-    if not carried:
-        state[:] = 0.0
+@pytest.mark.parametrize("lower_bound", (None, -5.0))
+def test_kda_log_decay_is_mlx_lms_gate_in_float64(lower_bound):
+    # The gates the segment forms, as MLX ops: dt_bias read per head and key
+    # channel, float32 against the float64 formula.
+    rng = np.random.default_rng(7)
+    heads, dim = 3, 8
+    f = rng.standard_normal((2, 5, heads, dim)).astype(np.float32)
+    a_log = rng.standard_normal(heads).astype(np.float32)
+    dt_bias = rng.standard_normal(heads * dim).astype(np.float32)
     with mx.stream(mx.cpu):
-        out, new_state, _ = our_nn.short_conv(
-            conv, taps, mx.array(x), mx.array(state) if carried else None, None, None
-        )
-    padded = np.concatenate([state, x], axis=1).astype(np.float64)
-    weight = np.array(conv.weight)[:, :, 0].astype(np.float64)  # [channels, taps]
-    pre = sum(padded[:, j : j + length] * weight[:, j] for j in range(taps))
-    expected = pre / (1.0 + np.exp(-pre))
-    assert_matches("short_conv", out, expected, "stage.prepare_conv.v1.float32.qkv")
-    assert np.array_equal(np.array(new_state), padded[:, -(taps - 1) :].astype(np.float32))
-
-
-def test_a_conv_that_is_not_plain_depthwise_keeps_its_own_call():
-    # With a bias (or other groups, strides, ...) the module's call is the one
-    # that runs: the bias is not dropped.
-    from mlx_gated_delta.layers.short_conv import depthwise_conv
-
-    mx.random.seed(6)
-    conv = nn.Conv1d(8, 8, 4, bias=True, groups=8, padding=0)
-    conv.bias = mx.random.normal((8,))
-    padded = mx.random.normal((1, 10, 8))
-    with mx.stream(mx.cpu):
-        assert mx.array_equal(depthwise_conv(conv, padded), conv(padded)).item()
+        g = our_nn.kda_log_decay(mx.array(f), mx.array(a_log), mx.array(dt_bias), lower_bound)
+    logits = f.astype(np.float64) + dt_bias.reshape(heads, dim).astype(np.float64)
+    rate = np.exp(a_log.astype(np.float64))[:, None]
+    if lower_bound is None:
+        expected = -rate * np.log1p(np.exp(logits))
+    else:
+        expected = lower_bound / (1.0 + np.exp(-rate * logits))
+    assert g.dtype == mx.float32 and g.shape == f.shape
+    np.testing.assert_allclose(np.array(g), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_load_weights_after_patching_reaches_the_patched_layers():

@@ -13,8 +13,8 @@ CPU matmul, its recurrence through MLX ops), so prefill rows use few repeats.
 
     python -m mlx_gated_delta.bench.layer [--quick]
 
-The layers that run the core op between separate q, k and v projections and
-convolutions (``bench --kda-layers``): Kimi-Linear's ``KimiDeltaAttention``
+The layers with separate q, k and v projections and convolutions
+(``bench --kda-layers``): Kimi-Linear's ``KimiDeltaAttention``
 (per-key-channel gates) and OLMo-Hybrid's ``GatedDeltaNet`` (the same layout
 with scalar gates), both at Kimi-Linear's heads (32 of 128, hidden 2048,
 conv 4), bf16: prefill from an empty cache and the training step (forward

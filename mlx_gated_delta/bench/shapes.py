@@ -42,8 +42,8 @@ QWEN3_NEXT_LAYER = SimpleNamespace(
     rms_norm_eps=1e-6,
 )
 
-# The layers that run the core op between their projections and separate q, k
-# and v convolutions, at Kimi-Linear's heads and hidden size: Kimi-Linear's
+# The layers with separate q, k and v projections and convolutions, at
+# Kimi-Linear's heads and hidden size: Kimi-Linear's
 # (per-key-channel gates) and OLMo-Hybrid's (the same layout with scalar
 # gates), in the names of mlx-lm's model arguments.
 KIMI_LINEAR_LAYER = SimpleNamespace(

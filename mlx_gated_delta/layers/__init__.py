@@ -2,13 +2,13 @@
 records:
 
 - `qwen`: Qwen3-Next's and Qwen3.5's layers on the fused segment;
-- `olmo_hybrid`: OLMo-Hybrid's, on the fused segment on the CPU (elsewhere
-  the core op between mlx-lm's projections and convolutions);
+- `olmo_hybrid`: OLMo-Hybrid's, on the fused segment;
 - `kda`: the Kimi Delta Attention layers (Kimi-Linear's, Kimi-K3's,
   Bailing-MoE-V3's), likewise, with per-key-channel gates;
 - `segment_cache`: the fused segment through a cache of one conv state per
   short convolution (OLMo-Hybrid's and the Kimi Delta Attention layers');
-- `short_conv`, `common`: the short convolutions and what the kinds share;
+- `short_conv`, `common`: the Kimi layers' conv module and what the kinds
+  share;
 - `cache_protocol`: what a layer asks of its cache;
 - `family` and `families`: one record per mlx-lm family (`FAMILIES`), what
   `patch_mlx_lm` and the property tests know of it.

@@ -2,15 +2,12 @@
 Bailing-MoE-V3's). Every projection goes through `common.apply_projection`
 (our CPU kernel for a plain dense one, the module's own call otherwise).
 
-On the CPU and on MLX's CUDA GPU (`segment_cache.runs_on_segment`) the
-projections' outputs, packed `[q | k | v | output gate | b | f]`, run
-through the fused segment (`kda_segment`): the short convolutions as one,
-the per-key-channel gates (`dt_bias` read `[H, Dk]`, the lower bound where
-the model has one), the recurrence and `o_norm(y) * sigmoid(gate)`, forward
-and backward, with masked tokens skipped. On a Metal GPU (the Metal
-segment's per-key gates are checked in the emulator only) the core op runs
-between mlx-lm's short convolutions (`short_conv`), gates (`kda_log_decay`)
-and output norm, as MLX ops."""
+The projections' outputs, packed `[q | k | v | output gate | b | f]`, run
+through the fused segment (`kda_segment`) on every device: the short
+convolutions as one, the per-key-channel gates (`dt_bias` read `[H, Dk]`,
+the lower bound where the model has one), the recurrence and
+`o_norm(y) * sigmoid(gate)`, forward and backward, with masked tokens
+skipped. Their gates are `kda_log_decay`'s, formed inside the segment."""
 
 from __future__ import annotations
 
@@ -20,10 +17,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache_protocol import layer_cache
-from .common import apply_projection, recur_in_cache
-from .segment_cache import runs_on_segment, segment_in_cache
-from .short_conv import KimiShortConv, short_conv
+from .common import apply_projection
+from .segment_cache import segment_in_cache
+from .short_conv import KimiShortConv
 
 
 def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
@@ -39,8 +35,9 @@ def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
       `[lower_bound, 0]`: each token keeps at least `exp(lower_bound)` of
       every state column.
 
-    The log of mlx-lm's linear decays (`compute_g`, `compute_lower_bound_g`)
-    for the core op's per-key gates; the activations are read as float32.
+    The log of mlx-lm's linear decays (`compute_g`, `compute_lower_bound_g`):
+    the gates the fused segment forms from the same inputs, as MLX ops, for
+    a caller of the core op; the activations are read as float32.
     """
     H, D = f.shape[-2], f.shape[-1]
     rate = mx.exp(A_log.reshape(H, 1).astype(mx.float32))
@@ -83,10 +80,8 @@ class KimiDeltaAttention(nn.Module):
 
     Its gates are per key channel: `g[t, h, c] = -exp(A_log[h])
     softplus(f[t, h, c] + dt_bias[h, c])`, with `dt_bias` read per head and
-    channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), into
-    the per-key gates. On the CPU and the CUDA GPU the layer runs the fused
-    segment (`kda_segment`); on a Metal GPU the core op between `short_conv`,
-    `kda_log_decay` and the output norm as MLX ops (the module's docstring).
+    channel (the `[H, Dk]` reading mlx-lm#1792's GPU kernel got wrong), in
+    the fused segment (`kda_segment`).
     """
 
     def __init__(self, config: Any):
@@ -120,52 +115,16 @@ class KimiDeltaAttention(nn.Module):
         mask: mx.array | None = None,
         cache: Any | None = None,
     ) -> mx.array:
-        B, T, _ = x.shape
-        H, D = self.num_heads, self.head_dim
-        if runs_on_segment():
-            return kda_segment(
-                self,
-                x,
-                mask,
-                cache,
-                [apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
-                (self.q_conv.conv, self.k_conv.conv, self.v_conv.conv),
-                apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x)),
-                apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
-            )
-        cache = layer_cache(cache)
-        positions = cache.checkpoints_for(T)
-        q_state, k_state, v_state, lengths = cache[0], cache[1], cache[2], cache.lengths
-        K = self.conv_kernel
-        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, q_state, q_kept = short_conv(self.q_conv.conv, K, q, q_state, mask, lengths, positions)
-        k, k_state, k_kept = short_conv(self.k_conv.conv, K, k, k_state, mask, lengths, positions)
-        v, v_state, v_kept = short_conv(self.v_conv.conv, K, v, v_state, mask, lengths, positions)
-
-        # Per-key gates in float32: [B, T, H, Dk].
-        f = apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x))
-        f = f.reshape(B, T, H, D)
-        g = kda_log_decay(f, self.A_log, self.dt_bias)
-        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
-        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
-        out = recur_in_cache(
+        return kda_segment(
+            self,
+            x,
+            mask,
             cache,
-            [q_state, k_state, v_state],
-            [q_kept, k_kept, v_kept],
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=self.scale,
-            mask=mask,
-            positions=positions,
+            [apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
+            (self.q_conv.conv, self.k_conv.conv, self.v_conv.conv),
+            apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x)),
+            apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
         )
-
-        output_gate = apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x))
-        output_gate = output_gate.reshape(B, T, H, D)
-        out = (self.o_norm(out) * mx.sigmoid(output_gate)).reshape(B, T, -1)
-        return apply_projection(self.o_proj, out)
 
 
 class KimiK3DeltaAttention(nn.Module):
@@ -178,11 +137,8 @@ class KimiK3DeltaAttention(nn.Module):
     Kimi-Linear's layer with one projection and one convolution for q, k and
     v, and per-key-channel gates `kda_log_decay(f, A_log, dt_bias,
     gate_lower_bound)`: lower-bounded where the model's `linear_attn_config`
-    sets `gate_lower_bound`, Kimi-Linear's otherwise. On the CPU and the CUDA
-    GPU the layer runs the fused segment (`kda_segment`); on a Metal GPU the
-    core op between
-    `short_conv`, the gates and the norm as MLX ops. (mlx-lm's compiled
-    one-token step on Metal computes the same thing.)
+    sets `gate_lower_bound`, Kimi-Linear's otherwise, through the fused
+    segment (`kda_segment`).
     """
 
     def __init__(self, config: Any):
@@ -217,55 +173,17 @@ class KimiK3DeltaAttention(nn.Module):
         mask: mx.array | None = None,
         cache: Any | None = None,
     ) -> mx.array:
-        B, T, _ = x.shape
-        H, D = self.num_heads, self.head_dim
-        if runs_on_segment():
-            return kda_segment(
-                self,
-                x,
-                mask,
-                cache,
-                [apply_projection(self.qkv_proj, x)],
-                (self.qkv_conv.conv,),
-                self._output_gate(x),
-                apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
-                self.lower_bound,
-            )
-        cache = layer_cache(cache)
-        positions = cache.checkpoints_for(T)
-        conv_state, lengths = cache[0], cache.lengths
-        qkv, conv_state, conv_kept = short_conv(
-            self.qkv_conv.conv,
-            self.conv_kernel,
-            apply_projection(self.qkv_proj, x),
-            conv_state,
+        return kda_segment(
+            self,
+            x,
             mask,
-            lengths,
-            positions,
-        )
-        q, k, v = mx.split(qkv.reshape(B, T, 3, H, D), 3, axis=2)
-
-        f = apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x))
-        g = kda_log_decay(f.reshape(B, T, H, D), self.A_log, self.dt_bias, self.lower_bound)
-        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
-        q, k, v = (t.squeeze(2) for t in (q, k, v))
-        out = recur_in_cache(
             cache,
-            [conv_state],
-            [conv_kept],
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=self.scale,
-            mask=mask,
-            positions=positions,
+            [apply_projection(self.qkv_proj, x)],
+            (self.qkv_conv.conv,),
+            self._output_gate(x),
+            apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
+            self.lower_bound,
         )
-
-        output_gate = self._output_gate(x)
-        out = self.o_norm(out) * mx.sigmoid(output_gate.reshape(B, T, H, D))
-        return apply_projection(self.o_proj, out.reshape(B, T, -1))
 
     def _output_gate(self, x):
         """The output gate's logits `[B, T, H*Dk]`: full rank or low rank."""
@@ -283,9 +201,7 @@ class BailingKDA(nn.Module):
 
     Its gates are full rank (`f_proj`, no low-rank pair) and lower-bounded:
     `kda_log_decay(f, A_log, dt_bias, kda_lower_bound)`, per key channel,
-    the segment's `lower_bound` on the CPU and the CUDA GPU (`kda_segment`),
-    on a Metal GPU the core op between `short_conv`, the gates and the
-    output norm as MLX ops.
+    the segment's `lower_bound` (`kda_segment`).
     mlx-lm implements only `no_kda_lora` and `kda_safe_gate` (the
     lower-bounded decay); other settings are refused as there.
     """
@@ -318,62 +234,23 @@ class BailingKDA(nn.Module):
         self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dims, hidden, bias=False)
 
-    def _conv(self, x, conv, cache, slot, mask, positions):
-        """One short convolution, from the conv state in the cache's slot
-        (`short_conv`'s output, new conv state and checkpoints)."""
-        return short_conv(
-            conv, self.conv_kernel_size, x, cache[slot], mask, cache.lengths, positions
-        )
-
     def __call__(
         self,
         x: mx.array,
         mask: mx.array | None = None,
         cache: Any | None = None,
     ) -> mx.array:
-        B, T, _ = x.shape
-        H, D = self.num_heads, self.head_dim
-        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
-        if runs_on_segment():
-            return kda_segment(
-                self,
-                x,
-                mask,
-                cache,
-                [q, k, v],
-                (self.q_conv1d, self.k_conv1d, self.v_conv1d),
-                apply_projection(self.g_proj, x),
-                apply_projection(self.f_proj, x),
-                self.lower_bound,
-            )
-        cache = layer_cache(cache)
-        positions = cache.checkpoints_for(T)
-        q, q_state, q_kept = self._conv(q, self.q_conv1d, cache, 0, mask, positions)
-        k, k_state, k_kept = self._conv(k, self.k_conv1d, cache, 1, mask, positions)
-        v, v_state, v_kept = self._conv(v, self.v_conv1d, cache, 2, mask, positions)
-        q, k, v = (t.reshape(B, T, H, D) for t in (q, k, v))
-
-        f = apply_projection(self.f_proj, x).reshape(B, T, H, D)
-        g = kda_log_decay(f, self.A_log, self.dt_bias, self.lower_bound)
-        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
-        out = recur_in_cache(
+        return kda_segment(
+            self,
+            x,
+            mask,
             cache,
-            [q_state, k_state, v_state],
-            [q_kept, k_kept, v_kept],
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=self.head_dim**-0.5,
-            mask=mask,
-            positions=positions,
+            [apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
+            (self.q_conv1d, self.k_conv1d, self.v_conv1d),
+            apply_projection(self.g_proj, x),
+            apply_projection(self.f_proj, x),
+            self.lower_bound,
         )
-
-        output_gate = apply_projection(self.g_proj, x).reshape(B, T, H, D)
-        out = self.o_norm(out)
-        out = out * mx.sigmoid(output_gate.astype(mx.float32)).astype(out.dtype)
-        return apply_projection(self.o_proj, out.reshape(B, T, -1))
 
 
 # The fields each layer's constructor reads, from a built mlx-lm layer of its

@@ -1,6 +1,6 @@
 """OLMo-Hybrid's layer: mlx-lm's projections (through
 `common.apply_projection`) into the fused segment (its three short
-convolutions as one), or, off the CPU, the core op between them."""
+convolutions as one)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .cache_protocol import layer_cache
-from .common import GatedRMSNormWeight, apply_projection, recur_in_cache
-from .segment_cache import runs_on_segment, segment_in_cache
-from .short_conv import short_conv
+from .common import GatedRMSNormWeight, apply_projection
+from .segment_cache import segment_in_cache
 
 
 class OlmoHybridGatedDeltaNet(nn.Module):
@@ -23,8 +21,7 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
     The projections go through `apply_projection` (our CPU kernel for a
-    plain dense one, the module's own call otherwise). On the CPU and on
-    MLX's CUDA GPU (`segment_cache.runs_on_segment`) their outputs, packed
+    plain dense one, the module's own call otherwise). Their outputs, packed
     `[q | k | v | g | b | a]`, run through the fused segment
     (`segment_cache.segment_in_cache`): the three convolutions as one over
     their concatenated channels, the gates, the recurrence (normalize_qk,
@@ -34,12 +31,6 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     leaves out, so that a left-padded prompt in a batch gives the tokens it
     gives alone (mlx-lm's layer lets the padding into the convolutions and
     does not).
-
-    On a Metal GPU (the Metal segment's gate variants are checked in the
-    emulator only) the convolutions run through `short_conv`, which zeroes
-    the masked tokens and ends each row's conv state at its own length, the
-    recurrence is the core op `gated_delta_rule`, and the gated norm
-    mlx-lm's MLX ops.
     """
 
     def __init__(self, config: Any):
@@ -72,66 +63,12 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         self.dt_bias = mx.zeros(self.num_v_heads)
         self.o_norm = GatedRMSNormWeight(self.head_v_dim, eps=config.layer_norm_epsilon)
 
-    def _conv(self, x, conv, cache, slot, mask, positions):
-        """Causal depthwise conv and SiLU (`short_conv`: masked inputs zeroed,
-        each row's conv state ending at its own length), from the conv state
-        in the cache's slot."""
-        state = cache[slot]
-        if state is not None:
-            state = state.astype(x.dtype)
-        return short_conv(conv, self.conv_kernel_size, x, state, mask, cache.lengths, positions)
-
     def __call__(
         self,
         x: mx.array,
         mask: mx.array | None = None,
         cache: Any | None = None,
     ) -> mx.array:
-        B, S, _ = x.shape
-        if runs_on_segment():
-            return self._segment(x, mask, cache)
-        cache = layer_cache(cache)
-        positions = cache.checkpoints_for(S)
-        q, k, v = (apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
-        q, q_state, q_kept = self._conv(q, self.q_conv1d, cache, 0, mask, positions)
-        k, k_state, k_kept = self._conv(k, self.k_conv1d, cache, 1, mask, positions)
-        v, v_state, v_kept = self._conv(v, self.v_conv1d, cache, 2, mask, positions)
-        q = q.reshape(B, S, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(B, S, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(B, S, self.num_v_heads, self.head_v_dim)
-
-        # The gates in float32: g = -exp(A_log) softplus(a + dt_bias) is the
-        # log of mlx-lm's linear decay; beta in [0, 1], or [0, 2].
-        a = apply_projection(self.a_proj, x).astype(mx.float32)
-        g = -mx.exp(self.A_log.astype(mx.float32)) * nn.softplus(a + self.dt_bias)
-        beta = mx.sigmoid(apply_projection(self.b_proj, x).astype(mx.float32))
-        if self.allow_neg_eigval:
-            beta = 2.0 * beta
-        out = recur_in_cache(
-            cache,
-            [q_state, k_state, v_state],
-            [q_kept, k_kept, v_kept],
-            q,
-            k,
-            v,
-            g,
-            beta,
-            scale=self.head_k_dim**-0.5,
-            mask=mask,
-            positions=positions,
-        )
-
-        # o_norm: rms_norm(out) weight, times silu(output gate), in float32.
-        output_gate = apply_projection(self.g_proj, x).reshape(
-            B, S, self.num_v_heads, self.head_v_dim
-        )
-        output_gate = nn.silu(output_gate.astype(mx.float32))
-        normed = mx.fast.rms_norm(out, self.o_norm.weight, self.o_norm.eps)
-        out = (output_gate * normed.astype(mx.float32)).astype(out.dtype)
-        return apply_projection(self.o_proj, out.reshape(B, S, -1))
-
-    def _segment(self, x, mask, cache):
-        """The layer's forward through the fused segment."""
         B, S, _ = x.shape
         projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.a_proj)
         mixed = mx.concatenate([apply_projection(p, x) for p in projections], axis=-1)

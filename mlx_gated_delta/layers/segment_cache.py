@@ -18,15 +18,6 @@ from ..segment import gated_delta_segment
 from .cache_protocol import layer_cache
 
 
-def runs_on_segment() -> bool:
-    """Whether the layers run the fused segment: on the CPU, and on MLX's
-    CUDA GPU (its segment kernels, checked on an H200 with these layers).
-    The Metal segment's gate variants have been checked in the Metal
-    emulator only, so on a Metal GPU the layers run the core op between MLX
-    ops instead."""
-    return mx.default_device() == mx.cpu or mx.cuda.is_available()
-
-
 def segment_in_cache(cache, convs, mixed, decay_parameter, dt_bias, norm, *, heads, **options):
     """`gated_delta_segment` on the packed row `mixed` `[B, T, F]` through a
     cache of mlx-lm's layout: `convs` are the layer's depthwise `nn.Conv1d`

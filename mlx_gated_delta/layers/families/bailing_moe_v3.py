@@ -1,5 +1,5 @@
 """Bailing-MoE-V3: mlx-lm's `bailing_moe_v3.BailingKDA`, replaced by
-`BailingKDA` (the core op, full-rank lower-bounded per-key-channel gates)."""
+`BailingKDA` (the fused segment, full-rank lower-bounded per-key-channel gates)."""
 
 from __future__ import annotations
 

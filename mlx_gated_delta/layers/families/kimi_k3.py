@@ -1,5 +1,5 @@
 """Kimi-K3: mlx-lm's `kimi_k3.KimiK3DeltaAttention`, replaced by
-`KimiK3DeltaAttention` (the core op, per-key-channel gates, lower-bounded
+`KimiK3DeltaAttention` (the fused segment, per-key-channel gates, lower-bounded
 where the model sets `gate_lower_bound`)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Kimi-Linear: mlx-lm's `kimi_linear.KimiDeltaAttention`, replaced by
-`KimiDeltaAttention` (the core op, per-key-channel gates)."""
+`KimiDeltaAttention` (the fused segment, per-key-channel gates)."""
 
 from __future__ import annotations
 

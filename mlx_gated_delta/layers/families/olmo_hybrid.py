@@ -1,6 +1,5 @@
 """OLMo-Hybrid: mlx-lm's `olmo_hybrid.GatedDeltaNet`, replaced by
-`OlmoHybridGatedDeltaNet` (the core op between mlx-lm's projections and
-convolutions)."""
+`OlmoHybridGatedDeltaNet` (mlx-lm's projections into the fused segment)."""
 
 from __future__ import annotations
 
