@@ -1,7 +1,8 @@
 """Two builds of the core op, taking turns call by call.
 
     python benchmarks/paired.py BASE NEW [--mode forward|gradients]
-        [--tokens 2048] [--dtype float32] [--gates scalar|per-key] [--pairs 16]
+        [--tokens 2048] [--dtype float32] [--gates scalar|per-key]
+        [--algorithm chunked|recurrent|auto] [--pairs 16]
 
 BASE and NEW are folders that each hold a build of the package: the folder
 with `mlx_gated_delta/` and `_mlx_gated_delta_ext*.so` in it, as
@@ -18,8 +19,9 @@ pair's two calls run a few hundred milliseconds apart, in the same phase, so
 their ratio separates a change of a few percent where processes taking turns
 do not.
 
-`forward` is the chunked forward (`algorithm="chunked"`, q and k normalised;
-`--gates per-key`: a log decay per value head and key channel, `g` of shape
+`forward` is the forward (`--algorithm`, chunked unless given; `--tokens 1
+--algorithm auto` is the decode step), q and k normalised (`--gates
+per-key`: a log decay per value head and key channel, `g` of shape
 `[B, T, Hv, Dk]`, as Kimi Delta Attention's);
 `gradients` is `mx.grad` of the sum of its output and final state with
 respect to q, k, v, g and beta (the forward, then the backward).
@@ -40,7 +42,7 @@ import subprocess
 import sys
 
 
-def make_call(mode: str, tokens: int, dtype_name: str, gates: str):
+def make_call(mode: str, tokens: int, dtype_name: str, gates: str, algorithm: str):
     import mlx.core as mx
 
     from mlx_gated_delta.ops import gated_delta_rule
@@ -58,7 +60,7 @@ def make_call(mode: str, tokens: int, dtype_name: str, gates: str):
     mx.eval(q, k, v, g, beta, state)
 
     def forward(q, k, v, g, beta):
-        return gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True, algorithm="chunked")
+        return gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True, algorithm=algorithm)
 
     if mode == "forward":
         return lambda: forward(q, k, v, g, beta)
@@ -71,7 +73,7 @@ def make_call(mode: str, tokens: int, dtype_name: str, gates: str):
     return lambda: gradients(q, k, v, g, beta)
 
 
-def worker(folder: str, mode: str, tokens: int, dtype_name: str, gates: str) -> None:
+def worker(folder: str, mode: str, tokens: int, dtype_name: str, gates: str, algorithm: str):
     """Times one call per line read from stdin; prints the seconds."""
     import time
 
@@ -82,7 +84,7 @@ def worker(folder: str, mode: str, tokens: int, dtype_name: str, gates: str) -> 
     loaded = os.path.dirname(os.path.dirname(os.path.abspath(mlx_gated_delta.__file__)))
     if os.path.realpath(loaded) != os.path.realpath(folder):
         sys.exit(f"paired.py: mlx_gated_delta came from {loaded}, not {folder}")
-    call = make_call(mode, tokens, dtype_name, gates)
+    call = make_call(mode, tokens, dtype_name, gates, algorithm)
     for _ in sys.stdin:
         start = time.perf_counter()
         mx.eval(call())
@@ -95,7 +97,7 @@ class Build:
         path = os.pathsep.join([folder, *site.getsitepackages()])
         command = [sys.executable, "-S", os.path.abspath(__file__), "--worker", folder]
         command += ["--mode", args.mode, "--tokens", str(args.tokens), "--dtype", args.dtype]
-        command += ["--gates", args.gates]
+        command += ["--gates", args.gates, "--algorithm", args.algorithm]
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -125,11 +127,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=2048)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--gates", choices=("scalar", "per-key"), default="scalar")
+    parser.add_argument("--algorithm", choices=("chunked", "recurrent", "auto"), default="chunked")
     parser.add_argument("--pairs", type=int, default=16)
     parser.add_argument("--worker", metavar="FOLDER", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.mode, args.tokens, args.dtype, args.gates)
+        worker(args.worker, args.mode, args.tokens, args.dtype, args.gates, args.algorithm)
         return
     if not (args.base and args.new):
         parser.error("give the two folders, BASE and NEW")
@@ -155,7 +158,7 @@ def main() -> None:
     ratios = sorted(n / b for n, b in zip(new_times, base_times))
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(
-        f"{args.mode} T={args.tokens} {args.dtype}, {args.pairs} pairs: "
+        f"{args.mode} {args.algorithm} T={args.tokens} {args.dtype}, {args.pairs} pairs: "
         f"base median {1e3 * statistics.median(base_times):.1f} ms, "
         f"new median {1e3 * statistics.median(new_times):.1f} ms, "
         f"new / base per pair: median {statistics.median(ratios):.3f} "

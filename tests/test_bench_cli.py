@@ -694,17 +694,20 @@ def test_contended_runs_its_rows_on_the_cpu(monkeypatch, tmp_path):
 PAIRED = Path(__file__).resolve().parent.parent / "benchmarks" / "paired.py"
 
 
-@pytest.mark.parametrize("mode", ["forward", "gradients"])
-def test_paired_times_two_builds_in_turn_and_reports_their_ratio(mode):
+@pytest.mark.parametrize(
+    "mode, algorithm, tokens",
+    [("forward", "chunked", 70), ("gradients", "chunked", 70), ("forward", "auto", 1)],
+)
+def test_paired_times_two_builds_in_turn_and_reports_their_ratio(mode, algorithm, tokens):
     # The installed build against itself, from the folder that holds the package.
     folder = Path(mlx_gated_delta.__file__).resolve().parent.parent
     command = [sys.executable, str(PAIRED), str(folder), str(folder), "--mode", mode]
-    result = subprocess.run(
-        [*command, "--tokens", "70", "--pairs", "3"], capture_output=True, text=True, timeout=300
-    )
+    command += ["--algorithm", algorithm, "--tokens", str(tokens)]
+    result = subprocess.run([*command, "--pairs", "3"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert re.fullmatch(
-        rf"{mode} T=70 float32, 3 pairs: base median [\d.]+ ms, new median [\d.]+ ms, "
+        rf"{mode} {algorithm} T={tokens} float32, 3 pairs: base median [\d.]+ ms, "
+        r"new median [\d.]+ ms, "
         r"new / base per pair: median [\d.]+ \(quartiles [\d.]+, [\d.]+\)\n",
         result.stdout,
     ), result.stdout
