@@ -159,8 +159,8 @@ def main() -> None:
     quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     print(
         f"{args.mode} {args.algorithm} T={args.tokens} {args.dtype}, {args.pairs} pairs: "
-        f"base median {1e3 * statistics.median(base_times):.1f} ms, "
-        f"new median {1e3 * statistics.median(new_times):.1f} ms, "
+        f"base median {1e3 * statistics.median(base_times):.4g} ms, "
+        f"new median {1e3 * statistics.median(new_times):.4g} ms, "
         f"new / base per pair: median {statistics.median(ratios):.3f} "
         f"(quartiles {quartiles[0]:.3f}, {quartiles[2]:.3f})"
     )
