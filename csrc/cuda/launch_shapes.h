@@ -67,9 +67,9 @@ constexpr int kRelativeColumnRows = kChunk * (kChunk / kTile - 1) / 2;
 // chunk_carry (chunk_carry.cu): kCarryBlockRows rows of the state a block,
 // held in its warps' registers. Its shared memory is sized for Dk up to
 // kChunkedMaxDim whatever the call's Dk, in floats: two stages of a chunk's
-// inputs (W, K, U and the decays; rows kCarryWStride, kCarryKStride and
-// kCarryRowStride apart), the column groups' partial sums of W S^T (rows
-// kCarryPartialStride apart) and the update's left operand.
+// inputs (W, K, U, the decays and the column decays; rows kCarryWStride,
+// kCarryKStride and kCarryRowStride apart), the column groups' partial sums
+// of W S^T (rows kCarryPartialStride apart) and the update's left operand.
 constexpr int kCarryBlockRows = 32;
 constexpr int kCarryColumnGroups = 4;
 constexpr int kCarryWStride = kChunkedMaxDim + 8;
