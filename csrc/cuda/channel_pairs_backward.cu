@@ -30,7 +30,7 @@ namespace mlx_gated_delta::cuda {
 namespace {
 
 // Rows of a chunk a thread takes together.
-constexpr int kPairRows = 4;
+constexpr int kPairRows = 8;
 
 // One row i of channel_pairs_backward's walk, a thread's channel c: its q_ic,
 // k_ic, beta_i and gamma_ic, its readout (dy S)_ic and dKb_ic, decay_c(i, -1),
@@ -103,6 +103,8 @@ __device__ __forceinline__ void channel_pairs_backward(
   rows.fetch(q, key_stride, dk, length);
   rows.store(dk, length, a.normalize_qk, query_scales, to_row, kw);
   __syncthreads();
+  // The gates' loads all issued before their first use (unrolled).
+#pragma unroll 8
   for (int e = threadIdx.x; e < kChunk * dk; e += kChunkedThreads) {
     const int t = e / dk, c = e % dk;
     keys[t * kw + c] *= key_scales[t];
@@ -110,7 +112,6 @@ __device__ __forceinline__ void channel_pairs_backward(
     gammas[t * kw + c] = active
         ? expf(a.g[((bt0 + t) * a.value_heads + place.h) * dk + c])
         : 1.0f;
-    d_gamma[t * kw + c] = 0.0f;
   }
   __syncthreads();
   if (threadIdx.x < kChunk) {
@@ -128,11 +129,25 @@ __device__ __forceinline__ void channel_pairs_backward(
     const float* dy_state = d.dq + rows_at + c;  // (dy S)_ic at [i * kw]
     const float* values_exit = d.dk + rows_at + c;  // (V' dS)_jc
     float* w_rows = d.dw + rows_at + c;  // dKb_ic, then k_ic (dA K)_ic
-    // dk's exit share, decay_c(L - 1, j) (V' dS)_jc.
+    // The exit state's shares first: dk's, decay_c(L - 1, j) (V' dS)_jc,
+    // and the terms P_{L-1,j} = k_j (V' dS)_j of the last row's scan (linear
+    // in its terms, so run apart): dgamma_t += decay(L - 1, t) C_t, C_0 = 0,
+    // C_{t+1} = P_{L-1,t} + gamma_t C_t. to_row holds decay(L - 1, t) and
+    // d_gamma V' dS meanwhile; the loads of V' dS all in flight at once.
     float to_end = 1.0f;
+#pragma unroll 8
     for (int t = length - 1; t >= 0; --t) {
-      d_key[t * kw + c] = to_end * values_exit[t * kw];
+      const float exit = values_exit[t * kw];
+      d_key[t * kw + c] = to_end * exit;
+      d_gamma[t * kw + c] = exit;
+      to_row[t * kw + c] = to_end;
       to_end *= gammas[t * kw + c];
+    }
+    float exit_scan = 0.0f;
+    for (int t = 0; t < length; ++t) {
+      const float exit = d_gamma[t * kw + c];
+      d_gamma[t * kw + c] = to_row[t * kw + c] * exit_scan;
+      exit_scan = keys[t * kw + c] * exit + gammas[t * kw + c] * exit_scan;
     }
     // The rows kPairRows at a time, each its own scan (independent chains),
     // so that the pairs' loads and the sums' stores serve them all. Rows past
@@ -167,6 +182,7 @@ __device__ __forceinline__ void channel_pairs_backward(
       }
       // The pairs left of the block, t < i0: to_row[t] = decay(i0 - 1, t)
       // becomes decay(i0 + kPairRows - 1, t).
+#pragma unroll 2
       for (int t = 0; t < i0; ++t) {
         const float k_t = keys[t * kw + c], gamma_t = gammas[t * kw + c];
         float decay = to_row[t * kw + c], gamma_sum = 0.0f, key_sum = 0.0f;
@@ -215,14 +231,6 @@ __device__ __forceinline__ void channel_pairs_backward(
               active ? dq : 0.0f;
         }
       }
-    }
-    // The exit state's terms P_{L-1,j} = k_j (V' dS)_j: the last row's scan
-    // once more (it is linear in the terms), with to_row[t] = decay(L-1, t).
-    float scan = 0.0f;
-    for (int t = 0; t < length; ++t) {
-      d_gamma[t * kw + c] += to_row[t * kw + c] * scan;
-      scan = keys[t * kw + c] * values_exit[t * kw] +
-          gammas[t * kw + c] * scan;
     }
   }
   __syncthreads();
