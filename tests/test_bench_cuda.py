@@ -102,13 +102,20 @@ def test_table_sets_the_training_step_against_fla_forward_of_the_same_length():
             },
         ],
         "training": [
-            {"tokens": 2048, "ours": {"call_ms": 6.0, "chained_ms": 5.0, "peak_mib": 700}},
+            {
+                "tokens": 2048,
+                "ours": {"call_ms": 6.0, "chained_ms": 5.0, "peak_mib": 700},
+                "ours_per_key": {"call_ms": 9.0, "chained_ms": 8.0, "peak_mib": 800},
+                "ours_per_key_recurrent": {"call_ms": 12.0, "chained_ms": 11.0, "peak_mib": 600},
+            },
             {"tokens": 8192, "ours": {"call_ms": 21.0, "chained_ms": 20.0, "peak_mib": 900}},
         ],
     }
     text = cuda.table(record)
-    assert "| 2048 | 6.000 | 5.000 | 700 | 0.250 | 24.0x |" in text  # 6 ms / 0.25 ms
-    assert "| 8192 | 21.000 | 20.000 | 900 | n/a | n/a |" in text  # no FLA row there
+    # 6 ms / 0.25 ms; the per-key step 9 ms against the scalar step's 6.
+    assert "| 2048 | 6.000 | 5.000 | 700 | 0.250 | 24.0x | 9.000 | 12.000 | 800 | 1.50x |" in text
+    # No FLA row there, and a record without the per-key cells.
+    assert "| 8192 | 21.000 | 20.000 | 900 | n/a | n/a | n/a | n/a | n/a | n/a |" in text
 
 
 def test_table_sets_per_key_rows_against_fla_chunk_kda_and_our_scalar_row():

@@ -1,8 +1,9 @@
-// The chunked WY backward on CUDA, scalar gates (docs/stages.md, "Backward:
-// the core recurrence"; the math of mlx_gated_delta/reference/
-// chunked_backward.py). The executor first reruns the forward's
-// chunk_prepare and chunk_carry (boundary_states: per chunk its entry state
-// h, W, V', the decayed Q K^T M, T, the decays and K), then:
+// The chunked WY backward on CUDA (docs/stages.md, "Backward: the core
+// recurrence"; the math of mlx_gated_delta/reference/chunked_backward.py, and
+// chunked_backward_per_key.py for a gate per key channel). The executor first
+// reruns the forward's chunk_prepare and chunk_carry (boundary_states: per
+// chunk its entry state h, W, V', the decayed Q K^T M, T, the decays and K),
+// then:
 //
 //   chunk_output_backward  one block per (chunk, value head, batch row):
 //                          dV' = M^T dO, the output's share (dO = scale dy,
@@ -14,7 +15,7 @@
 //                          the chunks last to first: keeps dS at each
 //                          chunk's end, adds the exit state's share to dV'
 //                          (dV' += diag(e) K dS^T) and steps dS back:
-//                          dS = Gamma_L dS + G - dV'^T W. Each row of dS
+//                          dS = dS diag(Gamma_L) + G - dV'^T W. Each row of dS
 //                          evolves on its own: what couples the rows comes
 //                          after, every chunk at once.
 //   chunk_state_products   kStateSlices blocks per (chunk, value head, batch
@@ -26,8 +27,16 @@
 //   chunk_qk_backward      (chunk_qk_backward.cu) the intra-chunk readout's
 //                          dq, dk and decay terms, every chunk at once;
 //   chunk_wy_backward      (chunk_wy_backward.cu) the WY form's, every chunk
-//                          at once, then qk_grad_reduce
+//                          at once;
+//   channel_pairs_backward (channel_pairs_backward.cu, per-key gates only)
+//                          every term whose decay differs by key channel,
+//                          per channel; then qk_grad_reduce
 //                          (recurrent_backward.cu).
+//
+// With per-key gates the rerun's scratch holds Q and K with their decays
+// (kernel_args.h): the stages here take them as Q and K, with the scalar
+// decays 1, and chunk_qk_backward and chunk_wy_backward leave the rest to
+// channel_pairs_backward.
 //
 // Matrix products on tensor cores (tensor_core.cuh), float32 accumulation,
 // q, k, v and dy as the inputs give them (exact operands in float16 and
@@ -49,7 +58,9 @@ __device__ inline float output_scale(const CoreArgs& a, int64_t bt, bool in) {
 // decayed Q K^T of chunk_prepare (lower triangular), its rows scaled by dO's
 // row scales so that dy is an exact operand; then G = (diag(Gamma / |q|)
 // dO)^T Q into ChunkBackwardScratch::ds (chunk_carry_backward reads it there
-// and writes dS over it), dy's rows scaled in place. Warp w the output tiles
+// and writes dS over it), dy's rows scaled in place. With per-key gates Q is
+// chunk_prepare's Q decayed from the chunk's start with its scales
+// (ChunkScratch::q), and Gamma and 1 / |q| are 1. Warp w the output tiles
 // w, w + 8, ... of each product.
 template <typename T>
 __device__ __forceinline__ void chunk_output_backward(
@@ -86,15 +97,24 @@ __device__ __forceinline__ void chunk_output_backward(
       nullptr,
       dys,
       vp);
-  load_rows(
-      static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
-      int64_t(a.key_heads) * dk,
-      dk,
-      place.length,
-      a.normalize_qk,
-      query_scales,
-      qs,
-      kp);
+  const bool per_key = a.per_key_gates != 0;
+  if (per_key) {
+    copy_rows_async(s.q + place.index * kChunk * kw, kw, kChunk, kw, qs, kp);
+    __pipeline_commit();
+    if (threadIdx.x < kChunk) {
+      query_scales[threadIdx.x] = 1.0f;
+    }
+  } else {
+    load_rows(
+        static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
+        int64_t(a.key_heads) * dk,
+        dk,
+        place.length,
+        a.normalize_qk,
+        query_scales,
+        qs,
+        kp);
+  }
   __pipeline_wait_prior(0);
   __syncthreads();
   for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
@@ -132,11 +152,17 @@ __device__ __forceinline__ void chunk_output_backward(
     float* out = d.ds + place.index * vw * kw;
     for (int tile = warp; tile < tiles; tile += kChunkedThreads / kWarp) {
       const int tr = tile % row_tiles, tc = tile / row_tiles;
-      // (dO^T)_ri = dO_ir: dO's rows the reduction.
+      // (dO^T)_ri = dO_ir: dO's rows the reduction. Q decayed (per-key
+      // gates) is no longer exact.
       Product product;
       for (int i0 = 0; i0 < place.length; i0 += 8) {
-        product.add<wmma::col_major, wmma::row_major, false, kExactInTf32<T>>(
-            dys + i0 * vp + tr * kTile, vp, qs + i0 * kp + tc * kTile, kp);
+        if (per_key) {
+          product.add<wmma::col_major, wmma::row_major, false, false>(
+              dys + i0 * vp + tr * kTile, vp, qs + i0 * kp + tc * kTile, kp);
+        } else {
+          product.add<wmma::col_major, wmma::row_major, false, kExactInTf32<T>>(
+              dys + i0 * vp + tr * kTile, vp, qs + i0 * kp + tc * kTile, kp);
+        }
       }
       wmma::store_matrix_sync(
           out + tr * kTile * kw + tc * kTile, product.finish(), kw,
@@ -151,8 +177,11 @@ __device__ __forceinline__ void chunk_output_backward(
 //   keep dS over G's rows (ChunkBackwardScratch::ds);
 //   dV'[:, rows] += diag(e / |k|) K dS^T: warp w token tile w % 4, half
 //   w / 4 of Dk (the halves added after);
-//   dS = Gamma_L dS + G - dV'^T W: warp w the columns [16 w, 16 w + 16) of
-//   every row.
+//   dS = dS diag(Gamma_L) + G - dV'^T W, Gamma_L the chunk's decay of each
+//   state column (ChunkScratch::column_decays): warp w the columns
+//   [16 w, 16 w + 16) of every row.
+// With per-key gates K is the value head's, decayed to the chunk's end (e is
+// 1), as chunk_carry reads it.
 // Under half of a multiprocessor's shared memory, so that two blocks share
 // one: the Qwen3-Next shape's 256 blocks (B = 1) run in one wave on an H200.
 template <typename T>
@@ -174,6 +203,7 @@ __device__ __forceinline__ void chunk_carry_backward(
   float* intra = gs + kRows * kp;  // [kChunk][rp]: M^T dO, then -dV'
   float* halves = intra + kChunk * rp;  // [2][kChunk][rp]: K dS^T
   float* decays = halves + 2 * kChunk * rp;  // [kDecayRows][kChunk]
+  float* column_decays = decays + kDecayRows * kChunk;  // [kChunkedMaxDim]
 
   const int b = blockIdx.z, h = blockIdx.y;
   const int row0 = blockIdx.x * kRows;
@@ -191,11 +221,16 @@ __device__ __forceinline__ void chunk_carry_backward(
         ? o.state_cotangent[head_state + int64_t(row0 + r) * dk + c]
         : 0.0f;
   }
+  const bool per_key = a.per_key_gates != 0;
   for (int chunk = chunks - 1; chunk >= 0; --chunk) {
     const ChunkPlace place = chunk_place(a, chunk);
     float* g_rows = d.ds + place.index * vw * kw + int64_t(row0) * kw;
     copy_rows_async(
-        s.k + (key_chunks + chunk) * kChunk * kw, kw, kChunk, kw, ks, kp);
+        s.k + (per_key ? place.index : key_chunks + chunk) * kChunk * kw, kw,
+        kChunk, kw, ks, kp);
+    copy_rows_async(
+        s.column_decays + place.index * kChunkedMaxDim, kw, 1, kw,
+        column_decays, kw);
     copy_rows_async(s.w + place.index * kChunk * kw, kw, kChunk, kw, ws, kp);
     copy_rows_async(g_rows, kw, kRows, kw, gs, kp);
     copy_rows_async(
@@ -218,15 +253,20 @@ __device__ __forceinline__ void chunk_carry_backward(
       }
     }
 
-    const float* from_start = decays;
     const float* to_end = decays + kChunk;
     const float* key_scales = decays + 4 * kChunk;
     {
       const int ti = warp % 4, half = warp / 4;
+      // K decayed (per-key gates) is no longer exact.
       Product product;
       for (int c0 = half * kw / 2; c0 < (half + 1) * kw / 2; c0 += 8) {
-        product.add<wmma::row_major, wmma::col_major, kExactInTf32<T>, false>(
-            ks + ti * kTile * kp + c0, kp, ds + c0, kp);
+        if (per_key) {
+          product.add<wmma::row_major, wmma::col_major, false, false>(
+              ks + ti * kTile * kp + c0, kp, ds + c0, kp);
+        } else {
+          product.add<wmma::row_major, wmma::col_major, kExactInTf32<T>, false>(
+              ks + ti * kTile * kp + c0, kp, ds + c0, kp);
+        }
       }
       wmma::store_matrix_sync(
           halves + half * kChunk * rp + ti * kTile * rp, product.finish(), rp,
@@ -242,10 +282,14 @@ __device__ __forceinline__ void chunk_carry_backward(
       dv_out[i * vw + r] = delta;
       intra[i * rp + r] = -delta;
     }
+    // dS diag(Gamma_L): K dS^T has read dS (the barrier above).
+    for (int e = threadIdx.x; e < kRows * kw; e += kChunkedThreads) {
+      const int r = e / kw, c = e % kw;
+      ds[r * kp + c] *= column_decays[c];
+    }
     __syncthreads();
 
     if (warp * kTile < kw) {
-      const float last = from_start[place.length - 1];
       Product update;
       Accumulator entry_share;
       wmma::load_matrix_sync(
@@ -254,7 +298,7 @@ __device__ __forceinline__ void chunk_carry_backward(
           entry_share, gs + warp * kTile, kp, wmma::mem_row_major);
 #pragma unroll
       for (int e = 0; e < update.sum.num_elements; ++e) {
-        update.sum.x[e] = last * update.sum.x[e] + entry_share.x[e];
+        update.sum.x[e] += entry_share.x[e];
       }
       for (int i0 = 0; i0 < place.length; i0 += 8) {
         update.add<wmma::col_major, wmma::row_major>(
@@ -283,7 +327,8 @@ __device__ __forceinline__ void chunk_carry_backward(
 // none), so that a block's shared memory (about 100 KiB at Dk = Dv = 128)
 // lets two share a multiprocessor; each writes its share of <dS, S>
 // (state_dots[kStateSlices index + slice], which chunk_wy_backward adds in
-// order). Warp w the tiles w, w + 8, ... of the slice's [kChunk, columns].
+// order; with per-key gates each column's, state_dots[kw index + c]). Warp w
+// the tiles w, w + 8, ... of the slice's [kChunk, columns].
 template <typename T>
 __device__ __forceinline__ void chunk_state_products(
     const CoreArgs& a,
@@ -363,6 +408,20 @@ __device__ __forceinline__ void chunk_state_products(
     }
   }
   __syncthreads();
+  // With per-key gates <dS, S> per key column first, a thread per column
+  // summing its rows in order, before dS replaces S.
+  const bool per_key = a.per_key_gates != 0;
+  if (per_key) {
+    for (int c = threadIdx.x; c < cd; c += kChunkedThreads) {
+      float column_dot = 0.0f;
+      for (int r = 0; r < dv; ++r) {
+        column_dot +=
+            d.ds[place.index * vw * kw + r * kw + c0 + c] * states[r * sp + c];
+      }
+      d.state_dots[place.index * kw + c0 + c] = column_dot;
+    }
+    __syncthreads();
+  }
   // dS over S, each element read and replaced by one thread, <dS, S> summed
   // on the way (per thread, then per warp, then the warps in order).
   copy_rows_async(s.u + place.index * kChunk * vw, vw, kChunk, vw, left, vp);
@@ -380,7 +439,7 @@ __device__ __forceinline__ void chunk_state_products(
   }
   __pipeline_wait_prior(0);
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0 && !per_key) {
     float total = 0.0f;
     for (int w = 0; w < kChunkedThreads / kWarp; ++w) {
       total += sums[w];

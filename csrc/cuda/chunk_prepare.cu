@@ -438,10 +438,20 @@ __device__ __forceinline__ void chunk_prepare(
   values.store(dv, place.length, false, nullptr, vs, vp);
   if (per_key) {
     // Rows of tiles 1 to 3 are decayed from their reference row m already
-    // (relative_rows): the rest of the way is decay_c(m, -1).
-    for (int e = threadIdx.x; e < kChunk * dk; e += kChunkedThreads) {
-      const int i = e / dk, c = e % dk;
-      ks[i * kp + c] *= channels(c, i < kTile ? i : i / kTile * kTile - 1, -1);
+    // (relative_rows): the rest of the way is decay_c(m, -1). The chunked
+    // backward keeps these rows (ChunkScratch::k_from_start).
+    float* k_out = s.k_from_start == nullptr
+        ? nullptr
+        : s.k_from_start + place.index * kChunk * kw;
+    for (int e = threadIdx.x; e < kChunk * kw; e += kChunkedThreads) {
+      const int i = e / kw, c = e % kw;
+      if (c < dk) {
+        ks[i * kp + c] *=
+            channels(c, i < kTile ? i : i / kTile * kTile - 1, -1);
+      }
+      if (k_out != nullptr) {
+        k_out[e] = ks[i * kp + c];
+      }
     }
   }
 

@@ -11,6 +11,8 @@
 //   the decays' gradients without the decays, P_ij = dM_ij q_i . k_j
 //   (ChunkBackwardScratch::pairs), P_{i,-1} = s_i (dy S)_i . q_i and
 //   P_{L-1,j} = (V' dS)_j . k_j (ChunkBackwardScratch::ends).
+// With per-key gates it writes dM alone (ChunkBackwardScratch::pairs), and
+// channel_pairs_backward takes the rest per key channel.
 // Two row buffers and two [L, L] ones (about 102 KiB at Dk = Dv = 128), so
 // that two blocks share a multiprocessor.
 #include "cuda/chunk_backward_products.cuh"
@@ -81,6 +83,14 @@ __device__ __forceinline__ void chunk_qk_backward(
   __syncthreads();
   lower_gram<kExact, false>(xa, xp, xb, xp, vw, ld, lp);  // dy V'^T
   __syncthreads();
+  if (a.per_key_gates != 0) {
+    // Per-key gates: dM alone, for channel_pairs_backward.
+    for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
+      const int i = e / kChunk, j = e % kChunk;
+      pairs[e] = j <= i && i < length ? row_scales[i] * ld[i * lp + j] : 0.0f;
+    }
+    return;
+  }
   copy_rows_async(s.k + key_chunk * kChunk * kw, kw, kChunk, kw, xb, xp);
   __pipeline_commit();
   queries.store(dk, length, a.normalize_qk, query_scales, xa, xp);

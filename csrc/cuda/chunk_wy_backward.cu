@@ -105,9 +105,15 @@ __device__ __forceinline__ void chunk_wy_backward(
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   const int64_t value_stride = int64_t(a.value_heads) * dv;
   const int chunks = (a.tokens + kChunk - 1) / kChunk;
-  const float* k_rows = s.k +
-      ((int64_t(place.b) * a.key_heads + kh) * chunks + place.chunk) * kChunk *
-          kw;
+  // With per-key gates W's K is decayed from the chunk's start per channel
+  // (ChunkScratch::k_from_start; Gamma is 1 in `decays`), and
+  // channel_pairs_backward takes every term with a channel's decay in it.
+  const bool per_key = a.per_key_gates != 0;
+  const float* k_rows = per_key
+      ? s.k_from_start + place.index * kChunk * kw
+      : s.k +
+          ((int64_t(place.b) * a.key_heads + kh) * chunks + place.chunk) *
+              kChunk * kw;
   float* dk_rows = d.dk + place.index * kChunk * kw;
   const float* qk_pairs = d.pairs + place.index * kChunk * kChunk;
   const float* exit = d.ends + place.index * 2 * kChunk + kChunk;
@@ -127,15 +133,20 @@ __device__ __forceinline__ void chunk_wy_backward(
     const bool active = i < length && (a.mask == nullptr || a.mask[bt]);
     const int64_t gate = bt * a.value_heads + place.h;
     betas[i] = active ? a.beta[gate] : 0.0f;
-    gammas[i] = active ? expf(a.g[gate]) : 1.0f;
-    entry[i] = d.ends[place.index * 2 * kChunk + i];
+    gammas[i] = active && !per_key ? expf(a.g[gate]) : 1.0f;
+    entry[i] = per_key ? 0.0f : d.ends[place.index * 2 * kChunk + i];
     dbeta[i] = 0.0f;
   }
   __pipeline_wait_prior(0);
   __syncthreads();
 
-  // recompute_w_u_backward, W's side: dW K^T, dKb = T^T dW (over dW).
-  lower_gram<false, kExact>(xb, xp, xa, xp, kw, lq, lp);
+  // recompute_w_u_backward, W's side: dW K^T, dKb = T^T dW (over dW). K
+  // decayed (per-key gates) is no longer exact.
+  if (per_key) {
+    lower_gram<false, false>(xb, xp, xa, xp, kw, lq, lp);
+  } else {
+    lower_gram<false, kExact>(xb, xp, xa, xp, kw, lq, lp);
+  }
   inverse_transposed_times(ld, lp, xb, xp, kw, xb, xp);
   __syncthreads();
   for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
@@ -151,7 +162,11 @@ __device__ __forceinline__ void chunk_wy_backward(
     const float key_term = key_scales[i] * warp_sum(dot);
     const float w_scale = betas[i] * from_start[i];
     for (int c = lane; c < kw; c += kWarp) {
-      dk_rows[i * kw + c] += w_scale * xb[i * xp + c];
+      if (per_key) {
+        d.dw[place.index * kChunk * kw + i * kw + c] = xb[i * xp + c];
+      } else {
+        dk_rows[i * kw + c] += w_scale * xb[i * xp + c];
+      }
     }
     if (lane == 0) {
       dbeta[i] += from_start[i] * key_term;
@@ -245,6 +260,21 @@ __device__ __forceinline__ void chunk_wy_backward(
   }
   __pipeline_wait_prior(0);
   __syncthreads();
+  const int width = backward_partial_width(dk, per_key);
+  if (per_key) {
+    // dA and the shares of dbeta so far, for channel_pairs_backward.
+    float* da = d.da + place.index * kChunk * kChunk;
+    for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
+      const int i = e / kChunk, j = e % kChunk;
+      da[e] = j < i && i < length ? lq[i * lp + j] : 0.0f;
+    }
+    if (threadIdx.x < length) {
+      const int64_t bt = bt0 + threadIdx.x;
+      o.partials[(bt * a.value_heads + place.h) * width + 3 * dk] =
+          dbeta[threadIdx.x];
+    }
+    return;
+  }
   lower_gram<kExact, kExact>(xa, xp, xa, xp, kw, ld, lp);  // K K^T, over T
   __syncthreads();
   // A_ij = beta_i decay(i, j) k_i . k_j: its pair terms (added to
@@ -295,7 +325,6 @@ __device__ __forceinline__ void chunk_wy_backward(
   accumulate_rows<false, kExact, true>(dk_rows, kw, ld, lp, xa, xp);
 
   const float d_gamma = gate_cumsum_backward(lq, lp, entry, gammas, length);
-  const int width = backward_partial_width(dk, false);
   if (threadIdx.x < length) {
     const int t = threadIdx.x;
     const int64_t bt = bt0 + t;

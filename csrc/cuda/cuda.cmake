@@ -44,6 +44,7 @@ set(GD_CUDA_SOURCES
   chunk_backward
   chunk_qk_backward
   chunk_wy_backward
+  channel_pairs_backward
   segment)
 set(GD_FATBINS)
 foreach(source ${GD_CUDA_SOURCES})

@@ -29,7 +29,7 @@ int carry_backward_shared_bytes(const GatedDeltaParams& p) {
   const int kp = tile_stride(p.key_dim), rp = tile_stride(kCarryRows);
   return int(sizeof(float)) *
       (2 * kCarryRows * kp + 2 * kChunk * kp + 3 * kChunk * rp +
-       kDecayRows * kChunk);
+       kDecayRows * kChunk + kChunkedMaxDim);
 }
 int state_products_shared_bytes(const GatedDeltaParams& p) {
   const int slice_tiles =
@@ -51,6 +51,12 @@ int wy_backward_shared_bytes(const GatedDeltaParams& p) {
   return int(sizeof(float)) * kChunk *
       (2 * xp + 2 * tile_stride(kChunk) + kDecayRows + 4);
 }
+// channel_pairs_backward (per-key gates): dM and dA, five rows of a float a
+// key channel, four rows of scalars.
+int channel_pairs_shared_bytes(const GatedDeltaParams& p) {
+  return int(sizeof(float)) * kChunk *
+      (2 * tile_stride(kChunk) + 5 * tile_padded(p.key_dim) + 4);
+}
 
 }  // namespace
 
@@ -68,7 +74,7 @@ std::string backward_kernels_gap(const GatedDeltaParams& p) {
 
 Algorithm resolve_cuda_backward_algorithm(
     const GatedDeltaParams& p, Algorithm requested) {
-  if (!chunked_backward_kernels_cover(p) || p.key_dim == 0 ||
+  if (!chunked_kernels_cover(p) || p.key_dim == 0 ||
       p.value_dim == 0) {
     return Algorithm::Recurrent;
   }
@@ -107,7 +113,7 @@ mx::array eval_chunked_backward(
   a.state_out = mx::gpu_ptr<float>(final_state);
   // dv, ds, dq, dk, dw, state_dots (ChunkBackwardScratch's order), each
   // token's sums of a value head (BackwardArgs::partials, one block), then
-  // ChunkBackwardScratch's pairs and ends.
+  // ChunkBackwardScratch's pairs, ends and da (per-key gates).
   std::vector<mx::array> backward = {
       scratch(encoder, value_rows),
       scratch(
@@ -116,13 +122,17 @@ mx::array eval_chunked_backward(
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
       scratch(encoder, key_rows),
-      scratch(encoder, problems * kStateSlices),
+      scratch(
+          encoder,
+          problems *
+              (p.per_key_gates ? tile_padded(p.key_dim) : kStateSlices)),
       scratch(
           encoder,
           int64_t(p.batch) * p.tokens * p.value_heads *
-              backward_partial_width(p.key_dim, false)),
+              backward_partial_width(p.key_dim, p.per_key_gates)),
       scratch(encoder, problems * kChunk * kChunk),
-      scratch(encoder, problems * 2 * kChunk)};
+      scratch(encoder, problems * 2 * kChunk),
+      scratch(encoder, p.per_key_gates ? problems * kChunk * kChunk : 0)};
   ChunkBackwardScratch d;
   d.dv = mx::gpu_ptr<float>(backward[0]);
   d.ds = mx::gpu_ptr<float>(backward[1]);
@@ -133,6 +143,7 @@ mx::array eval_chunked_backward(
   o.partials = mx::gpu_ptr<float>(backward[6]);
   d.pairs = mx::gpu_ptr<float>(backward[7]);
   d.ends = mx::gpu_ptr<float>(backward[8]);
+  d.da = p.per_key_gates ? mx::gpu_ptr<float>(backward[9]) : nullptr;
   o.partial_blocks = 1;
 
   const std::string dtype = dtype_suffix(inputs[kV].dtype());
@@ -189,9 +200,17 @@ mx::array eval_chunked_backward(
   stage(
       "chunk_wy_backward",
       "chunk_wy_backward",
-      {outputs[kDv], backward[3], backward[6]},
+      {outputs[kDv], backward[3], backward[4], backward[6], backward[9]},
       per_chunk,
       wy_backward_shared_bytes(p));
+  if (p.per_key_gates) {
+    stage(
+        "channel_pairs_backward",
+        "channel_pairs_backward",
+        {backward[4], backward[6]},
+        per_chunk,
+        channel_pairs_shared_bytes(p));
+  }
   return backward[6];
 }
 

@@ -77,7 +77,10 @@ struct CoreArgs {
 // The chunked backward's rerun of the forward also keeps, per (batch row,
 // value head, chunk),
 //   t [L, L]: kkt_inverse's T = (I + A)^-1, from chunk_prepare (nullptr in
-//   the forward, which does not keep it).
+//   the forward, which does not keep it),
+//   k_from_start [L, tile_padded(Dk)], per-key gates only: k_jc
+//   decay_c(j, -1), K decayed from the chunk's start as W takes it, for the
+//   backward's dT and dbeta (nullptr otherwise).
 constexpr int kDecayRows = 5;
 struct ChunkScratch {
   float* w;
@@ -89,6 +92,7 @@ struct ChunkScratch {
   float* column_decays;
   float* q;
   float* t;
+  float* k_from_start;
 };
 
 // The chunked backward's own scratch (chunk_backward.cu,
@@ -110,6 +114,16 @@ struct ChunkScratch {
 //   chunk_wy_backward completes,
 //   ends [2, L]: P_{i,-1} (the entry state's terms, chunk_qk_backward's
 //   share) and P_{L-1,j} (the exit state's).
+// With per-key gates the decays' gradients are per key channel and
+// channel_pairs_backward takes every product with a decay in it
+// (channel_pairs_backward.cu); these buffers then hold what it reads:
+//   state_dots [tile_padded(Dk)]: <dS, S> per key column c, sum_r dS_rc S_rc,
+//   dq, dk: dy S and V' dS as chunk_state_products wrote them (no scales),
+//   dw: dW, then chunk_wy_backward's dKb = T^T dW, then
+//   channel_pairs_backward's dbeta terms k_ic (dA K)_ic,
+//   pairs [L, L]: dM = diag(s) dy V'^T on and below the diagonal,
+//   da [L, L]: kkt_inverse_backward's dA, strictly lower (nullptr with
+//   scalar gates); ends is not used.
 struct ChunkBackwardScratch {
   float* dv;
   float* ds;
@@ -119,6 +133,7 @@ struct ChunkBackwardScratch {
   float* state_dots;
   float* pairs;
   float* ends;
+  float* da;
 };
 
 // The backward's buffers beside CoreArgs (which gives q, k, v, g, beta, mask,

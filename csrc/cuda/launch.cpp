@@ -62,10 +62,6 @@ bool chunked_kernels_cover(const GatedDeltaParams& p) {
       p.value_dim <= kChunkedMaxDim;
 }
 
-bool chunked_backward_kernels_cover(const GatedDeltaParams& p) {
-  return chunked_kernels_cover(p) && !p.per_key_gates;
-}
-
 mx::array scratch(mx::cu::CommandEncoder& encoder, int64_t floats) {
   floats = std::max<int64_t>(floats, 1);
   mx::array buffer(
@@ -151,6 +147,8 @@ ChunkForwardScratch chunk_forward_scratch(
       scratch(encoder, p.per_key_gates ? problems * key_rows : 0)};
   if (keep_t) {
     s.buffers.push_back(scratch(encoder, problems * kChunk * kChunk));
+    s.buffers.push_back(
+        scratch(encoder, p.per_key_gates ? problems * key_rows : 0));
   }
   s.pointers.w = mx::gpu_ptr<float>(s.buffers[0]);
   s.pointers.u = mx::gpu_ptr<float>(s.buffers[1]);
@@ -161,6 +159,9 @@ ChunkForwardScratch chunk_forward_scratch(
   s.pointers.column_decays = mx::gpu_ptr<float>(s.buffers[6]);
   s.pointers.q = mx::gpu_ptr<float>(s.buffers[7]);
   s.pointers.t = keep_t ? mx::gpu_ptr<float>(s.buffers[8]) : nullptr;
+  s.pointers.k_from_start = keep_t && p.per_key_gates
+      ? mx::gpu_ptr<float>(s.buffers[9])
+      : nullptr;
   return s;
 }
 

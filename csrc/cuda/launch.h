@@ -21,12 +21,9 @@ enum CoreInput { kQ = 0, kK, kV, kG, kBeta, kState, kMask };
 // The kernels' name suffix of an activation dtype ("f32", "f16", "bf16").
 const char* dtype_suffix(mlx::core::Dtype dtype);
 
-// Whether the chunked forward's kernels take this call: no tree, key and
-// value dims up to kChunkedMaxDim.
+// Whether the chunked kernels, forward and backward, take this call: no
+// tree, key and value dims up to kChunkedMaxDim.
 bool chunked_kernels_cover(const GatedDeltaParams& p);
-// Whether the chunked backward's kernels take it: as the forward's, with
-// scalar gates.
-bool chunked_backward_kernels_cover(const GatedDeltaParams& p);
 
 // A float32 scratch buffer from MLX's allocator, kept alive until the
 // encoder's graph has run; at least one float, so that an empty scratch (a

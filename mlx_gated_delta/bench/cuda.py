@@ -31,7 +31,9 @@ cotangents of y and of the final state; every input's gradient), timed one step 
 in one graph may run side by side where one leaves the GPU idle), not one step's time, and the
 step's figure is the single call. FLA's backward does
 not run on the GPU machine's Triton, so the step is set against FLA's chunked forward
-(graph-replayed) of the prefill row of the same length.
+(graph-replayed) of the prefill row of the same length. The same row times the step with
+per-key gates (the per-key rows' gates) through ``"auto"`` (the chunked forward and backward)
+and through ``"recurrent"``, set against the scalar-gate step.
 
 The comparison with FLA uses our chained figure against FLA's graph replay, and our GPU
 time against it (GPU time on both sides). Peak memory is the
@@ -248,22 +250,33 @@ def time_training(step, tokens: int) -> dict:
 
 
 def training_row(tokens: int) -> dict:
+    """Our training step with scalar gates, and with per-key gates through each algorithm
+    (``"auto"``: the chunked forward and backward; ``"recurrent"``: both recurrent)."""
     x = draw(1, tokens)
     q, k, v = (mx.array(x[n]).astype(mx.bfloat16) for n in ("q", "k", "v"))
     g, beta, state = (mx.array(x[n]) for n in ("g", "beta", "state"))
+    key_gates = mx.array(per_key_gates(tokens))
     rng = np.random.default_rng(1)
     dy = mx.array(rng.standard_normal(x["v"].shape).astype(np.float32)).astype(mx.bfloat16)
     dstate = mx.array(rng.standard_normal(x["state"].shape).astype(np.float32))
-    mx.eval(q, k, v, g, beta, state, dy, dstate)
+    mx.eval(q, k, v, g, beta, state, key_gates, dy, dstate)
 
-    def forward(*inputs):
-        return list(gated_delta_rule(*inputs, scale=D**-0.5))
+    def step_of(gates, algorithm):
+        def forward(*inputs):
+            return list(gated_delta_rule(*inputs, scale=D**-0.5, algorithm=algorithm))
 
-    def step():
-        outputs, grads = mx.vjp(forward, [q, k, v, g, beta, state], [dy, dstate])
-        return outputs + grads
+        def step():
+            outputs, grads = mx.vjp(forward, [q, k, v, gates, beta, state], [dy, dstate])
+            return outputs + grads
 
-    return {"tokens": tokens, "ours": time_training(step, tokens)}
+        return step
+
+    return {
+        "tokens": tokens,
+        "ours": time_training(step_of(g, "auto"), tokens),
+        "ours_per_key": time_training(step_of(key_gates, "auto"), tokens),
+        "ours_per_key_recurrent": time_training(step_of(key_gates, "recurrent"), tokens),
+    }
 
 
 def copy_bandwidth() -> float:
@@ -348,10 +361,15 @@ def row(batch: int, tokens: int, fla) -> dict:
     return result
 
 
+def per_key_gates(tokens: int) -> np.ndarray:
+    """B=1 gates of the per-key rows, a decay per key channel: g [1, T, Hv, Dk]."""
+    return -np.random.default_rng(2).uniform(0.01, 0.3, (1, tokens, HV, D)).astype(np.float32)
+
+
 def kda_row(tokens: int, chunk_kda) -> dict:
     """B=1, per-key gates: ours (``"auto"``, the chunked kernels) against FLA's chunk_kda."""
     x = draw(1, tokens)
-    x["g"] = -np.random.default_rng(2).uniform(0.01, 0.3, (1, tokens, HV, D)).astype(np.float32)
+    x["g"] = per_key_gates(tokens)
     q, k, v = (mx.array(x[n]).astype(mx.bfloat16) for n in ("q", "k", "v"))
     g, beta, state = (mx.array(x[n]) for n in ("g", "beta", "state"))
     mx.eval(q, k, v, g, beta, state)
@@ -418,8 +436,9 @@ def table(record: dict) -> str:
         "Training step (forward + backward, B=1):",
         "",
         "| T | ours call | ours per step, n steps to an evaluation | ours peak MiB | "
-        "FLA chunk forward graph | ours call / FLA forward |",
-        "|---|---|---|---|---|---|",
+        "FLA chunk forward graph | ours call / FLA forward | per-key call (auto) | "
+        "per-key call (recurrent) | per-key peak MiB (auto) | per-key auto / scalar |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in record.get("training", []):
         ours = r["ours"]
@@ -427,9 +446,16 @@ def table(record: dict) -> str:
         fla = prefill.get("fla_chunk")
         fla_cell = "n/a" if fla is None else f"{fla['graph_ms']:.3f}"
         ratio = "n/a" if fla is None else f"{ours['call_ms'] / fla['graph_ms']:.1f}x"
+        key, key_recurrent = r.get("ours_per_key"), r.get("ours_per_key_recurrent")
+        key_cells = (
+            "n/a | n/a | n/a | n/a"
+            if key is None or key_recurrent is None
+            else f"{key['call_ms']:.3f} | {key_recurrent['call_ms']:.3f} | "
+            f"{key['peak_mib']:.0f} | {key['call_ms'] / ours['call_ms']:.2f}x"
+        )
         lines.append(
             f"| {r['tokens']} | {ours['call_ms']:.3f} | {ours['chained_ms']:.3f} | "
-            f"{ours['peak_mib']:.0f} | {fla_cell} | {ratio} |"
+            f"{ours['peak_mib']:.0f} | {fla_cell} | {ratio} | {key_cells} |"
         )
     lines += [
         "",

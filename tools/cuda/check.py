@@ -127,7 +127,7 @@ def main():
         )
     gradient_cases = [
         # B, T, Hk, Hv, Dk, Dv, dtype, options ("auto" runs the chunked backward from 64
-        # tokens on, scalar gates)
+        # tokens on)
         (1, 300, 16, 32, 128, 128, mx.bfloat16, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {"algorithm": "recurrent"}),
@@ -140,8 +140,32 @@ def main():
         (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True}),
         (2, 150, 2, 4, 64, 96, mx.float16, {"head_mapping": "interleaved"}),
         (1, 70, 1, 2, 128, 128, mx.float32, {"normalize_qk": False}),
-        # Per-key gates: a decay per key channel.
+        # Per-key gates: a decay per key channel ("auto" and "chunked" run the chunked
+        # backward from 64 tokens on, "recurrent" recurrent_backward).
         (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True, "oracle": True}),
+        (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True, "algorithm": "recurrent"}),
+        (
+            1,
+            64,
+            2,
+            2,
+            128,
+            128,
+            mx.float32,
+            {"per_key": True, "algorithm": "chunked", "oracle": True},
+        ),
+        (
+            2,
+            200,
+            4,
+            8,
+            128,
+            128,
+            mx.float32,
+            {"per_key": True, "algorithm": "chunked", "strong": True, "oracle": True},
+        ),
+        (1, 1000, 32, 32, 128, 128, mx.bfloat16, {"per_key": True}),
+        (2, 150, 2, 4, 64, 96, mx.float16, {"per_key": True, "head_mapping": "interleaved"}),
         (1, 300, 16, 32, 128, 128, mx.bfloat16, {"per_key": True, "mask": True}),
         (
             2,
@@ -183,6 +207,8 @@ def check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options):
     }
     if options.get("mask"):
         kwargs["mask"] = mx.array(rng.uniform(size=(B, T)) < 0.8)
+    if options.get("strong"):
+        inputs[3] = 40.0 * inputs[3]
     if options.get("wipes"):
         # g = -inf (a decay of 0) on some entries: their dg must be exactly 0.
         g = np.array(inputs[3])

@@ -1,6 +1,6 @@
 """The calls compute-sanitizer watches (tools/cuda/sanitize.sh): every CUDA kernel of the
 core op once, on small shapes (two chunks and a partial one, a mask, checkpoints, per-key
-gates in both forms, a tree), the backward with a mask (scalar gates in both forms, per-key gates), the fused segment's
+gates in both forms, a tree), the backward with a mask (scalar and per-key gates in both forms), the fused segment's
 kernels (a mask, checkpoints, per-key and scalar gates, both core forms), and checks of the
 chunked result against the recurrent one, of the backward's gradients and of the segment's
 outputs against the CPU's, so that a race that changes the numbers also fails the run."""
@@ -58,7 +58,6 @@ def main():
     parents = [-1] + list(range(T - 1))
     parents[5] = 2  # a branch
     mx.eval(*gated_delta_rule(q16, k16, v, g, beta, state, parents=parents))
-    per_key = g[..., None] * mx.ones((D,))
     # Per-key gates, each key channel its own: both forms, and the chunked one with
     # checkpoints (which the recurrent kernel writes beside the chunked kernels).
     key_gates = g[..., None] * (1.0 + 0.1 * mx.abs(arr(B, T, Hv, D)))
@@ -81,15 +80,15 @@ def main():
     )
     print(f"sanitize_case: chunked against recurrent, max relative difference {worst:.2e}")
 
-    # Scalar gates through the chunked backward's kernels and through recurrent_backward,
-    # per-key gates through recurrent_backward.
+    # Scalar and per-key gates through the chunked backward's kernels and through
+    # recurrent_backward.
     inputs = [q, k, v.astype(mx.float32), g, beta, state]
     cotangents = [arr(B, T, Hv, D), arr(B, Hv, D, D)]
     worst_grad = backward_difference(
         inputs,
         cotangents,
         mask,
-        ((g, "chunked"), (g, "recurrent"), (per_key * (1.0 + 0.1 * arr(B, T, Hv, D)), "auto")),
+        tuple((gates, form) for gates in (g, key_gates) for form in ("chunked", "recurrent")),
     )
     print(f"sanitize_case: backward against the CPU's, max relative difference {worst_grad:.2e}")
     worst_segment = segment_differences()

@@ -8,10 +8,11 @@ records it through PyTorch's profiler, Qwen3-Next shape, bf16, float32 gates.
   state (read once, written once) against a device-to-device copy through PyTorch
   measured in the same run.
 
-    python tools/cuda/stage_times.py [T ...] [--decode B ...] [--per-key]
+    python tools/cuda/stage_times.py [T ...] [--decode B ...] [--per-key] [--backward]
     (defaults: T = 2048 8192 32768, B = 1 8 64; --decode with no B skips decode;
     --per-key: the prefill with a gate per key channel, g [B, T, Hv, Dk], as Kimi
-    Delta Attention's)
+    Delta Attention's; --backward: the prefill's gradient instead, the vjp of y and the
+    final state for given cotangents, which runs the backward's kernels alone)
 """
 
 import argparse
@@ -48,11 +49,20 @@ def inputs(batch, tokens, per_key=False):
     return q, k, v, g, beta, state
 
 
-def op(batch, tokens, per_key=False):
+def op(batch, tokens, per_key=False, backward=False):
     q, k, v, g, beta, state = inputs(batch, tokens, per_key)
+    rng = np.random.default_rng(1)
+    dy = mx.array(rng.standard_normal(q.shape[:2] + (HV, D)).astype(np.float32))
+    dstate = mx.array(rng.standard_normal(state.shape).astype(np.float32))
+    cotangents = [dy.astype(mx.bfloat16), dstate]
+
+    def forward(*x):
+        return list(gated_delta_rule(*x, normalize_qk=True))
 
     def call():
-        return gated_delta_rule(q, k, v, g, beta, state, normalize_qk=True)
+        if backward:
+            return mx.vjp(forward, [q, k, v, g, beta, state], cotangents)[1]
+        return forward(q, k, v, g, beta, state)
 
     mx.eval(call())
     mx.synchronize()
@@ -85,14 +95,14 @@ def kernel_ms(call, repeats=REPEATS):
     return {name: statistics.median(t) for name, t in sorted(times.items())}
 
 
-def prefill(tokens, per_key):
-    call = op(1, tokens, per_key)
+def prefill(tokens, per_key, backward):
+    call = op(1, tokens, per_key, backward)
     warm = wall_ms(call, clear=False)
     cleared = wall_ms(call, clear=True)
     kernels = kernel_ms(call)
     split = ", ".join(f"{name} {ms:.3f}" for name, ms in kernels.items())
     print(
-        f"T={tokens}{' per-key gates' if per_key else ''}: one call {warm:.3f} ms (cache warm), {cleared:.3f} ms "
+        f"T={tokens}{' per-key gates' if per_key else ''}{' backward' if backward else ''}: one call {warm:.3f} ms (cache warm), {cleared:.3f} ms "
         f"(after clear_cache); kernels (ms, median of {REPEATS}): {split or 'none seen'}",
         flush=True,
     )
@@ -114,6 +124,7 @@ def main():
     parser.add_argument("tokens", type=int, nargs="*", default=[2048, 8192, 32768])
     parser.add_argument("--decode", type=int, nargs="*", default=[1, 8, 64])
     parser.add_argument("--per-key", action="store_true", help="a gate per key channel")
+    parser.add_argument("--backward", action="store_true", help="the prefill's gradient")
     args = parser.parse_args()
     if args.decode:
         copy_rate = copy_bandwidth()
@@ -121,7 +132,7 @@ def main():
         for batch in args.decode:
             decode(batch, copy_rate)
     for tokens in args.tokens:
-        prefill(tokens, args.per_key)
+        prefill(tokens, args.per_key, args.backward)
 
 
 if __name__ == "__main__":
