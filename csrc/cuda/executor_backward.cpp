@@ -85,13 +85,11 @@ constexpr int64_t kChunkedBackwardMinProblemsPerKey = 128;
 
 Algorithm resolve_cuda_backward_algorithm(
     const GatedDeltaParams& p, Algorithm requested) {
-  if (!chunked_kernels_cover(p) || p.key_dim == 0 ||
-      p.value_dim == 0) {
+  if (!chunked_kernels_cover(p) || p.key_dim == 0 || p.value_dim == 0) {
     return Algorithm::Recurrent;
   }
   if (requested == Algorithm::Auto) {
-    const int64_t problems =
-        int64_t(p.batch) * p.value_heads * p.num_chunks();
+    const int64_t problems = int64_t(p.batch) * p.value_heads * p.num_chunks();
     const int64_t least = p.per_key_gates ? kChunkedBackwardMinProblemsPerKey
                                           : kChunkedBackwardMinProblems;
     return p.tokens >= kChunk && problems >= least ? Algorithm::Chunked
@@ -140,8 +138,7 @@ mx::array eval_chunked_backward(
       scratch(encoder, key_rows),
       scratch(
           encoder,
-          problems *
-              (p.per_key_gates ? tile_padded(p.key_dim) : kStateSlices)),
+          problems * (p.per_key_gates ? tile_padded(p.key_dim) : kStateSlices)),
       scratch(
           encoder,
           int64_t(p.batch) * p.tokens * p.value_heads *

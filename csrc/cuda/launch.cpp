@@ -159,9 +159,8 @@ ChunkForwardScratch chunk_forward_scratch(
   s.pointers.column_decays = mx::gpu_ptr<float>(s.buffers[6]);
   s.pointers.q = mx::gpu_ptr<float>(s.buffers[7]);
   s.pointers.t = keep_t ? mx::gpu_ptr<float>(s.buffers[8]) : nullptr;
-  s.pointers.k_from_start = keep_t && p.per_key_gates
-      ? mx::gpu_ptr<float>(s.buffers[9])
-      : nullptr;
+  s.pointers.k_from_start =
+      keep_t && p.per_key_gates ? mx::gpu_ptr<float>(s.buffers[9]) : nullptr;
   return s;
 }
 
