@@ -127,8 +127,7 @@ def main():
         )
     gradient_cases = [
         # B, T, Hk, Hv, Dk, Dv, dtype, options ("auto" runs the chunked backward from 64
-        # tokens on where the call has 64 (batch row, value head, chunk) blocks, 128 with
-        # per-key gates; these small calls ask for it)
+        # tokens on; the small calls that test the chunked form name it)
         (1, 300, 16, 32, 128, 128, mx.bfloat16, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {"algorithm": "recurrent"}),
