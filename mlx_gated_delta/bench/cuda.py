@@ -386,6 +386,12 @@ def kda_row(tokens: int, chunk_kda) -> dict:
     return result
 
 
+def _prefill_row(record: dict, tokens: int) -> dict:
+    """The scalar-gate row of B=1 and ``tokens`` tokens, which the training and per-key
+    rows are set against."""
+    return next(p for p in record["rows"] if p["batch"] == 1 and p["tokens"] == tokens)
+
+
 def table(record: dict) -> str:
     bandwidth = record["copy_bandwidth_bytes_per_s"]
     lines = [
@@ -442,7 +448,7 @@ def table(record: dict) -> str:
     ]
     for r in record.get("training", []):
         ours = r["ours"]
-        prefill = next(p for p in record["rows"] if p["batch"] == 1 and p["tokens"] == r["tokens"])
+        prefill = _prefill_row(record, r["tokens"])
         fla = prefill.get("fla_chunk")
         fla_cell = "n/a" if fla is None else f"{fla['graph_ms']:.3f}"
         ratio = "n/a" if fla is None else f"{ours['call_ms'] / fla['graph_ms']:.1f}x"
@@ -467,7 +473,7 @@ def table(record: dict) -> str:
     ]
     for r in record.get("kda", []):
         ours = r["ours"]
-        scalar = next(p for p in record["rows"] if p["batch"] == 1 and p["tokens"] == r["tokens"])
+        scalar = _prefill_row(record, r["tokens"])
         fla = r.get("fla_chunk_kda")
         gpu, scalar_gpu = ours.get("gpu_ms"), scalar["ours"].get("gpu_ms")
         fla_cells = (
