@@ -102,6 +102,22 @@ void step_rows(
   }
 }
 
+// A decode step reads each state once from memory, and one core alone
+// keeps too few of its lines in flight to reach the memory's bandwidth: its
+// rows must be asked for before the loads reach them. So a step from one
+// buffer into another (a call's first token: the old state is the caller's,
+// the new one not yet touched) first asks, for each row block, for the lines
+// kPrefetchRows rows ahead, of the old state (to read) and of the new one (to
+// write: taking its lines for writing early spares the store a wait). Later
+// tokens update the head's state in place, in cache, where the hints would
+// only cost instructions (1-4% at T=32). On the 2-core Xeon measured, two
+// blocks ahead took the Qwen3-Next decode step (B=1, the states rotated
+// through memory) from 64-66% to 79-87% of the copy bandwidth; one block
+// ahead and four gained less, the old state alone about half of it
+// (docs/cpu.md, "The decode step"). The hints change no result.
+constexpr int kPrefetchRows = 2 * kRowBlock;
+constexpr int kLineFloats = 64 / sizeof(float);
+
 template <bool PerKey, typename T>
 void step_state(
     const TokenStep& x,
@@ -111,9 +127,17 @@ void step_state(
     float* destination,
     const float* v,
     T* y) {
+  const bool prefetch = source != destination;
   int r = 0;
   if (dk % kDotLanes == 0) {
     for (; r + kRowBlock <= dv; r += kRowBlock) {
+      if (prefetch && r + kPrefetchRows + kRowBlock <= dv) {
+        const int64_t ahead = int64_t(r + kPrefetchRows) * dk;
+        for (int e = 0; e < kRowBlock * dk; e += kLineFloats) {
+          __builtin_prefetch(source + ahead + e, 0);
+          __builtin_prefetch(destination + ahead + e, 1);
+        }
+      }
       step_rows<PerKey, kRowBlock, false>(
           x,
           dk,
