@@ -16,6 +16,8 @@ import dataclasses
 import mlx.core as mx
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_wy_backward_emulated import CHUNK, GRADIENTS, chunked_gradients, contract, dtype_of
 
 from mlx_gated_delta import gated_delta_rule
@@ -25,7 +27,7 @@ from mlx_gated_delta.reference import (
     to_float64,
 )
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.strategies import make_core_case, tiny_decay_gamma
+from mlx_gated_delta.testing.strategies import core_cases, make_core_case, tiny_decay_gamma
 from mlx_gated_delta.tests.test_core_gradients import cotangents
 
 import metal_emulated
@@ -151,9 +153,9 @@ def stages_of(kernels):
     return [name.rsplit("_", 1)[0] if name.endswith(("32", "16")) else name for name in names]
 
 
-@pytest.mark.parametrize("recipe", CASES, ids=range(len(CASES)))
-def test_per_key_chunked_backward_matches_the_float64_reference_vjp(recipe):
-    case = per_key_case(recipe)
+def check_against_the_reference(case):
+    """The chunked gradients of `case` against the float64 reference vjp;
+    returns them."""
     wy, ws = cotangents(case, 0)
     grads = chunked_gradients(case, wy, ws)
     expected = gated_delta_rule_reference_vjp(
@@ -168,7 +170,13 @@ def test_per_key_chunked_backward_matches_the_float64_reference_vjp(recipe):
         for name in ("q", "k", "v", "g", "beta", "gamma"):
             assert np.all(grads[name][skipped] == 0.0), name
     assert np.all(grads["g"][np.isneginf(to_float64(case.g))] == 0.0)
+    return grads
 
+
+@pytest.mark.parametrize("recipe", CASES, ids=range(len(CASES)))
+def test_per_key_chunked_backward_matches_the_float64_reference_vjp(recipe):
+    case = per_key_case(recipe)
+    grads = check_against_the_reference(case)
     chunks = -(-recipe["tokens"] // CHUNK)
     forward = ["qk_norm"] if recipe.get("normalize_qk") else []
     forward += ["gate_cumsum", "kkt_inverse", "recompute_w_u", "chunk_qk", "chunk_carry"]
@@ -179,6 +187,14 @@ def test_per_key_chunked_backward_matches_the_float64_reference_vjp(recipe):
         + ["recompute_w_u_backward", "kkt_inverse_backward", "channel_pairs_backward"]
         + ["qk_grad_reduce"]
     )
+
+
+@settings(max_examples=5, deadline=None)
+@given(case=core_cases(tokens=st.integers(8, 140), per_key_gates=True, contracting=False))
+def test_per_key_chunked_backward_matches_the_reference_on_drawn_cases(case):
+    # The gradients' draws of the core op's property tests (drawn wipes put
+    # most chunks on the recurrent reverse).
+    check_against_the_reference(case)
 
 
 def test_the_channel_decay_cases_mix_both_reverses():

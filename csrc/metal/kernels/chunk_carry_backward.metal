@@ -120,9 +120,9 @@ template <typename T>
   }
   query_terms[tid] = query_term;
   key_terms[tid] = key_term;
-  // <dS, S0>, the exit state's decay Gamma_{L-1}'s gradient: this thread's
-  // share of it, or with per-key gates channel tid's whole
-  // (kMaxChunkedKeyDim <= kChunkThreads).
+  // <dS, S0>, the gradient of Gamma_{L-1}, which decays S0 into the exit
+  // state: this thread's share of it, or with per-key gates channel tid's
+  // whole (kMaxChunkedKeyDim <= kChunkThreads).
   float entry_term = 0.0f;
   if (per_key) {
     for (uint r = 0; r < p.value_dim && tid < p.key_dim; ++r) {
