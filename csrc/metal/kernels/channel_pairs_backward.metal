@@ -31,9 +31,10 @@
 //
 // One threadgroup of kChunkThreads per (chunk, value head, batch), thread c
 // taking key channel c (Dk <= kMaxChunkedKeyDim <= kChunkThreads): its
-// channel's decays, keys and sums over the chunk's tokens in registers. The
-// dbeta terms k_ic R_ic take the entry terms' place once read (each by the
-// thread of its channel) and are summed over the channels per token.
+// channel's decays, keys and sums over the chunk's tokens in thread memory
+// (64 floats each), no threadgroup memory. The dbeta terms k_ic R_ic take
+// the entry terms' place once read (each by the thread of its channel) and
+// are summed over the channels per token.
 
 #include "backward_common.h"
 
