@@ -35,7 +35,7 @@ Algorithm resolve_metal_algorithm(const GatedDeltaParams& params) {
 }
 
 Algorithm resolve_metal_backward_algorithm(const GatedDeltaParams& params) {
-  if (params.per_key_gates || params.tokens < kChunkedBackwardMinTokens ||
+  if (params.tokens < kChunkedBackwardMinTokens ||
       params.key_dim > int(kMaxChunkedKeyDim)) {
     return Algorithm::Recurrent;
   }

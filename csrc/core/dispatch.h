@@ -27,14 +27,14 @@ Algorithm resolve_cpu_backward_algorithm(const GatedDeltaParams& params);
 // chunked otherwise.
 Algorithm resolve_metal_algorithm(const GatedDeltaParams& params);
 
-// The backward's "auto" on Metal: the chunked WY form for scalar gates from
-// kChunkedBackwardMinTokens on, the recurrent form below, for per-key gates
-// (the WY stages have one decay per head) and for key dims the chunked
-// stages do not cover. On paper (describe_plan's roofline, Qwen3-Next shape)
-// the recurrent form, which moves the state through device memory about
-// three times per token, and the WY form, a few times per chunk, cross
-// between 4 and 8 tokens (T=4: 112 against 106 us; T=8: 197 against 109 us),
-// where the CPU's measured crossover lies too. Not measured on an Apple GPU.
+// The backward's "auto" on Metal: the chunked WY form from
+// kChunkedBackwardMinTokens on (scalar and per-key gates), the recurrent form
+// below and for key dims the chunked stages do not cover. On paper
+// (describe_plan's roofline, Qwen3-Next shape) the recurrent form, which moves
+// the state through device memory about three times per token, and the WY form,
+// a few times per chunk, cross between 4 and 8 tokens (T=4: 112 against 106 us;
+// T=8: 197 against 109 us), where the CPU's measured crossover lies too. Not
+// measured on an Apple GPU.
 Algorithm resolve_metal_backward_algorithm(const GatedDeltaParams& params);
 
 // The recurrent Metal kernel with one SIMD-group per state row slice can hold

@@ -4,7 +4,8 @@ Ordinary pytest functions, run by the repository's `pytest` and by
 `python -m mlx_gated_delta selftest` like the other property modules. The
 gradients are taken on the CPU stream, and against the float64 reference on
 the GPU too where MLX has one; the Metal backward is also held to the same
-contracts in the emulator (`tests/metal/test_backward_emulated.py`).
+contracts in the emulator (`tests/metal/test_backward_emulated.py`,
+`test_wy_backward_emulated.py`, `test_per_key_wy_backward_emulated.py`).
 The loss is <y, Wy> + <S_final, WS>: its gradient is the vjp with the
 cotangents Wy (in y's dtype, so the op and the reference see the same
 numbers) and WS.
@@ -94,8 +95,9 @@ def assert_gradients_match(prefix, grads, expected):
 
 
 # The backward's devices: the CPU, and the GPU where there is one (the Metal
-# backward runs its recurrent form whatever `algorithm` says; the CUDA backward
-# takes `algorithm` as the CPU's does, "auto" chunked from 64 tokens).
+# backward takes `algorithm` as the CPU's does, "auto" chunked from 8 tokens,
+# scalar and per-key gates alike; the CUDA backward too, "auto" chunked from
+# 64 tokens).
 DEVICES = ("cpu", "gpu") if mx.metal.is_available() or mx.cuda.is_available() else ("cpu",)
 
 

@@ -33,6 +33,8 @@
 #      (tests/metal/test_per_key_chunked_emulated.py's oracle tests fail too)
 #  19. gate_cumsum_backward.metal with the barrier between its two scans
 #      deleted                                          -> ThreadSanitizer: data race
+#  20. channel_pairs_backward.metal (per-key gates) with the device barrier
+#      before the dbeta sums deleted                    -> ThreadSanitizer: data race
 #
 #   tests/metal/break_kernels.sh [NAME...]    (default: every case)
 set -uo pipefail
@@ -121,4 +123,6 @@ mutate wrong-reference-row-key-decayed-grams gated_delta_common.h address \
 mutate deleted-barrier-gate-cumsum-backward gate_cumsum_backward.metal thread \
   "before the tokens' sums read its columns.
   $BARRIER ==> before the tokens' sums read its columns."
+mutate deleted-barrier-channel-pairs-backward channel_pairs_backward.metal thread \
+  "threadgroup_barrier(mem_flags::mem_device); ==> "
 exit $status

@@ -18,7 +18,8 @@ SANITIZERS=("$@")
 KERNELS=(recurrent qk_norm gate_cumsum k_gram kkt_inverse recompute_w_u chunk_qk chunk_carry
          chunk_output prepare_conv prepare_gates collect_conv_state gated_norm boundary_states
          chunk_states recurrent_chunk_backward qk_grad_reduce chunk_output_backward chunk_carry_backward
-         recompute_w_u_backward kkt_inverse_backward gate_cumsum_backward)
+         recompute_w_u_backward kkt_inverse_backward gate_cumsum_backward
+         channel_pairs_backward)
 EMULATOR="$ROOT/csrc/metal/emulator"
 
 for sanitizer in "${SANITIZERS[@]}"; do

@@ -256,8 +256,10 @@ void run_segment(
 }
 
 // The backward plan of a core call: its gradients must all be finite.
-// `wipe`: token 70's g is -inf (gamma == 0), so that the chunked form sends
-// that chunk to the recurrent reverse and the others to its WY stages.
+// `wipe`: token 70's g is -inf (gamma == 0) in the first value head (its
+// first key channel with per-key gates), so that the chunked form sends that
+// chunk of that head to the recurrent reverse and the others to its WY
+// stages.
 struct BackwardShape {
   const char* name;
   ActivationDtype dtype;
@@ -294,7 +296,10 @@ void run_backward(
   auto g = floats(rng, gates * p.gate_width(), -1.0f, 0.0f);
   if (shape.wipe) {
     const float wipe = -std::numeric_limits<float>::infinity();
-    std::memcpy(&g[70 * p.value_heads * sizeof(float)], &wipe, sizeof(wipe));
+    std::memcpy(
+        &g[70 * p.value_heads * p.gate_width() * sizeof(float)],
+        &wipe,
+        sizeof(wipe));
   }
   auto beta = floats(rng, gates, 0.0f, 1.0f);
   auto state_in = floats(rng, state, -1.0f, 1.0f);
@@ -456,8 +461,9 @@ int main() {
   };
   // Backward shapes: two chunks (the second ragged), a key dim that is not a
   // multiple of 32, fewer state rows than SIMD-groups, per-key gates; the
-  // chunked (WY) form over three chunks with a wipe in the second, and over
-  // repeated key heads.
+  // chunked (WY) form over three chunks with a wipe in the second, over
+  // repeated key heads, and with per-key gates (channel_pairs_backward) and a
+  // channel's wipe in the second chunk.
   const BackwardShape backward_shapes[] = {
       {"backward, float16, normalize_qk, mask",
        Float16,
@@ -507,6 +513,18 @@ int main() {
        false,
        Chunked,
        false},
+      {"backward chunked, float16, per-key gates, normalize_qk, mask, a wipe",
+       Float16,
+       130,
+       1,
+       2,
+       24,
+       6,
+       true,
+       true,
+       true,
+       Chunked,
+       true},
   };
   std::set<std::string> kernels_run;
   try {

@@ -189,14 +189,28 @@ def test_the_chunked_backward_runs_its_wy_stages_around_one_walk_over_the_chunks
     assert grids["chunk_output_backward"] == (3, 2, 1)
     assert grids["chunk_carry_backward"] == (2, 1, 1)
     assert grids["gate_cumsum_backward"] == (3, 2, 1)
-    # Auto: the recurrent form below 8 tokens and for per-key gates.
+    # Auto: the recurrent form below 8 tokens, with either gates.
     assert metal_emulated.backward_plan(**shape)["algorithm"] == "chunked"
     assert metal_emulated.backward_plan(**{**shape, "tokens": 8})["algorithm"] == "chunked"
     assert metal_emulated.backward_plan(**{**shape, "tokens": 7})["algorithm"] == "recurrent"
-    assert (
-        metal_emulated.backward_plan(per_key_gates=True, algorithm="chunked", **shape)["algorithm"]
-        == "recurrent"
+    # Per-key gates: channel_pairs_backward in gate_cumsum_backward's place,
+    # with the per-channel decays' terms and the tiles dM and dA as scratch.
+    per_key = metal_emulated.backward_plan(
+        per_key_gates=True, algorithm="chunked", normalize_qk=True, **shape
     )
+    assert per_key["algorithm"] == "chunked"
+    assert [d["stage"] for d in per_key["dispatches"]] == [d["stage"] for d in dispatches][:-2] + [
+        "channel_pairs_backward",
+        "qk_grad_reduce",
+    ]
+    sizes = per_key["buffer_bytes"]
+    assert sizes["decay_entry_terms"] == sizes["decay_exit_terms"] == 2 * 3 * 64 * 32 * 4
+    assert sizes["qk_grad"] == sizes["kkt_grad"] == 2 * 3 * 64 * 64 * 4
+    assert "decay_pair_terms" not in sizes
+    pairs = {d["stage"]: d for d in per_key["dispatches"]}["channel_pairs_backward"]
+    assert pairs["threadgroups"] == (3, 2, 1)
+    assert pairs["threads_per_threadgroup"] == 256
+    assert pairs["bytes_moved"] > 0 and pairs["flops"] > 0
     # No tokens: chunk_carry copies the state, boundary_states seeds dstate.
     assert backward_stages(algorithm="chunked", **{**shape, "tokens": 0}) == [
         "chunk_carry",
@@ -211,6 +225,7 @@ def test_the_chunked_backward_runs_its_wy_stages_around_one_walk_over_the_chunks
         dict(tokens=5, key_dim=80, normalize_qk=True, per_key_gates=True),
         dict(tokens=0, key_dim=32, algorithm="recurrent"),
         dict(tokens=130, key_dim=32, mask=True, normalize_qk=True, algorithm="chunked"),
+        dict(tokens=130, key_dim=32, mask=True, normalize_qk=True, per_key_gates=True),
         dict(tokens=130, key_dim=128, key_heads=1, algorithm="chunked"),
         dict(tokens=0, key_dim=32, algorithm="chunked"),
     ],

@@ -27,7 +27,7 @@ import metal_emulated
 GRADIENTS = ("q", "k", "v", "g", "beta", "state", "gamma")
 CHUNK = 64
 
-# Scalar gates only (per-key gates keep the recurrent form): every dtype,
+# Scalar gates (per-key gates: test_per_key_wy_backward_emulated.py): every dtype,
 # masks, both head mappings, normalize_qk, wipes (chunks that go to the
 # recurrent reverse beside chunks that do not; subnormal decays), huge and
 # absent states, key
@@ -281,7 +281,7 @@ def test_tiny_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed)
         assert_matches(f"d{name}", grads[name], expected[name], contract(name, dtype))
 
 
-def test_auto_takes_the_chunked_form_from_8_tokens_with_scalar_gates():
+def test_auto_takes_the_chunked_form_from_8_tokens_with_either_gates():
     def form(tokens, per_key_gates=False, algorithm="auto"):
         plan = metal_emulated.backward_plan(
             1, tokens, 1, 2, 32, 8, per_key_gates=per_key_gates, algorithm=algorithm
@@ -291,8 +291,11 @@ def test_auto_takes_the_chunked_form_from_8_tokens_with_scalar_gates():
     assert form(7) == "recurrent"
     assert form(8) == "chunked"
     assert form(8192) == "chunked"
-    assert form(8192, per_key_gates=True) == "recurrent"
-    assert form(8192, per_key_gates=True, algorithm="chunked") == "recurrent"
+    assert form(7, per_key_gates=True) == "recurrent"
+    assert form(8, per_key_gates=True) == "chunked"
+    assert form(8192, per_key_gates=True) == "chunked"
+    assert form(1, per_key_gates=True, algorithm="chunked") == "chunked"
+    assert form(8192, per_key_gates=True, algorithm="recurrent") == "recurrent"
     assert form(1, algorithm="chunked") == "chunked"
     assert form(8192, algorithm="recurrent") == "recurrent"
 

@@ -167,13 +167,13 @@ CHECKPOINT_CASES = {
 }
 # The backward (the vjp of the core op), against the float64 reference vjp
 # for the cotangents of backward_cotangents, as (algorithm, recipe). "auto"
-# takes the chunked WY form for scalar gates from 8 tokens (the forward's
-# chunked stages, boundary_states, the WY stages chunk_output_backward,
-# chunk_carry_backward, recompute_w_u_backward, kkt_inverse_backward and
-# gate_cumsum_backward, and chunk_states and recurrent_chunk_backward on the chunks with
-# a wipe), the recurrent form (boundary_states, chunk_states and
-# recurrent_chunk_backward per chunk) for per-key gates; one scalar-gate case asks for
-# the recurrent form. qk_grad_reduce in both.
+# takes the chunked WY form from 8 tokens (the forward's chunked stages,
+# boundary_states, the WY stages chunk_output_backward, chunk_carry_backward,
+# recompute_w_u_backward, kkt_inverse_backward and gate_cumsum_backward, with
+# per-key gates channel_pairs_backward in its place, and chunk_states and
+# recurrent_chunk_backward on the chunks with a wipe); one scalar-gate case asks
+# for the recurrent form (boundary_states, chunk_states and
+# recurrent_chunk_backward per chunk). qk_grad_reduce in both.
 BACKWARD_CASES = {
     "backward_f32_mask_interleaved": (
         "auto",

@@ -52,6 +52,7 @@ KERNELS = [
     "recompute_w_u_backward",
     "kkt_inverse_backward",
     "gate_cumsum_backward",
+    "channel_pairs_backward",
 ]
 BROKEN_BARRIER = (
     "staged before any output reads it.\n  threadgroup_barrier(mem_flags::mem_threadgroup);"

@@ -110,21 +110,39 @@ inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& 
 // the chunk decays by a normal float. The WY stages run the chunks where it
 // holds (they form each decay as the exp of a difference of the in-chunk
 // cumulative log decays, which a wipe makes -inf); chunk_states and
-// recurrent_chunk_backward, the recurrent reverse, run the others (a wipe, gamma == 0,
-// or a subnormal decay), as the CPU decides (docs/numerics.md, "The chunked
-// backward"). Every kernel of the plan calls it on the same g and mask, so
-// each chunk goes to exactly one of the two forms. Uniform per threadgroup.
+// recurrent_chunk_backward, the recurrent reverse, run the others (a wipe,
+// gamma == 0, or a subnormal decay), as the CPU decides (docs/numerics.md,
+// "The chunked backward"); with per-key gates every channel's decay must be
+// normal. Every kernel of the plan calls it on the same g and mask, so each
+// chunk goes to exactly one of the two forms. Uniform per threadgroup.
 GATED_DELTA_ABI_CONSTANT float kSmallestNormalFloat = 1.17549435e-38f;
 inline bool chunk_decays_normal(const device float* g, const device bool* mask,
                                 constant GatedDeltaKernelParams& p, uint b, uint h, uint chunk) {
   const uint length = chunk_length(p, chunk);
+  const uint width = gate_width(p);
   for (uint i = 0; i < length; ++i) {
     const uint t = chunk * kChunkSize + i;
-    if (!token_is_masked(p, mask, b, t) && !(exp(g[gate_offset(p, b, t, h)]) >= kSmallestNormalFloat)) {
-      return false;
+    if (token_is_masked(p, mask, b, t)) {
+      continue;
+    }
+    const uint gate = gate_offset(p, b, t, h) * width;
+    for (uint c = 0; c < width; ++c) {
+      if (!(exp(g[gate + c]) >= kSmallestNormalFloat)) {
+        return false;
+      }
     }
   }
   return true;
+}
+
+// The in-chunk cumulative log decay G of token i in key column c, from
+// gate_cumsum's rows of one chunk at `cumsum` (one column with scalar gates,
+// Dk with per-key gates). The WY stages run only chunks without a wipe, so
+// every decay they need is exp(G_ic - G_jc), or exp(G_ic) from the chunk's
+// start.
+inline float chunk_log_decay(constant GatedDeltaKernelParams& p, const device float* cumsum,
+                             uint i, uint c) {
+  return p.per_key_gates != 0 ? cumsum[i * p.key_dim + c] : cumsum[i];
 }
 
 // Column c of token t's q or k row for key head kh, in float32, normalised

@@ -14,6 +14,12 @@
 // gate_cumsum_backward scans. Chunks with a decay that is not a normal float
 // are left to the recurrent reverse (chunk_decays_normal).
 //
+// Per-key gates (p.per_key_gates): M = chunk_qk's tile of the value head,
+// decayed per key channel, gives dV' as it is; dM itself (with its
+// diagonal) goes to qk_grad for channel_pairs_backward, which forms dq =
+// R(dM, K) and dk = C(dM, Q) with a decay per channel and the decays'
+// gradients. This kernel then starts dq and dk at 0.
+//
 // One threadgroup of kChunkThreads per (chunk, value head, batch); the 64 x 64
 // dMd is staged in threadgroup memory.
 
@@ -36,6 +42,7 @@ template <typename T>
     device float* query_head_grad [[buffer(12)]],
     device float* key_head_grad [[buffer(13)]],
     constant GatedDeltaKernelParams& p [[buffer(14)]],
+    device float* qk_grad [[buffer(15)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float dm[kChunkSize * kChunkSize];
@@ -49,7 +56,9 @@ template <typename T>
   const uint length = chunk_length(p, chunk);
   const uint start = chunk * kChunkSize;
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
-  const uint tile = chunk_row(p, b, kh, p.key_heads, chunk) * kChunkSize;
+  const bool per_key = p.per_key_gates != 0;
+  // chunk_qk's tiles: per key head, or per value head with per-key gates.
+  const uint tile = (per_key ? rows : chunk_row(p, b, kh, p.key_heads, chunk)) * kChunkSize;
   const device float* cumsum = gate_cumsum + rows;
 
   // dM_ij = dO_i . V'_j on the lower triangle: its pair term, then dMd.
@@ -65,6 +74,10 @@ template <typename T>
       }
       sum *= p.scale;
     }
+    if (per_key) {
+      qk_grad[rows * kChunkSize + e] = sum;
+      continue;
+    }
     decay_pair_terms[rows * kChunkSize + e] = j < i && i < length ? sum * qk[tile + e] : 0.0f;
     dm[e] = lower ? sum * exp(cumsum[i] - cumsum[j]) : 0.0f;
   }
@@ -77,7 +90,8 @@ template <typename T>
     float sum = 0.0f;
     for (uint i = j; i < length; ++i) {
       if (!token_is_masked(p, mask, b, start + i)) {
-        const float weight = exp(cumsum[i] - cumsum[j]) * qk[tile + i * kChunkSize + j];
+        const float decay = per_key ? 1.0f : exp(cumsum[i] - cumsum[j]);
+        const float weight = decay * qk[tile + i * kChunkSize + j];
         sum += weight * p.scale * float(y_cotangent[v_offset(p, b, start + i, h) + c]);
       }
     }
@@ -87,11 +101,11 @@ template <typename T>
     const uint i = e / p.key_dim;
     const uint c = e % p.key_dim;
     float dq = 0.0f;
-    for (uint j = 0; j <= i; ++j) {
+    float dk = 0.0f;
+    for (uint j = 0; j <= i && !per_key; ++j) {
       dq += dm[i * kChunkSize + j] * normalized_key(k, key_inverse_norm, p, b, start + j, kh, c);
     }
-    float dk = 0.0f;
-    for (uint m = i; m < length; ++m) {
+    for (uint m = i; m < length && !per_key; ++m) {
       dk += dm[m * kChunkSize + i] * normalized_key(q, query_inverse_norm, p, b, start + m, kh, c);
     }
     const uint head_grad = ((b * p.tokens + start + i) * p.value_heads + h) * p.key_dim + c;

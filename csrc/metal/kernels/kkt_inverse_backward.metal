@@ -12,6 +12,11 @@
 // kChunkThreads per (chunk, value head, batch), with T and X = dT T^T staged
 // in threadgroup memory (then dAk and dbeta's terms in their place): 32 KiB,
 // Metal's limit.
+//
+// Per-key gates (p.per_key_gates): A_ij = beta_i sum_c k_ic k_jc decay(i, j,
+// c) has a decay per key channel inside its sum, so this kernel writes dA
+// alone (kkt_grad, strictly lower, 0 elsewhere) and channel_pairs_backward
+// takes dk, dbeta and the decays' gradients from it.
 
 #include "backward_common.h"
 
@@ -31,6 +36,7 @@ template <typename T>
     device float* key_head_grad [[buffer(9)]],
     device float* dbeta [[buffer(10)]],
     constant GatedDeltaKernelParams& p [[buffer(11)]],
+    device float* kkt_grad [[buffer(12)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float t_tile[kChunkSize * kChunkSize];  // T, then dAk
@@ -74,11 +80,17 @@ template <typename T>
     const uint j = e % kChunkSize;
     scaled[n] = 0.0f;
     terms[n] = 0.0f;
+    float da = 0.0f;  // dA_ij = -sum_{m >= i} T_mi X_mj
     if (j < i && i < length) {
-      float da = 0.0f;  // dA_ij = -sum_{m >= i} T_mi X_mj
       for (uint m = i; m < length; ++m) {
         da -= t_tile[m * kChunkSize + i] * x_tile[m * kChunkSize + j];
       }
+    }
+    if (p.per_key_gates != 0) {
+      kkt_grad[rows * kChunkSize + e] = da;
+      continue;
+    }
+    if (j < i && i < length) {
       const float decayed = exp(cumsum[i] - cumsum[j]) * da;
       float gram = 0.0f;
       for (uint c = 0; c < p.key_dim; ++c) {
@@ -89,6 +101,10 @@ template <typename T>
       terms[n] = decayed * gram;
       decay_pair_terms[rows * kChunkSize + e] += beta[i] * da * gram;
     }
+  }
+  // Uniform per threadgroup: per-key gates stop at dA.
+  if (p.per_key_gates != 0) {
+    return;
   }
   // Every read of T and X is done before dAk and dbeta's terms take their place.
   threadgroup_barrier(mem_flags::mem_threadgroup);

@@ -12,6 +12,10 @@
 // dv and starts dbeta. Chunks with a decay that is not a normal float are
 // left to the recurrent reverse.
 //
+// Per-key gates (p.per_key_gates): Kb_ic = beta_i Gamma_ic k_ic, Gamma per
+// key channel, so dk += beta Gamma o dKb, dbeta gains (Gamma o dKb) . k,
+// and the entry terms, [L, Dk], gain beta_i dKb_ic k_ic per channel.
+//
 // One threadgroup of kChunkThreads per (chunk, value head, batch); T is staged
 // in threadgroup memory, and four threads share each token row
 // (kWuLanesPerRow), whose dot products meet in threadgroup memory.
@@ -53,7 +57,8 @@ template <typename T>
   const uint length = chunk_length(p, chunk);
   const uint start = chunk * kChunkSize;
   const uint rows = chunk_row(p, b, h, p.value_heads, chunk);
-  const device float* cumsum = gate_cumsum + rows;
+  const bool per_key = p.per_key_gates != 0;
+  const device float* cumsum = gate_cumsum + rows * gate_width(p);
   const device float* beta = beta_effective + rows;
 
   for (uint e = tid; e < kChunkSize * kChunkSize; e += kChunkThreads) {
@@ -69,12 +74,14 @@ template <typename T>
         sum += d_corrected[(rows + i) * p.value_dim + c] * float(v[values + c]);
       }
       sum *= beta[j];
+      // dW_i . Kb_j / beta_j: Gamma_j after the sum, or per channel inside it.
       float key_sum = 0.0f;
       for (uint c = 0; c < p.key_dim; ++c) {
-        key_sum += dw[(rows + i) * p.key_dim + c] *
+        const float decay = per_key ? exp(chunk_log_decay(p, cumsum, j, c)) : 1.0f;
+        key_sum += dw[(rows + i) * p.key_dim + c] * decay *
                    normalized_key(k, key_inverse_norm, p, b, start + j, kh, c);
       }
-      sum += beta[j] * exp(cumsum[j]) * key_sum;
+      sum += beta[j] * (per_key ? 1.0f : exp(cumsum[j])) * key_sum;
     }
     dt[rows * kChunkSize + e] = sum;
   }
@@ -86,7 +93,6 @@ template <typename T>
   float value_term = 0.0f, key_term = 0.0f;
   if (row < length) {
     const uint t = start + row;
-    const float decay_from_start = exp(cumsum[row]);
     const uint values = v_offset(p, b, t, h);
     for (uint c = lane; c < p.value_dim; c += kWuLanesPerRow) {
       float sum = 0.0f;  // dVb
@@ -102,8 +108,15 @@ template <typename T>
       for (uint m = row; m < length; ++m) {
         sum += t_tile[m * kChunkSize + row] * dw[(rows + m) * p.key_dim + c];
       }
+      const float decay_from_start = exp(chunk_log_decay(p, cumsum, row, c));
+      const float key = normalized_key(k, key_inverse_norm, p, b, t, kh, c);
       key_head_grad[head_grad + c] += beta[row] * decay_from_start * sum;
-      key_term += sum * normalized_key(k, key_inverse_norm, p, b, t, kh, c);
+      if (per_key) {
+        key_term += decay_from_start * sum * key;
+        decay_entry_terms[(rows + row) * p.key_dim + c] += beta[row] * sum * key;
+      } else {
+        key_term += sum * key;
+      }
     }
   }
   value_terms[tid] = value_term;
@@ -116,9 +129,13 @@ template <typename T>
       value_sum += value_terms[tid * kWuLanesPerRow + l];
       key_sum += key_terms[tid * kWuLanesPerRow + l];
     }
-    const float decay_from_start = exp(cumsum[tid]);
-    dbeta[gate_offset(p, b, start + tid, h)] = value_sum + decay_from_start * key_sum;
-    decay_entry_terms[rows + tid] += beta[tid] * key_sum;
+    if (per_key) {
+      dbeta[gate_offset(p, b, start + tid, h)] = value_sum + key_sum;
+    } else {
+      const float decay_from_start = exp(cumsum[tid]);
+      dbeta[gate_offset(p, b, start + tid, h)] = value_sum + decay_from_start * key_sum;
+      decay_entry_terms[rows + tid] += beta[tid] * key_sum;
+    }
   }
 }
 

@@ -21,7 +21,8 @@ constexpr size_t kRecurrentChunkBackwardBytes =
 // three partial sums per thread (chunk_carry_backward), the T tile and two
 // partial sums per thread (recompute_w_u_backward), T and X = dT T^T
 // (kkt_inverse_backward), the pair terms' tile and the chunk's gammas
-// (gate_cumsum_backward).
+// (gate_cumsum_backward); channel_pairs_backward keeps its channel's sums
+// in registers and declares none.
 constexpr size_t kChunkOutputBackwardBytes = kChunkTileBytes;
 constexpr size_t kChunkCarryBackwardBytes = 3 * kChunkThreads * kFloat;
 constexpr size_t kRecomputeWuBackwardBytes =
@@ -31,6 +32,9 @@ constexpr size_t kGateCumsumBackwardBytes =
     kChunkTileBytes + kChunkSize * kFloat;
 static_assert(kChunkThreads % kChunkSize == 0);
 static_assert((kChunkSize * kChunkSize) % kChunkThreads == 0);
+// Per-key gates: chunk_carry_backward and channel_pairs_backward give key
+// channel c to thread c of their threadgroup.
+static_assert(kMaxChunkedKeyDim <= kChunkThreads);
 // recurrent_chunk_backward: thread tid adds up the partial sums of key column
 // tid.
 static_assert(kBackwardThreads == kMaxBackwardKeyDim);
@@ -80,10 +84,27 @@ struct BackwardPlanBuilder : PlanBuilder {
           CorrectedGrad, "dV' elements", B * Hv * padded_tokens * Dv, 4);
       add_scratch(WGrad, "dW elements", B * Hv * padded_tokens * Dk, 4);
       add_scratch(KktInverseGrad, "dT elements", B * Hv * chunk_tiles(), 4);
+      // The decays' gradients: scalar gates' entry and pair terms; per-key
+      // gates' entry and exit terms per channel and the tiles dM and dA
+      // that channel_pairs_backward forms the pair terms from.
+      const uint64_t width = p.gate_width();
       add_scratch(
-          DecayEntryTerms, "entry term elements", B * Hv * padded_tokens, 4);
-      add_scratch(
-          DecayPairTerms, "pair term elements", B * Hv * chunk_tiles(), 4);
+          DecayEntryTerms,
+          "entry term elements",
+          B * Hv * padded_tokens * width,
+          4);
+      if (p.per_key_gates) {
+        add_scratch(
+            DecayExitTerms,
+            "exit term elements",
+            B * Hv * padded_tokens * width,
+            4);
+        add_scratch(QKGrad, "dM elements", B * Hv * chunk_tiles(), 4);
+        add_scratch(KktGrad, "dA elements", B * Hv * chunk_tiles(), 4);
+      } else {
+        add_scratch(
+            DecayPairTerms, "pair term elements", B * Hv * chunk_tiles(), 4);
+      }
       plan.kernel_params.recurrent_wipe_chunks_only = 1;
     }
   }
@@ -234,38 +255,49 @@ struct BackwardPlanBuilder : PlanBuilder {
   // The chunked backward's WY stages (docs/numerics.md, "The chunked
   // backward"). Each counts its products at their sizes on paper and its
   // device traffic once (the repeats inside a threadgroup from caches).
+  // The chunk test reads g per key channel with per-key gates.
+  double gated_chunk_test_bytes(double tokens) const {
+    return chunk_test_bytes(tokens) +
+        (p.per_key_gates ? B * Hv * tokens * (Dk - 1) * 4.0 : 0.0);
+  }
+
   void chunk_output_backward() {
     using enum PlanBuffer;
-    Dispatch& d =
-        add("chunk_output_backward",
-            core_kernel("chunk_output_backward"),
-            {unsigned(C), unsigned(Hv), unsigned(B)},
-            kChunkThreads,
-            kChunkOutputBackwardBytes,
-            {{0, Query},
-             {1, Key},
-             {2, Gate},
-             {3, Mask},
-             {4, QueryInverseNorm},
-             {5, KeyInverseNorm},
-             {6, GateCumsum},
-             {7, QK},
-             {8, U},
-             {9, YCotangent},
-             {10, CorrectedGrad},
-             {11, DecayPairTerms},
-             {12, QueryHeadGrad},
-             {13, KeyHeadGrad}},
-            14,
-            {CorrectedGrad, DecayPairTerms, QueryHeadGrad, KeyHeadGrad});
+    const bool per_key = p.per_key_gates;
+    Dispatch& d = add(
+        "chunk_output_backward",
+        core_kernel("chunk_output_backward"),
+        {unsigned(C), unsigned(Hv), unsigned(B)},
+        kChunkThreads,
+        kChunkOutputBackwardBytes,
+        {{0, Query},
+         {1, Key},
+         {2, Gate},
+         {3, Mask},
+         {4, QueryInverseNorm},
+         {5, KeyInverseNorm},
+         {6, GateCumsum},
+         {7, QK},
+         {8, U},
+         {9, YCotangent},
+         {10, CorrectedGrad},
+         {11, DecayPairTerms},
+         {12, QueryHeadGrad},
+         {13, KeyHeadGrad},
+         {15, QKGrad}},
+        14,
+        {CorrectedGrad, DecayPairTerms, QueryHeadGrad, KeyHeadGrad, QKGrad});
     // dy, q, k and V' read, Q K^T per value head; dV', dq, dk and the pair
-    // terms written.
-    d.bytes_moved = chunk_test_bytes(double(T)) +
+    // terms written. Per-key gates: the tile is the value head's (chunk_qk
+    // decayed it), dM is written whole, and dq and dk are started at 0
+    // (channel_pairs_backward forms their products).
+    d.bytes_moved = gated_chunk_test_bytes(double(T)) +
         B * Hv *
             (T * (Dv + 2 * Dk) * double(e) + 2 * chunk_tiles() * 4.0 +
              padded_tokens * (2 * Dv + 2 * Dk + 1) * 4.0);
-    // dM, dV', dq and dk: four triangular 64 x 64 products per chunk.
-    d.flops = 2.0 * B * Hv * C * tile() * (Dv + Dk);
+    // dM, dV', dq and dk: four triangular 64 x 64 products per chunk (per-key
+    // gates: dM and dV').
+    d.flops = 2.0 * B * Hv * C * tile() * (Dv + (per_key ? 0 : Dk));
   }
 
   void chunk_carry_backward(uint32_t chunk) {
@@ -293,7 +325,8 @@ struct BackwardPlanBuilder : PlanBuilder {
              {14, DecayEntryTerms},
              {15, DecayPairTerms},
              {16, QueryHeadGrad},
-             {17, KeyHeadGrad}},
+             {17, KeyHeadGrad},
+             {20, DecayExitTerms}},
             18,
             {GradState,
              CorrectedGrad,
@@ -301,16 +334,20 @@ struct BackwardPlanBuilder : PlanBuilder {
              DecayEntryTerms,
              DecayPairTerms,
              QueryHeadGrad,
-             KeyHeadGrad});
+             KeyHeadGrad,
+             DecayExitTerms});
     d.chunk = ChunkScalar{19, chunk};
     const double length = double(
         std::min<uint64_t>(kChunkSize, T - uint64_t(chunk) * kChunkSize));
     // dS read and written, S0 read; per token dy, q, k, V', W read, dV' read
-    // and written, dW written, dq and dk read and written.
-    d.bytes_moved = chunk_test_bytes(length) +
+    // and written, dW written, dq and dk read and written; per-key gates,
+    // the channels' log decays read and the entry and exit terms written
+    // per channel.
+    d.bytes_moved = gated_chunk_test_bytes(length) +
         B * Hv *
             (3.0 * Dv * Dk * 4 + length * (Dv + 2 * Dk) * double(e) +
-             length * (3 * Dv + 6 * Dk) * 4.0);
+             length * (3 * Dv + 6 * Dk) * 4.0 +
+             (p.per_key_gates ? length * 3 * Dk * 4.0 : 0.0));
     // Six [L, Dv] x [Dv, Dk]-sized products: dS k, S0^T dO, dS^T V', dW, and
     // dS0's two sums.
     d.flops = 12.0 * B * Hv * length * Dv * Dk;
@@ -342,11 +379,13 @@ struct BackwardPlanBuilder : PlanBuilder {
         15,
         {KktInverseGrad, DecayEntryTerms, KeyHeadGrad, GradValue, GradBeta});
     // T read and dT written; dV', dW, v and k read; dv written, dk read and
-    // written, dbeta and the entry terms.
-    d.bytes_moved = chunk_test_bytes(double(T)) +
+    // written, dbeta and the entry terms; per-key gates, the channels' log
+    // decays read and the entry terms read and written per channel.
+    d.bytes_moved = gated_chunk_test_bytes(double(T)) +
         B * Hv *
             (2 * chunk_tiles() * 4.0 + padded_tokens * (Dv + 3 * Dk + 4) * 4.0 +
-             T * (2 * Dv + Dk) * double(e));
+             T * (2 * Dv + Dk) * double(e) +
+             (p.per_key_gates ? padded_tokens * 3 * Dk * 4.0 : 0.0));
     // dT (two triangular products) and T^T dU, T^T dW.
     d.flops = 2.0 * B * Hv * C * tile() * (Dv + Dk);
   }
@@ -369,18 +408,71 @@ struct BackwardPlanBuilder : PlanBuilder {
              {7, KktInverseGrad},
              {8, DecayPairTerms},
              {9, KeyHeadGrad},
-             {10, GradBeta}},
+             {10, GradBeta},
+             {12, KktGrad}},
             11,
-            {DecayPairTerms, KeyHeadGrad, GradBeta});
+            {DecayPairTerms, KeyHeadGrad, GradBeta, KktGrad});
+    // X = dT T^T and T^T X (triangular, 64^3 / 3 each).
+    d.flops = B * Hv * C * 4.0 * tile() * kChunkSize / 3;
+    if (p.per_key_gates) {
+      // T and dT read, dA written: channel_pairs_backward takes it on.
+      d.bytes_moved =
+          gated_chunk_test_bytes(double(T)) + B * Hv * 3 * chunk_tiles() * 4.0;
+      return;
+    }
     // T and dT read, the pair terms read and written; k read, dk read and
     // written; dbeta.
     d.bytes_moved = chunk_test_bytes(double(T)) +
         B * Hv *
             (4 * chunk_tiles() * 4.0 + T * Dk * double(e) +
              padded_tokens * (2 * Dk + 4) * 4.0);
-    // X = dT T^T and T^T X (triangular, 64^3 / 3 each), K K^T formed again,
-    // and dAk K + dAk^T K.
-    d.flops = B * Hv * C * (4.0 * tile() * kChunkSize / 3 + 3.0 * tile() * Dk);
+    // K K^T formed again, and dAk K + dAk^T K.
+    d.flops += B * Hv * C * 3.0 * tile() * Dk;
+  }
+
+  void channel_pairs_backward() {
+    using enum PlanBuffer;
+    Dispatch& d =
+        add("channel_pairs_backward",
+            core_kernel("channel_pairs_backward"),
+            {unsigned(C), unsigned(Hv), unsigned(B)},
+            kChunkThreads,
+            0,
+            {{0, Query},
+             {1, Key},
+             {2, Gate},
+             {3, Mask},
+             {4, QueryInverseNorm},
+             {5, KeyInverseNorm},
+             {6, BetaEffective},
+             {7, QKGrad},
+             {8, KktGrad},
+             {9, DecayEntryTerms},
+             {10, DecayExitTerms},
+             {11, GradGate},
+             {12, GradGamma},
+             {13, GradBeta},
+             {14, QueryHeadGrad},
+             {15, KeyHeadGrad}},
+            16,
+            {DecayEntryTerms,
+             GradGate,
+             GradGamma,
+             GradBeta,
+             QueryHeadGrad,
+             KeyHeadGrad});
+    // The tiles dM and dA read (each channel's thread reads them: counted
+    // once, caches serve the repeats); q, k and g per channel read; the
+    // entry terms read and written (the dbeta terms) and read again, the
+    // exit terms read; dq and dk read and written, dg and dgamma written;
+    // beta and dbeta.
+    d.bytes_moved = gated_chunk_test_bytes(double(T)) +
+        B * Hv *
+            (2 * chunk_tiles() * 4.0 + T * 2 * Dk * double(e) + T * Dk * 4.0 +
+             padded_tokens * Dk * (4 + 4 + 2) * 4.0 + padded_tokens * 3 * 4.0);
+    // Per pair (i, t), t <= i, and channel: the running decay, the pair term,
+    // four sums and the scan's step, about 16 flops, over half a tile.
+    d.flops = 8.0 * B * Hv * C * tile() * Dk;
   }
 
   void gate_cumsum_backward() {
@@ -428,7 +520,11 @@ struct BackwardPlanBuilder : PlanBuilder {
     if (chunked()) {
       recompute_w_u_backward();
       kkt_inverse_backward();
-      gate_cumsum_backward();
+      if (p.per_key_gates) {
+        channel_pairs_backward();
+      } else {
+        gate_cumsum_backward();
+      }
     }
     qk_grad_reduce();
   }
@@ -451,9 +547,7 @@ Plan make_backward_plan(
     throw std::invalid_argument(
         "the backward plan takes no checkpoints and no tree (parents)");
   }
-  // The WY stages have one decay per head: per-key gates take the
-  // recurrent form whatever was asked, as in the forward.
-  const Algorithm form = algorithm == Algorithm::Auto || params.per_key_gates
+  const Algorithm form = algorithm == Algorithm::Auto
       ? resolve_metal_backward_algorithm(params)
       : algorithm;
   BackwardPlanBuilder builder(params, dtype, form);

@@ -71,7 +71,10 @@ const char* to_string(PlanBuffer buffer) {
       "w_grad",
       "kkt_inverse_grad",
       "decay_entry_terms",
-      "decay_pair_terms"};
+      "decay_pair_terms",
+      "decay_exit_terms",
+      "qk_grad",
+      "kkt_grad"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }

@@ -101,8 +101,14 @@ enum class PlanBuffer : int {
   // The gradients of the decays without them, which gate_cumsum_backward
   // scans into dgamma: of decay(i, -1) (entry terms) and of decay(i, j),
   // j < i (pair terms; the exit state's decay(L-1, j) in row L-1).
-  DecayEntryTerms,  // [B, Hv, C*64]
-  DecayPairTerms,  // [B, Hv, C, 64, 64]
+  DecayEntryTerms,  // [B, Hv, C*64]; per-key gates [B, Hv, C*64, Dk]
+  DecayPairTerms,  // [B, Hv, C, 64, 64]; scalar gates only
+  // Per-key gates, for channel_pairs_backward, which forms the pair terms
+  // per channel from the scalar tiles dM and dA: the exit state's
+  // decay(L-1, j, c) terms, and the tiles.
+  DecayExitTerms,  // [B, Hv, C*64, Dk]
+  QKGrad,  // [B, Hv, C, 64, 64] dM, the gradient of chunk_qk's decayed tile
+  KktGrad,  // [B, Hv, C, 64, 64] dA, of A = diag(beta) (K K^T decayed)
   Count,
 };
 const char* to_string(PlanBuffer buffer);
@@ -188,9 +194,7 @@ Plan make_segment_plan(
 
 // The backward (vjp) of one core call (docs/metal.md, backward). `algorithm`
 // as the forward's ("auto" resolves through resolve_metal_backward_algorithm,
-// core/dispatch.h; per-key gates and key dims past the chunked stages' run
-// the recurrent form whatever was asked). plan.algorithm is the form the
-// gradient is taken in:
+// core/dispatch.h). plan.algorithm is the form the gradient is taken in:
 // - Recurrent, as the CPU's recurrent reverse: boundary_states, then for
 //   every chunk from the last to the first chunk_states and
 //   recurrent_chunk_backward (one dispatch each, the chunk in the dispatch's
@@ -200,7 +204,8 @@ Plan make_segment_plan(
 //   last chunk_states, recurrent_chunk_backward (both only on chunks with a
 //   decay that is not a normal float, a wipe) and chunk_carry_backward (the
 //   others), then recompute_w_u_backward, kkt_inverse_backward,
-//   gate_cumsum_backward over all chunks, and qk_grad_reduce.
+//   gate_cumsum_backward (per-key gates: channel_pairs_backward) over all
+//   chunks, and qk_grad_reduce.
 // Inputs: q, k, v, g, beta, state_in [, mask], y_cotangent, state_cotangent;
 // outputs dq, dk, dv, dg, dgamma, dbeta, dstate. Key dims up to
 // kMaxBackwardKeyDim; no checkpoints or trees.
