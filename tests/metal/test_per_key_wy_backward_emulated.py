@@ -23,11 +23,10 @@ from test_wy_backward_emulated import CHUNK, GRADIENTS, chunked_gradients, contr
 from mlx_gated_delta import gated_delta_rule
 from mlx_gated_delta.reference import (
     gated_delta_rule_reference_vjp,
-    gated_delta_update_reference_vjp,
     to_float64,
 )
 from mlx_gated_delta.testing.contracts import assert_matches
-from mlx_gated_delta.testing.strategies import core_cases, make_core_case, tiny_decay_gamma
+from mlx_gated_delta.testing.strategies import core_cases, make_core_case
 from mlx_gated_delta.tests.test_core_gradients import cotangents
 
 import metal_emulated
@@ -229,57 +228,6 @@ def test_per_key_chunked_backward_matches_the_cpu_chunked_backward(recipe):
         assert_matches(
             f"d{name}", grads[name], np.array(grad), contract(name, "float32", "algorithms")
         )
-
-
-# (tokens, dtype, the fraction of tiny decays, seed), as the scalar gates'
-# test_tiny_decays_give_gamma_its_gradient draws them, with one decay per
-# key channel.
-TINY_DECAY_CASES = [
-    (64, "float32", 1.0, 0),
-    (130, "float32", 0.5, 1),
-    (150, "bfloat16", 0.1, 2),
-    (65, "float32", 0.1, 3),
-]
-
-
-@pytest.mark.parametrize("tokens, dtype, tiny_fraction, seed", TINY_DECAY_CASES)
-def test_tiny_channel_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed):
-    # gated_delta_update's gamma per key channel where it is a normal float
-    # but tiny, exp(-87) to exp(-8): every chunk runs the WY stages, and each
-    # channel's gamma gradient is channel_pairs_backward's scan of the decay
-    # terms that pass the token, each without gamma itself (never dg / gamma).
-    case = make_core_case(
-        seed,
-        batch=1,
-        tokens=tokens,
-        key_heads=1,
-        value_heads=2,
-        key_dim=16,
-        value_dim=8,
-        dtype=dtype,
-        per_key_gates=True,
-    )
-    gamma = tiny_decay_gamma(case, seed, tiny_fraction, dtype)
-    gamma32 = np.asarray(gamma.astype(mx.float32))
-    wy, ws = cotangents(case)
-    expected = gated_delta_update_reference_vjp(
-        case.q, case.k, case.v, gamma, case.beta, case.state, y_cotangent=wy, state_cotangent=ws
-    )
-    grads = metal_emulated.gated_delta_rule_vjp(
-        case.q,
-        case.k,
-        case.v,
-        np.log(gamma32),
-        case.beta,
-        case.state,
-        y_cotangent=wy,
-        state_cotangent=ws,
-        scale=1.0,
-        algorithm="chunked",
-    )
-    assert "gated_delta_channel_pairs_backward_" + dtype in grads["kernels"]
-    for name in ("q", "k", "v", "gamma", "beta", "state"):
-        assert_matches(f"d{name}", grads[name], expected[name], contract(name, dtype))
 
 
 def test_chunked_and_recurrent_per_key_backwards_run_different_stages():

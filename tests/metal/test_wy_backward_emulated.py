@@ -241,13 +241,16 @@ TINY_DECAY_CASES = [
 ]
 
 
+@pytest.mark.parametrize("per_key_gates", [False, True], ids=["scalar", "per_key"])
 @pytest.mark.parametrize("tokens, dtype, tiny_fraction, seed", TINY_DECAY_CASES)
-def test_tiny_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed):
-    # gated_delta_update's gamma where it is a normal float but tiny, exp(-87)
-    # to exp(-8): every chunk runs the WY stages, and gamma's gradient is the
-    # sum of the decay terms that pass the token, each without gamma itself.
-    # As dg / gamma it would be dg's rounding (that of terms far larger than
-    # dg) divided by a tiny gamma.
+def test_tiny_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed, per_key_gates):
+    # gated_delta_update's gamma (one per key channel with per-key gates)
+    # where it is a normal float but tiny, exp(-87) to exp(-8): every chunk
+    # runs the WY stages, and gamma's gradient is the sum of the decay terms
+    # that pass the token, each without gamma itself (gate_cumsum_backward's
+    # scan, or channel_pairs_backward's per channel). As dg / gamma it would
+    # be dg's rounding (that of terms far larger than dg) divided by a tiny
+    # gamma.
     case = make_core_case(
         seed,
         batch=1,
@@ -257,6 +260,7 @@ def test_tiny_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed)
         key_dim=16,
         value_dim=8,
         dtype=dtype,
+        per_key_gates=per_key_gates,
     )
     gamma = tiny_decay_gamma(case, seed, tiny_fraction, dtype)
     gamma32 = np.asarray(gamma.astype(mx.float32))
@@ -277,6 +281,14 @@ def test_tiny_decays_give_gamma_its_gradient(tokens, dtype, tiny_fraction, seed)
         scale=1.0,
         algorithm="chunked",
     )
+    # The scan that gives gamma its gradient (gate_cumsum_backward reads
+    # float32 terms alone, so it has no dtype in its name).
+    scan = (
+        f"gated_delta_channel_pairs_backward_{dtype}"
+        if per_key_gates
+        else "gated_delta_gate_cumsum_backward"
+    )
+    assert scan in grads["kernels"]
     for name in ("q", "k", "v", "gamma", "beta", "state"):
         assert_matches(f"d{name}", grads[name], expected[name], contract(name, dtype))
 
