@@ -18,9 +18,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_wy_backward_emulated import CHUNK, GRADIENTS, chunked_gradients, contract, dtype_of
+from test_wy_backward_emulated import (
+    CHUNK,
+    GRADIENTS,
+    check_against_the_cpu_chunked_backward,
+    chunked_gradients,
+    contract,
+    dtype_of,
+)
 
-from mlx_gated_delta import gated_delta_rule
 from mlx_gated_delta.reference import (
     gated_delta_rule_reference_vjp,
     to_float64,
@@ -209,25 +215,7 @@ def test_the_channel_decay_cases_mix_both_reverses():
     "recipe", [r for r in CASES if r.get("dtype", "float32") == "float32"], ids=str
 )
 def test_per_key_chunked_backward_matches_the_cpu_chunked_backward(recipe):
-    # Two float32 computations of one gradient in the same form: the Metal
-    # plan and the CPU's per-key chunked backward (mx.vjp of the op on the
-    # CPU stream).
-    case = per_key_case(recipe)
-    wy, ws = cotangents(case)
-    grads = chunked_gradients(case, wy, ws)
-    state = case.state
-    if state is None:
-        state = mx.zeros((case.v.shape[0], case.v.shape[2], case.v.shape[3], case.q.shape[3]))
-    inputs = [case.q, case.k, case.v, case.g, case.beta, state]
-
-    def forward(*arrays):
-        return list(gated_delta_rule(*arrays, **case.options, algorithm="chunked", stream=mx.cpu))
-
-    _, cpu = mx.vjp(forward, inputs, [wy, ws])
-    for name, grad in zip(("q", "k", "v", "g", "beta", "state"), cpu):
-        assert_matches(
-            f"d{name}", grads[name], np.array(grad), contract(name, "float32", "algorithms")
-        )
+    check_against_the_cpu_chunked_backward(per_key_case(recipe))
 
 
 def test_chunked_and_recurrent_per_key_backwards_run_different_stages():

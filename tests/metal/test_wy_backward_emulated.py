@@ -192,9 +192,15 @@ def test_the_wipe_cases_mix_both_reverses():
     "recipe", [r for r in CASES if r.get("dtype", "float32") == "float32"], ids=str
 )
 def test_chunked_backward_matches_the_cpu_chunked_backward(recipe):
+    check_against_the_cpu_chunked_backward(
+        make_core_case(recipe["tokens"] + recipe["key_dim"], **recipe)
+    )
+
+
+def check_against_the_cpu_chunked_backward(case):
     # Two float32 computations of one gradient in the same form: the Metal
-    # plan and the CPU's chunked backward (mx.vjp of the op on the CPU stream).
-    case = make_core_case(recipe["tokens"] + recipe["key_dim"], **recipe)
+    # plan and the CPU's chunked backward, scalar or per-key gates as the
+    # case has them (mx.vjp of the op on the CPU stream).
     wy, ws = cotangents(case)
     grads = chunked_gradients(case, wy, ws)
     state = case.state
