@@ -136,3 +136,38 @@ def test_the_cli_lists_the_train_flag(argv, capsys):
     with pytest.raises(SystemExit):
         cli.main(argv)
     assert "--train" in capsys.readouterr().out
+
+
+def test_bench_train_filter_selects_core_rows_and_leaves_the_layer_out(monkeypatch, tmp_path):
+    seen = {}
+    record = _record()
+
+    def core_rows(tokens_list, quick, full, progress):
+        seen["core"] = list(tokens_list)
+        return record["core_rows"]
+
+    def layer_rows(tokens_list, quick, full, progress):
+        seen["layer"] = list(tokens_list)
+        return record["layer_rows"]
+
+    monkeypatch.setattr(train, "core_rows", core_rows)
+    monkeypatch.setattr(train, "layer_rows", layer_rows)
+    monkeypatch.setattr(train, "measure_rooflines", lambda: record["roofline"])
+    monkeypatch.setattr(train, "best_rooflines", lambda before, after: before)
+    monkeypatch.setattr(train, "cpu_run_record", lambda load: {"machine": record["machine"]})
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    out = str(tmp_path)
+    filtered = train.run(parser.parse_args(["--train", "--filter", "T=8192", "--out", out]))
+    assert seen == {"core": [8192]}
+    assert filtered["layer_rows"] == []
+    assert (
+        (tmp_path / "train_results.txt")
+        .read_text()
+        .rstrip()
+        .endswith("whole-layer benchmark: not run with --filter")
+    )
+    train.run(parser.parse_args(["--train", "--quick", "--out", out]))
+    assert seen == {"core": [512, 2048], "layer": [512, 2048]}
+    with pytest.raises(SystemExit, match="no training row matches"):
+        train.run(parser.parse_args(["--train", "--quick", "--filter", "T=8192", "--out", out]))

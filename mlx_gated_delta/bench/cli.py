@@ -94,8 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--filter",
         metavar="REGEX",
         type=_regex,
-        help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' "
-        "(the whole-layer rows are then left out)",
+        help="only rows whose label matches, e.g. 'bf16 B=1 T=2048' (with --train: "
+        "'T=2048'); the whole-layer rows are then left out",
     )
     parser.add_argument(
         "--cuda",
