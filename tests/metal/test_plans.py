@@ -316,3 +316,59 @@ def test_the_qwen3_next_chunked_backward_plan_at_8192_tokens():
     text = metal_emulated.backward_plan(**QWEN3_NEXT, dtype="bfloat16", describe=True)
     assert text.startswith("backward plan: chunked, bfloat16")
     assert "chunk_carry_backward x128" in text
+
+
+def test_the_qwen3_next_per_key_backward_moves_at_most_1_5x_the_scalar_gates_bytes():
+    # Per-key gates (g [B, T, Hv, Dk]) on paper against scalar gates on the
+    # same shape: the per-channel terms and the tiles dM and dA cost bytes,
+    # but no stage reads the chunk's 64 x Dk gates for its chunk test.
+    scalar, per_key = (
+        metal_emulated.backward_plan(
+            **QWEN3_NEXT, dtype="bfloat16", normalize_qk=True, per_key_gates=per_key_gates
+        )
+        for per_key_gates in (False, True)
+    )
+
+    def total(plan, key):
+        return sum(d[key] for d in plan["dispatches"])
+
+    assert per_key["algorithm"] == scalar["algorithm"] == "chunked"
+    assert total(per_key, "bytes_moved") <= 1.5 * total(scalar, "bytes_moved")
+    assert total(per_key, "flops") <= 1.5 * total(scalar, "flops")
+
+
+@pytest.mark.parametrize("per_key_gates", [False, True])
+def test_the_backward_stages_test_their_chunks_by_the_tiny_decay_mask(per_key_gates):
+    # The rerun's gate_cumsum writes the mask, every stage that chooses
+    # between the WY form and the recurrent reverse reads it, and only the
+    # stages that use the gates themselves bind g. The forward has no mask.
+    shape = dict(batch=1, tokens=130, key_heads=1, value_heads=2, key_dim=32, value_dim=16)
+    plan = metal_emulated.backward_plan(
+        algorithm="chunked", per_key_gates=per_key_gates, mask=True, **shape
+    )
+    width = 32 if per_key_gates else 1
+    assert plan["buffer_bytes"]["tiny_decay_mask"] == 2 * 3 * width * 8
+    tested = {
+        "chunk_states",
+        "recurrent_chunk_backward",
+        "chunk_output_backward",
+        "chunk_carry_backward",
+        "recompute_w_u_backward",
+        "kkt_inverse_backward",
+        "channel_pairs_backward" if per_key_gates else "gate_cumsum_backward",
+    }
+    reads_gates = {"gate_cumsum", "boundary_states", "chunk_states", "recurrent_chunk_backward"} | (
+        {"channel_pairs_backward"} if per_key_gates else {"gate_cumsum_backward"}
+    )
+    for d in plan["dispatches"]:
+        names = {name: writes for _, name, writes in d["buffers"]}
+        if d["stage"] == "gate_cumsum":
+            assert names["tiny_decay_mask"] is True
+        else:
+            assert names.get("tiny_decay_mask", False) is False, d["stage"]
+            assert ("tiny_decay_mask" in names) == (d["stage"] in tested), d["stage"]
+        assert ("g" in names) == (d["stage"] in reads_gates), d["stage"]
+    forward = metal_emulated.plan_dispatches(
+        per_key_gates=per_key_gates, algorithm="chunked", **shape
+    )
+    assert all("tiny_decay_mask" not in {name for _, name, _ in d["buffers"]} for d in forward)

@@ -216,6 +216,22 @@ BACKWARD_CASES = {
             wipes="runs",
         ),
     ),
+    # Per-key gates with no wipe and no tiny decay: every chunk takes the WY
+    # stages and channel_pairs_backward (the wipe runs above send each of
+    # that case's chunks to the recurrent reverse).
+    "backward_f32_per_key_mask": (
+        "auto",
+        dict(
+            batch=2,
+            tokens=130,
+            key_heads=1,
+            value_heads=2,
+            key_dim=64,
+            value_dim=16,
+            mask_kind="random",
+            per_key_gates=True,
+        ),
+    ),
     "backward_qwen_layout_f32": (
         "auto",
         dict(

@@ -113,23 +113,18 @@ inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& 
 // recurrent_chunk_backward, the recurrent reverse, run the others (a wipe,
 // gamma == 0, or a subnormal decay), as the CPU decides (docs/numerics.md,
 // "The chunked backward"); with per-key gates every channel's decay must be
-// normal. Every kernel of the plan calls it on the same g and mask, so each
-// chunk goes to exactly one of the two forms. Uniform per threadgroup.
-GATED_DELTA_ABI_CONSTANT float kSmallestNormalFloat = 1.17549435e-38f;
-inline bool chunk_decays_normal(const device float* g, const device bool* mask,
+// normal. It reads the backward's gate_cumsum record of the chunk's tiny
+// decays, one word per gate channel, not the chunk's g (64 x Dk floats with
+// per-key gates, in each of the stages). Every kernel of the plan reads the
+// same record, so each chunk goes to exactly one of the two forms. Uniform
+// per threadgroup.
+inline bool chunk_decays_normal(const device ulong* tiny_decay_mask,
                                 constant GatedDeltaKernelParams& p, uint b, uint h, uint chunk) {
-  const uint length = chunk_length(p, chunk);
   const uint width = gate_width(p);
-  for (uint i = 0; i < length; ++i) {
-    const uint t = chunk * kChunkSize + i;
-    if (token_is_masked(p, mask, b, t)) {
-      continue;
-    }
-    const uint gate = gate_offset(p, b, t, h) * width;
-    for (uint c = 0; c < width; ++c) {
-      if (!(exp(g[gate + c]) >= kSmallestNormalFloat)) {
-        return false;
-      }
+  const uint first = chunk_row(p, b, h, p.value_heads, chunk) / kChunkSize * width;
+  for (uint c = 0; c < width; ++c) {
+    if (tiny_decay_mask[first + c] != 0ul) {
+      return false;
     }
   }
   return true;

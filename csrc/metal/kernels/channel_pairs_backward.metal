@@ -57,12 +57,13 @@ template <typename T>
     device float* query_head_grad [[buffer(14)]],
     device float* key_head_grad [[buffer(15)]],
     constant GatedDeltaKernelParams& p [[buffer(16)]],
+    const device ulong* tiny_decay_mask [[buffer(17)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
-  if (!chunk_decays_normal(g, mask, p, b, h, chunk)) {
+  if (!chunk_decays_normal(tiny_decay_mask, p, b, h, chunk)) {
     return;
   }
   const uint kh = key_head_of(p, h);

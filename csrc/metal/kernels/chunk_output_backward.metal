@@ -29,7 +29,7 @@ template <typename T>
 [[kernel]] void gated_delta_chunk_output_backward(
     const device T* q [[buffer(0)]],
     const device T* k [[buffer(1)]],
-    const device float* g [[buffer(2)]],
+    const device ulong* tiny_decay_mask [[buffer(2)]],
     const device bool* mask [[buffer(3)]],
     const device float* query_inverse_norm [[buffer(4)]],
     const device float* key_inverse_norm [[buffer(5)]],
@@ -49,7 +49,7 @@ template <typename T>
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
-  if (!chunk_decays_normal(g, mask, p, b, h, chunk)) {
+  if (!chunk_decays_normal(tiny_decay_mask, p, b, h, chunk)) {
     return;
   }
   const uint kh = key_head_of(p, h);

@@ -21,6 +21,7 @@ template <typename T>
     device float* chunk_states [[buffer(6)]],
     constant GatedDeltaKernelParams& p [[buffer(7)]],
     constant uint& chunk [[buffer(8)]],
+    const device ulong* tiny_decay_mask [[buffer(9)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
     uint lane [[thread_index_in_simdgroup]]) {
@@ -32,7 +33,7 @@ template <typename T>
     return;
   }
   // The chunked backward's WY stages take this chunk (uniform too).
-  if (p.recurrent_wipe_chunks_only != 0 && chunk_decays_normal(g, mask, p, b, h, chunk)) {
+  if (p.recurrent_wipe_chunks_only != 0 && chunk_decays_normal(tiny_decay_mask, p, b, h, chunk)) {
     return;
   }
   float s[kBackwardColumnsPerLane];

@@ -5,7 +5,9 @@
 // through chunk_decay() or channel_decay(). Per-key gates: the cumsum per key
 // channel ([B, Hv, C*64, Dk]) and one mask per chunk and key channel ([B, Hv,
 // C, Dk]: 8 bytes a chunk instead of a wipe position per token), beta once
-// per token.
+// per token. In the chunked backward's rerun it also records the chunk's
+// tiny decays (below float32's smallest normal number, a wipe included) per
+// gate channel, which every backward stage tests (chunk_decays_normal).
 
 #include "gated_delta_common.h"
 
@@ -19,6 +21,7 @@
     device ulong* wipe_mask [[buffer(4)]],
     device float* beta_effective [[buffer(5)]],
     constant GatedDeltaKernelParams& p [[buffer(6)]],
+    device ulong* tiny_decay_mask [[buffer(7)]],
     uint index [[thread_position_in_grid]]) {
   const uint width = gate_width(p);
   const uint scans = p.batch * p.value_heads * p.num_chunks * width;
@@ -34,6 +37,7 @@
   const uint length = chunk_length(p, chunk);
   float cumsum = 0.0f;
   ulong wipes = 0ul;
+  ulong tiny_decays = 0ul;
   for (uint i = 0; i < kChunkSize; ++i) {
     float g_i = 0.0f;
     float beta_i = 0.0f;
@@ -48,10 +52,14 @@
     // inf - inf, and a channel's sum stays as small as its surviving steps:
     // a -300 step would otherwise leave the later differences of that
     // channel's sums rounding at the size of 300.
-    if (exp(g_i) == 0.0f) {
+    const float decay = exp(g_i);
+    if (decay == 0.0f) {
       wipes |= 1ul << i;
     } else {
       cumsum += g_i;
+    }
+    if (!(decay >= kSmallestNormalFloat)) {
+      tiny_decays |= 1ul << i;
     }
     gate_cumsum[(first + i) * width + channel] = cumsum;
     // Beta has one column: the scan of channel 0 writes it.
@@ -60,4 +68,7 @@
     }
   }
   wipe_mask[first / kChunkSize * width + channel] = wipes;
+  if (p.recurrent_wipe_chunks_only != 0) {
+    tiny_decay_mask[first / kChunkSize * width + channel] = tiny_decays;
+  }
 }

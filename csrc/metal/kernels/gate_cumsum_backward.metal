@@ -34,6 +34,7 @@
     device float* query_head_grad [[buffer(7)]],
     device float* key_head_grad [[buffer(8)]],
     constant GatedDeltaKernelParams& p [[buffer(9)]],
+    const device ulong* tiny_decay_mask [[buffer(10)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]]) {
   threadgroup float carried[kChunkSize * kChunkSize];  // P_it, then H_it
@@ -41,7 +42,7 @@
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
-  if (!chunk_decays_normal(g, mask, p, b, h, chunk)) {
+  if (!chunk_decays_normal(tiny_decay_mask, p, b, h, chunk)) {
     return;
   }
   const uint length = chunk_length(p, chunk);

@@ -53,6 +53,9 @@ inline uint chunk_row(constant GatedDeltaKernelParams& p, uint b, uint h, uint h
                       uint chunk) {
   return ((b * heads + h) * p.num_chunks + chunk) * kChunkSize;
 }
+// A decay below this is tiny: the chunked backward leaves its chunk to the
+// recurrent reverse (gate_cumsum records it, chunk_decays_normal reads it).
+GATED_DELTA_ABI_CONSTANT float kSmallestNormalFloat = 1.17549435e-38f;
 inline uint chunk_length(constant GatedDeltaKernelParams& p, uint chunk) {
   return min(kChunkSize, p.tokens - chunk * kChunkSize);
 }

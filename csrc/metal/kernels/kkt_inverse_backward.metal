@@ -25,8 +25,7 @@ GATED_DELTA_ABI_CONSTANT uint kKktElementsPerThread = kChunkSize * kChunkSize / 
 template <typename T>
 [[kernel]] void gated_delta_kkt_inverse_backward(
     const device T* k [[buffer(0)]],
-    const device float* g [[buffer(1)]],
-    const device bool* mask [[buffer(2)]],
+    const device ulong* tiny_decay_mask [[buffer(1)]],
     const device float* key_inverse_norm [[buffer(3)]],
     const device float* gate_cumsum [[buffer(4)]],
     const device float* beta_effective [[buffer(5)]],
@@ -44,7 +43,7 @@ template <typename T>
   const uint chunk = group.x;
   const uint h = group.y;
   const uint b = group.z;
-  if (!chunk_decays_normal(g, mask, p, b, h, chunk)) {
+  if (!chunk_decays_normal(tiny_decay_mask, p, b, h, chunk)) {
     return;
   }
   const uint kh = key_head_of(p, h);

@@ -43,6 +43,7 @@ template <typename T>
     device float* dbeta [[buffer(14)]],
     constant GatedDeltaKernelParams& p [[buffer(15)]],
     constant uint& chunk [[buffer(16)]],
+    const device ulong* tiny_decay_mask [[buffer(17)]],
     uint3 group [[threadgroup_position_in_grid]],
     uint tid [[thread_index_in_threadgroup]],
     uint simd_index [[simdgroup_index_in_threadgroup]],
@@ -57,7 +58,7 @@ template <typename T>
   const uint b = group.y;
   // The chunked backward's WY stages take this chunk (uniform across the
   // threadgroup).
-  if (p.recurrent_wipe_chunks_only != 0 && chunk_decays_normal(g, mask, p, b, h, chunk)) {
+  if (p.recurrent_wipe_chunks_only != 0 && chunk_decays_normal(tiny_decay_mask, p, b, h, chunk)) {
     return;
   }
   const uint kh = key_head_of(p, h);

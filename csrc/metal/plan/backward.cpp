@@ -2,6 +2,7 @@
 // every chunk, or the chunked (WY) backward over the forward's chunked stages
 // (builder.h) through chunk_carry.
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -105,14 +106,25 @@ struct BackwardPlanBuilder : PlanBuilder {
         add_scratch(
             DecayPairTerms, "pair term elements", B * Hv * chunk_tiles(), 4);
       }
+      add_scratch(
+          TinyDecayMask,
+          "tiny decay mask elements",
+          B * Hv * padded_tokens / kChunkSize * width,
+          8);
       plan.kernel_params.recurrent_wipe_chunks_only = 1;
     }
   }
 
-  // Bytes of the gates the chunk test (chunk_decays_normal) reads: g, and the
-  // mask, of every token once per value head.
+  // Bytes the chunk test (chunk_decays_normal) reads, once per value head:
+  // the tiny-decay mask's word per chunk and gate channel.
   double chunk_test_bytes(double tokens) const {
-    return B * Hv * tokens * (4.0 + (p.has_mask ? 1 : 0));
+    return B * Hv * std::ceil(tokens / kChunkSize) * p.gate_width() * 8.0;
+  }
+
+  // Bytes of the token mask, read once per value head by the stages that
+  // skip masked rows.
+  double token_mask_bytes(double tokens) const {
+    return B * Hv * tokens * (p.has_mask ? 1 : 0);
   }
 
   // Bytes of one token's gates: g (one per head or per key channel) and beta.
@@ -165,7 +177,8 @@ struct BackwardPlanBuilder : PlanBuilder {
              {3, Beta},
              {4, Mask},
              {5, BoundaryStates},
-             {6, ChunkStates}},
+             {6, ChunkStates},
+             {9, TinyDecayMask}},
             7,
             {ChunkStates});
     d.chunk = ChunkScalar{8, chunk};
@@ -204,7 +217,8 @@ struct BackwardPlanBuilder : PlanBuilder {
              {11, GradValue},
              {12, GradGate},
              {13, GradGamma},
-             {14, GradBeta}},
+             {14, GradBeta},
+             {17, TinyDecayMask}},
             15,
             {GradState,
              QueryHeadGrad,
@@ -255,11 +269,6 @@ struct BackwardPlanBuilder : PlanBuilder {
   // The chunked backward's WY stages (docs/numerics.md, "The chunked
   // backward"). Each counts its products at their sizes on paper and its
   // device traffic once (the repeats inside a threadgroup from caches).
-  // The chunk test reads g per key channel with per-key gates.
-  double gated_chunk_test_bytes(double tokens) const {
-    return chunk_test_bytes(tokens) +
-        (p.per_key_gates ? B * Hv * tokens * (Dk - 1) * 4.0 : 0.0);
-  }
 
   void chunk_output_backward() {
     using enum PlanBuffer;
@@ -272,7 +281,7 @@ struct BackwardPlanBuilder : PlanBuilder {
         kChunkOutputBackwardBytes,
         {{0, Query},
          {1, Key},
-         {2, Gate},
+         {2, TinyDecayMask},
          {3, Mask},
          {4, QueryInverseNorm},
          {5, KeyInverseNorm},
@@ -291,7 +300,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     // terms written. Per-key gates: the tile is the value head's (chunk_qk
     // decayed it), dM is written whole, and dq and dk are started at 0
     // (channel_pairs_backward forms their products).
-    d.bytes_moved = gated_chunk_test_bytes(double(T)) +
+    d.bytes_moved = chunk_test_bytes(double(T)) + token_mask_bytes(double(T)) +
         B * Hv *
             (T * (Dv + 2 * Dk) * double(e) + 2 * chunk_tiles() * 4.0 +
              padded_tokens * (2 * Dv + 2 * Dk + 1) * 4.0);
@@ -310,7 +319,7 @@ struct BackwardPlanBuilder : PlanBuilder {
             kChunkCarryBackwardBytes,
             {{0, Query},
              {1, Key},
-             {2, Gate},
+             {2, TinyDecayMask},
              {3, Mask},
              {4, QueryInverseNorm},
              {5, KeyInverseNorm},
@@ -343,7 +352,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     // and written, dW written, dq and dk read and written; per-key gates,
     // the channels' log decays read and the entry and exit terms written
     // per channel.
-    d.bytes_moved = gated_chunk_test_bytes(length) +
+    d.bytes_moved = chunk_test_bytes(length) + token_mask_bytes(length) +
         B * Hv *
             (3.0 * Dv * Dk * 4 + length * (Dv + 2 * Dk) * double(e) +
              length * (3 * Dv + 6 * Dk) * 4.0 +
@@ -363,8 +372,7 @@ struct BackwardPlanBuilder : PlanBuilder {
         kRecomputeWuBackwardBytes,
         {{0, Key},
          {1, Value},
-         {2, Gate},
-         {3, Mask},
+         {2, TinyDecayMask},
          {4, KeyInverseNorm},
          {5, GateCumsum},
          {6, BetaEffective},
@@ -381,7 +389,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     // T read and dT written; dV', dW, v and k read; dv written, dk read and
     // written, dbeta and the entry terms; per-key gates, the channels' log
     // decays read and the entry terms read and written per channel.
-    d.bytes_moved = gated_chunk_test_bytes(double(T)) +
+    d.bytes_moved = chunk_test_bytes(double(T)) +
         B * Hv *
             (2 * chunk_tiles() * 4.0 + padded_tokens * (Dv + 3 * Dk + 4) * 4.0 +
              T * (2 * Dv + Dk) * double(e) +
@@ -399,8 +407,7 @@ struct BackwardPlanBuilder : PlanBuilder {
             kChunkThreads,
             kKktInverseBackwardBytes,
             {{0, Key},
-             {1, Gate},
-             {2, Mask},
+             {1, TinyDecayMask},
              {3, KeyInverseNorm},
              {4, GateCumsum},
              {5, BetaEffective},
@@ -417,7 +424,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     if (p.per_key_gates) {
       // T and dT read, dA written: channel_pairs_backward takes it on.
       d.bytes_moved =
-          gated_chunk_test_bytes(double(T)) + B * Hv * 3 * chunk_tiles() * 4.0;
+          chunk_test_bytes(double(T)) + B * Hv * 3 * chunk_tiles() * 4.0;
       return;
     }
     // T and dT read, the pair terms read and written; k read, dk read and
@@ -453,7 +460,8 @@ struct BackwardPlanBuilder : PlanBuilder {
              {12, GradGamma},
              {13, GradBeta},
              {14, QueryHeadGrad},
-             {15, KeyHeadGrad}},
+             {15, KeyHeadGrad},
+             {17, TinyDecayMask}},
             16,
             {DecayEntryTerms,
              GradGate,
@@ -466,7 +474,7 @@ struct BackwardPlanBuilder : PlanBuilder {
     // entry terms read and written (the dbeta terms) and read again, the
     // exit terms read; dq and dk read and written, dg and dgamma written;
     // beta and dbeta.
-    d.bytes_moved = gated_chunk_test_bytes(double(T)) +
+    d.bytes_moved = chunk_test_bytes(double(T)) + token_mask_bytes(double(T)) +
         B * Hv *
             (2 * chunk_tiles() * 4.0 + T * 2 * Dk * double(e) + T * Dk * 4.0 +
              padded_tokens * Dk * (4 + 4 + 2) * 4.0 + padded_tokens * 3 * 4.0);
@@ -491,13 +499,14 @@ struct BackwardPlanBuilder : PlanBuilder {
              {5, GradGamma},
              {6, GradBeta},
              {7, QueryHeadGrad},
-             {8, KeyHeadGrad}},
+             {8, KeyHeadGrad},
+             {10, TinyDecayMask}},
             9,
             {GradGate, GradGamma, GradBeta, QueryHeadGrad, KeyHeadGrad});
     // The pair terms' tiles, the entry terms and g read, dg and dgamma
     // written (masked tokens' rows cleared too: not counted).
-    d.bytes_moved =
-        chunk_test_bytes(double(T)) + B * Hv * (chunk_tiles() * 4.0 + T * 16.0);
+    d.bytes_moved = chunk_test_bytes(double(T)) + token_mask_bytes(double(T)) +
+        B * Hv * (chunk_tiles() * 4.0 + T * 16.0);
     // Two scans over the lower triangle (half a tile): a multiply-add per
     // pair in each, and the second's running product.
     d.flops = 2.5 * B * Hv * C * tile();

@@ -175,13 +175,20 @@ void PlanBuilder::gate_cumsum() {
        {2, Mask},
        {3, GateCumsum},
        {4, WipeMask},
-       {5, BetaEffective}},
+       {5, BetaEffective},
+       {7, TinyDecayMask}},
       6,
-      {GateCumsum, WipeMask, BetaEffective});
+      {GateCumsum, WipeMask, BetaEffective, TinyDecayMask});
   const double width = p.gate_width();
+  // The chunked backward's rerun also writes the tiny-decay mask (a word per
+  // chunk and channel).
+  const double tiny_decay_bytes =
+      plan.buffer_bytes(TinyDecayMask) > 0 ? C * 8.0 * width : 0.0;
   d.bytes_moved = B * T * Hv * (width + 1) * 4.0 +
       B * T * (p.has_mask ? 1 : 0) +
-      B * Hv * (decay_bytes_per_head(width) + padded_tokens * 4.0);
+      B * Hv *
+          (decay_bytes_per_head(width) + padded_tokens * 4.0 +
+           tiny_decay_bytes);
   d.flops = B * T * Hv * width;
 }
 

@@ -74,7 +74,8 @@ const char* to_string(PlanBuffer buffer) {
       "decay_pair_terms",
       "decay_exit_terms",
       "qk_grad",
-      "kkt_grad"};
+      "kkt_grad",
+      "tiny_decay_mask"};
   static_assert(sizeof(names) / sizeof(names[0]) == size_t(PlanBuffer::Count));
   return names[int(buffer)];
 }

@@ -109,6 +109,10 @@ enum class PlanBuffer : int {
   DecayExitTerms,  // [B, Hv, C*64, Dk]
   QKGrad,  // [B, Hv, C, 64, 64] dM, the gradient of chunk_qk's decayed tile
   KktGrad,  // [B, Hv, C, 64, 64] dA, of A = diag(beta) (K K^T decayed)
+  // [B, Hv, C] uint64 per gate channel: bit i set where step i's decay is
+  // below float32's smallest normal number (a wipe included); the chunk test
+  // of every stage (chunk_decays_normal), written by the rerun's gate_cumsum.
+  TinyDecayMask,
   Count,
 };
 const char* to_string(PlanBuffer buffer);
