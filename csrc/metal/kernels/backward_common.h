@@ -121,9 +121,9 @@ inline void store_row_lanes(device float* row, constant GatedDeltaKernelParams& 
 inline bool chunk_decays_normal(const device ulong* tiny_decay_mask,
                                 constant GatedDeltaKernelParams& p, uint b, uint h, uint chunk) {
   const uint width = gate_width(p);
-  const uint first = chunk_row(p, b, h, p.value_heads, chunk) / kChunkSize * width;
+  const uint words = chunk_row(p, b, h, p.value_heads, chunk) / kChunkSize * width;
   for (uint c = 0; c < width; ++c) {
-    if (tiny_decay_mask[first + c] != 0ul) {
+    if (tiny_decay_mask[words + c] != 0ul) {
       return false;
     }
   }

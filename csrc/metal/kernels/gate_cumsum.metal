@@ -67,8 +67,10 @@
       beta_effective[first + i] = beta_i;
     }
   }
-  wipe_mask[first / kChunkSize * width + channel] = wipes;
+  // Both masks hold a word per chunk and gate channel.
+  const uint word = first / kChunkSize * width + channel;
+  wipe_mask[word] = wipes;
   if (p.recurrent_wipe_chunks_only != 0) {
-    tiny_decay_mask[first / kChunkSize * width + channel] = tiny_decays;
+    tiny_decay_mask[word] = tiny_decays;
   }
 }
