@@ -42,11 +42,12 @@ void eval_core(
 std::string backward_kernels_gap(const GatedDeltaParams& params);
 
 // The backward algorithm "auto" runs on CUDA: the chunked WY form
-// (chunk_backward.cu, chunk_wy_backward.cu) from one chunk of tokens on, for
-// dims the chunked kernels cover, the recurrent form (recurrent_backward.cu)
-// otherwise; an explicit "chunked" that the chunked kernels do not cover (a
-// tree, dims over 128) runs the recurrent form, within the same gradient
-// contracts.
+// (chunk_backward.cu, chunk_wy_backward.cu) from one chunk of tokens on
+// where its per-chunk blocks fill the GPU (kChunkedBackwardMinProblems) and
+// the chunked kernels cover the dims, the recurrent form
+// (recurrent_backward.cu) otherwise; an explicit "chunked" that the chunked
+// kernels do not cover (a tree, dims over 128) runs the recurrent form,
+// within the same gradient contracts.
 Algorithm resolve_cuda_backward_algorithm(
     const GatedDeltaParams& params, Algorithm requested);
 

@@ -72,13 +72,29 @@ std::string backward_kernels_gap(const GatedDeltaParams& p) {
       std::to_string(backward_max_key_dim(true)) + " with per-key gates)";
 }
 
+// "auto" takes the chunked backward where it has at least this many (batch
+// row, value head, chunk) blocks: fewer leave most of the GPU idle in each of
+// its kernels, while the recurrent backward spreads a head's state rows over
+// blocks. Measured on an H200 (docs/cuda.md, "Training step"), the
+// recurrent backward's time over the chunked one's at B = 1 and 32 value
+// heads: scalar gates 0.61 at T = 64 (32 blocks) and 1.07 at T = 128 (64);
+// per-key gates 0.44, 0.80 and 1.35 at T = 64, 128 and 256 (128 blocks); at
+// B = 8, T = 64 (256 blocks) 1.80 and 1.20.
+constexpr int64_t kChunkedBackwardMinProblems = 64;
+constexpr int64_t kChunkedBackwardMinProblemsPerKey = 128;
+
 Algorithm resolve_cuda_backward_algorithm(
     const GatedDeltaParams& p, Algorithm requested) {
   if (!chunked_kernels_cover(p) || p.key_dim == 0 || p.value_dim == 0) {
     return Algorithm::Recurrent;
   }
   if (requested == Algorithm::Auto) {
-    return p.tokens >= kChunk ? Algorithm::Chunked : Algorithm::Recurrent;
+    const int64_t problems =
+        int64_t(p.batch) * p.value_heads * p.num_chunks();
+    const int64_t least = p.per_key_gates ? kChunkedBackwardMinProblemsPerKey
+                                          : kChunkedBackwardMinProblems;
+    return p.tokens >= kChunk && problems >= least ? Algorithm::Chunked
+                                                   : Algorithm::Recurrent;
   }
   return requested;
 }

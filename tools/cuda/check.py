@@ -127,7 +127,8 @@ def main():
         )
     gradient_cases = [
         # B, T, Hk, Hv, Dk, Dv, dtype, options ("auto" runs the chunked backward from 64
-        # tokens on)
+        # tokens on where the call has 64 (batch row, value head, chunk) blocks, 128 with
+        # per-key gates; these small calls ask for it)
         (1, 300, 16, 32, 128, 128, mx.bfloat16, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {}),
         (2, 200, 4, 8, 128, 128, mx.float32, {"algorithm": "recurrent"}),
@@ -135,14 +136,31 @@ def main():
         (3, 37, 2, 4, 64, 64, mx.bfloat16, {"algorithm": "chunked"}),
         (2, 64, 1, 3, 128, 128, mx.float32, {"algorithm": "chunked", "oracle": True}),
         (2, 129, 2, 6, 128, 128, mx.bfloat16, {}),
-        (1, 190, 2, 2, 32, 100, mx.float32, {"normalize_qk": False, "oracle": True}),
+        (
+            1,
+            190,
+            2,
+            2,
+            32,
+            100,
+            mx.float32,
+            {"normalize_qk": False, "algorithm": "chunked", "oracle": True},
+        ),
         (2, 100, 1, 2, 16, 16, mx.float16, {"algorithm": "chunked", "mask": True}),
-        (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True}),
-        (2, 150, 2, 4, 64, 96, mx.float16, {"head_mapping": "interleaved"}),
+        (2, 130, 2, 4, 48, 40, mx.float32, {"mask": True, "algorithm": "chunked"}),
+        (2, 150, 2, 4, 64, 96, mx.float16, {"head_mapping": "interleaved", "algorithm": "chunked"}),
         (1, 70, 1, 2, 128, 128, mx.float32, {"normalize_qk": False}),
-        # Per-key gates: a decay per key channel ("auto" and "chunked" run the chunked
-        # backward from 64 tokens on, "recurrent" recurrent_backward).
-        (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True, "oracle": True}),
+        # Per-key gates: a decay per key channel.
+        (
+            2,
+            90,
+            2,
+            4,
+            64,
+            64,
+            mx.float32,
+            {"per_key": True, "algorithm": "chunked", "oracle": True},
+        ),
         (2, 90, 2, 4, 64, 64, mx.float32, {"per_key": True, "algorithm": "recurrent"}),
         (
             1,
@@ -165,7 +183,16 @@ def main():
             {"per_key": True, "algorithm": "chunked", "strong": True, "oracle": True},
         ),
         (1, 1000, 32, 32, 128, 128, mx.bfloat16, {"per_key": True}),
-        (2, 150, 2, 4, 64, 96, mx.float16, {"per_key": True, "head_mapping": "interleaved"}),
+        (
+            2,
+            150,
+            2,
+            4,
+            64,
+            96,
+            mx.float16,
+            {"per_key": True, "head_mapping": "interleaved", "algorithm": "chunked"},
+        ),
         (1, 300, 16, 32, 128, 128, mx.bfloat16, {"per_key": True, "mask": True}),
         (
             2,
@@ -180,10 +207,20 @@ def main():
                 "mask": True,
                 "head_mapping": "interleaved",
                 "wipes": True,
+                "algorithm": "chunked",
                 "oracle": True,
             },
         ),
-        (1, 200, 1, 3, 32, 100, mx.float32, {"wipes": True, "oracle": True}),
+        (
+            1,
+            200,
+            1,
+            3,
+            32,
+            100,
+            mx.float32,
+            {"wipes": True, "algorithm": "chunked", "oracle": True},
+        ),
     ]
     for n, (B, T, Hk, Hv, Dk, Dv, dtype, options) in enumerate(gradient_cases):
         failures += not check_gradients(n, B, T, Hk, Hv, Dk, Dv, dtype, options)
