@@ -43,7 +43,7 @@ std::string backward_kernels_gap(const GatedDeltaParams& params);
 
 // The backward algorithm "auto" runs on CUDA: the chunked WY form
 // (chunk_backward.cu, chunk_wy_backward.cu) from one chunk of tokens on
-// where its per-chunk blocks fill the GPU (kChunkedBackwardMinProblems) and
+// where its per-chunk blocks fill the GPU (kChunkedBackwardMinBlocks) and
 // the chunked kernels cover the dims, the recurrent form
 // (recurrent_backward.cu) otherwise; an explicit "chunked" that the chunked
 // kernels do not cover (a tree, dims over 128) runs the recurrent form,

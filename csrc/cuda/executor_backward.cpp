@@ -75,13 +75,13 @@ std::string backward_kernels_gap(const GatedDeltaParams& p) {
 // "auto" takes the chunked backward where it has at least this many (batch
 // row, value head, chunk) blocks: fewer leave most of the GPU idle in each of
 // its kernels, while the recurrent backward spreads a head's state rows over
-// blocks. Measured on an H200 (docs/cuda.md, "Training step"), the
-// recurrent backward's time over the chunked one's at B = 1 and 32 value
-// heads: scalar gates 0.61 at T = 64 (32 blocks) and 1.07 at T = 128 (64);
-// per-key gates 0.44, 0.80 and 1.35 at T = 64, 128 and 256 (128 blocks); at
-// B = 8, T = 64 (256 blocks) 1.80 and 1.20.
-constexpr int64_t kChunkedBackwardMinProblems = 64;
-constexpr int64_t kChunkedBackwardMinProblemsPerKey = 128;
+// blocks. Measured on an H200 and an H100 (docs/cuda.md, "Where the chunked
+// backward pays"), the recurrent backward's time over the chunked one's with
+// 32 value heads: scalar gates 0.61-0.63 at 32 blocks (B = 1, T = 64) and
+// 0.99-1.10 at 64; per-key gates 0.75-0.83 at 64 blocks and 1.19-1.40 at
+// 128.
+constexpr int64_t kChunkedBackwardMinBlocks = 64;
+constexpr int64_t kChunkedBackwardMinBlocksPerKey = 128;
 
 Algorithm resolve_cuda_backward_algorithm(
     const GatedDeltaParams& p, Algorithm requested) {
@@ -89,12 +89,11 @@ Algorithm resolve_cuda_backward_algorithm(
     return Algorithm::Recurrent;
   }
   if (requested == Algorithm::Auto) {
-    const int64_t problems =
-        int64_t(p.batch) * p.value_heads * p.num_chunks();
-    const int64_t least = p.per_key_gates ? kChunkedBackwardMinProblemsPerKey
-                                          : kChunkedBackwardMinProblems;
-    return p.tokens >= kChunk && problems >= least ? Algorithm::Chunked
-                                                   : Algorithm::Recurrent;
+    const int64_t blocks = int64_t(p.batch) * p.value_heads * p.num_chunks();
+    const int64_t least = p.per_key_gates ? kChunkedBackwardMinBlocksPerKey
+                                          : kChunkedBackwardMinBlocks;
+    return p.tokens >= kChunk && blocks >= least ? Algorithm::Chunked
+                                                 : Algorithm::Recurrent;
   }
   return requested;
 }
