@@ -93,15 +93,15 @@ __device__ __forceinline__ void channel_pairs_backward(
   copy_rows_async(
       d.da + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, das, lp);
   __pipeline_commit();
-  // K normalised into `keys`; Q's rows pass through `to_row` for their
-  // scales alone (each thread reads its channel of q_i from memory below).
+  // K normalised into `keys`; of Q only the rows' scales (each thread reads
+  // its channel of q_i from memory below).
   ChunkRows rows;
   rows.fetch(
       static_cast<const T*>(a.k) + (bt0 * a.key_heads + kh) * dk, key_stride,
       dk, length);
   rows.store(dk, length, a.normalize_qk, key_scales, keys, kw);
   rows.fetch(q, key_stride, dk, length);
-  rows.store(dk, length, a.normalize_qk, query_scales, to_row, kw);
+  rows.store_scales(length, a.normalize_qk, query_scales);
   __syncthreads();
   // The gates' loads all issued before their first use (unrolled).
 #pragma unroll 8

@@ -79,7 +79,6 @@ __device__ __forceinline__ void chunk_output_backward(
   float* query_scales = qs + kChunk * kp;  // [kChunk]
   float* from_start = query_scales + kChunk;  // [kChunk]
   const ChunkPlace place = chunk_place(a, blockIdx.x);
-  const int kh = key_head_of(a, place.h);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
   copy_rows_async(
       s.qk + place.index * kChunk * kChunk, kChunk, kChunk, kChunk, ms, lp);
@@ -98,23 +97,7 @@ __device__ __forceinline__ void chunk_output_backward(
       dys,
       vp);
   const bool per_key = a.per_key_gates != 0;
-  if (per_key) {
-    copy_rows_async(s.q + place.index * kChunk * kw, kw, kChunk, kw, qs, kp);
-    __pipeline_commit();
-    if (threadIdx.x < kChunk) {
-      query_scales[threadIdx.x] = 1.0f;
-    }
-  } else {
-    load_rows(
-        static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
-        int64_t(a.key_heads) * dk,
-        dk,
-        place.length,
-        a.normalize_qk,
-        query_scales,
-        qs,
-        kp);
-  }
+  load_chunk_queries<T>(a, s, place, query_scales, qs, kp);
   __pipeline_wait_prior(0);
   __syncthreads();
   for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {

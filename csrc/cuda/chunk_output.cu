@@ -41,9 +41,7 @@ __device__ __forceinline__ void chunk_output(
   const ChunkPlace place = chunk_place(a, blockIdx.x / tiles);
   const int row0 = (blockIdx.x % tiles) * kOutputRows;
   const int rows = min(kOutputRows, dv - row0);
-  const int kh = key_head_of(a, place.h);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
-  const T* q = static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk;
   // decay(i, -1), needed last: its load is in flight meanwhile.
   const float from_start = threadIdx.x < kChunk
       ? s.decays[place.index * kDecayRows * kChunk + threadIdx.x]
@@ -57,27 +55,7 @@ __device__ __forceinline__ void chunk_output(
       s.u + place.index * kChunk * vw + row0, vw, kChunk, rows, deltas, rp);
   __pipeline_commit();
   const bool per_key = a.per_key_gates != 0;
-  if (per_key) {
-    load_rows(
-        s.q + place.index * kChunk * kw,
-        kw,
-        dk,
-        place.length,
-        false,
-        query_scales,
-        qs,
-        kp);
-  } else {
-    load_rows(
-        q,
-        int64_t(a.key_heads) * dk,
-        dk,
-        place.length,
-        a.normalize_qk,
-        query_scales,
-        qs,
-        kp);
-  }
+  load_chunk_queries<T>(a, s, place, query_scales, qs, kp);
   // What the copies leave out is 0: S's rows past Dv (the last tile of a Dv
   // that is not a multiple of kOutputRows) and columns past Dk, and the
   // matching v' columns.

@@ -75,15 +75,19 @@ __device__ __forceinline__ void chunk_qk_backward(
         i < length && (a.mask == nullptr || a.mask[bt0 + i]);
     row_scales[i] = active ? a.scale : 0.0f;
   }
+  // Q's loads are in flight during dy V'^T; per-key gates do not read Q here.
+  const bool per_key = a.per_key_gates != 0;
   ChunkRows queries;
-  queries.fetch(
-      static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
-      int64_t(a.key_heads) * dk, dk, length);
+  if (!per_key) {
+    queries.fetch(
+        static_cast<const T*>(a.q) + (bt0 * a.key_heads + kh) * dk,
+        int64_t(a.key_heads) * dk, dk, length);
+  }
   __pipeline_wait_prior(0);
   __syncthreads();
   lower_gram<kExact, false>(xa, xp, xb, xp, vw, ld, lp);  // dy V'^T
   __syncthreads();
-  if (a.per_key_gates != 0) {
+  if (per_key) {
     // Per-key gates: dM alone, for channel_pairs_backward.
     for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
       const int i = e / kChunk, j = e % kChunk;

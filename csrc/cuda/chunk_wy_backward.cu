@@ -204,10 +204,12 @@ __device__ __forceinline__ void chunk_wy_backward(
     }
   }
   __syncthreads();
-  // K again, over V, for K K^T and (D + D^T) K; it lands during the
-  // products below.
-  copy_rows_async(k_rows, kw, kChunk, kw, xa, xp);
-  __pipeline_commit();
+  // K again, over V, for K K^T and (D + D^T) K, which per-key gates leave
+  // to channel_pairs_backward; it lands during the products below.
+  if (!per_key) {
+    copy_rows_async(k_rows, kw, kChunk, kw, xa, xp);
+    __pipeline_commit();
+  }
 
   // kkt_inverse_backward: X = dT T^T (X_ij = sum_{m <= min(i, j)} dT_im
   // T_jm, over dT), then dA = -T^T X on the strictly lower triangle (over

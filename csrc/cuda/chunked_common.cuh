@@ -74,33 +74,44 @@ struct ChunkRows {
     }
   }
 
+  // Each row's scale into row_scales[i]: 1 / |x_i| with `normalize`
+  // (qk_norm), else 1, and 0 past the chunk's tokens.
+  __device__ void store_scales(
+      int length, bool normalize, float* row_scales) const {
+    const int lane = threadIdx.x % kWarp;
+    const int i0 = threadIdx.x / kWarp * kRowsPerWarp;
+#pragma unroll
+    for (int n = 0; n < kRowsPerWarp; ++n) {
+      float scale = 1.0f;
+      if (normalize) {
+        float squares = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kColumnsPerLane; ++j) {
+          squares += x[n][j] * x[n][j];
+        }
+        scale = inverse_norm(warp_sum(squares));
+      }
+      if (lane == 0) {
+        row_scales[i0 + n] = i0 + n < length ? scale : 0.0f;
+      }
+    }
+  }
+
   // Into shared rows of stride `stride`, columns [0, tile_padded(dim)), as
   // they are (so that float16 and bfloat16 rows stay exact tensor-core
-  // operands, kExactInTf32); each row's scale, where row_scales is not null,
-  // into row_scales[i]: 1 / |x_i| with `normalize` (qk_norm), else 1, and 0
-  // past the chunk's tokens. The kernels apply the scales to the products.
+  // operands, kExactInTf32), and, where row_scales is not null, each row's
+  // scale (store_scales). The kernels apply the scales to the products.
   __device__ void store(
       int dim, int length, bool normalize, float* row_scales, float* rows,
       int stride) const {
+    if (row_scales != nullptr) {
+      store_scales(length, normalize, row_scales);
+    }
     const int lane = threadIdx.x % kWarp;
     const int i0 = threadIdx.x / kWarp * kRowsPerWarp;
     const int width = tile_padded(dim);
 #pragma unroll
     for (int n = 0; n < kRowsPerWarp; ++n) {
-      if (row_scales != nullptr) {
-        float scale = 1.0f;
-        if (normalize) {
-          float squares = 0.0f;
-#pragma unroll
-          for (int j = 0; j < kColumnsPerLane; ++j) {
-            squares += x[n][j] * x[n][j];
-          }
-          scale = inverse_norm(warp_sum(squares));
-        }
-        if (lane == 0) {
-          row_scales[i0 + n] = i0 + n < length ? scale : 0.0f;
-        }
-      }
 #pragma unroll
       for (int j = 0; j < kColumnsPerLane; ++j) {
         const int c = lane + kWarp * j;
@@ -125,6 +136,53 @@ __device__ inline void load_rows(
   ChunkRows chunk_rows;
   chunk_rows.fetch(source, token_stride, dim, length);
   chunk_rows.store(dim, length, normalize, row_scales, rows, stride);
+}
+
+// Where a block's chunk lies: batch row, value head, its first token and
+// length, and its index into the per-chunk scratch.
+struct ChunkPlace {
+  int b, h, chunk, t0, length;
+  int64_t index;  // (b * Hv + h) * chunks + chunk
+};
+
+// A chunk's Q rows into shared rows of stride `stride` and their scales into
+// query_scales, for chunk_output and chunk_output_backward: with per-key
+// gates chunk_prepare's Q (ChunkScratch::q: scaled, decayed from the chunk's
+// start), whose scales are 1; else the input's rows as they are, with their
+// qk_norm scales. Past the chunk's tokens rows and scales are 0.
+template <typename T>
+__device__ inline void load_chunk_queries(
+    const CoreArgs& a,
+    const ChunkScratch& s,
+    const ChunkPlace& place,
+    float* query_scales,
+    float* rows,
+    int stride) {
+  const int dk = a.key_dim;
+  if (a.per_key_gates != 0) {
+    const int kw = tile_padded(dk);
+    load_rows(
+        s.q + place.index * kChunk * kw,
+        kw,
+        dk,
+        place.length,
+        false,
+        query_scales,
+        rows,
+        stride);
+  } else {
+    const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
+    load_rows(
+        static_cast<const T*>(a.q) +
+            (bt0 * a.key_heads + key_head_of(a, place.h)) * dk,
+        int64_t(a.key_heads) * dk,
+        dk,
+        place.length,
+        a.normalize_qk != 0,
+        query_scales,
+        rows,
+        stride);
+  }
 }
 
 // Asynchronous copies of float32 scratch into shared memory (cp.async
@@ -154,13 +212,6 @@ __device__ inline void copy_rows_async(
     }
   }
 }
-
-// Where a block's chunk lies: batch row, value head, its first token and
-// length, and its index into the per-chunk scratch.
-struct ChunkPlace {
-  int b, h, chunk, t0, length;
-  int64_t index;  // (b * Hv + h) * chunks + chunk
-};
 
 __device__ inline ChunkPlace chunk_place(const CoreArgs& a, int chunk) {
   ChunkPlace place;
