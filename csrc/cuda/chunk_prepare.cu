@@ -6,6 +6,8 @@ namespace mlx_gated_delta::cuda {
 
 namespace {
 
+constexpr float kLog2E = 1.4426950408889634f;
+
 // gate_cumsum: the in-chunk cumulative log decay over the finite gates and the
 // last wipe (a decay that is exactly 0) at or before each token; decay(i, j)
 // is 0 when a wipe lies in (j, i], decided by index (as the CPU's ChunkDecays).
@@ -21,58 +23,101 @@ struct ChunkGates {
   }
 };
 
-// The per-key gates' gate_cumsum (kernel_args.h), one key column per
-// thread: for each column c its cumulative log decay over the finite gates,
-// log_sums[c][i], and the last wipe at or before token i, last_wipes[c][i]
-// (-1: none); channel c's decay from token j to token i is
-// ChannelGates{...}(c, i, j), as ChunkGates' for one column. A column's
-// tokens lie together, kColumnGateStride apart, so that the lanes of a warp
-// read different banks both at consecutive tokens and at consecutive
-// columns.
+// The per-key gates' gate_cumsum (kernel_args.h): for each key column c its
+// cumulative log2 decay over the finite gates, log2_sums[i][c], and the last
+// wipe at or before token i, last_wipes[i][c] (-1: none); channel c's decay
+// from token j to token i is ChannelGates{...}(c, i, j), as ChunkGates' for
+// one column. Rows are a token's, `stride` apart (K's shared rows' stride),
+// so that the decays of four consecutive columns are one vector load; the
+// columns past Dk hold 0 (no decay, no wipe). Base-2 sums: each decay is one
+// exp2f of a difference.
 struct ChannelGates {
-  float* log_sums;  // [Dk][kColumnGateStride]
-  signed char* last_wipes;  // [Dk][kColumnGateStride]
+  float* log2_sums;  // [kChunk][stride]
+  signed char* last_wipes;  // [kChunk][stride]
+  int stride;
+  bool wipes;  // whether any column of the chunk has one
 
   __device__ float operator()(int c, int i, int j) const {
-    const int at = c * kColumnGateStride;
-    if (last_wipes[at + i] > j) {
+    if (wipes && last_wipes[i * stride + c] > j) {
       return 0.0f;
     }
-    return expf(log_sums[at + i] - (j >= 0 ? log_sums[at + j] : 0.0f));
+    return exp2f(
+        log2_sums[i * stride + c] -
+        (j >= 0 ? log2_sums[j * stride + c] : 0.0f));
+  }
+
+  // Columns c to c + 3 at once (c a multiple of 4): vector loads.
+  __device__ float4 four(int c, int i, int j) const {
+    const float4 to =
+        *reinterpret_cast<const float4*>(log2_sums + i * stride + c);
+    const float4 from = j >= 0
+        ? *reinterpret_cast<const float4*>(log2_sums + j * stride + c)
+        : float4{0.0f, 0.0f, 0.0f, 0.0f};
+    float4 decay{
+        exp2f(to.x - from.x),
+        exp2f(to.y - from.y),
+        exp2f(to.z - from.z),
+        exp2f(to.w - from.w)};
+    if (wipes) {
+      const char4 last =
+          *reinterpret_cast<const char4*>(last_wipes + i * stride + c);
+      decay.x = last.x > j ? 0.0f : decay.x;
+      decay.y = last.y > j ? 0.0f : decay.y;
+      decay.z = last.z > j ? 0.0f : decay.z;
+      decay.w = last.w > j ? 0.0f : decay.w;
+    }
+    return decay;
   }
 };
 
+__device__ inline float4 load4(const float* at) {
+  return *reinterpret_cast<const float4*>(at);
+}
+__device__ inline void store4(float* at, float4 x) {
+  *reinterpret_cast<float4*>(at) = x;
+}
+__device__ inline float4 operator*(float4 x, float4 y) {
+  return {x.x * y.x, x.y * y.y, x.z * y.z, x.w * y.w};
+}
+__device__ inline float4 operator*(float4 x, float y) {
+  return {x.x * y, x.y * y, x.z * y, x.w * y};
+}
+__device__ inline float dot(float4 x, float4 y) {
+  return x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
+}
+
+// Every thread of the block calls it: it also sets decays.wipes.
 __device__ void channel_gate_cumsum(
-    const CoreArgs& a, const ChunkPlace& place, ChannelGates decays) {
-  // The chunk's gates into log_sums first, every load issued at once (a
-  // column's scan would wait for each of its 64 in turn), 0 where masked or
-  // past the chunk.
-  const int dk = a.key_dim;
+    const CoreArgs& a, const ChunkPlace& place, ChannelGates& decays) {
+  // The chunk's gates into log2_sums first, every load issued at once (a
+  // column's scan would wait for each of its 64 in turn), 0 where masked, past
+  // the chunk or past Dk. The wipe test is on the gate as given, as
+  // gate_cumsum's.
+  const int dk = a.key_dim, kw = tile_padded(dk);
   const int64_t bt0 = int64_t(place.b) * a.tokens + place.t0;
-  for (int e = threadIdx.x; e < kChunk * dk; e += kChunkedThreads) {
-    const int t = e / dk, c = e % dk;
+  for (int e = threadIdx.x; e < kChunk * kw; e += kChunkedThreads) {
+    const int t = e / kw, c = e % kw;
     const bool active =
-        t < place.length && (a.mask == nullptr || a.mask[bt0 + t]);
-    decays.log_sums[c * kColumnGateStride + t] = active
-        ? a.g[((bt0 + t) * a.value_heads + place.h) * dk + c]
-        : 0.0f;
+        c < dk && t < place.length && (a.mask == nullptr || a.mask[bt0 + t]);
+    decays.log2_sums[t * decays.stride + c] =
+        active ? a.g[((bt0 + t) * a.value_heads + place.h) * dk + c] : 0.0f;
   }
   __syncthreads();
   const int c = threadIdx.x;
-  if (c < dk) {
-    float* log_sum = decays.log_sums + c * kColumnGateStride;
-    signed char* last_wipe = decays.last_wipes + c * kColumnGateStride;
+  int wipe_at = -1;
+  if (c < kw) {
     float sum = 0.0f;
-    int wipe_at = -1;
     for (int t = 0; t < kChunk; ++t) {
-      const float gate = log_sum[t];
+      const int at = t * decays.stride + c;
+      const float gate = decays.log2_sums[at];
       const bool wipe = expf(gate) == 0.0f;
-      sum += wipe ? 0.0f : gate;
+      sum += wipe ? 0.0f : gate * kLog2E;
       wipe_at = wipe ? t : wipe_at;
-      log_sum[t] = sum;
-      last_wipe[t] = static_cast<signed char>(wipe_at);
+      decays.log2_sums[at] = sum;
+      decays.last_wipes[at] = static_cast<signed char>(wipe_at);
     }
   }
+  decays.wipes = __syncthreads_or(wipe_at >= 0) != 0;
 }
 
 // Whether value head h is the first of those that read its key head (the
@@ -120,7 +165,7 @@ __device__ void gate_cumsum(
 // Q K^T) over the key columns c. Every factor is a decay of at most 1, so no
 // product overflows at any gate size:
 //   the 16 x 16 diagonal blocks pair by pair (channel_diagonal_grams), each
-//   decay the exp of a difference of log sums;
+//   decay the exp2 of a difference of log2 sums;
 //   the blocks left of them on tensor cores, each side's rows decayed to or
 //   from the last row m = 16 ti - 1 before row tile ti, decay_c(i, j) =
 //   decay_c(i, m) decay_c(m, j) for j <= m < i (relative_rows, then
@@ -128,10 +173,11 @@ __device__ void gate_cumsum(
 // Then A and the decayed Q K^T take their scales (scale_grams).
 
 // The diagonal blocks: thread t the entry (t / 16, t % 16) of each of the
-// four, four independent sums; into A's and T's buffers as they are
-// (unscaled, 0 above the diagonal).
+// four, four independent sums over the key columns four at a time (the rows'
+// padded columns are 0 in K and Q, and their decays are 1); into A's and T's
+// buffers as they are (unscaled, 0 above the diagonal).
 __device__ void channel_diagonal_grams(
-    int dk,
+    int kw,
     ChannelGates decays,
     const float* ks,
     const float* qs,
@@ -144,13 +190,13 @@ __device__ void channel_diagonal_grams(
   const int li = threadIdx.x / kTile, lj = threadIdx.x % kTile;
   float kk[kBlocks] = {}, qk[kBlocks] = {};
   if (lj <= li) {
-    for (int c = 0; c < dk; ++c) {
+    for (int c = 0; c < kw; c += 4) {
 #pragma unroll
       for (int b = 0; b < kBlocks; ++b) {
         const int i = b * kTile + li, j = b * kTile + lj;
-        const float key = ks[j * kp + c] * decays(c, i, j);
-        kk[b] += ks[i * kp + c] * key;
-        qk[b] += qs[i * kp + c] * key;
+        const float4 key_j = load4(ks + j * kp + c) * decays.four(c, i, j);
+        kk[b] += dot(load4(ks + i * kp + c), key_j);
+        qk[b] += dot(load4(qs + i * kp + c), key_j);
       }
     }
   }
@@ -166,35 +212,34 @@ __device__ void channel_diagonal_grams(
 // the blocks left of the diagonal: into `columns`, for ti = 1, 2, 3 in turn
 // (16 ti rows from relative_column_row(ti) on), k_jc decay_c(m, j) for
 // j <= m; in place, rows i of tiles 1 to 3 of K and Q times decay_c(i, m).
-// Columns past Dk stay 0. The column rows read K as it was: a barrier
-// between the two loops.
+// Columns past Dk stay 0 (so they are in K and Q). The column rows read K as
+// it was: a barrier between the two loops. Lane l takes columns 4 l to
+// 4 l + 3 of every eighth row (kw is at most 128).
 __device__ inline int relative_column_row(int ti) {
   return (ti - 1) * ti / 2 * kTile;
 }
 
 __device__ void relative_rows(
-    int dk,
-    int kw,
-    ChannelGates decays,
-    float* ks,
-    float* qs,
-    int kp,
-    float* columns) {
-  for (int e = threadIdx.x; e < kRelativeColumnRows * kw;
-       e += kChunkedThreads) {
-    const int row = e / kw, c = e % kw;
-    // The tile ti whose block of rows this is: 16, 32 and 48 rows.
-    const int ti = row < kTile ? 1 : (row < 3 * kTile ? 2 : 3);
-    const int j = row - relative_column_row(ti);
-    columns[row * kp + c] =
-        c < dk ? ks[j * kp + c] * decays(c, kTile * ti - 1, j) : 0.0f;
+    int kw, ChannelGates decays, float* ks, float* qs, int kp, float* columns) {
+  constexpr int kWarps = kChunkedThreads / kWarp;
+  const int warp = threadIdx.x / kWarp, c = 4 * (threadIdx.x % kWarp);
+  if (c < kw) {
+    for (int row = warp; row < kRelativeColumnRows; row += kWarps) {
+      // The tile ti whose block of rows this is: 16, 32 and 48 rows.
+      const int ti = row < kTile ? 1 : (row < 3 * kTile ? 2 : 3);
+      const int j = row - relative_column_row(ti);
+      store4(
+          columns + row * kp + c,
+          load4(ks + j * kp + c) * decays.four(c, kTile * ti - 1, j));
+    }
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < (kChunk - kTile) * dk; e += kChunkedThreads) {
-    const int i = kTile + e / dk, c = e % dk;
-    const float decay = decays(c, i, i / kTile * kTile - 1);
-    ks[i * kp + c] *= decay;
-    qs[i * kp + c] *= decay;
+  if (c < kw) {
+    for (int i = kTile + warp; i < kChunk; i += kWarps) {
+      const float4 decay = decays.four(c, i, i / kTile * kTile - 1);
+      store4(ks + i * kp + c, load4(ks + i * kp + c) * decay);
+      store4(qs + i * kp + c, load4(qs + i * kp + c) * decay);
+    }
   }
 }
 
@@ -244,9 +289,11 @@ __device__ void scale_grams(
     float* qk_out) {
   for (int e = threadIdx.x; e < kChunk * kChunk; e += kChunkedThreads) {
     const int i = e / kChunk, j = e % kChunk;
-    qk_out[e] = j <= i ? query_scales[i] * key_scales[j] * ts[i * lp + j] : 0.0f;
-    as[i * lp + j] =
-        j < i ? betas[i] * key_scales[i] * key_scales[j] * as[i * lp + j] : 0.0f;
+    qk_out[e] =
+        j <= i ? query_scales[i] * key_scales[j] * ts[i * lp + j] : 0.0f;
+    as[i * lp + j] = j < i
+        ? betas[i] * key_scales[i] * key_scales[j] * as[i * lp + j]
+        : 0.0f;
     ts[i * lp + j] = i == j ? 1.0f : 0.0f;
   }
 }
@@ -280,7 +327,9 @@ __device__ __forceinline__ void lower_product_tile(
 #pragma unroll
   for (int ti = 0; ti < kRowTiles; ++ti) {
     wmma::store_matrix_sync(
-        out + ti * kTile * width, products[ti].finish(), width,
+        out + ti * kTile * width,
+        products[ti].finish(),
+        width,
         wmma::mem_row_major);
   }
 }
@@ -318,14 +367,16 @@ __device__ __forceinline__ void chunk_prepare(
   int* last_wipe = reinterpret_cast<int*>(query_scales + kChunk);
   const ChunkGates decays{log_sum, last_wipe};
   // Per-key gates only (launch.cpp's size): relative_rows' column rows
-  // [kRelativeColumnRows][kp], the key columns' log sums
-  // [Dk][kColumnGateStride], then their last wipes [Dk][kColumnGateStride].
+  // [kRelativeColumnRows][kp], the key columns' log2 sums [kChunk][kp],
+  // then their last wipes [kChunk][kp] (bytes).
   const bool per_key = a.per_key_gates != 0;
   float* relative_columns = reinterpret_cast<float*>(last_wipe + kChunk);
-  float* log_sums = relative_columns + kRelativeColumnRows * kp;
-  const ChannelGates channels{
-      log_sums,
-      reinterpret_cast<signed char*>(log_sums + dk * kColumnGateStride)};
+  float* log2_sums = relative_columns + kRelativeColumnRows * kp;
+  ChannelGates channels{
+      log2_sums,
+      reinterpret_cast<signed char*>(log2_sums + kChunk * kp),
+      kp,
+      false};
 
   const ChunkPlace place = chunk_place(a, blockIdx.x);
   const int kh = key_head_of(a, place.h);
@@ -373,22 +424,24 @@ __device__ __forceinline__ void chunk_prepare(
   const int warp = threadIdx.x / kWarp;
   float* qk_out = s.qk + place.index * kChunk * kChunk;
   if (per_key) {
-    channel_diagonal_grams(dk, channels, ks, qs, kp, as, ts, lp);
+    channel_diagonal_grams(kw, channels, ks, qs, kp, as, ts, lp);
     // For chunk_carry and chunk_output, this value head's own K decayed to
     // the chunk's end and Q from its start (kernel_args.h); past the chunk's
     // tokens K and Q are 0.
+    // Lane l columns 4 l to 4 l + 3 of every eighth row.
     float* k_out = s.k + place.index * kChunk * kw;
     float* q_out = s.q + place.index * kChunk * kw;
     const int last = place.length - 1;
-    for (int e = threadIdx.x; e < kChunk * kw; e += kChunkedThreads) {
-      const int i = e / kw, c = e % kw;
-      const bool inside = c < dk;
-      k_out[e] = inside ? ks[i * kp + c] * channels(c, last, i) : 0.0f;
-      q_out[e] = inside
-          ? qs[i * kp + c] * query_scales[i] * channels(c, i, -1)
-          : 0.0f;
+    const int c = 4 * (threadIdx.x % kWarp);
+    for (int i = warp; c < kw && i < kChunk; i += kChunkedThreads / kWarp) {
+      store4(
+          k_out + i * kw + c,
+          load4(ks + i * kp + c) * channels.four(c, last, i));
+      store4(
+          q_out + i * kw + c,
+          load4(qs + i * kp + c) * channels.four(c, i, -1) * query_scales[i]);
     }
-    relative_rows(dk, kw, channels, ks, qs, kp, relative_columns);
+    relative_rows(kw, channels, ks, qs, kp, relative_columns);
     __syncthreads();
     relative_block_grams(ks, qs, kp, relative_columns, kw, as, ts, lp);
     __syncthreads();
@@ -420,9 +473,8 @@ __device__ __forceinline__ void chunk_prepare(
       const int i = e / kChunk, j = e % kChunk;
       const float decay = j <= i ? decays(i, j) * key_scales[j] : 0.0f;
       qk_out[e] = decay * query_scales[i] * ts[i * lp + j];
-      as[i * lp + j] = j < i
-          ? betas[i] * decay * key_scales[i] * as[i * lp + j]
-          : 0.0f;
+      as[i * lp + j] =
+          j < i ? betas[i] * decay * key_scales[i] * as[i * lp + j] : 0.0f;
       ts[i * lp + j] = i == j ? 1.0f : 0.0f;
     }
   }
@@ -443,14 +495,13 @@ __device__ __forceinline__ void chunk_prepare(
     float* k_out = s.k_from_start == nullptr
         ? nullptr
         : s.k_from_start + place.index * kChunk * kw;
-    for (int e = threadIdx.x; e < kChunk * kw; e += kChunkedThreads) {
-      const int i = e / kw, c = e % kw;
-      if (c < dk) {
-        ks[i * kp + c] *=
-            channels(c, i < kTile ? i : i / kTile * kTile - 1, -1);
-      }
+    const int c = 4 * (threadIdx.x % kWarp);
+    for (int i = warp; c < kw && i < kChunk; i += kChunkedThreads / kWarp) {
+      const float4 row = load4(ks + i * kp + c) *
+          channels.four(c, i < kTile ? i : i / kTile * kTile - 1, -1);
+      store4(ks + i * kp + c, row);
       if (k_out != nullptr) {
-        k_out[e] = ks[i * kp + c];
+        store4(k_out + i * kw + c, row);
       }
     }
   }
@@ -491,7 +542,9 @@ __device__ __forceinline__ void chunk_prepare(
       Product outer;
       for (int k0 = 0; k0 < kTile; k0 += 8) {
         outer.add<wmma::row_major, wmma::row_major>(
-            ts + i * kTile * (lp + 1) + k0, lp, sum + k0 * tile_stride(kTile),
+            ts + i * kTile * (lp + 1) + k0,
+            lp,
+            sum + k0 * tile_stride(kTile),
             tile_stride(kTile));
       }
       Accumulator& t_ij = outer.finish();

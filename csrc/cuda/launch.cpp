@@ -25,10 +25,10 @@ int prepare_shared_bytes(const GatedDeltaParams& p) {
       (kChunk * kp + kChunk * std::max(kp, vp) + 2 * kChunk * lp + sums +
        7 * kChunk);
   // Per-key gates add the rows decayed relative to each row tile, and each
-  // key column's cumulative log decays (floats) and last wipes (bytes), both
-  // [Dk][kColumnGateStride].
+  // key column's cumulative log2 decays (floats) and last wipes (bytes), both
+  // [kChunk][kp].
   const int columns = int(sizeof(float)) * kRelativeColumnRows * kp +
-      (int(sizeof(float)) + 1) * p.key_dim * kColumnGateStride;
+      (int(sizeof(float)) + 1) * kChunk * kp;
   return p.per_key_gates ? scalar + columns : scalar;
 }
 // chunk_carry's blocks and shared memory (sized for Dk up to kChunkedMaxDim).

@@ -57,11 +57,9 @@ GD_HOST_DEVICE constexpr int tile_stride(int dim) {
   return tile_padded(dim) + kTileSkew;
 }
 
-// chunk_prepare with per-key gates keeps each key column's log sums and last
-// wipes for the chunk's tokens in rows of kColumnGateStride, and K's rows
-// decayed relative to each row tile but the first, 16 rows for row tile 1,
-// 32 for 2 and 48 for 3: kRelativeColumnRows (chunk_prepare.cu).
-constexpr int kColumnGateStride = kChunk + 1;
+// chunk_prepare with per-key gates keeps K's rows decayed relative to each
+// row tile but the first, 16 rows for row tile 1, 32 for 2 and 48 for 3:
+// kRelativeColumnRows (chunk_prepare.cu).
 constexpr int kRelativeColumnRows = kChunk * (kChunk / kTile - 1) / 2;
 
 // chunk_carry (chunk_carry.cu): kCarryBlockRows rows of the state a block,
