@@ -7,6 +7,13 @@ namespace mlx_gated_delta::cuda {
 namespace {
 
 constexpr float kLog2E = 1.4426950408889634f;
+// The largest change of a column's log2 sum within a row tile, from the
+// tile's reference row (relative_rows), at which the tile's diagonal block
+// runs on tensor cores (diagonal_block_grams): its column factors reach
+// 2^(2 * 32) and its row factors 2^-32, so that a row of K stays a normal
+// float for |k| above 1e-28, and the rest of the way the block's terms take
+// float32's rounding of themselves.
+constexpr float kTileProductLog2Limit = 32.0f;
 
 // gate_cumsum: the in-chunk cumulative log decay over the finite gates and the
 // last wipe (a decay that is exactly 0) at or before each token; decay(i, j)
@@ -36,6 +43,9 @@ struct ChannelGates {
   signed char* last_wipes;  // [kChunk][stride]
   int stride;
   bool wipes;  // whether any column of the chunk has one
+  // No wipe, and no column's log2 sum moves by more than
+  // kTileProductLog2Limit within a row tile from its reference row.
+  bool tile_products;
 
   __device__ float operator()(int c, int i, int j) const {
     if (wipes && last_wipes[i * stride + c] > j) {
@@ -68,6 +78,21 @@ struct ChannelGates {
     }
     return decay;
   }
+
+  // 1 / decay_c(j, m)^2 for columns c to c + 3, m < j, in a chunk without
+  // wipes: the factor that takes a row decayed from m to one grown from j.
+  __device__ float4 inverse_squared(int c, int j, int m) const {
+    const float4 to = m >= 0
+        ? *reinterpret_cast<const float4*>(log2_sums + m * stride + c)
+        : float4{0.0f, 0.0f, 0.0f, 0.0f};
+    const float4 from =
+        *reinterpret_cast<const float4*>(log2_sums + j * stride + c);
+    return {
+        exp2f(2.0f * (to.x - from.x)),
+        exp2f(2.0f * (to.y - from.y)),
+        exp2f(2.0f * (to.z - from.z)),
+        exp2f(2.0f * (to.w - from.w))};
+  }
 };
 
 __device__ inline float4 load4(const float* at) {
@@ -86,7 +111,8 @@ __device__ inline float dot(float4 x, float4 y) {
   return x.x * y.x + x.y * y.y + x.z * y.z + x.w * y.w;
 }
 
-// Every thread of the block calls it: it also sets decays.wipes.
+// Every thread of the block calls it: it also sets decays.wipes and
+// decays.tile_products.
 __device__ void channel_gate_cumsum(
     const CoreArgs& a, const ChunkPlace& place, ChannelGates& decays) {
   // The chunk's gates into log2_sums first, every load issued at once (a
@@ -105,6 +131,9 @@ __device__ void channel_gate_cumsum(
   __syncthreads();
   const int c = threadIdx.x;
   int wipe_at = -1;
+  // The largest |sum - reference| in a row tile, the reference the sum
+  // before the tile (0 before the chunk).
+  float reference = 0.0f, moved = 0.0f;
   if (c < kw) {
     float sum = 0.0f;
     for (int t = 0; t < kChunk; ++t) {
@@ -115,9 +144,13 @@ __device__ void channel_gate_cumsum(
       wipe_at = wipe ? t : wipe_at;
       decays.log2_sums[at] = sum;
       decays.last_wipes[at] = static_cast<signed char>(wipe_at);
+      moved = fmaxf(moved, fabsf(sum - reference));
+      reference = t % kTile == kTile - 1 ? sum : reference;
     }
   }
   decays.wipes = __syncthreads_or(wipe_at >= 0) != 0;
+  const bool within = __syncthreads_and(moved <= kTileProductLog2Limit) != 0;
+  decays.tile_products = within && !decays.wipes;
 }
 
 // Whether value head h is the first of those that read its key head (the
@@ -211,8 +244,9 @@ __device__ void channel_diagonal_grams(
 // Rows decayed relative to each row tile's reference row m = 16 ti - 1 for
 // the blocks left of the diagonal: into `columns`, for ti = 1, 2, 3 in turn
 // (16 ti rows from relative_column_row(ti) on), k_jc decay_c(m, j) for
-// j <= m; in place, rows i of tiles 1 to 3 of K and Q times decay_c(i, m).
-// Columns past Dk stay 0 (so they are in K and Q). The column rows read K as
+// j <= m; in place, rows i of K and Q times decay_c(i, m) (row tile 0 from
+// the chunk's start, m = -1). Columns past Dk stay 0 (so they are in K and
+// Q). The column rows read K as
 // it was: a barrier between the two loops. Lane l takes columns 4 l to
 // 4 l + 3 of every eighth row (kw is at most 128).
 __device__ inline int relative_column_row(int ti) {
@@ -235,7 +269,7 @@ __device__ void relative_rows(
   }
   __syncthreads();
   if (c < kw) {
-    for (int i = kTile + warp; i < kChunk; i += kWarps) {
+    for (int i = warp; i < kChunk; i += kWarps) {
       const float4 decay = decays.four(c, i, i / kTile * kTile - 1);
       store4(ks + i * kp + c, load4(ks + i * kp + c) * decay);
       store4(qs + i * kp + c, load4(qs + i * kp + c) * decay);
@@ -271,6 +305,51 @@ __device__ void relative_block_grams(
         qs + ti * kTile * kp + c0, kp, column + c0, kp);
   }
   const int tile = ti * kTile * lp + tj * kTile;
+  wmma::store_matrix_sync(as + tile, kk.finish(), lp, wmma::mem_row_major);
+  wmma::store_matrix_sync(ts + tile, qk.finish(), lp, wmma::mem_row_major);
+}
+
+// The diagonal blocks on tensor cores, in a chunk whose decays allow it
+// (ChannelGates::tile_products): row tile ti's rows of K and Q are decayed
+// from its reference row m already (relative_rows), and its columns are
+// k_jc / decay_c(j, m), that row of K times 1 / decay_c(j, m)^2, into
+// `columns` (64 rows; relative_block_grams has read its rows); then warp
+// w < 4 the block (w, w). Each term is k_ic decay_c(i, m) k_jc /
+// decay_c(j, m) = k_ic decay_c(i, j) k_jc; the entries above the diagonal
+// are not the grams' and scale_grams drops them.
+__device__ void diagonal_block_grams(
+    int kw,
+    ChannelGates decays,
+    const float* ks,
+    const float* qs,
+    int kp,
+    float* columns,
+    float* as,
+    float* ts,
+    int lp) {
+  constexpr int kWarps = kChunkedThreads / kWarp;
+  const int warp = threadIdx.x / kWarp, c = 4 * (threadIdx.x % kWarp);
+  if (c < kw) {
+    for (int j = warp; j < kChunk; j += kWarps) {
+      store4(
+          columns + j * kp + c,
+          load4(ks + j * kp + c) *
+              decays.inverse_squared(c, j, j / kTile * kTile - 1));
+    }
+  }
+  __syncthreads();
+  if (warp >= kChunk / kTile) {
+    return;
+  }
+  const float* rows = ks + warp * kTile * kp;
+  const float* column = columns + warp * kTile * kp;
+  Product kk, qk;
+  for (int c0 = 0; c0 < kw; c0 += 8) {
+    kk.add<wmma::row_major, wmma::col_major>(rows + c0, kp, column + c0, kp);
+    qk.add<wmma::row_major, wmma::col_major>(
+        qs + warp * kTile * kp + c0, kp, column + c0, kp);
+  }
+  const int tile = warp * kTile * (lp + 1);
   wmma::store_matrix_sync(as + tile, kk.finish(), lp, wmma::mem_row_major);
   wmma::store_matrix_sync(ts + tile, qk.finish(), lp, wmma::mem_row_major);
 }
@@ -424,7 +503,9 @@ __device__ __forceinline__ void chunk_prepare(
   const int warp = threadIdx.x / kWarp;
   float* qk_out = s.qk + place.index * kChunk * kChunk;
   if (per_key) {
-    channel_diagonal_grams(kw, channels, ks, qs, kp, as, ts, lp);
+    if (!channels.tile_products) {
+      channel_diagonal_grams(kw, channels, ks, qs, kp, as, ts, lp);
+    }
     // For chunk_carry and chunk_output, this value head's own K decayed to
     // the chunk's end and Q from its start (kernel_args.h); past the chunk's
     // tokens K and Q are 0.
@@ -445,6 +526,11 @@ __device__ __forceinline__ void chunk_prepare(
     __syncthreads();
     relative_block_grams(ks, qs, kp, relative_columns, kw, as, ts, lp);
     __syncthreads();
+    if (channels.tile_products) {
+      diagonal_block_grams(
+          kw, channels, ks, qs, kp, relative_columns, as, ts, lp);
+      __syncthreads();
+    }
     scale_grams(betas, key_scales, query_scales, as, ts, lp, qk_out);
   } else {
     const int ti = warp / 2;
@@ -489,17 +575,19 @@ __device__ __forceinline__ void chunk_prepare(
   // k_jc decay_c(j, -1), for W (their coefficient has no decay then).
   values.store(dv, place.length, false, nullptr, vs, vp);
   if (per_key) {
-    // Rows of tiles 1 to 3 are decayed from their reference row m already
-    // (relative_rows): the rest of the way is decay_c(m, -1). The chunked
-    // backward keeps these rows (ChunkScratch::k_from_start).
+    // Rows are decayed from their reference row m already (relative_rows):
+    // the rest of the way is decay_c(m, -1), nothing for row tile 0. The
+    // chunked backward keeps these rows (ChunkScratch::k_from_start).
     float* k_out = s.k_from_start == nullptr
         ? nullptr
         : s.k_from_start + place.index * kChunk * kw;
     const int c = 4 * (threadIdx.x % kWarp);
     for (int i = warp; c < kw && i < kChunk; i += kChunkedThreads / kWarp) {
-      const float4 row = load4(ks + i * kp + c) *
-          channels.four(c, i < kTile ? i : i / kTile * kTile - 1, -1);
-      store4(ks + i * kp + c, row);
+      float4 row = load4(ks + i * kp + c);
+      if (i >= kTile) {
+        row = row * channels.four(c, i / kTile * kTile - 1, -1);
+        store4(ks + i * kp + c, row);
+      }
       if (k_out != nullptr) {
         store4(k_out + i * kw + c, row);
       }
