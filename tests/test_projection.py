@@ -121,3 +121,113 @@ def test_dense_projection_rejects_mismatched_inputs(x, weight, error, words):
         _ext.dense_projection(x, weight, None)
     for word in words:
         assert word in str(raised.value)
+
+
+# Pairs for dense_projection_row: each takes x itself or a [.., in] input of
+# its own (the low-rank gates' second factor), and its own output width.
+@st.composite
+def projection_rows(draw):
+    leading = draw(st.sampled_from([(1,), (3,), (2, 15), (47,), (48,), (1, 70), (129,)]))
+    dtype = draw(st.sampled_from(tuple(DTYPES)))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def array(shape, scale=1.0):
+        return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(
+            DTYPES[dtype]
+        )
+
+    x = array((*leading, draw(st.sampled_from([1, 5, 64, 257]))))
+    xs, weights = [], []
+    for _ in range(draw(st.integers(1, 4))):
+        own_input = draw(st.booleans())
+        x_pair = array((*leading, draw(st.sampled_from([3, 16])))) if own_input else x
+        out_features = draw(st.sampled_from([1, 7, 48, 129]))
+        in_features = x_pair.shape[-1]
+        xs.append(x_pair)
+        weights.append(array((out_features, in_features), in_features**-0.5))
+    return xs, weights
+
+
+def _row_vjp(project, xs, weights, dy):
+    n = len(xs)
+    _, grads = mx.vjp(lambda *a: project(list(a[:n]), list(a[n:])), [*xs, *weights], [dy])
+    return grads
+
+
+def _concatenated(xs, weights):
+    return mx.concatenate([_ext.dense_projection(x, w, None) for x, w in zip(xs, weights)], -1)
+
+
+def _row(xs, weights):
+    return _ext.dense_projection_row(xs, weights, None)
+
+
+@given(case=projection_rows(), seed=st.integers(0, 2**32 - 1))
+def test_dense_projection_row_is_the_concatenation_bit_for_bit(case, seed):
+    """Each pair's columns are written where concatenation would copy them,
+    from the same sums (dots or blocked GEMM, with the same operands), so
+    the row and every gradient are the bits of projecting each pair alone
+    and concatenating; those are held to float64 by the tests above. A pair
+    reading the same x as another gets its own dx, summed by MLX as for
+    separate projections."""
+    xs, weights = case
+    row = _row(xs, weights)
+    expected = _concatenated(xs, weights)
+    assert row.shape == expected.shape and row.dtype == expected.dtype
+    assert mx.array_equal(row, expected).item()
+    dy = mx.random.normal(row.shape, key=mx.random.key(seed % 2**31)).astype(row.dtype)
+    grads = _row_vjp(_row, xs, weights, dy)
+    expected_grads = _row_vjp(_concatenated, xs, weights, dy)
+    for i, (grad, expected_grad) in enumerate(zip(grads, expected_grads)):
+        assert grad.shape == expected_grad.shape, i
+        assert mx.array_equal(grad, expected_grad).item(), i
+
+
+@pytest.mark.parametrize(
+    "xs, weights, error, words",
+    [
+        ([], [], ValueError, ["at least one pair", "0 x and 0 weights"]),
+        ([mx.zeros((2, 4))], [], ValueError, ["1 x and 0 weights"]),
+        (
+            [mx.zeros((2, 4)), mx.zeros((3, 4))],
+            [mx.zeros((5, 4)), mx.zeros((5, 4))],
+            ValueError,
+            ["pair 1", "leading shape (3,)", "pair 0's (2,)"],
+        ),
+        (
+            [mx.zeros((2, 4)), mx.zeros((2, 6))],
+            [mx.zeros((5, 4)), mx.zeros((5, 4))],
+            ValueError,
+            ["pair 1", "x in = 6", "weight in = 4"],
+        ),
+        (
+            [mx.zeros((2, 4)), mx.zeros((2, 4), dtype=mx.float16)],
+            [mx.zeros((5, 4)), mx.zeros((5, 4), dtype=mx.float16)],
+            TypeError,
+            ["pair 1", "pair 0's x (float32)", "float16"],
+        ),
+    ],
+)
+def test_dense_projection_row_rejects_mismatched_pairs(xs, weights, error, words):
+    with pytest.raises(error) as raised:
+        _ext.dense_projection_row(xs, weights, None)
+    for word in words:
+        assert word in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "x_shape, out_features", [((2, 0), 3), ((0, 4), 3), ((2, 3, 0), 5), ((2, 4), 0)]
+)
+def test_dense_projection_of_empty_operands_is_matmuls(x_shape, out_features):
+    """No rows, no outputs, or an empty sum (in = 0: zeros, as MLX's matmul
+    gives them), forward and vjp; once an in = 0 call divided by zero."""
+    x = mx.ones(x_shape)
+    weight = mx.ones((out_features, x_shape[-1]))
+    dy = mx.ones((*x_shape[:-1], out_features))
+    y = _ext.dense_projection(x, weight, None)
+    assert mx.array_equal(y, x @ weight.T).item() and y.shape == dy.shape
+    dx, dw = _projection_vjp(x, weight, dy)
+    assert mx.array_equal(dx, dy @ weight).item() and dx.shape == x.shape
+    rows = int(np.prod(x_shape[:-1]))
+    expected_dw = dy.reshape(rows, out_features).T @ x.reshape(rows, x_shape[-1])
+    assert mx.array_equal(dw, expected_dw).item() and dw.shape == weight.shape

@@ -58,6 +58,7 @@ void dense_projection_forward(
     int out_features,
     MatrixView<T> x,
     MatrixView<T> weight,
-    T* y);
+    T* y,
+    int64_t y_row_stride);
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

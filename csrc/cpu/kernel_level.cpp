@@ -204,9 +204,10 @@ void dense_projection_forward(
     int out_features,
     MatrixView<T> x,
     MatrixView<T> weight,
-    T* y) {
+    T* y,
+    int64_t y_row_stride) {
   CALL_CHOSEN_LEVEL(dense_projection_forward<T>(
-      rows, in_features, out_features, x, weight, y));
+      rows, in_features, out_features, x, weight, y, y_row_stride));
 }
 
 #define INSTANTIATE_ENTRY_POINTS(T)                                   \
@@ -222,7 +223,7 @@ void dense_projection_forward(
       Algorithm,                                                      \
       const SegmentBackwardBuffers<T>&);                              \
   template void dense_projection_forward<T>(                          \
-      int64_t, int, int, MatrixView<T>, MatrixView<T>, T*);
+      int64_t, int, int, MatrixView<T>, MatrixView<T>, T*, int64_t);
 
 INSTANTIATE_ENTRY_POINTS(float)
 INSTANTIATE_ENTRY_POINTS(mlx::core::float16_t)

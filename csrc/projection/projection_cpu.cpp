@@ -79,7 +79,8 @@ void dense_projection_by_dots(
     int out_features,
     const float* x,
     MatrixView<T> weight,
-    T* y) {
+    T* y,
+    int64_t y_row_stride) {
   constexpr int kRowsPerTask = 64;
   const int tasks = (out_features + kRowsPerTask - 1) / kRowsPerTask;
   const int64_t task_work = rows * kRowsPerTask * in_features;
@@ -117,7 +118,7 @@ void dense_projection_by_dots(
           }
         }
         for (int k = 0; k < n; ++k) {
-          y[r * out_features + o + k] = static_cast<T>(out[k]);
+          y[r * y_row_stride + o + k] = static_cast<T>(out[k]);
         }
       }
     }
@@ -232,12 +233,19 @@ void dense_projection_forward(
     int out_features,
     MatrixView<T> x,
     MatrixView<T> weight,
-    T* y) {
+    T* y,
+    int64_t y_row_stride) {
   if (rows < kGemmMinRows) {
     // The dot products read x row-major: widened straight into that order.
     const std::vector<float> x_rows = widen_rows(rows, in_features, x);
     dense_projection_by_dots(
-        rows, in_features, out_features, x_rows.data(), weight, y);
+        rows,
+        in_features,
+        out_features,
+        x_rows.data(),
+        weight,
+        y,
+        y_row_stride);
     return;
   }
   // The GEMM widens its x operand to float32 whole: with more rows than W
@@ -247,28 +255,30 @@ void dense_projection_forward(
   // bits are the same.
   if (rows > out_features && out_features >= kGemmMinRows) {
     blocked_product(
-        out_features, in_features, int(rows), weight, x, y, 1, out_features);
+        out_features, in_features, int(rows), weight, x, y, 1, y_row_stride);
   } else {
     blocked_product(
-        rows, in_features, out_features, x, weight, y, out_features, 1);
+        rows, in_features, out_features, x, weight, y, y_row_stride, 1);
   }
 }
 
 template void dense_projection_forward<float>(
-    int64_t, int, int, MatrixView<float>, MatrixView<float>, float*);
+    int64_t, int, int, MatrixView<float>, MatrixView<float>, float*, int64_t);
 template void dense_projection_forward<float16_t>(
     int64_t,
     int,
     int,
     MatrixView<float16_t>,
     MatrixView<float16_t>,
-    float16_t*);
+    float16_t*,
+    int64_t);
 template void dense_projection_forward<bfloat16_t>(
     int64_t,
     int,
     int,
     MatrixView<bfloat16_t>,
     MatrixView<bfloat16_t>,
-    bfloat16_t*);
+    bfloat16_t*,
+    int64_t);
 
 }  // namespace mlx_gated_delta::cpu::MLX_GATED_DELTA_KERNEL_LEVEL

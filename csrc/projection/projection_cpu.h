@@ -22,7 +22,9 @@ struct MatrixView {
   int64_t column_stride;
 };
 
-// y[rows, out] = x[rows, in] * weight[out, in]^T; y row-major, contiguous.
+// y[rows, out] = x[rows, in] * weight[out, in]^T; y row-major, row r at
+// y + r * y_row_stride (>= out: a projection of several writes its outputs
+// side by side into one row, DenseProjection in projection_op.h).
 template <typename T>
 void dense_projection_forward(
     int64_t rows,
@@ -30,6 +32,7 @@ void dense_projection_forward(
     int out_features,
     MatrixView<T> x,
     MatrixView<T> weight,
-    T* y);
+    T* y,
+    int64_t y_row_stride);
 
 }  // namespace mlx_gated_delta::cpu

@@ -1,7 +1,9 @@
 #include "projection/projection_op.h"
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <string>
 
 #include "core/activation_type.h"
 #include "mlx/allocator.h"
@@ -13,10 +15,32 @@ namespace mx = mlx::core;
 
 namespace mlx_gated_delta {
 
+namespace {
+
+// The rows of x [..., in]: the size of its leading shape (in may be 0).
+int64_t leading_rows(const mx::array& x) {
+  int64_t rows = 1;
+  for (int axis = 0; axis + 1 < x.ndim(); ++axis) {
+    rows *= x.shape(axis);
+  }
+  return rows;
+}
+
+// The width of the output row: the weights' out_i summed.
+int row_width(const std::vector<mx::array>& inputs) {
+  int width = 0;
+  for (size_t i = 1; i < inputs.size(); i += 2) {
+    width += inputs[i].shape(0);
+  }
+  return width;
+}
+
+}  // namespace
+
 std::vector<mx::Shape> DenseProjection::output_shapes(
     const std::vector<mx::array>& inputs) {
   mx::Shape shape = inputs[0].shape();
-  shape.back() = inputs[1].shape(0);
+  shape.back() = row_width(inputs);
   return {shape};
 }
 
@@ -39,22 +63,40 @@ cpu::MatrixView<T> matrix_view(const mx::array& a, int columns) {
 template <typename T>
 void dispatch_linear(
     mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out) {
-  const mx::array& x = inputs[0];
-  const mx::array& weight = inputs[1];
-  const int in_features = weight.shape(1);
-  const int out_features = weight.shape(0);
-  const int64_t rows = x.size() / in_features;
-  const cpu::MatrixView<T> x_data = matrix_view<T>(x, in_features);
-  const cpu::MatrixView<T> w_data = matrix_view<T>(weight, in_features);
-  T* y_data = out.data<T>();
+  const int64_t width = out.shape(-1);
   auto& encoder = mx::cpu::get_command_encoder(stream);
-  encoder.set_input_array(x);
-  encoder.set_input_array(weight);
+  for (const mx::array& input : inputs) {
+    encoder.set_input_array(input);
+  }
   encoder.set_output_array(out);
-  encoder.dispatch([=]() {
-    cpu::dense_projection_forward<T>(
-        rows, in_features, out_features, x_data, w_data, y_data);
-  });
+  T* y_data = out.data<T>();
+  int64_t column = 0;
+  for (size_t i = 0; i < inputs.size(); i += 2) {
+    const mx::array& x = inputs[i];
+    const mx::array& weight = inputs[i + 1];
+    const int in_features = weight.shape(1);
+    const int out_features = weight.shape(0);
+    const int64_t rows = leading_rows(x);
+    const cpu::MatrixView<T> x_data = matrix_view<T>(x, in_features);
+    const cpu::MatrixView<T> w_data = matrix_view<T>(weight, in_features);
+    T* y_columns = y_data + column;
+    column += out_features;
+    if (rows == 0 || out_features == 0) {
+      continue;
+    }
+    if (in_features == 0) {  // an empty sum: zeros, as MLX's matmul gives
+      encoder.dispatch([=]() {
+        for (int64_t r = 0; r < rows; ++r) {
+          std::fill_n(y_columns + r * width, out_features, T(0.0f));
+        }
+      });
+      continue;
+    }
+    encoder.dispatch([=]() {
+      cpu::dense_projection_forward<T>(
+          rows, in_features, out_features, x_data, w_data, y_columns, width);
+    });
+  }
 }
 
 // x weight^T for x [..., in] row-contiguous or a matrix, weight [out, in]
@@ -88,36 +130,59 @@ std::vector<mx::array> DenseProjection::vjp(
     const std::vector<mx::array>& cotangents,
     const std::vector<int>& argnums,
     const std::vector<mx::array>&) {
-  const mx::array& x = primals[0];
-  const mx::array& weight = primals[1];
   const mx::Stream s = stream();
-  // x and the weight are row-contiguous already (dense_projection made them
-  // so); the transposes below are views the kernel reads through their
-  // strides, not copies.
-  const mx::array dy = mx::contiguous(cotangents[0], false, s);
+  const int width = row_width(primals);
+  const int rows = static_cast<int>(leading_rows(primals[0]));
+  // The x_i and the weights are row-contiguous already (the op functions
+  // made them so); dy_i, dy_i^T, x_i^T and W_i^T below are views the kernel
+  // reads through their strides, not copies.
+  const mx::array dy =
+      mx::reshape(mx::contiguous(cotangents[0], false, s), {rows, width}, s);
+  std::vector<int> first_column(primals.size() / 2);
+  for (size_t pair = 1; pair < first_column.size(); ++pair) {
+    first_column[pair] =
+        first_column[pair - 1] + primals[2 * pair - 1].shape(0);
+  }
   std::vector<mx::array> grads;
   for (int arg : argnums) {
-    if (arg == 0) {
+    const int pair = arg / 2;
+    const mx::array& x = primals[2 * pair];
+    const mx::array& weight = primals[2 * pair + 1];
+    const int start = first_column[pair];
+    const mx::array dy_pair =
+        mx::slice(dy, {0, start}, {rows, start + weight.shape(0)}, s);
+    if (arg % 2 == 0) {
       // dx = dy W: the product x w^T with w = W^T [in, out].
-      grads.push_back(product(dy, mx::transpose(weight, s), s));
+      mx::array dx = product(dy_pair, mx::transpose(weight, s), s);
+      grads.push_back(mx::reshape(dx, x.shape(), s));
     } else {
       // dW = dy^T x over all rows: a [out, N] times (x^T [in, N])^T.
-      const int rows = static_cast<int>(x.size() / x.shape(-1));
-      mx::array dy_t =
-          mx::transpose(mx::reshape(dy, {rows, weight.shape(0)}, s), s);
       mx::array x_t = mx::transpose(mx::reshape(x, {rows, x.shape(-1)}, s), s);
-      grads.push_back(product(dy_t, x_t, s));
+      grads.push_back(product(mx::transpose(dy_pair, s), x_t, s));
     }
   }
   return grads;
 }
 
-mx::array dense_projection(
-    const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
+namespace {
+
+// Raises for a pair that dense_projection would not take; `op` names the
+// caller and `pair` (or -1 for a single pair) which pair of the row.
+void check_pair(
+    const char* op,
+    int pair,
+    const mx::array& x,
+    const mx::array& weight,
+    mx::Dtype dtype) {
+  std::ostringstream where;
+  where << op << ": ";
+  if (pair >= 0) {
+    where << "pair " << pair << ": ";
+  }
   if (x.ndim() < 1 || weight.ndim() != 2 || x.shape(-1) != weight.shape(1)) {
     std::ostringstream out;
-    out << "dense_projection: x [..., in] and weight [out, in] must agree on "
-           "in; got x of rank "
+    out << where.str()
+        << "x [..., in] and weight [out, in] must agree on in; got x of rank "
         << x.ndim() << " and weight of rank " << weight.ndim();
     if (x.ndim() >= 1 && weight.ndim() == 2) {
       out << " (x in = " << x.shape(-1) << ", weight in = " << weight.shape(1)
@@ -125,28 +190,93 @@ mx::array dense_projection(
     }
     throw std::invalid_argument(out.str());
   }
-  const mx::Dtype dtype = x.dtype();
   if ((dtype != mx::float32 && dtype != mx::float16 && dtype != mx::bfloat16) ||
-      weight.dtype() != dtype) {
+      x.dtype() != dtype || weight.dtype() != dtype) {
     std::ostringstream out;
-    out << "dense_projection: x and weight must share one of float32, "
-           "float16, bfloat16; got x "
-        << x.dtype() << " and weight " << weight.dtype();
+    out << where.str()
+        << "x and weight must share one of float32, float16, bfloat16";
+    if (pair > 0) {
+      out << " with pair 0's x (" << dtype << ")";
+    }
+    out << "; got x " << x.dtype() << " and weight " << weight.dtype();
     throw std::domain_error(out.str());
   }
+}
+
+std::string shape_text(const mx::Shape& shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out << (i ? ", " : "") << shape[i];
+  }
+  out << (shape.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
-    throw std::invalid_argument(
-        "dense_projection is a CPU kernel; pass stream=mx.cpu");
+    std::ostringstream out;
+    out << op << " is a CPU kernel; pass stream=mx.cpu";
+    throw std::invalid_argument(out.str());
   }
+  return stream;
+}
+
+}  // namespace
+
+mx::array dense_projection(
+    const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
+  check_pair("dense_projection", -1, x, weight, x.dtype());
+  const mx::Stream stream = cpu_stream("dense_projection", s);
   mx::Shape shape = x.shape();
   shape.back() = weight.shape(0);
   return mx::array(
       shape,
-      dtype,
+      x.dtype(),
       std::make_shared<DenseProjection>(stream),
       {mx::contiguous(x, false, stream),
        mx::contiguous(weight, false, stream)});
+}
+
+mx::array dense_projection_row(
+    const std::vector<mx::array>& xs,
+    const std::vector<mx::array>& weights,
+    mx::StreamOrDevice s) {
+  if (xs.empty() || xs.size() != weights.size()) {
+    std::ostringstream out;
+    out << "dense_projection_row: needs one weight per x, at least one pair; "
+           "got "
+        << xs.size() << " x and " << weights.size() << " weights";
+    throw std::invalid_argument(out.str());
+  }
+  const mx::Dtype dtype = xs[0].dtype();
+  for (size_t i = 0; i < xs.size(); ++i) {
+    check_pair("dense_projection_row", int(i), xs[i], weights[i], dtype);
+    mx::Shape leading = xs[i].shape();
+    leading.pop_back();
+    mx::Shape first = xs[0].shape();
+    first.pop_back();
+    if (leading != first) {
+      std::ostringstream out;
+      out << "dense_projection_row: pair " << i << ": x's leading shape "
+          << shape_text(leading) << " differs from pair 0's "
+          << shape_text(first);
+      throw std::invalid_argument(out.str());
+    }
+  }
+  const mx::Stream stream = cpu_stream("dense_projection_row", s);
+  std::vector<mx::array> inputs;
+  int width = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    inputs.push_back(mx::contiguous(xs[i], false, stream));
+    inputs.push_back(mx::contiguous(weights[i], false, stream));
+    width += weights[i].shape(0);
+  }
+  mx::Shape shape = xs[0].shape();
+  shape.back() = width;
+  return mx::array(
+      shape, dtype, std::make_shared<DenseProjection>(stream), inputs);
 }
 
 }  // namespace mlx_gated_delta

@@ -1,5 +1,5 @@
-// The dense projection of the layer on the CPU (see projection_cpu.h): an MLX
-// primitive and its op function.
+// The dense projections of the layer on the CPU (see projection_cpu.h): an
+// MLX primitive and its op functions.
 #pragma once
 
 #include "mlx/array.h"
@@ -8,8 +8,11 @@
 
 namespace mlx_gated_delta {
 
-// Inputs: x [..., in] and weight [out, in], one activation dtype, contiguous.
-// Output: x weight^T, [..., out], in that dtype.
+// Inputs: n pairs x_i [..., in_i] and weight_i [out_i, in_i] (x_0, weight_0,
+// x_1, ...), every x_i with the same leading shape, one activation dtype,
+// contiguous. Output: the x_i weight_i^T side by side, [..., sum of out_i],
+// in that dtype: a layer's projections written straight into the packed row
+// its segment reads, with no copy of each projection's output on the way.
 class DenseProjection : public mlx::core::Primitive {
  public:
   explicit DenseProjection(mlx::core::Stream stream)
@@ -22,7 +25,8 @@ class DenseProjection : public mlx::core::Primitive {
       const std::vector<mlx::core::array>& inputs,
       std::vector<mlx::core::array>& outputs) override;
 
-  // dx = dy W and dW = dy^T x, both through this kernel again.
+  // dx_i = dy_i W_i and dW_i = dy_i^T x_i, both through this kernel again,
+  // dy_i the columns of pair i (a view).
   std::vector<mlx::core::array> vjp(
       const std::vector<mlx::core::array>& primals,
       const std::vector<mlx::core::array>& cotangents,
@@ -44,6 +48,15 @@ class DenseProjection : public mlx::core::Primitive {
 mlx::core::array dense_projection(
     const mlx::core::array& x,
     const mlx::core::array& weight,
+    mlx::core::StreamOrDevice s = {});
+
+// concatenate([x_i weight_i^T for each i], axis=-1) in one buffer, each
+// element the bits dense_projection(x_i, weight_i) gives it. Raises as
+// dense_projection, and std::invalid_argument where the lists are empty or
+// differ in length, or the x_i differ in leading shape.
+mlx::core::array dense_projection_row(
+    const std::vector<mlx::core::array>& xs,
+    const std::vector<mlx::core::array>& weights,
     mlx::core::StreamOrDevice s = {});
 
 }  // namespace mlx_gated_delta

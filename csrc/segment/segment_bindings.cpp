@@ -98,6 +98,18 @@ void bind_segment(nb::module_& m) {
       "weight"_a,
       "stream"_a.none(),
       "x @ weight.T on the CPU (the layer's dense projections).");
+  m.def(
+      "dense_projection_row",
+      [](const std::vector<mlx::core::array>& xs,
+         const std::vector<mlx::core::array>& weights,
+         mlx::core::StreamOrDevice s) {
+        return dense_projection_row(xs, weights, s);
+      },
+      "xs"_a,
+      "weights"_a,
+      "stream"_a.none(),
+      "concatenate([x @ w.T for x, w in zip(xs, weights)], axis=-1) on the "
+      "CPU, written into one buffer.");
 }
 
 }  // namespace mlx_gated_delta

@@ -1,6 +1,8 @@
 """The Kimi Delta Attention layers (Kimi-Linear's, Kimi-K3's and
 Bailing-MoE-V3's). Every projection goes through `common.apply_projection`
-(our CPU kernel for a plain dense one, the module's own call otherwise).
+(our CPU kernel for a plain dense one, the module's own call otherwise), and
+those that make the segment's input through `common.project_row`, which
+writes plain dense ones straight into one packed row.
 
 The projections' outputs, packed `[q | k | v | output gate | b | f]`, run
 through the fused segment (`kda_segment`) on every device: the short
@@ -17,7 +19,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .common import apply_projection
+from .common import apply_projection, project_row
 from .segment_cache import segment_in_cache
 from .short_conv import KimiShortConv
 
@@ -48,14 +50,15 @@ def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
 
 
 def kda_segment(layer, x, mask, cache, qkv, convs, output_gate, f, lower_bound=None):
-    """A Kimi Delta Attention layer's output through the fused segment:
-    from its projected `qkv` (a list of parts, q|k|v in order, before their
-    convolutions `convs`), `output_gate` and decay logits `f` (each `[B, T,
-    H*Dk]`), with the layer's `A_log`, `dt_bias`, `o_norm` and `o_proj`."""
+    """A Kimi Delta Attention layer's output through the fused segment. The
+    projections are `(module, input)` pairs for `common.project_row`: `qkv` a
+    list of them (q|k|v in order, before their convolutions `convs`),
+    `output_gate` and the decay logits `f` one each (each projecting to `[B,
+    T, H*Dk]`); then the layer's `b_proj`, `A_log`, `dt_bias`, `o_norm` and
+    `o_proj`."""
     B, T, _ = x.shape
     H, D = layer.num_heads, layer.head_dim
-    b = apply_projection(layer.b_proj, x)
-    mixed = mx.concatenate([*qkv, output_gate, b, f], axis=-1)
+    mixed = project_row([*qkv, output_gate, (layer.b_proj, x), f])
     out = segment_in_cache(
         cache,
         convs,
@@ -120,10 +123,10 @@ class KimiDeltaAttention(nn.Module):
             x,
             mask,
             cache,
-            [apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
+            [(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
             (self.q_conv.conv, self.k_conv.conv, self.v_conv.conv),
-            apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x)),
-            apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
+            (self.g_b_proj, apply_projection(self.g_a_proj, x)),
+            (self.f_b_proj, apply_projection(self.f_a_proj, x)),
         )
 
 
@@ -178,18 +181,19 @@ class KimiK3DeltaAttention(nn.Module):
             x,
             mask,
             cache,
-            [apply_projection(self.qkv_proj, x)],
+            [(self.qkv_proj, x)],
             (self.qkv_conv.conv,),
             self._output_gate(x),
-            apply_projection(self.f_b_proj, apply_projection(self.f_a_proj, x)),
+            (self.f_b_proj, apply_projection(self.f_a_proj, x)),
             self.lower_bound,
         )
 
     def _output_gate(self, x):
-        """The output gate's logits `[B, T, H*Dk]`: full rank or low rank."""
+        """The output gate's logits `[B, T, H*Dk]` as a `(module, input)`
+        pair: full rank or low rank."""
         if self.use_full_rank_gate:
-            return apply_projection(self.g_proj, x)
-        return apply_projection(self.g_b_proj, apply_projection(self.g_a_proj, x))
+            return (self.g_proj, x)
+        return (self.g_b_proj, apply_projection(self.g_a_proj, x))
 
 
 class BailingKDA(nn.Module):
@@ -245,10 +249,10 @@ class BailingKDA(nn.Module):
             x,
             mask,
             cache,
-            [apply_projection(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
+            [(p, x) for p in (self.q_proj, self.k_proj, self.v_proj)],
             (self.q_conv1d, self.k_conv1d, self.v_conv1d),
-            apply_projection(self.g_proj, x),
-            apply_projection(self.f_proj, x),
+            (self.g_proj, x),
+            (self.f_proj, x),
             self.lower_bound,
         )
 

@@ -10,7 +10,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from .common import GatedRMSNormWeight, apply_projection
+from .common import GatedRMSNormWeight, apply_projection, project_row
 from .segment_cache import segment_in_cache
 
 
@@ -20,9 +20,9 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     `q_conv1d`, `k_conv1d`, `v_conv1d`, `A_log`, `dt_bias`, `o_norm`) and
     cache (`ArraysCache`: `[q conv state, k conv state, v conv state, state]`).
 
-    The projections go through `apply_projection` (our CPU kernel for a
-    plain dense one, the module's own call otherwise). Their outputs, packed
-    `[q | k | v | g | b | a]`, run through the fused segment
+    The projections go through `common.project_row` (our CPU kernel for
+    plain dense ones, writing them into one packed row, the modules' own calls
+    otherwise). Their outputs, packed `[q | k | v | g | b | a]`, run through the fused segment
     (`segment_cache.segment_in_cache`): the three convolutions as one over
     their concatenated channels, the gates, the recurrence (normalize_qk,
     scale `Dk ** -0.5`) with `beta = 2 sigmoid(b)` in `[0, 2]` where the
@@ -71,7 +71,7 @@ class OlmoHybridGatedDeltaNet(nn.Module):
     ) -> mx.array:
         B, S, _ = x.shape
         projections = (self.q_proj, self.k_proj, self.v_proj, self.g_proj, self.b_proj, self.a_proj)
-        mixed = mx.concatenate([apply_projection(p, x) for p in projections], axis=-1)
+        mixed = project_row([(p, x) for p in projections])
         out = segment_in_cache(
             cache,
             (self.q_conv1d, self.k_conv1d, self.v_conv1d),

@@ -10,15 +10,17 @@ projection.
 `mixed_qkvzba` is made from mlx-lm's own projection modules each call: each
 module projects the input (plain, quantized or LoRA-wrapped, as
 `mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
-concatenated and, for Qwen3-Next, reordered into the `mixed_qkvzba` row; a
-long call through plain projections gathers their weights into that order
-instead and projects once. Nothing is
+placed side by side (`common.project_row`: plain ones written straight into
+one buffer) and, for Qwen3-Next, reordered into the `mixed_qkvzba` row; a
+long Qwen3-Next call through plain projections gathers their weights into
+that order instead and projects once. Nothing is
 derived from the weights and kept, so no weight can go stale: after an
 optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
 that updates the parameter arrays in place, the next call reads the current
 weights.
 
-Every projection goes through `common.apply_projection`: on the CPU a plain
+Every projection goes through `common.apply_projection` (or `project_row`,
+which follows the same rule): on the CPU a plain
 dense one runs our blocked kernel instead of MLX's CPU matmul, which is
 10-100x slower on the machines measured; other projections are the modules'
 own calls.
@@ -36,7 +38,13 @@ import numpy as np
 
 from ..segment import gated_delta_segment
 from .cache_protocol import layer_cache
-from .common import GatedRMSNormWeight, apply_projection, dense_projection, is_dense_projection
+from .common import (
+    GatedRMSNormWeight,
+    apply_projection,
+    dense_projection,
+    is_dense_projection,
+    project_row,
+)
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -84,6 +92,9 @@ class _GatedDeltaNetBase(nn.Module):
     def mixed_qkvzba(self, x: mx.array) -> mx.array:
         """The segment's input `mixed_qkvzba` `[q | k | v | z | b | a]` for `x`,
         from the current projection modules."""
+        if self._mixed_qkvzba_columns() is None:
+            # Qwen3.5: the modules' outputs are in the row's order already.
+            return project_row([(m, x) for m in self._projection_modules()])
         rows = x.size // x.shape[-1]
         dense = all(is_dense_projection(m) for m in self._projection_modules())
         if dense and rows > x.shape[-1]:
@@ -91,14 +102,11 @@ class _GatedDeltaNetBase(nn.Module):
         return self._project_by_modules(x)
 
     def _project_by_modules(self, x: mx.array) -> mx.array:
-        """Each module projects x; their outputs are concatenated and
-        reordered. A short call (decode) takes this way: it copies its few
-        output rows instead of the weights."""
-        parts = [apply_projection(m, x) for m in self._projection_modules()]
-        mixed = mx.concatenate(parts, axis=-1)
+        """Each module projects x; their outputs, side by side, are reordered.
+        A short call (decode) takes this way: it copies its few output rows
+        instead of the weights."""
+        mixed = project_row([(m, x) for m in self._projection_modules()])
         columns = self._mixed_qkvzba_columns()
-        if columns is None:
-            return mixed
         # One gather straight into row-major order: `mx.take` along the last
         # axis gathers column-major and hands back a transposed view, which
         # the segment (it reads its input row-contiguous) then copies again.
@@ -108,13 +116,11 @@ class _GatedDeltaNetBase(nn.Module):
         """The weights' rows gathered into `mixed_qkvzba`'s order, then one
         product. A long call takes this way: it copies the weights (width x
         hidden) instead of the projected row (rows x width), whose
-        concatenation and reordering would each hold another copy of it in
-        the forward and again in the backward (192 MiB a copy for
-        Qwen3-Next's layer at T=8192, its weights 48 MiB)."""
+        reordering would hold another copy of it in the forward and again in
+        the backward (192 MiB a copy for Qwen3-Next's layer at T=8192, its
+        weights 48 MiB)."""
         weight = mx.concatenate([m.weight for m in self._projection_modules()], axis=0)
-        columns = self._mixed_qkvzba_columns()
-        if columns is not None:
-            weight = mx.take(weight, columns, axis=0)
+        weight = mx.take(weight, self._mixed_qkvzba_columns(), axis=0)
         return dense_projection(x, weight)
 
     def __call__(
