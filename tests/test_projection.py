@@ -43,12 +43,14 @@ def test_dense_projection_reads_strided_inputs():
     assert_matches("y", _ext.dense_projection(x, weight, None), expected, contract)
 
 
-def test_dense_projection_rows_do_not_depend_on_how_many_come_with_them():
+@pytest.mark.parametrize("out_features", [64, 32])
+def test_dense_projection_rows_do_not_depend_on_how_many_come_with_them(out_features):
     """With more rows than W, the GEMM computes y^T = W x^T (widening the
-    smaller operand): each row's bits are those of the same row projected in
-    a call of fewer rows (48 to 64, as many as W's: y = x W^T)."""
+    smaller operand), also for a W of fewer rows than the dot products take
+    (Qwen3.5's b and a): each row's bits are those of the same row projected
+    in a call of fewer rows (48 to 64, from as many as W's: y = x W^T)."""
     x = mx.random.normal((200, 300), key=mx.random.key(4)).astype(mx.bfloat16)
-    weight = mx.random.normal((64, 300), key=mx.random.key(5)).astype(mx.bfloat16)
+    weight = mx.random.normal((out_features, 300), key=mx.random.key(5)).astype(mx.bfloat16)
     y = _ext.dense_projection(x, weight, None)
     for start, stop in ((0, 64), (64, 128), (128, 176)):
         part = _ext.dense_projection(x[start:stop], weight, None)

@@ -250,10 +250,11 @@ void dense_projection_forward(
   }
   // The GEMM widens its x operand to float32 whole: with more rows than W
   // has, it computes y^T = W x^T instead, widening W (the input projection's
-  // dx and dW at T = 8192 would widen 386 MiB, W 97 and 64 MiB). Each output
+  // dx and dW at T = 8192 would widen 386 MiB, W 97 and 64 MiB; a W of a few
+  // rows, as Qwen3.5's b and a, would widen all of x for them). Each output
   // is the same sum over the same blocks of in_features either way, so the
   // bits are the same.
-  if (rows > out_features && out_features >= kGemmMinRows) {
+  if (rows > out_features) {
     blocked_product(
         out_features, in_features, int(rows), weight, x, y, 1, y_row_stride);
   } else {
