@@ -469,15 +469,16 @@ def test_layer_rejects_head_counts_that_do_not_divide():
         Qwen3NextGatedDeltaNet(args)
 
 
-def test_a_long_call_projects_through_gathered_weights():
-    # A Qwen3-Next call with more rows than the hidden size projects once
-    # through the weights gathered into mixed_qkvzba's order; a short one
-    # reorders the modules' outputs. Each column of the row is the same
+@pytest.mark.parametrize("family", ("qwen3_next", "qwen3_5"))
+def test_a_long_call_projects_through_gathered_weights(family):
+    # A call with more rows than the hidden size projects once through the
+    # weights gathered into mixed_qkvzba's order; a short one concatenates
+    # and reorders the modules' outputs. Each column of the row is the same
     # product of the same kernel, so the rows are the same bits; the
     # gradients are float32 products summed in another order (one product
     # over all columns for x's), each held to the projection's contract
     # against float64.
-    model = family_model("qwen3_next", 23)
+    model = family_model(family, 23)
     patch_mlx_lm(model)
     layer = next(m for _, m in model.named_modules() if hasattr(m, "mixed_qkvzba"))
     modules = layer._projection_modules()
@@ -500,7 +501,8 @@ def test_a_long_call_projects_through_gathered_weights():
         m.weight = w
 
     # float64: the gathered weight's gradient, scattered back to the modules.
-    order = np.array(layer._mixed_qkvzba_columns())
+    columns = layer._mixed_qkvzba_columns()
+    order = np.arange(row.shape[-1]) if columns is None else np.array(columns)
     weight64 = np.concatenate([to_float64(w) for w in weights])[order]
     x64 = to_float64(x).reshape(-1, hidden)
     cotangent64 = to_float64(cotangent).reshape(-1, row.shape[-1])

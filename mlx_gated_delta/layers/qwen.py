@@ -12,8 +12,8 @@ module projects the input (plain, quantized or LoRA-wrapped, as
 `mlx_lm.tuner.utils.linear_to_lora_layers` leaves it) and their outputs are
 placed side by side (`common.project_row`: plain ones written straight into
 one buffer) and, for Qwen3-Next, reordered into the `mixed_qkvzba` row; a
-long Qwen3-Next call through plain projections gathers their weights into
-that order instead and projects once. Nothing is
+long call through plain projections gathers their weights into that order
+instead and projects once. Nothing is
 derived from the weights and kept, so no weight can go stale: after an
 optimizer step, `load_weights`, quantizing, or an `mx.compile`d training step
 that updates the parameter arrays in place, the next call reads the current
@@ -92,9 +92,6 @@ class _GatedDeltaNetBase(nn.Module):
     def mixed_qkvzba(self, x: mx.array) -> mx.array:
         """The segment's input `mixed_qkvzba` `[q | k | v | z | b | a]` for `x`,
         from the current projection modules."""
-        if self._mixed_qkvzba_columns() is None:
-            # Qwen3.5: the modules' outputs are in the row's order already.
-            return project_row([(m, x) for m in self._projection_modules()])
         rows = x.size // x.shape[-1]
         dense = all(is_dense_projection(m) for m in self._projection_modules())
         if dense and rows > x.shape[-1]:
@@ -102,11 +99,14 @@ class _GatedDeltaNetBase(nn.Module):
         return self._project_by_modules(x)
 
     def _project_by_modules(self, x: mx.array) -> mx.array:
-        """Each module projects x; their outputs, side by side, are reordered.
-        A short call (decode) takes this way: it copies its few output rows
+        """Each module projects x; their outputs, side by side
+        (`project_row`), are reordered where the row's order differs. A
+        short call (decode) takes this way: it copies its few output rows
         instead of the weights."""
         mixed = project_row([(m, x) for m in self._projection_modules()])
         columns = self._mixed_qkvzba_columns()
+        if columns is None:
+            return mixed
         # One gather straight into row-major order: `mx.take` along the last
         # axis gathers column-major and hands back a transposed view, which
         # the segment (it reads its input row-contiguous) then copies again.
@@ -118,9 +118,14 @@ class _GatedDeltaNetBase(nn.Module):
         hidden) instead of the projected row (rows x width), whose
         reordering would hold another copy of it in the forward and again in
         the backward (192 MiB a copy for Qwen3-Next's layer at T=8192, its
-        weights 48 MiB)."""
+        weights 48 MiB). Qwen3.5's row needs no reordering, and
+        `project_row` would write it with no copy of the weights (49 MiB less
+        at T=8192), but its backward, four products for x's gradient where
+        this takes one, made the training step 3-8% slower."""
         weight = mx.concatenate([m.weight for m in self._projection_modules()], axis=0)
-        weight = mx.take(weight, self._mixed_qkvzba_columns(), axis=0)
+        columns = self._mixed_qkvzba_columns()
+        if columns is not None:
+            weight = mx.take(weight, columns, axis=0)
         return dense_projection(x, weight)
 
     def __call__(
