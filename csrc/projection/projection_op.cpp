@@ -10,6 +10,7 @@
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/ops.h"
 #include "projection/projection_cpu.h"
+#include "validation/arguments.h"
 
 namespace mx = mlx::core;
 
@@ -203,16 +204,6 @@ void check_pair(
   }
 }
 
-std::string shape_text(const mx::Shape& shape) {
-  std::ostringstream out;
-  out << "(";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    out << (i ? ", " : "") << shape[i];
-  }
-  out << (shape.size() == 1 ? ",)" : ")");
-  return out.str();
-}
-
 mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   auto stream = mx::to_stream(s);
   if (stream.device != mx::Device::cpu) {
@@ -260,8 +251,8 @@ mx::array dense_projection_row(
     if (leading != first) {
       std::ostringstream out;
       out << "dense_projection_row: pair " << i << ": x's leading shape "
-          << shape_text(leading) << " differs from pair 0's "
-          << shape_text(first);
+          << shape_string(leading) << " differs from pair 0's "
+          << shape_string(first);
       throw std::invalid_argument(out.str());
     }
   }
