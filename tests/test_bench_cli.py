@@ -350,7 +350,8 @@ def test_kda_layer_rows_are_both_layers_prefill_and_training_by_mode():
     default = {(f, mode, T) for f in families for mode in ("prefill", "train") for T in (512, 2048)}
     assert rows(quick=False, full=False) == default
     assert rows(quick=True, full=False) == default - {(f, "train", 2048) for f in families}
-    assert rows(quick=False, full=True) == default | {(f, "prefill", 8192) for f in families}
+    long = {(f, mode, 8192) for f in families for mode in ("prefill", "train")}
+    assert rows(quick=False, full=True) == default | long
     assert all(r.stock_repeats == 1 for r in layer.core_op_layer_rows(True, False))
     row = layer.CoreOpRow("kimi_linear", "prefill", 2048, 5, 2)
     assert row.label == "kimi_linear bf16 B=1 T=2048 prefill"
@@ -392,6 +393,7 @@ def test_kda_layers_flag_runs_the_core_op_layer_rows_its_filter_selects(monkeypa
         "15.0x",
         "3",
         "7",
+        "-",
     ]
     assert (tmp_path / "layers_results.json").exists()
     with pytest.raises(SystemExit, match="no layer row matches"):
@@ -406,11 +408,12 @@ def test_the_kda_layer_table_says_why_mlx_lm_was_not_trained():
         "T": 2048,
         "ours_ms": 900.0,
         "ours_peak_bytes": 5 << 20,
+        "io_bytes": 2 << 20,
         "speedup": None,
         "mlx_lm_note": "skipped: needs about 16 GiB, 9 available",
     }
     lines = layer.core_op_layer_table([row]).splitlines()
-    assert lines[2].split() == ["OLMo", "train", "2048", "900", "-", "-", "5", "-"]
+    assert lines[2].split() == ["OLMo", "train", "2048", "900", "-", "-", "5", "-", "2.50x"]
     assert (
         lines[3]
         == "olmo_hybrid bf16 B=1 T=2048 train: mlx-lm skipped: needs about 16 GiB, 9 available"
@@ -447,6 +450,16 @@ def test_the_kda_layer_rows_time_ours_and_mlx_lms_layer_with_the_same_weights(fa
         assert result["ours_ms"] > 0 and result["mlx_lm_ms"] > 0
         assert result["speedup"] == result["mlx_lm_ms"] / result["ours_ms"]
         assert result["ours_peak_bytes"] > 0 and result["mlx_lm_peak_bytes"] > 0
+        if mode == "train":
+            assert result["io_bytes"] == layer.layer_io_bytes(
+                ours, mx.zeros((1, 8, 64), mx.bfloat16)
+            )
+        else:
+            assert result["io_bytes"] is None
+
+
+def test_mlx_lms_layer_is_not_trained_above_2048_tokens():
+    assert layer.stock_training_skip_reason(8192).startswith("not trained above T=2048")
 
 
 def test_progress_bar_without_tqdm_draws_its_own_on_stderr(monkeypatch, capsys):

@@ -118,8 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "layer.py): Kimi-Linear's KimiDeltaAttention (per-key-channel gates) and "
         "OLMo-Hybrid's GatedDeltaNet (the same layout, scalar gates) at Kimi-Linear's heads, "
         "hidden 2048, bf16, each against mlx-lm's stock layer with the same weights: prefill "
-        "at T in {512, 2048} (8192 with --full) and the training step at T in {512, 2048} "
-        "(--quick: not at 2048); --filter selects rows by label, e.g. 'kimi_linear.*2048'",
+        "at T in {512, 2048} and the training step at T in {512, 2048} (--quick: not at "
+        "2048), both also at 8192 with --full (mlx-lm's layer not trained there), with "
+        "each step's peak over its io; --filter selects rows by label, e.g. "
+        "'kimi_linear.*2048'",
     )
     parser.add_argument(
         "--contended",

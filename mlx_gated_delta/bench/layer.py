@@ -156,6 +156,16 @@ def layer_step(layer):
     return lambda x: grad(layer, x)
 
 
+def layer_io_bytes(layer, x: mx.array) -> int:
+    """The bytes a layer's training step cannot do without: the input x, the
+    output (x's shape and dtype), the trainable parameters and their
+    gradients (each the size of its parameter)."""
+    import mlx.nn as nn
+
+    parameters = sum(p.nbytes for _, p in nn.utils.tree_flatten(layer.trainable_parameters()))
+    return 2 * x.nbytes + 2 * parameters
+
+
 # The core-op layers of ``--kda-layers``: the family's name in mlx-lm (and in
 # mlx_gated_delta.layers.FAMILIES), how the rows name it, and its mlx-lm
 # arguments.
@@ -183,16 +193,17 @@ class CoreOpRow:
 
 
 def core_op_layer_rows(quick: bool, full: bool) -> list[CoreOpRow]:
-    """For each layer of CORE_OP_LAYERS: prefill at T = 512 and 2048 (and
-    8192 with ``full``: mlx-lm's layer takes minutes per call there) and the
-    training step at T = 512 and 2048; ``quick`` drops the training step at
+    """For each layer of CORE_OP_LAYERS: prefill at T = 512 and 2048 and the
+    training step at T = 512 and 2048, and with ``full`` both at T = 8192
+    (mlx-lm's layer takes minutes per prefill call there, and is not trained:
+    ``stock_training_skip_reason``); ``quick`` drops the training step at
     T = 2048 and times everything once. mlx-lm's calls take seconds to
     minutes, so they get few repeats."""
     specs = [("prefill", 512, 3), ("prefill", 2048, 2), ("train", 512, 2), ("train", 2048, 1)]
     if quick:
         specs = [spec for spec in specs if spec[:2] != ("train", 2048)]
     if full:
-        specs.append(("prefill", 8192, 1))
+        specs += [("prefill", 8192, 1), ("train", 8192, 1)]
     return [
         CoreOpRow(family, mode, T, 3 if quick else 5, 1 if quick else stock_repeats)
         for family in CORE_OP_LAYERS
@@ -220,12 +231,23 @@ def core_op_layers(family: str, dtype=mx.bfloat16):
     return ours, stock
 
 
+# The longest training step of mlx-lm's layer that ``--kda-layers`` runs: at
+# T = 2048 it took 7 minutes and 16 GiB on a 2-core VM, and both grow with T.
+STOCK_TRAINING_MAX_T = 2048
+
+
 def stock_training_skip_reason(tokens: int) -> str | None:
     """Why mlx-lm's layer is not trained at this length, or None to run it:
     its training path (``gated_delta_ops``, one MLX op loop per token) keeps
     about four float32 states per token for its backward (one state per
     token is 4 GiB at T = 2048 here; the step peaked at 16 GiB); it runs
-    only where that fits in the memory available now."""
+    up to STOCK_TRAINING_MAX_T tokens, where that fits in the memory
+    available now."""
+    if tokens > STOCK_TRAINING_MAX_T:
+        return (
+            f"not trained above T={STOCK_TRAINING_MAX_T}: its step grows with T from "
+            "7 minutes and 16 GiB there"
+        )
     needed = 4 * tokens * KIMI_LINEAR.Hv * KIMI_LINEAR.Dv * KIMI_LINEAR.Dk * 4
     available = available_memory_bytes()
     if available is not None and needed > available:
@@ -291,6 +313,9 @@ def time_core_op_row(row: CoreOpRow, ours, stock) -> dict:
     calls["ours"](*prepare("ours")())  # warm-up
     times = time_rounds(calls, repeats, warm_up=False, prepare={n: prepare(n) for n in calls})
     result = dataclasses.asdict(row) | {"name": CORE_OP_LAYERS[row.family][0], "shape": row.label}
+    # What the training step cannot do without: the scale its peak is read
+    # against (the table's peak / io).
+    result["io_bytes"] = layer_io_bytes(ours, x) if row.mode == "train" else None
     for name, key in (("ours", "ours"), ("mlx-lm", "mlx_lm")):
         if name in times:
             result[f"{key}_ms"] = statistics.median(times[name]) * 1e3
@@ -324,7 +349,21 @@ def core_op_layer_table(results: list[dict]) -> str:
     def mib(value):
         return "-" if value is None else f"{value / MiB:.0f}"
 
-    headers = ["layer", "mode", "T", "ours ms", "mlx-lm ms", "speed-up", "ours MiB", "mlx-lm MiB"]
+    def per_io(r):
+        io, peak = r.get("io_bytes"), r.get("ours_peak_bytes")
+        return "-" if io is None or peak is None else f"{peak / io:.2f}x"
+
+    headers = [
+        "layer",
+        "mode",
+        "T",
+        "ours ms",
+        "mlx-lm ms",
+        "speed-up",
+        "ours MiB",
+        "mlx-lm MiB",
+        "ours MiB / io",
+    ]
     body = [
         [
             r["name"],
@@ -335,6 +374,7 @@ def core_op_layer_table(results: list[dict]) -> str:
             "-" if r["speedup"] is None else f"{r['speedup']:.1f}x",
             mib(r.get("ours_peak_bytes")),
             mib(r.get("mlx_lm_peak_bytes")),
+            per_io(r),
         ]
         for r in results
     ]
@@ -371,7 +411,8 @@ def run_core_op_layers(args: argparse.Namespace) -> dict:
             f"{m['load_before']} before, {m['load_after']} after",
             f"Kimi-Linear's heads ({KIMI_LINEAR.text(', ')}, hidden "
             f"{KIMI_LINEAR_LAYER.hidden_size}, conv 4), bf16, B=1; median ms per call; "
-            "MiB: the most a call allocated above what was held before it",
+            "MiB: the most a call allocated above what was held before it; io: the "
+            "training step's input, output, parameters and their gradients",
             core_op_layer_table(results),
         ]
     )

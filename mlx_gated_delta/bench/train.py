@@ -50,7 +50,7 @@ import numpy as np
 
 from .. import thread_count
 from ..ops import gated_delta_update
-from .layer import layer_step, qwen3_next_layers
+from .layer import layer_io_bytes, layer_step, qwen3_next_layers
 from .machine import (
     available_memory_bytes,
     best_rooflines,
@@ -260,16 +260,6 @@ def core_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
         rows.append(row)
         del inputs, args
     return rows
-
-
-def layer_io_bytes(layer, x: mx.array) -> int:
-    """The bytes a layer's training step cannot do without: the input x, the
-    output (x's shape and dtype), the trainable parameters and their
-    gradients (each the size of its parameter)."""
-    import mlx.nn as nn
-
-    parameters = sum(p.nbytes for _, p in nn.utils.tree_flatten(layer.trainable_parameters()))
-    return 2 * x.nbytes + 2 * parameters
 
 
 def layer_rows(tokens_list, quick: bool, full: bool, progress) -> list[dict]:
