@@ -214,20 +214,29 @@ mx::Stream cpu_stream(const char* op, mx::StreamOrDevice s) {
   return stream;
 }
 
+// The primitive's output for checked pairs: the x_i and weights made
+// row-contiguous, the row as wide as the weights' outputs summed.
+mx::array projection_row(
+    mx::Stream stream,
+    const std::vector<mx::array>& xs,
+    const std::vector<mx::array>& weights) {
+  std::vector<mx::array> inputs;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    inputs.push_back(mx::contiguous(xs[i], false, stream));
+    inputs.push_back(mx::contiguous(weights[i], false, stream));
+  }
+  mx::Shape shape = xs[0].shape();
+  shape.back() = row_width(inputs);
+  return mx::array(
+      shape, xs[0].dtype(), std::make_shared<DenseProjection>(stream), inputs);
+}
+
 }  // namespace
 
 mx::array dense_projection(
     const mx::array& x, const mx::array& weight, mx::StreamOrDevice s) {
   check_pair("dense_projection", -1, x, weight, x.dtype());
-  const mx::Stream stream = cpu_stream("dense_projection", s);
-  mx::Shape shape = x.shape();
-  shape.back() = weight.shape(0);
-  return mx::array(
-      shape,
-      x.dtype(),
-      std::make_shared<DenseProjection>(stream),
-      {mx::contiguous(x, false, stream),
-       mx::contiguous(weight, false, stream)});
+  return projection_row(cpu_stream("dense_projection", s), {x}, {weight});
 }
 
 mx::array dense_projection_row(
@@ -241,13 +250,13 @@ mx::array dense_projection_row(
         << xs.size() << " x and " << weights.size() << " weights";
     throw std::invalid_argument(out.str());
   }
-  const mx::Dtype dtype = xs[0].dtype();
+  mx::Shape first = xs[0].shape();
+  first.pop_back();
   for (size_t i = 0; i < xs.size(); ++i) {
-    check_pair("dense_projection_row", int(i), xs[i], weights[i], dtype);
+    check_pair(
+        "dense_projection_row", int(i), xs[i], weights[i], xs[0].dtype());
     mx::Shape leading = xs[i].shape();
     leading.pop_back();
-    mx::Shape first = xs[0].shape();
-    first.pop_back();
     if (leading != first) {
       std::ostringstream out;
       out << "dense_projection_row: pair " << i << ": x's leading shape "
@@ -256,18 +265,7 @@ mx::array dense_projection_row(
       throw std::invalid_argument(out.str());
     }
   }
-  const mx::Stream stream = cpu_stream("dense_projection_row", s);
-  std::vector<mx::array> inputs;
-  int width = 0;
-  for (size_t i = 0; i < xs.size(); ++i) {
-    inputs.push_back(mx::contiguous(xs[i], false, stream));
-    inputs.push_back(mx::contiguous(weights[i], false, stream));
-    width += weights[i].shape(0);
-  }
-  mx::Shape shape = xs[0].shape();
-  shape.back() = width;
-  return mx::array(
-      shape, dtype, std::make_shared<DenseProjection>(stream), inputs);
+  return projection_row(cpu_stream("dense_projection_row", s), xs, weights);
 }
 
 }  // namespace mlx_gated_delta
