@@ -40,7 +40,7 @@ def test_registry_ids_metrics_and_fingerprints_are_well_formed():
         # A relative metric needs a floor under its denominator.
         assert (contract.magnitude_floor > 0) == (contract.metric != "max_abs")
         assert contract.magnitude in contracts.MAGNITUDES
-        assert contract.magnitude == "result" or contract.metric == "max_rel"
+        assert contract.magnitude == "result" or contract.metric in ("max_rel", "norm_ratio")
         magnitude = "" if contract.magnitude == "result" else f"|{contract.magnitude}"
         assert contract.canonical_text == (
             f"{contract.id}|{contract.metric}|{contract.threshold!r}|{contract.layout}"
@@ -218,6 +218,27 @@ def test_norm_ratio_measures_the_whole_tensor(monkeypatch):
     actual = expected * 1.01
     with pytest.raises(AssertionError, match="norm_ratio = 1.000e-02"):
         assert_matches("y", actual, expected, contract.id)
+
+
+def test_a_norm_ratio_terms_contract_divides_by_the_larger_norm():
+    contract = CONTRACTS["projection.linear.v3.float32.output"]
+    assert contract.metric == "norm_ratio" and contract.magnitude == "terms"
+    left, right = output_like(1, (6, 30)), output_like(2, (30, 4))
+    expected = left @ right
+    terms = contracts.product_terms(left, right)
+    assert np.all(terms >= np.abs(expected))
+    assert np.linalg.norm(terms) > 2 * np.linalg.norm(expected)  # the sums cancel
+    # An error of 5e-6 of the terms' norm passes against them, and fails
+    # against the result alone, less than half as large.
+    actual = expected.copy()
+    actual[2, 1] += 5e-6 * np.linalg.norm(terms)
+    value = assert_matches("y", actual, expected, contract.id, terms=terms)
+    assert value == pytest.approx(5e-6)
+    with pytest.raises(AssertionError, match="norm_ratio"):
+        assert_matches("y", actual, expected, contract.id, terms=np.abs(expected))
+    actual[2, 1] += 1e-5 * np.linalg.norm(terms)
+    with pytest.raises(AssertionError, match="norm_ratio = 1.500e-05"):
+        assert_matches("y", actual, expected, contract.id, terms=terms)
 
 
 def test_a_terms_contract_measures_against_the_larger_of_the_result_and_the_terms():

@@ -24,7 +24,7 @@ from mlx_gated_delta.layers import FAMILIES  # noqa: E402
 from mlx_gated_delta.layers.families.qwen3_next import tiny_args  # noqa: E402
 from mlx_gated_delta.nn import Qwen3NextGatedDeltaNet  # noqa: E402
 from mlx_gated_delta.reference import gated_delta_segment_reference, to_float64  # noqa: E402
-from mlx_gated_delta.testing.contracts import assert_matches  # noqa: E402
+from mlx_gated_delta.testing.contracts import assert_matches, product_terms  # noqa: E402
 from mlx_gated_delta.testing.segment_cases import segment_terms  # noqa: E402
 from mlx_gated_delta.tests.test_layers import family_model, tokens  # noqa: E402
 
@@ -509,7 +509,12 @@ def test_a_long_call_projects_through_gathered_weights(family):
     d_weight64 = np.zeros_like(weight64)
     d_weight64[order] = cotangent64.T @ x64
     starts = np.cumsum([0] + [w.shape[0] for w in weights])
-    contract = "projection.linear.v2.float32.output"
-    assert_matches("dx", dx, (cotangent64 @ weight64).reshape(x.shape), contract)
+    d_weight_terms = np.zeros_like(weight64)
+    d_weight_terms[order] = product_terms(cotangent64.T, x64)
+    dx_terms = product_terms(cotangent64, weight64).reshape(x.shape)
+    contract = "projection.linear.v3.float32.output"
+    assert_matches("dx", dx, (cotangent64 @ weight64).reshape(x.shape), contract, terms=dx_terms)
     for i, d_weight in enumerate(d_weights):
-        assert_matches(f"d weight {i}", d_weight, d_weight64[starts[i] : starts[i + 1]], contract)
+        part = slice(starts[i], starts[i + 1])
+        terms = d_weight_terms[part]
+        assert_matches(f"d weight {i}", d_weight, d_weight64[part], contract, terms=terms)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from mlx_gated_delta import _ext
 from mlx_gated_delta.reference import to_float64
-from mlx_gated_delta.testing.contracts import assert_matches
+from mlx_gated_delta.testing.contracts import assert_matches, product_terms
 from mlx_gated_delta.testing.strategies import DTYPES  # also loads the profiles
 
 
@@ -31,16 +31,17 @@ def test_dense_projection_matches_float64(seed, leading, in_features, out_featur
     y = _ext.dense_projection(x, weight, None)
     assert y.shape == (*leading, out_features) and y.dtype == x.dtype
     expected = to_float64(x) @ to_float64(weight).T
-    contract = f"projection.linear.v2.{dtype}.output"
-    assert_matches("y", y, expected, contract)
+    contract = f"projection.linear.v3.{dtype}.output"
+    assert_matches("y", y, expected, contract, terms=product_terms(x, to_float64(weight).T))
 
 
 def test_dense_projection_reads_strided_inputs():
     x = mx.random.normal((6, 40))[:, ::2]  # a non-contiguous view
     weight = mx.random.normal((20, 30)).T  # a transposed view, [30, 20]
     expected = to_float64(x) @ to_float64(weight).T
-    contract = "projection.linear.v2.float32.output"
-    assert_matches("y", _ext.dense_projection(x, weight, None), expected, contract)
+    terms = product_terms(x, to_float64(weight).T)
+    contract = "projection.linear.v3.float32.output"
+    assert_matches("y", _ext.dense_projection(x, weight, None), expected, contract, terms=terms)
 
 
 @pytest.mark.parametrize("out_features", [64, 32])
@@ -84,9 +85,11 @@ def test_dense_projection_vjp_matches_float64(seed, leading, in_features, out_fe
     assert dx.shape == x.shape and dw.shape == weight.shape
     rows_x = to_float64(x).reshape(-1, in_features)
     rows_dy = to_float64(dy).reshape(-1, out_features)
-    contract = f"projection.linear.v2.{dtype}.output"
-    assert_matches("dx", dx, (rows_dy @ to_float64(weight)).reshape(x.shape), contract)
-    assert_matches("dW", dw, rows_dy.T @ rows_x, contract)
+    contract = f"projection.linear.v3.{dtype}.output"
+    dx_terms = product_terms(rows_dy, weight).reshape(x.shape)
+    expected_dx = (rows_dy @ to_float64(weight)).reshape(x.shape)
+    assert_matches("dx", dx, expected_dx, contract, terms=dx_terms)
+    assert_matches("dW", dw, rows_dy.T @ rows_x, contract, terms=product_terms(rows_dy.T, rows_x))
 
 
 @pytest.mark.parametrize("rows", [5, 300])
