@@ -9,7 +9,9 @@ through the fused segment (`kda_segment`) on every device: the short
 convolutions as one, the per-key-channel gates (`dt_bias` read `[H, Dk]`,
 the lower bound where the model has one), the recurrence and
 `o_norm(y) * sigmoid(gate)`, forward and backward, with masked tokens
-skipped. Their gates are `kda_log_decay`'s, formed inside the segment."""
+skipped. Their gates are `kda_log_decay`'s, formed inside the segment.
+A long call without a cache (training) runs in token blocks, recomputed in
+the backward (`token_blocks`)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import mlx.nn as nn
 from .common import apply_projection, project_row
 from .segment_cache import segment_in_cache
 from .short_conv import KimiShortConv
+from .token_blocks import blocked_without_cache
 
 
 def kda_log_decay(f, A_log, dt_bias, lower_bound=None):
@@ -112,6 +115,7 @@ class KimiDeltaAttention(nn.Module):
         self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dims, hidden, bias=False)
 
+    @blocked_without_cache
     def __call__(
         self,
         x: mx.array,
@@ -170,6 +174,7 @@ class KimiK3DeltaAttention(nn.Module):
         self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dims, hidden, bias=False)
 
+    @blocked_without_cache
     def __call__(
         self,
         x: mx.array,
@@ -238,6 +243,7 @@ class BailingKDA(nn.Module):
         self.o_norm = nn.RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dims, hidden, bias=False)
 
+    @blocked_without_cache
     def __call__(
         self,
         x: mx.array,

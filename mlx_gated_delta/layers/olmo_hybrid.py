@@ -1,6 +1,7 @@
 """OLMo-Hybrid's layer: mlx-lm's projections (through
 `common.apply_projection`) into the fused segment (its three short
-convolutions as one)."""
+convolutions as one). A long call without a cache (training) runs in token
+blocks, recomputed in the backward (`token_blocks`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import mlx.nn as nn
 
 from .common import GatedRMSNormWeight, apply_projection, project_row
 from .segment_cache import segment_in_cache
+from .token_blocks import blocked_without_cache
 
 
 class OlmoHybridGatedDeltaNet(nn.Module):
@@ -63,6 +65,7 @@ class OlmoHybridGatedDeltaNet(nn.Module):
         self.dt_bias = mx.zeros(self.num_v_heads)
         self.o_norm = GatedRMSNormWeight(self.head_v_dim, eps=config.layer_norm_epsilon)
 
+    @blocked_without_cache
     def __call__(
         self,
         x: mx.array,

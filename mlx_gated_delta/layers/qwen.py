@@ -5,7 +5,8 @@ checkpoints (and `model.load_weights`, `nn.quantize`, mlx-lm's `shard`) see
 the same module tree as mlx-lm's own layer. The forward pass is one
 projection into `mixed_qkvzba` (the `[q | k | v | z | b | a]` row), one
 `gated_delta_segment` (conv, gates, norms and the recurrence), and the output
-projection.
+projection. A long call without a cache (training) runs them in token
+blocks, recomputed in the backward (`token_blocks`).
 
 `mixed_qkvzba` is made from mlx-lm's own projection modules each call: each
 module projects the input (plain, quantized or LoRA-wrapped, as
@@ -45,6 +46,7 @@ from .common import (
     is_dense_projection,
     project_row,
 )
+from .token_blocks import blocked_without_cache
 
 
 class _GatedDeltaNetBase(nn.Module):
@@ -134,11 +136,19 @@ class _GatedDeltaNetBase(nn.Module):
         mask: mx.array | None = None,
         cache: Any | None = None,
     ) -> mx.array:
-        B, S, _ = inputs.shape
         sharding_group = getattr(self, "sharding_group", None)
         if sharding_group is not None:
             inputs = nn.layers.distributed.sum_gradients(sharding_group)(inputs)
+        out = self._mix(inputs, mask, cache)
+        if sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=sharding_group)
+        return out
 
+    @blocked_without_cache
+    def _mix(self, inputs, mask, cache):
+        """This rank's part of the layer's output: the projections, the
+        segment and the output projection."""
+        B, S, _ = inputs.shape
         mixed = self.mixed_qkvzba(inputs)
         cache = layer_cache(cache)
         conv_state, state = cache[0], cache[1]
@@ -173,10 +183,7 @@ class _GatedDeltaNetBase(nn.Module):
         )
         cache.store([conv_state, state], S, checkpoints, kept)
 
-        out = apply_projection(self.out_proj, out.reshape(B, S, -1))
-        if sharding_group is not None:
-            out = mx.distributed.all_sum(out, group=sharding_group)
-        return out
+        return apply_projection(self.out_proj, out.reshape(B, S, -1))
 
 
 class Qwen3NextGatedDeltaNet(_GatedDeltaNetBase):
