@@ -18,6 +18,7 @@ PROPERTY_MODULES = {
     "mlx_gated_delta.tests.test_segment_gradients": "segment gradients",
     "mlx_gated_delta.tests.test_checkpoints": "checkpoints",
     "mlx_gated_delta.tests.test_serving": "serving",
+    "mlx_gated_delta.tests.test_token_blocks": "token blocks",
 }
 
 
