@@ -61,7 +61,7 @@ def hidden_size(layer):
 def inputs(layer, seed=4, batch=2):
     """x [B, TOKENS, hidden] and a cotangent of the output, O(1)."""
     shape = (batch, TOKENS, hidden_size(layer))
-    return (mx.random.normal(shape, key=mx.random.key(seed)) for seed in (seed, seed + 1))
+    return (mx.random.normal(shape, key=mx.random.key(s)) for s in (seed, seed + 1))
 
 
 def run(layer, x, cotangent, block, monkeypatch, mask=None):
