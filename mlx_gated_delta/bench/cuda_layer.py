@@ -4,7 +4,8 @@ ops, and mx.fast.gated_delta_update's per-token op loop on CUDA) with the same w
 MLX's CUDA device: decode and prefill (``layer.shapes``' quick shapes), with the same patched
 layer's segment as MLX ops around our core kernels (the path before the segment's kernels,
 through the test hook) timed in turn; a Kimi-Linear prefill row; and a
-training step (``nn.value_and_grad`` of the summed output over the layer's parameters). Wall
+training step (``nn.value_and_grad`` of the summed output over the layer's parameters), ours
+in token blocks and in one call. Wall
 time from issue to the GPU's end (``mx.eval`` waits for it), medians of calls that take turns;
 peak memory is the growth of MLX's peak over one call."""
 
@@ -16,6 +17,7 @@ from functools import partial
 import mlx.core as mx
 
 from .. import _ext
+from ..layers import token_blocks
 from .layer import (
     DTYPE_NAMES,
     CoreOpRow,
@@ -40,9 +42,30 @@ def peak_mib(call) -> float:
     return (mx.get_peak_memory() - before) / 2**20
 
 
+def in_one_call(step):
+    """`step` with `token_blocks.TOKEN_BLOCK` None: the layer's call without a cache in one
+    call, not in token blocks (the default from 2 blocks of tokens)."""
+
+    def one_call(x):
+        default = token_blocks.TOKEN_BLOCK
+        token_blocks.TOKEN_BLOCK = None
+        try:
+            return step(x)
+        finally:
+            token_blocks.TOKEN_BLOCK = default
+
+    return one_call
+
+
 def training_rows(tokens=TRAINING_TOKENS, repeats: int = 3) -> list[dict]:
+    """The patched layer's step (in token blocks from 2 blocks of tokens), the same step in
+    one call, and mlx-lm's step, taking turns."""
     ours, stock = qwen3_next_layers(mx.bfloat16)
-    steps = {"ours": layer_step(ours), "mlx-lm": layer_step(stock)}
+    steps = {
+        "ours": layer_step(ours),
+        "ours, one call": in_one_call(layer_step(ours)),
+        "mlx-lm": layer_step(stock),
+    }
     rows = []
     for t in tokens:
         x, _ = layer_inputs(mx.bfloat16, 1, t)
@@ -135,6 +158,22 @@ def table(record: dict) -> str:
             f"(peak {r['ours']['peak_mib']:.0f} MiB) | {r['mlx-lm']['ms']:.2f} "
             f"(peak {r['mlx-lm']['peak_mib']:.0f} MiB) | {r['speedup']:.1f}x |"
         )
+    one_call = [r for r in record["training"] if "ours, one call" in r]
+    if one_call:
+        lines += [
+            "",
+            "The training step in token blocks (the default) against one call (TOKEN_BLOCK = None):",
+            "",
+            "| rows | blocks ms (peak MiB) | one call ms (peak MiB) | time ratio |",
+            "|---|---|---|---|",
+        ]
+        for r in one_call:
+            blocks, whole = r["ours"], r["ours, one call"]
+            lines.append(
+                f"| training step B=1 T={r['T']} | {blocks['ms']:.2f} ({blocks['peak_mib']:.0f}) "
+                f"| {whole['ms']:.2f} ({whole['peak_mib']:.0f}) "
+                f"| {blocks['ms'] / whole['ms']:.2f}x |"
+            )
     compared = [r for r in record["forward"] if "segment_as_ops_ms" in r]
     if compared:
         lines += [
