@@ -736,3 +736,18 @@ def test_paired_refuses_a_folder_without_the_package(tmp_path):
     )
     assert result.returncode == 2
     assert f"{tmp_path} holds no mlx_gated_delta package" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (
+            ["/somewhere/site-packages/mlx_gated_delta/__main__.py", "bench", "--kda"],
+            "python -m mlx_gated_delta bench --kda",
+        ),
+        (["/a/checkout/benchmarks/bench.py", "--quick"], "bench.py --quick"),
+    ],
+)
+def test_a_record_names_the_command_without_the_machines_paths(monkeypatch, argv, expected):
+    monkeypatch.setattr(sys, "argv", argv)
+    assert machine.command_line() == expected

@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import re
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -20,6 +19,7 @@ from .. import _ext, thread_count
 from . import contended, layer, train
 from .machine import (
     best_rooflines,
+    command_line,
     cpu_model,
     git_commit,
     last_level_cache_bytes,
@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict:
 
     record = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "mode": "quick" if args.quick else ("full" if args.full else "default"),
         "kda": args.kda,
         "machine": {

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .machine import cpu_model, load_average, usable_cpus
+from .machine import command_line, cpu_model, load_average, usable_cpus
 from .timing import Progress, time_rounds
 
 DEMO_LAYERS = 4
@@ -222,7 +222,7 @@ def run(busy: int | None, quick: bool, out: str) -> dict:
     progress.close()
     record = {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "machine": {"cpu_model": cpu_model(), "cores": os.cpu_count()},
         "usable_cpus": usable_cpus(),
         "thread_count": thread_count(),

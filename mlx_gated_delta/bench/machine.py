@@ -156,13 +156,25 @@ def git_commit() -> str:
     return commit + ("+dirty" if dirty else "")
 
 
+def command_line() -> str:
+    """The benchmark's command as its user typed it, naming no path of the machine: the
+    package's entry (`python -m mlx_gated_delta`, whose argv[0] is the full path of
+    `__main__.py`) by its module, a script by its file name."""
+    entry = Path(sys.argv[0])
+    if entry.name == "__main__.py" and entry.parent.name == "mlx_gated_delta":
+        program = "python -m mlx_gated_delta"
+    else:
+        program = entry.name
+    return " ".join([program, *sys.argv[1:]])
+
+
 def cpu_run_record(load_before: float | None) -> dict:
     """The head of a CPU benchmark's record, taken when its rows are done: when, the
     command, the machine (cores, the pool's threads, the kernel level, the load before and
     now), MLX's version and the commit."""
     return {
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
+        "command": command_line(),
         "machine": {
             "cpu_model": cpu_model(),
             "cores": os.cpu_count(),
