@@ -58,3 +58,22 @@ def test_one_call_runs_the_step_without_token_blocks_and_restores_the_default():
     assert cuda_layer.in_one_call(step)(3) == 3
     assert seen == [None]
     assert token_blocks.TOKEN_BLOCK == default
+
+
+def test_table_compares_the_segments_kernels_with_the_segment_as_ops():
+    record = {
+        "forward": [
+            {
+                "shape": "bf16 B=1 T=1 decode",
+                "ours_ms": 0.5,
+                "segment_as_ops_ms": 0.75,
+                "mlx_lm_ms": 1.0,
+                "speedup": 2.0,
+            }
+        ],
+        "training": [],
+    }
+    lines = cuda_layer.table(record).splitlines()
+    header = lines.index("| rows | kernels ms | as ops ms | ratio |")
+    assert lines[header - 1] == "" and lines[header + 1] == "|---|---|---|---|"
+    assert lines[header + 2] == "| bf16 B=1 T=1 decode | 0.50 | 0.75 | 1.5x |"

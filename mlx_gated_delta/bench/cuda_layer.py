@@ -137,6 +137,12 @@ def kimi_linear_rows(progress=None) -> list[dict]:
     return [time_core_op_row(row, ours, stock)]
 
 
+def _section(title: list[str], columns: list[str]) -> list[str]:
+    """A titled table's first lines, after a blank line: its title, a blank line, the
+    header row and the separator row."""
+    return ["", *title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+
+
 def table(record: dict) -> str:
     lines = [
         "Whole patched Qwen3-Next layer against mlx-lm's stock layer (bf16, same weights):",
@@ -160,13 +166,12 @@ def table(record: dict) -> str:
         )
     one_call = [r for r in record["training"] if "ours, one call" in r]
     if one_call:
-        lines += [
-            "",
-            "The training step in token blocks (the default) against one call (TOKEN_BLOCK = None):",
-            "",
-            "| rows | blocks ms (peak MiB) | one call ms (peak MiB) | time ratio |",
-            "|---|---|---|---|",
-        ]
+        lines += _section(
+            [
+                "The training step in token blocks (the default) against one call (TOKEN_BLOCK = None):"
+            ],
+            ["rows", "blocks ms (peak MiB)", "one call ms (peak MiB)", "time ratio"],
+        )
         for r in one_call:
             blocks, whole = r["ours"], r["ours, one call"]
             lines.append(
@@ -176,14 +181,13 @@ def table(record: dict) -> str:
             )
     compared = [r for r in record["forward"] if "segment_as_ops_ms" in r]
     if compared:
-        lines += [
-            "",
-            "The segment's stages as CUDA kernels against the segment as MLX ops around the same",
-            "core kernels (the same patched layer, the same run):",
-            "",
-            "| rows | kernels ms | as ops ms | ratio |",
-            "|---|---|---|---|",
-        ]
+        lines += _section(
+            [
+                "The segment's stages as CUDA kernels against the segment as MLX ops around the same",
+                "core kernels (the same patched layer, the same run):",
+            ],
+            ["rows", "kernels ms", "as ops ms", "ratio"],
+        )
         for r in compared:
             lines.append(
                 f"| {r['shape']} | {r['ours_ms']:.2f} | {r['segment_as_ops_ms']:.2f} "
